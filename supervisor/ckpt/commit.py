@@ -1,0 +1,109 @@
+"""The commit protocol (contract 3), torch-free.
+
+Write every file into `.tmp-checkpoint-*`, fsync each, write `manifest.json` last, fsync it and
+the temp dir, rename the temp dir to `checkpoint-<step>`, fsync the parent. A kill at any point
+leaves either the previous checkpoints untouched plus a temp dir that is never loaded, or the
+new checkpoint complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from supervisor.ckpt import manifest as mf
+from supervisor.ckpt import safetensors_io
+from supervisor.ckpt.hashing import HASH_ALG, new_hasher
+from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    return shutil.disk_usage(path).free
+
+
+def remove_dir(path: Path) -> None:
+    """Delete by renaming out of the way first, so no reader ever sees half a checkpoint."""
+    trash = path.parent / trash_name(path.name)
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+class PendingCheckpoint:
+    """One checkpoint being written. Use `files`, then `commit()`; `abort()` on any error."""
+
+    def __init__(self, ckpt_dir: str | os.PathLike, step: int, fsync: bool = True) -> None:
+        self.ckpt_dir = Path(ckpt_dir)
+        self.step = step
+        self.fsync = fsync
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.ckpt_dir / tmp_name(step)
+        os.mkdir(self.tmp)
+        self.files: dict[str, dict[str, Any]] = {}
+        self.tensors: dict[str, dict[str, list]] = {}
+
+    def write_tensors(self, name: str, blobs: Iterable[safetensors_io.TensorBlob]) -> None:
+        blobs = list(blobs)
+        w = safetensors_io.write_file(self.tmp / name, blobs, fsync=self.fsync)
+        self.files[name] = {"size": w.size, "hash": w.hash}
+        self.tensors[name] = {b.name: [b.dtype, list(b.shape)] for b in blobs}
+
+    def write_json(self, name: str, obj: Any) -> None:
+        data = json.dumps(obj, sort_keys=True).encode()
+        self.write_bytes(name, data)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        h = new_hasher()
+        h.update(data)
+        with open(self.tmp / name, "xb") as f:
+            f.write(data)
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        self.files[name] = {"size": len(data), "hash": h.hexdigest()}
+
+    def commit(self, fields: dict[str, Any], key: bytes | None = None) -> Path:
+        """Write the manifest and rename into place. Returns the committed path."""
+        m = {
+            "format": mf.FORMAT,
+            "version": mf.VERSION,
+            "step": self.step,
+            "created": time.time(),
+            "hash_alg": HASH_ALG,
+            **fields,
+            "files": self.files,
+            "tensors": self.tensors,
+        }
+        if key is not None:
+            mf.sign_manifest(m, key)
+        with open(self.tmp / MANIFEST, "xb") as f:
+            f.write(mf.dumps(m))
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        if self.fsync:
+            fsync_dir(self.tmp)
+        final = self.ckpt_dir / checkpoint_name(self.step)
+        if final.exists():
+            # A step saved again (a replay after resume, or after a rollback): move the old one
+            # aside first; until the rename below, resume falls back to the previous checkpoint.
+            remove_dir(final)
+        os.rename(self.tmp, final)
+        if self.fsync:
+            fsync_dir(self.ckpt_dir)
+        return final
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -1,0 +1,112 @@
+"""Names on disk (contract 3) and listing a checkpoint directory.
+
+    <ckpt-dir>/checkpoint-<step>/                  committed (renamed into place when complete)
+    <ckpt-dir>/.tmp-checkpoint-<step>-<host>-<pid>-<token>/   being written
+    <ckpt-dir>/.trash-checkpoint-<step>-<token>/   being deleted (renamed out of the way first)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+CKPT_PREFIX = "checkpoint-"
+TMP_PREFIX = ".tmp-checkpoint-"
+TRASH_PREFIX = ".trash-checkpoint-"
+MANIFEST = "manifest.json"
+
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+_TMP_RE = re.compile(r"^\.tmp-checkpoint-(\d+)-(.+)-(\d+)-([0-9a-f]+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{CKPT_PREFIX}{step}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _CKPT_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _host() -> str:
+    # Dashes separate the fields of a temp name, so keep the host name free of them.
+    return socket.gethostname().replace("-", "_") or "host"
+
+
+def tmp_name(step: int) -> str:
+    return f"{TMP_PREFIX}{step}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def trash_name(name: str) -> str:
+    return f"{TRASH_PREFIX}{name.removeprefix(CKPT_PREFIX)}-{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class TempDir:
+    path: Path
+    step: int | None
+    host: str | None
+    pid: int | None
+
+    def writer_alive(self) -> bool:
+        """Whether the process that is writing this temp dir may still be running.
+
+        A writer on another host cannot be checked from here: it counts as alive so that prune
+        never pulls a directory from under a save in flight on a shared filesystem.
+        """
+        if self.pid is None or self.host is None:
+            return False
+        if self.host != _host():
+            return True
+        if self.pid == os.getpid():
+            return True  # ours: the Checkpointer decides about its own temp dirs
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Committed checkpoint dirs as (step, path), newest first. A missing dir is empty."""
+    root = Path(ckpt_dir)
+    found = []
+    try:
+        entries = os.scandir(root)
+    except FileNotFoundError:
+        return []
+    with entries:
+        for entry in entries:
+            step = parse_step(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False):
+                found.append((step, root / entry.name))
+    found.sort(key=lambda sp: sp[0], reverse=True)
+    return found
+
+
+def list_leftovers(ckpt_dir: str | os.PathLike) -> list[TempDir]:
+    """Temp dirs of saves (finished or not) and trash dirs of interrupted deletions."""
+    root = Path(ckpt_dir)
+    out = []
+    try:
+        entries = os.scandir(root)
+    except FileNotFoundError:
+        return []
+    with entries:
+        for entry in entries:
+            if entry.name.startswith(TMP_PREFIX):
+                m = _TMP_RE.match(entry.name)
+                if m:
+                    out.append(TempDir(root / entry.name, int(m.group(1)), m.group(2),
+                                       int(m.group(3))))
+                else:
+                    out.append(TempDir(root / entry.name, None, None, None))
+            elif entry.name.startswith(TRASH_PREFIX):
+                out.append(TempDir(root / entry.name, None, None, None))
+    return out

@@ -1,0 +1,94 @@
+"""Which checkpoints to keep: one pure policy, used by the worker's in-process retention and
+by `rtrain prune`.
+
+Kept: the newest `keep` verified checkpoints, the best `keep_best` by `metric` (min or max),
+every milestone (step a multiple of `milestone_every`), and always the newest verified one.
+Checkpoints that fail verification are not counted as kept; those older than the newest verified
+checkpoint are removed (and reported), newer ones are left for a person to look at.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPolicy:
+    keep: int | None = 3
+    """Newest verified checkpoints to keep; None keeps all."""
+    keep_best: int = 0
+    """Additionally keep this many best checkpoints by `metric`."""
+    metric: str | None = None
+    """Metric name (from `save(metrics=...)`) that ranks checkpoints for `keep_best`."""
+    mode: Literal["min", "max"] = "min"
+    """Whether lower (`min`, e.g. loss) or higher (`max`, e.g. accuracy) is better."""
+    milestone_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.keep is not None and self.keep < 1:
+            raise ValueError(f"keep must be at least 1 (got {self.keep}): the newest verified "
+                             "checkpoint is always kept")
+        if self.keep_best < 0 or self.milestone_every < 0:
+            raise ValueError("keep_best and milestone_every must be 0 or more")
+        if self.keep_best and not self.metric:
+            raise ValueError("keep_best needs a metric name: set metric (e.g. 'loss')")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', not {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    step: int
+    ok: bool
+    metrics: dict
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    keep: list[Candidate]
+    delete: list[tuple[Candidate, str]]  # with the reason, for the report
+
+
+def _metric(c: Candidate, name: str) -> float | None:
+    v = c.metrics.get(name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def plan(candidates: list[Candidate], policy: RetentionPolicy,
+         protect: frozenset[int] = frozenset()) -> Plan:
+    """Decide what to keep and delete; `protect` lists steps that must stay (e.g. in flight)."""
+    by_step = sorted(candidates, key=lambda c: c.step, reverse=True)
+    good = [c for c in by_step if c.ok]
+    reasons: dict[int, str] = {}
+    kept: set[int] = set(protect)
+    if good:
+        kept.add(good[0].step)  # the newest verified checkpoint is never deleted
+    if policy.keep is None:
+        kept.update(c.step for c in good)
+    else:
+        kept.update(c.step for c in good[: policy.keep])
+    if policy.keep_best and policy.metric:
+        scored = [(m, c) for c in good if (m := _metric(c, policy.metric)) is not None]
+        scored.sort(key=lambda mc: mc[0], reverse=policy.mode == "max")
+        kept.update(c.step for _, c in scored[: policy.keep_best])
+    if policy.milestone_every:
+        kept.update(c.step for c in good if c.step % policy.milestone_every == 0)
+    newest_good = good[0].step if good else None
+    keep, delete = [], []
+    for c in by_step:
+        if c.step in kept:
+            keep.append(c)
+        elif c.ok:
+            reasons[c.step] = "beyond the retention policy"
+            delete.append((c, reasons[c.step]))
+        elif newest_good is not None and c.step < newest_good:
+            delete.append((c, "failed verification and a newer checkpoint verifies"))
+        else:
+            keep.append(c)  # a failed checkpoint newer than any good one: leave it to a person
+    return Plan(keep, delete)

@@ -1,0 +1,136 @@
+"""Verification of committed checkpoints and resume selection, from manifests alone.
+
+`quick` checks the manifest, the signature (when a key is configured), file names and sizes;
+`full` also recomputes every content hash. A checkpoint that fails is reported with the reason a
+person reads and skipped, never deleted here.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.ckpt import hashing, manifest
+from supervisor.ckpt.layout import MANIFEST, list_checkpoints, parse_step
+
+
+class Level(str, enum.Enum):
+    QUICK = "quick"
+    FULL = "full"
+
+
+class Status(str, enum.Enum):
+    OK = "ok"
+    CORRUPT = "corrupt"
+    INCOMPLETE = "incomplete"  # no manifest: a save that did not finish
+
+
+@dataclass
+class Verdict:
+    path: Path
+    step: int
+    status: Status
+    reason: str = ""
+    manifest: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    def describe(self) -> str:
+        return self.status.value if self.ok else f"{self.status.value}: {self.reason}"
+
+
+def check_member_name(root: Path, name: str) -> Path:
+    """File names in a manifest are data: refuse anything that could leave the checkpoint."""
+    if not name or name.startswith(("/", "\\")) or os.path.isabs(name):
+        raise manifest.ManifestError(f"file name {name!r} is an absolute path")
+    parts = name.replace("\\", "/").split("/")
+    if any(p in ("..", "") for p in parts) or "\x00" in name:
+        raise manifest.ManifestError(f"file name {name!r} leaves the checkpoint directory")
+    if name == MANIFEST:
+        raise manifest.ManifestError("the manifest lists itself")
+    path = root / name
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise manifest.ManifestError(f"file {name!r} is a link leading outside the checkpoint")
+    return path
+
+
+def verify(path: str | os.PathLike, level: Level | str = Level.FULL,
+           key: bytes | None = None) -> Verdict:
+    """Verify one committed checkpoint directory."""
+    path = Path(path)
+    level = Level(level)
+    step = parse_step(path.name)
+    step = -1 if step is None else step
+    try:
+        m = manifest.load(path)
+    except manifest.ManifestError as e:
+        status = Status.INCOMPLETE if "no manifest.json" in str(e) else Status.CORRUPT
+        return Verdict(path, step, status, str(e))
+    try:
+        manifest.check_signature(m, key)
+        if step >= 0 and m["step"] != step:
+            raise manifest.ManifestError(
+                f"manifest says step {m['step']} but the directory is {path.name}")
+        for name, entry in m["files"].items():
+            member = check_member_name(path, name)
+            try:
+                st = os.stat(member)
+            except FileNotFoundError:
+                raise manifest.ManifestError(f"file {name!r} is missing") from None
+            if st.st_size != entry["size"]:
+                raise manifest.ManifestError(
+                    f"file {name!r} has {st.st_size} bytes, the manifest says {entry['size']} "
+                    "(truncated or rewritten)")
+        if level is Level.FULL:
+            for name, entry in m["files"].items():
+                if hashing.hash_file(path / name) != entry["hash"]:
+                    raise manifest.ManifestError(
+                        f"file {name!r} content hash does not match the manifest "
+                        "(bytes changed on disk)")
+    except manifest.ManifestError as e:
+        return Verdict(path, step, Status.CORRUPT, str(e), m)
+    except OSError as e:
+        return Verdict(path, step, Status.CORRUPT, f"cannot read: {e.strerror or e}", m)
+    return Verdict(path, m["step"], Status.OK, "", m)
+
+
+def verify_all(ckpt_dir: str | os.PathLike, level: Level | str = Level.QUICK,
+               key: bytes | None = None) -> list[Verdict]:
+    """Every committed checkpoint, newest first."""
+    return [verify(p, level, key) for _, p in list_checkpoints(ckpt_dir)]
+
+
+@dataclass
+class Selection:
+    chosen: Verdict | None
+    skipped: list[Verdict]  # newer checkpoints that failed, with their reasons
+
+
+def select_resume(ckpt_dir: str | os.PathLike, level: Level | str = Level.FULL,
+                  key: bytes | None = None, skip_newest: int = 0,
+                  on_skip: Callable[[Verdict], None] | None = None) -> Selection:
+    """The newest checkpoint that verifies; each newer one that fails is reported.
+
+    `skip_newest` passes over that many verified checkpoints (a rollback after a non-finite
+    loss resumes from the one before the newest).
+    """
+    skipped = []
+    for _, p in list_checkpoints(ckpt_dir):
+        v = verify(p, level, key)
+        if v.ok and skip_newest > 0:
+            skip_newest -= 1
+            continue
+        if v.ok:
+            return Selection(v, skipped)
+        skipped.append(v)
+        if on_skip:
+            on_skip(v)
+    return Selection(None, skipped)

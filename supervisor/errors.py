@@ -1,0 +1,57 @@
+"""One exception tree for every error a user can act on, and rtrain's exit codes.
+
+Only the CLI layer turns an `RtrainError` into a message and an exit code; everything below it
+raises with a reason sentence that says what to change.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Exit statuses of the `rtrain` command (documented in README and docs/design.md)."""
+
+    OK = 0
+    GAVE_UP = 1  # launch: budget, crash loop or ladder floor; inspect: a verification failed
+    USAGE = 2  # bad arguments or configuration
+    STARTUP = 3  # the training script fails before its first step
+    ALREADY_SUPERVISED = 4  # another live rtrain holds this run directory
+    PREEMPTED = 75  # stopped on request, checkpoint saved: requeue me (EX_TEMPFAIL)
+
+
+class RtrainError(Exception):
+    """Base of every error meant for a person. `str(err)` is the one line they read."""
+
+    exit_code: ExitCode = ExitCode.GAVE_UP
+
+
+class UsageError(RtrainError):
+    """Bad arguments, a missing path, a bad configuration value."""
+
+    exit_code = ExitCode.USAGE
+
+
+class ConfigError(UsageError):
+    """An unknown key or bad value in rtrain.toml / [tool.rtrain] / the command line."""
+
+
+class CheckpointError(RtrainError):
+    """A checkpoint that cannot be written, read or trusted."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint that fails verification; `reason` says why."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class StateMismatch(CheckpointError):
+    """The checkpoint does not fit the model/optimizer it is being loaded into."""
+
+
+class AlreadySupervised(RtrainError):
+    exit_code = ExitCode.ALREADY_SUPERVISED

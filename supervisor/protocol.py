@@ -1,0 +1,99 @@
+"""The wire between worker and supervisor (contract 1 and 2), torch-free and shared by both.
+
+- `RTRAIN_STATUS` is the attempt directory `<run-dir>/attempts/<n>/`. The worker writes its exit
+  record there (`exit-rank<R>.json`) and, on `RTRAIN_DUMP_SIGNAL`, its Python stacks
+  (`stacks-<pid>.txt`, via faulthandler).
+- `RTRAIN_HEARTBEAT` names a unix datagram socket the supervisor listens on ("@name" for the
+  Linux abstract namespace, which has no path-length limit). Each datagram is one JSON heartbeat.
+  Sends never block: when nobody listens, the heartbeat is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+ENV_RUN_DIR = "RTRAIN_RUN_DIR"
+ENV_CKPT_DIR = "RTRAIN_CKPT_DIR"
+ENV_RESUME_FROM = "RTRAIN_RESUME_FROM"
+ENV_ATTEMPT = "RTRAIN_ATTEMPT"
+ENV_SETTINGS = "RTRAIN_SETTINGS"
+ENV_STATUS = "RTRAIN_STATUS"
+ENV_STOP_SIGNAL = "RTRAIN_STOP_SIGNAL"
+ENV_HEARTBEAT = "RTRAIN_HEARTBEAT"
+ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a committed checkpoint
+
+
+def socket_address(name: str) -> str | bytes:
+    """`@name` is an abstract socket (no file, no 108-byte path limit); else a path."""
+    return b"\0" + name[1:].encode() if name.startswith("@") else name
+
+
+def exit_record_name(rank: int) -> str:
+    return f"exit-rank{rank}.json"
+
+
+@dataclass
+class Heartbeat:
+    """One heartbeat datagram. `event` is `start`, `step`, `save_begin`, `save_end` or `stop`."""
+
+    pid: int
+    rank: int
+    time: float
+    event: str = "step"
+    step: int | None = None
+    loss: float | None = None
+    samples_per_s: float | None = None
+    max_step_interval: float | None = None  # longest step interval so far, after warm-up
+    next_save_step: int | None = None
+    settings: dict[str, Any] | None = None  # settings the worker actually uses (after back-off)
+    v: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Heartbeat | None:
+        try:
+            obj = json.loads(raw)
+            if obj.get("v") != PROTOCOL_VERSION:
+                return None
+            known = cls.__dataclass_fields__
+            return cls(**{k: v for k, v in obj.items() if k in known})
+        except (ValueError, TypeError, AttributeError):
+            return None
+
+
+@dataclass
+class ExitRecord:
+    """What the worker says about how it ended, written just before a failing exit."""
+
+    kind: str  # a FailureKind value: oom_gpu, oom_host, nonfinite, data, crash, preempted
+    reason: str
+    pid: int
+    rank: int = 0
+    step: int | None = None
+    exception: str | None = None
+    traceback_tail: str | None = None
+    settings: dict[str, Any] | None = None  # e.g. the smaller batch an in-process back-off found
+    extra: dict[str, Any] = field(default_factory=dict)
+    v: int = PROTOCOL_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> ExitRecord | None:
+        try:
+            obj = json.loads(text)
+            if obj.get("v") != PROTOCOL_VERSION:
+                return None
+            known = cls.__dataclass_fields__
+            return cls(**{k: v for k, v in obj.items() if k in known})
+        except (ValueError, TypeError, AttributeError):
+            return None
