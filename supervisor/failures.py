@@ -1,0 +1,53 @@
+"""Named failure kinds (contract 2) and the evidence a classification rests on."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class FailureKind(str, enum.Enum):
+    OOM_GPU = "oom_gpu"
+    OOM_HOST = "oom_host"  # the kernel OOM killer (or a cgroup limit) killed the child
+    PREEMPTED = "preempted"  # stopped on request, checkpoint committed (exit 75)
+    HANG = "hang"
+    NONFINITE = "nonfinite"  # loss/grad NaN/Inf persisting
+    STARTUP = "startup"  # failed before its first step: never retried in a loop
+    DATA = "data"  # too many bad samples
+    CRASH = "crash"  # anything else
+    LOST_DEVICE = "lost_device"  # NVML reports the GPU gone / Xid
+
+
+@dataclass
+class Evidence:
+    """What the watcher saw of one attempt; classification reads only this."""
+
+    returncode: int | None = None  # None while running / when killed by a signal
+    signal: str | None = None  # e.g. "SIGKILL" when the child died of a signal
+    exit_records: list[dict[str, Any]] = field(default_factory=list)  # ExitRecord dicts, by rank
+    stderr_tail: str = ""
+    first_step_seen: bool = False  # a heartbeat with a step, or (plain scripts) see `progress`
+    last_step: int | None = None
+    peak_rss_bytes: int = 0  # process tree
+    host_mem_available_min: int | None = None  # lowest MemAvailable seen
+    host_mem_total: int | None = None
+    cgroup_oom_kills: int = 0  # increase of the oom_kill counter during the attempt
+    gpu_mem_used_peak: int | None = None
+    gpu_mem_total: int | None = None
+    gpu_lost: bool = False
+    gpu_detail: str = ""
+    hang: bool = False  # the watcher stopped it for silence
+    hang_detail: str = ""
+    stop_requested: str | None = None  # signal name that reached the supervisor, if any
+    killed_after_grace: bool = False
+    duration_s: float = 0.0
+
+
+@dataclass
+class Failure:
+    kind: FailureKind
+    reason: str  # the sentence the user reads
+    exit_code: int | None = None
+    signal: str | None = None
+    evidence: Evidence | None = None
