@@ -1,0 +1,430 @@
+"""`worker.Checkpointer`: save and restore complete training state, atomically and verified."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import platform
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+import supervisor
+from supervisor.ckpt import hashing, retention
+from supervisor.ckpt.commit import PendingCheckpoint, free_bytes
+from supervisor.ckpt.prune import prune
+from supervisor.ckpt.verify import Level, select_resume, verify
+from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
+from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_RUN_DIR, EXIT_PREEMPTED
+from worker import runtime, state
+from worker import settings as settings_mod
+from worker.sampler import ResumableSampler
+from worker.schedule import SaveSchedule
+from worker.tensors import cpu_contiguous, decode, encode, to_blob
+
+log = logging.getLogger(__name__)
+
+# Errors of the storage, not of the program: a save that meets them is skipped, training goes on.
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EROFS}
+_FILES = ("model", "optimizer", "extra")
+
+
+@dataclass
+class _Capture:
+    """Everything one save writes, taken at a step boundary."""
+
+    step: int
+    tensors: dict[str, dict[str, torch.Tensor]]  # file stem -> name -> CPU contiguous tensor
+    state_json: dict[str, Any]
+    fields: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for f in self.tensors.values() for t in f.values())
+
+
+class Checkpointer:
+    """Saves model, optimizer, scheduler, GradScaler, sampler, RNG and user extras together.
+
+    ckpt = Checkpointer(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
+                        every_steps=100, keep=3)
+    start_step = ckpt.restore()
+    for step in range(start_step, total_steps):
+        ...
+        ckpt.maybe_save(step + 1, metrics={"loss": loss.item()})
+    ckpt.close()
+    """
+
+    def __init__(self, *, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+                 scaler: Any = None, sampler: ResumableSampler | None = None,
+                 ckpt_dir: str | os.PathLike | None = None,
+                 every_steps: int | Literal["auto"] | None = None,
+                 every_seconds: float | None = None, total_steps: int | None = None,
+                 on_epoch_end: bool = False, keep: int | None = 3, keep_best: int = 0,
+                 metric: str | None = None, mode: Literal["min", "max"] = "min",
+                 milestone_every: int = 0, async_save: bool = False,
+                 trainable_only: bool = False, verify_level: Literal["quick", "full"] = "full",
+                 map_location: str | torch.device = "cpu", exit_on_stop: bool = True,
+                 fsync: bool = True, signing_key: bytes | str | None = None) -> None:
+        ckpt_dir = ckpt_dir or os.environ.get(ENV_CKPT_DIR) or "checkpoints"
+        self.ckpt_dir = Path(ckpt_dir)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.scaler, self.sampler = scaler, sampler
+        if every_steps == "auto":
+            self.schedule = SaveSchedule.auto(total_steps or 0, on_epoch_end)
+        else:
+            self.schedule = SaveSchedule(every_steps=every_steps, every_seconds=every_seconds,
+                                         on_epoch_end=on_epoch_end)
+        self.policy = retention.RetentionPolicy(keep=keep, keep_best=keep_best, metric=metric,
+                                                mode=mode, milestone_every=milestone_every)
+        self.async_save = async_save
+        self.trainable_only = trainable_only
+        self.verify_level = Level(verify_level)
+        self.map_location = map_location
+        self.exit_on_stop = exit_on_stop
+        self.fsync = fsync
+        if isinstance(signing_key, str):
+            signing_key = hashing.derive_key(signing_key.encode())
+        self.key = signing_key if signing_key is not None else hashing.load_signing_key()
+        self.step = 0
+        self.epoch = 0
+        self.extra: dict[str, Any] = {}
+        self.last_saved: Path | None = None
+        self.skipped_saves = 0
+        self._last_save_step: int | None = None
+        self._last_save_time = time.monotonic()
+        self._save_requested = False
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._inflight: threading.Thread | None = None
+        self._inflight_step: int | None = None
+        self._error: BaseException | None = None
+        self._frozen_fp: str | None = None
+        runtime.install()
+
+    # ------------------------------------------------------------ restore
+
+    def restore(self, path: str | os.PathLike | None = None) -> int:
+        """Load the newest checkpoint that verifies (or `path`). Returns the step to run next."""
+        chosen = self._pick(path)
+        if chosen is None:
+            log.info("no checkpoint to resume from in %s: starting fresh", self.ckpt_dir)
+            return 0
+        m = chosen.manifest
+        assert m is not None
+        st = json.loads((chosen.path / "state.json").read_bytes())
+        tensors = {stem: self._load_tensors(chosen.path, stem, m) for stem in _FILES}
+        self._restore_components(m, st, tensors)
+        for w in _environment_changes(m.get("environment", {}), _environment(self.model)):
+            log.warning("%s", w)
+        self.step, self.epoch = m["step"], m["epoch"]
+        self.extra = decode(st.get("extra", {}), tensors["extra"])
+        self._last_save_step = self.step
+        log.info("resumed from %s (step %d, epoch %d)", chosen.path, self.step, self.epoch)
+        runtime.heartbeat(step=self.step, event="start")
+        return self.step
+
+    def _pick(self, path: str | os.PathLike | None):
+        env_path = os.environ.get(ENV_RESUME_FROM)
+        if path is None and env_path:
+            # The supervisor verified it fully a moment ago; a quick check catches a swap.
+            path, level = env_path, Level.QUICK
+        else:
+            level = self.verify_level
+        if path is not None:
+            v = verify(path, level, self.key)
+            if not v.ok:
+                raise CorruptCheckpoint(str(path), v.reason)
+            return v
+        if os.environ.get(ENV_RUN_DIR):
+            return None  # supervised without RTRAIN_RESUME_FROM: the supervisor chose a fresh start
+        sel = select_resume(self.ckpt_dir, self.verify_level, self.key)
+        for v in sel.skipped:
+            log.warning("skipping %s: %s", v.path.name, v.describe())
+        return sel.chosen
+
+    def _load_tensors(self, path: Path, stem: str, m: dict[str, Any]) -> dict[str, torch.Tensor]:
+        name = f"{stem}.safetensors"
+        if name not in m["files"]:
+            return {}
+        from safetensors.torch import load_file
+
+        # RNG states must stay on the CPU; the rest may go straight to the training device.
+        device = "cpu" if stem == "extra" else str(self.map_location)
+        return load_file(path / name, device=device)
+
+    def _restore_components(self, m: dict[str, Any], st: dict[str, Any],
+                            tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        info = m.get("info", {})
+        if self.model is not None:
+            saved = m.get("tensors", {}).get("model.safetensors", {})
+            trainable_only = bool(info.get("trainable_only"))
+            for w in state.check_model(self.model.state_dict(), saved, trainable_only):
+                log.warning("%s", w)
+            if trainable_only:
+                self._check_frozen(info.get("frozen_fingerprint"))
+            state.load_model(self.model, tensors["model"])
+        if self.optimizer is not None:
+            if "optimizer" not in st:
+                raise StateMismatch("the checkpoint holds no optimizer state but an optimizer "
+                                    "was given: pass optimizer=None to load weights only")
+            for w in state.load_optimizer(self.optimizer, self.model, tensors["optimizer"],
+                                          st["optimizer"]):
+                log.warning("%s", w)
+        if self.scheduler is not None and "scheduler" in st:
+            self.scheduler.load_state_dict(decode(st["scheduler"], tensors["extra"]))
+        if self.scaler is not None and st.get("scaler"):
+            self.scaler.load_state_dict(decode(st["scaler"], tensors["extra"]))
+        if self.sampler is not None and "sampler" in st:
+            self.sampler.load_state_dict(st["sampler"])
+        state.load_rng(tensors["extra"], st["rng"])
+        if self.sampler is not None and self.sampler.mid_epoch:
+            # `iter(loader)` after restore draws a base seed from the global generator, which an
+            # uninterrupted run did not do at this point: put the state back at the first fetch.
+            cpu_state = tensors["extra"]["rng/torch_cpu"].clone()
+            self.sampler._before_next_iter = lambda: torch.set_rng_state(cpu_state)
+
+    def _check_frozen(self, saved_fp: str | None) -> None:
+        if self.model is None or saved_fp is None:
+            return
+        fp = state.content_fingerprint(state.frozen_tensors(self.model))
+        if fp != saved_fp:
+            raise StateMismatch("the frozen base model differs from the one this trainable-only "
+                                "checkpoint was trained on: load the same base weights first")
+        self._frozen_fp = fp
+
+    # ------------------------------------------------------------ save
+
+    def maybe_save(self, step: int, *, metrics: dict[str, float] | None = None,
+                   epoch_end: bool = False, extra: dict[str, Any] | None = None) -> Path | None:
+        """Save when the schedule says so, on request, or when a stop was requested.
+
+        After a stop request (preemption) the checkpoint is committed and the process exits 75.
+        Also sends the step's heartbeat to the supervisor.
+        """
+        stop = runtime.should_stop()
+        now = time.monotonic()
+        runtime.heartbeat(step=step, loss=(metrics or {}).get("loss"), samples=self._samples(),
+                          next_save_step=self._next_save_step(step))
+        path = None
+        if stop or self._save_requested or self.schedule.due(
+                step, last_step=self._last_save_step, now=now, last_time=self._last_save_time,
+                epoch_end=epoch_end):
+            path = self.save(step, metrics=metrics, extra=extra)
+        if stop and self.exit_on_stop:
+            self.close()
+            log.info("stop requested: checkpoint at step %d committed, exiting %d", step,
+                     EXIT_PREEMPTED)
+            runtime.heartbeat(step=step, event="stop")
+            raise SystemExit(EXIT_PREEMPTED)
+        return path
+
+    def request_save(self) -> None:
+        """Save at the next `maybe_save`, whatever the schedule says."""
+        self._save_requested = True
+
+    def save(self, step: int, *, metrics: dict[str, float] | None = None,
+             extra: dict[str, Any] | None = None, epoch: int | None = None) -> Path | None:
+        """Save now. Returns the committed path (sync), the path it will have (async), or None
+        when the save was skipped for lack of disk space or a storage error (training goes on)."""
+        self._wait_inflight()
+        if self._last_save_step == step and self.last_saved is not None:
+            return self.last_saved  # already saved at this step (e.g. on schedule, then on stop)
+        self._save_requested = False
+        self._last_save_time = time.monotonic()
+        if epoch is not None:
+            self.epoch = epoch
+        elif self.sampler is not None:
+            self.epoch = self.sampler.epoch
+        cap = self._capture(step, metrics or {}, extra or {})
+        if not self._make_room(cap.nbytes):
+            self.skipped_saves += 1
+            return None
+        runtime.heartbeat(step=step, event="save_begin")
+        if not self.async_save:
+            path = self._write(cap)
+            runtime.heartbeat(step=step, event="save_end")
+            return path
+        cap = self._snapshot(cap)
+        self._inflight_step = step
+        self._inflight = threading.Thread(target=self._write_bg, args=(cap,),
+                                          name="rtrain-ckpt-writer", daemon=True)
+        self._inflight.start()
+        self._last_save_step = step
+        return self.ckpt_dir / f"checkpoint-{step}"
+
+    def close(self) -> None:
+        """Wait for a save in flight; raise its error if it failed."""
+        self._wait_inflight()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _samples(self) -> int | None:
+        return self.sampler.samples_seen if self.sampler is not None else None
+
+    def _next_save_step(self, step: int) -> int | None:
+        n = self.schedule.every_steps
+        return (step // n + 1) * n if n else None
+
+    def _capture(self, step: int, metrics: dict[str, Any], extra: dict[str, Any]) -> _Capture:
+        tensors: dict[str, dict[str, torch.Tensor]] = {stem: {} for stem in _FILES}
+        st: dict[str, Any] = {"step": step, "epoch": self.epoch}
+        info: dict[str, Any] = {"trainable_only": self.trainable_only, "world_size": 1}
+        fingerprint = None
+        if self.model is not None:
+            tensors["model"] = state.model_tensors(self.model, self.trainable_only)
+            fingerprint = state.fingerprint_items(self.model.state_dict())
+            if self.trainable_only:
+                if self._frozen_fp is None:
+                    self._frozen_fp = state.content_fingerprint(state.frozen_tensors(self.model))
+                info["frozen_fingerprint"] = self._frozen_fp
+        if self.optimizer is not None:
+            opt_tensors, st["optimizer"] = state.optimizer_state(self.optimizer, self.model)
+            if self.trainable_only:
+                keep = set(tensors["model"])
+                opt_tensors = {k: v for k, v in opt_tensors.items()
+                               if k.startswith("@") or k.rpartition("/")[0] in keep}
+            tensors["optimizer"] = opt_tensors
+        ex = tensors["extra"]
+        if self.scheduler is not None:
+            st["scheduler"] = encode(self.scheduler.state_dict(), ex, "scheduler")
+        if self.scaler is not None:
+            st["scaler"] = encode(self.scaler.state_dict(), ex, "scaler")
+        if self.sampler is not None:
+            st["sampler"] = self.sampler.state_dict()
+        rng_tensors, st["rng"] = state.rng_state()
+        ex.update(rng_tensors)
+        st["extra"] = encode(extra, ex, "extra")
+        for stem in _FILES:
+            tensors[stem] = {k: cpu_contiguous(v) for k, v in tensors[stem].items()}
+        samples = self.sampler.samples_seen if self.sampler is not None else 0
+        fields = {
+            "epoch": self.epoch, "samples_seen": samples, "fingerprint": fingerprint,
+            "environment": _environment(self.model), "settings": settings_mod.current(),
+            "metrics": {k: _number(v) for k, v in metrics.items()}, "info": info,
+        }
+        return _Capture(step, tensors, st, fields)
+
+    def _snapshot(self, cap: _Capture) -> _Capture:
+        """Copy tensors into reused CPU buffers so training can go on while they are written."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        pin = torch.cuda.is_available()
+        for stem, ts in cap.tensors.items():
+            out[stem] = {}
+            for name, t in ts.items():
+                buf = self._buffers.get((stem, name))
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+                    self._buffers[(stem, name)] = buf
+                buf.copy_(t, non_blocking=pin)
+                out[stem][name] = buf
+        if pin:
+            torch.cuda.synchronize()
+        return _Capture(cap.step, out, cap.state_json, cap.fields)
+
+    def _make_room(self, nbytes: int) -> bool:
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        need = nbytes + (1 << 20)
+        if free_bytes(self.ckpt_dir) >= need:
+            return True
+        # Make room for the new one: keep one fewer than the policy says (never the newest).
+        keep = None if self.policy.keep is None else max(1, self.policy.keep - 1)
+        tighter = retention.RetentionPolicy(keep=keep, keep_best=self.policy.keep_best,
+                                            metric=self.policy.metric, mode=self.policy.mode,
+                                            milestone_every=self.policy.milestone_every)
+        report = prune(self.ckpt_dir, tighter, key=self.key)
+        for r in report.removed:
+            log.warning("low on disk: removed %s (%s)", r.path.name, r.reason)
+        free = free_bytes(self.ckpt_dir)
+        if free >= need:
+            return True
+        log.warning("skipping this checkpoint: it needs about %.1f MiB and %s has %.1f MiB free; "
+                    "training goes on (free some space or lower keep)", need / 2**20,
+                    self.ckpt_dir, free / 2**20)
+        return False
+
+    def _write(self, cap: _Capture) -> Path | None:
+        pending = None
+        try:
+            pending = PendingCheckpoint(self.ckpt_dir, cap.step, fsync=self.fsync)
+            for stem in _FILES:
+                blobs = [to_blob(n, t) for n, t in cap.tensors[stem].items()]
+                pending.write_tensors(f"{stem}.safetensors", blobs)
+            pending.write_bytes("state.json", json.dumps(cap.state_json).encode())
+            path = pending.commit(cap.fields, self.key)
+        except OSError as e:
+            if pending is not None:
+                pending.abort()
+            if e.errno not in _STORAGE_ERRNOS:
+                raise
+            self.skipped_saves += 1
+            log.warning("checkpoint at step %d not saved (%s); earlier checkpoints are intact, "
+                        "training goes on", cap.step, os.strerror(e.errno))
+            return None
+        except BaseException:
+            if pending is not None:
+                pending.abort()
+            raise
+        self.last_saved, self._last_save_step = path, cap.step
+        self._apply_retention()
+        return path
+
+    def _write_bg(self, cap: _Capture) -> None:
+        try:
+            self._write(cap)
+        except BaseException as e:  # surfaced on the next save()/close(), never dropped
+            self._error = e
+        finally:
+            runtime.heartbeat(step=cap.step, event="save_end")
+
+    def _wait_inflight(self) -> None:
+        if self._inflight is not None:
+            self._inflight.join()
+            self._inflight = None
+            self._inflight_step = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"the background checkpoint save failed: {err}") from err
+
+    def _apply_retention(self) -> None:
+        protect = frozenset({self._inflight_step} - {None})
+        report = prune(self.ckpt_dir, self.policy, key=self.key, protect=protect)
+        for r in report.removed:
+            log.info("retention: removed %s (%s)", r.path.name, r.reason)
+
+
+def _number(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    return v
+
+
+def _environment(model: torch.nn.Module | None) -> dict[str, Any]:
+    device = "cpu"
+    if model is not None:
+        p = next(iter(model.parameters()), None)
+        device = p.device.type if p is not None else "cpu"
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "device": device, "rtrain": supervisor.__version__,
+            "host": socket.gethostname()}
+
+
+def _environment_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    return [f"environment changed since the checkpoint: {k} {saved[k]} -> {now[k]}"
+            for k in ("python", "torch", "cuda", "rtrain", "device")
+            if k in saved and saved[k] != now.get(k)]
+
+

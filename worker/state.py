@@ -1,0 +1,237 @@
+"""Capture and restore each component of the training state.
+
+Tensors are grouped by file: `model`, `optimizer` (keyed by parameter *name*, so a changed model is
+caught tensor by tensor), `extra` (RNG states, scheduler/scaler/user tensors). Everything else is
+JSON in state.json.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from supervisor.errors import StateMismatch
+from worker.tensors import decode, encode
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- model
+
+def model_tensors(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    sd = model.state_dict(keep_vars=True)
+    if not trainable_only:
+        return {k: v.detach() for k, v in sd.items()}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v.detach() for k, v in sd.items() if k in trainable}
+
+
+def frozen_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
+            if k not in trainable}
+
+
+def check_model(model_sd: dict[str, torch.Tensor], saved: dict[str, list],
+                trainable_only: bool) -> list[str]:
+    """Name the exact problem: shape mismatches, missing and unexpected keys (raised), dtype
+    changes (returned as warnings: the values are cast)."""
+    from worker.tensors import dtype_code
+
+    problems, warnings = [], []
+    for name, (dtype, shape) in saved.items():
+        t = model_sd.get(name)
+        if t is None:
+            continue
+        if dtype_code(t.dtype) != dtype:
+            warnings.append(f"layer '{name}' dtype changed: model {dtype_code(t.dtype)}, "
+                            f"checkpoint {dtype} (values are cast)")
+        if list(t.shape) != list(shape):
+            problems.append(f"layer '{name}' shape mismatch: model {list(t.shape)}, "
+                            f"checkpoint {list(shape)}")
+    expected = set(model_sd)
+    missing = sorted(expected - set(saved))
+    unexpected = sorted(set(saved) - expected)
+    if missing and not trainable_only:
+        problems.append(f"missing from the checkpoint: {_some(missing)}")
+    if unexpected:
+        problems.append(f"unexpected in the checkpoint (not in the model): {_some(unexpected)}")
+    if problems:
+        raise StateMismatch("the checkpoint does not fit this model: " + "; ".join(problems))
+    return warnings
+
+
+def _some(names: list[str], n: int = 8) -> str:
+    shown = ", ".join(f"'{x}'" for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        sd = model.state_dict(keep_vars=True)
+        for name, t in tensors.items():
+            sd[name].copy_(t)
+
+
+def fingerprint_items(sd: dict[str, torch.Tensor]) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for name in sorted(sd):
+        t = sd[name]
+        h.update(f"{name}:{list(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()
+
+
+def content_fingerprint(sd: dict[str, torch.Tensor]) -> str:
+    """Hash of names, shapes and bytes: identifies a frozen base model exactly."""
+    import xxhash
+
+    from worker.tensors import cpu_contiguous, to_blob
+
+    h = xxhash.xxh3_128()
+    for name in sorted(sd):
+        t = cpu_contiguous(sd[name])
+        h.update(f"{name}:{list(t.shape)}:{t.dtype};".encode())
+        h.update(to_blob(name, t).data)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- optimizer
+
+def _param_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> list[str]:
+    """Names of the optimizer's parameters in state_dict index order."""
+    names_by_id = {}
+    if model is not None:
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names_by_id.setdefault(id(p), n)
+    names = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            names.append(names_by_id.get(id(p), f"group{gi}.param{pi}"))
+    return names
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = optimizer.state_dict()
+    names = _param_names(optimizer, model)
+    tensors: dict[str, torch.Tensor] = {}
+    plain: dict[str, dict[str, Any]] = {}
+    for idx, st in sd["state"].items():
+        name = names[idx]
+        for key, val in st.items():
+            if isinstance(val, torch.Tensor):
+                tensors[f"{name}/{key}"] = val.detach()
+            else:
+                plain.setdefault(name, {})[key] = val
+    groups = []
+    for g in sd["param_groups"]:
+        g = dict(g)
+        g["params"] = [names[i] for i in g["params"]]
+        groups.append(g)
+    extra_tensors: dict[str, torch.Tensor] = {}
+    meta = {"param_groups": encode(groups, extra_tensors, "optimizer.groups"),
+            "plain_state": encode(plain, extra_tensors, "optimizer.plain"),
+            "class": type(optimizer).__name__}
+    if extra_tensors:  # hyper-parameters held as tensors (e.g. a tensor lr)
+        tensors.update({f"@{k}": v for k, v in extra_tensors.items()})
+    return tensors, meta
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
+                   tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> list[str]:
+    """Load the state by parameter name. Returns warnings (hyper-parameter changes)."""
+    names = _param_names(optimizer, model)
+    index = {n: i for i, n in enumerate(names)}
+    hp_tensors = {k[1:]: v for k, v in tensors.items() if k.startswith("@")}
+    groups = decode(meta["param_groups"], hp_tensors)
+    plain = decode(meta["plain_state"], hp_tensors)
+    if meta.get("class") and meta["class"] != type(optimizer).__name__:
+        raise StateMismatch(f"optimizer is {type(optimizer).__name__} but the checkpoint holds "
+                            f"{meta['class']} state: use the same optimizer class")
+    if len(groups) != len(optimizer.param_groups):
+        raise StateMismatch(f"optimizer has {len(optimizer.param_groups)} parameter groups, the "
+                            f"checkpoint has {len(groups)}")
+    saved_names = [n for g in groups for n in g["params"]]
+    missing = sorted(set(names) - set(saved_names))
+    unexpected = sorted(set(saved_names) - set(names))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"parameters without saved state: {_some(missing)}")
+        if unexpected:
+            parts.append(f"saved state for unknown parameters: {_some(unexpected)}")
+        raise StateMismatch("optimizer state does not fit: " + "; ".join(parts))
+    warnings = []
+    for gi, (saved_g, cur_g) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+        for k, v in saved_g.items():
+            if k in ("params", "initial_lr") or k not in cur_g:
+                continue
+            cur = cur_g[k]
+            if k == "lr" and "initial_lr" in saved_g and "initial_lr" in cur_g:
+                # A scheduler moves lr; what the script chose is the initial lr.
+                k, v, cur = "initial_lr", saved_g["initial_lr"], cur_g["initial_lr"]
+            if _differs(cur, v):
+                warnings.append(f"optimizer hyper-parameter '{k}' of group {gi} changed: "
+                                f"script {_fmt(cur)}, checkpoint {_fmt(v)} "
+                                "(the checkpoint's value is used)")
+    state: dict[int, dict[str, Any]] = {}
+    for key, t in tensors.items():
+        if key.startswith("@"):
+            continue
+        name, _, sk = key.rpartition("/")
+        state.setdefault(index[name], {})[sk] = t
+    for name, st in plain.items():
+        state.setdefault(index[name], {}).update(st)
+    sd = {"state": state,
+          "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups]}
+    optimizer.load_state_dict(sd)
+    return warnings
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return list(a) != list(b)
+    return a != b
+
+
+def _fmt(v: Any) -> str:
+    return str(v.tolist()) if isinstance(v, torch.Tensor) else repr(v)
+
+
+# ---------------------------------------------------------------- RNG
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"rng/torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng/cuda/{i}"] = s
+    np_state = np.random.get_state(legacy=True)
+    plain = {
+        "python": encode(random.getstate(), {}, "rng.python"),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]),
+                  float(np_state[4])],
+    }
+    return tensors, plain
+
+
+def load_rng(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
+    random.setstate(decode(plain["python"], {}))
+    n = plain["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(tensors["rng/torch_cpu"])
+    cuda = sorted((k for k in tensors if k.startswith("rng/cuda/")),
+                  key=lambda k: int(k.rsplit("/", 1)[1]))
+    if cuda and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if count != len(cuda):
+            log.warning("checkpoint has CUDA RNG states for %d devices, this process sees %d: "
+                        "restoring the first %d", len(cuda), count, min(count, len(cuda)))
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda[:count]])

@@ -1,0 +1,100 @@
+"""Tensors <-> safetensors blobs, and JSON with tensors pulled out.
+
+Non-tensor state (scheduler, scaler, optimizer hyper-parameters, python/numpy RNG, user extras)
+goes to state.json; any tensor inside it is replaced by a reference into a safetensors file, so
+loading never unpickles. Tuples and non-string dict keys are tagged so the round trip is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from supervisor.ckpt.safetensors_io import TensorBlob
+
+DTYPE_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
+                     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        DTYPE_CODES[getattr(torch, _name)] = _code
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise TypeError(f"tensors of dtype {dtype} cannot be stored in safetensors") from None
+
+
+def to_blob(name: str, t: torch.Tensor) -> TensorBlob:
+    """A view of a CPU, contiguous tensor's bytes (no copy)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"tensor {name!r} must be a contiguous CPU tensor here")
+    flat = t.detach().reshape(-1)
+    data = flat.view(torch.uint8).numpy() if flat.numel() else memoryview(b"")
+    return TensorBlob(name, dtype_code(t.dtype), tuple(t.shape), memoryview(data))
+
+
+def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t if t.is_contiguous() else t.contiguous()
+
+
+TENSOR_TAG = "__tensor__"
+TUPLE_TAG = "__tuple__"
+ITEMS_TAG = "__items__"
+FLOAT_TAG = "__float__"
+
+
+def encode(obj: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
+    """JSON-able form of `obj`; tensors are moved to `tensors` under keys starting with prefix."""
+    if isinstance(obj, torch.Tensor):
+        key = f"{prefix}#{len(tensors)}"
+        tensors[key] = obj
+        return {TENSOR_TAG: key}
+    if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {FLOAT_TAG: repr(obj)}
+    if isinstance(obj, tuple):
+        return {TUPLE_TAG: [encode(v, tensors, prefix) for v in obj]}
+    if isinstance(obj, list):
+        return [encode(v, tensors, prefix) for v in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not (obj.keys() & {TENSOR_TAG, TUPLE_TAG,
+                                                                       ITEMS_TAG, FLOAT_TAG}):
+            return {k: encode(v, tensors, prefix) for k, v in obj.items()}
+        return {ITEMS_TAG: [[encode(k, tensors, prefix), encode(v, tensors, prefix)]
+                            for k, v in obj.items()]}
+    if hasattr(obj, "item") and hasattr(obj, "dtype"):  # numpy scalar
+        return encode(obj.item(), tensors, prefix)
+    raise TypeError(f"value at {prefix!r} of type {type(obj).__name__} cannot be checkpointed: "
+                    "use JSON values (numbers, strings, lists, dicts) or tensors")
+
+
+def decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [decode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if TENSOR_TAG in obj:
+            return tensors[obj[TENSOR_TAG]]
+        if TUPLE_TAG in obj:
+            return tuple(decode(v, tensors) for v in obj[TUPLE_TAG])
+        if ITEMS_TAG in obj:
+            return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in obj[ITEMS_TAG]}
+        if FLOAT_TAG in obj:
+            return float(obj[FLOAT_TAG])
+        return {k: decode(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(k) if isinstance(k, list) else k
