@@ -18,11 +18,15 @@ def run(ckpt_dir, out, total, die_at, *extra):
                           timeout=120)
 
 
+def _bits(t):
+    # Compare the bytes, so -0.0 vs 0.0 or two different NaNs count as different.
+    return t.reshape(-1).view(torch.uint8) if t.dtype.is_floating_point else t
+
+
 def assert_bitwise_equal(a, b, path="state"):
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point and a.dim() else a,
-                           b.view(torch.uint8) if b.dtype.is_floating_point and b.dim() else b), path
+        assert torch.equal(_bits(a), _bits(b)), path
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), path
         for k in a:

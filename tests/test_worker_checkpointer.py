@@ -1,0 +1,229 @@
+"""The Checkpointer in-process: what it captures, the messages it gives, schedules, retention."""
+
+import json
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import worker
+from supervisor.ckpt.layout import list_checkpoints
+from supervisor.ckpt.verify import verify
+from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
+
+
+def make(seed=0, width=8):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, opt
+
+
+def train_steps(model, opt, n):
+    for _ in range(n):
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.fixture(autouse=True)
+def unsupervised(monkeypatch):
+    for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_CKPT_DIR", "RTRAIN_SETTINGS",
+              "RTRAIN_SIGNING_KEY", "RTRAIN_SIGNING_KEY_FILE"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_fresh_start_returns_zero(tmp_path):
+    model, opt = make()
+    assert worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).restore() == 0
+
+
+def test_round_trip_model_optimizer_scaler_extras(tmp_path):
+    model, opt = make()
+    train_steps(model, opt, 3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ck = worker.Checkpointer(model=model, optimizer=opt, scaler=scaler, ckpt_dir=tmp_path)
+    extra = {"best": 0.5, "names": ("a", "b"), "table": torch.arange(5), "nested": {"k": [1]}}
+    path = ck.save(3, metrics={"loss": 1.25}, extra=extra)
+    assert verify(path).ok
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["metrics"] == {"loss": 1.25} and m["step"] == 3
+    assert "0.weight/exp_avg" in m["tensors"]["optimizer.safetensors"]
+
+    model2, opt2 = make(seed=99)
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0)
+    ck2 = worker.Checkpointer(model=model2, optimizer=opt2, scaler=scaler2, ckpt_dir=tmp_path)
+    assert ck2.restore() == 3
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    for i in s1:
+        for k in s1[i]:
+            assert torch.equal(s1[i][k], s2[i][k])
+    assert scaler2.get_scale() == 1024.0
+    assert ck2.extra["names"] == ("a", "b") and torch.equal(ck2.extra["table"], torch.arange(5))
+    assert ck2.extra["nested"] == {"k": [1]} and ck2.extra["best"] == 0.5
+
+
+def test_shape_mismatch_names_the_layer(tmp_path):
+    model, opt = make(width=8)
+    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).save(1)
+    other, opt2 = make(width=6)
+    with pytest.raises(StateMismatch) as e:
+        worker.Checkpointer(model=other, optimizer=opt2, ckpt_dir=tmp_path).restore()
+    assert "layer '0.weight' shape mismatch: model [6, 4], checkpoint [8, 4]" in str(e.value)
+
+
+def test_missing_and_unexpected_keys_are_listed(tmp_path):
+    model, _ = make()
+    worker.Checkpointer(model=model, ckpt_dir=tmp_path).save(1)
+    other = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), nn.Linear(2, 2))
+    del other[0]
+    with pytest.raises(StateMismatch) as e:
+        worker.Checkpointer(model=other, ckpt_dir=tmp_path).restore()
+    msg = str(e.value)
+    assert "missing from the checkpoint" in msg and "unexpected in the checkpoint" in msg
+
+
+def test_hyperparameter_change_warns(tmp_path, caplog):
+    model, opt = make()
+    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).save(1)
+    model2, _ = make()
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3, weight_decay=0.1)
+    with caplog.at_level(logging.WARNING):
+        worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path).restore()
+    assert "hyper-parameter 'weight_decay' of group 0 changed: script 0.1, checkpoint 0" \
+        in caplog.text
+
+
+def test_corrupt_newest_falls_back_with_reason(tmp_path, caplog):
+    model, opt = make()
+    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, keep=5)
+    ck.save(1)
+    newest = ck.save(2)
+    data = bytearray((newest / "model.safetensors").read_bytes())
+    data[-3] ^= 0xFF
+    (newest / "model.safetensors").write_bytes(bytes(data))
+    model2, opt2 = make()
+    with caplog.at_level(logging.WARNING):
+        assert worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path).restore() == 1
+    assert "skipping checkpoint-2: corrupt: file 'model.safetensors' content hash" in caplog.text
+
+
+def test_explicit_bad_path_is_refused(tmp_path):
+    model, _ = make()
+    p = worker.Checkpointer(model=model, ckpt_dir=tmp_path).save(1)
+    (p / "state.json").write_text("{}")
+    with pytest.raises(CorruptCheckpoint, match=r"state\.json"):
+        worker.Checkpointer(model=model, ckpt_dir=tmp_path).restore(p)
+
+
+def test_supervised_without_resume_from_starts_fresh(tmp_path, monkeypatch):
+    model, _ = make()
+    worker.Checkpointer(model=model, ckpt_dir=tmp_path).save(5)
+    monkeypatch.setenv("RTRAIN_RUN_DIR", str(tmp_path))
+    assert worker.Checkpointer(model=model, ckpt_dir=tmp_path).restore() == 0
+    monkeypatch.setenv("RTRAIN_RESUME_FROM", str(tmp_path / "checkpoint-5"))
+    assert worker.Checkpointer(model=model, ckpt_dir=tmp_path).restore() == 5
+
+
+def test_signed_checkpoints(tmp_path, monkeypatch):
+    model, _ = make()
+    monkeypatch.setenv("RTRAIN_SIGNING_KEY", "s3cret")
+    worker.Checkpointer(model=model, ckpt_dir=tmp_path).save(1)
+    assert worker.Checkpointer(model=model, ckpt_dir=tmp_path).restore() == 1
+    monkeypatch.setenv("RTRAIN_SIGNING_KEY", "another")
+    assert worker.Checkpointer(model=model, ckpt_dir=tmp_path).restore() == 0  # nothing trusted
+
+
+def test_trainable_only_checks_the_frozen_base(tmp_path):
+    model, _ = make()
+    model[0].weight.requires_grad_(False)
+    model[0].bias.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
+                          momentum=0.9)
+    train_steps(model, opt, 2)
+    p = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+                            trainable_only=True).save(2)
+    saved = json.loads((p / "manifest.json").read_text())["tensors"]["model.safetensors"]
+    assert set(saved) == {"2.weight", "2.bias"}
+    same_base, _ = make()
+    for q in list(same_base.parameters())[:2]:
+        q.requires_grad_(False)
+    opt2 = torch.optim.SGD([q for q in same_base.parameters() if q.requires_grad], lr=0.1,
+                           momentum=0.9)
+    assert worker.Checkpointer(model=same_base, optimizer=opt2, ckpt_dir=tmp_path,
+                               trainable_only=True).restore() == 2
+    assert torch.equal(same_base[2].weight, model[2].weight)
+    other_base, _ = make(seed=5)
+    for q in list(other_base.parameters())[:2]:
+        q.requires_grad_(False)
+    with pytest.raises(StateMismatch, match="frozen base model differs"):
+        worker.Checkpointer(model=other_base, ckpt_dir=tmp_path, trainable_only=True).restore()
+
+
+def test_schedules_and_retention(tmp_path):
+    model, _ = make()
+    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path, every_steps=2, keep=2,
+                             keep_best=1, metric="loss", mode="min", milestone_every=8)
+    losses = {2: 0.1, 4: 0.9, 6: 0.8, 8: 0.7, 10: 0.6, 12: 0.5}
+    for step in range(1, 13):
+        ck.maybe_save(step, metrics={"loss": losses.get(step, 1.0)})
+    steps = sorted(s for s, _ in list_checkpoints(tmp_path))
+    assert steps == [2, 8, 10, 12]  # best (2), milestone (8), newest two (10, 12)
+
+
+def test_epoch_end_and_request(tmp_path):
+    model, _ = make()
+    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path, on_epoch_end=True, keep=None)
+    assert ck.maybe_save(1) is None
+    assert ck.maybe_save(2, epoch_end=True) is not None
+    ck.request_save()
+    assert ck.maybe_save(3) is not None
+    assert sorted(s for s, _ in list_checkpoints(tmp_path)) == [2, 3]
+
+
+def test_auto_cadence():
+    from worker.schedule import SaveSchedule
+
+    s = SaveSchedule.auto(10_000)
+    assert s.every_steps == 500 and s.every_seconds == 1800
+    with pytest.raises(ValueError, match="total_steps"):
+        SaveSchedule.auto(0)
+
+
+def test_async_error_surfaces_on_next_call(tmp_path, monkeypatch):
+    model, _ = make()
+    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path, async_save=True)
+
+    def boom(*a, **k):
+        raise RuntimeError("disk controller on fire")
+
+    monkeypatch.setattr("worker.checkpointer.PendingCheckpoint.commit", boom)
+    ck.save(1)
+    with pytest.raises(CheckpointError, match="disk controller on fire"):
+        ck.close()
+    assert list_checkpoints(tmp_path) == []
+    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_async_snapshot_is_isolated_from_training(tmp_path):
+    model, opt = make()
+    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, async_save=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ck.save(1)
+    train_steps(model, opt, 2)  # changes weights while the writer may still run
+    ck.close()
+    model2, _ = make(seed=3)
+    worker.Checkpointer(model=model2, ckpt_dir=tmp_path).restore()
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_extra_rejects_non_json(tmp_path):
+    ck = worker.Checkpointer(model=make()[0], ckpt_dir=tmp_path)
+    with pytest.raises(TypeError, match="cannot be checkpointed"):
+        ck.save(1, extra={"f": object()})
+    assert list_checkpoints(tmp_path) == []
