@@ -194,9 +194,10 @@ def test_auto_cadence():
         SaveSchedule.auto(0)
 
 
-def test_async_error_surfaces_on_next_call(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["fork", "thread"])
+def test_async_error_surfaces_on_next_call(tmp_path, monkeypatch, mode):
     model, _ = make()
-    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path, async_save=True)
+    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path, async_save=True, async_mode=mode)
 
     def boom(*a, **k):
         raise RuntimeError("disk controller on fire")
@@ -209,9 +210,11 @@ def test_async_error_surfaces_on_next_call(tmp_path, monkeypatch):
     assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
 
 
-def test_async_snapshot_is_isolated_from_training(tmp_path):
+@pytest.mark.parametrize("mode", ["fork", "thread"])
+def test_async_snapshot_is_isolated_from_training(tmp_path, mode):
     model, opt = make()
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, async_save=True)
+    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, async_save=True,
+                             async_mode=mode)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ck.save(1)
     train_steps(model, opt, 2)  # changes weights while the writer may still run

@@ -71,6 +71,7 @@ class Checkpointer:
                  on_epoch_end: bool = False, keep: int | None = 3, keep_best: int = 0,
                  metric: str | None = None, mode: Literal["min", "max"] = "min",
                  milestone_every: int = 0, async_save: bool = False,
+                 async_mode: Literal["auto", "fork", "thread"] = "auto",
                  trainable_only: bool = False, verify_level: Literal["quick", "full"] = "full",
                  map_location: str | torch.device = "cpu", exit_on_stop: bool = True,
                  fsync: bool = True, signing_key: bytes | str | None = None) -> None:
@@ -86,6 +87,9 @@ class Checkpointer:
         self.policy = retention.RetentionPolicy(keep=keep, keep_best=keep_best, metric=metric,
                                                 mode=mode, milestone_every=milestone_every)
         self.async_save = async_save
+        if async_mode not in ("auto", "fork", "thread"):
+            raise ValueError(f"async_mode must be 'auto', 'fork' or 'thread', not {async_mode!r}")
+        self.async_mode = async_mode
         self.trainable_only = trainable_only
         self.verify_level = Level(verify_level)
         self.map_location = map_location
@@ -252,10 +256,14 @@ class Checkpointer:
             path = self._write(cap)
             runtime.heartbeat(step=step, event="save_end")
             return path
-        cap = self._snapshot(cap)
         self._inflight_step = step
-        self._inflight = threading.Thread(target=self._write_bg, args=(cap,),
-                                          name="rtrain-ckpt-writer", daemon=True)
+        if self._fork_snapshot(cap):
+            pid, err_fd = _fork_writer(self, cap)
+            target, args = self._wait_child, (cap, pid, err_fd)
+        else:
+            target, args = self._write_bg, (self._snapshot(cap),)
+        self._inflight = threading.Thread(target=target, args=args, name="rtrain-ckpt-writer",
+                                          daemon=True)
         self._inflight.start()
         self._last_save_step = step
         return self.ckpt_dir / f"checkpoint-{step}"
@@ -317,6 +325,34 @@ class Checkpointer:
             "metrics": {k: _number(v) for k, v in metrics.items()}, "info": info,
         }
         return _Capture(step, tensors, st, fields)
+
+    def _fork_snapshot(self, cap: _Capture) -> bool:
+        """Whether to snapshot by fork: the child's copy-on-write view of memory is the
+        snapshot, so the training thread is blocked only for the fork (page tables), not for a
+        copy of every byte. Only for state that lives in host memory; CUDA state is copied to
+        pinned buffers instead (the copy is asynchronous there)."""
+        if self.async_mode == "thread" or not hasattr(os, "fork"):
+            return False
+        return self.async_mode == "fork" or (not any(
+            t.is_pinned() for ts in cap.tensors.values() for t in ts.values()
+        ) and not _has_cuda_state(self.model))
+
+    def _wait_child(self, cap: _Capture, pid: int, err_fd: int) -> None:
+        try:
+            _, status = os.waitpid(pid, 0)
+            with os.fdopen(err_fd, "rb") as f:
+                message = f.read().decode(errors="replace")
+            code = os.waitstatus_to_exitcode(status)
+            if code == 0:
+                self.last_saved = self.ckpt_dir / f"checkpoint-{cap.step}"
+            elif code == _CHILD_SKIPPED:
+                self.skipped_saves += 1
+                log.warning("%s", message)
+            else:
+                self._error = CheckpointError(message or f"the checkpoint writer process ended "
+                                              f"with status {code}")
+        finally:
+            runtime.heartbeat(step=cap.step, event="save_end")
 
     def _snapshot(self, cap: _Capture) -> _Capture:
         """Copy tensors into reused CPU buffers so training can go on while they are written."""
@@ -404,6 +440,42 @@ class Checkpointer:
         report = prune(self.ckpt_dir, self.policy, key=self.key, protect=protect)
         for r in report.removed:
             log.info("retention: removed %s (%s)", r.path.name, r.reason)
+
+
+_CHILD_SKIPPED = 3
+
+
+def _has_cuda_state(model: torch.nn.Module | None) -> bool:
+    return model is not None and any(p.is_cuda for p in model.parameters())
+
+
+def _fork_writer(ck: Checkpointer, cap: _Capture) -> tuple[int, int]:
+    """Fork a process that writes and commits `cap` from its copy-on-write memory.
+
+    The child runs only file I/O, hashing and JSON (no torch ops, no imports, no locks another
+    thread could hold) and leaves with os._exit, so forking a threaded process is safe here.
+    """
+    import warnings
+
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "process is multi-threaded"
+        pid = os.fork()
+    if pid:
+        os.close(w)
+        return pid, r
+    code = 0
+    try:
+        os.close(r)
+        if ck._write(cap) is None:
+            os.write(w, f"checkpoint at step {cap.step} not saved (storage error or no "
+                        "space); earlier checkpoints are intact, training goes on".encode())
+            code = _CHILD_SKIPPED
+    except BaseException as e:
+        os.write(w, f"{type(e).__name__}: {e}".encode(errors="replace"))
+        code = 1
+    finally:
+        os._exit(code)
 
 
 def _number(v: Any) -> Any:

@@ -21,6 +21,7 @@ Schema (version 1), a JSON object:
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 from pathlib import Path
@@ -66,8 +67,6 @@ def check_signature(manifest: dict[str, Any], key: bytes | None) -> None:
         raise ManifestError("unsigned, but a signing key is configured (RTRAIN_SIGNING_KEY)")
     if sig.get("alg") != hashing.SIGN_ALG:
         raise ManifestError(f"signature algorithm {sig.get('alg')!r} is not {hashing.SIGN_ALG!r}")
-    import hmac
-
     if not hmac.compare_digest(str(sig["value"]), hashing.sign(canonical_bytes(manifest), key)):
         raise ManifestError("signature does not match: the manifest was altered or signed "
                             "with another key")

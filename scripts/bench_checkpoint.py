@@ -1,0 +1,141 @@
+"""Checkpoint benchmark: rtrain's save/verify against baselines measured in the same run.
+
+    python scripts/bench_checkpoint.py [--gib 1.0] [--repeat 3] [--dir bench-out]
+
+Prints, for a state of about --gib GiB (float32 weights):
+  sync save     vs a raw sequential write of the same bytes + fsync   (target >= 0.9x)
+  sync save     vs torch.save + fsync of the same state dict          (target >= 1.0x)
+  async save    training-thread blocked time vs the sync save time    (target <= 0.15x)
+  verify full   throughput from page cache                            (target >= 2 GB/s)
+Medians over --repeat runs; runs alternate so drift in disk speed hits every method alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch import nn
+
+import worker
+from supervisor.ckpt.verify import verify
+
+
+def build(gib: float) -> nn.Module:
+    n_layers = 8
+    per_layer = int(gib * (1 << 30) / 4 / n_layers)
+    side = int(per_layer ** 0.5)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = nn.Sequential(*[nn.Linear(side, side, bias=False) for _ in range(n_layers)])
+        for p in model.parameters():
+            p.uniform_(-1, 1)
+    return model
+
+
+def state_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def raw_write(model: nn.Module, path: Path) -> float:
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in model.state_dict().values():
+            os.write(fd, t.reshape(-1).view(torch.uint8).numpy())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def torch_save(model: nn.Module, path: Path) -> float:
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(model.state_dict(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def rtrain_sync(model: nn.Module, d: Path) -> float:
+    ck = worker.Checkpointer(model=model, ckpt_dir=d, keep=1)
+    t0 = time.perf_counter()
+    ck.save(1)
+    return time.perf_counter() - t0
+
+
+def rtrain_async(model: nn.Module, d: Path, ck: worker.Checkpointer, step: int) -> float:
+    t0 = time.perf_counter()
+    ck.save(step)
+    blocked = time.perf_counter() - t0
+    ck.close()
+    return blocked
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default="bench-out")
+    args = ap.parse_args()
+    for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_SIGNING_KEY"):
+        os.environ.pop(k, None)
+    root = Path(args.dir).resolve()
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    model = build(args.gib)
+    nbytes = state_bytes(model)
+    times: dict[str, list[float]] = {"raw": [], "torch": [], "sync": [], "async": []}
+    ck_async = worker.Checkpointer(model=model, ckpt_dir=root / "async", keep=1,
+                                   async_save=True)
+    rtrain_async(model, root / "async", ck_async, 1)  # first call allocates the buffers
+    for i in range(args.repeat):
+        times["raw"].append(raw_write(model, root / "raw.bin"))
+        (root / "raw.bin").unlink()
+        times["torch"].append(torch_save(model, root / "torch.pt"))
+        (root / "torch.pt").unlink()
+        shutil.rmtree(root / "sync", ignore_errors=True)
+        times["sync"].append(rtrain_sync(model, root / "sync"))
+        times["async"].append(rtrain_async(model, root / "async", ck_async, i + 2))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ckpt = root / "sync" / "checkpoint-1"
+    verify(ckpt, "full")  # warm the page cache
+    vt = []
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        assert verify(ckpt, "full").ok
+        vt.append(time.perf_counter() - t0)
+    ver = statistics.median(vt)
+    gb = nbytes / 1e9
+    print(f"state: {nbytes / 2**30:.2f} GiB, {args.repeat} runs each, medians; torch "
+          f"{torch.__version__}, {os.cpu_count()} cores")
+    print(f"{'measure':<34}{'time s':>8}{'GB/s':>8}{'ratio':>8}  target")
+    rows = [
+        ("raw write + fsync (baseline)", med["raw"], gb / med["raw"], None, ""),
+        ("torch.save + fsync (baseline)", med["torch"], gb / med["torch"], None, ""),
+        ("rtrain sync save vs raw", med["sync"], gb / med["sync"], med["raw"] / med["sync"],
+         ">= 0.90x"),
+        ("rtrain sync save vs torch.save", med["sync"], gb / med["sync"],
+         med["torch"] / med["sync"], ">= 1.00x"),
+        ("async save: blocked vs sync save", med["async"], None, med["async"] / med["sync"],
+         "<= 0.15x"),
+        ("verify full (page cache)", ver, gb / ver, None, ">= 2 GB/s"),
+    ]
+    for name, t, rate, ratio, target in rows:
+        rate_s = f"{rate:8.2f}" if rate else " " * 8
+        ratio_s = f"{ratio:7.2f}x" if ratio else " " * 8
+        print(f"{name:<34}{t:8.3f}{rate_s}{ratio_s}  {target}")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
