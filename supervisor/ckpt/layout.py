@@ -32,9 +32,13 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _host() -> str:
+def host_name() -> str:
+    """This host as temp dir names spell it."""
     # Dashes separate the fields of a temp name, so keep the host name free of them.
     return socket.gethostname().replace("-", "_") or "host"
+
+
+_host = host_name
 
 
 def tmp_name(step: int) -> str:
