@@ -59,8 +59,8 @@ def _leftover_state(lo: Leftover) -> str:
 def _row(e: Entry) -> list[str]:
     epoch = e.meta("epoch")
     return ["*" if e.resume else "", str(e.verdict.step), "-" if epoch is None else str(epoch),
-            local_time(e.meta("created"), " ", offset=False), human_size(e.size), pairs(e.meta("metrics")),
-            pairs(e.meta("settings")), e.verdict.describe()]
+            local_time(e.meta("created"), " ", offset=False), human_size(e.size),
+            pairs(e.meta("metrics")), pairs(e.meta("settings")), e.verdict.describe()]
 
 
 def render_dir(report: DirReport) -> str:
