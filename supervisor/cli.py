@@ -3,7 +3,7 @@
 Only this layer turns an `RtrainError` into `rtrain: error: <reason>` on stderr and an exit code.
 Domain modules are imported inside each command, so `rtrain inspect` never pays for `launch`'s
 imports (and nothing here imports torch). Output is plain text (rich_markup_mode=None): rich
-would add ~100 ms to every start.
+would add ~100 ms to every start; `FastTyper` spares simple options typer's pydantic coercion.
 
 To add a command: one `@app.command()` function that imports its domain module, calls it inside
 `with reported():`, and prints the result.
@@ -22,8 +22,9 @@ import typer
 
 from supervisor import __version__
 from supervisor.errors import RtrainError
+from supervisor.fast_typer import FastTyper
 
-app = typer.Typer(
+app = FastTyper(
     name="rtrain",
     help="Keep long PyTorch training runs alive: verified checkpoints, restarts, degradation.",
     add_completion=False,

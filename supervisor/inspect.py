@@ -22,7 +22,6 @@ from supervisor.ckpt.layout import (
     parse_step,
 )
 from supervisor.ckpt.manifest import ManifestError
-from supervisor.ckpt.prune import dir_size
 from supervisor.ckpt.verify import Level, Verdict, check_member_name
 from supervisor.errors import CheckpointError, UsageError
 
@@ -99,6 +98,24 @@ class Detail:
         if not self.verdict.ok:
             raise CheckpointError(f"{self.verdict.path.name} failed {self.level.value} "
                                   f"verification: {self.verdict.describe()}")
+
+
+def dir_size(path: str | os.PathLike) -> int:
+    """Bytes under `path` (what deleting it frees); links count as themselves."""
+    total = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        total += dir_size(entry.path)
+                    else:
+                        total += entry.stat(follow_symlinks=False).st_size
+                except OSError:
+                    continue  # removed while we looked: it no longer takes space
+    except OSError:
+        return total
+    return total
 
 
 def is_checkpoint_dir(path: Path) -> bool:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,18 +33,20 @@ def parse_step(name: str) -> int | None:
 def host_name() -> str:
     """This host as temp dir names spell it."""
     # Dashes separate the fields of a temp name, so keep the host name free of them.
-    return socket.gethostname().replace("-", "_") or "host"
+    # os.uname() rather than socket.gethostname(): the same name, without importing socket
+    # (this module is on `rtrain inspect`'s start-up path).
+    return os.uname().nodename.replace("-", "_") or "host"
 
 
 _host = host_name
 
 
 def tmp_name(step: int) -> str:
-    return f"{TMP_PREFIX}{step}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    return f"{TMP_PREFIX}{step}-{_host()}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def trash_name(name: str) -> str:
-    return f"{TRASH_PREFIX}{name.removeprefix(CKPT_PREFIX)}-{secrets.token_hex(4)}"
+    return f"{TRASH_PREFIX}{name.removeprefix(CKPT_PREFIX)}-{os.urandom(4).hex()}"
 
 
 @dataclass(frozen=True)
