@@ -63,7 +63,7 @@ def write_raw(path, header: dict, data: bytes) -> None:
 
 
 @pytest.mark.parametrize("header, data, words", [
-    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "header describes 24 bytes"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "header describes"),
     ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8, "does not fill"),
     ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
       "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "overlap"),
