@@ -122,3 +122,12 @@ def test_bad_value_is_a_config_error(tmp_path):
     (tmp_path / "rtrain.toml").write_text("ckpt_dir = 3\n")
     with pytest.raises(ConfigError, match="ckpt_dir must be a non-empty string"):
         default_ckpt_dir(tmp_path)
+
+
+def test_option_values_are_checked_and_enums_ignore_case(rtrain, ckpts):
+    r = rtrain("prune", str(ckpts), "--keep", "abc")
+    assert r.returncode == 2 and "'abc' is not a valid integer" in r.stderr
+    r = rtrain("prune", str(ckpts), "--keep", "1", "--keep-best", "1", "--metric", "acc",
+               "--mode", "MAX")
+    assert r.returncode == 0, r.stderr
+    assert steps(ckpts) == [200, 500]
