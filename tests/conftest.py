@@ -36,7 +36,7 @@ def default_tensors(step: int) -> dict[str, list[TensorBlob]]:
 
 
 def build_checkpoint(ckpt_dir: str | os.PathLike, step: int, *,
-                     metrics: dict[str, Any] | None = None,
+                     metrics: Any = None,
                      files: dict[str, bytes] | None = None,
                      tensors: dict[str, list[TensorBlob]] | None = None,
                      settings: dict[str, Any] | None = None, key: bytes | None = None,
@@ -52,7 +52,7 @@ def build_checkpoint(ckpt_dir: str | os.PathLike, step: int, *,
     manifest = {"epoch": step // 100, "samples_seen": step * 32, "fingerprint": "f" * 32,
                 "environment": {"python": "3.11", "torch": None, "rtrain": "0.1.0"},
                 "settings": settings if settings is not None else {"batch_size": 32},
-                "metrics": metrics or {}, "info": {}, **fields}
+                "metrics": {} if metrics is None else metrics, "info": {}, **fields}
     return pending.commit(manifest, key=key)
 
 

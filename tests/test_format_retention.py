@@ -137,3 +137,17 @@ def test_prune_removes_abandoned_temp_dir_but_not_a_live_writers(tmp_path, make_
         trash.name: "interrupted deletion"}
     assert live.exists() and remote.exists() and not dead.exists() and not trash.exists()
     assert steps(tmp_path) == [1]
+
+
+def test_zero_padded_names_are_not_checkpoints(tmp_path, make_ckpt):
+    make_ckpt(tmp_path, 100)
+    os.rename(tmp_path / "checkpoint-100", tmp_path / "checkpoint-0100")
+    make_ckpt(tmp_path, 100)
+    assert [p.name for _, p in list_checkpoints(tmp_path)] == ["checkpoint-100"]
+
+
+def test_prune_survives_metrics_that_are_not_a_table(tmp_path, make_ckpt):
+    make_ckpt(tmp_path, 1, metrics=[1, 2])
+    make_ckpt(tmp_path, 2, metrics={"loss": 0.1})
+    report = prune_mod.prune(tmp_path, RetentionPolicy(keep=1, keep_best=1, metric="loss"))
+    assert [r.path.name for r in report.removed] == ["checkpoint-1"]

@@ -17,7 +17,9 @@ TMP_PREFIX = ".tmp-checkpoint-"
 TRASH_PREFIX = ".trash-checkpoint-"
 MANIFEST = "manifest.json"
 
-_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+# No leading zeros: "checkpoint-0100" would share step 100 with "checkpoint-100", and prune,
+# which keys checkpoints by step, could then delete the one it meant to keep.
+_CKPT_RE = re.compile(r"^checkpoint-(0|[1-9]\d*)$")
 _TMP_RE = re.compile(r"^\.tmp-checkpoint-(\d+)-(.+)-(\d+)-([0-9a-f]+)$")
 
 
