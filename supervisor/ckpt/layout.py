@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +17,9 @@ TMP_PREFIX = ".tmp-checkpoint-"
 TRASH_PREFIX = ".trash-checkpoint-"
 MANIFEST = "manifest.json"
 
-_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+# No leading zeros: "checkpoint-0100" would share step 100 with "checkpoint-100", and prune,
+# which keys checkpoints by step, could then delete the one it meant to keep.
+_CKPT_RE = re.compile(r"^checkpoint-(0|[1-9]\d*)$")
 _TMP_RE = re.compile(r"^\.tmp-checkpoint-(\d+)-(.+)-(\d+)-([0-9a-f]+)$")
 
 
@@ -32,17 +32,23 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _host() -> str:
+def host_name() -> str:
+    """This host as temp dir names spell it."""
     # Dashes separate the fields of a temp name, so keep the host name free of them.
-    return socket.gethostname().replace("-", "_") or "host"
+    # os.uname() rather than socket.gethostname(): the same name, without importing socket
+    # (this module is on `rtrain inspect`'s start-up path).
+    return os.uname().nodename.replace("-", "_") or "host"
+
+
+_host = host_name
 
 
 def tmp_name(step: int) -> str:
-    return f"{TMP_PREFIX}{step}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    return f"{TMP_PREFIX}{step}-{_host()}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def trash_name(name: str) -> str:
-    return f"{TRASH_PREFIX}{name.removeprefix(CKPT_PREFIX)}-{secrets.token_hex(4)}"
+    return f"{TRASH_PREFIX}{name.removeprefix(CKPT_PREFIX)}-{os.urandom(4).hex()}"
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,8 @@ def write_file(path: str | os.PathLike, blobs: Iterable[TensorBlob],
     try:
         _write_all(fd, memoryview(header), hasher)
         for b in blobs:
+            if not b.data.nbytes:
+                continue  # an empty tensor has no bytes, and memoryview refuses to cast it
             data = b.data if b.data.format == "B" and b.data.ndim == 1 else b.data.cast("B")
             _write_all(fd, data, hasher)
         if fsync:
@@ -78,6 +80,53 @@ def write_file(path: str | os.PathLike, blobs: Iterable[TensorBlob],
     finally:
         os.close(fd)
     return Written(size=size, hash=hasher.hexdigest())
+
+
+# Bits per element of each safetensors dtype (the sub-byte float formats included).
+DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
+    "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32,
+    "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+}
+
+
+def _check_entries(header: dict[str, Any]) -> int:
+    """Check every tensor entry as the safetensors library does; return the data length.
+
+    A header that lies (offsets that overlap, leave gaps, or disagree with dtype x shape) is
+    refused here, so `inspect` never shows tensors that a load would reject.
+    """
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise ValueError(f"tensor {name!r}: entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in DTYPE_BITS:
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if (not isinstance(shape, list)
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                           for d in shape)):
+            raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"tensor {name!r}: bad data_offsets {offsets!r}")
+        count = 1
+        for d in shape:
+            count *= d
+        if count * DTYPE_BITS[dtype] != (offsets[1] - offsets[0]) * 8:
+            raise ValueError(f"tensor {name!r}: {dtype} {shape} does not fill data_offsets "
+                             f"{offsets}")
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for start, stop, name in sorted(spans):
+        if start != end:
+            raise ValueError(f"tensor {name!r}: data_offsets {[start, stop]} overlap or leave "
+                             "a gap")
+        end = stop
+    return end
 
 
 def read_header(path: str | os.PathLike) -> dict[str, Any]:
@@ -94,11 +143,9 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"header is not valid JSON ({e})") from None
-    end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        end = max(end, info["data_offsets"][1])
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    end = _check_entries(header)
     if 8 + n + end != size:
         raise ValueError(f"header describes {8 + n + end} bytes but the file has {size}")
     return header

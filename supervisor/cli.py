@@ -1,0 +1,162 @@
+"""The `rtrain` command: parse arguments, call one keyword-only domain function, print.
+
+Only this layer turns an `RtrainError` into `rtrain: error: <reason>` on stderr and an exit code.
+Domain modules are imported inside each command, so `rtrain inspect` never pays for `launch`'s
+imports (and nothing here imports torch). Output is plain text (rich_markup_mode=None): rich
+would add ~100 ms to every start; `FastTyper` spares simple options typer's pydantic coercion.
+
+To add a command: one `@app.command()` function that imports its domain module, calls it inside
+`with reported():`, and prints the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from supervisor import __version__
+from supervisor.errors import RtrainError
+from supervisor.fast_typer import FastTyper
+
+app = FastTyper(
+    name="rtrain",
+    help="Keep long PyTorch training runs alive: verified checkpoints, restarts, degradation.",
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+class VerifyLevel(str, enum.Enum):
+    # Mirrors ckpt.verify.Level; kept here so that building the CLI imports no hashing code.
+    quick = "quick"
+    full = "full"
+
+
+class Mode(str, enum.Enum):
+    min = "min"
+    max = "max"
+
+
+@contextlib.contextmanager
+def reported() -> Iterator[None]:
+    """Turn a domain error into one line on stderr and rtrain's exit code; never a traceback."""
+    try:
+        yield
+    except RtrainError as e:
+        typer.echo(f"rtrain: error: {e}", err=True)
+        raise typer.Exit(int(e.exit_code)) from None
+
+
+def echo_json(obj: Any) -> None:
+    typer.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+
+def _signing_key() -> bytes | None:
+    from supervisor.ckpt.hashing import load_signing_key
+
+    return load_signing_key()
+
+
+def _ckpt_dir(target: Path | None) -> Path:
+    if target is not None:
+        return target
+    from supervisor.paths import default_ckpt_dir
+
+    return default_ckpt_dir()
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"rtrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """rtrain: a supervisor that keeps long PyTorch training runs alive."""
+
+
+Target = Annotated[Path | None, typer.Argument(
+    metavar="DIR", show_default=False,
+    help="Checkpoint dir or one checkpoint-N dir (default: from rtrain.toml, else ./checkpoints).")]
+
+
+@app.command()
+def inspect(
+    target: Target = None,
+    verify: Annotated[VerifyLevel | None, typer.Option(
+        "--verify", case_sensitive=False, show_default=False,
+        help="quick (sizes) or full (content hashes). Default quick; when given, a failure "
+             "exits 1.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """List checkpoints and which one resume would pick, or show one checkpoint in detail."""
+    with reported():
+        from supervisor import inspect as insp
+        from supervisor import inspect_render as render
+        from supervisor.ckpt.verify import Level
+
+        level = Level((verify or VerifyLevel.quick).value)
+        root = _ckpt_dir(target)
+        key = _signing_key()
+        if insp.is_checkpoint_dir(root):
+            result: Any = insp.inspect_one(root, verify=level, key=key)
+            echo_json(render.one_json(result)) if as_json else typer.echo(render.render_one(result))
+        else:
+            result = insp.inspect_dir(root, verify=level, key=key)
+            echo_json(render.dir_json(result)) if as_json else typer.echo(render.render_dir(result))
+        if verify is not None:
+            result.raise_if_failed()
+
+
+@app.command()
+def prune(
+    target: Target = None,
+    keep: Annotated[int, typer.Option("--keep", metavar="N", show_default=False,
+                                      help="Keep the newest N verified checkpoints.")] = ...,
+    keep_best: Annotated[int, typer.Option("--keep-best", metavar="K",
+                                           help="Also keep the best K by --metric.")] = 0,
+    metric: Annotated[str | None, typer.Option("--metric", metavar="NAME",
+                                               help="Metric that ranks --keep-best.")] = None,
+    mode: Annotated[Mode | None, typer.Option(
+        "--mode", case_sensitive=False, show_default=False,
+        help="min (e.g. loss, the default) or max (e.g. accuracy).")] = None,
+    milestone_every: Annotated[int, typer.Option(
+        "--milestone-every", metavar="M", help="Also keep every step that is a multiple of M.")
+    ] = 0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show, remove nothing.")] = False,
+    verify: Annotated[VerifyLevel, typer.Option(
+        "--verify", case_sensitive=False,
+        help="Level that decides which checkpoints count as good.")] = VerifyLevel.quick,
+) -> None:
+    """Remove checkpoints the retention policy does not keep, and abandoned temp dirs."""
+    with reported():
+        from supervisor import pruning
+        from supervisor.ckpt.verify import Level
+
+        policy = pruning.policy_from_options(
+            keep=keep, keep_best=keep_best, metric=metric, mode=mode and mode.value,
+            milestone_every=milestone_every)
+        report = pruning.prune_dir(_ckpt_dir(target), policy=policy, verify=Level(verify.value),
+                                   key=_signing_key(), dry_run=dry_run)
+        typer.echo(pruning.render_prune(report, dry_run=dry_run))
+
+
+def main() -> None:
+    app(prog_name="rtrain")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,138 @@
+"""A `typer.Typer` whose simple options skip pydantic, so `rtrain inspect` starts fast.
+
+typer 0.2x coerces every non-flag parameter through a pydantic `TypeAdapter`; importing pydantic
+and building the adapters costs ~200 ms, two thirds of the 300 ms that `rtrain inspect` over 100
+checkpoints may take in all. For `bool`, `str`, `int`, `float`, `Path` and `Enum` parameters
+(all rtrain uses) plain conversion is equivalent, so `FastTyper`'s group and commands use it.
+Anything else, or a typer without this seam, keeps typer's own coercion: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+try:  # private, hence guarded: without it commands simply keep typer's coercion
+    from typer._coercion import RuntimeParam
+except ImportError:  # pragma: no cover - depends on the installed typer
+    RuntimeParam = None  # type: ignore[assignment,misc]
+
+
+def _enum_converter(kind: type[enum.Enum], case_sensitive: bool) -> Callable[[Any], Any]:
+    def convert(value: Any) -> enum.Enum:
+        if isinstance(value, kind):
+            return value
+        for member in kind:
+            if member.value == value or (not case_sensitive
+                                         and str(member.value).lower() == str(value).lower()):
+                return member
+        choices = ", ".join(repr(m.value) for m in kind)
+        raise ValueError(f"{value!r} is not one of {choices}")
+
+    return convert
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a valid integer")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a valid integer") from None
+
+
+def _float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a valid number") from None
+
+
+_TRUE, _FALSE = {"1", "true", "t", "yes", "y", "on"}, {"0", "false", "f", "no", "n", "off"}
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise ValueError(f"{value!r} is not a valid boolean")
+
+
+def plain_converter(annotation: Any, case_sensitive: bool = True) -> Callable[[Any], Any] | None:
+    """A converter for the simple annotations, or None to leave the parameter to typer."""
+    if annotation is bool:
+        return _bool
+    if annotation is str:
+        return str
+    if annotation is int:
+        return _int
+    if annotation is float:
+        return _float
+    if annotation is Path:
+        return Path
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return _enum_converter(annotation, case_sensitive)
+    return None
+
+
+if RuntimeParam is not None:
+    @dataclass(frozen=True)
+    class PlainParam(RuntimeParam):
+        convert: Callable[[Any], Any] = str
+
+        def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
+            try:
+                return self.convert(value)
+            except ValueError as e:
+                raise typer.BadParameter(str(e), ctx=ctx, param=param) from None
+
+
+def install_plain(params: list[Any]) -> None:
+    """Give each simple single-valued parameter a plain converter (once)."""
+    if RuntimeParam is None:
+        return
+    for param in params:
+        desc = getattr(param, "type_descriptor", None)
+        # Lists, tuples, parsers and ranges keep typer's coercion.
+        if (desc is None or param.multiple or param.nargs != 1
+                or getattr(param, "_runtime_param", False) is not None):
+            continue
+        info = desc.parameter_info
+        if any(getattr(info, a, None) is not None for a in ("parser", "min", "max")):
+            continue
+        convert = plain_converter(desc.annotation, getattr(info, "case_sensitive", True))
+        if convert is not None:
+            param._runtime_param = PlainParam(info, desc.annotation, convert)
+
+
+class FastCommand(TyperCommand):
+    def get_params(self, ctx: Any) -> list[Any]:
+        # Here rather than in __init__: the help option is only made when first asked for.
+        params = super().get_params(ctx)
+        install_plain(params)
+        return params
+
+
+class FastGroup(TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        params = super().get_params(ctx)
+        install_plain(params)
+        return params
+
+
+class FastTyper(typer.Typer):
+    """`typer.Typer` whose group and commands default to `FastGroup` / `FastCommand`."""
+
+    def __init__(self, *args: Any, cls: type[TyperGroup] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, cls=cls or FastGroup, **kwargs)
+
+    def command(self, *args: Any, cls: type[TyperCommand] | None = None, **kwargs: Any) -> Any:
+        return super().command(*args, cls=cls or FastCommand, **kwargs)

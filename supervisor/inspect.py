@@ -1,0 +1,227 @@
+"""`rtrain inspect`: what is in a checkpoint directory, or in one checkpoint, read from manifests.
+
+Torch-free and cheap: listing 100 checkpoints reads 100 manifests and stats their files
+(`quick`); `full` also rehashes every byte. Rendering lives in `inspect_render`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.ckpt import hashing, safetensors_io
+from supervisor.ckpt import verify as ckverify
+from supervisor.ckpt.layout import (
+    MANIFEST,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    host_name,
+    list_leftovers,
+    parse_step,
+)
+from supervisor.ckpt.manifest import ManifestError
+from supervisor.ckpt.verify import Level, Verdict, check_member_name
+from supervisor.errors import CheckpointError, UsageError
+
+
+@dataclass
+class Entry:
+    """One committed checkpoint as the listing shows it."""
+
+    verdict: Verdict
+    size: int
+    resume: bool = False
+
+    def meta(self, name: str, default: Any = None) -> Any:
+        return (self.verdict.manifest or {}).get(name, default)
+
+
+@dataclass
+class Leftover:
+    """A temp dir of a save (in progress or abandoned) or a trash dir of a deletion."""
+
+    path: Path
+    size: int
+    kind: str  # "temp" or "trash"
+    writer_alive: bool
+    step: int | None = None
+    host: str | None = None
+    pid: int | None = None
+
+    @property
+    def remote(self) -> bool:
+        """Written from another host: whether its writer lives cannot be told from here."""
+        return self.host is not None and self.host != host_name()
+
+
+@dataclass
+class DirReport:
+    ckpt_dir: Path
+    level: Level
+    entries: list[Entry]  # newest first
+    leftovers: list[Leftover]
+
+    @property
+    def resume(self) -> Entry | None:
+        return next((e for e in self.entries if e.resume), None)
+
+    def raise_if_failed(self) -> None:
+        bad = [e.verdict.path.name for e in self.entries if not e.verdict.ok]
+        if bad:
+            raise CheckpointError(f"{len(bad)} of {len(self.entries)} checkpoints failed "
+                                  f"{self.level.value} verification: {', '.join(bad)}")
+
+
+@dataclass
+class FileCheck:
+    name: str
+    size: int | None  # from the manifest; None for a file the manifest does not list
+    hash: str | None
+    status: str  # "ok", "missing", "not in manifest", "size ...", "hash mismatch", "refused: ..."
+
+
+@dataclass
+class Detail:
+    verdict: Verdict
+    level: Level
+    size: int
+    files: list[FileCheck]
+    # {file: {tensor: (dtype, shape)}}, or {file: "why the header could not be read"}
+    tensors: dict[str, dict[str, tuple[str, list[int]]] | str] = field(default_factory=dict)
+
+    def meta(self, name: str, default: Any = None) -> Any:
+        return (self.verdict.manifest or {}).get(name, default)
+
+    def raise_if_failed(self) -> None:
+        if not self.verdict.ok:
+            raise CheckpointError(f"{self.verdict.path.name} failed {self.level.value} "
+                                  f"verification: {self.verdict.describe()}")
+
+
+def dir_size(path: str | os.PathLike) -> int:
+    """Bytes under `path` (what deleting it frees); links count as themselves."""
+    total = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        total += dir_size(entry.path)
+                    else:
+                        total += entry.stat(follow_symlinks=False).st_size
+                except OSError:
+                    continue  # removed while we looked: it no longer takes space
+    except OSError:
+        return total
+    return total
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """Whether `path` is one checkpoint (rather than a directory of them)."""
+    return ((path / MANIFEST).exists() or parse_step(path.name) is not None
+            or path.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
+
+
+def _require_dir(path: Path) -> None:
+    if not path.exists():
+        raise UsageError(f"no checkpoint directory at {path}")
+    if not path.is_dir():
+        raise UsageError(f"{path} is not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise UsageError(f"cannot read {path}: permission denied")
+
+
+def inspect_dir(ckpt_dir: str | os.PathLike, *, verify: Level = Level.QUICK,
+                key: bytes | None = None) -> DirReport:
+    """Every committed checkpoint, newest first, and which one resume would pick at `verify`."""
+    root = Path(ckpt_dir)
+    _require_dir(root)
+    entries = [Entry(v, dir_size(v.path)) for v in ckverify.verify_all(root, verify, key)]
+    # Resume picks the newest checkpoint that verifies, as verify.select_resume does.
+    pick = next((e for e in entries if e.verdict.ok), None)
+    if pick is not None:
+        pick.resume = True
+    leftovers = [
+        Leftover(t.path, dir_size(t.path),
+                 "trash" if t.path.name.startswith(TRASH_PREFIX) else "temp",
+                 t.writer_alive(), t.step, t.host, t.pid)
+        for t in list_leftovers(root)
+    ]
+    leftovers.sort(key=lambda lo: lo.path.name)
+    return DirReport(root, Level(verify), entries, leftovers)
+
+
+def _check_file(root: Path, name: str, entry: dict[str, Any], level: Level) -> str:
+    try:
+        path = check_member_name(root, name)
+        size = os.stat(path).st_size
+    except ManifestError as e:
+        return f"refused: {e}"
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"cannot read: {e.strerror}"
+    if size != entry["size"]:
+        return f"size {size}, the manifest says {entry['size']}"
+    if level is Level.FULL:
+        try:
+            if hashing.hash_file(path) != entry["hash"]:
+                return "hash mismatch"
+        except OSError as e:
+            return f"cannot read: {e.strerror}"
+    return "ok"
+
+
+def _files(verdict: Verdict, level: Level) -> list[FileCheck]:
+    root, manifest = verdict.path, verdict.manifest or {}
+    listed: dict[str, Any] = manifest.get("files", {})
+    out = []
+    for name in sorted(listed):
+        entry = listed[name]
+        # A checkpoint that verified needs no second pass; a failed one is checked file by file
+        # so the listing shows which files are at fault.
+        status = "ok" if verdict.ok else _check_file(root, name, entry, level)
+        out.append(FileCheck(name, entry["size"], entry["hash"], status))
+    try:
+        on_disk = sorted(e.name for e in os.scandir(root) if e.is_file(follow_symlinks=False))
+    except OSError:
+        on_disk = []
+    out += [FileCheck(n, None, None, "not in manifest")
+            for n in on_disk if n != MANIFEST and n not in listed]
+    return out
+
+
+def _tensors(verdict: Verdict, files: list[FileCheck]) -> dict[str, Any]:
+    recorded = (verdict.manifest or {}).get("tensors")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    out: dict[str, Any] = {}
+    for f in files:
+        if not f.name.endswith(".safetensors"):
+            continue
+        table = recorded.get(f.name)
+        if isinstance(table, dict):
+            out[f.name] = {t: (spec[0], spec[1]) for t, spec in table.items()
+                           if isinstance(spec, list) and len(spec) == 2}
+            continue
+        # Older or hand-made manifests lack the table: read the file's own header instead.
+        try:
+            path = check_member_name(verdict.path, f.name)
+            header = safetensors_io.read_header(path)
+        except (ManifestError, OSError, ValueError) as e:
+            out[f.name] = f"header unreadable: {getattr(e, 'strerror', None) or e}"
+            continue
+        out[f.name] = {t: (info["dtype"], info["shape"]) for t, info in header.items()
+                       if t != "__metadata__"}
+    return out
+
+
+def inspect_one(path: str | os.PathLike, *, verify: Level = Level.QUICK,
+                key: bytes | None = None) -> Detail:
+    """One checkpoint in detail: files with sizes, hashes and their state, tensors, metadata."""
+    root = Path(path)
+    _require_dir(root)
+    verdict = ckverify.verify(root, verify, key)
+    files = _files(verdict, Level(verify))
+    return Detail(verdict, Level(verify), dir_size(root), files, _tensors(verdict, files))

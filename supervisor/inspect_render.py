@@ -1,0 +1,167 @@
+"""Plain-text and JSON renderings of `inspect` results.
+
+Plain text, not rich: rich costs ~100 ms to import, and `rtrain inspect` has 300 ms in all.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from supervisor.inspect import Detail, DirReport, Entry, Leftover
+
+
+def human_size(n: int) -> str:
+    size, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+
+
+def local_time(created: Any, sep: str = "T", offset: bool = True) -> str:
+    """ISO 8601 local time; the table leaves out the UTC offset to stay narrow."""
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        return "-"
+    when = dt.datetime.fromtimestamp(created)
+    return (when.astimezone() if offset else when).isoformat(sep, "seconds")
+
+
+def pairs(obj: Any) -> str:
+    """`{"loss": 0.25, "bs": 16}` as `loss=0.25 bs=16`."""
+    if not isinstance(obj, dict) or not obj:
+        return "-"
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in obj.items())
+
+
+def table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    """Left-aligned columns; the last one is not padded (it holds the long reasons)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return [(indent + "  ".join([c.ljust(w) for c, w in zip(r, widths, strict=False)]
+                                + [r[-1]])).rstrip() for r in rows]
+
+
+def _leftover_state(lo: Leftover) -> str:
+    if lo.kind == "trash":
+        return "interrupted deletion: prune removes it"
+    if lo.pid is None:
+        return "temp dir with an unrecognised name: prune removes it"
+    who = f"pid {lo.pid} on {lo.host}"
+    if lo.remote:
+        return f"written from another host ({who}): cannot tell if it is alive, left alone"
+    if lo.writer_alive:
+        return f"save in progress ({who})"
+    return f"abandoned ({who} is gone): prune removes it"
+
+
+def _row(e: Entry) -> list[str]:
+    epoch = e.meta("epoch")
+    return ["*" if e.resume else "", str(e.verdict.step), "-" if epoch is None else str(epoch),
+            local_time(e.meta("created"), " ", offset=False), human_size(e.size),
+            pairs(e.meta("metrics")), pairs(e.meta("settings")), e.verdict.describe()]
+
+
+def render_dir(report: DirReport) -> str:
+    n = len(report.entries)
+    lines = [f"{report.ckpt_dir}: {n} checkpoint{'s' if n != 1 else ''}, "
+             f"verified {report.level.value}"]
+    if report.entries:
+        head = ["", "STEP", "EPOCH", "TIME", "SIZE", "METRICS", "SETTINGS", "STATUS"]
+        lines += table([head] + [_row(e) for e in report.entries])
+    pick = report.resume
+    if pick is not None:
+        lines.append(f"* resume would pick {pick.verdict.path.name} (the newest that verifies "
+                     f"at level {report.level.value})")
+    elif report.entries:
+        lines.append(f"resume would start fresh: no checkpoint verifies at level "
+                     f"{report.level.value}")
+    if report.leftovers:
+        lines.append("leftovers:")
+        lines += table([[lo.path.name, human_size(lo.size), _leftover_state(lo)]
+                        for lo in report.leftovers])
+    return "\n".join(lines)
+
+
+def _tensor_lines(tensors: dict[str, Any]) -> list[str]:
+    lines = []
+    for fname, table_ in tensors.items():
+        if isinstance(table_, str):
+            lines.append(f"  {fname}: {table_}")
+            continue
+        lines.append(f"  {fname} ({len(table_)} tensors)")
+        if table_:
+            lines += table([["NAME", "DTYPE", "SHAPE"]] + [
+                [t, dtype, str(list(shape))] for t, (dtype, shape) in table_.items()], "    ")
+    return lines
+
+
+def render_one(d: Detail) -> str:
+    v = d.verdict
+    sig = d.meta("signature")
+    fields = [
+        ("status", f"{v.status.value} (verified {d.level.value})"
+                   + (f": {v.reason}" if v.reason else "")),
+        ("step", f"{d.meta('step', v.step)}   epoch {d.meta('epoch', '-')}   "
+                 f"samples seen {d.meta('samples_seen', '-')}"),
+        ("created", local_time(d.meta("created"))),
+        ("size", f"{human_size(d.size)} in {len(d.files)} files (+ manifest)"),
+        ("fingerprint", str(d.meta("fingerprint", "-"))),
+        ("signed", f"yes ({sig.get('alg')})" if isinstance(sig, dict) else "no"),
+        ("metrics", pairs(d.meta("metrics"))),
+        ("settings", pairs(d.meta("settings"))),
+        ("environment", pairs(d.meta("environment"))),
+        ("info", pairs(d.meta("info"))),
+    ]
+    lines = [str(v.path)] + [f"  {k:<12}{val}" for k, val in fields]
+    if d.files:
+        lines.append("files:")
+        lines += table([["NAME", "SIZE", "HASH", "STATUS"]] + [
+            [f.name, "-" if f.size is None else human_size(f.size), f.hash or "-", f.status]
+            for f in d.files])
+    if d.tensors:
+        lines.append("tensors:")
+        lines += _tensor_lines(d.tensors)
+    return "\n".join(lines)
+
+
+def _entry_json(e: Entry) -> dict[str, Any]:
+    return {
+        "name": e.verdict.path.name, "path": str(e.verdict.path), "step": e.verdict.step,
+        "status": e.verdict.status.value, "reason": e.verdict.reason, "resume": e.resume,
+        "epoch": e.meta("epoch"), "samples_seen": e.meta("samples_seen"),
+        "created": e.meta("created"), "time": local_time(e.meta("created")),
+        "size": e.size, "metrics": e.meta("metrics", {}), "settings": e.meta("settings", {}),
+    }
+
+
+def dir_json(report: DirReport) -> dict[str, Any]:
+    pick = report.resume
+    return {
+        "ckpt_dir": str(report.ckpt_dir), "verify": report.level.value,
+        "resume": None if pick is None else str(pick.verdict.path),
+        "checkpoints": [_entry_json(e) for e in report.entries],
+        "leftovers": [{"name": lo.path.name, "path": str(lo.path), "kind": lo.kind,
+                       "size": lo.size, "step": lo.step, "host": lo.host, "pid": lo.pid,
+                       "writer_alive": lo.writer_alive} for lo in report.leftovers],
+    }
+
+
+def one_json(d: Detail) -> dict[str, Any]:
+    v = d.verdict
+    m = v.manifest or {}
+    return {
+        "name": v.path.name, "path": str(v.path), "step": v.step, "verify": d.level.value,
+        "status": v.status.value, "reason": v.reason, "size": d.size,
+        "time": local_time(m.get("created")),
+        **{k: m.get(k) for k in ("epoch", "samples_seen", "created", "fingerprint",
+                                 "environment", "settings", "metrics", "info", "hash_alg")},
+        "signed": isinstance(m.get("signature"), dict),
+        "files": [{"name": f.name, "size": f.size, "hash": f.hash, "status": f.status}
+                  for f in d.files],
+        "tensors": {fname: t if isinstance(t, str) else
+                    {name: {"dtype": dtype, "shape": list(shape)}
+                     for name, (dtype, shape) in t.items()}
+                    for fname, t in d.tensors.items()},
+    }

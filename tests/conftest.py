@@ -1,0 +1,77 @@
+"""Shared fixtures: checkpoints built without torch, through the real commit protocol."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from supervisor.ckpt.commit import PendingCheckpoint
+from supervisor.ckpt.safetensors_io import TensorBlob
+
+REPO = Path(__file__).resolve().parent.parent
+NUMPY_TO_ST = {np.dtype("float32"): "F32", np.dtype("float64"): "F64",
+               np.dtype("int64"): "I64", np.dtype("int32"): "I32", np.dtype("uint8"): "U8",
+               np.dtype("float16"): "F16", np.dtype("bool"): "BOOL"}
+
+
+def blob(name: str, array: np.ndarray) -> TensorBlob:
+    # np.ascontiguousarray would turn a 0-d array into a 1-d one.
+    array = np.require(array, requirements='C')
+    return TensorBlob(name, NUMPY_TO_ST[array.dtype], tuple(array.shape), memoryview(array))
+
+
+def default_tensors(step: int) -> dict[str, list[TensorBlob]]:
+    rng = np.random.default_rng(step)
+    return {"model.safetensors": [
+        blob("fc.weight", rng.standard_normal((4, 3)).astype(np.float32)),
+        blob("fc.bias", np.zeros(4, np.float32)),
+        blob("step", np.array(step, np.int64)),
+    ]}
+
+
+def build_checkpoint(ckpt_dir: str | os.PathLike, step: int, *,
+                     metrics: Any = None,
+                     files: dict[str, bytes] | None = None,
+                     tensors: dict[str, list[TensorBlob]] | None = None,
+                     settings: dict[str, Any] | None = None, key: bytes | None = None,
+                     **fields: Any) -> Path:
+    """Commit `checkpoint-<step>` with tensors (default: a tiny model), a state.json, `files`
+    (extra raw files) and manifest `fields` (epoch, samples_seen, ... override the defaults)."""
+    pending = PendingCheckpoint(ckpt_dir, step, fsync=False)
+    for name, blobs in (default_tensors(step) if tensors is None else tensors).items():
+        pending.write_tensors(name, blobs)
+    pending.write_json("state.json", {"step": step})
+    for name, data in (files or {}).items():
+        pending.write_bytes(name, data)
+    manifest = {"epoch": step // 100, "samples_seen": step * 32, "fingerprint": "f" * 32,
+                "environment": {"python": "3.11", "torch": None, "rtrain": "0.1.0"},
+                "settings": settings if settings is not None else {"batch_size": 32},
+                "metrics": {} if metrics is None else metrics, "info": {}, **fields}
+    return pending.commit(manifest, key=key)
+
+
+@pytest.fixture
+def make_ckpt():
+    """`make_ckpt(dir, step, metrics=..., files=..., tensors=..., key=..., **fields)`."""
+    return build_checkpoint
+
+
+def run_rtrain(*args: str, cwd: str | os.PathLike | None = None,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m supervisor ARGS` in a subprocess, as a user would run `rtrain`."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
+    full_env["PYTHONPATH"] = str(REPO)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "supervisor", *args], cwd=cwd or REPO,
+                          env=full_env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def rtrain():
+    return run_rtrain
