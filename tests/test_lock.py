@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,15 +71,25 @@ def test_stale_lock_of_a_dead_pid_is_taken_over(tmp_path):
         pass
 
 
+ORPHANING_HOLDER = """
+import os, subprocess, sys
+from supervisor.lock import RunLock
+RunLock(sys.argv[1]).acquire()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], close_fds=False,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(child.pid, flush=True)
+os._exit(0)  # a supervisor that dies without releasing, its child still running
+"""
+
+
 def test_lock_fd_is_not_inherited_by_the_training_child(tmp_path):
-    lock = RunLock(tmp_path).acquire()
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE, close_fds=False)
+    out = subprocess.run([sys.executable, "-c", ORPHANING_HOLDER, str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    orphan = int(out)
     try:
-        lock.release()
-        # Were the descriptor inherited, the still-running child would hold the flock.
-        with RunLock(tmp_path):
-            pass
+        # Were the descriptor inherited, the orphaned child would still hold the flock.
+        with RunLock(tmp_path) as lock:
+            assert lock.previous is not None and lock.previous["alive"] is False
     finally:
-        child.stdin.close()
-        child.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)
