@@ -196,8 +196,9 @@ class Config:
     """`[[ladder]]` rungs, walked in order on memory failures."""
 
     def __post_init__(self) -> None:
-        if self.resume not in ("auto", "never") and not str(self.resume):
-            raise ConfigError("resume must be auto, never or a checkpoint path")
+        if not isinstance(self.resume, str) or not self.resume:
+            raise ConfigError(f"resume must be auto, never or a checkpoint path "
+                              f"(got {self.resume!r})")
         if self.verify not in ("quick", "full"):
             raise ConfigError(f"verify must be 'quick' or 'full' (got {self.verify!r})")
         _bool("requeue", self.requeue)

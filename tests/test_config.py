@@ -104,6 +104,7 @@ def test_explicit_config_file_and_resume_path(tmp_path):
     ("[backoff]\nfactor = 0.5\n", "[backoff] factor must be at least 1"),
     ("[hang]\nfloor_s = 100\nceiling_s = 10\n", "floor_s (100) must not exceed ceiling_s (10)"),
     ("verify = \"fast\"\n", "verify must be 'quick' or 'full'"),
+    ("resume = 3\n", "resume must be auto, never or a checkpoint path (got 3)"),
     ("requeue = 1\n", "requeue must be true or false"),
     ("[settings]\nwhen = 1979-05-27\n", "[settings] when must be a string, number"),
     ("[[ladder]]\nknob = \"batch_size\"\naction = \"shrink\"\n", "action 'shrink' is not one of"),
