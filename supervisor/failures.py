@@ -24,6 +24,7 @@ class Evidence:
     """What the watcher saw of one attempt; classification reads only this."""
 
     returncode: int | None = None  # None while running / when killed by a signal
+    pid: int | None = None  # the child's pid, named in the reason sentence
     signal: str | None = None  # e.g. "SIGKILL" when the child died of a signal
     exit_records: list[dict[str, Any]] = field(default_factory=list)  # ExitRecord dicts, by rank
     stderr_tail: str = ""

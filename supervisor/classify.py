@@ -1,0 +1,149 @@
+"""Name what ended an attempt: one pure function from `Evidence` to a `Failure`.
+
+Rules, first match wins (why each sits where it does is noted inline):
+exit record > exit 75 > stop killed after grace > hang > lost device > CUDA OOM in stderr >
+kernel OOM evidence > host OOM in stderr > stop requested > SIGKILL without memory pressure >
+failed before the first step (startup) > crash.
+"""
+
+from __future__ import annotations
+
+import re
+import signal as _signal
+from typing import Any
+
+from supervisor.failures import Evidence, Failure, FailureKind
+from supervisor.protocol import EXIT_PREEMPTED
+
+GPU_OOM = re.compile(r"CUDA out of memory|torch\.(cuda\.)?OutOfMemoryError|"
+                     r"CUBLAS_STATUS_ALLOC_FAILED|HIP out of memory|CUDA error: out of memory")
+HOST_OOM = re.compile(r"\bMemoryError\b|std::bad_alloc|Cannot allocate memory")
+# NaN losses are not matched in stderr: "nan" appears in too many harmless log lines (metric
+# names, tensor prints); the worker's exit record is the evidence for `nonfinite`.
+
+# When several ranks left records, the most specific kind names the attempt: rank 0's
+# "crash" is usually the NCCL fallout of rank 3's out-of-memory.
+_RECORD_PRIORITY = [FailureKind.OOM_GPU, FailureKind.OOM_HOST, FailureKind.NONFINITE,
+                    FailureKind.DATA, FailureKind.LOST_DEVICE, FailureKind.STARTUP,
+                    FailureKind.PREEMPTED, FailureKind.CRASH]
+
+
+def describe_exit(ev: Evidence) -> str:
+    """torchelastic-style: "Signal 9 (SIGKILL) received by PID 123" / "PID 123 exited with 1"."""
+    who = f"PID {ev.pid}" if ev.pid is not None else "the child"
+    if ev.signal:
+        try:
+            num = f"{int(_signal.Signals[ev.signal])} "
+        except KeyError:
+            num = ""
+        return f"Signal {num}({ev.signal}) received by {who}"
+    return f"{who} exited with code {ev.returncode}"
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _memory_pressure(ev: Evidence, fraction: float) -> str | None:
+    """Why memory looks exhausted, or None when nothing says so."""
+    total = ev.host_mem_total
+    if not total:
+        return None
+    if ev.host_mem_available_min is not None and ev.host_mem_available_min < (1 - fraction) * total:
+        return (f"host memory available fell to {ev.host_mem_available_min / 2**20:.0f} MiB of "
+                f"{total / 2**20:.0f} MiB")
+    if ev.peak_rss_bytes >= fraction * total:
+        return (f"the process tree peaked at {ev.peak_rss_bytes / 2**20:.0f} MiB of "
+                f"{total / 2**20:.0f} MiB")
+    return None
+
+
+def _from_records(records: list[dict[str, Any]], ev: Evidence) -> Failure:
+    def kind_of(rec: dict[str, Any]) -> FailureKind:
+        try:
+            return FailureKind(rec.get("kind"))
+        except ValueError:
+            return FailureKind.CRASH
+
+    rec = min(records, key=lambda r: _RECORD_PRIORITY.index(kind_of(r)))
+    kind = kind_of(rec)
+    reason = str(rec.get("reason") or rec.get("exception") or kind.value)
+    if len(records) > 1:
+        others = len(records) - 1
+        reason = f"rank {rec.get('rank', 0)}: {reason} ({others} other rank(s) also reported)"
+    if rec.get("step") is not None:
+        reason += f" at step {rec['step']}"
+    return _failure(kind, reason, ev)
+
+
+def _failure(kind: FailureKind, reason: str, ev: Evidence) -> Failure:
+    return Failure(kind=kind, reason=reason, exit_code=ev.returncode, signal=ev.signal,
+                   evidence=ev)
+
+
+def classify(evidence: Evidence, *, memory_pressure_fraction: float = 0.9) -> Failure:
+    """The kind of failure that ended the attempt, with the sentence a person reads.
+
+    Call it only for attempts that did not exit 0 (exit 0 is success, not a failure).
+    """
+    ev = evidence
+    if ev.returncode == 0 and not ev.signal:
+        raise ValueError("exit status 0 is success: there is no failure to classify")
+    how = describe_exit(ev)
+    if ev.exit_records:
+        return _from_records(ev.exit_records, ev)
+    if ev.returncode == EXIT_PREEMPTED:
+        why = f"on {ev.stop_requested}" if ev.stop_requested else "on its own"
+        return _failure(FailureKind.PREEMPTED,
+                        f"stopped {why} after committing a checkpoint (exit 75)", ev)
+    if ev.stop_requested and ev.killed_after_grace:
+        return _failure(FailureKind.PREEMPTED,
+                        f"stop requested by {ev.stop_requested}, but the child did not save and "
+                        f"exit within the grace period and was killed ({how}); the newest "
+                        "checkpoint predates the stop", ev)
+    # The supervisor's own kill of a silent child arrives as SIGTERM/SIGKILL: name it a hang
+    # before any signal rule reads it as something else.
+    if ev.hang:
+        return _failure(FailureKind.HANG, f"no progress: {ev.hang_detail or 'silent too long'}; "
+                                          f"stopped by rtrain ({how})", ev)
+    if ev.gpu_lost:
+        return _failure(FailureKind.LOST_DEVICE,
+                        f"the GPU was lost ({ev.gpu_detail or 'NVML reports it gone'}); {how}", ev)
+    match = GPU_OOM.search(ev.stderr_tail)
+    if match:
+        return _failure(FailureKind.OOM_GPU, f"GPU out of memory ({how}): "
+                                             f"{_line_of(ev.stderr_tail, match)}", ev)
+    if ev.cgroup_oom_kills > 0:
+        # The OOM killer may have picked a data-loader worker, so any ending counts.
+        return _failure(FailureKind.OOM_HOST,
+                        f"{how}; the kernel OOM killer killed {ev.cgroup_oom_kills} process(es) "
+                        "in the run's cgroup", ev)
+    pressure = _memory_pressure(ev, memory_pressure_fraction)
+    if ev.signal == "SIGKILL" and pressure:
+        return _failure(FailureKind.OOM_HOST, f"{how} while {pressure}: out of host memory", ev)
+    match = HOST_OOM.search(ev.stderr_tail)
+    if match:
+        return _failure(FailureKind.OOM_HOST, f"host out of memory ({how}): "
+                                              f"{_line_of(ev.stderr_tail, match)}", ev)
+    if ev.stop_requested:
+        return _failure(FailureKind.PREEMPTED,
+                        f"stop requested by {ev.stop_requested}; {how} without confirming a "
+                        "checkpoint (no exit 75)", ev)
+    if ev.signal == "SIGKILL":
+        return _failure(FailureKind.CRASH, f"{how} with no sign of memory pressure: someone "
+                                           "killed it (not an out-of-memory)", ev)
+    if not ev.first_step_seen:
+        last = _last_line(ev.stderr_tail)
+        return _failure(FailureKind.STARTUP, f"failed before its first step ({how})"
+                                             + (f": {last}" if last else ""), ev)
+    last = _last_line(ev.stderr_tail)
+    step = f" at step {ev.last_step}" if ev.last_step is not None else ""
+    return _failure(FailureKind.CRASH, f"{how}{step}" + (f": {last}" if last else ""), ev)
+
+
+def _line_of(text: str, match: re.Match[str]) -> str:
+    """The whole stderr line holding the match, the line a person would search for."""
+    start = text.rfind("\n", 0, match.start()) + 1
+    end = text.find("\n", match.end())
+    return text[start:end if end != -1 else len(text)].strip()[:300]

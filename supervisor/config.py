@@ -1,0 +1,344 @@
+"""Typed configuration for `rtrain launch`, resolved in one place (`load_config`).
+
+Sources: `--config FILE`, else `rtrain.toml` (top level, or its `[rtrain]` table), else
+`[tool.rtrain]` in `pyproject.toml`, all looked up in the current directory. Schema (defaults):
+
+    run_dir = "rtrain-run"         ckpt_dir = "<run_dir>/checkpoints"
+    resume = "auto"                # auto | never | PATH
+    verify = "full"                # quick | full
+    requeue = false                grace_s = 30.0        stop_signal = "SIGTERM"
+    sample_interval_s = 1.0        gpu_release_wait_s = 10.0
+    memory_pressure_fraction = 0.9 restore_after_steps = 0    lr_factor_on_nonfinite = 0.5
+    [restart]  max_restarts = 20   crash_loop_k = 3
+    [restart.budgets]  crash = 3  oom = 6  hang = 3  nonfinite = 2  lost_device = 2  data = 1
+    [backoff]  enabled = true  initial_s = 1.0  factor = 2.0  max_s = 300.0  jitter = 0.25
+    [hang]     timeout_s = 1800.0  multiple = 10.0  warmup_steps = 20  floor_s = 60.0
+               ceiling_s = 3600.0  save_allowance_s = 600.0
+    [settings] any knob = JSON-able value, e.g. batch_size = 64
+    [[ladder]] knob = "batch_size"  action = "halve"  floor = 1  compensate = "grad_accum"
+"""
+
+from __future__ import annotations
+
+import difflib
+import signal
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from supervisor.errors import ConfigError
+from supervisor.ladder import DEFAULT_LADDER, Rung, parse_ladder
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+# Budget names: oom_gpu and oom_host share "oom" (each spent unit is one ladder step).
+# Preemption never spends budget and startup failures are never retried, so neither has one.
+DEFAULT_BUDGETS = {"crash": 3, "oom": 6, "hang": 3, "nonfinite": 2, "lost_device": 2, "data": 1}
+
+
+def _fail_unknown(key: str, known: list[str], where: str, elsewhere: dict[str, str]) -> None:
+    if key in elsewhere:
+        raise ConfigError(f"key {key!r} does not belong in {where}; put it under {elsewhere[key]}")
+    hint = difflib.get_close_matches(key, known, n=1)
+    did = f" (did you mean {hint[0]!r}?)" if hint else f" (known keys: {', '.join(known)})"
+    raise ConfigError(f"unknown key {key!r} in {where}{did}")
+
+
+def _number(where: str, value: Any, *, low: float = 0.0, integer: bool = False,
+            above: bool = False) -> None:
+    """Raise unless `value` is a number >= low (> low when `above`), an int when `integer`."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ConfigError(f"{where} must be {'an integer' if integer else 'a number'} "
+                          f"(got {value!r})")
+    if value < low or (above and value == low):
+        raise ConfigError(f"{where} must be {'above' if above else 'at least'} {low:g} "
+                          f"(got {value!r})")
+
+
+def _bool(where: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} must be true or false (got {value!r})")
+
+
+@dataclass(kw_only=True, slots=True)
+class RestartConfig:
+    """`[restart]`: how many relaunches the run may spend, and when a loop is a loop."""
+
+    max_restarts: int = 20
+    """Relaunches in total, all kinds together (preemptions are not counted)."""
+    crash_loop_k: int = 3
+    """Give up when K consecutive attempts end without a newer verified checkpoint (0: never)."""
+    budgets: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_BUDGETS))
+    """Relaunches per failure kind: crash, oom (= ladder steps), hang, nonfinite, lost_device,
+    data. Keys left out keep their default."""
+
+    def __post_init__(self) -> None:
+        _number("[restart] max_restarts", self.max_restarts, integer=True)
+        _number("[restart] crash_loop_k", self.crash_loop_k, integer=True)
+        if not isinstance(self.budgets, dict):
+            raise ConfigError("[restart.budgets] must be a table, e.g. crash = 3")
+        for key, value in self.budgets.items():
+            if key not in DEFAULT_BUDGETS:
+                _fail_unknown(key, list(DEFAULT_BUDGETS), "[restart.budgets]", {})
+            _number(f"[restart.budgets] {key}", value, integer=True)
+        self.budgets = {**DEFAULT_BUDGETS, **self.budgets}
+
+
+@dataclass(kw_only=True, slots=True)
+class BackoffConfig:
+    """`[backoff]`: wait before a relaunch, growing while attempts make no progress."""
+
+    enabled: bool = True
+    """false relaunches at once (benchmarks, tests)."""
+    initial_s: float = 1.0
+    """Wait before the first relaunch of a streak."""
+    factor: float = 2.0
+    """Each further relaunch without progress waits this many times longer (at least 1)."""
+    max_s: float = 300.0
+    """Cap on the wait, before jitter."""
+    jitter: float = 0.25
+    """Up to this fraction of the wait is taken off at random, so many jobs do not relaunch in
+    lockstep (0 to 1)."""
+
+    def __post_init__(self) -> None:
+        _bool("[backoff] enabled", self.enabled)
+        _number("[backoff] initial_s", self.initial_s)
+        _number("[backoff] factor", self.factor, low=1.0)
+        _number("[backoff] max_s", self.max_s)
+        _number("[backoff] jitter", self.jitter)
+        if self.jitter > 1:
+            raise ConfigError(f"[backoff] jitter is a fraction: set it between 0 and 1 "
+                              f"(got {self.jitter!r})")
+
+
+@dataclass(kw_only=True, slots=True)
+class HangConfig:
+    """`[hang]`: when silence means the child is stuck."""
+
+    timeout_s: float = 1800.0
+    """Plain scripts (no heartbeats): no output and no CPU progress for this long is a hang."""
+    multiple: float = 10.0
+    """Heartbeat scripts: the timeout is this multiple of the longest step interval seen."""
+    warmup_steps: int = 20
+    """Steps to see before learning the timeout (first steps compile, warm caches)."""
+    floor_s: float = 60.0
+    """The learned timeout is never shorter than this."""
+    ceiling_s: float = 3600.0
+    """The learned timeout is never longer than this."""
+    save_allowance_s: float = 600.0
+    """Extra silence allowed while the worker says a checkpoint is being saved."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "floor_s", "ceiling_s", "save_allowance_s"):
+            _number(f"[hang] {name}", getattr(self, name), above=name != "save_allowance_s")
+        _number("[hang] multiple", self.multiple, low=1.0)
+        _number("[hang] warmup_steps", self.warmup_steps, integer=True)
+        if self.floor_s > self.ceiling_s:
+            raise ConfigError(f"[hang] floor_s ({self.floor_s:g}) must not exceed ceiling_s "
+                              f"({self.ceiling_s:g})")
+
+
+def _check_json(where: str, value: Any) -> None:
+    """Settings travel as JSON (`RTRAIN_SETTINGS`): TOML dates and times cannot."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_json(f"{where}.{k}", v)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json(f"{where}[{i}]", v)
+    elif not isinstance(value, (str, int, float, bool)) and value is not None:
+        raise ConfigError(f"{where} must be a string, number, boolean, list or table "
+                          f"(got {type(value).__name__})")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Everything `rtrain launch` needs to know, validated; built by `load_config`."""
+
+    run_dir: Path = Path("rtrain-run")
+    """Run directory: events.jsonl, state.json, attempts/, the lock."""
+    ckpt_dir: Path | None = None
+    """Checkpoint directory; None means <run_dir>/checkpoints (resolved by load_config)."""
+    resume: str = "auto"
+    """auto (newest checkpoint that verifies), never, or a checkpoint path that must verify."""
+    verify: str = "full"
+    """Verification level for resume selection: quick (sizes) or full (content hashes)."""
+    requeue: bool = False
+    """On a preemption signal, requeue the Slurm job instead of exiting 75."""
+    grace_s: float = 30.0
+    """After the stop signal, how long the child may take to save and exit before SIGKILL."""
+    stop_signal: str = "SIGTERM"
+    """Signal forwarded to the child to ask it to save and exit (a name, e.g. SIGUSR1)."""
+    sample_interval_s: float = 1.0
+    """How often memory and progress are sampled."""
+    gpu_release_wait_s: float = 10.0
+    """Before a relaunch, how long to wait for the old child's GPU memory to be freed."""
+    memory_pressure_fraction: float = 0.9
+    """A SIGKILL counts as a host OOM when memory use reached this fraction of the total."""
+    restore_after_steps: int = 0
+    """After this many healthy steps on a degraded rung, climb back one rung (0: never)."""
+    lr_factor_on_nonfinite: float = 0.5
+    """After a non-finite loss, multiply the `lr` knob (or `lr_scale`) by this factor."""
+    restart: RestartConfig = field(default_factory=RestartConfig)
+    """`[restart]` table."""
+    backoff: BackoffConfig = field(default_factory=BackoffConfig)
+    """`[backoff]` table."""
+    hang: HangConfig = field(default_factory=HangConfig)
+    """`[hang]` table."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """`[settings]`: initial knob values given to the child, e.g. batch_size = 64."""
+    ladder: tuple[Rung, ...] = DEFAULT_LADDER
+    """`[[ladder]]` rungs, walked in order on memory failures."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.resume, str) or not self.resume:
+            raise ConfigError(f"resume must be auto, never or a checkpoint path "
+                              f"(got {self.resume!r})")
+        if self.verify not in ("quick", "full"):
+            raise ConfigError(f"verify must be 'quick' or 'full' (got {self.verify!r})")
+        _bool("requeue", self.requeue)
+        _number("grace_s", self.grace_s)
+        _number("sample_interval_s", self.sample_interval_s, above=True)
+        _number("gpu_release_wait_s", self.gpu_release_wait_s)
+        _number("restore_after_steps", self.restore_after_steps, integer=True)
+        _number("memory_pressure_fraction", self.memory_pressure_fraction, above=True)
+        _number("lr_factor_on_nonfinite", self.lr_factor_on_nonfinite, above=True)
+        if self.memory_pressure_fraction > 1 or self.lr_factor_on_nonfinite > 1:
+            raise ConfigError("memory_pressure_fraction and lr_factor_on_nonfinite must be at "
+                              "most 1")
+        name = self.stop_signal.upper() if isinstance(self.stop_signal, str) else ""
+        name = name if name.startswith("SIG") else "SIG" + name
+        if name not in signal.Signals.__members__:
+            raise ConfigError(f"stop_signal {self.stop_signal!r} is not a signal on this system; "
+                              "use a name such as SIGTERM or SIGUSR1")
+        self.stop_signal = name
+        if not isinstance(self.settings, dict):
+            raise ConfigError("[settings] must be a table of knob = value")
+        for key, value in self.settings.items():
+            _check_json(f"[settings] {key}", value)
+
+
+_SECTIONS: dict[str, type] = {"restart": RestartConfig, "backoff": BackoffConfig,
+                              "hang": HangConfig}
+_TOP = [f.name for f in fields(Config)]
+
+
+def _where_is(key: str) -> dict[str, str]:
+    """For a misplaced key, the table it belongs in (e.g. max_restarts -> [restart])."""
+    return {f.name: f"[{sec}]" for sec, cls in _SECTIONS.items() for f in fields(cls)
+            if f.name == key}
+
+
+def _build(raw: dict[str, Any], cwd: Path) -> Config:
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in _TOP:
+            _fail_unknown(key, _TOP, "the top level", _where_is(key))
+        if key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"[{key}] must be a table")
+            known = [f.name for f in fields(_SECTIONS[key])]
+            for sub in value:
+                if sub not in known:
+                    elsewhere = {sub: "the top level"} if sub in _TOP else _where_is(sub)
+                    _fail_unknown(sub, known, f"[{key}]", elsewhere)
+            kwargs[key] = _SECTIONS[key](**value)
+        elif key == "ladder":
+            kwargs[key] = parse_ladder(value)
+        elif key in ("run_dir", "ckpt_dir"):
+            if not isinstance(value, (str, Path)) or not str(value):
+                raise ConfigError(f"{key} must be a directory path (got {value!r})")
+            kwargs[key] = cwd / Path(value).expanduser()
+        else:
+            kwargs[key] = value
+    if isinstance(kwargs.get("resume"), Path):
+        kwargs["resume"] = str(kwargs["resume"])
+    if isinstance(kwargs.get("resume"), str) and kwargs["resume"] not in ("auto", "never"):
+        kwargs["resume"] = str(cwd / Path(kwargs["resume"]).expanduser())
+    cfg = Config(**kwargs)
+    cfg.run_dir = cwd / cfg.run_dir
+    if cfg.ckpt_dir is None:
+        cfg.ckpt_dir = cfg.run_dir / "checkpoints"
+    return cfg
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path.name}: not valid TOML: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+
+
+def find_config(config_file: Path | None, cwd: Path) -> tuple[str, dict[str, Any]]:
+    """The config source's name (for messages) and its rtrain table; ("defaults", {}) if none."""
+    if config_file is not None:
+        path = cwd / config_file
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found; fix --config or remove it")
+    elif (cwd / "rtrain.toml").is_file():
+        path = cwd / "rtrain.toml"
+    elif (cwd / "pyproject.toml").is_file():
+        path = cwd / "pyproject.toml"
+    else:
+        return "defaults", {}
+    doc = _read_toml(path)
+    if path.name == "pyproject.toml":
+        table = doc.get("tool", {}).get("rtrain", {})
+        return f"{path.name} [tool.rtrain]", table if isinstance(table, dict) else {}
+    if isinstance(doc.get("rtrain"), dict):
+        if len(doc) > 1:
+            extra = sorted(k for k in doc if k != "rtrain")
+            raise ConfigError(f"{path.name}: keys {extra} sit outside [rtrain]; put everything "
+                              "under [rtrain] or nothing")
+        return path.name, doc["rtrain"]
+    return path.name, doc
+
+
+def _cli_to_raw(overrides: dict[str, Any]) -> dict[str, Any]:
+    """CLI values to the file's nested shape. Keys: "max_restarts" (unique names are found in
+    their table), "backoff.enabled" (dotted), "settings" (merged knob by knob). None = not given."""
+    raw: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        section, _, sub = key.rpartition(".")
+        if not section and key not in _TOP and _where_is(key):
+            section, sub = _where_is(key)[key].strip("[]"), key
+        if section:
+            raw.setdefault(section, {})[sub] = value
+        else:
+            raw[key] = value
+    return raw
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(cli_overrides: dict[str, Any], config_file: Path | None, cwd: Path) -> Config:
+    """Resolve the configuration. Precedence: command line > config file > defaults (the
+    dataclass defaults above); tables merge key by key, so `--max-restarts` keeps the file's
+    budgets. Errors name their source and say what to change."""
+    source, file_raw = find_config(config_file, cwd)
+    try:
+        _build(file_raw, cwd)  # validated alone first, so its errors name the file
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    try:
+        return _build(_merge(file_raw, _cli_to_raw(cli_overrides)), cwd)
+    except ConfigError as err:
+        raise ConfigError(f"command line: {err}") from None

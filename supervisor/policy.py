@@ -1,0 +1,239 @@
+"""What to do after an attempt ends: `decide`, a pure function of (failure, history, config).
+
+It never sleeps, spawns or reads the clock; the jitter's random number comes in as `rand`, the
+newest verified checkpoint step as `newest_step`. It returns a `Decision` holding a new
+`History` (the old one is never mutated), which the loop persists in state.json.
+
+Rules, in order:
+  child exited 0                          -> FINISHED (exit 0)
+  the supervisor was asked to stop        -> REQUEUE (config.requeue) or EXIT_PREEMPTED (exit 75)
+  startup failure                         -> GIVE_UP (exit 3): retrying a broken import loops
+  preempted on its own (exit 75)          -> RELAUNCH, same rung, no budget, no backoff
+  per-kind budget or total spent          -> GIVE_UP (exit 1)
+  oom_gpu / oom_host                      -> RELAUNCH one rung down; at the floor GIVE_UP
+  K attempts without a newer checkpoint   -> GIVE_UP (crash loop)
+  nonfinite                               -> RELAUNCH from the checkpoint before the newest, lr cut
+  crash / hang / lost_device / data       -> RELAUNCH on the same rung (or one up, see below)
+A relaunch that is not a memory failure climbs back one rung after `restore_after_steps`
+healthy steps, when that is on.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from supervisor.config import Config
+from supervisor.errors import ExitCode
+from supervisor.failures import Evidence, Failure, FailureKind
+from supervisor.ladder import Floor, step_down, step_up
+
+_OOM = (FailureKind.OOM_GPU, FailureKind.OOM_HOST)
+
+
+class Action(str, enum.Enum):
+    RELAUNCH = "relaunch"
+    GIVE_UP = "give_up"
+    EXIT_PREEMPTED = "exit_preempted"  # exit 75: the scheduler (or a wrapper) relaunches us
+    REQUEUE = "requeue"  # requeue the Slurm job ourselves, then exit 75
+    FINISHED = "finished"
+
+
+class ResumeMode(str, enum.Enum):
+    LATEST = "latest"  # the newest checkpoint that verifies
+    ROLLBACK = "rollback"  # the verified checkpoint before the newest (it may hold NaN state)
+
+
+@dataclass(frozen=True, kw_only=True)
+class History:
+    """What earlier attempts of this run spent and changed; persisted in state.json."""
+
+    attempt: int = 0
+    """Number of the attempt to launch next (RTRAIN_ATTEMPT), continued across requeues."""
+    total_restarts: int = 0
+    """Relaunches spent, all kinds together (preemptions not counted)."""
+    budgets_used: dict[str, int] = field(default_factory=dict)
+    """Relaunches spent per budget name (crash, oom, hang, nonfinite, lost_device, data)."""
+    level: int = 0
+    """Ladder rungs walked down (0: the configured settings)."""
+    settings: dict[str, Any] | None = None
+    """Knob values in force; None means config.settings."""
+    undo: tuple[dict[str, Any], ...] = ()
+    """One undo record per rung walked (ladder.Step.undo), newest last."""
+    launch_step: int | None = None
+    """Newest verified checkpoint step when the current attempt was launched."""
+    stalled: tuple[int | None, ...] = ()
+    """Newest verified step after each consecutive attempt that did not advance it."""
+    healthy_steps: int = 0
+    """Training steps made since the last rung change."""
+    lr_factor: float = 1.0
+    """Product of the lr cuts applied after non-finite losses."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["undo"], out["stalled"] = list(self.undo), list(self.stalled)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> History:
+        """Inverse of `to_dict`; unknown keys raise TypeError (the caller names the file)."""
+        raw = dict(raw)
+        raw["undo"] = tuple(raw.get("undo", ()))
+        raw["stalled"] = tuple(raw.get("stalled", ()))
+        return cls(**raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    action: Action
+    reason: str  # the sentence the user reads
+    history: History  # updated; persist it before acting
+    settings: dict[str, Any]  # knob values for the next attempt
+    level: int  # ladder level for the next attempt
+    resume: ResumeMode = ResumeMode.LATEST
+    backoff_s: float = 0.0  # wait before relaunching
+    exit_code: int | None = None  # rtrain's own exit status when it stops (0, 1, 3, 75)
+    ladder_change: str | None = None  # what a rung step changed, for the degrade event
+
+
+def _budget_name(kind: FailureKind) -> str:
+    return "oom" if kind in _OOM else kind.value
+
+
+def backoff_s(config: Config, streak: int, rand: float) -> float:
+    """initial * factor**streak, capped, minus up to `jitter` of itself at random."""
+    b = config.backoff
+    if not b.enabled:
+        return 0.0
+    # Cap the exponent first: factor**streak overflows long before any realistic streak ends.
+    base = min(b.max_s, b.initial_s * b.factor ** min(streak, 64))
+    return base * (1.0 - b.jitter * rand)
+
+
+def _worker_settings(settings: dict[str, Any], ev: Evidence | None) -> dict[str, Any]:
+    """Adopt knobs the worker changed in-process (e.g. a batch its OOM back-off found)."""
+    out = dict(settings)
+    for rec in ev.exit_records if ev else []:
+        for key, value in (rec.get("settings") or {}).items():
+            if key in out:
+                out[key] = value
+    return out
+
+
+def decide(failure: Failure | None, history: History, config: Config, *, rand: float,
+           newest_step: int | None = None) -> Decision:
+    """The next action. `failure` None means the child exited 0; `rand` is in [0, 1)."""
+    settings = dict(config.settings if history.settings is None else history.settings)
+
+    if failure is None:
+        return Decision(action=Action.FINISHED, reason="training finished (exit 0)",
+                        history=history, settings=settings, level=history.level,
+                        exit_code=ExitCode.OK)
+    ev = failure.evidence
+    kind = failure.kind
+    nxt = replace(history, attempt=history.attempt + 1)
+    if ev is not None and ev.stop_requested:
+        action = Action.REQUEUE if config.requeue else Action.EXIT_PREEMPTED
+        verb = "requeueing the job" if config.requeue else "exiting 75 so it can be requeued"
+        return Decision(action=action, reason=f"{failure.reason}; {verb}", history=nxt,
+                        settings=settings, level=history.level, exit_code=ExitCode.PREEMPTED)
+    if kind is FailureKind.STARTUP:
+        return Decision(action=Action.GIVE_UP, history=history, settings=settings,
+                        level=history.level, exit_code=ExitCode.STARTUP,
+                        reason=f"{failure.reason}; not retrying a script that fails at "
+                               "start-up: fix the error and launch again")
+
+    advanced = newest_step is not None and (history.launch_step is None
+                                            or newest_step > history.launch_step)
+    stalled = () if advanced else (*history.stalled, newest_step)
+    nxt = replace(nxt, launch_step=newest_step, stalled=stalled)
+
+    if kind is FailureKind.PREEMPTED:  # exit 75 without a stop from us: relaunch, spend nothing
+        return _relaunch(failure, history, nxt, config, settings, rand, backoff=False)
+
+    name = _budget_name(kind)
+    used = history.budgets_used.get(name, 0)
+    if used >= config.restart.budgets[name]:
+        return _give_up(f"{failure.reason}; the {name} budget is spent ({used} of "
+                        f"{config.restart.budgets[name]} relaunches): raise [restart.budgets] "
+                        f"{name} to allow more", history, settings)
+    if history.total_restarts >= config.restart.max_restarts:
+        return _give_up(f"{failure.reason}; {history.total_restarts} relaunches spent, the "
+                        "maximum ([restart] max_restarts)", history, settings)
+    nxt = replace(nxt, total_restarts=history.total_restarts + 1,
+                  budgets_used={**history.budgets_used, name: used + 1})
+
+    if kind in _OOM:
+        return _degrade(failure, history, nxt, config, _worker_settings(settings, ev), rand)
+    return _relaunch(failure, history, nxt, config, settings, rand, backoff=True)
+
+
+def _give_up(reason: str, history: History, settings: dict[str, Any]) -> Decision:
+    return Decision(action=Action.GIVE_UP, reason=reason, history=history, settings=settings,
+                    level=history.level, exit_code=ExitCode.GAVE_UP)
+
+
+def _degrade(failure: Failure, before: History, nxt: History, config: Config,
+             settings: dict[str, Any], rand: float) -> Decision:
+    step = step_down(settings, config.ladder, nxt.level)
+    if isinstance(step, Floor):
+        tried = "; ".join(u["description"] for u in nxt.undo) or "nothing (no rung applied)"
+        return _give_up(f"{failure.reason}; out of memory at the ladder's floor. Tried: {tried}. "
+                        f"{step.message}", before, settings)
+    # New settings are a new experiment: the crash-loop streak and healthy count start over.
+    nxt = replace(nxt, level=step.level, settings=step.settings, undo=(*nxt.undo, step.undo),
+                  stalled=(), healthy_steps=0)
+    return Decision(action=Action.RELAUNCH, history=nxt, settings=step.settings,
+                    level=step.level, backoff_s=backoff_s(config, 0, rand),
+                    ladder_change=step.description,
+                    reason=f"{failure.reason}; relaunching one rung down: {step.description}")
+
+
+def _relaunch(failure: Failure, before: History, nxt: History, config: Config,
+              settings: dict[str, Any], rand: float, *, backoff: bool) -> Decision:
+    k, stalled = config.restart.crash_loop_k, nxt.stalled
+    if k and len(stalled) >= k:
+        at = f"step {stalled[-1]}" if stalled[-1] is not None else "none (no checkpoint yet)"
+        return _give_up(f"{failure.reason}; crash loop: {len(stalled)} consecutive attempts "
+                        f"ended without a newer verified checkpoint (newest: {at})",
+                        before, settings)
+    resume, change, notes = ResumeMode.LATEST, None, []
+    if failure.kind is FailureKind.NONFINITE:
+        resume = ResumeMode.ROLLBACK
+        settings, cut = _cut_lr(settings, config.lr_factor_on_nonfinite)
+        nxt = replace(nxt, lr_factor=nxt.lr_factor * config.lr_factor_on_nonfinite)
+        notes.append(f"rolling back one checkpoint, {cut}")
+    level = nxt.level
+    if (config.restore_after_steps and nxt.undo
+            and nxt.healthy_steps >= config.restore_after_steps):
+        settings, change = step_up(settings, nxt.undo[-1]), f"undo {nxt.undo[-1]['description']}"
+        level -= 1
+        nxt = replace(nxt, undo=nxt.undo[:-1], level=level, healthy_steps=0)
+        notes.append(f"climbing back one rung after {config.restore_after_steps} healthy "
+                     f"steps ({change})")
+    nxt = replace(nxt, settings=settings)
+    wait = backoff_s(config, max(len(stalled) - 1, 0), rand) if backoff else 0.0
+    what = "; ".join(["relaunching", *notes]) if notes else "relaunching on the same settings"
+    return Decision(action=Action.RELAUNCH, reason=f"{failure.reason}; {what}", history=nxt,
+                    settings=settings, level=level, resume=resume, backoff_s=wait,
+                    ladder_change=change)
+
+
+def _cut_lr(settings: dict[str, Any], factor: float) -> tuple[dict[str, Any], str]:
+    out = dict(settings)
+    lr = out.get("lr")
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        out["lr"] = lr * factor
+        return out, f"lr {lr:g} -> {out['lr']:g}"
+    # No lr knob: record the factor for a worker that scales its own learning rate.
+    out["lr_scale"] = out.get("lr_scale", 1.0) * factor
+    return out, f"lr_scale -> {out['lr_scale']:g}"
+
+
+def note_progress(history: History, evidence: Evidence, *, resumed_step: int | None) -> History:
+    """Count the steps an attempt made (from `resumed_step`, or 0 on a fresh start) as healthy."""
+    if evidence.last_step is None:
+        return history
+    made = max(evidence.last_step - (resumed_step or 0), 0)
+    return replace(history, healthy_steps=history.healthy_steps + made)

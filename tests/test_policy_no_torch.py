@@ -1,0 +1,18 @@
+"""The supervisor's decision modules must load without torch (fast start, small footprint)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = ["config", "ladder", "classify", "policy", "events", "runstate", "lock"]
+
+
+def test_supervisor_modules_do_not_import_torch():
+    code = (f"import sys\nfor m in {MODULES!r}:\n    __import__('supervisor.' + m)\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
