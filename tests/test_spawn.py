@@ -53,8 +53,12 @@ def test_env_and_cwd_reach_the_child(tmp_path):
 
 def test_stderr_tail_is_bounded(tmp_path):
     code = "import sys; sys.stderr.write('x' * 100000 + 'END')"
-    spec = ChildSpec(argv=[sys.executable, "-c", code], env=dict(os.environ), cwd=tmp_path,
-                     attempt_dir=tmp_path / "a")
+    spec = ChildSpec(
+        argv=[sys.executable, "-c", code],
+        env=dict(os.environ),
+        cwd=tmp_path,
+        attempt_dir=tmp_path / "a",
+    )
     child = spawn(spec)
     _run_to_end(child)
     child.close()
@@ -85,8 +89,9 @@ def test_child_dies_with_a_killed_supervisor(tmp_path):
     import subprocess
 
     pid_file = tmp_path / "child.pid"
-    sup = subprocess.Popen([sys.executable, str(child_spec(tmp_path, "mini_supervisor.py").argv[1]),
-                            str(pid_file)])
+    sup = subprocess.Popen(
+        [sys.executable, str(child_spec(tmp_path, "mini_supervisor.py").argv[1]), str(pid_file)]
+    )
     try:
         child_pid = int(wait_for(pid_file))
         assert not gone(child_pid, timeout=0.1)

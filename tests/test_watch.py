@@ -12,16 +12,24 @@ from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
 from supervisor.spawn import spawn
 from supervisor.watch import SignalCatcher, WatchConfig, watch
 
-FAST = WatchConfig(sample_interval_s=0.1, grace_s=5, hang_grace_s=0.5, dump_timeout_s=5,
-                   hang=HangPolicy(plain_timeout_s=30))
+FAST = WatchConfig(
+    sample_interval_s=0.1,
+    grace_s=5,
+    hang_grace_s=0.5,
+    dump_timeout_s=5,
+    hang=HangPolicy(plain_timeout_s=30),
+)
 GiB = 1 << 30
 
 
 def _watch(tmp_path, script, *args, config=FAST, env=None, **kw):
     receiver = kw.pop("heartbeats", None)
     if receiver is not None:
-        env = {**(env or {}), "RTRAIN_HEARTBEAT": receiver.name,
-               "RTRAIN_STATUS": str(tmp_path / "attempts" / "0")}
+        env = {
+            **(env or {}),
+            "RTRAIN_HEARTBEAT": receiver.name,
+            "RTRAIN_STATUS": str(tmp_path / "attempts" / "0"),
+        }
     spec = child_spec(tmp_path, script, *args, env=env or {})
     child = spawn(spec)
     try:
@@ -34,7 +42,8 @@ def test_crash_exit_code_stderr_and_exit_record(tmp_path):
     attempt = tmp_path / "attempts" / "0"
     attempt.mkdir(parents=True)
     (attempt / "exit-rank0.json").write_text(
-        '{"kind": "data", "reason": "too many bad samples", "pid": 1, "v": 1}')
+        '{"kind": "data", "reason": "too many bad samples", "pid": 1, "v": 1}'
+    )
     outcome, _ = _watch(tmp_path, "crash.py", "3")
     ev = outcome.evidence
     assert ev.returncode == 3 and ev.signal is None
@@ -62,8 +71,9 @@ def test_signal_to_supervisor_forwards_stop_and_child_exits_75(tmp_path):
             os.kill(os.getpid(), signal.SIGUSR1)  # as Slurm's --signal=B:USR1 would
 
     with HeartbeatReceiver() as receiver:
-        outcome, _ = _watch(tmp_path, "worker_steps.py", "preempt", heartbeats=receiver,
-                            on_heartbeat=on_heartbeat)
+        outcome, _ = _watch(
+            tmp_path, "worker_steps.py", "preempt", heartbeats=receiver, on_heartbeat=on_heartbeat
+        )
     ev = outcome.evidence
     assert ev.returncode == 75
     assert ev.stop_requested == "SIGUSR1" and outcome.signals == ["SIGUSR1"]
@@ -85,8 +95,9 @@ def test_stop_escalates_to_sigkill_after_grace(tmp_path):
     fired: list = []
     config = WatchConfig(sample_interval_s=0.2, grace_s=0.5)
     with SignalCatcher() as catcher:
-        outcome, _ = _watch(tmp_path, "ignore_term.py", config=config, signals=catcher,
-                            on_sample=on_sample)
+        outcome, _ = _watch(
+            tmp_path, "ignore_term.py", config=config, signals=catcher, on_sample=on_sample
+        )
     ev = outcome.evidence
     assert ev.signal == "SIGKILL" and ev.killed_after_grace and ev.stop_requested == "SIGTERM"
 
@@ -106,7 +117,9 @@ def test_second_sigint_kills_at_once(tmp_path):
 
 
 def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
-    config = WatchConfig(sample_interval_s=0.1, hang_grace_s=2, hang=HangPolicy(plain_timeout_s=0.6))
+    config = WatchConfig(
+        sample_interval_s=0.1, hang_grace_s=2, hang=HangPolicy(plain_timeout_s=0.6)
+    )
     outcome, child = _watch(tmp_path, "hang.py", config=config)
     ev = outcome.evidence
     assert ev.hang and "no output and no CPU progress" in ev.hang_detail
@@ -115,7 +128,9 @@ def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
 
 
 def test_sigstopped_child_is_a_hang(tmp_path):
-    config = WatchConfig(sample_interval_s=0.1, hang_grace_s=2, hang=HangPolicy(plain_timeout_s=0.6))
+    config = WatchConfig(
+        sample_interval_s=0.1, hang_grace_s=2, hang=HangPolicy(plain_timeout_s=0.6)
+    )
     outcome, child = _watch(tmp_path, "hang.py", "stop", config=config)
     ev = outcome.evidence
     assert ev.hang and ev.signal == "SIGTERM"  # SIGCONT after SIGTERM lets it act on it
@@ -133,8 +148,9 @@ def test_learned_timeout_catches_silent_worker(tmp_path):
     hang = HangPolicy(startup_s=20, warmup_steps=2, multiple=4, floor_s=0.5, ceiling_s=3)
     config = WatchConfig(sample_interval_s=0.1, hang_grace_s=0.5, hang=hang)
     with HeartbeatReceiver() as receiver:
-        outcome, child = _watch(tmp_path, "worker_steps.py", "silent", config=config,
-                                heartbeats=receiver)
+        outcome, child = _watch(
+            tmp_path, "worker_steps.py", "silent", config=config, heartbeats=receiver
+        )
     ev = outcome.evidence
     assert ev.hang and "learned" in ev.hang_detail, ev.hang_detail
     assert ev.first_step_seen and ev.last_step and ev.last_step >= 10
@@ -146,8 +162,9 @@ def test_learned_timeout_catches_silent_worker(tmp_path):
 
 def test_gpu_filling_up_then_lost(tmp_path):
     readings = [GpuReading((DeviceMemory(0, used * GiB, 80 * GiB),)) for used in (10, 40, 79)]
-    readings.append(GpuReading((DeviceMemory(0, 79 * GiB, 80 * GiB),), lost=True,
-                               detail="GPU 0: GPU is lost"))
+    readings.append(
+        GpuReading((DeviceMemory(0, 79 * GiB, 80 * GiB),), lost=True, detail="GPU 0: GPU is lost")
+    )
     reader = ScriptedReader(readings)
     samples = []
     outcome, _ = _watch(tmp_path, "hang.py", gpu=reader, on_sample=samples.append)

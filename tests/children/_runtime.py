@@ -6,6 +6,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-_spec = importlib.util.spec_from_file_location("rtrain_worker_runtime", ROOT / "worker" / "runtime.py")
+_spec = importlib.util.spec_from_file_location(
+    "rtrain_worker_runtime", ROOT / "worker" / "runtime.py"
+)
 runtime = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(runtime)
