@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 STEP_THROTTLE_S = 0.2  # at most this often a "step" heartbeat; other events always go out
 WARMUP_STEPS = 3  # step intervals not counted toward the longest one (compile, autotune)
 _TRACEBACK_TAIL = 4000
+_clock = time.monotonic  # a seam for tests
 
 
 class _State:
@@ -51,7 +52,7 @@ class _State:
         self.sock: socket.socket | None = None
         self.addr: str | bytes | None = None
         self.dump_file: Any = None  # kept open: faulthandler writes to its fd
-        self.last_send = 0.0
+        self.last_send = float("-inf")
         self.steps = 0
         self.last_step_time: float | None = None
         self.max_interval: float | None = None
@@ -146,7 +147,7 @@ def heartbeat(
     s = _state
     if s.sock is None:
         return
-    now = time.monotonic()
+    now = _clock()
     if event == "step" and step is not None:
         if s.last_step_time is not None and s.steps >= WARMUP_STEPS:
             interval = now - s.last_step_time
@@ -160,7 +161,8 @@ def heartbeat(
             s.samples += samples
     if event == "step" and now - s.last_send < STEP_THROTTLE_S:
         return
-    if s.samples_since is not None and now > s.samples_since and s.samples:
+    # The rate window closes only on step heartbeats (>= 0.2 s apart): events are not steps.
+    if event == "step" and s.samples_since is not None and now > s.samples_since and s.samples:
         s.rate = s.samples / (now - s.samples_since)
         s.samples, s.samples_since = 0.0, now
     hb = Heartbeat(
