@@ -59,6 +59,7 @@ class HangClock:
         self.steps = 0  # step heartbeats received
         self.max_interval: float | None = None  # longest step interval after warm-up
         self.save_started: float | None = None
+        self.rank: int | None = None  # the lowest rank heard from: the one intervals come from
 
     def activity(self, now: float) -> None:
         self.last_activity = max(self.last_activity, now)
@@ -69,7 +70,11 @@ class HangClock:
             self.save_started = now
         elif hb.event == "save_end":
             self.save_started = None
-        if hb.step is None or hb.event != "step":
+        if self.rank is None or hb.rank < self.rank:
+            self.rank, self.steps, self.last_step_time = hb.rank, 0, None
+        # Ranks step in lockstep; learning from one avoids reading interleaved ranks as
+        # short intervals.
+        if hb.step is None or hb.event != "step" or hb.rank != self.rank:
             return
         if self.last_step_time is not None and self.steps > self.policy.warmup_steps:
             self._longest(now - self.last_step_time)

@@ -98,3 +98,11 @@ def test_receiver_drains_valid_heartbeats_and_drops_garbage():
         got = r.drain()
     assert [(h.event, h.step) for h in got] == [("step", 3), ("save_begin", 4)]
     assert got[0].loss == 0.5
+
+
+def test_intervals_are_learned_from_one_rank():
+    c = HangClock(P, start=0)
+    for step in range(1, 8):
+        c.heartbeat(Heartbeat(pid=2, rank=1, time=0.0, step=step), step * 4.0 + 0.5)
+        c.heartbeat(hb(step=step), step * 4.0)  # rank 0
+    assert c.max_interval == 4.0
