@@ -116,7 +116,7 @@ class ProcTree:
                 with proc.oneshot():
                     times = proc.cpu_times()
                     mem = proc.memory_info()
-            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            except psutil.NoSuchProcess:  # ZombieProcess included
                 continue
             pids.append(proc.pid)
             rss += mem.rss

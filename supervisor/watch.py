@@ -12,6 +12,7 @@ gets SIGKILL. After the exit every remaining descendant is swept (stop.sweep).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import selectors
 import signal
@@ -29,7 +30,7 @@ from .proctree import ProcTree, TreeSample
 from .protocol import ExitRecord, Heartbeat
 from .spawn import Child
 from .stacks import dump_stacks
-from .stop import StopResult, signal_group, sweep
+from .stop import StopResult, signal_group, stop_group, sweep
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,8 @@ class SignalCatcher:
         if self._rfd is None:
             return
         for sig, old in self._old.items():
-            signal.signal(sig, old)  # type: ignore[arg-type]
+            # None: the old handler was installed from C and cannot be restored from Python
+            signal.signal(sig, signal.SIG_DFL if old is None else old)  # type: ignore[arg-type]
         signal.set_wakeup_fd(self._old_fd)
         os.close(self._rfd)
         os.close(self._wfd)  # type: ignore[arg-type]
@@ -207,21 +209,34 @@ class _Watch:
         if signals.fileno() is not None:
             sel.register(signals.fileno(), selectors.EVENT_READ, "signal")
         next_sample = self.clock()
+        exited = False
         try:
-            while c.returncode is None:
+            while not exited:
                 now = self.clock()
                 if now >= next_sample:
                     self._sample(now)
                     next_sample = now + self.config.sample_interval_s
-                wake = [next_sample, self.kill_at or next_sample]
-                if not self.stopping:
-                    wake.append(self.hang.deadline())
-                timeout = max(0.0, min(wake) - now)
+                hang_at = math.inf if self.stopping else self.hang.deadline()
+                wake = min(next_sample, hang_at, self.kill_at or math.inf)
+                timeout = max(0.0, wake - now)
                 if c.pidfd is None:
                     timeout = min(timeout, _POLL_S)
                 for key, _ in sel.select(timeout):
-                    self._dispatch(sel, key.data, signals)
-                self._timers(self.clock())
+                    if key.data == "exit":
+                        exited = True
+                    else:
+                        self._dispatch(sel, key.data, signals)
+                if c.pidfd is None:
+                    exited = c.returncode is not None
+                now = self.clock()
+                if not exited and (now >= hang_at or now >= (self.kill_at or math.inf)):
+                    self._timers(now)
+            c.popen.wait()  # reap: it has exited, this returns at once
+        except BaseException:
+            # A failing callback (or a bug here) must not leave training running unwatched.
+            log.error("watch failed; stopping the training process group")
+            stop_group(c, self.config.stop_signal, self.config.hang_grace_s, tree=self.tree)
+            raise
         finally:
             sel.close()
         return self._finish()
@@ -233,7 +248,7 @@ class _Watch:
         elif what == "signal":
             for sig in signals.take():
                 self._signal(sig, now)
-        elif what != "exit":  # an output pipe
+        else:  # an output pipe
             if not what.pump(now):  # type: ignore[attr-defined]
                 sel.unregister(what.fd)  # type: ignore[attr-defined]
             self.hang.activity(now)

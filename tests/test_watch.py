@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 from conftest import child_spec, gone, wait_for
 
 from supervisor.gpu import DeviceMemory, GpuReading, ScriptedReader
@@ -173,3 +174,17 @@ def test_gpu_filling_up_then_lost(tmp_path):
     assert ev.gpu_mem_used_peak == 79 * GiB and ev.gpu_mem_total == 80 * GiB
     assert ev.signal == "SIGTERM" and not ev.hang
     assert [s.gpu.devices[0].used // GiB for s in samples[:3]] == [10, 40, 79]
+
+
+def test_failing_callback_stops_the_child_and_propagates(tmp_path):
+    seen = []
+
+    def on_sample(sample):
+        seen.extend(sample.tree.pids)
+        raise RuntimeError("status line broke")
+
+    with pytest.raises(RuntimeError, match="status line broke"):
+        _watch(
+            tmp_path, "ignore_term.py", config=WatchConfig(hang_grace_s=0.2), on_sample=on_sample
+        )
+    assert seen and all(gone(pid, 2) for pid in seen)

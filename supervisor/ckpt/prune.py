@@ -44,14 +44,23 @@ def dir_size(path: Path) -> int:
     return total
 
 
-def prune(ckpt_dir: str | os.PathLike, policy: retention.RetentionPolicy, *,
-          level: Level | str = Level.QUICK, key: bytes | None = None, dry_run: bool = False,
-          protect: frozenset[int] = frozenset(), leftovers: bool = True) -> PruneReport:
+def prune(
+    ckpt_dir: str | os.PathLike,
+    policy: retention.RetentionPolicy,
+    *,
+    level: Level | str = Level.QUICK,
+    key: bytes | None = None,
+    dry_run: bool = False,
+    protect: frozenset[int] = frozenset(),
+    leftovers: bool = True,
+) -> PruneReport:
     """Remove what the policy does not keep, plus abandoned temp and trash dirs."""
     verdicts = verify_all(ckpt_dir, level, key)
     by_step = {v.step: v for v in verdicts}
-    cands = [retention.Candidate(v.step, v.ok, (v.manifest or {}).get("metrics") or {},
-                                 v.path.name) for v in verdicts]
+    cands = [
+        retention.Candidate(v.step, v.ok, (v.manifest or {}).get("metrics") or {}, v.path.name)
+        for v in verdicts
+    ]
     plan = retention.plan(cands, policy, protect)
     report = PruneReport(kept=[by_step[c.step] for c in plan.keep])
     for cand, reason in plan.delete:
