@@ -1,20 +1,25 @@
-"""Shared fixtures: checkpoints built without torch, through the real commit protocol."""
+"""Shared fixtures: checkpoints built without torch (through the real commit protocol), and
+helpers for tests that run real child processes (tests/children/*.py)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.ckpt.safetensors_io import TensorBlob
+from supervisor.spawn import ChildSpec
 
 REPO = Path(__file__).resolve().parent.parent
+CHILDREN = Path(__file__).parent / "children"
 NUMPY_TO_ST = {np.dtype("float32"): "F32", np.dtype("float64"): "F64",
                np.dtype("int64"): "I64", np.dtype("int32"): "I32", np.dtype("uint8"): "U8",
                np.dtype("float16"): "F16", np.dtype("bool"): "BOOL"}
@@ -75,3 +80,36 @@ def run_rtrain(*args: str, cwd: str | os.PathLike | None = None,
 @pytest.fixture
 def rtrain():
     return run_rtrain
+
+def child_spec(tmp_path: Path, script: str, *args: str, **kw) -> ChildSpec:
+    env = dict(os.environ)
+    env.update(kw.pop("env", {}))
+    return ChildSpec(
+        argv=[sys.executable, str(CHILDREN / script), *args],
+        env=env,
+        cwd=CHILDREN,
+        attempt_dir=tmp_path / "attempts" / "0",
+        **kw,
+    )
+
+
+def gone(pid: int, timeout: float = 5.0) -> bool:
+    """True once `pid` no longer runs (a zombie counts as gone), waiting up to `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def wait_for(path: Path, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path} did not appear within {timeout} s")
+        time.sleep(0.01)
+    return path.read_text()

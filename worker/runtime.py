@@ -1,5 +1,219 @@
-# TEMPORARY shim until the process layer lands (not committed)
-def install(): pass
-def should_stop(): return False
-def request_stop(): pass
-def heartbeat(**kw): pass
+"""The worker's side of supervision, torch-free: stop flag in, heartbeats and exit record out.
+
+Signals. Under rtrain (RTRAIN_STATUS set) the handled stop signal is RTRAIN_STOP_SIGNAL (default
+SIGTERM). Run by hand, SIGTERM (kill, scancel, Kubernetes) and SIGUSR1 (Slurm's
+`--signal=USR1@T` when a batch script runs the training directly) both request a stop, because no
+supervisor is there to translate them. SIGINT is never taken: Ctrl-C still interrupts at once.
+Handlers only set a flag; the training loop checks `should_stop()` at a step boundary, saves and
+exits 75. `install()` replaces any handler already set for those signals.
+
+Stacks. Under rtrain, faulthandler writes all threads' stacks to $RTRAIN_STATUS/stacks-<pid>.txt
+on RTRAIN_DUMP_SIGNAL (default SIGUSR2); the supervisor sends it before stopping a hung child.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from supervisor.protocol import (
+    ENV_ATTEMPT,
+    ENV_DUMP_SIGNAL,
+    ENV_HEARTBEAT,
+    ENV_STATUS,
+    ENV_STOP_SIGNAL,
+    ExitRecord,
+    Heartbeat,
+    exit_record_name,
+    socket_address,
+)
+
+log = logging.getLogger(__name__)
+
+STEP_THROTTLE_S = 0.2  # at most this often a "step" heartbeat; other events always go out
+WARMUP_STEPS = 3  # step intervals not counted toward the longest one (compile, autotune)
+_TRACEBACK_TAIL = 4000
+_clock = time.monotonic  # a seam for tests
+
+
+class _State:
+    def __init__(self) -> None:
+        self.installed = False
+        self.stop = threading.Event()
+        self.stop_signal: str | None = None  # name of the signal that asked, if any
+        self.sock: socket.socket | None = None
+        self.addr: str | bytes | None = None
+        self.dump_file: Any = None  # kept open: faulthandler writes to its fd
+        self.last_send = float("-inf")
+        self.steps = 0
+        self.last_step_time: float | None = None
+        self.max_interval: float | None = None
+        self.samples = 0.0  # since the last sent heartbeat
+        self.samples_since: float | None = None
+        self.rate: float | None = None
+
+
+_state = _State()
+
+
+def supervised() -> bool:
+    """True when an rtrain supervisor started this process."""
+    return ENV_STATUS in os.environ
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def attempt() -> int:
+    return int(os.environ.get(ENV_ATTEMPT, "0"))
+
+
+def _signal(name: str) -> signal.Signals:
+    name = name.strip().upper()
+    return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+
+
+def stop_signals() -> list[signal.Signals]:
+    """The signals `install()` turns into a stop request (see the module docstring)."""
+    if supervised():
+        return [_signal(os.environ.get(ENV_STOP_SIGNAL) or "SIGTERM")]
+    return [signal.SIGTERM, signal.SIGUSR1]
+
+
+def _on_stop_signal(signum: int, frame: object) -> None:
+    _state.stop_signal = signal.Signals(signum).name
+    _state.stop.set()
+
+
+def install() -> None:
+    """Set up stop signals, the stack dump and the heartbeat socket; safe to call repeatedly.
+
+    Call it from the main thread (Python allows signal handlers only there); elsewhere the
+    signals are skipped with a warning and everything else still works.
+    """
+    if _state.installed:
+        return
+    _state.installed = True
+    if threading.current_thread() is threading.main_thread():
+        for sig in stop_signals():
+            signal.signal(sig, _on_stop_signal)
+    else:
+        log.warning("rtrain worker installed off the main thread: stop signals not handled")
+    status = os.environ.get(ENV_STATUS)
+    if status:
+        dump = _signal(os.environ.get(ENV_DUMP_SIGNAL) or "SIGUSR2")
+        _state.dump_file = open(Path(status) / f"stacks-{os.getpid()}.txt", "w")  # noqa: SIM115
+        faulthandler.register(dump, file=_state.dump_file, all_threads=True, chain=False)
+    address = os.environ.get(ENV_HEARTBEAT)
+    if address:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        _state.sock, _state.addr = sock, socket_address(address)
+    heartbeat(event="start")
+
+
+def should_stop() -> bool:
+    """True once a stop was requested (signal or `request_stop`): save and exit 75."""
+    return _state.stop.is_set()
+
+
+def request_stop() -> None:
+    _state.stop.set()
+
+
+def heartbeat(
+    step: int | None = None,
+    loss: float | None = None,
+    samples: float | None = None,
+    event: str = "step",
+    **fields: Any,
+) -> None:
+    """Report progress. `samples`: samples processed since the previous call (the batch size).
+
+    Cheap enough for every step: without a supervisor it returns at once, and "step" heartbeats
+    go out at most every 0.2 s. Pass `loss` as a Python float (`loss.item()` syncs the GPU, so
+    call it only where you would anyway). Extra `fields` are `Heartbeat` fields such as
+    `next_save_step` or `settings`.
+    """
+    s = _state
+    if s.sock is None:
+        return
+    now = _clock()
+    if event == "step" and step is not None:
+        if s.last_step_time is not None and s.steps >= WARMUP_STEPS:
+            interval = now - s.last_step_time
+            s.max_interval = interval if s.max_interval is None else max(s.max_interval, interval)
+        s.steps += 1
+        s.last_step_time = now
+    if samples:
+        if s.samples_since is None:
+            s.samples_since = now
+        else:
+            s.samples += samples
+    if event == "step" and now - s.last_send < STEP_THROTTLE_S:
+        return
+    # The rate window closes only on step heartbeats (>= 0.2 s apart): events are not steps.
+    if event == "step" and s.samples_since is not None and now > s.samples_since and s.samples:
+        s.rate = s.samples / (now - s.samples_since)
+        s.samples, s.samples_since = 0.0, now
+    hb = Heartbeat(
+        pid=os.getpid(),
+        rank=rank(),
+        time=time.time(),
+        event=event,
+        step=step,
+        loss=None if loss is None else float(loss),
+        samples_per_s=s.rate,
+        max_step_interval=s.max_interval,
+        **fields,
+    )
+    try:
+        s.sock.sendto(hb.encode(), socket.MSG_DONTWAIT, s.addr)
+    except OSError:  # nobody listening, or the queue is full: a lost heartbeat is harmless
+        pass
+    s.last_send = now
+
+
+def write_exit_record(
+    kind: str,
+    reason: str,
+    step: int | None = None,
+    exception: BaseException | None = None,
+    settings: dict[str, Any] | None = None,
+    **extra: Any,
+) -> Path | None:
+    """Tell the supervisor how this rank is ending (contract 2); None when not supervised.
+
+    Written to a temp name and renamed, so the supervisor never reads half a record.
+    """
+    status = os.environ.get(ENV_STATUS)
+    if not status:
+        return None
+    tail = None
+    if exception is not None:
+        tail = "".join(traceback.format_exception(exception))[-_TRACEBACK_TAIL:]
+    record = ExitRecord(
+        kind=getattr(kind, "value", kind),
+        reason=reason,
+        pid=os.getpid(),
+        rank=rank(),
+        step=step,
+        exception=None if exception is None else repr(exception),
+        traceback_tail=tail,
+        settings=settings,
+        extra=extra,
+    )
+    path = Path(status) / exit_record_name(rank())
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(record.to_json())
+    os.replace(tmp, path)
+    return path

@@ -1,8 +1,8 @@
 """Names on disk (contract 3) and listing a checkpoint directory.
 
-    <ckpt-dir>/checkpoint-<step>/                  committed (renamed into place when complete)
-    <ckpt-dir>/.tmp-checkpoint-<step>-<host>-<pid>-<token>/   being written
-    <ckpt-dir>/.trash-checkpoint-<step>-<token>/   being deleted (renamed out of the way first)
+<ckpt-dir>/checkpoint-<step>/                  committed (renamed into place when complete)
+<ckpt-dir>/.tmp-checkpoint-<step>-<host>-<pid>-<token>/   being written
+<ckpt-dir>/.trash-checkpoint-<step>-<token>/   being deleted (renamed out of the way first)
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ def list_leftovers(ckpt_dir: str | os.PathLike) -> list[TempDir]:
             if entry.name.startswith(TMP_PREFIX):
                 m = _TMP_RE.match(entry.name)
                 if m:
-                    out.append(TempDir(root / entry.name, int(m.group(1)), m.group(2),
-                                       int(m.group(3))))
+                    out.append(
+                        TempDir(root / entry.name, int(m.group(1)), m.group(2), int(m.group(3)))
+                    )
                 else:
                     out.append(TempDir(root / entry.name, None, None, None))
             elif entry.name.startswith(TRASH_PREFIX):

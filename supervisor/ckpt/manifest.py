@@ -54,8 +54,10 @@ def canonical_bytes(manifest: dict[str, Any]) -> bytes:
 
 
 def sign_manifest(manifest: dict[str, Any], key: bytes) -> None:
-    manifest["signature"] = {"alg": hashing.SIGN_ALG,
-                             "value": hashing.sign(canonical_bytes(manifest), key)}
+    manifest["signature"] = {
+        "alg": hashing.SIGN_ALG,
+        "value": hashing.sign(canonical_bytes(manifest), key),
+    }
 
 
 def check_signature(manifest: dict[str, Any], key: bytes | None) -> None:
@@ -68,8 +70,9 @@ def check_signature(manifest: dict[str, Any], key: bytes | None) -> None:
     if sig.get("alg") != hashing.SIGN_ALG:
         raise ManifestError(f"signature algorithm {sig.get('alg')!r} is not {hashing.SIGN_ALG!r}")
     if not hmac.compare_digest(str(sig["value"]), hashing.sign(canonical_bytes(manifest), key)):
-        raise ManifestError("signature does not match: the manifest was altered or signed "
-                            "with another key")
+        raise ManifestError(
+            "signature does not match: the manifest was altered or signed with another key"
+        )
 
 
 def _jsonable(obj: Any) -> Any:
@@ -104,17 +107,23 @@ def load(ckpt_path: str | Path) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise ManifestError("manifest.json is not a JSON object")
     if manifest.get("format") != FORMAT:
-        raise ManifestError(f"manifest.json is not an rtrain manifest "
-                            f"(format {manifest.get('format')!r})")
+        raise ManifestError(
+            f"manifest.json is not an rtrain manifest (format {manifest.get('format')!r})"
+        )
     version = manifest.get("version")
     if version != VERSION:
-        raise ManifestError(f"unknown format version {version!r} (this rtrain reads {VERSION}): "
-                            "upgrade rtrain to read it")
+        raise ManifestError(
+            f"unknown format version {version!r} (this rtrain reads {VERSION}): "
+            "upgrade rtrain to read it"
+        )
     for key, kind in REQUIRED.items():
         if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
             raise ManifestError(f"manifest.json field {key!r} is missing or of the wrong type")
     for name, entry in manifest["files"].items():
-        if (not isinstance(entry, dict) or not isinstance(entry.get("size"), int)
-                or not isinstance(entry.get("hash"), str)):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("size"), int)
+            or not isinstance(entry.get("hash"), str)
+        ):
             raise ManifestError(f"manifest.json entry for {name!r} lacks a size or hash")
     return manifest

@@ -29,8 +29,10 @@ class RetentionPolicy:
 
     def __post_init__(self) -> None:
         if self.keep is not None and self.keep < 1:
-            raise ValueError(f"keep must be at least 1 (got {self.keep}): the newest verified "
-                             "checkpoint is always kept")
+            raise ValueError(
+                f"keep must be at least 1 (got {self.keep}): the newest verified "
+                "checkpoint is always kept"
+            )
         if self.keep_best < 0 or self.milestone_every < 0:
             raise ValueError("keep_best and milestone_every must be 0 or more")
         if self.keep_best and not self.metric:
@@ -60,8 +62,9 @@ def _metric(c: Candidate, name: str) -> float | None:
     return float(v)
 
 
-def plan(candidates: list[Candidate], policy: RetentionPolicy,
-         protect: frozenset[int] = frozenset()) -> Plan:
+def plan(
+    candidates: list[Candidate], policy: RetentionPolicy, protect: frozenset[int] = frozenset()
+) -> Plan:
     """Decide what to keep and delete; `protect` lists steps that must stay (e.g. in flight)."""
     by_step = sorted(candidates, key=lambda c: c.step, reverse=True)
     good = [c for c in by_step if c.ok]

@@ -45,8 +45,11 @@ def build_header(blobs: list[TensorBlob], metadata: dict[str, str] | None = None
     offset = 0
     for b in blobs:
         n = b.data.nbytes
-        header[b.name] = {"dtype": b.dtype, "shape": list(b.shape),
-                          "data_offsets": [offset, offset + n]}
+        header[b.name] = {
+            "dtype": b.dtype,
+            "shape": list(b.shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -60,8 +63,12 @@ def _write_all(fd: int, view: memoryview, hasher) -> None:
         view = view[n:]
 
 
-def write_file(path: str | os.PathLike, blobs: Iterable[TensorBlob],
-               metadata: dict[str, str] | None = None, fsync: bool = True) -> Written:
+def write_file(
+    path: str | os.PathLike,
+    blobs: Iterable[TensorBlob],
+    metadata: dict[str, str] | None = None,
+    fsync: bool = True,
+) -> Written:
     """Write one safetensors file; returns its size and xxh3-128 content hash."""
     blobs = list(blobs)
     hasher = new_hasher()

@@ -71,8 +71,9 @@ def check_member_name(root: Path, name: str) -> Path:
     return path
 
 
-def verify(path: str | os.PathLike, level: Level | str = Level.FULL,
-           key: bytes | None = None) -> Verdict:
+def verify(
+    path: str | os.PathLike, level: Level | str = Level.FULL, key: bytes | None = None
+) -> Verdict:
     """Verify one committed checkpoint directory."""
     path = Path(path)
     level = Level(level)
@@ -87,7 +88,8 @@ def verify(path: str | os.PathLike, level: Level | str = Level.FULL,
         manifest.check_signature(m, key)
         if step >= 0 and m["step"] != step:
             raise manifest.ManifestError(
-                f"manifest says step {m['step']} but the directory is {path.name}")
+                f"manifest says step {m['step']} but the directory is {path.name}"
+            )
         for name, entry in m["files"].items():
             member = check_member_name(path, name)
             try:
@@ -97,13 +99,15 @@ def verify(path: str | os.PathLike, level: Level | str = Level.FULL,
             if st.st_size != entry["size"]:
                 raise manifest.ManifestError(
                     f"file {name!r} has {st.st_size} bytes, the manifest says {entry['size']} "
-                    "(truncated or rewritten)")
+                    "(truncated or rewritten)"
+                )
         if level is Level.FULL:
             for name, entry in m["files"].items():
                 if hashing.hash_file(path / name) != entry["hash"]:
                     raise manifest.ManifestError(
                         f"file {name!r} content hash does not match the manifest "
-                        "(bytes changed on disk)")
+                        "(bytes changed on disk)"
+                    )
     except manifest.ManifestError as e:
         return Verdict(path, step, Status.CORRUPT, str(e), m)
     except OSError as e:
@@ -111,8 +115,9 @@ def verify(path: str | os.PathLike, level: Level | str = Level.FULL,
     return Verdict(path, m["step"], Status.OK, "", m)
 
 
-def verify_all(ckpt_dir: str | os.PathLike, level: Level | str = Level.QUICK,
-               key: bytes | None = None) -> list[Verdict]:
+def verify_all(
+    ckpt_dir: str | os.PathLike, level: Level | str = Level.QUICK, key: bytes | None = None
+) -> list[Verdict]:
     """Every committed checkpoint, newest first."""
     return [verify(p, level, key) for _, p in list_checkpoints(ckpt_dir)]
 
@@ -123,9 +128,13 @@ class Selection:
     skipped: list[Verdict]  # newer checkpoints that failed, with their reasons
 
 
-def select_resume(ckpt_dir: str | os.PathLike, level: Level | str = Level.FULL,
-                  key: bytes | None = None, skip_newest: int = 0,
-                  on_skip: Callable[[Verdict], None] | None = None) -> Selection:
+def select_resume(
+    ckpt_dir: str | os.PathLike,
+    level: Level | str = Level.FULL,
+    key: bytes | None = None,
+    skip_newest: int = 0,
+    on_skip: Callable[[Verdict], None] | None = None,
+) -> Selection:
     """The newest checkpoint that verifies; each newer one that fails is reported.
 
     `skip_newest` passes over that many verified checkpoints (a rollback after a non-finite

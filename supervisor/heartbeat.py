@@ -1,0 +1,161 @@
+"""Heartbeats in (a unix datagram socket) and the hang timeout learned from them.
+
+`HangClock` is pure: it is fed heartbeats and activity with the caller's clock and answers when
+the attempt counts as hung. Rules, in order:
+
+- no heartbeat ever (a plain script, or one still importing): hung after `plain_timeout_s`
+  without output and without CPU progress;
+- heartbeats, but no step yet, or fewer than `warmup_steps` steps (compilation, cudnn autotune,
+  the first data loader fill make these slow): hung `startup_s` after the last heartbeat;
+- after warm-up: hung after clamp(`multiple` × longest step interval, `floor_s`, `ceiling_s`)
+  without a heartbeat;
+- while a checkpoint save runs (between `save_begin` and `save_end`), at least `save_s` from the
+  save's start is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+
+from .protocol import Heartbeat, socket_address
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangPolicy:
+    startup_s: float = 600.0
+    """Allowance from the first heartbeat until warm-up is over."""
+    warmup_steps: int = 3
+    """Step intervals ignored while learning (the first steps are slow for unrelated reasons)."""
+    multiple: float = 10.0
+    """Timeout = this × the longest step interval seen after warm-up..."""
+    floor_s: float = 60.0
+    """...but never less than this..."""
+    ceiling_s: float = 1800.0
+    """...nor more than this."""
+    save_s: float = 900.0
+    """Allowance from a `save_begin` heartbeat until its `save_end`."""
+    plain_timeout_s: float = 1800.0
+    """Scripts without heartbeats: hung after this long with no output and no CPU progress."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.floor_s <= self.ceiling_s:
+            raise ValueError("hang floor must be positive and at most the ceiling")
+        for name in ("startup_s", "multiple", "save_s", "plain_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"hang {name} must be positive")
+
+
+class HangClock:
+    """What the watcher knows about liveness; all times come from the caller's monotonic clock."""
+
+    def __init__(self, policy: HangPolicy, start: float) -> None:
+        self.policy = policy
+        self.last_activity = start  # output or CPU progress (plain scripts)
+        self.last_heartbeat: float | None = None
+        self.last_step_time: float | None = None
+        self.steps = 0  # step heartbeats received
+        self.max_interval: float | None = None  # longest step interval after warm-up
+        self.save_started: float | None = None
+        self.rank: int | None = None  # the lowest rank heard from: the one intervals come from
+
+    def activity(self, now: float) -> None:
+        self.last_activity = max(self.last_activity, now)
+
+    def heartbeat(self, hb: Heartbeat, now: float) -> None:
+        self.last_heartbeat = now
+        if hb.event == "save_begin":
+            self.save_started = now
+        elif hb.event == "save_end":
+            self.save_started = None
+        if self.rank is None or hb.rank < self.rank:
+            self.rank, self.steps, self.last_step_time = hb.rank, 0, None
+        # Ranks step in lockstep; learning from one avoids reading interleaved ranks as
+        # short intervals.
+        if hb.step is None or hb.event != "step" or hb.rank != self.rank:
+            return
+        if self.last_step_time is not None and self.steps > self.policy.warmup_steps:
+            self._longest(now - self.last_step_time)
+        if hb.max_step_interval is not None and self.steps >= self.policy.warmup_steps:
+            # the worker times every step; our view is coarser (heartbeats are throttled)
+            self._longest(hb.max_step_interval)
+        self.steps += 1
+        self.last_step_time = now
+
+    def _longest(self, interval: float) -> None:
+        if self.max_interval is None or interval > self.max_interval:
+            self.max_interval = interval
+
+    def timeout(self) -> tuple[float, str]:
+        """(seconds allowed since the reference time, why) under the rule in force."""
+        p = self.policy
+        if self.last_heartbeat is None:
+            return p.plain_timeout_s, "no output and no CPU progress"
+        if self.max_interval is None:
+            return p.startup_s, "no heartbeat (start-up allowance)"
+        learned = min(max(p.multiple * self.max_interval, p.floor_s), p.ceiling_s)
+        return learned, (
+            f"no heartbeat (timeout learned from the longest step interval, "
+            f"{self.max_interval:.3g} s)"
+        )
+
+    def deadline(self) -> float:
+        """The monotonic time at which the attempt counts as hung."""
+        allowed, _ = self.timeout()
+        ref = self.last_activity if self.last_heartbeat is None else self.last_heartbeat
+        deadline = ref + allowed
+        if self.save_started is not None:
+            deadline = max(deadline, self.save_started + self.policy.save_s)
+        return deadline
+
+    def check(self, now: float) -> str | None:
+        """None while alive; else the sentence saying why it counts as hung."""
+        deadline = self.deadline()
+        if now < deadline:
+            return None
+        allowed, why = self.timeout()
+        if self.save_started is not None and deadline > (self.last_heartbeat or 0) + allowed:
+            return f"checkpoint save still running after {now - self.save_started:.1f} s"
+        ref = self.last_activity if self.last_heartbeat is None else self.last_heartbeat
+        return f"{why} for {now - ref:.1f} s (timeout {allowed:.1f} s)"
+
+
+class HeartbeatReceiver:
+    """The supervisor's end of RTRAIN_HEARTBEAT: a non-blocking abstract datagram socket."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or f"@rtrain-{os.getpid()}-{secrets.token_hex(4)}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self.sock.bind(socket_address(self.name))
+        self.sock.setblocking(False)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def drain(self) -> list[Heartbeat]:
+        """Every heartbeat waiting now; malformed or other-version datagrams are dropped."""
+        out = []
+        while True:
+            try:
+                raw = self.sock.recv(65536)
+            except BlockingIOError:
+                return out
+            hb = Heartbeat.decode(raw)
+            if hb is not None:
+                out.append(hb)
+
+    def close(self) -> None:
+        self.sock.close()
+        if not self.name.startswith("@"):
+            try:
+                os.unlink(self.name)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> HeartbeatReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,86 @@
+"""Python stacks of a hung attempt, written into its attempt directory before it is stopped.
+
+Two sources, because either may fail: the worker's faulthandler (on RTRAIN_DUMP_SIGNAL, written
+from C inside the signal handler, so it works while the interpreter is stuck in a C call), and
+py-spy, which reads the process from outside and also covers scripts without the worker library.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import psutil
+
+
+def find_pyspy() -> str | None:
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if os.access(beside, os.X_OK) else None
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether `pid` has a handler for `sig` (SigCgt): sending it to others would kill them."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _is_python(proc: psutil.Process) -> bool:
+    try:
+        return "python" in proc.name().lower() or "python" in os.path.basename(proc.exe()).lower()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def dump_stacks(
+    pids: Iterable[int], attempt_dir: Path, dump_signal: int, timeout_s: float
+) -> list[Path]:
+    """Ask every process for its stacks; return the py-spy files written (bounded by timeout_s).
+
+    Workers write `stacks-<pid>.txt` themselves; py-spy output goes to `stacks-pyspy-<pid>.txt`.
+    """
+    pids = list(pids)
+    for pid in pids:
+        if catches(pid, dump_signal):
+            try:
+                os.kill(pid, dump_signal)
+            except ProcessLookupError:
+                pass
+    pyspy = find_pyspy()
+    if pyspy is None:
+        return []
+    running: list[tuple[subprocess.Popen[bytes], Path]] = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            stopped = proc.status() == psutil.STATUS_STOPPED
+        except psutil.NoSuchProcess:
+            continue
+        if not _is_python(proc):
+            continue
+        # py-spy cannot suspend an already stopped process; reading it without pausing works.
+        argv = [pyspy, "dump", "--pid", str(pid)] + (["--nonblocking"] if stopped else [])
+        path = attempt_dir / f"stacks-pyspy-{pid}.txt"
+        with open(path, "wb") as out:
+            running.append((subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT), path))
+    deadline = time.monotonic() + timeout_s
+    for proc, _ in running:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return [path for _, path in running]

@@ -1,0 +1,22 @@
+"""Spawn a sleeping child with supervisor.spawn, write its pid to argv[1], wait to be killed."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from supervisor.spawn import ChildSpec, spawn
+
+out = Path(sys.argv[1])
+child = spawn(
+    ChildSpec(
+        argv=[sys.executable, "-c", "import time; time.sleep(600)"],
+        env=dict(os.environ),
+        cwd=out.parent,
+        attempt_dir=out.parent / "attempt",
+    )
+)
+out.with_suffix(".tmp").write_text(str(child.pid))
+os.replace(out.with_suffix(".tmp"), out)
+time.sleep(600)

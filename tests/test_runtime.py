@@ -1,0 +1,134 @@
+"""worker/runtime.py in this process: signals, heartbeats, stack dumps, exit records."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+
+import pytest
+
+from supervisor.heartbeat import HeartbeatReceiver
+from supervisor.protocol import ExitRecord
+from worker import runtime
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def fresh_runtime(monkeypatch):
+    for name in (
+        "RTRAIN_STATUS",
+        "RTRAIN_HEARTBEAT",
+        "RTRAIN_STOP_SIGNAL",
+        "RTRAIN_DUMP_SIGNAL",
+        "RTRAIN_ATTEMPT",
+        "RANK",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(runtime, "_state", runtime._State())
+    old = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    yield
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
+    faulthandler.unregister(signal.SIGUSR2)
+    if runtime._state.sock is not None:
+        runtime._state.sock.close()
+
+
+@pytest.fixture
+def receiver(monkeypatch, tmp_path):
+    with HeartbeatReceiver() as r:
+        monkeypatch.setenv("RTRAIN_HEARTBEAT", r.name)
+        monkeypatch.setenv("RTRAIN_STATUS", str(tmp_path))
+        yield r
+
+
+def test_by_hand_sigterm_and_sigusr1_request_a_stop():
+    assert not runtime.supervised()
+    assert runtime.stop_signals() == [signal.SIGTERM, signal.SIGUSR1]
+    runtime.install()
+    assert not runtime.should_stop()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert runtime.should_stop()
+    assert runtime._state.stop_signal == "SIGUSR1"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C untouched
+
+
+def test_by_hand_everything_else_is_a_cheap_no_op(tmp_path):
+    runtime.install()
+    runtime.heartbeat(step=1, loss=0.1)
+    assert runtime.write_exit_record("crash", "boom") is None
+    assert runtime.rank() == 0 and runtime.attempt() == 0
+    runtime.request_stop()
+    assert runtime.should_stop()
+
+
+def test_supervised_stop_signal_comes_from_env(receiver, monkeypatch):
+    monkeypatch.setenv("RTRAIN_STOP_SIGNAL", "USR1")
+    assert runtime.supervised()
+    assert runtime.stop_signals() == [signal.SIGUSR1]
+    runtime.install()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_install_is_idempotent_and_says_start(receiver):
+    runtime.install()
+    runtime.install()
+    assert [hb.event for hb in receiver.drain()] == ["start"]
+
+
+def test_step_heartbeats_are_throttled_events_are_not(receiver, monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(runtime, "_clock", lambda: now[0])
+    runtime.install()
+    for step in range(1, 11):  # ten steps of 10 ms: one 0.2 s window
+        now[0] += 0.01
+        runtime.heartbeat(step=step, loss=1.0, samples=4)
+    runtime.heartbeat(event="save_begin", step=10)
+    runtime.heartbeat(event="save_end", step=10)
+    now[0] += 0.3  # a slow step after warm-up
+    runtime.heartbeat(step=11, samples=4, next_save_step=20)
+    got = receiver.drain()
+    assert [(h.event, h.step) for h in got] == [
+        ("start", None),
+        ("save_begin", 10),
+        ("save_end", 10),
+        ("step", 11),
+    ]
+    last = got[-1]
+    assert last.max_step_interval == pytest.approx(0.3)
+    assert last.next_save_step == 20
+    assert last.samples_per_s == pytest.approx(40 / 0.39)  # samples after the first call
+
+
+def test_dump_signal_writes_stacks_to_status_dir(receiver, tmp_path):
+    runtime.install()
+    os.kill(os.getpid(), signal.SIGUSR2)
+    text = (tmp_path / f"stacks-{os.getpid()}.txt").read_text()
+    assert "test_dump_signal_writes_stacks_to_status_dir" in text
+
+
+def test_exit_record_is_written_atomically_per_rank(receiver, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    try:
+        raise MemoryError("host ran out")
+    except MemoryError as err:
+        path = runtime.write_exit_record(
+            "oom_host", "out of host memory", step=7, exception=err, settings={"batch_size": 8}
+        )
+    assert path == tmp_path / "exit-rank2.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exit-rank2.json"]
+    record = ExitRecord.from_json(path.read_text())
+    assert record.kind == "oom_host" and record.rank == 2 and record.step == 7
+    assert "MemoryError: host ran out" in record.traceback_tail
+    assert record.settings == {"batch_size": 8}
+
+
+def test_runtime_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; import worker.runtime, supervisor.watch; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,190 @@
+"""The watch loop against real children: exits, signals, hangs, heartbeats, the GPU reader."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from conftest import child_spec, gone, wait_for
+
+from supervisor.gpu import DeviceMemory, GpuReading, ScriptedReader
+from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
+from supervisor.spawn import spawn
+from supervisor.watch import SignalCatcher, WatchConfig, watch
+
+FAST = WatchConfig(
+    sample_interval_s=0.1,
+    grace_s=5,
+    hang_grace_s=0.5,
+    dump_timeout_s=5,
+    hang=HangPolicy(plain_timeout_s=30),
+)
+GiB = 1 << 30
+
+
+def _watch(tmp_path, script, *args, config=FAST, env=None, **kw):
+    receiver = kw.pop("heartbeats", None)
+    if receiver is not None:
+        env = {
+            **(env or {}),
+            "RTRAIN_HEARTBEAT": receiver.name,
+            "RTRAIN_STATUS": str(tmp_path / "attempts" / "0"),
+        }
+    spec = child_spec(tmp_path, script, *args, env=env or {})
+    child = spawn(spec)
+    try:
+        return watch(child, config, heartbeats=receiver, **kw), child
+    finally:
+        child.close()
+
+
+def test_crash_exit_code_stderr_and_exit_record(tmp_path):
+    attempt = tmp_path / "attempts" / "0"
+    attempt.mkdir(parents=True)
+    (attempt / "exit-rank0.json").write_text(
+        '{"kind": "data", "reason": "too many bad samples", "pid": 1, "v": 1}'
+    )
+    outcome, _ = _watch(tmp_path, "crash.py", "3")
+    ev = outcome.evidence
+    assert ev.returncode == 3 and ev.signal is None
+    assert "RuntimeError: boom" in ev.stderr_tail
+    assert [r["kind"] for r in ev.exit_records] == ["data"]
+    assert not ev.hang and not ev.first_step_seen and ev.stop_requested is None
+    assert ev.host_mem_total and ev.duration_s > 0
+
+
+def test_leftover_grandchildren_are_swept_after_exit(tmp_path):
+    pids_file = tmp_path / "pids"
+    outcome, _ = _watch(tmp_path, "grandchildren.py", str(pids_file))
+    inside, escaped = map(int, wait_for(pids_file).split())
+    assert outcome.evidence.returncode == 0
+    assert outcome.stop.leftovers == []
+    assert gone(inside, 0.5) and gone(escaped, 0.5)
+
+
+def test_signal_to_supervisor_forwards_stop_and_child_exits_75(tmp_path):
+    sent = []
+
+    def on_heartbeat(hb):
+        if hb.step and hb.step >= 3 and not sent:
+            sent.append(hb.step)
+            os.kill(os.getpid(), signal.SIGUSR1)  # as Slurm's --signal=B:USR1 would
+
+    with HeartbeatReceiver() as receiver:
+        outcome, _ = _watch(
+            tmp_path, "worker_steps.py", "preempt", heartbeats=receiver, on_heartbeat=on_heartbeat
+        )
+    ev = outcome.evidence
+    assert ev.returncode == 75
+    assert ev.stop_requested == "SIGUSR1" and outcome.signals == ["SIGUSR1"]
+    assert outcome.stop.signal_sent == "SIGTERM" and not ev.killed_after_grace
+    assert ev.first_step_seen and ev.last_step is not None and ev.last_step >= 3
+    assert outcome.heartbeats.last_event == "stop"
+    assert outcome.heartbeats.samples_per_s and outcome.heartbeats.last_loss is not None
+    # handlers are restored once watch returns
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_stop_escalates_to_sigkill_after_grace(tmp_path):
+    def on_sample(sample):
+        ready = (tmp_path / "attempts/0/stdout.log").read_text() == "ready\n"
+        if ready and not catcher.pending and not fired:
+            fired.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    fired: list = []
+    config = WatchConfig(sample_interval_s=0.2, grace_s=0.5)
+    with SignalCatcher() as catcher:
+        outcome, _ = _watch(
+            tmp_path, "ignore_term.py", config=config, signals=catcher, on_sample=on_sample
+        )
+    ev = outcome.evidence
+    assert ev.signal == "SIGKILL" and ev.killed_after_grace and ev.stop_requested == "SIGTERM"
+
+
+def test_second_sigint_kills_at_once(tmp_path):
+    def on_sample(sample):
+        ready = (tmp_path / "attempts/0/stdout.log").read_text() == "ready\n"
+        if ready and len(fired) < 2:
+            fired.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    fired: list = []
+    config = WatchConfig(sample_interval_s=0.1, grace_s=600)  # would take 10 min without it
+    outcome, _ = _watch(tmp_path, "ignore_term.py", config=config, on_sample=on_sample)
+    assert outcome.hard_stop and outcome.signals == ["SIGINT", "SIGINT"]
+    assert outcome.evidence.signal == "SIGKILL" and not outcome.evidence.killed_after_grace
+
+
+def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
+    config = WatchConfig(
+        sample_interval_s=0.1, hang_grace_s=2, hang=HangPolicy(plain_timeout_s=0.6)
+    )
+    outcome, child = _watch(tmp_path, "hang.py", config=config)
+    ev = outcome.evidence
+    assert ev.hang and "no output and no CPU progress" in ev.hang_detail
+    assert ev.signal == "SIGTERM"  # a plain script dies of the polite signal
+    _assert_pyspy_stack(outcome, child)
+
+
+def test_sigstopped_child_is_a_hang(tmp_path):
+    config = WatchConfig(
+        sample_interval_s=0.1, hang_grace_s=2, hang=HangPolicy(plain_timeout_s=0.6)
+    )
+    outcome, child = _watch(tmp_path, "hang.py", "stop", config=config)
+    ev = outcome.evidence
+    assert ev.hang and ev.signal == "SIGTERM"  # SIGCONT after SIGTERM lets it act on it
+    _assert_pyspy_stack(outcome, child)
+
+
+def _assert_pyspy_stack(outcome, child):
+    path = child.spec.attempt_dir / f"stacks-pyspy-{child.pid}.txt"
+    assert path in outcome.stack_files
+    text = path.read_text()
+    assert "stuck_here" in text or "Error" in text  # py-spy may lack ptrace rights elsewhere
+
+
+def test_learned_timeout_catches_silent_worker(tmp_path):
+    hang = HangPolicy(startup_s=20, warmup_steps=2, multiple=4, floor_s=0.5, ceiling_s=3)
+    config = WatchConfig(sample_interval_s=0.1, hang_grace_s=0.5, hang=hang)
+    with HeartbeatReceiver() as receiver:
+        outcome, child = _watch(
+            tmp_path, "worker_steps.py", "silent", config=config, heartbeats=receiver
+        )
+    ev = outcome.evidence
+    assert ev.hang and "learned" in ev.hang_detail, ev.hang_detail
+    assert ev.first_step_seen and ev.last_step and ev.last_step >= 10
+    # the worker handles SIGTERM by setting a flag it never reads while hung: SIGKILL follows
+    assert ev.signal == "SIGKILL" and ev.killed_after_grace
+    stacks = child.spec.attempt_dir / f"stacks-{child.pid}.txt"
+    assert "time.sleep" in stacks.read_text() or "worker_steps.py" in stacks.read_text()
+
+
+def test_gpu_filling_up_then_lost(tmp_path):
+    readings = [GpuReading((DeviceMemory(0, used * GiB, 80 * GiB),)) for used in (10, 40, 79)]
+    readings.append(
+        GpuReading((DeviceMemory(0, 79 * GiB, 80 * GiB),), lost=True, detail="GPU 0: GPU is lost")
+    )
+    reader = ScriptedReader(readings)
+    samples = []
+    outcome, _ = _watch(tmp_path, "hang.py", gpu=reader, on_sample=samples.append)
+    ev = outcome.evidence
+    assert ev.gpu_lost and ev.gpu_detail == "GPU 0: GPU is lost"
+    assert ev.gpu_mem_used_peak == 79 * GiB and ev.gpu_mem_total == 80 * GiB
+    assert ev.signal == "SIGTERM" and not ev.hang
+    assert [s.gpu.devices[0].used // GiB for s in samples[:3]] == [10, 40, 79]
+
+
+def test_failing_callback_stops_the_child_and_propagates(tmp_path):
+    seen = []
+
+    def on_sample(sample):
+        seen.extend(sample.tree.pids)
+        raise RuntimeError("status line broke")
+
+    with pytest.raises(RuntimeError, match="status line broke"):
+        _watch(
+            tmp_path, "ignore_term.py", config=WatchConfig(hang_grace_s=0.2), on_sample=on_sample
+        )
+    assert seen and all(gone(pid, 2) for pid in seen)
