@@ -3,13 +3,28 @@
     import worker
     ckpt = worker.Checkpointer(model=model, optimizer=opt, sampler=sampler, every_steps=100)
     start_step = ckpt.restore()
+
+`settings`, `should_stop`, `heartbeat` and the rest of `worker.runtime` are torch-free; the
+torch-bound parts (`Checkpointer`, `ResumableSampler`) load on first use.
 """
 
+from typing import Any
+
 from supervisor import __version__
-from worker.checkpointer import Checkpointer
-from worker.runtime import heartbeat, request_stop, should_stop
-from worker.sampler import ResumableSampler
+from worker.runtime import heartbeat, request_stop, should_stop, write_exit_record
 from worker.settings import Settings, settings
 
+_LAZY = {"Checkpointer": "worker.checkpointer", "ResumableSampler": "worker.sampler"}
+
 __all__ = ["Checkpointer", "ResumableSampler", "Settings", "__version__", "heartbeat",
-           "request_stop", "settings", "should_stop"]
+           "request_stop", "settings", "should_stop", "write_exit_record"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'worker' has no attribute {name!r}")

@@ -24,9 +24,9 @@ from supervisor.ckpt.verify import Level, select_resume, verify
 from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_RUN_DIR, EXIT_PREEMPTED
 from worker import runtime, state
-from worker import settings as settings_mod
 from worker.sampler import ResumableSampler
 from worker.schedule import SaveSchedule
+from worker.settings import current as current_settings
 from worker.tensors import cpu_contiguous, decode, encode, to_blob
 
 log = logging.getLogger(__name__)
@@ -321,7 +321,7 @@ class Checkpointer:
         samples = self.sampler.samples_seen if self.sampler is not None else 0
         fields = {
             "epoch": self.epoch, "samples_seen": samples, "fingerprint": fingerprint,
-            "environment": _environment(self.model), "settings": settings_mod.current(),
+            "environment": _environment(self.model), "settings": current_settings(),
             "metrics": {k: _number(v) for k, v in metrics.items()}, "info": info,
         }
         return _Capture(step, tensors, st, fields)
