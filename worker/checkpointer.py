@@ -106,6 +106,7 @@ class Checkpointer:
         self._last_save_step: int | None = None
         self._last_save_time = time.monotonic()
         self._save_requested = False
+        self._hb_samples = 0
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
         self._inflight: threading.Thread | None = None
         self._inflight_step: int | None = None
@@ -131,6 +132,7 @@ class Checkpointer:
         self.step, self.epoch = m["step"], m["epoch"]
         self.extra = decode(st.get("extra", {}), tensors["extra"])
         self._last_save_step = self.step
+        self._hb_samples = self._samples() or 0
         log.info("resumed from %s (step %d, epoch %d)", chosen.path, self.step, self.epoch)
         runtime.heartbeat(step=self.step, event="start")
         return self.step
@@ -215,8 +217,11 @@ class Checkpointer:
         """
         stop = runtime.should_stop()
         now = time.monotonic()
-        runtime.heartbeat(step=step, loss=(metrics or {}).get("loss"), samples=self._samples(),
+        seen = self._samples()
+        runtime.heartbeat(step=step, loss=_number((metrics or {}).get("loss")),
+                          samples=None if seen is None else seen - self._hb_samples,
                           next_save_step=self._next_save_step(step))
+        self._hb_samples = seen or 0
         path = None
         if stop or self._save_requested or self.schedule.due(
                 step, last_step=self._last_save_step, now=now, last_time=self._last_save_time,
