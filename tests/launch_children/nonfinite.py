@@ -5,10 +5,9 @@ import json
 import os
 import sys
 
+import worker
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_SETTINGS
-
-import worker
 
 if os.environ["RTRAIN_ATTEMPT"] == "0":
     for step in (1, 2):
