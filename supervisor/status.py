@@ -204,7 +204,7 @@ def render_text(s: RunSummary) -> str:
     if s.samples_per_s:
         progress.append(f"{human_rate(s.samples_per_s)} samples/s")
     if s.heartbeat_age_s is not None:
-        progress.append(f"summary {human_duration(s.heartbeat_age_s)} ago")
+        progress.append(f"as of {human_duration(s.heartbeat_age_s)} ago")
     if progress:
         rows.append(("progress", ", ".join(progress)))
     memory = [f"rss {human_bytes(s.rss_bytes)}"] if s.rss_bytes is not None else []
