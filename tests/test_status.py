@@ -12,7 +12,7 @@ from supervisor.errors import UsageError
 from supervisor.events import EventLog
 from supervisor.lock import LOCK_NAME
 from supervisor.policy import History
-from supervisor.runstate import RunState, RunStatus, save_state
+from supervisor.runstate import RunState, save_state
 from supervisor.status import render_text, summarize, to_json
 
 T0 = 1_700_000_000.0
@@ -80,7 +80,7 @@ def test_summary_reads_every_file(run):
 
 def test_text_names_what_a_person_asks_first(run):
     text = render_text(summarize(run, now=T0 + 21))
-    first, *rest = text.splitlines()
+    first = text.splitlines()[0]
     assert first == f"run {run}: running, attempt 2"
     assert "no rtrain holds it; run the same rtrain launch again" in text
     assert "step 250, loss 0.4321, 812 samples/s, as of 10s ago" in text
@@ -132,7 +132,7 @@ def test_ckpt_dir_from_the_first_launch(tmp_path, make_ckpt):
 
 
 def test_missing_run_is_a_usage_error(tmp_path):
-    with pytest.raises(UsageError, match="no rtrain run in .*: pass the --run-dir"):
+    with pytest.raises(UsageError, match=r"no rtrain run in .*: pass the --run-dir"):
         summarize(tmp_path / "nope")
     with pytest.raises(UsageError):
         summarize(tmp_path)  # a directory, but nothing rtrain wrote
