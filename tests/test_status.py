@@ -8,9 +8,10 @@ import os
 
 import pytest
 
-from supervisor.errors import UsageError
+from supervisor.errors import ConfigError, UsageError
 from supervisor.events import EventLog
 from supervisor.lock import LOCK_NAME
+from supervisor.paths import default_ckpt_dir, default_run_dir
 from supervisor.policy import History
 from supervisor.runstate import RunState, save_state
 from supervisor.status import render_text, summarize, to_json
@@ -161,3 +162,23 @@ def test_cli_missing_run_exits_2(rtrain, tmp_path):
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip() == (f"rtrain: error: no rtrain run in {tmp_path / 'rtrain-run'}: "
                                 "pass the --run-dir used with rtrain launch")
+
+
+def test_status_imports_no_torch_or_rich(rtrain, run):
+    r = rtrain("status", str(run), env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert r.returncode == 0
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}
+    assert "supervisor.status" in imported  # the trace works
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "pydantic", "rich")}
+
+
+def test_default_run_dir_lookup(tmp_path):
+    assert default_run_dir(tmp_path) == tmp_path / "rtrain-run"
+    (tmp_path / "pyproject.toml").write_text('[tool.rtrain]\nrun_dir = "runs/b"\n')
+    assert default_run_dir(tmp_path) == tmp_path / "runs/b"
+    (tmp_path / "rtrain.toml").write_text('[rtrain]\nrun_dir = "runs/a"\n')
+    assert default_run_dir(tmp_path) == tmp_path / "runs/a"  # rtrain.toml first
+    assert default_ckpt_dir(tmp_path) == tmp_path / "runs/a/checkpoints"
+    (tmp_path / "rtrain.toml").write_text("run_dir = 3\n")
+    with pytest.raises(ConfigError, match=r"rtrain\.toml: run_dir must be a non-empty string"):
+        default_run_dir(tmp_path)
