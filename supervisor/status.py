@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.ckpt.verify import Level, select_resume
 from supervisor.errors import UsageError
 from supervisor.events import read_events
 from supervisor.lock import LOCK_NAME
@@ -72,7 +73,7 @@ def _last(events: list[dict[str, Any]], *kinds: str) -> dict[str, Any] | None:
 def _failure_kind(event: dict[str, Any]) -> str:
     # `kind` names the event itself (EventLog.emit(kind, **fields)), so the failure kind of a
     # classification travels as `failure`.
-    return str(event.get("failure", event.get("failure_kind", "crash")))
+    return str(event.get("failure") or event.get("failure_kind") or "unnamed")
 
 
 def _pick(event: dict[str, Any] | None, *names: str) -> dict[str, Any] | None:
@@ -123,8 +124,6 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
     if not (run_dir / "events.jsonl").is_file() and not (run_dir / STATE_FILE).is_file():
         raise UsageError(f"no rtrain run in {run_dir}: pass the --run-dir used with rtrain "
                          "launch")
-    from supervisor.ckpt.verify import Level, select_resume
-
     events = read_events(run_dir / "events.jsonl")
     state = load_state(run_dir)
     status, reason = _status(state, events)
@@ -157,9 +156,9 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
             setattr(s, name, beat.get(name))
         s.heartbeat_age_s = max(0.0, (time.time() if now is None else now) - beat["time"])
     # An exit event's last_step can be newer than the last summary (up to ~30 s of steps).
-    s.step = next((e.get("step", e.get("last_step")) for e in reversed(events)
-                   if e.get("kind") in ("heartbeat_summary", "exit")
-                   and e.get("step", e.get("last_step")) is not None), None)
+    steps = (e.get("step") if e["kind"] == "heartbeat_summary" else e.get("last_step")
+             for e in reversed(events) if e.get("kind") in ("heartbeat_summary", "exit"))
+    s.step = next((step for step in steps if step is not None), None)
     last_failure = _last(events, "classification")
     if last_failure is not None:
         s.last_failure = {"attempt": last_failure.get("attempt"),
