@@ -22,8 +22,9 @@ from supervisor.errors import RtrainError
 EVENTS_VERSION = 1
 
 # Losing one of these to a power cut would hide why the run did what it did.
-DURABLE_KINDS = frozenset({"launch", "exit", "classification", "decision", "degrade", "signal",
-                           "give_up", "finished", "preempted", "requeue", "lock_takeover"})
+# Events that end a run are synced at once; the others reach the disk at the next `sync()`
+# (the launch loop syncs once per decision), which keeps relaunches fast.
+DURABLE_KINDS = frozenset({"give_up", "finished", "preempted", "requeue", "lock_takeover"})
 # Other kinds so far: heartbeat_summary, checkpoint, skipped_checkpoint, gpu_release_wait.
 
 _TAIL_BYTES = 64 * 1024  # enough to hold the last complete line of any event
@@ -72,6 +73,9 @@ class EventLog:
         if kind in DURABLE_KINDS:
             os.fsync(self._fd)
         return event
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -186,7 +186,8 @@ class _Loop:
                                 else history.settings)
                 if history.launch_step is None:
                     history = replace(history, launch_step=resumed_step)
-                self._save(RunStatus.RUNNING, "running", history)
+                if history is not self.state.history or self.state.status is not RunStatus.RUNNING:
+                    self._save(RunStatus.RUNNING, "running", history)  # a relaunch saved already
                 outcome, dur = self._attempt(history.attempt, settings, selection, signals)
                 decision = self._decide(outcome, history, resumed_step, dur)
                 history = decision.history
@@ -352,6 +353,7 @@ class _Loop:
             self.say(f"stopped: {reason}")
             return protocol.EXIT_PREEMPTED
         self._save(RunStatus.RUNNING, decision.reason, history)
+        self.events.sync()
         self.say(decision.reason)
         held = wait_gpu_released(self.gpu, pids, self.cfg.gpu_release_wait_s)
         if held:

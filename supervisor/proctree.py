@@ -48,13 +48,13 @@ def descendants(root: int, ppids: dict[int, int] | None = None) -> list[int]:
     cache = {} if ppids is None else ppids
     fresh: dict[int, int] = {}
     children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        pid = int(name)
+    pids = {int(name) for name in os.listdir("/proc") if name.isdigit()}
+    for pid in pids:
         ppid = cache.get(pid)
-        if ppid is None:
-            ppid = _read_ppid(name)
+        # A parent changes only when the old one dies (re-parenting to init or to us, the
+        # subreaper): a cached parent that still exists is still the parent.
+        if ppid is None or (ppid not in pids and ppid > 1):
+            ppid = _read_ppid(str(pid))
             if ppid is None:
                 continue
         fresh[pid] = ppid
@@ -96,10 +96,11 @@ class ProcTree:
     def live(self, *, rescan: bool = False) -> list[psutil.Process]:
         """Current descendants, plus any process seen earlier that still runs (wherever it went).
 
-        `rescan` reads every process's parent afresh (for the final sweep, where cost is no issue).
+        `rescan` is kept for callers; the parent cache already re-reads every process whose
+        cached parent has died, which is all that re-parenting can change.
         """
         procs = {}
-        for pid in descendants(self.root, None if rescan else self._ppids):
+        for pid in descendants(self.root, self._ppids):
             proc = self._process(pid)
             if proc is not None:
                 procs[pid] = proc

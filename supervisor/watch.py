@@ -208,7 +208,9 @@ class _Watch:
             sel.register(self.hbs.fileno(), selectors.EVENT_READ, "heartbeat")
         if signals.fileno() is not None:
             sel.register(signals.fileno(), selectors.EVENT_READ, "signal")
-        next_sample = self.clock()
+        # The first sample waits a moment: it would compete with the child's start-up for the CPU,
+        # and a child that dies at once leaves its evidence in the exit status and stderr.
+        next_sample = self.clock() + min(0.25, self.config.sample_interval_s)
         exited = False
         try:
             while not exited:
