@@ -107,7 +107,7 @@ def test_nonfinite_for_count_steps(arm):
 
 
 def test_corrupt_newest_then_crash(arm, tmp_path):
-    f = arm("corrupt_newest@step=2")
+    arm("corrupt_newest@step=2")
     ck = worker.Checkpointer(model=torch.nn.Linear(2, 2), ckpt_dir=tmp_path, every_steps=1)
     ck.maybe_save(1)
     ck.maybe_save(2)  # committed inside this call, after the hook ran
