@@ -142,6 +142,24 @@ def classify(evidence: Evidence, *, memory_pressure_fraction: float = 0.9) -> Fa
     return _failure(FailureKind.CRASH, f"{how}{step}" + (f": {last}" if last else ""), ev)
 
 
+# What a script that never got going prints: a broken import, a typo in the file, a bad flag.
+STARTUP_ERROR = re.compile(
+    r"SyntaxError|IndentationError|ModuleNotFoundError|ImportError|can't open file"
+    r"|error: unrecognized arguments|error: the following arguments are required"
+    r"|error: argument |No such file or directory")
+STARTUP_WINDOW_S = 120.0
+
+
+def plain_script_started(evidence: Evidence) -> bool:
+    """For a script without heartbeats: did it get past start-up?
+
+    Without a step heartbeat there is no direct sign, so a failure counts as `startup` only when
+    it came early and stderr shows a start-up error; any other failure is a crash, retried.
+    """
+    early = evidence.duration_s < STARTUP_WINDOW_S
+    return not (early and STARTUP_ERROR.search(evidence.stderr_tail[-4096:]))
+
+
 def _line_of(text: str, match: re.Match[str]) -> str:
     """The whole stderr line holding the match, the line a person would search for."""
     start = text.rfind("\n", 0, match.start()) + 1

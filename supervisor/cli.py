@@ -154,6 +154,86 @@ def prune(
         typer.echo(pruning.render_prune(report, dry_run=dry_run))
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch(
+    ctx: typer.Context,
+    script: Annotated[str | None, typer.Argument(
+        metavar="SCRIPT [ARGS]...", show_default=False,
+        help="The training script (train.py) or a command (torchrun ...), then its arguments; "
+             "`{knob}` in them gets this attempt's value. Put arguments that look like rtrain "
+             "options after `--`.")] = None,
+    module: Annotated[str | None, typer.Option("-m", "--module", metavar="MODULE",
+                                               help="Run a module: python -m MODULE.")] = None,
+    resume: Annotated[str | None, typer.Option(
+        "--resume", metavar="auto|never|PATH",
+        help="auto: newest verified checkpoint (default); never: start fresh; PATH: this one.")
+    ] = None,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", metavar="DIR",
+                                                 help="Run directory (default rtrain-run).")
+                       ] = None,
+    ckpt_dir: Annotated[Path | None, typer.Option(
+        "--ckpt-dir", metavar="DIR", help="Checkpoint dir (default RUN_DIR/checkpoints).")
+    ] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", metavar="FILE", help="Config file (default rtrain.toml or [tool.rtrain] in "
+                                         "pyproject.toml).")] = None,
+    max_restarts: Annotated[int | None, typer.Option("--max-restarts", metavar="N",
+                                                     help="Relaunches allowed in all.")] = None,
+    grace: Annotated[float | None, typer.Option(
+        "--grace", metavar="SECONDS", help="From the stop signal to SIGKILL.")] = None,
+    stop_signal: Annotated[str | None, typer.Option(
+        "--stop-signal", metavar="SIG", help="Signal that asks the child to save and exit 75.")
+    ] = None,
+    hang_timeout: Annotated[float | None, typer.Option(
+        "--hang-timeout", metavar="SECONDS",
+        help="Plain scripts: hung after this long without output or CPU progress.")] = None,
+    sets: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="KNOB=VALUE", help="Set a knob's starting value (repeatable).")] = None,
+    requeue: Annotated[bool | None, typer.Option(
+        "--requeue/--no-requeue", show_default=False,
+        help="On preemption under Slurm, requeue the job (else exit 75).")] = None,
+    no_backoff: Annotated[bool, typer.Option("--no-backoff",
+                                             help="Relaunch at once after a failure.")] = False,
+    fresh: Annotated[bool, typer.Option(
+        "--fresh", help="Run again even if the run finished; ignore its history.")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="Do not echo the child's output (it is still logged).")] = False,
+    python: Annotated[str | None, typer.Option(
+        "--python", metavar="EXE", help="Interpreter for SCRIPT (default: rtrain's).")] = None,
+) -> None:
+    """Run a training script under supervision: restart on failure, degrade on OOM."""
+    with reported():
+        from supervisor.config import load_config
+        from supervisor.launch import LaunchSpec, child_command
+        from supervisor.launch import launch as run_launch
+
+        cwd = Path.cwd()
+        overrides = {"resume": resume, "run_dir": run_dir, "ckpt_dir": ckpt_dir,
+                     "max_restarts": max_restarts, "grace_s": grace, "stop_signal": stop_signal,
+                     "timeout_s": hang_timeout, "requeue": requeue,
+                     "settings": _parse_sets(sets or []) or None,
+                     "backoff.enabled": False if no_backoff else None}
+        cfg = load_config(overrides, config, cwd)
+        command = child_command(script, module, list(ctx.args), python)
+        raise typer.Exit(run_launch(LaunchSpec(command=command, config=cfg, fresh=fresh,
+                                               echo=not quiet, cwd=cwd)))
+
+
+def _parse_sets(items: list[str]) -> dict[str, Any]:
+    from supervisor.errors import UsageError
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--set {item!r}: write it as KNOB=VALUE, e.g. --set batch_size=32")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw  # a bare word is a string
+    return out
+
+
 def main() -> None:
     app(prog_name="rtrain")
 

@@ -1,0 +1,362 @@
+"""`rtrain launch`: the supervision loop.
+
+    pick checkpoint -> spawn child -> watch -> classify -> decide -> record -> (relaunch | stop)
+
+Each stage lives in its own module; this one wires them together, owns the run directory (lock,
+events.jsonl, state.json, attempts/) and turns a decision into an action. The clock, the GPU
+reader, the random source and the sleeper are injected so tests can script them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import select
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from supervisor import protocol, slurm, templates
+from supervisor.ckpt.hashing import load_signing_key
+from supervisor.ckpt.layout import list_checkpoints
+from supervisor.ckpt.verify import Level, Selection, select_resume, verify
+from supervisor.classify import classify, plain_script_started
+from supervisor.config import Config
+from supervisor.errors import UsageError
+from supervisor.events import EventLog
+from supervisor.gpu import GpuReader, NvmlReader, wait_gpu_released
+from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
+from supervisor.lock import RunLock
+from supervisor.policy import Action, Decision, History, ResumeMode, decide, note_progress
+from supervisor.runstate import RunState, RunStatus, load_state, save_state
+from supervisor.spawn import ChildSpec, spawn
+from supervisor.watch import Outcome, SignalCatcher, WatchConfig, watch
+
+log = logging.getLogger(__name__)
+
+SUMMARY_EVERY_S = 30.0  # heartbeat_summary events while a child runs
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """What `rtrain launch` was asked to run."""
+
+    command: list[str]
+    """The child's argv, knob templates (`{batch_size}`) not yet filled in."""
+    config: Config
+    fresh: bool = False
+    """Start the run over even when state.json says it finished."""
+    echo: bool = True
+    """Tee the child's output to our terminal (always also to attempts/<n>/)."""
+    cwd: Path = field(default_factory=Path.cwd)
+
+
+@dataclass(kw_only=True)
+class Seams:
+    """Everything outside the process that tests replace."""
+
+    gpu: GpuReader | None = None  # default: NVML (says once when there is none)
+    rand: Callable[[], float] = random.random
+    wall: Callable[[], float] = time.time
+    say: Callable[[str], None] = lambda line: print(f"rtrain: {line}", file=sys.stderr,
+                                                    flush=True)
+
+
+def child_command(script: str | None, module: str | None, args: list[str],
+                  python: str | None = None) -> list[str]:
+    """The argv to run: `python SCRIPT ARGS`, `python -m MODULE ARGS`, or an executable as is
+    (e.g. `torchrun ...`)."""
+    py = python or sys.executable
+    if module:
+        return [py, "-m", module, *args]
+    if script is None:
+        raise UsageError("nothing to launch: give a script (train.py), -m module, or a command "
+                         "after --")
+    if script.endswith(".py"):
+        return [py, script, *args]
+    exe = shutil.which(script)
+    if exe is None:
+        raise UsageError(f"{script!r} is neither a .py script nor a command on PATH")
+    return [script, *args]
+
+
+def launch(spec: LaunchSpec, seams: Seams | None = None) -> int:
+    """Supervise the run until it finishes, gives up or is stopped; returns rtrain's exit code."""
+    seams = seams or Seams()
+    cfg = spec.config
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir():
+        raise UsageError(f"--resume {cfg.resume}: no such checkpoint directory")
+    templates.render(spec.command, {**cfg.settings, "checkpoint": "", "attempt": 0,
+                                    "run_dir": "", "ckpt_dir": ""})  # typos fail before any work
+    with RunLock(run_dir) as lock:
+        loop = _Loop(spec, seams, run_dir)
+        if lock.previous is not None:
+            loop.events.emit("lock_takeover", previous=lock.previous)
+        try:
+            return loop.run()
+        finally:
+            loop.close()
+
+
+class _Loop:
+    def __init__(self, spec: LaunchSpec, seams: Seams, run_dir: Path) -> None:
+        self.spec, self.seams, self.cfg, self.run_dir = spec, seams, spec.config, run_dir
+        self.ckpt_dir = Path(self.cfg.ckpt_dir or run_dir / "checkpoints")
+        self.key = load_signing_key()
+        self.events = EventLog(run_dir / "events.jsonl", clock=seams.wall)
+        self.gpu = seams.gpu if seams.gpu is not None else NvmlReader()
+        self.hb = HeartbeatReceiver()
+        self.watch_cfg = WatchConfig(
+            stop_signal=signal.Signals[self.cfg.stop_signal],
+            grace_s=self.cfg.grace_s,
+            sample_interval_s=self.cfg.sample_interval_s,
+            hang=HangPolicy(startup_s=self.cfg.hang.timeout_s,
+                            warmup_steps=self.cfg.hang.warmup_steps,
+                            multiple=self.cfg.hang.multiple, floor_s=self.cfg.hang.floor_s,
+                            ceiling_s=self.cfg.hang.ceiling_s,
+                            save_s=self.cfg.hang.save_allowance_s,
+                            plain_timeout_s=self.cfg.hang.timeout_s))
+        self.state = self._load_state()
+        self._last_summary = 0.0
+
+    def close(self) -> None:
+        self.hb.close()
+        self.gpu.close()
+        self.events.close()
+
+    # ------------------------------------------------------------ run state
+
+    def _load_state(self) -> RunState:
+        now = self.seams.wall()
+        old = load_state(self.run_dir)
+        if old is None or self.spec.fresh:
+            return RunState(command=self.spec.command, cwd=str(self.spec.cwd), created=now,
+                            updated=now)
+        if old.command != self.spec.command:
+            self.seams.say(f"note: {self.run_dir} was started with a different command "
+                           f"({' '.join(old.command)}); continuing the run with this one")
+        history = old.history
+        if old.status is RunStatus.GAVE_UP:
+            # Launching a run that gave up is a person's (or cron's) explicit retry: new budgets,
+            # same rung and attempt numbering.
+            history = replace(history, budgets_used={}, total_restarts=0, stalled=())
+        return replace(old, command=self.spec.command, history=history)
+
+    def _save(self, status: RunStatus, reason: str, history: History) -> None:
+        self.state = replace(self.state, status=status, reason=reason, history=history,
+                             updated=self.seams.wall())
+        save_state(self.run_dir, self.state)
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        if self.state.status is RunStatus.FINISHED:
+            self.seams.say(f"the run in {self.run_dir} already finished "
+                           f"({self.state.reason}); nothing to do (pass --fresh to run it again)")
+            return 0
+        history = self.state.history
+        resume = ResumeMode.LATEST
+        with SignalCatcher() as signals:
+            while True:
+                selection = self._pick(history, resume)
+                if selection is None:  # an explicit --resume PATH that does not verify
+                    return 2
+                resumed_step = selection.chosen.step if selection.chosen else None
+                settings = dict(self.cfg.settings if history.settings is None
+                                else history.settings)
+                if history.launch_step is None:
+                    history = replace(history, launch_step=resumed_step)
+                self._save(RunStatus.RUNNING, "running", history)
+                outcome, dur = self._attempt(history.attempt, settings, selection, signals)
+                decision = self._decide(outcome, history, resumed_step, dur)
+                history = decision.history
+                code = self._act(decision, signals, outcome.pids_seen)
+                if code is not None:
+                    return code
+                resume = decision.resume
+
+    def _pick(self, history: History, resume: ResumeMode) -> Selection | None:
+        level = Level(self.cfg.verify)
+        first = history.attempt == 0
+        if first and self.cfg.resume == "never":
+            return Selection(None, [])
+        if first and self.cfg.resume != "auto":
+            v = verify(self.cfg.resume, level, self.key)
+            if not v.ok:
+                raise UsageError(f"--resume {self.cfg.resume} does not verify ({v.describe()}): "
+                                 "pick another checkpoint or use --resume auto")
+            return Selection(v, [])
+        sel = select_resume(self.ckpt_dir, level, self.key,
+                            skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
+        for v in sel.skipped:
+            self.seams.say(f"skipping {v.path.name}: {v.describe()}")
+            self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
+        if resume is ResumeMode.ROLLBACK and sel.chosen is None:
+            sel = select_resume(self.ckpt_dir, level, self.key)  # nothing older: newest then
+        return sel
+
+    def _attempt(self, attempt: int, settings: dict[str, Any], selection: Selection,
+                 signals: SignalCatcher) -> tuple[Outcome, float]:
+        chosen = selection.chosen
+        resume_from = str(chosen.path.resolve()) if chosen else None
+        attempt_dir = self.run_dir / "attempts" / str(attempt)
+        if attempt_dir.exists():  # state.json was lost or reset: keep the old logs aside
+            attempt_dir.rename(attempt_dir.with_name(f"{attempt}.old-{int(self.seams.wall())}"))
+        values = {**settings, "checkpoint": resume_from or "", "attempt": attempt,
+                  "run_dir": str(self.run_dir.resolve()), "ckpt_dir": str(self.ckpt_dir)}
+        argv = templates.render(self.spec.command, values)
+        env = self._child_env(attempt, settings, attempt_dir, resume_from)
+        self.hb.drain()  # stale heartbeats of the previous attempt
+        child = spawn(ChildSpec(argv=argv, env=env, cwd=self.spec.cwd, attempt_dir=attempt_dir,
+                                echo=self.spec.echo))
+        how = f"from {chosen.path.name}" if chosen else "fresh"
+        self.seams.say(f"attempt {attempt}: launched pid {child.pid} ({how}), settings "
+                       f"{json.dumps(settings)}")
+        self.events.emit("launch", attempt=attempt, argv=argv, settings=settings,
+                         level=self.state.history.level, resume_from=resume_from, pid=child.pid,
+                         ckpt_dir=str(self.ckpt_dir))
+        t0 = time.monotonic()
+        outcome = watch(child, self.watch_cfg, heartbeats=self.hb, gpu=self.gpu, signals=signals,
+                        on_heartbeat=lambda hb: self._on_heartbeat(attempt, hb))
+        child.close()
+        return outcome, time.monotonic() - t0
+
+    def _child_env(self, attempt: int, settings: dict[str, Any], attempt_dir: Path,
+                   resume_from: str | None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            protocol.ENV_RUN_DIR: str(self.run_dir.resolve()),
+            protocol.ENV_CKPT_DIR: str(self.ckpt_dir.resolve()),
+            protocol.ENV_ATTEMPT: str(attempt),
+            protocol.ENV_SETTINGS: json.dumps(settings),
+            protocol.ENV_STATUS: str(attempt_dir.resolve()),
+            protocol.ENV_STOP_SIGNAL: self.cfg.stop_signal,
+            protocol.ENV_HEARTBEAT: self.hb.name,
+            protocol.ENV_DUMP_SIGNAL: signal.Signals(self.watch_cfg.dump_signal).name,
+            "PYTHONUNBUFFERED": "1",  # output reaches the tee (and hang detection) at once
+        })
+        if resume_from:
+            env[protocol.ENV_RESUME_FROM] = resume_from
+        else:
+            env.pop(protocol.ENV_RESUME_FROM, None)
+        return env
+
+    def _on_heartbeat(self, attempt: int, hb: protocol.Heartbeat) -> None:
+        now = time.monotonic()
+        if hb.event == "step" and now - self._last_summary >= SUMMARY_EVERY_S:
+            self._last_summary = now
+            self.events.emit("heartbeat_summary", attempt=attempt, step=hb.step, loss=hb.loss,
+                             samples_per_s=hb.samples_per_s)
+
+    # ------------------------------------------------------------ decide and act
+
+    def _decide(self, outcome: Outcome, history: History, resumed_step: int | None,
+                duration_s: float) -> Decision:
+        ev = outcome.evidence
+        hs = outcome.heartbeats
+        attempt = history.attempt
+        if hs.count == 0 or hs.last_step is None:
+            # No step heartbeats: a plain script, or one that died before its first step.
+            ev.first_step_seen = hs.count == 0 and plain_script_started(ev)
+        for name in outcome.signals:
+            self.events.emit("signal", name=name)
+        self.events.emit("exit", attempt=attempt, returncode=ev.returncode, signal=ev.signal,
+                         duration_s=round(duration_s, 3), last_step=ev.last_step,
+                         leftovers=outcome.stop.leftovers)
+        if hs.last_step is not None:
+            self.events.emit("heartbeat_summary", attempt=attempt, step=hs.last_step,
+                             loss=hs.last_loss, samples_per_s=hs.samples_per_s,
+                             rss_bytes=ev.peak_rss_bytes, gpu_used=ev.gpu_mem_used_peak,
+                             gpu_total=ev.gpu_mem_total)
+        failure = None
+        if not (ev.returncode == 0 and not ev.signal):
+            failure = classify(ev, memory_pressure_fraction=self.cfg.memory_pressure_fraction)
+            self.events.emit("classification", attempt=attempt, failure=failure.kind.value,
+                             reason=failure.reason)
+            self.seams.say(f"attempt {attempt} failed: {failure.kind.value}: {failure.reason}")
+        history = note_progress(history, ev, resumed_step=resumed_step)
+        newest = self._newest_step()
+        decision = decide(failure, history, self.cfg, rand=self.seams.rand(), newest_step=newest)
+        self.events.emit("decision", attempt=attempt, action=decision.action.value,
+                         reason=decision.reason, backoff_s=round(decision.backoff_s, 3),
+                         level=decision.level, settings=decision.settings,
+                         exit_code=decision.exit_code, resume=decision.resume.value)
+        if decision.ladder_change:
+            self.events.emit("degrade", attempt=attempt, change=decision.ladder_change,
+                             level=decision.level, settings=decision.settings)
+            self.seams.say(f"degrading: {decision.ladder_change} -> settings "
+                           f"{json.dumps(decision.settings)}")
+        return decision
+
+    def _newest_step(self) -> int | None:
+        for step, path in list_checkpoints(self.ckpt_dir):
+            if verify(path, Level.QUICK, self.key).ok:
+                return step
+        return None
+
+    def _act(self, decision: Decision, signals: SignalCatcher,
+             pids: list[int]) -> int | None:
+        history = decision.history
+        if decision.action is Action.FINISHED:
+            self._save(RunStatus.FINISHED, decision.reason, history)
+            self.events.emit("finished", reason=decision.reason)
+            self.seams.say(f"finished: {decision.reason}")
+            return 0
+        if decision.action is Action.GIVE_UP:
+            self._save(RunStatus.GAVE_UP, decision.reason, history)
+            self.events.emit("give_up", reason=decision.reason, exit_code=decision.exit_code)
+            self.seams.say(f"giving up: {decision.reason}")
+            return int(decision.exit_code or 1)
+        if decision.action in (Action.EXIT_PREEMPTED, Action.REQUEUE):
+            reason = decision.reason
+            if decision.action is Action.REQUEUE:
+                done, what = slurm.requeue()
+                self.events.emit("requeue", done=done, detail=what)
+                reason = f"{reason}; {what}"
+            self._save(RunStatus.PREEMPTED, reason, history)
+            self.seams.say(f"stopped: {reason}")
+            return protocol.EXIT_PREEMPTED
+        self._save(RunStatus.RUNNING, decision.reason, history)
+        self.seams.say(decision.reason)
+        held = wait_gpu_released(self.gpu, pids, self.cfg.gpu_release_wait_s)
+        if held:
+            self.events.emit("gpu_not_released", pids=sorted(held))
+            self.seams.say(f"GPU memory still held by pids {sorted(held)} after "
+                           f"{self.cfg.gpu_release_wait_s:g} s; relaunching anyway")
+        if decision.backoff_s > 0 and _interrupted_wait(signals, decision.backoff_s):
+            # A stop arrived during the backoff: no child runs, the newest checkpoint stands.
+            names = [signal.Signals(s).name for s in signals.take()]
+            self.events.emit("signal", name=",".join(names))
+            self._save(RunStatus.PREEMPTED, f"stopped by {','.join(names)} during backoff",
+                       history)
+            return protocol.EXIT_PREEMPTED
+        return None
+
+
+def _interrupted_wait(signals: SignalCatcher, seconds: float) -> bool:
+    """Sleep up to `seconds`; True as soon as a stop signal arrives."""
+    deadline = time.monotonic() + seconds
+    fd = signals.fileno()
+    while not signals.pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if fd is None:
+            time.sleep(min(left, 0.1))
+        else:
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                try:
+                    os.read(fd, 512)
+                except BlockingIOError:
+                    pass
+    return True

@@ -1,0 +1,36 @@
+"""Requeue the Slurm job we run in (`--requeue`), array-aware; exit 75 when that is impossible."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping
+
+
+def job_id(env: Mapping[str, str]) -> str | None:
+    """The id `scontrol requeue` wants: `<array job>_<task>` for an array task."""
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return env.get("SLURM_JOB_ID")
+
+
+def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> tuple[bool, str]:
+    """Ask Slurm to requeue this job. Returns (done, what happened), never raises."""
+    env = os.environ if env is None else env
+    jid = job_id(env)
+    if jid is None:
+        return False, "not running under Slurm (no SLURM_JOB_ID): exiting 75 instead"
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return False, "scontrol not found on PATH: exiting 75 instead"
+    try:
+        r = subprocess.run([scontrol, "requeue", jid], capture_output=True, text=True,
+                           timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"scontrol requeue {jid} failed ({e}): exiting 75 instead"
+    if r.returncode != 0:
+        why = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"exit {r.returncode}"]
+        return False, f"scontrol requeue {jid} failed ({why[0]}): exiting 75 instead"
+    return True, f"requeued Slurm job {jid}"
