@@ -10,6 +10,7 @@ position, does not change when the ladder lowers seq_len.
 """
 
 import functools
+import math
 from pathlib import Path
 
 import torch
@@ -116,8 +117,9 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         value = loss.item()
         if step % s.log_every == 0 or step == start + 1:
-            micro = backoff.micro or s.batch_size
-            print(f"step {step} loss {value:.4f} batch {micro}x{s.grad_accum} "
+            micro = backoff.micro or s.batch_size  # smaller after an in-process back-off
+            accum = s.grad_accum * math.ceil(s.batch_size / micro)
+            print(f"step {step} loss {value:.4f} batch {micro}x{accum} "
                   f"seq_len {s.seq_len}", flush=True)
         ckpt.maybe_save(step, metrics={"loss": value})
     if start < s.steps:

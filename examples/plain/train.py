@@ -45,6 +45,12 @@ def save(path: str, state: dict) -> None:
     os.replace(tmp, path)  # atomic: a kill leaves the old file or the new one, never half
 
 
+def fake_oom(args: argparse.Namespace) -> None:
+    message = (f"CUDA out of memory. Tried to allocate 2.00 GiB (batch size {args.batch_size}; "
+               f"fake, from --oom-above {args.oom_above})")
+    raise RuntimeError(message)
+
+
 def once(ckpt: str, what: str) -> bool:
     """True the first time only (a marker file by the checkpoint), so a restart gets past."""
     marker = f"{ckpt}.{what}"
@@ -68,8 +74,7 @@ def main() -> None:
         print(f"resumed from {args.ckpt} at step {start}", flush=True)
     for step in range(start + 1, args.steps + 1):
         if args.oom_above and args.batch_size > args.oom_above:
-            raise RuntimeError(f"CUDA out of memory. Tried to allocate 2.00 GiB (batch size "
-                               f"{args.batch_size}; fake, from --oom-above {args.oom_above})")
+            fake_oom(args)
         if step == args.crash_at and once(args.ckpt, "crashed"):
             raise RuntimeError(f"fake crash at step {step}")
         if step == args.hang_at and once(args.ckpt, "hung"):

@@ -87,7 +87,7 @@ def main() -> None:
     # The lr knob wins over the checkpoint's: the supervisor cuts it after a non-finite loss.
     sched.base_lrs = [s.lr] * len(opt.param_groups)
     for g in opt.param_groups:
-        g["lr"] = s.lr * schedule(sched.last_epoch)
+        g["initial_lr"], g["lr"] = s.lr, s.lr * schedule(sched.last_epoch)
     if offload:
         move_optimizer_state(opt, "cpu")
     print(f"{'resumed at' if start else 'starting at'} step {start}: settings {dict(s)}",
@@ -119,8 +119,9 @@ def main() -> None:
         sched.step()
         value = loss.item()
         if step % s.log_every == 0 or step == start + 1:
-            micro = backoff.micro or s.batch_size
-            print(f"step {step} loss {value:.4f} batch {micro}x{s.grad_accum} "
+            micro = backoff.micro or s.batch_size  # smaller after an in-process back-off
+            accum = s.grad_accum * math.ceil(s.batch_size / micro)
+            print(f"step {step} loss {value:.4f} batch {micro}x{accum} "
                   f"res {s.resolution} lr {opt.param_groups[0]['lr']:.2e}", flush=True)
         ckpt.maybe_save(step, metrics={"loss": value})
     if start < s.steps:
