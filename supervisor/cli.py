@@ -234,6 +234,23 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
+@app.command()
+def status(
+    run_dir: Annotated[Path | None, typer.Argument(
+        metavar="RUN_DIR", show_default=False,
+        help="The run's --run-dir (default: run_dir from rtrain.toml, else ./rtrain-run).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Summarise a run from its files: attempts, failures, rung, checkpoint, progress."""
+    with reported():
+        from supervisor import status as st
+        from supervisor.paths import default_run_dir
+
+        summary = st.summarize(run_dir or default_run_dir(), key=_signing_key())
+        echo_json(st.to_json(summary)) if as_json else typer.echo(st.render_text(summary))
+
+
 def main() -> None:
     app(prog_name="rtrain")
 

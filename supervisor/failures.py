@@ -40,6 +40,7 @@ class Evidence:
     gpu_detail: str = ""
     hang: bool = False  # the watcher stopped it for silence
     hang_detail: str = ""
+    hang_at: float | None = None  # unix time the hang was detected (before stacks are dumped)
     stop_requested: str | None = None  # signal name that reached the supervisor, if any
     killed_after_grace: bool = False
     duration_s: float = 0.0

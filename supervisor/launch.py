@@ -37,7 +37,8 @@ from supervisor.lock import RunLock
 from supervisor.policy import Action, Decision, History, ResumeMode, decide, note_progress
 from supervisor.runstate import RunState, RunStatus, load_state, save_state
 from supervisor.spawn import ChildSpec, spawn
-from supervisor.watch import Outcome, SignalCatcher, WatchConfig, watch
+from supervisor.statusline import StatusLine
+from supervisor.watch import Outcome, Sample, SignalCatcher, WatchConfig, watch
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +126,20 @@ class _Loop:
                             ceiling_s=self.cfg.hang.ceiling_s,
                             save_s=self.cfg.hang.save_allowance_s,
                             plain_timeout_s=self.cfg.hang.timeout_s))
+        self.line = StatusLine(sys.stderr) if spec.echo else None
         self.state = self._load_state()
         self._last_summary = 0.0
 
+    def say(self, text: str) -> None:
+        if self.line is None:
+            self.seams.say(text)
+            return
+        with self.line.suspend():
+            self.seams.say(text)
+
     def close(self) -> None:
+        if self.line is not None:
+            self.line.clear()
         self.hb.close()
         self.gpu.close()
         self.events.close()
@@ -142,7 +153,7 @@ class _Loop:
             return RunState(command=self.spec.command, cwd=str(self.spec.cwd), created=now,
                             updated=now)
         if old.command != self.spec.command:
-            self.seams.say(f"note: {self.run_dir} was started with a different command "
+            self.say(f"note: {self.run_dir} was started with a different command "
                            f"({' '.join(old.command)}); continuing the run with this one")
         history = old.history
         if old.status is RunStatus.GAVE_UP:
@@ -160,7 +171,7 @@ class _Loop:
 
     def run(self) -> int:
         if self.state.status is RunStatus.FINISHED:
-            self.seams.say(f"the run in {self.run_dir} already finished "
+            self.say(f"the run in {self.run_dir} already finished "
                            f"({self.state.reason}); nothing to do (pass --fresh to run it again)")
             return 0
         history = self.state.history
@@ -198,7 +209,7 @@ class _Loop:
         sel = select_resume(self.ckpt_dir, level, self.key,
                             skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
         for v in sel.skipped:
-            self.seams.say(f"skipping {v.path.name}: {v.describe()}")
+            self.say(f"skipping {v.path.name}: {v.describe()}")
             self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
         if resume is ResumeMode.ROLLBACK and sel.chosen is None:
             sel = select_resume(self.ckpt_dir, level, self.key)  # nothing older: newest then
@@ -217,16 +228,21 @@ class _Loop:
         env = self._child_env(attempt, settings, attempt_dir, resume_from)
         self.hb.drain()  # stale heartbeats of the previous attempt
         child = spawn(ChildSpec(argv=argv, env=env, cwd=self.spec.cwd, attempt_dir=attempt_dir,
-                                echo=self.spec.echo))
+                                echo=self.spec.echo,
+                                echo_through=self.line.write_through if self.line else None))
+        if self.line is not None:
+            self.line.update(attempt=attempt, level=self.state.history.level, step=None,
+                             loss=None, samples_per_s=None)
         how = f"from {chosen.path.name}" if chosen else "fresh"
-        self.seams.say(f"attempt {attempt}: launched pid {child.pid} ({how}), settings "
+        self.say(f"attempt {attempt}: launched pid {child.pid} ({how}), settings "
                        f"{json.dumps(settings)}")
         self.events.emit("launch", attempt=attempt, argv=argv, settings=settings,
                          level=self.state.history.level, resume_from=resume_from, pid=child.pid,
                          ckpt_dir=str(self.ckpt_dir))
         t0 = time.monotonic()
         outcome = watch(child, self.watch_cfg, heartbeats=self.hb, gpu=self.gpu, signals=signals,
-                        on_heartbeat=lambda hb: self._on_heartbeat(attempt, hb))
+                        on_heartbeat=lambda hb: self._on_heartbeat(attempt, hb),
+                        on_sample=self._on_sample)
         child.close()
         return outcome, time.monotonic() - t0
 
@@ -250,7 +266,17 @@ class _Loop:
             env.pop(protocol.ENV_RESUME_FROM, None)
         return env
 
+    def _on_sample(self, sample: Sample) -> None:
+        if self.line is None:
+            return
+        used = sum(d.used for d in sample.gpu.devices) if sample.gpu.devices else None
+        total = sum(d.total for d in sample.gpu.devices) if sample.gpu.devices else None
+        self.line.update(rss_bytes=sample.tree.rss_bytes, gpu_used=used, gpu_total=total)
+
     def _on_heartbeat(self, attempt: int, hb: protocol.Heartbeat) -> None:
+        if self.line is not None and hb.step is not None:
+            self.line.update(step=hb.step, loss=hb.loss, samples_per_s=hb.samples_per_s,
+                             next_save_step=hb.next_save_step)
         now = time.monotonic()
         if hb.event == "step" and now - self._last_summary >= SUMMARY_EVERY_S:
             self._last_summary = now
@@ -282,7 +308,7 @@ class _Loop:
             failure = classify(ev, memory_pressure_fraction=self.cfg.memory_pressure_fraction)
             self.events.emit("classification", attempt=attempt, failure=failure.kind.value,
                              reason=failure.reason)
-            self.seams.say(f"attempt {attempt} failed: {failure.kind.value}: {failure.reason}")
+            self.say(f"attempt {attempt} failed: {failure.kind.value}: {failure.reason}")
         history = note_progress(history, ev, resumed_step=resumed_step)
         newest = self._newest_step()
         decision = decide(failure, history, self.cfg, rand=self.seams.rand(), newest_step=newest)
@@ -293,7 +319,7 @@ class _Loop:
         if decision.ladder_change:
             self.events.emit("degrade", attempt=attempt, change=decision.ladder_change,
                              level=decision.level, settings=decision.settings)
-            self.seams.say(f"degrading: {decision.ladder_change} -> settings "
+            self.say(f"degrading: {decision.ladder_change} -> settings "
                            f"{json.dumps(decision.settings)}")
         return decision
 
@@ -309,12 +335,12 @@ class _Loop:
         if decision.action is Action.FINISHED:
             self._save(RunStatus.FINISHED, decision.reason, history)
             self.events.emit("finished", reason=decision.reason)
-            self.seams.say(f"finished: {decision.reason}")
+            self.say(f"finished: {decision.reason}")
             return 0
         if decision.action is Action.GIVE_UP:
             self._save(RunStatus.GAVE_UP, decision.reason, history)
             self.events.emit("give_up", reason=decision.reason, exit_code=decision.exit_code)
-            self.seams.say(f"giving up: {decision.reason}")
+            self.say(f"giving up: {decision.reason}")
             return int(decision.exit_code or 1)
         if decision.action in (Action.EXIT_PREEMPTED, Action.REQUEUE):
             reason = decision.reason
@@ -323,14 +349,14 @@ class _Loop:
                 self.events.emit("requeue", done=done, detail=what)
                 reason = f"{reason}; {what}"
             self._save(RunStatus.PREEMPTED, reason, history)
-            self.seams.say(f"stopped: {reason}")
+            self.say(f"stopped: {reason}")
             return protocol.EXIT_PREEMPTED
         self._save(RunStatus.RUNNING, decision.reason, history)
-        self.seams.say(decision.reason)
+        self.say(decision.reason)
         held = wait_gpu_released(self.gpu, pids, self.cfg.gpu_release_wait_s)
         if held:
             self.events.emit("gpu_not_released", pids=sorted(held))
-            self.seams.say(f"GPU memory still held by pids {sorted(held)} after "
+            self.say(f"GPU memory still held by pids {sorted(held)} after "
                            f"{self.cfg.gpu_release_wait_s:g} s; relaunching anyway")
         if decision.backoff_s > 0 and _interrupted_wait(signals, decision.backoff_s):
             # A stop arrived during the backoff: no child runs, the newest checkpoint stands.

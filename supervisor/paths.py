@@ -1,9 +1,11 @@
-"""Where the run in the current directory keeps its checkpoints, for commands given no DIR.
+"""Where the run in the current directory lives, for commands given no DIR.
 
-Precedence (first found wins): `rtrain.toml`, then `[tool.rtrain]` in `pyproject.toml`, then
-`./checkpoints`. In either table, `ckpt_dir` wins over `run_dir` + "/checkpoints"; relative
-paths are relative to the directory holding the file. This reads only those two keys so that
-the full config module can replace it without changing callers.
+Precedence (first found wins): `rtrain.toml` (top level or its `[rtrain]` table, as in
+supervisor/config.py), then `[tool.rtrain]` in `pyproject.toml`, then the default. Checkpoints:
+`ckpt_dir` wins over `run_dir` + "/checkpoints", default `./checkpoints`. Run dir: `run_dir`,
+default `./rtrain-run` (config.Config's default). Relative paths are relative to the directory
+holding the file. This reads only those keys, so that `inspect` and `status` start without the
+full config module.
 """
 
 from __future__ import annotations
@@ -33,31 +35,49 @@ def _read_toml(path: Path) -> dict[str, Any] | None:
         raise ConfigError(f"{path} is not valid TOML ({e}): fix or remove it") from None
 
 
-def _ckpt_dir_from(table: dict[str, Any], base: Path, source: str) -> Path | None:
-    for key, suffix in (("ckpt_dir", ""), ("run_dir", "checkpoints")):
-        value = table.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{source}: {key} must be a non-empty string path, "
-                              f"not {value!r}")
-        return base / value / suffix if suffix else base / value
-    return None
+def _tables(base: Path) -> list[tuple[dict[str, Any], str]]:
+    """The rtrain tables of `base`, in precedence order, with a name for messages."""
+    found = []
+    rtrain_toml = _read_toml(base / "rtrain.toml")
+    if rtrain_toml is not None:
+        inner = rtrain_toml.get("rtrain")
+        if isinstance(inner, dict):
+            found.append((inner, "rtrain.toml [rtrain]"))
+        else:
+            found.append((rtrain_toml, "rtrain.toml"))
+    pyproject = _read_toml(base / "pyproject.toml")
+    if pyproject is not None:
+        table = pyproject.get("tool", {}).get("rtrain")
+        if isinstance(table, dict):
+            found.append((table, "pyproject.toml [tool.rtrain]"))
+    return found
+
+
+def _path_from(table: dict[str, Any], key: str, base: Path, source: str) -> Path | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{source}: {key} must be a non-empty string path, not {value!r}")
+    return base / Path(value).expanduser()
 
 
 def default_ckpt_dir(cwd: str | Path | None = None) -> Path:
     """The checkpoint directory of the run in `cwd` (default: the current directory)."""
     base = Path.cwd() if cwd is None else Path(cwd)
-    rtrain_toml = _read_toml(base / "rtrain.toml")
-    if rtrain_toml is not None:
-        found = _ckpt_dir_from(rtrain_toml, base, "rtrain.toml")
+    for table, source in _tables(base):
+        for key, suffix in (("ckpt_dir", ""), ("run_dir", "checkpoints")):
+            found = _path_from(table, key, base, source)
+            if found is not None:
+                return found / suffix if suffix else found
+    return base / "checkpoints"
+
+
+def default_run_dir(cwd: str | Path | None = None) -> Path:
+    """The run directory of the run in `cwd` (default: the current directory)."""
+    base = Path.cwd() if cwd is None else Path(cwd)
+    for table, source in _tables(base):
+        found = _path_from(table, "run_dir", base, source)
         if found is not None:
             return found
-    pyproject = _read_toml(base / "pyproject.toml")
-    if pyproject is not None:
-        table = pyproject.get("tool", {}).get("rtrain")
-        if isinstance(table, dict):
-            found = _ckpt_dir_from(table, base, "pyproject.toml [tool.rtrain]")
-            if found is not None:
-                return found
-    return base / "checkpoints"
+    return base / "rtrain-run"

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -45,6 +45,9 @@ class ChildSpec:
     """Created if missing; receives stdout.log and stderr.log."""
     echo: bool = False
     """Also copy the child's output to our own stdout/stderr (the user's terminal)."""
+    echo_through: Callable[[bytes, BinaryIO], None] | None = None
+    """Writes echoed output instead of a plain write, e.g. a status line that clears itself
+    first (`StatusLine.write_through`)."""
     cgroup_dir: Path | None = None
     """Join this cgroup (a directory with `cgroup.procs`) before exec, e.g. a memory limit."""
     subreaper: bool = True
@@ -58,8 +61,10 @@ class ChildSpec:
 class OutputPipe:
     """One of the child's output pipes: read without blocking, copy to a log and the terminal."""
 
-    def __init__(self, fd: int, log_path: Path, echo_to: BinaryIO | None, tail_bytes: int) -> None:
+    def __init__(self, fd: int, log_path: Path, echo_to: BinaryIO | None, tail_bytes: int,
+                 through: Callable[[bytes, BinaryIO], None] | None = None) -> None:
         self.fd = fd
+        self.through = through
         os.set_blocking(fd, False)
         self.log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
         self.echo_to = echo_to
@@ -81,8 +86,11 @@ class OutputPipe:
             self.last_output = now
             self.log.write(data)
             if self.echo_to is not None:
-                self.echo_to.write(data)
-                self.echo_to.flush()
+                if self.through is not None:
+                    self.through(data, self.echo_to)
+                else:
+                    self.echo_to.write(data)
+                    self.echo_to.flush()
             if self.tail_bytes:
                 self.tail += data
                 del self.tail[: max(0, len(self.tail) - self.tail_bytes)]
@@ -192,8 +200,10 @@ def spawn(spec: ChildSpec) -> Child:
         pid=popen.pid,
         pgid=popen.pid,
         pidfd=pidfd,
-        stdout=OutputPipe(out_r, spec.attempt_dir / "stdout.log", echo_out, 0),
-        stderr=OutputPipe(err_r, spec.attempt_dir / "stderr.log", echo_err, STDERR_TAIL_BYTES),
+        stdout=OutputPipe(out_r, spec.attempt_dir / "stdout.log", echo_out, 0,
+                          spec.echo_through),
+        stderr=OutputPipe(err_r, spec.attempt_dir / "stderr.log", echo_err, STDERR_TAIL_BYTES,
+                          spec.echo_through),
         started=started,
         started_wall=started_wall,
     )

@@ -304,7 +304,7 @@ class _Watch:
 
     def _on_hang(self, why: str) -> None:
         log.warning("training process hung: %s; collecting stacks", why)
-        self.ev.hang, self.ev.hang_detail = True, why
+        self.ev.hang, self.ev.hang_detail, self.ev.hang_at = True, why, time.time()
         pids = [p.pid for p in self.tree.live()]
         self.stack_files = dump_stacks(
             pids, self.child.spec.attempt_dir, self.config.dump_signal, self.config.dump_timeout_s

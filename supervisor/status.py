@@ -1,0 +1,242 @@
+"""`rtrain status`: where a run stands, read from its files alone.
+
+Reads events.jsonl, state.json, the lock file and the checkpoint dir; takes no lock and writes
+nothing, so it is safe beside a live supervisor. Events are the newest truth (state.json is
+written at decisions only); state.json fills in what events do not carry (budgets, the status
+of a run whose log was moved aside).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.ckpt.verify import Level, select_resume
+from supervisor.errors import UsageError
+from supervisor.events import read_events
+from supervisor.lock import LOCK_NAME
+from supervisor.runstate import STATE_FILE, load_state
+from supervisor.statusline import human_bytes, human_duration, human_rate
+
+_SETTINGS_KINDS = ("launch", "degrade", "decision")  # events that name the rung in force
+
+
+@dataclass(kw_only=True)
+class RunSummary:
+    run_dir: Path
+    ckpt_dir: Path
+    status: str
+    """running, finished, gave_up or preempted (state.json, else the last closing event)."""
+    reason: str = ""
+    supervisor_pid: int | None = None
+    """pid written in the lock file by the live (or killed) supervisor; None: none holds it."""
+    supervisor_alive: bool | None = None
+    """Whether that pid runs; None when it is on another host and cannot be told."""
+    attempts: int = 0
+    """Attempts launched."""
+    attempt: int | None = None
+    """Number of the newest attempt launched."""
+    failures: dict[str, int] = field(default_factory=dict)
+    """Classified endings by kind, e.g. {"oom_gpu": 2}."""
+    budgets_used: dict[str, int] = field(default_factory=dict)
+    level: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)
+    checkpoint: Path | None = None
+    """Newest checkpoint that verifies quick."""
+    checkpoint_step: int | None = None
+    bad_checkpoints: list[tuple[str, str]] = field(default_factory=list)
+    """Newer checkpoints that failed quick verification: (name, reason)."""
+    step: int | None = None
+    loss: float | None = None
+    samples_per_s: float | None = None
+    rss_bytes: int | None = None
+    gpu_used: int | None = None
+    gpu_total: int | None = None
+    heartbeat_age_s: float | None = None
+    """Seconds since the last heartbeat_summary event."""
+    last_failure: dict[str, Any] | None = None
+    """The last classification event: attempt, kind, reason."""
+    last_decision: dict[str, Any] | None = None
+    """The last decision event: attempt, action, reason, backoff_s."""
+
+
+def _last(events: list[dict[str, Any]], *kinds: str) -> dict[str, Any] | None:
+    return next((e for e in reversed(events) if e.get("kind") in kinds), None)
+
+
+def _failure_kind(event: dict[str, Any]) -> str:
+    # `kind` names the event itself (EventLog.emit(kind, **fields)), so the failure kind of a
+    # classification travels as `failure`.
+    return str(event.get("failure") or event.get("failure_kind") or "unnamed")
+
+
+def _pick(event: dict[str, Any] | None, *names: str) -> dict[str, Any] | None:
+    return None if event is None else {n: event.get(n) for n in names}
+
+
+def _ckpt_dir(run_dir: Path, events: list[dict[str, Any]]) -> Path:
+    # The first launch fixed where the run's checkpoints go; later ones resume from there.
+    launch = next((e for e in events if e.get("kind") == "launch"), None)
+    where = launch.get("ckpt_dir") if launch else None
+    return run_dir / where if isinstance(where, str) and where else run_dir / "checkpoints"
+
+
+def _lock_holder(run_dir: Path) -> tuple[int | None, bool | None]:
+    # Read, never flock: even a brief test-lock could make a launch starting at that moment
+    # refuse as "already supervised". A released lock is truncated, so content means a holder
+    # that is alive or was killed.
+    try:
+        info = json.loads((run_dir / LOCK_NAME).read_text() or "{}")
+    except (OSError, ValueError):
+        return None, None
+    pid = info.get("pid") if isinstance(info, dict) else None
+    if not isinstance(pid, int):
+        return None, None
+    if info.get("host") not in (None, socket.gethostname()):
+        return pid, None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return pid, False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    return pid, True
+
+
+def _status(state: Any, events: list[dict[str, Any]]) -> tuple[str, str]:
+    if state is not None:
+        return state.status.value, state.reason
+    closing = _last(events, "finished", "give_up", "launch")
+    if closing is None or closing["kind"] == "launch":
+        return "running", ""
+    return ("finished" if closing["kind"] == "finished" else "gave_up"), closing.get("reason", "")
+
+
+def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = None) -> RunSummary:
+    """Everything `rtrain status` shows. `key` checks manifest signatures; `now` is unix time."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "events.jsonl").is_file() and not (run_dir / STATE_FILE).is_file():
+        raise UsageError(f"no rtrain run in {run_dir}: pass the --run-dir used with rtrain "
+                         "launch")
+    events = read_events(run_dir / "events.jsonl")
+    state = load_state(run_dir)
+    status, reason = _status(state, events)
+    pid, alive = _lock_holder(run_dir)
+    launches = [e for e in events if e.get("kind") == "launch"]
+    s = RunSummary(run_dir=run_dir, ckpt_dir=_ckpt_dir(run_dir, events), status=status,
+                   reason=reason, supervisor_pid=pid, supervisor_alive=alive,
+                   attempts=len(launches),
+                   attempt=launches[-1].get("attempt") if launches else None)
+    s.failures = dict(Counter(_failure_kind(e) for e in events
+                              if e.get("kind") == "classification"))
+    if state is not None:
+        hist = state.history
+        s.budgets_used, s.level = dict(hist.budgets_used), hist.level
+        s.settings = dict(hist.settings or {})
+        if not launches:
+            s.attempts = hist.attempt
+    rung = _last(events, *_SETTINGS_KINDS)
+    if rung is not None and isinstance(rung.get("settings"), dict):
+        s.level, s.settings = int(rung.get("level") or 0), dict(rung["settings"])
+
+    selection = select_resume(s.ckpt_dir, Level.QUICK, key)
+    if selection.chosen is not None:
+        s.checkpoint, s.checkpoint_step = selection.chosen.path, selection.chosen.step
+    s.bad_checkpoints = [(v.path.name, v.describe()) for v in selection.skipped]
+
+    beat = _last(events, "heartbeat_summary")
+    if beat is not None:
+        for name in ("loss", "samples_per_s", "rss_bytes", "gpu_used", "gpu_total"):
+            setattr(s, name, beat.get(name))
+        s.heartbeat_age_s = max(0.0, (time.time() if now is None else now) - beat["time"])
+    # An exit event's last_step can be newer than the last summary (up to ~30 s of steps).
+    steps = (e.get("step") if e["kind"] == "heartbeat_summary" else e.get("last_step")
+             for e in reversed(events) if e.get("kind") in ("heartbeat_summary", "exit"))
+    s.step = next((step for step in steps if step is not None), None)
+    last_failure = _last(events, "classification")
+    if last_failure is not None:
+        s.last_failure = {"attempt": last_failure.get("attempt"),
+                          "kind": _failure_kind(last_failure),
+                          "reason": last_failure.get("reason", "")}
+    s.last_decision = _pick(_last(events, "decision"), "attempt", "action", "reason", "backoff_s")
+    return s
+
+
+def _stale(s: RunSummary) -> str | None:
+    """Why a run marked running is not being supervised, if it is not."""
+    if s.status != "running" or s.supervisor_alive:
+        return None
+    if s.supervisor_pid is None:
+        who = "no rtrain holds it"
+    elif s.supervisor_alive is False:
+        who = f"its rtrain (pid {s.supervisor_pid}) is gone"
+    else:
+        return None  # held from another host: cannot tell from here
+    return f"{who}; run the same rtrain launch again to continue"
+
+
+def _pairs(obj: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in obj.items()) or "-"
+
+
+def render_text(s: RunSummary) -> str:
+    """A compact summary for a person: one labelled line per topic, empty topics left out."""
+    head = f"run {s.run_dir}: {s.status}"
+    if s.attempt is not None:
+        head += f", attempt {s.attempt}"
+    if s.supervisor_pid is not None and s.supervisor_alive is not False:
+        head += f" (rtrain pid {s.supervisor_pid})"
+    rows: list[tuple[str, str]] = []
+    if stale := _stale(s):
+        rows.append(("warning", stale))
+    if s.reason:
+        rows.append(("reason", s.reason))
+    progress = [f"step {s.step:,}"] if s.step is not None else []
+    if isinstance(s.loss, (int, float)):
+        progress.append(f"loss {s.loss:.4g}")
+    if s.samples_per_s:
+        progress.append(f"{human_rate(s.samples_per_s)} samples/s")
+    if s.heartbeat_age_s is not None:
+        progress.append(f"as of {human_duration(s.heartbeat_age_s)} ago")
+    if progress:
+        rows.append(("progress", ", ".join(progress)))
+    memory = [f"rss {human_bytes(s.rss_bytes)}"] if s.rss_bytes is not None else []
+    if s.gpu_used is not None:
+        total = f" / {human_bytes(s.gpu_total)}" if s.gpu_total is not None else ""
+        memory.append(f"gpu {human_bytes(s.gpu_used)}{total}")
+    if memory:
+        rows.append(("memory", ", ".join(memory)))
+    rows.append(("rung", f"{s.level} ({_pairs(s.settings)})"))
+    rows.append(("checkpoint", f"{s.checkpoint.name} (verified quick)" if s.checkpoint
+                 else f"none verified in {s.ckpt_dir}"))
+    rows += [("", f"{name} skipped: {why}") for name, why in s.bad_checkpoints]
+    failures = ", ".join(f"{k} {n}" for k, n in s.failures.items()) or "none"
+    rows.append(("attempts", f"{s.attempts} launched; failures: {failures}"))
+    if s.budgets_used:
+        rows.append(("budgets", ", ".join(f"{k} {n}" for k, n in s.budgets_used.items())
+                     + " used"))
+    if f := s.last_failure:
+        rows.append(("last failure", f"attempt {f['attempt']}: {f['kind']}: {f['reason']}"))
+    if d := s.last_decision:
+        wait = f" (backoff {d['backoff_s']:.3g} s)" if d.get("backoff_s") else ""
+        rows.append(("last decision", f"attempt {d['attempt']}: {d['action']}: "
+                                      f"{d['reason']}{wait}"))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join([head] + [f"  {label + (':' if label else ''):<{width + 1}} {text}"
+                                for label, text in rows])
+
+
+def to_json(s: RunSummary) -> dict[str, Any]:
+    """The summary as JSON-able data for scripts (paths as strings)."""
+    out = asdict(s)
+    for name in ("run_dir", "ckpt_dir", "checkpoint"):
+        out[name] = None if out[name] is None else str(out[name])
+    out["bad_checkpoints"] = [{"name": n, "reason": r} for n, r in s.bad_checkpoints]
+    out["stale"] = _stale(s)
+    return out

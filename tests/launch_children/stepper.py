@@ -1,0 +1,28 @@
+"""A worker-library script without torch: heartbeats every 20 ms, exit 75 on a stop request.
+
+usage: stepper.py STEPS [hang-at-attempt0 N] [sigstop-at-attempt0 N]
+"""
+
+import os
+import signal
+import sys
+import time
+
+import worker
+
+steps = int(sys.argv[1])
+mode, at = (sys.argv[2], int(sys.argv[3])) if len(sys.argv) > 3 else (None, -1)
+attempt = int(os.environ.get("RTRAIN_ATTEMPT", "0"))
+worker.runtime.install()
+for step in range(1, steps + 1):
+    time.sleep(0.02)
+    worker.heartbeat(step=step, loss=1.0 / step, samples=8)
+    print(f"step {step}", flush=True)
+    if worker.should_stop():
+        print(f"stop requested at step {step}: saved, exiting 75", flush=True)
+        sys.exit(75)
+    if attempt == 0 and step == at:
+        if mode == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        while True:  # silent: no heartbeats, no output
+            time.sleep(1)
