@@ -14,10 +14,14 @@ from supervisor import __version__
 from worker.runtime import heartbeat, request_stop, should_stop, write_exit_record
 from worker.settings import Settings, settings
 
-_LAZY = {"Checkpointer": "worker.checkpointer", "ResumableSampler": "worker.sampler"}
+_GUARDS = ("NonFiniteGuard", "OOMBackoff", "SkipBadSamples", "DataError", "skip_none_collate",
+           "install_excepthook")
+_LAZY = {"Checkpointer": "worker.checkpointer", "ResumableSampler": "worker.sampler",
+         **dict.fromkeys(_GUARDS, "worker.guards")}
 
-__all__ = ["Checkpointer", "ResumableSampler", "Settings", "__version__", "heartbeat",
-           "request_stop", "settings", "should_stop", "write_exit_record"]
+__all__ = ["Checkpointer", "DataError", "NonFiniteGuard", "OOMBackoff", "ResumableSampler",
+           "Settings", "SkipBadSamples", "__version__", "heartbeat", "install_excepthook",
+           "request_stop", "settings", "should_stop", "skip_none_collate", "write_exit_record"]
 
 
 def __getattr__(name: str) -> Any:

@@ -23,7 +23,7 @@ from supervisor.ckpt.prune import prune
 from supervisor.ckpt.verify import Level, select_resume, verify
 from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_RUN_DIR, EXIT_PREEMPTED
-from worker import runtime, state
+from worker import faults, runtime, state
 from worker.sampler import ResumableSampler
 from worker.schedule import SaveSchedule
 from worker.settings import current as current_settings
@@ -215,6 +215,7 @@ class Checkpointer:
         After a stop request (preemption) the checkpoint is committed and the process exits 75.
         Also sends the step's heartbeat to the supervisor.
         """
+        faults.step_hook(step, self.ckpt_dir)  # a no-op unless RTRAIN_FAULTS arms one
         stop = runtime.should_stop()
         now = time.monotonic()
         seen = self._samples()
@@ -404,6 +405,7 @@ class Checkpointer:
             for stem in _FILES:
                 blobs = [to_blob(n, t) for n, t in cap.tensors[stem].items()]
                 pending.write_tensors(f"{stem}.safetensors", blobs)
+                faults.on_save_write(cap.step)
             pending.write_bytes("state.json", json.dumps(cap.state_json).encode())
             path = pending.commit(cap.fields, self.key)
         except OSError as e:
