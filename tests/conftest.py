@@ -4,6 +4,7 @@ helpers for tests that run real child processes (tests/children/*.py)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -113,3 +114,24 @@ def wait_for(path: Path, timeout: float = 10.0) -> str:
             pytest.fail(f"{path} did not appear within {timeout} s")
         time.sleep(0.01)
     return path.read_text()
+
+
+_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def _isolate_worker_runtime():
+    """In-process Checkpointers install the worker's stop handlers in pytest itself; give every
+    test the process's original handlers and a fresh runtime state."""
+    from worker import runtime
+
+    handlers = {s: signal.getsignal(s) for s in _HANDLED}
+    state = runtime._state
+    runtime._state = runtime._State()
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    if runtime._state.sock is not None:
+        runtime._state.sock.close()
+    runtime._state = state
+
