@@ -298,7 +298,8 @@ class _Loop:
             self.events.emit("signal", name=name)
         self.events.emit("exit", attempt=attempt, returncode=ev.returncode, signal=ev.signal,
                          duration_s=round(duration_s, 3), last_step=ev.last_step,
-                         leftovers=outcome.stop.leftovers)
+                         peak_rss_bytes=ev.peak_rss_bytes, gpu_used_peak=ev.gpu_mem_used_peak,
+                         gpu_total=ev.gpu_mem_total, leftovers=outcome.stop.leftovers)
         if hs.last_step is not None:
             self.events.emit("heartbeat_summary", attempt=attempt, step=hs.last_step,
                              loss=hs.last_loss, samples_per_s=hs.samples_per_s,
