@@ -81,6 +81,8 @@ def child_command(script: str | None, module: str | None, args: list[str],
         raise UsageError("nothing to launch: give a script (train.py), -m module, or a command "
                          "after --")
     if script.endswith(".py"):
+        if not Path(script).is_file():
+            raise UsageError(f"no such script {script!r} (relative to {Path.cwd()})")
         return [py, script, *args]
     exe = shutil.which(script)
     if exe is None:

@@ -149,6 +149,8 @@ class StatusLine:
         text = self.line()
         if not text or self._suspended:
             return
+        if not self.is_tty and "step" not in self.fields:
+            return  # a log line without progress says nothing the launch message did not
         if self._partial_since is not None:
             if now - self._partial_since < PARTIAL_QUIET_S:
                 return  # drawing now would overwrite the child's half-written line

@@ -248,6 +248,9 @@ def test_usage_errors_are_one_line_with_exit_2(tmp_path):
     r = rtrain(tmp_path / "run", str(KIDS / "flaky.py"), "0", "0")
     assert r.returncode == 2 and "did you mean 'max_restarts'" in r.stderr
     assert "Traceback" not in r.stderr
+    r = rtrain(tmp_path / "run", "no_such_train.py")
+    assert r.returncode == 2 and "no such script 'no_such_train.py'" in r.stderr
+    assert not (tmp_path / "run" / "attempts").exists()
 
 
 def test_real_cgroup_oom_kill_is_classified_oom_host_and_degrades(tmp_path):
