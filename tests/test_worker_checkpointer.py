@@ -230,3 +230,21 @@ def test_extra_rejects_non_json(tmp_path):
     with pytest.raises(TypeError, match="cannot be checkpointed"):
         ck.save(1, extra={"f": object()})
     assert list_checkpoints(tmp_path) == []
+
+
+def test_lr_scale_from_the_supervisor_applies_once(tmp_path, monkeypatch):
+    model, opt = make()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+    worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, ckpt_dir=tmp_path).save(1)
+    monkeypatch.setenv("RTRAIN_SETTINGS", '{"lr_scale": 0.5}')
+    model2, opt2 = make()
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=10)
+    ck = worker.Checkpointer(model=model2, optimizer=opt2, scheduler=sched2, ckpt_dir=tmp_path)
+    ck.restore()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(0.5e-3)
+    assert sched2.base_lrs == [pytest.approx(0.5e-3)]
+    ck.save(2)
+    model3, opt3 = make()  # same lr_scale again: the checkpoint already has it, no new cut
+    worker.Checkpointer(model=model3, optimizer=opt3, ckpt_dir=tmp_path).restore()
+    assert opt3.param_groups[0]["lr"] == pytest.approx(0.5e-3)
+

@@ -112,6 +112,7 @@ class Checkpointer:
         self._inflight_step: int | None = None
         self._error: BaseException | None = None
         self._frozen_fp: str | None = None
+        self._lr_scale = 1.0
         runtime.install()
 
     # ------------------------------------------------------------ restore
@@ -190,12 +191,34 @@ class Checkpointer:
             self.scaler.load_state_dict(decode(st["scaler"], tensors["extra"]))
         if self.sampler is not None and "sampler" in st:
             self.sampler.load_state_dict(st["sampler"])
+        self._apply_lr_scale(float(st.get("lr_scale", 1.0)))
         state.load_rng(tensors["extra"], st["rng"])
         if self.sampler is not None and self.sampler.mid_epoch:
             # `iter(loader)` after restore draws a base seed from the global generator, which an
             # uninterrupted run did not do at this point: put the state back at the first fetch.
             cpu_state = tensors["extra"]["rng/torch_cpu"].clone()
             self.sampler._before_next_iter = lambda: torch.set_rng_state(cpu_state)
+
+    def _apply_lr_scale(self, saved_scale: float) -> None:
+        """After a non-finite loss the supervisor sets `lr_scale` (for scripts without an `lr`
+        knob): scale the restored learning rates by what is new since the checkpoint."""
+        wanted = current_settings().get("lr_scale", saved_scale)
+        if not isinstance(wanted, (int, float)) or isinstance(wanted, bool) or wanted <= 0:
+            return
+        self._lr_scale = float(wanted)
+        ratio = self._lr_scale / saved_scale
+        if ratio == 1.0 or self.optimizer is None:
+            return
+        for group in self.optimizer.param_groups:
+            for key in ("lr", "initial_lr"):
+                if isinstance(group.get(key), float):
+                    group[key] *= ratio
+        for attr in ("base_lrs", "_last_lr"):
+            values = getattr(self.scheduler, attr, None)
+            if isinstance(values, list):
+                setattr(self.scheduler, attr, [v * ratio for v in values])
+        log.warning("learning rate scaled by %g (lr_scale %g, checkpoint had %g)", ratio,
+                    self._lr_scale, saved_scale)
 
     def _check_frozen(self, saved_fp: str | None) -> None:
         if self.model is None or saved_fp is None:
@@ -295,7 +318,7 @@ class Checkpointer:
 
     def _capture(self, step: int, metrics: dict[str, Any], extra: dict[str, Any]) -> _Capture:
         tensors: dict[str, dict[str, torch.Tensor]] = {stem: {} for stem in _FILES}
-        st: dict[str, Any] = {"step": step, "epoch": self.epoch}
+        st: dict[str, Any] = {"step": step, "epoch": self.epoch, "lr_scale": self._lr_scale}
         info: dict[str, Any] = {"trainable_only": self.trainable_only, "world_size": 1}
         fingerprint = None
         if self.model is not None:
