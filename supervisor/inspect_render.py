@@ -9,15 +9,11 @@ import datetime as dt
 from typing import Any
 
 from supervisor.inspect import Detail, DirReport, Entry, Leftover
+from supervisor.statusline import human_bytes
 
 
 def human_size(n: int) -> str:
-    size, unit = float(n), "B"
-    for bigger in ("KiB", "MiB", "GiB", "TiB"):
-        if size < 1024:
-            break
-        size, unit = size / 1024, bigger
-    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+    return human_bytes(n)
 
 
 def local_time(created: Any, sep: str = "T", offset: bool = True) -> str:
