@@ -139,6 +139,9 @@ class HangConfig:
         _number("[hang] multiple", self.multiple, low=1.0)
         _number("[hang] warmup_steps", self.warmup_steps, integer=True)
         if self.floor_s > self.ceiling_s:
+            raise ConfigError(f"[hang] floor_s ({self.floor_s:g}) is above ceiling_s "
+                              f"({self.ceiling_s:g}): lower floor_s or raise ceiling_s")
+        if self.floor_s > self.ceiling_s:
             raise ConfigError(f"[hang] floor_s ({self.floor_s:g}) must not exceed ceiling_s "
                               f"({self.ceiling_s:g})")
 

@@ -248,6 +248,9 @@ def test_usage_errors_are_one_line_with_exit_2(tmp_path):
     r = rtrain(tmp_path / "run", str(KIDS / "flaky.py"), "0", "0")
     assert r.returncode == 2 and "did you mean 'max_restarts'" in r.stderr
     assert "Traceback" not in r.stderr
+    (tmp_path / "rtrain.toml").write_text("[hang]\nfloor_s = 100\nceiling_s = 10\n")
+    r = rtrain(tmp_path / "run", str(KIDS / "flaky.py"), "0", "0")
+    assert r.returncode == 2 and "floor_s (100) is above ceiling_s (10)" in r.stderr
     (tmp_path / "rtrain.toml").unlink()
     r = rtrain(tmp_path / "run", "no_such_train.py")
     assert r.returncode == 2 and "no such script 'no_such_train.py'" in r.stderr
