@@ -248,3 +248,15 @@ def test_lr_scale_from_the_supervisor_applies_once(tmp_path, monkeypatch):
     worker.Checkpointer(model=model3, optimizer=opt3, ckpt_dir=tmp_path).restore()
     assert opt3.param_groups[0]["lr"] == pytest.approx(0.5e-3)
 
+
+
+def test_environment_change_warns(tmp_path, caplog):
+    model, _ = make()
+    path = worker.Checkpointer(model=model, ckpt_dir=tmp_path).save(1)
+    m = json.loads((path / "manifest.json").read_text())
+    m["environment"]["torch"] = "1.13.1"
+    (path / "manifest.json").write_text(json.dumps(m))
+    with caplog.at_level(logging.WARNING):
+        worker.Checkpointer(model=model, ckpt_dir=tmp_path).restore()
+    assert f"environment changed since the checkpoint: torch 1.13.1 -> {torch.__version__}" \
+        in caplog.text
