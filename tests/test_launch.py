@@ -289,3 +289,29 @@ def test_real_cgroup_oom_kill_is_classified_oom_host_and_degrades(tmp_path):
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def _resumed_from(run: Path, attempt: int = 0) -> str | None:
+    return json.loads((run / "attempts" / str(attempt) / "stdout.log").read_text())["resume_from"]
+
+
+def test_resume_auto_never_and_an_explicit_path(tmp_path, make_ckpt):
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    for step in (10, 20, 30):
+        make_ckpt(ckpts, step)
+    (ckpts / "checkpoint-30" / "state.json").write_text("{}")  # corrupt the newest
+    child = str(KIDS / "show_resume.py")
+    r = rtrain(run, child)
+    assert r.returncode == 0, r.stderr
+    assert _resumed_from(run).endswith("checkpoint-20")
+    skipped = events(run, "skipped_checkpoint")
+    assert skipped[0]["path"].endswith("checkpoint-30") and "state.json" in skipped[0]["reason"]
+    assert "skipping checkpoint-30" in r.stderr
+    r = rtrain(run, "--fresh", "--resume", "never", child)
+    assert r.returncode == 0 and _resumed_from(run, 0) is None
+    r = rtrain(run, "--fresh", "--resume", str(ckpts / "checkpoint-10"), child)
+    assert r.returncode == 0 and _resumed_from(run, 0).endswith("checkpoint-10")
+    r = rtrain(run, "--fresh", "--resume", str(ckpts / "checkpoint-30"), child)
+    assert r.returncode == 2
+    assert "does not verify" in r.stderr and "checkpoint-30" in r.stderr
