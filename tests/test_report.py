@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html.parser
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,7 +53,8 @@ def test_gather_reads_attempts_failures_degrade_and_checkpoints(demo_run):
     failures = [(m.label, m.step) for m in rep.markers if m.kind == "failure"]
     assert failures == [("crash", 50), ("oom_gpu", 90)]
     degrade = [m for m in rep.markers if m.kind == "degrade"]
-    assert len(degrade) == 1 and degrade[0].step == 90 and "batch_size 32 -> 16" in degrade[0].detail
+    assert len(degrade) == 1 and degrade[0].step == 90
+    assert "batch_size 32 -> 16" in degrade[0].detail
     ckpts = sorted(m.step for m in rep.markers if m.kind == "checkpoint")
     assert ckpts == [20, 40, 60, 80, 100, 120]
     assert all(m.time for m in rep.markers if m.kind == "checkpoint")
@@ -118,8 +120,7 @@ def test_report_is_self_contained(demo_run, tmp_path):
     assert "<link" not in text and " src=" not in text and "@import" not in text
     assert "url(" not in text
     # The only URL is the SVG namespace, which is a name, never fetched.
-    assert {u for u in __import__("re").findall(r"https?://[^\s\"']+", text)} == {
-        "http://www.w3.org/2000/svg"}
+    assert set(re.findall(r"https?://[^\s\"']+", text)) == {"http://www.w3.org/2000/svg"}
 
 
 def test_hand_built_run_escapes_text_and_says_what_is_missing(tmp_path):
