@@ -200,6 +200,9 @@ def launch(
         "--quiet", "-q", help="Do not echo the child's output (it is still logged).")] = False,
     python: Annotated[str | None, typer.Option(
         "--python", metavar="EXE", help="Interpreter for SCRIPT (default: rtrain's).")] = None,
+    metrics_file: Annotated[Path | None, typer.Option(
+        "--metrics-file", metavar="PATH",
+        help="Write Prometheus metrics here (textfile collector), replaced atomically.")] = None,
 ) -> None:
     """Run a training script under supervision: restart on failure, degrade on OOM."""
     with reported():
@@ -212,7 +215,8 @@ def launch(
                      "max_restarts": max_restarts, "grace_s": grace, "stop_signal": stop_signal,
                      "timeout_s": hang_timeout, "requeue": requeue,
                      "settings": _parse_sets(sets or []) or None,
-                     "backoff.enabled": False if no_backoff else None}
+                     "backoff.enabled": False if no_backoff else None,
+                     "metrics_file": metrics_file}
         cfg = load_config(overrides, config, cwd)
         command = child_command(script, module, list(ctx.args), python)
         raise typer.Exit(run_launch(LaunchSpec(command=command, config=cfg, fresh=fresh,
@@ -249,6 +253,26 @@ def status(
 
         summary = st.summarize(run_dir or default_run_dir(), key=_signing_key())
         echo_json(st.to_json(summary)) if as_json else typer.echo(st.render_text(summary))
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path | None, typer.Argument(
+        metavar="RUN_DIR", show_default=False,
+        help="The run's --run-dir (default: run_dir from rtrain.toml, else ./rtrain-run).")
+    ] = None,
+    output: Annotated[Path | None, typer.Option(
+        "-o", "--output", metavar="FILE", show_default=False,
+        help="Where to write the HTML (default RUN_DIR/report.html).")] = None,
+) -> None:
+    """Write a self-contained HTML report: curves, failures, degradations, checkpoints."""
+    with reported():
+        from supervisor import report as rp
+        from supervisor.paths import default_run_dir
+
+        root = run_dir or default_run_dir()
+        written = rp.write_report(root, output or root / "report.html", key=_signing_key())
+        typer.echo(f"wrote {written}")
 
 
 def main() -> None:

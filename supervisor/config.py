@@ -16,6 +16,9 @@ Sources: `--config FILE`, else `rtrain.toml` (top level, or its `[rtrain]` table
                ceiling_s = 3600.0  save_allowance_s = 600.0
     [settings] any knob = JSON-able value, e.g. batch_size = 64
     [[ladder]] knob = "batch_size"  action = "halve"  floor = 1  compensate = "grad_accum"
+    metrics_file = PATH            # Prometheus text format, rewritten atomically (none: off)
+    summary_every_s = 5.0          # heartbeat_summary events while a child runs
+    [[hooks]]  on = ["give_up", "degrade", "hang"]  command = [...]  timeout_s = 10.0
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import ConfigError
+from supervisor.hooks import HookSpec, parse_hooks
 from supervisor.ladder import DEFAULT_LADDER, Rung, parse_ladder
 
 if sys.version_info >= (3, 11):
@@ -197,6 +201,13 @@ class Config:
     """`[settings]`: initial knob values given to the child, e.g. batch_size = 64."""
     ladder: tuple[Rung, ...] = DEFAULT_LADDER
     """`[[ladder]]` rungs, walked in order on memory failures."""
+    metrics_file: Path | None = None
+    """Write Prometheus metrics here (textfile-collector convention); None: no metrics."""
+    summary_every_s: float = 5.0
+    """How often a `heartbeat_summary` event records step, loss and samples/s while a child
+    runs (the points of `rtrain report`'s curves); each attempt's first step is always kept."""
+    hooks: tuple[HookSpec, ...] = ()
+    """`[[hooks]]`: commands run with an event's JSON on stdin (supervisor/hooks.py)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.resume, str) or not self.resume:
@@ -211,6 +222,7 @@ class Config:
         _number("restore_after_steps", self.restore_after_steps, integer=True)
         _number("memory_pressure_fraction", self.memory_pressure_fraction, above=True)
         _number("lr_factor_on_nonfinite", self.lr_factor_on_nonfinite, above=True)
+        _number("summary_every_s", self.summary_every_s, above=True)
         if self.memory_pressure_fraction > 1 or self.lr_factor_on_nonfinite > 1:
             raise ConfigError("memory_pressure_fraction and lr_factor_on_nonfinite must be at "
                               "most 1")
@@ -253,7 +265,9 @@ def _build(raw: dict[str, Any], cwd: Path) -> Config:
             kwargs[key] = _SECTIONS[key](**value)
         elif key == "ladder":
             kwargs[key] = parse_ladder(value)
-        elif key in ("run_dir", "ckpt_dir"):
+        elif key == "hooks":
+            kwargs[key] = parse_hooks(value)
+        elif key in ("run_dir", "ckpt_dir", "metrics_file"):
             if not isinstance(value, (str, Path)) or not str(value):
                 raise ConfigError(f"{key} must be a directory path (got {value!r})")
             kwargs[key] = cwd / Path(value).expanduser()

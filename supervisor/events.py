@@ -11,6 +11,7 @@ cuts it off before appending, so it never becomes a corrupt line in the middle.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -19,13 +20,18 @@ from typing import Any
 
 from supervisor.errors import RtrainError
 
+log = logging.getLogger(__name__)
+
 EVENTS_VERSION = 1
 
 # Losing one of these to a power cut would hide why the run did what it did.
 # Events that end a run are synced at once; the others reach the disk at the next `sync()`
 # (the launch loop syncs once per decision), which keeps relaunches fast.
 DURABLE_KINDS = frozenset({"give_up", "finished", "preempted", "requeue", "lock_takeover"})
-# Other kinds so far: heartbeat_summary, checkpoint, skipped_checkpoint, gpu_release_wait.
+# Other kinds so far: heartbeat_summary, checkpoint, skipped_checkpoint, gpu_release_wait,
+# hook_failed.
+
+Listener = Callable[[dict[str, Any]], None]
 
 _TAIL_BYTES = 64 * 1024  # enough to hold the last complete line of any event
 
@@ -35,11 +41,16 @@ class EventLogError(RtrainError):
 
 
 class EventLog:
-    """Appends events to `path`; `clock` returns unix seconds (inject a fake one in tests)."""
+    """Appends events to `path`; `clock` returns unix seconds (inject a fake one in tests).
 
-    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
+    Each of `listeners` is called with every event after it is written (metrics, hooks). A
+    listener that raises is logged and skipped: observers never break supervision."""
+
+    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time,
+                 listeners: list[Listener] | tuple[Listener, ...] = ()) -> None:
         self.path = Path(path)
         self.clock = clock
+        self.listeners = list(listeners)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._seq = self._recover()
@@ -72,6 +83,11 @@ class EventLog:
         os.write(self._fd, line.encode())
         if kind in DURABLE_KINDS:
             os.fsync(self._fd)
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # an observer's bug must not stop supervision: log it, go on
+                log.exception("event listener %r failed on a %s event", listener, kind)
         return event
 
     def sync(self) -> None:

@@ -30,11 +30,14 @@ from supervisor.ckpt.verify import Level, Selection, select_resume, verify
 from supervisor.classify import classify, plain_script_started
 from supervisor.config import Config
 from supervisor.errors import UsageError
-from supervisor.events import EventLog
+from supervisor.events import EventLog, read_events
 from supervisor.gpu import GpuReader, NvmlReader, wait_gpu_released
 from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
+from supervisor.hooks import HookRunner
 from supervisor.lock import RunLock
+from supervisor.metrics import MetricsFile
 from supervisor.policy import Action, Decision, History, ResumeMode, decide, note_progress
+from supervisor.proctree import ProcTree
 from supervisor.runstate import RunState, RunStatus, load_state, save_state
 from supervisor.spawn import ChildSpec, spawn
 from supervisor.statusline import StatusLine
@@ -42,7 +45,6 @@ from supervisor.watch import Outcome, Sample, SignalCatcher, WatchConfig, watch
 
 log = logging.getLogger(__name__)
 
-SUMMARY_EVERY_S = 30.0  # heartbeat_summary events while a child runs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +117,21 @@ class _Loop:
         self.spec, self.seams, self.cfg, self.run_dir = spec, seams, spec.config, run_dir
         self.ckpt_dir = Path(self.cfg.ckpt_dir or run_dir / "checkpoints")
         self.key = load_signing_key()
-        self.events = EventLog(run_dir / "events.jsonl", clock=seams.wall)
+        # Observers of the event log (config: metrics_file, [[hooks]]); fed by EventLog
+        # listeners and polled from the watch callbacks, never in the loop's way.
+        self.metrics = (MetricsFile(self.cfg.metrics_file, run_dir=run_dir,
+                                    ckpt_dir=self.ckpt_dir, wall=seams.wall)
+                        if self.cfg.metrics_file else None)
+        if self.metrics is not None:
+            for event in read_events(run_dir / "events.jsonl"):  # counters continue the run's
+                self.metrics.seed(event)
+        self.hooks = (HookRunner(self.cfg.hooks, cwd=spec.cwd,
+                                 env={protocol.ENV_RUN_DIR: str(run_dir.resolve())})
+                      if self.cfg.hooks else None)
+        self.events = EventLog(run_dir / "events.jsonl", clock=seams.wall,
+                               listeners=[o for o in (self.metrics, self.hooks) if o])
+        if self.hooks is not None:
+            self.hooks.report = self.events.emit
         self.gpu = seams.gpu if seams.gpu is not None else NvmlReader()
         self.hb = HeartbeatReceiver()
         self.watch_cfg = WatchConfig(
@@ -144,6 +160,10 @@ class _Loop:
             self.line.clear()
         self.hb.close()
         self.gpu.close()
+        if self.hooks is not None:
+            self.hooks.close()  # a give-up alert runs to its deadline
+        if self.metrics is not None:
+            self.metrics.stopped()
         self.events.close()
 
     # ------------------------------------------------------------ run state
@@ -243,8 +263,10 @@ class _Loop:
                          level=self.state.history.level, resume_from=resume_from, pid=child.pid,
                          ckpt_dir=str(self.ckpt_dir))
         t0 = time.monotonic()
+        self._last_summary = float("-inf")  # each attempt's first step starts its curve
+        tree = ProcTree(exclude=self.hooks.pids) if self.hooks is not None else None
         outcome = watch(child, self.watch_cfg, heartbeats=self.hb, gpu=self.gpu, signals=signals,
-                        on_heartbeat=lambda hb: self._on_heartbeat(attempt, hb),
+                        tree=tree, on_heartbeat=lambda hb: self._on_heartbeat(attempt, hb),
                         on_sample=self._on_sample)
         child.close()
         return outcome, time.monotonic() - t0
@@ -269,7 +291,18 @@ class _Loop:
             env.pop(protocol.ENV_RESUME_FROM, None)
         return env
 
+    def _observe(self, hb: protocol.Heartbeat | None = None) -> None:
+        """Watch ticks for the observers: metrics ages, hooks past their deadline."""
+        if self.metrics is not None:
+            if hb is not None:
+                self.metrics.heartbeat(hb.step)
+            else:
+                self.metrics.tick()
+        if self.hooks is not None:
+            self.hooks.poll()
+
     def _on_sample(self, sample: Sample) -> None:
+        self._observe()
         if self.line is None:
             return
         used = sum(d.used for d in sample.gpu.devices) if sample.gpu.devices else None
@@ -277,11 +310,12 @@ class _Loop:
         self.line.update(rss_bytes=sample.tree.rss_bytes, gpu_used=used, gpu_total=total)
 
     def _on_heartbeat(self, attempt: int, hb: protocol.Heartbeat) -> None:
+        self._observe(hb)
         if self.line is not None and hb.step is not None:
             self.line.update(step=hb.step, loss=hb.loss, samples_per_s=hb.samples_per_s,
                              next_save_step=hb.next_save_step)
         now = time.monotonic()
-        if hb.event == "step" and now - self._last_summary >= SUMMARY_EVERY_S:
+        if hb.event == "step" and now - self._last_summary >= self.cfg.summary_every_s:
             self._last_summary = now
             self.events.emit("heartbeat_summary", attempt=attempt, step=hb.step, loss=hb.loss,
                              samples_per_s=hb.samples_per_s)

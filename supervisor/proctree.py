@@ -9,6 +9,7 @@ far under 1% of a core at 1 Hz.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import psutil
@@ -37,13 +38,15 @@ def _read_ppid(pid: str) -> int | None:
     return int(stat[stat.rfind(b")") + 2 :].split(None, 2)[1])
 
 
-def descendants(root: int, ppids: dict[int, int] | None = None) -> list[int]:
+def descendants(root: int, ppids: dict[int, int] | None = None,
+                exclude: Collection[int] = ()) -> list[int]:
     """Pids below `root`, from one scan of /proc (per-process child lists need
     CONFIG_PROC_CHILDREN, which many kernels lack).
 
     `ppids` caches pid -> ppid between calls: a process changes parent only when re-parented
     (to a subreaper or init), which never moves it into our tree from outside, so only new pids
     need a read. That keeps a sample cheap on hosts with thousands of processes.
+    `exclude`: pids whose subtrees are left out (the supervisor's own helpers, e.g. hooks).
     """
     cache = {} if ppids is None else ppids
     fresh: dict[int, int] = {}
@@ -65,6 +68,8 @@ def descendants(root: int, ppids: dict[int, int] | None = None) -> list[int]:
     out, todo = [], list(children.get(root, ()))
     while todo:
         pid = todo.pop()
+        if pid in exclude:
+            continue
         out.append(pid)
         todo.extend(children.get(pid, ()))
     return out
@@ -73,8 +78,10 @@ def descendants(root: int, ppids: dict[int, int] | None = None) -> list[int]:
 class ProcTree:
     """Samples the descendants of `root` (default: this process) and remembers all it saw."""
 
-    def __init__(self, root: int | None = None) -> None:
+    def __init__(self, root: int | None = None, *,
+                 exclude: Callable[[], Collection[int]] | None = None) -> None:
         self.root = os.getpid() if root is None else root
+        self.exclude = exclude  # pids of the supervisor's helpers: not part of the attempt
         self.seen: dict[int, psutil.Process] = {}  # keeps create_time: safe against pid reuse
         self._ppids: dict[int, int] = {}
         self._cpu: dict[int, float] = {}
@@ -100,7 +107,8 @@ class ProcTree:
         cached parent has died, which is all that re-parenting can change.
         """
         procs = {}
-        for pid in descendants(self.root, self._ppids):
+        skip = self.exclude() if self.exclude is not None else ()
+        for pid in descendants(self.root, self._ppids, skip):
             proc = self._process(pid)
             if proc is not None:
                 procs[pid] = proc

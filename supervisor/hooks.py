@@ -1,0 +1,216 @@
+"""`[[hooks]]`: run a command with an event's JSON on stdin when the supervisor records it.
+
+    [[hooks]]
+    on = ["give_up", "degrade", "hang"]
+    command = ["notify-send", "rtrain"]
+    timeout_s = 10
+
+A name in `on` matches an event of that kind, or a `classification` whose failure is that kind
+(`hang`, `oom_gpu`, ...). A hook never blocks supervision: it is spawned (own session, stdin and
+stderr in unlinked temp files, so no pipe can fill) and left running; the loop polls it at each
+event and each watch tick, kills its process group at its deadline, and records a `hook_failed`
+event for a non-zero exit, a timeout or a command that cannot start. At the end of `rtrain
+launch` the hooks still running get until their deadline (a give-up alert is not cut short).
+Hook processes are kept out of the attempt's process tree (`pids()`), so they are neither
+counted as training memory nor swept with the attempt.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from supervisor.errors import ConfigError
+from supervisor.failures import FailureKind
+
+log = logging.getLogger(__name__)
+
+# Event kinds a hook may name (docs/design.md, events.jsonl schema). hook_failed is left out:
+# a hook on its own failures could loop.
+EVENT_KINDS = ("launch", "skipped_checkpoint", "heartbeat_summary", "signal", "exit",
+               "classification", "decision", "degrade", "give_up", "finished", "requeue",
+               "gpu_not_released", "lock_takeover")
+HOOKABLE = tuple(dict.fromkeys([*EVENT_KINDS, *(k.value for k in FailureKind)]))
+_STDERR_TAIL = 2000
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HookSpec:
+    """One `[[hooks]]` table."""
+
+    on: tuple[str, ...]
+    """Event kinds (give_up, degrade, launch, ...) or failure kinds (hang, oom_gpu, ...)."""
+    command: tuple[str, ...]
+    """argv of the command, run without a shell; the event's JSON arrives on stdin."""
+    timeout_s: float = 10.0
+    """Seconds the command may run before its process group is killed (a `hook_failed`)."""
+
+    def matches(self, event: dict[str, Any]) -> bool:
+        kind = event.get("kind")
+        return kind in self.on or (kind == "classification" and event.get("failure") in self.on)
+
+
+def parse_hooks(raw: Any) -> tuple[HookSpec, ...]:
+    """`[[hooks]]` tables from the config file, validated; errors say what to change."""
+    if not isinstance(raw, list):
+        raise ConfigError("hooks must be an array of tables: [[hooks]] on = [...] command = [...]")
+    hooks = []
+    for i, table in enumerate(raw):
+        where = f"[[hooks]] #{i + 1}"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where} must be a table with on, command and timeout_s")
+        for key in table:
+            if key not in ("on", "command", "timeout_s"):
+                hint = difflib.get_close_matches(key, ["on", "command", "timeout_s"], n=1)
+                did = f" (did you mean {hint[0]!r}?)" if hint else ""
+                raise ConfigError(f"unknown key {key!r} in {where}{did}")
+        on = table.get("on")
+        if isinstance(on, str):
+            on = [on]
+        if not on or not isinstance(on, list) or not all(isinstance(k, str) for k in on):
+            raise ConfigError(f"{where}: on must list event kinds, e.g. on = [\"give_up\", "
+                              "\"degrade\", \"hang\"]")
+        for name in on:
+            if name not in HOOKABLE:
+                hint = difflib.get_close_matches(name, HOOKABLE, n=1)
+                did = f" (did you mean {hint[0]!r}?)" if hint else \
+                    f" (known: {', '.join(HOOKABLE)})"
+                raise ConfigError(f"{where}: {name!r} is not an event or failure kind{did}")
+        command = table.get("command")
+        if (not isinstance(command, list) or not command
+                or not all(isinstance(a, str) and a for a in command)):
+            raise ConfigError(f"{where}: command must be a non-empty list of strings (argv, no "
+                              "shell), e.g. command = [\"notify-send\", \"rtrain\"]")
+        timeout = table.get("timeout_s", 10.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ConfigError(f"{where}: timeout_s must be a number of seconds above 0 "
+                              f"(got {timeout!r})")
+        hooks.append(HookSpec(on=tuple(on), command=tuple(command), timeout_s=float(timeout)))
+    return tuple(hooks)
+
+
+@dataclass
+class _Running:
+    hook: HookSpec
+    event: dict[str, Any]
+    proc: subprocess.Popen[bytes]
+    deadline: float
+    stderr: IO[bytes]
+
+
+@dataclass
+class HookRunner:
+    """An EventLog listener that starts matching hooks; `poll()` reaps them (call it often).
+
+    `report(kind, **fields)` records a hook's failure (the launch loop passes EventLog.emit).
+    It is called only from `poll`/`close` on the caller's thread, never from inside a listener
+    call, so events are written in order from one thread.
+    """
+
+    hooks: tuple[HookSpec, ...]
+    cwd: Path
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to the hook's environment (RTRAIN_RUN_DIR)."""
+    clock: Callable[[], float] = time.monotonic
+    report: Callable[..., Any] | None = None
+    running: list[_Running] = field(default_factory=list)
+    _failures: list[dict[str, Any]] = field(default_factory=list)
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if event.get("kind") == "hook_failed":
+            return
+        for hook in self.hooks:
+            if hook.matches(event):
+                self._start(hook, event)
+
+    def pids(self) -> list[int]:
+        """Pids of hooks still running: roots of subtrees that are not the attempt's."""
+        return [r.proc.pid for r in self.running]
+
+    def _start(self, hook: HookSpec, event: dict[str, Any]) -> None:
+        env = {**os.environ, **self.env, "RTRAIN_EVENT": str(event.get("kind"))}
+        # Files, not pipes: a hook that never reads stdin or writes much to stderr cannot block
+        # us. stderr stays open until the hook is reaped (its tail goes into hook_failed).
+        stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed when the hook is reaped
+        with tempfile.TemporaryFile() as stdin:
+            stdin.write(json.dumps(event, default=str).encode() + b"\n")
+            stdin.seek(0)
+            try:
+                proc = subprocess.Popen(list(hook.command), stdin=stdin,
+                                        stdout=subprocess.DEVNULL, stderr=stderr, cwd=self.cwd,
+                                        env=env, start_new_session=True)
+            except OSError as err:
+                stderr.close()
+                self._failed(hook, event, f"cannot run {hook.command[0]!r}: "
+                                          f"{err.strerror or err}")
+                return
+        self.running.append(_Running(hook, event, proc, self.clock() + hook.timeout_s, stderr))
+
+    def _failed(self, hook: HookSpec, event: dict[str, Any], reason: str, **fields: Any) -> None:
+        log.warning("hook %s on %s failed: %s", list(hook.command), event.get("kind"), reason)
+        self._failures.append({"command": list(hook.command), "event": event.get("kind"),
+                               "event_seq": event.get("seq"), "reason": reason, **fields})
+
+    def poll(self) -> None:
+        """Reap finished hooks, kill those past their deadline, report failures. Never blocks."""
+        now = self.clock()
+        still = []
+        for r in self.running:
+            code = r.proc.poll()
+            if code is None and now >= r.deadline:
+                _kill_group(r.proc)
+                self._failed(r.hook, r.event, f"timed out after {r.hook.timeout_s:g} s; killed",
+                             returncode=None, stderr=_tail(r.stderr))
+                r.stderr.close()
+            elif code is None:
+                still.append(r)
+            else:
+                if code != 0:
+                    how = (f"killed by {_signame(-code)}" if code < 0
+                           else f"exited with code {code}")
+                    self._failed(r.hook, r.event, how, returncode=code, stderr=_tail(r.stderr))
+                r.stderr.close()
+        self.running = still
+        failures, self._failures = self._failures, []
+        if self.report is not None:
+            for fields in failures:
+                self.report("hook_failed", **fields)
+
+    def close(self) -> None:
+        """Give running hooks until their deadlines, then kill them; report every failure."""
+        while self.running:
+            self.poll()
+            if self.running:
+                time.sleep(0.02)
+        self.poll()
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the hook and its children
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _tail(f: IO[bytes]) -> str:
+    f.seek(0, os.SEEK_END)
+    f.seek(max(0, f.tell() - _STDERR_TAIL))
+    return f.read().decode(errors="replace").strip()
+
+
+def _signame(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"

@@ -1,0 +1,200 @@
+"""`--metrics-file PATH`: the run's vital signs in Prometheus text format.
+
+For node-exporter's textfile collector (or anything that scrapes a file): the file is written to
+a temp file in the same directory and renamed over PATH, so a reader never sees a partial file.
+It is rewritten at each event (an EventLog listener) and, from the watch callbacks, at most every
+`every_s` seconds so that the ages keep moving while nothing happens. Each write is one small
+file: no fsync (a lost write is replaced seconds later).
+
+    rtrain_up{run_dir}                             1 while rtrain supervises, 0 once it stopped
+    rtrain_attempts_total{run_dir}                 attempts launched
+    rtrain_failures_total{run_dir,kind}            classified failures by kind
+    rtrain_rung{run_dir}                           degradation ladder rung in force (0: none)
+    rtrain_last_step{run_dir}                      newest step reported
+    rtrain_seconds_since_heartbeat{run_dir}        since the last heartbeat from the child
+    rtrain_last_checkpoint_age_seconds{run_dir}    since the newest checkpoint's commit
+
+A value not known yet (no heartbeat, no checkpoint) is left out rather than invented.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.ckpt.layout import MANIFEST, list_checkpoints
+
+log = logging.getLogger(__name__)
+
+_HELP = {
+    "rtrain_up": ("gauge", "1 while rtrain supervises the run, 0 once it stopped"),
+    "rtrain_attempts_total": ("counter", "Training attempts launched"),
+    "rtrain_failures_total": ("counter", "Attempts that ended in a failure, by kind"),
+    "rtrain_rung": ("gauge", "Degradation ladder rung in force (0: the configured settings)"),
+    "rtrain_last_step": ("gauge", "Newest training step reported by the child"),
+    "rtrain_seconds_since_heartbeat": ("gauge", "Seconds since the child's last heartbeat"),
+    "rtrain_last_checkpoint_age_seconds": ("gauge",
+                                           "Seconds since the newest checkpoint was committed"),
+}
+
+
+def escape_label(value: str) -> str:
+    """A label value in the text format: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+@dataclass
+class MetricsFile:
+    """Keeps the run's numbers and writes them to `path`; an EventLog listener."""
+
+    path: Path
+    run_dir: Path
+    ckpt_dir: Path
+    every_s: float = 5.0
+    """Least interval between writes driven by `tick()` (events always write)."""
+    wall: Callable[[], float] = time.time
+    up: bool = True
+    attempts: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    rung: int = 0
+    last_step: int | None = None
+    last_heartbeat: float | None = None
+    """Unix time of the last heartbeat (from the child, or a heartbeat_summary event)."""
+    _written: float = float("-inf")
+    _ckpt_seen: tuple[int, float] | None = None  # (step, created) of the newest checkpoint
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)
+        self.run_dir = Path(self.run_dir).resolve()
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        self.seed(event)
+        self.write()
+
+    def seed(self, event: dict[str, Any]) -> None:
+        """Take in one event without writing (the run's earlier events, at start-up)."""
+        kind = event.get("kind")
+        if kind == "launch":
+            self.attempts += 1
+            self.up = True
+        elif kind == "classification":
+            self.failures[str(event.get("failure") or "unnamed")] += 1
+        elif kind == "heartbeat_summary":
+            self.last_heartbeat = float(event.get("time") or self.wall())
+        if kind in ("launch", "decision", "degrade") and isinstance(event.get("level"), int):
+            self.rung = event["level"]
+        step = event.get("step") if kind == "heartbeat_summary" else event.get("last_step")
+        if isinstance(step, int):
+            self.last_step = step
+
+    def heartbeat(self, step: int | None) -> None:
+        """A heartbeat arrived from the child (watch callback); writes if due."""
+        self.last_heartbeat = self.wall()
+        if step is not None:
+            self.last_step = step
+        self.tick()
+
+    def tick(self) -> None:
+        """Write if the last write is `every_s` old (watch callbacks call this often)."""
+        if self.wall() - self._written >= self.every_s:
+            self.write()
+
+    def stopped(self) -> None:
+        """rtrain is about to exit: rtrain_up 0, final write."""
+        self.up = False
+        self.write()
+
+    def _checkpoint_created(self) -> float | None:
+        # One scandir per write; the newest manifest is read again only when a newer step shows.
+        for step, path in list_checkpoints(self.ckpt_dir):
+            if self._ckpt_seen is not None and self._ckpt_seen[0] == step:
+                return self._ckpt_seen[1]
+            try:
+                created = json.loads((path / MANIFEST).read_bytes())["created"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # being written, or damaged: the next older one counts
+            if isinstance(created, (int, float)):
+                self._ckpt_seen = (step, float(created))
+                return float(created)
+        return None
+
+    def render(self) -> str:
+        now = self.wall()
+        run = f'run_dir="{escape_label(str(self.run_dir))}"'
+        values: dict[str, list[tuple[str, float]]] = {
+            "rtrain_up": [(run, 1 if self.up else 0)],
+            "rtrain_attempts_total": [(run, self.attempts)],
+            "rtrain_failures_total": [(f'{run},kind="{escape_label(k)}"', n)
+                                      for k, n in sorted(self.failures.items())],
+            "rtrain_rung": [(run, self.rung)],
+            "rtrain_last_step": [(run, self.last_step)] if self.last_step is not None else [],
+            "rtrain_seconds_since_heartbeat": (
+                [(run, round(max(0.0, now - self.last_heartbeat), 3))]
+                if self.last_heartbeat is not None else []),
+        }
+        created = self._checkpoint_created()
+        values["rtrain_last_checkpoint_age_seconds"] = (
+            [(run, round(max(0.0, now - created), 3))] if created is not None else [])
+        lines = []
+        for name, samples in values.items():
+            kind, text = _HELP[name]
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            lines += [f"{name}{{{labels}}} {_number(v)}" for labels, v in samples]
+        return "\n".join(lines) + "\n"
+
+    def write(self) -> None:
+        """Temp file in the same directory, then rename over the target: never a partial file."""
+        self._written = self.wall()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
+                                       suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(self.render())
+                os.chmod(tmp, 0o644)  # mkstemp makes 0600; a collector may run as another user
+                os.replace(tmp, self.path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as err:  # a full or read-only disk must not stop supervision
+            log.warning("cannot write metrics file %s: %s", self.path, err)
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def parse_text(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """A small reader for the text format this module writes: {(name, labels): value}. Used by
+    tests and handy for scripts; not a general Prometheus parser."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, rest = head.partition("{")
+        labels = []
+        rest = rest.rstrip("}")
+        while rest:
+            key, _, rest = rest.partition('="')
+            chars, i = [], 0
+            while rest[i] != '"':
+                if rest[i] == "\\":
+                    i += 1
+                    chars.append({"n": "\n"}.get(rest[i], rest[i]))
+                else:
+                    chars.append(rest[i])
+                i += 1
+            labels.append((key, "".join(chars)))
+            rest = rest[i + 1:].lstrip(",")
+        out[(name, frozenset(labels))] = float(value)
+    return out

@@ -1,0 +1,192 @@
+"""`rtrain report`: gather a run's history from its files into plain data (rendering:
+`report_html.py`).
+
+Reads what `rtrain status` reads (events.jsonl, state.json, the checkpoint dir's manifests) and
+writes nothing but the report; safe beside a live supervisor. Sources:
+
+- curves: `heartbeat_summary` events (step, loss, samples/s), one series per attempt, so a
+  resumed attempt that replays steps shows as its own line;
+- failures: `classification` events, placed at the attempt's last step (its `exit` event);
+- degradations: `degrade` events, at the step of the failure that caused them;
+- checkpoints: committed `checkpoint-<step>` dirs now on disk (step and the manifest's commit
+  time), plus `skipped_checkpoint` events and dirs whose manifest does not load (bad ones);
+- attempts: `launch` / `exit` / `classification` / `decision` events per attempt number.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.ckpt import manifest as mf
+from supervisor.ckpt.layout import list_checkpoints, parse_step
+from supervisor.events import read_events
+from supervisor.status import summarize
+
+# One colour per failure kind (FailureKind values), shared by markers, chips and the table.
+KIND_COLORS = {
+    "crash": "#d62728", "oom_gpu": "#ff7f0e", "oom_host": "#8c564b", "hang": "#9467bd",
+    "nonfinite": "#e377c2", "preempted": "#7f7f7f", "startup": "#17202a",
+    "lost_device": "#17becf", "data": "#bcbd22",
+}
+OTHER_COLOR = "#555555"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Point:
+    attempt: int
+    step: int
+    time: float
+    loss: float | None
+    samples_per_s: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Marker:
+    kind: str
+    """failure, degrade, checkpoint or bad_checkpoint."""
+    step: int | None
+    time: float | None
+    attempt: int | None = None
+    label: str = ""
+    """The failure kind for failures; the checkpoint's name for checkpoints."""
+    detail: str = ""
+    """The sentence a person reads (reason, change)."""
+
+
+@dataclass(kw_only=True)
+class AttemptRow:
+    attempt: int
+    start: float
+    duration_s: float | None = None
+    resume_from: str | None = None
+    """Name of the checkpoint it resumed from; None for a fresh start."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    level: int = 0
+    returncode: int | None = None
+    signal: str | None = None
+    last_step: int | None = None
+    outcome: str = "running"
+    """The failure kind, or finished / stopped / running / unknown."""
+    reason: str = ""
+    decision: str = ""
+
+
+@dataclass(kw_only=True)
+class Report:
+    run_dir: Path
+    ckpt_dir: Path
+    status: str
+    reason: str
+    generated: float
+    points: list[Point] = field(default_factory=list)
+    markers: list[Marker] = field(default_factory=list)
+    attempts: list[AttemptRow] = field(default_factory=list)
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["run_dir"], out["ckpt_dir"] = str(self.run_dir), str(self.ckpt_dir)
+        return out
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok and value == value and abs(value) != float("inf") else None
+
+
+def _name(path: Any) -> str | None:
+    return Path(path).name if isinstance(path, str) and path else None
+
+
+def gather(run_dir: Path, *, key: bytes | None = None, now: float | None = None) -> Report:
+    """Everything the report shows, from the run's files. UsageError when RUN_DIR holds no run."""
+    run_dir = Path(run_dir)
+    summary = summarize(run_dir, key=key, now=now)
+    events = read_events(run_dir / "events.jsonl")
+    rep = Report(run_dir=run_dir, ckpt_dir=summary.ckpt_dir, status=summary.status,
+                 reason=summary.reason, generated=time.time() if now is None else now,
+                 failures=dict(summary.failures))
+    rows: dict[int, AttemptRow] = {}
+    current: int | None = None
+    for e in events:
+        kind, attempt = e.get("kind"), e.get("attempt")
+        if isinstance(attempt, int):
+            current = attempt
+        if kind == "launch" and isinstance(attempt, int):
+            rows[attempt] = AttemptRow(
+                attempt=attempt, start=e["time"], resume_from=_name(e.get("resume_from")),
+                settings=dict(e.get("settings") or {}), level=int(e.get("level") or 0),
+                last_step=parse_step(_name(e.get("resume_from")) or ""))
+        row = rows.get(attempt) if isinstance(attempt, int) else None
+        if kind == "heartbeat_summary" and isinstance(e.get("step"), int):
+            rep.points.append(Point(attempt=attempt if isinstance(attempt, int) else -1,
+                                    step=e["step"], time=e["time"], loss=_number(e.get("loss")),
+                                    samples_per_s=_number(e.get("samples_per_s"))))
+            if row is not None:
+                row.last_step = e["step"]
+        elif kind == "exit" and row is not None:
+            row.duration_s = _number(e.get("duration_s"))
+            row.returncode, row.signal = e.get("returncode"), e.get("signal")
+            if isinstance(e.get("last_step"), int):
+                row.last_step = e["last_step"]
+            row.outcome = "unknown"
+        elif kind == "classification" and row is not None:
+            row.outcome = str(e.get("failure") or "unnamed")
+            row.reason = str(e.get("reason") or "")
+            rep.markers.append(Marker(kind="failure", step=row.last_step, time=e["time"],
+                                      attempt=attempt, label=row.outcome, detail=row.reason))
+        elif kind == "decision" and row is not None:
+            action = str(e.get("action") or "")
+            row.decision = f"{action}: {e.get('reason', '')}".strip(": ")
+            if action == "finished":
+                row.outcome = "finished"
+            elif row.outcome == "unknown" and action in ("exit_preempted", "requeue"):
+                row.outcome = "stopped"
+        elif kind == "degrade":
+            step = rows[current].last_step if current in rows else None
+            rep.markers.append(Marker(kind="degrade", step=step, time=e["time"],
+                                      attempt=attempt, label=f"rung {e.get('level')}",
+                                      detail=str(e.get("change") or "")))
+        elif kind == "skipped_checkpoint":
+            name = _name(e.get("path")) or "?"
+            rep.markers.append(Marker(kind="bad_checkpoint", step=parse_step(name),
+                                      time=e["time"], attempt=current, label=name,
+                                      detail=str(e.get("reason") or "")))
+    if summary.status != "running":
+        for row in rows.values():
+            if row.outcome == "running":
+                row.outcome = "unknown"  # no exit recorded: the supervisor was killed
+    rep.attempts = [rows[n] for n in sorted(rows)]
+    rep.markers += _checkpoints(rep.ckpt_dir, {m.label for m in rep.markers
+                                               if m.kind == "bad_checkpoint"})
+    return rep
+
+
+def _checkpoints(ckpt_dir: Path, already_bad: set[str]) -> list[Marker]:
+    out = []
+    for step, path in sorted(list_checkpoints(ckpt_dir)):
+        try:
+            created = mf.load(path)["created"]
+        except mf.ManifestError as err:
+            if path.name not in already_bad:
+                out.append(Marker(kind="bad_checkpoint", step=step, time=None, label=path.name,
+                                  detail=str(err)))
+            continue
+        out.append(Marker(kind="checkpoint", step=step, time=float(created), label=path.name))
+    return out
+
+
+def write_report(run_dir: Path, output: Path, *, key: bytes | None = None) -> Path:
+    """Gather and render the report of `run_dir` into `output` (one self-contained HTML file)."""
+    from supervisor.report_html import render
+
+    output = Path(output)
+    html = render(gather(run_dir, key=key))
+    tmp = output.with_name(f".{output.name}.tmp")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(html, encoding="utf-8")
+    tmp.replace(output)
+    return output
