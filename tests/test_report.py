@@ -50,10 +50,13 @@ def test_gather_reads_attempts_failures_degrade_and_checkpoints(demo_run):
     assert [a.resume_from for a in rep.attempts] == [None, "checkpoint-40", "checkpoint-80"]
     assert rep.attempts[2].settings == {"batch_size": 16, "grad_accum": 2}
     assert all(a.duration_s and a.duration_s > 0 for a in rep.attempts)
+    # A failure is marked at the last step a heartbeat reported; heartbeats are throttled to
+    # one per 0.2 s, so on a busy machine that can be a few steps before the failure itself.
     failures = [(m.label, m.step) for m in rep.markers if m.kind == "failure"]
-    assert failures == [("crash", 50), ("oom_gpu", 90)]
+    assert [label for label, _ in failures] == ["crash", "oom_gpu"]
+    assert 40 < failures[0][1] <= 50 and 80 < failures[1][1] <= 90
     degrade = [m for m in rep.markers if m.kind == "degrade"]
-    assert len(degrade) == 1 and degrade[0].step == 90
+    assert len(degrade) == 1 and degrade[0].step == failures[1][1]
     assert "batch_size 32 -> 16" in degrade[0].detail
     ckpts = sorted(m.step for m in rep.markers if m.kind == "checkpoint")
     assert ckpts == [20, 40, 60, 80, 100, 120]
