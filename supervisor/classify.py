@@ -8,6 +8,7 @@ failed before the first step (startup) > crash.
 
 from __future__ import annotations
 
+import math
 import re
 import signal as _signal
 from typing import Any
@@ -22,7 +23,8 @@ HOST_OOM = re.compile(r"\bMemoryError\b|std::bad_alloc|Cannot allocate memory")
 # names, tensor prints); the worker's exit record is the evidence for `nonfinite`.
 
 # When several ranks left records, the most specific kind names the attempt: rank 0's
-# "crash" is usually the NCCL fallout of rank 3's out-of-memory.
+# "crash" is usually the NCCL fallout of rank 3's out-of-memory. Among records of one kind the
+# earliest names it: the others are usually the collective failing on the ranks left behind.
 _RECORD_PRIORITY = [FailureKind.OOM_GPU, FailureKind.OOM_HOST, FailureKind.NONFINITE,
                     FailureKind.DATA, FailureKind.LOST_DEVICE, FailureKind.STARTUP,
                     FailureKind.PREEMPTED, FailureKind.CRASH]
@@ -66,12 +68,20 @@ def _from_records(records: list[dict[str, Any]], ev: Evidence) -> Failure:
         except ValueError:
             return FailureKind.CRASH
 
-    rec = min(records, key=lambda r: _RECORD_PRIORITY.index(kind_of(r)))
+    def order(r: dict[str, Any]) -> tuple[int, float]:
+        t = r.get("time")
+        return _RECORD_PRIORITY.index(kind_of(r)), t if isinstance(t, (int, float)) else math.inf
+
+    rec = min(records, key=order)
     kind = kind_of(rec)
     reason = str(rec.get("reason") or rec.get("exception") or kind.value)
     if len(records) > 1:
         others = len(records) - 1
-        reason = f"rank {rec.get('rank', 0)}: {reason} ({others} other rank(s) also reported)"
+        first = " first" if rec is min(records, key=lambda r: order(r)[1]) else ""
+        reason = (f"rank {rec.get('rank', 0)}: {reason} (failed{first}; {others} other "
+                  "rank(s) also reported)")
+    elif rec.get("rank"):
+        reason = f"rank {rec['rank']}: {reason}"
     if rec.get("step") is not None:
         reason += f" at step {rec['step']}"
     return _failure(kind, reason, ev)
