@@ -147,9 +147,22 @@ def classify(evidence: Evidence, *, memory_pressure_fraction: float = 0.9) -> Fa
         last = _last_line(ev.stderr_tail)
         return _failure(FailureKind.STARTUP, f"failed before its first step ({how})"
                                              + (f": {last}" if last else ""), ev)
-    last = _last_line(ev.stderr_tail)
+    last = _torchrun_root_cause(ev.stderr_tail) or _last_line(ev.stderr_tail)
     step = f" at step {ev.last_step}" if ev.last_step is not None else ""
     return _failure(FailureKind.CRASH, f"{how}{step}" + (f": {last}" if last else ""), ev)
+
+
+# torchrun's failure summary names the rank that failed first, even one killed before it
+# could write an exit record.
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)"
+                         r".*?traceback\s*:\s*([^\n]+)", re.S)
+
+
+def _torchrun_root_cause(text: str) -> str | None:
+    m = _ROOT_CAUSE.search(text[-8192:])
+    if m is None:
+        return None
+    return f"torchrun: rank {m.group(1)} failed first: {m.group(2).strip()[:300]}"
 
 
 # What a script that never got going prints: a broken import, a typo in the file, a bad flag.

@@ -73,7 +73,7 @@ def test_world_size_rule():
     with pytest.raises(StateMismatch, match="saved by world size 2, this run has world size 4"):
         check_world(replicated, World(0, 4), False, False, "checkpoint-9")
     assert check_world(replicated, World(0, 4), False, True, "checkpoint-9") == "replicated"
-    with pytest.raises(StateMismatch, match="world size 2.*world size 4"):
+    with pytest.raises(StateMismatch, match=r"world size 2.*world size 4"):
         check_world(replicated, World(0, 4), True, False, "checkpoint-9")
 
 
@@ -83,3 +83,13 @@ def test_earliest_failing_rank_names_the_attempt():
         {"kind": "crash", "reason": "ValueError: bad batch", "rank": 1, "time": 10.0}])
     f = classify(ev)
     assert f.reason.startswith("rank 1: ValueError: bad batch (failed first")
+
+
+def test_torchrun_root_cause_names_a_rank_without_exit_record():
+    tail = ("[rank0]: RuntimeError: Connection closed by peer\n"
+            "Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-30_03:08:34\n"
+            "  host      : localhost\n  rank      : 1 (local_rank: 1)\n"
+            "  exitcode  : -9 (pid: 8026)  (SIGKILL)\n  error_file: <N/A>\n"
+            "  traceback : Signal 9 (SIGKILL) received by PID 8026\n" + "=" * 60 + "\n")
+    f = classify(Evidence(returncode=1, stderr_tail=tail, first_step_seen=True, last_step=20))
+    assert "rank 1 failed first: Signal 9 (SIGKILL) received by PID 8026" in f.reason
