@@ -8,6 +8,7 @@ failed before the first step (startup) > crash.
 
 from __future__ import annotations
 
+import math
 import re
 import signal as _signal
 from typing import Any
@@ -22,7 +23,8 @@ HOST_OOM = re.compile(r"\bMemoryError\b|std::bad_alloc|Cannot allocate memory")
 # names, tensor prints); the worker's exit record is the evidence for `nonfinite`.
 
 # When several ranks left records, the most specific kind names the attempt: rank 0's
-# "crash" is usually the NCCL fallout of rank 3's out-of-memory.
+# "crash" is usually the NCCL fallout of rank 3's out-of-memory. Among records of one kind the
+# earliest names it: the others are usually the collective failing on the ranks left behind.
 _RECORD_PRIORITY = [FailureKind.OOM_GPU, FailureKind.OOM_HOST, FailureKind.NONFINITE,
                     FailureKind.DATA, FailureKind.LOST_DEVICE, FailureKind.STARTUP,
                     FailureKind.PREEMPTED, FailureKind.CRASH]
@@ -66,12 +68,20 @@ def _from_records(records: list[dict[str, Any]], ev: Evidence) -> Failure:
         except ValueError:
             return FailureKind.CRASH
 
-    rec = min(records, key=lambda r: _RECORD_PRIORITY.index(kind_of(r)))
+    def order(r: dict[str, Any]) -> tuple[int, float]:
+        t = r.get("time")
+        return _RECORD_PRIORITY.index(kind_of(r)), t if isinstance(t, (int, float)) else math.inf
+
+    rec = min(records, key=order)
     kind = kind_of(rec)
     reason = str(rec.get("reason") or rec.get("exception") or kind.value)
     if len(records) > 1:
         others = len(records) - 1
-        reason = f"rank {rec.get('rank', 0)}: {reason} ({others} other rank(s) also reported)"
+        first = " first" if rec is min(records, key=lambda r: order(r)[1]) else ""
+        reason = (f"rank {rec.get('rank', 0)}: {reason} (failed{first}; {others} other "
+                  "rank(s) also reported)")
+    elif rec.get("rank"):
+        reason = f"rank {rec['rank']}: {reason}"
     if rec.get("step") is not None:
         reason += f" at step {rec['step']}"
     return _failure(kind, reason, ev)
@@ -137,9 +147,22 @@ def classify(evidence: Evidence, *, memory_pressure_fraction: float = 0.9) -> Fa
         last = _last_line(ev.stderr_tail)
         return _failure(FailureKind.STARTUP, f"failed before its first step ({how})"
                                              + (f": {last}" if last else ""), ev)
-    last = _last_line(ev.stderr_tail)
+    last = _torchrun_root_cause(ev.stderr_tail) or _last_line(ev.stderr_tail)
     step = f" at step {ev.last_step}" if ev.last_step is not None else ""
     return _failure(FailureKind.CRASH, f"{how}{step}" + (f": {last}" if last else ""), ev)
+
+
+# torchrun's failure summary names the rank that failed first, even one killed before it
+# could write an exit record.
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)"
+                         r".*?traceback\s*:\s*([^\n]+)", re.S)
+
+
+def _torchrun_root_cause(text: str) -> str | None:
+    m = _ROOT_CAUSE.search(text[-8192:])
+    if m is None:
+        return None
+    return f"torchrun: rank {m.group(1)} failed first: {m.group(2).strip()[:300]}"
 
 
 # What a script that never got going prints: a broken import, a typo in the file, a bad flag.

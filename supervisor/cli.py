@@ -203,6 +203,18 @@ def launch(
     metrics_file: Annotated[Path | None, typer.Option(
         "--metrics-file", metavar="PATH",
         help="Write Prometheus metrics here (textfile collector), replaced atomically.")] = None,
+    nproc_per_node: Annotated[int | None, typer.Option(
+        "--nproc-per-node", metavar="N",
+        help="Run SCRIPT under torchrun with N ranks on this node (rtrain owns restarts).")
+    ] = None,
+    nnodes: Annotated[str | None, typer.Option(
+        "--nnodes", metavar="N|MIN:MAX", help="torchrun: number of nodes.")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option(
+        "--rdzv-endpoint", metavar="HOST:PORT",
+        help="torchrun: rendezvous endpoint (several nodes).")] = None,
+    rdzv_backend: Annotated[str | None, typer.Option(
+        "--rdzv-backend", metavar="NAME", help="torchrun: rendezvous backend (default c10d).")
+    ] = None,
 ) -> None:
     """Run a training script under supervision: restart on failure, degrade on OOM."""
     with reported():
@@ -218,7 +230,18 @@ def launch(
                      "backoff.enabled": False if no_backoff else None,
                      "metrics_file": metrics_file}
         cfg = load_config(overrides, config, cwd)
-        command = child_command(script, module, list(ctx.args), python)
+        if nproc_per_node is None and (nnodes or rdzv_endpoint or rdzv_backend):
+            from supervisor.errors import UsageError
+
+            raise UsageError("--nnodes/--rdzv-* need --nproc-per-node N")
+        if nproc_per_node is not None:
+            from supervisor.torchrun import TorchrunSpec, torchrun_command
+
+            spec = TorchrunSpec(nproc_per_node=nproc_per_node, nnodes=nnodes,
+                                rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend)
+            command = torchrun_command(spec, script, module, list(ctx.args), python)
+        else:
+            command = child_command(script, module, list(ctx.args), python)
         raise typer.Exit(run_launch(LaunchSpec(command=command, config=cfg, fresh=fresh,
                                                echo=not quiet, cwd=cwd)))
 

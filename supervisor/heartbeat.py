@@ -11,6 +11,11 @@ the attempt counts as hung. Rules, in order:
   without a heartbeat;
 - while a checkpoint save runs (between `save_begin` and `save_end`), at least `save_s` from the
   save's start is allowed.
+
+Several ranks (torchrun): the last heartbeat is kept per rank, and the reference time is the
+*oldest* of them, so one rank that goes silent while the others wait for it in a collective (or
+keep sending) counts as a hang. A rank is tracked from its first heartbeat on; a rank that sent
+`stop` (exiting on purpose) is no longer waited for.
 """
 
 from __future__ import annotations
@@ -60,12 +65,18 @@ class HangClock:
         self.max_interval: float | None = None  # longest step interval after warm-up
         self.save_started: float | None = None
         self.rank: int | None = None  # the lowest rank heard from: the one intervals come from
+        self.rank_last: dict[int, float] = {}  # every rank heard from -> its last heartbeat
 
     def activity(self, now: float) -> None:
         self.last_activity = max(self.last_activity, now)
 
     def heartbeat(self, hb: Heartbeat, now: float) -> None:
-        self.last_heartbeat = now
+        if hb.event == "stop":
+            self.rank_last.pop(hb.rank, None)
+        else:
+            self.rank_last[hb.rank] = now
+        # The silence that counts is the longest one: the rank heard from least recently.
+        self.last_heartbeat = min(self.rank_last.values(), default=now)
         if hb.event == "save_begin":
             self.save_started = now
         elif hb.event == "save_end":
@@ -119,7 +130,14 @@ class HangClock:
         if self.save_started is not None and deadline > (self.last_heartbeat or 0) + allowed:
             return f"checkpoint save still running after {now - self.save_started:.1f} s"
         ref = self.last_activity if self.last_heartbeat is None else self.last_heartbeat
-        return f"{why} for {now - ref:.1f} s (timeout {allowed:.1f} s)"
+        return f"{why} for {now - ref:.1f} s (timeout {allowed:.1f} s){self._silent_rank()}"
+
+    def _silent_rank(self) -> str:
+        """Which rank has been silent longest, when several report."""
+        if len(self.rank_last) < 2:
+            return ""
+        rank = min(self.rank_last, key=lambda r: self.rank_last[r])
+        return f"; rank {rank} silent longest"
 
 
 class HeartbeatReceiver:

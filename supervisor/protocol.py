@@ -82,6 +82,7 @@ class ExitRecord:
     traceback_tail: str | None = None
     settings: dict[str, Any] | None = None  # e.g. the smaller batch an in-process back-off found
     extra: dict[str, Any] = field(default_factory=dict)
+    time: float | None = None  # wall clock when written: orders the ranks' failures
     v: int = PROTOCOL_VERSION
 
     def to_json(self) -> str:

@@ -393,6 +393,8 @@ def read_exit_records(attempt_dir: Path) -> list[dict]:
         except OSError:
             continue
         if record is not None:
+            if record.time is None:  # older workers: the file's own time orders it
+                record.time = path.stat().st_mtime
             records.append(asdict(record))
     return sorted(records, key=lambda r: r["rank"])
 

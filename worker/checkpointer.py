@@ -10,7 +10,7 @@ import platform
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,7 +23,7 @@ from supervisor.ckpt.prune import prune
 from supervisor.ckpt.verify import Level, select_resume, verify
 from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_RUN_DIR, EXIT_PREEMPTED
-from worker import faults, runtime, state
+from worker import dist, dist_ckpt, faults, runtime, state
 from worker.sampler import ResumableSampler
 from worker.schedule import SaveSchedule
 from worker.settings import current as current_settings
@@ -44,6 +44,9 @@ class _Capture:
     tensors: dict[str, dict[str, torch.Tensor]]  # file stem -> name -> CPU contiguous tensor
     state_json: dict[str, Any]
     fields: dict[str, Any]
+    world: dist.World | None = None  # set when a process group is initialised
+    rank_rng: dict[str, Any] | None = None  # this rank's python/numpy RNG (rng-rank<R> file)
+    sharded: dict[str, Any] | None = None  # state written with torch.distributed.checkpoint
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +77,8 @@ class Checkpointer:
                  async_mode: Literal["auto", "fork", "thread"] = "auto",
                  trainable_only: bool = False, verify_level: Literal["quick", "full"] = "full",
                  map_location: str | torch.device = "cpu", exit_on_stop: bool = True,
-                 fsync: bool = True, signing_key: bytes | str | None = None) -> None:
+                 fsync: bool = True, signing_key: bytes | str | None = None,
+                 sharded: bool | None = None, allow_resize: bool = False) -> None:
         ckpt_dir = ckpt_dir or os.environ.get(ENV_CKPT_DIR) or "checkpoints"
         self.ckpt_dir = Path(ckpt_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -91,6 +95,8 @@ class Checkpointer:
             raise ValueError(f"async_mode must be 'auto', 'fork' or 'thread', not {async_mode!r}")
         self.async_mode = async_mode
         self.trainable_only = trainable_only
+        self.sharded = sharded  # None: detect (DTensor / FSDP parameters) at each save
+        self.allow_resize = allow_resize
         self.verify_level = Level(verify_level)
         self.map_location = map_location
         self.exit_on_stop = exit_on_stop
@@ -119,22 +125,31 @@ class Checkpointer:
 
     def restore(self, path: str | os.PathLike | None = None) -> int:
         """Load the newest checkpoint that verifies (or `path`). Returns the step to run next."""
-        chosen = self._pick(path)
-        if chosen is None:
+        w = dist.world()
+        if w is None:
+            chosen = self._pick(path)
+            found = None if chosen is None else (chosen.path, chosen.manifest)
+        else:  # rank 0 picks and verifies; every rank loads that one
+            found = dist_ckpt.agree(lambda: self._pick(path), w)
+        if found is None:
             log.info("no checkpoint to resume from in %s: starting fresh", self.ckpt_dir)
             return 0
-        m = chosen.manifest
+        ckpt_path, m = found
         assert m is not None
-        st = json.loads((chosen.path / "state.json").read_bytes())
-        tensors = {stem: self._load_tensors(chosen.path, stem, m) for stem in _FILES}
-        self._restore_components(m, st, tensors)
+        st = json.loads((ckpt_path / "state.json").read_bytes())
+        layout = dist_ckpt.check_world(m.get("info", {}), w, self._is_sharded(),
+                                       self.allow_resize, ckpt_path.name)
+        tensors = {stem: self._load_tensors(ckpt_path, stem, m) for stem in _FILES}
+        rng = dist_ckpt.load_rank_rng(ckpt_path, m, st, tensors["extra"],
+                                      w.rank if w else 0, w is not None)
+        self._restore_components(m, st, tensors, rng, ckpt_path, layout)
         for w in _environment_changes(m.get("environment", {}), _environment(self.model)):
             log.warning("%s", w)
         self.step, self.epoch = m["step"], m["epoch"]
         self.extra = decode(st.get("extra", {}), tensors["extra"])
         self._last_save_step = self.step
         self._hb_samples = self._samples() or 0
-        log.info("resumed from %s (step %d, epoch %d)", chosen.path, self.step, self.epoch)
+        log.info("resumed from %s (step %d, epoch %d)", ckpt_path, self.step, self.epoch)
         runtime.heartbeat(step=self.step, event="start")
         return self.step
 
@@ -168,9 +183,13 @@ class Checkpointer:
         return load_file(path / name, device=device)
 
     def _restore_components(self, m: dict[str, Any], st: dict[str, Any],
-                            tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+                            tensors: dict[str, dict[str, torch.Tensor]],
+                            rng: tuple[dict[str, torch.Tensor], dict[str, Any]] | None,
+                            path: Path, layout: str) -> None:
         info = m.get("info", {})
-        if self.model is not None:
+        if layout == "sharded":
+            dist_ckpt.load_sharded(path, self.model, self.optimizer)
+        elif self.model is not None:
             saved = m.get("tensors", {}).get("model.safetensors", {})
             trainable_only = bool(info.get("trainable_only"))
             for w in state.check_model(self.model.state_dict(), saved, trainable_only):
@@ -178,7 +197,7 @@ class Checkpointer:
             if trainable_only:
                 self._check_frozen(info.get("frozen_fingerprint"))
             state.load_model(self.model, tensors["model"])
-        if self.optimizer is not None:
+        if self.optimizer is not None and layout != "sharded":
             if "optimizer" not in st:
                 raise StateMismatch("the checkpoint holds no optimizer state but an optimizer "
                                     "was given: pass optimizer=None to load weights only")
@@ -192,11 +211,13 @@ class Checkpointer:
         if self.sampler is not None and "sampler" in st:
             self.sampler.load_state_dict(st["sampler"])
         self._apply_lr_scale(float(st.get("lr_scale", 1.0)))
-        state.load_rng(tensors["extra"], st["rng"])
+        if rng is None:
+            return
+        state.load_rng(*rng)
         if self.sampler is not None and self.sampler.mid_epoch:
             # `iter(loader)` after restore draws a base seed from the global generator, which an
             # uninterrupted run did not do at this point: put the state back at the first fetch.
-            cpu_state = tensors["extra"]["rng/torch_cpu"].clone()
+            cpu_state = rng[0]["rng/torch_cpu"].clone()
             self.sampler._before_next_iter = lambda: torch.set_rng_state(cpu_state)
 
     def _apply_lr_scale(self, saved_scale: float) -> None:
@@ -247,9 +268,14 @@ class Checkpointer:
                           next_save_step=self._next_save_step(step))
         self._hb_samples = seen or 0
         path = None
-        if stop or self._save_requested or self.schedule.due(
-                step, last_step=self._last_save_step, now=now, last_time=self._last_save_time,
-                epoch_end=epoch_end):
+        due = self._save_requested or self.schedule.due(
+            step, last_step=self._last_save_step, now=now, last_time=self._last_save_time,
+            epoch_end=epoch_end)
+        if dist.world() is not None:
+            # A stop signal or a timed save reaches ranks at different steps; saving is
+            # collective, so one rank's reason is every rank's.
+            stop, due = dist.any_of([stop, due])
+        if stop or due:
             path = self.save(step, metrics=metrics, extra=extra)
         if stop and self.exit_on_stop:
             self.close()
@@ -277,6 +303,8 @@ class Checkpointer:
         elif self.sampler is not None:
             self.epoch = self.sampler.epoch
         cap = self._capture(step, metrics or {}, extra or {})
+        if cap.world is not None:
+            return self._save_dist(cap)
         if not self._make_room(cap.nbytes):
             self.skipped_saves += 1
             return None
@@ -296,6 +324,27 @@ class Checkpointer:
         self._inflight.start()
         self._last_save_step = step
         return self.ckpt_dir / f"checkpoint-{step}"
+
+    def _save_dist(self, cap: _Capture) -> Path | None:
+        runtime.heartbeat(step=cap.step, event="save_begin")
+        if not self.async_save or cap.sharded is not None:
+            # Sharded state is saved synchronously: DCP reads the live parameters.
+            path = self._write(cap)
+            runtime.heartbeat(step=cap.step, event="save_end")
+            return path
+        if self.async_mode == "fork":
+            raise ValueError("async_mode='fork' cannot be used with torch.distributed: a forked "
+                             "writer cannot take part in the checkpoint's collectives; use "
+                             "async_mode='thread' or 'auto'")
+        self._inflight_step = cap.step
+        self._inflight = threading.Thread(target=self._write_bg, args=(self._snapshot(cap),),
+                                          name="rtrain-ckpt-writer", daemon=True)
+        self._inflight.start()
+        self._last_save_step = cap.step
+        return self.ckpt_dir / f"checkpoint-{cap.step}"
+
+    def _is_sharded(self) -> bool:
+        return self.sharded if self.sharded is not None else dist.is_sharded(self.model)
 
     def close(self) -> None:
         """Wait for a save in flight; raise its error if it failed."""
@@ -317,18 +366,47 @@ class Checkpointer:
         return (step // n + 1) * n if n else None
 
     def _capture(self, step: int, metrics: dict[str, Any], extra: dict[str, Any]) -> _Capture:
+        w = dist.world()
+        if w is not None:
+            return self._capture_dist(w, step, metrics, extra)
+        return self._capture_local(step, metrics, extra)
+
+    def _capture_dist(self, w: dist.World, step: int, metrics: dict[str, Any],
+                      extra: dict[str, Any]) -> _Capture:
+        sharded = self._is_sharded()
+        if sharded and self.trainable_only:
+            raise ValueError("trainable_only is not supported with sharded (FSDP/DTensor) state")
+        rng_tensors, rng_plain = state.rng_state()
+        sharded_sd = dist_ckpt.sharded_state(self.model, self.optimizer) if sharded else None
+        if w.leader:
+            # Replicated state (DDP: identical on every rank) is written once, by rank 0.
+            cap = self._capture_local(step, metrics, extra, rng=False,
+                                      components=not sharded)
+            cap.fields["info"].update(world_size=w.size,
+                                      layout="sharded" if sharded else "replicated")
+        else:
+            cap = _Capture(step, {}, {}, {})
+        stem = dist_ckpt.rng_stem(w.rank)
+        cap.tensors[stem] = {k: cpu_contiguous(v) for k, v in rng_tensors.items()}
+        cap.world, cap.rank_rng, cap.sharded = w, rng_plain, sharded_sd
+        return cap
+
+    def _capture_local(self, step: int, metrics: dict[str, Any], extra: dict[str, Any],
+                       rng: bool = True, components: bool = True) -> _Capture:
         tensors: dict[str, dict[str, torch.Tensor]] = {stem: {} for stem in _FILES}
         st: dict[str, Any] = {"step": step, "epoch": self.epoch, "lr_scale": self._lr_scale}
         info: dict[str, Any] = {"trainable_only": self.trainable_only, "world_size": 1}
         fingerprint = None
-        if self.model is not None:
+        if self.model is not None and not components:
+            fingerprint = state.fingerprint_items(self.model.state_dict())
+        if self.model is not None and components:
             tensors["model"] = state.model_tensors(self.model, self.trainable_only)
             fingerprint = state.fingerprint_items(self.model.state_dict())
             if self.trainable_only:
                 if self._frozen_fp is None:
                     self._frozen_fp = state.content_fingerprint(state.frozen_tensors(self.model))
                 info["frozen_fingerprint"] = self._frozen_fp
-        if self.optimizer is not None:
+        if self.optimizer is not None and components:
             opt_tensors, st["optimizer"] = state.optimizer_state(self.optimizer, self.model)
             if self.trainable_only:
                 keep = set(tensors["model"])
@@ -342,8 +420,9 @@ class Checkpointer:
             st["scaler"] = encode(self.scaler.state_dict(), ex, "scaler")
         if self.sampler is not None:
             st["sampler"] = self.sampler.state_dict()
-        rng_tensors, st["rng"] = state.rng_state()
-        ex.update(rng_tensors)
+        if rng:
+            rng_tensors, st["rng"] = state.rng_state()
+            ex.update(rng_tensors)
         st["extra"] = encode(extra, ex, "extra")
         for stem in _FILES:
             tensors[stem] = {k: cpu_contiguous(v) for k, v in tensors[stem].items()}
@@ -362,6 +441,8 @@ class Checkpointer:
         pinned buffers instead (the copy is asynchronous there)."""
         if self.async_mode == "thread" or not hasattr(os, "fork"):
             return False
+        if dist.world() is not None:
+            return False  # a forked child cannot join collectives (_save_dist enforces it)
         return self.async_mode == "fork" or (not any(
             t.is_pinned() for ts in cap.tensors.values() for t in ts.values()
         ) and not _has_cuda_state(self.model))
@@ -398,7 +479,7 @@ class Checkpointer:
                 out[stem][name] = buf
         if pin:
             torch.cuda.synchronize()
-        return _Capture(cap.step, out, cap.state_json, cap.fields)
+        return replace(cap, tensors=out)
 
     def _make_room(self, nbytes: int) -> bool:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -422,6 +503,13 @@ class Checkpointer:
         return False
 
     def _write(self, cap: _Capture) -> Path | None:
+        if cap.world is not None:
+            path = dist_ckpt.write(self, cap)
+            if path is not None:
+                self.last_saved, self._last_save_step = path, cap.step
+                if cap.world.leader:
+                    self._apply_retention()
+            return path
         pending = None
         try:
             pending = PendingCheckpoint(self.ckpt_dir, cap.step, fsync=self.fsync)

@@ -8,6 +8,7 @@ Conditions:
     step=N        at the first hook call whose step is >= N (the step given to maybe_save)
     attempt=N     only in attempt N (RTRAIN_ATTEMPT); `attempt=0|2` several, `attempt=*` all.
                   Default: attempt 0 only, so the relaunch recovers
+    rank=R        only in rank R (RANK, under torchrun); `rank=1|3` several. Default: all
     count=K       nonfinite only: steps N .. N+K-1 (default 1)
     KNOB>V        oom / oom_step only: while the knob's value exceeds V
 
@@ -58,6 +59,7 @@ class Fault:
     step: int = 0
     attempts: frozenset[int] | None = frozenset({0})  # None: every attempt
     count: int = 1
+    ranks: frozenset[int] | None = None  # None: every rank
     knob: str | None = None
     above: float | None = None
 
@@ -96,9 +98,11 @@ def _parse_one(item: str) -> Fault:
         elif eq and key == "attempt":
             fields["attempts"] = None if value == "*" else frozenset(
                 _int(item, key, v) for v in value.split("|"))
+        elif eq and key == "rank":
+            fields["ranks"] = frozenset(_int(item, key, v) for v in value.split("|"))
         else:
             raise FaultSpecError(f"{ENV_FAULTS}: cannot read condition {cond!r} in {item!r} "
-                                 "(expected step=N, attempt=N, count=K or KNOB>V)")
+                                 "(expected step=N, attempt=N, rank=R, count=K or KNOB>V)")
     if "count" in fields and kind != "nonfinite":
         raise FaultSpecError(f"{ENV_FAULTS}: count= applies to nonfinite only, in {item!r}")
     if kind == "oom_step" and "knob" not in fields:
@@ -214,11 +218,13 @@ def _read_env_settings() -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _arm(spec: str | None, attempt: int) -> list[Fault]:
-    return [f for f in parse(spec) if f.in_attempt(attempt)]
+def _arm(spec: str | None, attempt: int, rank: int = 0) -> list[Fault]:
+    return [f for f in parse(spec)
+            if f.in_attempt(attempt) and (f.ranks is None or rank in f.ranks)]
 
 
-_armed = _arm(os.environ.get(ENV_FAULTS), int(os.environ.get(ENV_ATTEMPT) or 0))
+_armed = _arm(os.environ.get(ENV_FAULTS), int(os.environ.get(ENV_ATTEMPT) or 0),
+              int(os.environ.get("RANK") or 0))
 _env_settings = _read_env_settings() if _armed else {}
 _kinds = {f.kind for f in _armed}
 

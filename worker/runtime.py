@@ -211,6 +211,7 @@ def write_exit_record(
         traceback_tail=tail,
         settings=settings,
         extra=extra,
+        time=time.time(),
     )
     path = Path(status) / exit_record_name(rank())
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

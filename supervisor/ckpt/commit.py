@@ -54,9 +54,31 @@ class PendingCheckpoint:
         self.files: dict[str, dict[str, Any]] = {}
         self.tensors: dict[str, dict[str, list]] = {}
 
-    def write_tensors(self, name: str, blobs: Iterable[safetensors_io.TensorBlob]) -> None:
+    @classmethod
+    def adopt(cls, ckpt_dir: str | os.PathLike, step: int, tmp: str | os.PathLike,
+              fsync: bool = True) -> PendingCheckpoint:
+        """Write into a temp dir another process created (a rank other than 0 of a
+        distributed save); such a writer never commits, it reports its `files` to the one
+        that does."""
+        self = cls.__new__(cls)
+        self.ckpt_dir, self.step, self.fsync = Path(ckpt_dir), step, fsync
+        self.tmp = Path(tmp)
+        self.files, self.tensors = {}, {}
+        return self
+
+    def add_file(self, name: str, size: int, hash: str,
+                 tensors: dict[str, list] | None = None) -> None:
+        """List a file written into the temp dir by someone else (another rank, a DCP
+        writer), with its size and content hash."""
+        self.files[name] = {"size": size, "hash": hash}
+        if tensors:
+            self.tensors[name] = tensors
+
+    def write_tensors(self, name: str, blobs: Iterable[safetensors_io.TensorBlob],
+                      metadata: dict[str, str] | None = None) -> None:
         blobs = list(blobs)
-        w = safetensors_io.write_file(self.tmp / name, blobs, fsync=self.fsync)
+        w = safetensors_io.write_file(self.tmp / name, blobs, metadata=metadata,
+                                      fsync=self.fsync)
         self.files[name] = {"size": w.size, "hash": w.hash}
         self.tensors[name] = {b.name: [b.dtype, list(b.shape)] for b in blobs}
 

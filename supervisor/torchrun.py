@@ -1,0 +1,58 @@
+"""`rtrain launch --nproc-per-node N train.py`: the script runs under torchrun, rtrain around it.
+
+torchrun (torch.distributed.elastic) starts and rendezvous the ranks; rtrain keeps owning
+restarts (`--max-restarts=0`: a failed rank ends the attempt, and rtrain relaunches the whole
+group from the newest verified checkpoint). One node uses `--standalone`: a c10d rendezvous on
+localhost:0, so each attempt gets a free port and no two runs on a machine collide. Several
+nodes name the rendezvous endpoint; the id carries the attempt number, so a relaunch never
+joins the previous attempt's closed rendezvous.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from supervisor.errors import UsageError
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchrunSpec:
+    nproc_per_node: int
+    """Ranks on this node (`--nproc-per-node`)."""
+    nnodes: str | None = None
+    """`N` or `MIN:MAX`; more than one node needs `rdzv_endpoint`."""
+    rdzv_endpoint: str | None = None
+    """host:port of the rendezvous (multi-node)."""
+    rdzv_backend: str | None = None
+    """Rendezvous backend (default c10d)."""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise UsageError(f"--nproc-per-node {self.nproc_per_node}: give 1 or more")
+        multi = self.nnodes not in (None, "1", "1:1")
+        if multi and not self.rdzv_endpoint:
+            raise UsageError(f"--nnodes {self.nnodes}: several nodes need --rdzv-endpoint "
+                             "HOST:PORT (the same on every node)")
+
+
+def torchrun_command(spec: TorchrunSpec, script: str | None, module: str | None,
+                     args: list[str], python: str | None = None) -> list[str]:
+    """The argv that runs `script` (or `-m module`) under torchrun with `python`."""
+    if module is None and (script is None or not script.endswith(".py")):
+        raise UsageError("--nproc-per-node runs a .py script or -m MODULE under torchrun; to run "
+                         "your own torchrun command, drop --nproc-per-node and give it after "
+                         "`--` (rtrain launch -- torchrun ... train.py)")
+    py = python or sys.executable
+    argv = [py, "-m", "torch.distributed.run", f"--nproc-per-node={spec.nproc_per_node}",
+            "--max-restarts=0"]
+    if spec.rdzv_endpoint is None and spec.nnodes in (None, "1", "1:1"):
+        argv.append("--standalone")
+    else:
+        argv += [f"--nnodes={spec.nnodes or 1}",
+                 f"--rdzv-backend={spec.rdzv_backend or 'c10d'}",
+                 f"--rdzv-endpoint={spec.rdzv_endpoint}",
+                 "--rdzv-id=rtrain-{attempt}"]  # a template: filled in per attempt
+    if module is not None:
+        return [*argv, "-m", module, *args]
+    return [*argv, script, *args]

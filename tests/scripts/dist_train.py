@@ -1,0 +1,92 @@
+"""A 2-rank (gloo, CPU) training loop the way people write one, for the distributed tests.
+
+usage: dist_train.py OUT_PREFIX TOTAL_STEPS [--fsdp] [--every N] [--die-at S --die-rank R]
+Writes OUT_PREFIX-rank<R>.pt (the rank's local model/optimizer state and RNG) at the end.
+--die-at: in attempt 0, rank R writes an exit record and SIGKILLs itself after step S.
+"""
+
+import argparse
+import os
+import random
+import signal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import worker
+
+p = argparse.ArgumentParser()
+p.add_argument("out")
+p.add_argument("total", type=int)
+p.add_argument("--fsdp", action="store_true")
+p.add_argument("--every", type=int, default=3)
+p.add_argument("--die-at", type=int, default=0)
+p.add_argument("--die-rank", type=int, default=1)
+p.add_argument("--width", type=int, default=32)
+args = p.parse_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+attempt = int(os.environ.get("RTRAIN_ATTEMPT", "0"))
+
+torch.manual_seed(1234)  # the same initial weights on every rank
+g = torch.Generator().manual_seed(0)
+ds = TensorDataset(torch.randn(48, 16, generator=g), torch.randint(0, 4, (48,), generator=g))
+model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Dropout(0.3),
+                      nn.Linear(args.width, 4))
+if args.fsdp:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+else:
+    model = nn.parallel.DistributedDataParallel(model)
+# Each rank its own RNG streams (dropout, augmentation): what per-rank RNG state must restore.
+torch.manual_seed(1000 + rank)
+random.seed(rank)
+np.random.seed(rank)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
+loader = DataLoader(ds, batch_size=4 * world, sampler=sampler)  # global batch; rank's slice
+ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
+                           every_steps=args.every, keep=2,
+                           ckpt_dir=os.environ.get("RTRAIN_CKPT_DIR", "checkpoints"))
+step = ckpt.restore()
+while step < args.total:
+    for x, y in loader:
+        x, y = x[rank::world], y[rank::world]
+        noise = 1e-3 * (random.random() + float(np.random.rand()))
+        loss = nn.functional.cross_entropy(model(x + noise), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        step += 1
+        ckpt.maybe_save(step, metrics={"loss": loss.item()})
+        if step == args.die_at and rank == args.die_rank and attempt == 0:
+            worker.write_exit_record("crash", f"injected kill of rank {rank}", step=step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step >= args.total:
+            break
+ckpt.close()
+
+
+def local(x):
+    if hasattr(x, "to_local"):
+        return x.to_local()
+    if isinstance(x, dict):
+        return {k: local(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(local(v) for v in x)
+    return x
+
+
+torch.save({"model": local(model.state_dict()), "opt": local(opt.state_dict()), "step": step,
+            "rng": torch.get_rng_state(), "py": random.random(), "np": float(np.random.rand())},
+           f"{args.out}-rank{rank}.pt")
+dist.barrier()
+dist.destroy_process_group()

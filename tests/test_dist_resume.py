@@ -1,0 +1,134 @@
+"""2 ranks on CPU (gloo) under `rtrain launch --nproc-per-node 2`: a killed rank, a hung rank and
+a save interrupted on one rank, each followed by a relaunch of the whole group.
+
+Every run here is a real torchrun with two training processes, so the runs are short (a handful
+of steps of a tiny model) and the timeouts generous (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from supervisor.events import read_events
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "dist_train.py"
+TIMEOUT = 300
+
+
+def _fsdp_available() -> str | None:
+    """None when FSDP2 (fully_shard) can run on CPU/gloo here, else the reason."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        return "torch.distributed with gloo is not available"
+    try:
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as e:
+        return f"FSDP2 / DCP state_dict helpers missing: {e}"
+    return None
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("RTRAIN_", "TORCHELASTIC"))}
+    e.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+    return e
+
+
+def rtrain(run_dir: Path, *args: str, extra_env: dict[str, str] | None = None,
+           launch_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run_dir), "-q",
+           "--no-backoff", "--nproc-per-node", "2", *launch_args, str(SCRIPT), *args]
+    return subprocess.run(cmd, env=env(**(extra_env or {})), cwd=run_dir.parent,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == kind]
+
+
+def _bits(t):
+    return t.reshape(-1).view(torch.uint8) if t.dtype.is_floating_point else t
+
+
+def assert_bitwise_equal(a, b, path="state"):
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(_bits(a), _bits(b)), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bitwise_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def _kill_one_rank_and_compare(tmp_path: Path, *flags: str) -> None:
+    ref = rtrain(tmp_path / "ref", str(tmp_path / "ref"), "10", *flags)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = tmp_path / "split"
+    # Rank 1 dies by SIGKILL after step 7; checkpoints at 3 and 6; the group resumes at 6.
+    r = rtrain(run, str(tmp_path / "split"), "10", "--die-at", "7", "--die-rank", "1", *flags)
+    assert r.returncode == 0, r.stderr[-3000:]
+    launches = events(run, "launch")
+    assert len(launches) == 2
+    assert launches[1]["resume_from"].endswith("checkpoint-6")
+    (cls,) = events(run, "classification")
+    assert "rank 1" in cls["reason"] and "injected kill" in cls["reason"], cls
+    for rank in (0, 1):
+        a = torch.load(tmp_path / f"ref-rank{rank}.pt", weights_only=False)
+        b = torch.load(tmp_path / f"split-rank{rank}.pt", weights_only=False)
+        assert a["step"] == b["step"] == 10
+        assert_bitwise_equal(a, b, f"rank{rank}")
+    manifest = (run / "checkpoints" / "checkpoint-9" / "manifest.json").read_text()
+    assert "rng-rank1.safetensors" in manifest and '"world_size": 2' in manifest
+
+
+def test_ddp_kill_of_one_rank_resumes_bitwise(tmp_path):
+    _kill_one_rank_and_compare(tmp_path)
+
+
+def test_fsdp_kill_of_one_rank_resumes_bitwise(tmp_path):
+    why = _fsdp_available()
+    if why:
+        print(f"skipping FSDP: {why}")
+        pytest.skip(why)
+    _kill_one_rank_and_compare(tmp_path, "--fsdp")
+    files = sorted(p.name for p in (tmp_path / "split" / "checkpoints" / "checkpoint-9" / "dcp")
+                   .iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_hung_rank_is_detected_and_the_group_relaunched(tmp_path):
+    run = tmp_path / "run"
+    # Rank 1 sleeps forever in step 4; rank 0 waits for it in a collective.
+    r = rtrain(run, str(tmp_path / "out"), "6", extra_env={"RTRAIN_FAULTS": "hang@step=4,rank=1"},
+               launch_args=("--hang-timeout", "8"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    (cls,) = events(run, "classification")
+    assert cls["failure"] == "hang", cls
+    assert len(events(run, "launch")) == 2
+    assert events(run, "finished")
+
+
+def test_save_interrupted_on_one_rank_never_commits(tmp_path):
+    run = tmp_path / "run"
+    # Rank 1 is SIGKILLed after writing its first file of the step-6 checkpoint.
+    r = rtrain(run, str(tmp_path / "out"), "7",
+               extra_env={"RTRAIN_FAULTS": "kill_in_save@step=6,rank=1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    launches = events(run, "launch")
+    assert len(launches) == 2
+    # checkpoint-6 never committed in attempt 0: the relaunch resumed from checkpoint-3.
+    assert launches[1]["resume_from"].endswith("checkpoint-3")
+    ckpts = run / "checkpoints"
+    assert (ckpts / "checkpoint-6" / "manifest.json").exists()  # written again by attempt 1

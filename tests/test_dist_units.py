@@ -1,0 +1,95 @@
+"""The pieces of distributed support that need no second process: the torchrun argv the CLI
+builds, the world-size rule on restore, and which rank names a failure."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from supervisor import cli
+from supervisor.classify import classify
+from supervisor.errors import StateMismatch
+from supervisor.failures import Evidence
+
+
+@pytest.fixture
+def launched(monkeypatch, tmp_path):
+    seen = {}
+    import supervisor.launch as launch_mod
+
+    def fake(spec, seams=None):
+        seen["argv"] = spec.command
+        return 0
+
+    monkeypatch.setattr(launch_mod, "launch", fake)
+    monkeypatch.chdir(tmp_path)
+    return seen
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli.app, ["launch", *args])
+
+
+def test_nproc_per_node_runs_the_script_under_torchrun(launched):
+    r = invoke("--nproc-per-node", "2", "train.py", "--lr", "0.1")
+    assert r.exit_code == 0, r.output
+    assert launched["argv"] == [sys.executable, "-m", "torch.distributed.run",
+                                "--nproc-per-node=2", "--max-restarts=0", "--standalone",
+                                "train.py", "--lr", "0.1"]
+
+
+def test_several_nodes_name_the_rendezvous(launched):
+    r = invoke("--nproc-per-node", "8", "--nnodes", "2", "--rdzv-endpoint", "h0:29400",
+               "-m", "pkg.train")
+    assert r.exit_code == 0, r.output
+    assert launched["argv"][3:] == ["--nproc-per-node=8", "--max-restarts=0", "--nnodes=2",
+                                    "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400",
+                                    "--rdzv-id=rtrain-{attempt}", "-m", "pkg.train"]
+
+
+def test_several_nodes_without_endpoint_is_refused(launched):
+    r = invoke("--nproc-per-node", "8", "--nnodes", "2", "train.py")
+    assert r.exit_code != 0 and "--rdzv-endpoint" in r.output
+
+
+def test_own_torchrun_command_after_double_dash_runs_as_is(launched):
+    torchrun = sys.executable  # any executable path stands in for torchrun here
+    r = invoke("--", torchrun, "--nproc-per-node=2", "train.py", "--resume")
+    assert r.exit_code == 0, r.output
+    assert launched["argv"] == [torchrun, "--nproc-per-node=2", "train.py", "--resume"]
+
+
+def test_world_size_rule():
+    pytest.importorskip("torch")
+    from worker.dist import World
+    from worker.dist_ckpt import check_world
+
+    sharded = {"world_size": 4, "layout": "sharded"}
+    assert check_world(sharded, World(0, 2), True, False, "checkpoint-9") == "sharded"
+    replicated = {"world_size": 2, "layout": "replicated"}
+    assert check_world(replicated, World(1, 2), False, False, "checkpoint-9") == "replicated"
+    with pytest.raises(StateMismatch, match="saved by world size 2, this run has world size 4"):
+        check_world(replicated, World(0, 4), False, False, "checkpoint-9")
+    assert check_world(replicated, World(0, 4), False, True, "checkpoint-9") == "replicated"
+    with pytest.raises(StateMismatch, match=r"world size 2.*world size 4"):
+        check_world(replicated, World(0, 4), True, False, "checkpoint-9")
+
+
+def test_earliest_failing_rank_names_the_attempt():
+    ev = Evidence(returncode=1, exit_records=[
+        {"kind": "crash", "reason": "gloo: connection closed by peer", "rank": 0, "time": 12.0},
+        {"kind": "crash", "reason": "ValueError: bad batch", "rank": 1, "time": 10.0}])
+    f = classify(ev)
+    assert f.reason.startswith("rank 1: ValueError: bad batch (failed first")
+
+
+def test_torchrun_root_cause_names_a_rank_without_exit_record():
+    tail = ("[rank0]: RuntimeError: Connection closed by peer\n"
+            "Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-30_03:08:34\n"
+            "  host      : localhost\n  rank      : 1 (local_rank: 1)\n"
+            "  exitcode  : -9 (pid: 8026)  (SIGKILL)\n  error_file: <N/A>\n"
+            "  traceback : Signal 9 (SIGKILL) received by PID 8026\n" + "=" * 60 + "\n")
+    f = classify(Evidence(returncode=1, stderr_tail=tail, first_step_seen=True, last_step=20))
+    assert "rank 1 failed first: Signal 9 (SIGKILL) received by PID 8026" in f.reason

@@ -1,0 +1,253 @@
+"""Checkpoints written by several ranks, under the one commit protocol (contract 3).
+
+    rank 0: make the temp dir ──broadcast name──▶ every rank writes its part into it
+    every rank: all_ok(wrote my part)  (MIN all-reduce: also the barrier)
+    every rank: its files' sizes and hashes ──gather──▶ rank 0
+    rank 0: list every file (hash any nobody reported), manifest, rename ──broadcast──▶ all
+
+Layout inside one checkpoint-<step>/ (see docs/design.md, "Distributed checkpoints"):
+
+    manifest.json, state.json        rank 0 (replicated: step, sampler, scheduler, optimizer meta)
+    model/optimizer/extra.safetensors rank 0 (replicated state; empty when the model is sharded)
+    rng-rank<R>.safetensors          rank R (its torch/CUDA RNG; python/numpy RNG in metadata)
+    dcp/.metadata, dcp/__<R>_<n>.distcp  sharded state, torch.distributed.checkpoint (DCP)
+
+A rank that fails or dies before the all-reduce leaves the temp dir uncommitted: rank 0 commits
+only when every rank said it wrote its part.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from supervisor.ckpt.commit import PendingCheckpoint, fsync_dir
+from supervisor.ckpt.hashing import hash_file
+from supervisor.ckpt.layout import MANIFEST
+from supervisor.errors import CheckpointError, StateMismatch
+from worker import dist, faults
+from worker.tensors import to_blob
+
+if TYPE_CHECKING:
+    from worker.checkpointer import Checkpointer, _Capture
+
+log = logging.getLogger(__name__)
+
+DCP_DIR = "dcp"
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EROFS}
+
+
+def rng_stem(rank: int) -> str:
+    return f"rng-rank{rank}"
+
+
+def _storage_error(e: BaseException | None) -> bool:
+    return isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS
+
+
+# ---------------------------------------------------------------- save
+
+
+def sharded_state(model: torch.nn.Module | None, optimizer: Any) -> dict[str, Any]:
+    """The state DCP writes: FQN-keyed model (and optimizer) state, DTensors left sharded."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if model is None:
+        raise ValueError("sharded checkpoints need the model (pass model=...)")
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def write(ck: Checkpointer, cap: _Capture) -> Path | None:
+    """Write this rank's part of `cap`; rank 0 commits. Collective: every rank calls it at the
+    same step. Returns the committed path, or None when the save was skipped (no space, a
+    storage error on some rank)."""
+    w = cap.world
+    assert w is not None
+    pending, name = None, None
+    if w.leader:
+        try:
+            need = cap.nbytes * (w.size if cap.sharded is not None else 1)
+            if ck._make_room(need):
+                pending = PendingCheckpoint(ck.ckpt_dir, cap.step, fsync=ck.fsync)
+                name = pending.tmp.name
+        except OSError as e:
+            if not _storage_error(e):
+                raise
+            log.warning("checkpoint at step %d not saved (%s)", cap.step, os.strerror(e.errno))
+    name = dist.broadcast(name)
+    if name is None:
+        ck.skipped_saves += 1
+        return None
+    if pending is None:
+        pending = PendingCheckpoint.adopt(ck.ckpt_dir, cap.step, ck.ckpt_dir / name,
+                                          fsync=ck.fsync)
+    error: BaseException | None = None
+    try:
+        _write_part(pending, cap, ck.fsync)
+    except BaseException as e:  # every rank learns of it below; re-raised there
+        error = e
+    try:
+        ok = dist.all_ok(error is None)
+    except BaseException:
+        # A rank died mid-save: the collective fails, and nothing commits.
+        if w.leader:
+            pending.abort()
+        raise
+    if not ok:
+        if w.leader:
+            pending.abort()
+        if error is not None and not _storage_error(error):
+            raise error
+        ck.skipped_saves += 1
+        log.warning("checkpoint at step %d not committed: %s; earlier checkpoints are intact, "
+                    "training goes on", cap.step,
+                    error if error is not None else "another rank could not write its part")
+        return None
+    parts = dist.gather((pending.files, pending.tensors))
+    committed = None
+    if w.leader:
+        assert parts is not None
+        try:
+            committed = _commit(ck, pending, cap, parts)
+        except OSError as e:
+            pending.abort()
+            if not _storage_error(e):
+                raise
+            log.warning("checkpoint at step %d not committed (%s)", cap.step,
+                        os.strerror(e.errno))
+    committed = dist.broadcast(committed)  # no rank goes on before the commit
+    if committed is None:
+        ck.skipped_saves += 1
+        return None
+    return ck.ckpt_dir / committed
+
+
+def _write_part(pending: PendingCheckpoint, cap: _Capture, fsync: bool) -> None:
+    w = cap.world
+    assert w is not None
+    for stem, ts in cap.tensors.items():
+        meta = {"rng": json.dumps(cap.rank_rng)} if stem == rng_stem(w.rank) else None
+        pending.write_tensors(f"{stem}.safetensors", [to_blob(n, t) for n, t in ts.items()],
+                              metadata=meta)
+        faults.on_save_write(cap.step)
+    if w.leader:
+        pending.write_bytes("state.json", json.dumps(cap.state_json).encode())
+    if cap.sharded is None:
+        return
+    import torch.distributed.checkpoint as dcp
+
+    out = pending.tmp / DCP_DIR
+    dcp.save(cap.sharded, storage_writer=dcp.FileSystemWriter(out, sync_files=fsync),
+             process_group=dist.group())
+    faults.on_save_write(cap.step)
+    # Each rank hashes its own shards (in parallel); rank 0 also the global .metadata.
+    mine = sorted(out.glob(f"__{w.rank}_*.distcp"))
+    if w.leader:
+        mine += [out / ".metadata"]
+    for f in mine:
+        pending.add_file(f"{DCP_DIR}/{f.name}", f.stat().st_size, hash_file(f))
+
+
+def _commit(ck: Checkpointer, pending: PendingCheckpoint, cap: _Capture,
+            parts: list[Any]) -> str:
+    for files, tensors in parts[1:]:
+        for n, entry in files.items():
+            pending.add_file(n, entry["size"], entry["hash"], tensors.get(n))
+    # The manifest covers every file in the temp dir, whoever wrote it.
+    for root, _, names in os.walk(pending.tmp):
+        for n in names:
+            rel = os.path.relpath(os.path.join(root, n), pending.tmp)
+            if rel != MANIFEST and rel not in pending.files:
+                p = Path(root) / n
+                pending.add_file(rel, p.stat().st_size, hash_file(p))
+    if ck.fsync and (pending.tmp / DCP_DIR).is_dir():
+        fsync_dir(pending.tmp / DCP_DIR)
+    return pending.commit(cap.fields, ck.key).name
+
+
+# ---------------------------------------------------------------- restore
+
+
+def agree(pick: Callable[[], Any], w: dist.World) -> tuple[Path, dict[str, Any]] | None:
+    """Rank 0 picks and verifies a checkpoint; every rank gets (path, manifest) or None."""
+    payload: tuple[str, Any] = ("ok", None)
+    error: BaseException | None = None
+    if w.leader:
+        try:
+            v = pick()
+            payload = ("ok", None if v is None else (str(v.path), v.manifest))
+        except Exception as e:  # every rank must hear of it, or the others wait forever
+            error, payload = e, ("error", str(e))
+    kind, value = dist.broadcast(payload)
+    if error is not None:
+        raise error
+    if kind == "error":
+        raise CheckpointError(f"rank 0 could not pick a checkpoint: {value}")
+    return None if value is None else (Path(value[0]), value[1])
+
+
+def check_world(info: dict[str, Any], w: dist.World | None, sharded_now: bool,
+                allow_resize: bool, name: str) -> str:
+    """The layout to load ("sharded" or "replicated"), or StateMismatch naming both sizes."""
+    saved_size = int(info.get("world_size", 1))
+    saved_layout = info.get("layout", "single")
+    size = w.size if w is not None else 1
+    if saved_layout == "sharded":
+        return "sharded"  # DCP reshards onto any world size
+    if sharded_now:
+        raise StateMismatch(
+            f"{name} holds unsharded state saved by world size {saved_size}, but this run "
+            f"shards its model (FSDP/DTensor) over world size {size}: sharded models resume only "
+            "from sharded (DCP) checkpoints; resume it unsharded and save once to convert")
+    if saved_size != size and not allow_resize:
+        raise StateMismatch(
+            f"{name} was saved by world size {saved_size}, this run has world size {size}: a "
+            "replicated checkpoint holds one RNG state per rank and resumes exactly only at the "
+            f"same size; run {saved_size} processes, or pass allow_resize=True to load the "
+            "model and optimizer anyway (not bitwise exact)")
+    return "replicated"
+
+
+def load_rank_rng(path: Path, m: dict[str, Any], st: dict[str, Any],
+                  extra: dict[str, torch.Tensor], rank: int, distributed: bool
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """This rank's RNG state: its rng-rank<R> file, else (rank 0) the single-process one."""
+    name = f"{rng_stem(rank)}.safetensors"
+    if name in m["files"]:
+        from safetensors import safe_open
+
+        with safe_open(str(path / name), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+            plain = json.loads((f.metadata() or {})["rng"])
+        return tensors, plain
+    if "rng" in st and "rng/torch_cpu" in extra and rank == 0:
+        return extra, st["rng"]
+    log.warning("%s holds no RNG state for rank %d: this rank keeps its own, so the resume is "
+                "not bitwise exact", path.name, rank)
+    return None
+
+
+def load_sharded(path: Path, model: torch.nn.Module | None, optimizer: Any) -> None:
+    """Load DCP state into the model (and optimizer), resharding onto this world."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    sd = sharded_state(model, optimizer)
+    group = dist.group() if dist.world() is not None else None
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path / DCP_DIR), process_group=group)
+    assert model is not None
+    if optimizer is None:
+        set_model_state_dict(model, sd["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=sd["model"],
+                       optim_state_dict=sd["optim"])
