@@ -16,6 +16,24 @@ def job_id(env: Mapping[str, str]) -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
+def job_info(env: Mapping[str, str] | None = None) -> dict[str, object] | None:
+    """The Slurm job we run in, for the `launch` event; None outside Slurm.
+
+    `restart_count` is SLURM_RESTART_COUNT (0 in the first run, +1 per requeue); `array` is
+    `<array job>_<task>` for an array task, else None.
+    """
+    env = os.environ if env is None else env
+    jid = env.get("SLURM_JOB_ID")
+    if not jid:
+        return None
+    try:
+        restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        restarts = 0
+    array = job_id(env) if env.get("SLURM_ARRAY_TASK_ID") else None
+    return {"job_id": jid, "restart_count": restarts, "array": array}
+
+
 def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> tuple[bool, str]:
     """Ask Slurm to requeue this job. Returns (done, what happened), never raises."""
     env = os.environ if env is None else env
