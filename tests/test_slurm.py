@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor import slurm
 from supervisor.events import read_events
 from supervisor.runstate import load_state
 
@@ -37,8 +38,6 @@ TRAIN_ARGS = ["--set", "steps=300", "--set", "batch_size=8", "--set", "resolutio
               "--set", "log_every=1", "--set", "save_every=100000", "-q"]
 STEPS = 300
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(sys.platform != "linux", reason="Slurm test needs Linux")]
 
 
 def _cluster(action: str, timeout: float) -> subprocess.CompletedProcess:
@@ -100,6 +99,18 @@ def _wait(what: str, ready: Callable[[], bool], timeout: float,
     return time.monotonic() - t0
 
 
+def test_job_info_names_the_job_and_its_restart_count():
+    assert slurm.job_info({}) is None
+    assert slurm.job_info({"SLURM_JOB_ID": "42"}) == {"job_id": "42", "restart_count": 0,
+                                                      "array": None}
+    array_task = {"SLURM_JOB_ID": "43", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3",
+                  "SLURM_RESTART_COUNT": "2"}
+    assert slurm.job_info(array_task) == {"job_id": "43", "restart_count": 2, "array": "40_3"}
+    assert slurm.job_id(array_task) == "40_3"  # what `scontrol requeue` is given
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the Slurm test needs Linux")
 def test_preempted_job_requeues_and_resumes_with_zero_lost_steps(slurm_cluster, tmp_path):
     run, logs, bin_dir = tmp_path / "run", tmp_path / "logs", tmp_path / "bin"
     logs.mkdir()

@@ -55,6 +55,7 @@ write_config() {
   local host cpus mem
   host=$(hostname -s)
   cpus=$(nproc)
+  # Addresses are given as 127.0.0.1 so that nothing depends on this host name resolving.
   # Leave 10% (at least 512 MiB) to the system: slurmd refuses a node that has less memory than
   # RealMemory says.
   mem=$(awk '/^MemTotal:/ {m = int($2 / 1024); r = int(m / 10); if (r < 512) r = 512;
@@ -67,7 +68,7 @@ write_config() {
   cat >"$tmp" <<CONF
 $MARKER
 ClusterName=local
-SlurmctldHost=$host
+SlurmctldHost=$host(127.0.0.1)
 AuthType=auth/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -83,7 +84,7 @@ SlurmdLogFile=$LOG_DIR/slurmd.log
 ReturnToService=2
 JobRequeue=1
 MpiDefault=none
-NodeName=$host CPUs=$cpus RealMemory=$mem State=UNKNOWN
+NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 CONF
   mv "$tmp" "$CONF"
