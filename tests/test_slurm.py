@@ -109,35 +109,70 @@ def test_job_info_names_the_job_and_its_restart_count():
     assert slurm.job_id(array_task) == "40_3"  # what `scontrol requeue` is given
 
 
+@pytest.mark.parametrize(("state", "requeued"), [("RUNNING", True), ("COMPLETING", False)])
+def test_requeue_only_a_job_slurm_is_not_already_ending(tmp_path, monkeypatch, state, requeued):
+    calls = tmp_path / "calls"
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!/bin/sh\necho \"$*\" >> {shlex.quote(str(calls))}\n"
+                    f"[ \"$1\" = show ] && echo 'JobId=7 JobName=x JobState={state} Reason=None'\n"
+                    "exit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    done, what = slurm.requeue({"SLURM_JOB_ID": "7"})
+    assert done is requeued, what
+    assert ("requeue 7" in calls.read_text().splitlines()) is requeued
+    if not requeued:
+        assert "JobState=COMPLETING" in what and "not requeueing" in what
+
+
+class Job:
+    """`scripts/slurm/train.sbatch` submitted as a user would, its run dir under `tmp`."""
+
+    def __init__(self, tmp: Path, *train_args: str) -> None:
+        self.run, logs, bin_dir = tmp / "run", tmp / "logs", tmp / "bin"
+        logs.mkdir()
+        bin_dir.mkdir()
+        # `rtrain` on the job's PATH, as after `pip install`: this checkout, this interpreter.
+        wrapper = bin_dir / "rtrain"
+        wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(ROOT))} "
+                           f"exec {shlex.quote(sys.executable)} -m supervisor \"$@\"\n")
+        wrapper.chmod(0o755)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")
+               and (not k.startswith("SLURM_") or k == "SLURM_CONF")}
+        env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", RUN_DIR=str(self.run))
+        r = subprocess.run(["sbatch", "--parsable", "--job-name=rtrain-test", "--time=00:10:00",
+                            f"--output={logs}/slurm-%j.log", f"--chdir={ROOT}", str(SBATCH),
+                            *train_args], env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, f"sbatch failed: {r.stderr}"
+        self.id = r.stdout.strip().split(";")[0]
+        self.log = logs / f"slurm-{self.id}.log"
+
+    def stdout(self, attempt: int) -> Path:
+        return self.run / "attempts" / str(attempt) / "stdout.log"
+
+    def state(self) -> str | None:
+        return _job_field(self.id, "JobState")
+
+    def wait(self, what: str, ready: Callable[[], bool], timeout: float) -> float:
+        return _wait(what, ready, timeout, self.diagnose)
+
+    def diagnose(self) -> str:
+        parts = [f"job {self.id}: {_slurm('scontrol', 'show', 'job', self.id, check=False).stdout}"]
+        for p in (self.log, self.run / "events.jsonl", self.stdout(0), self.stdout(1)):
+            tail = p.read_text()[-3000:] if p.exists() else "(missing)"
+            parts.append(f"--- {p}:\n{tail}")
+        return "\n".join(parts)
+
+    def cancel(self) -> None:
+        _slurm("scancel", self.id, check=False)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="the Slurm test needs Linux")
 def test_preempted_job_requeues_and_resumes_with_zero_lost_steps(slurm_cluster, tmp_path):
-    run, logs, bin_dir = tmp_path / "run", tmp_path / "logs", tmp_path / "bin"
-    logs.mkdir()
-    bin_dir.mkdir()
-    # `rtrain` on the job's PATH, as after `pip install`: this checkout, this interpreter.
-    wrapper = bin_dir / "rtrain"
-    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(ROOT))} "
-                       f"exec {shlex.quote(sys.executable)} -m supervisor \"$@\"\n")
-    wrapper.chmod(0o755)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RTRAIN_") and (not k.startswith("SLURM_") or k == "SLURM_CONF")}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", RUN_DIR=str(run))
-    r = subprocess.run(["sbatch", "--parsable", "--job-name=rtrain-test", "--time=00:10:00",
-                        f"--output={logs}/slurm-%j.log", f"--chdir={ROOT}", str(SBATCH),
-                        *TRAIN_ARGS], env=env, capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0, f"sbatch failed: {r.stderr}"
-    job = r.stdout.strip().split(";")[0]
-    slurm_log = logs / f"slurm-{job}.log"
-    first, second = run / "attempts" / "0" / "stdout.log", run / "attempts" / "1" / "stdout.log"
-
-    def diagnose() -> str:
-        parts = [f"job {job}: {_slurm('scontrol', 'show', 'job', job, check=False).stdout}"]
-        for p in (slurm_log, run / "events.jsonl", first, second):
-            tail = p.read_text()[-3000:] if p.exists() else "(missing)"
-            parts.append(f"--- {p.name}:\n{tail}")
-        return "\n".join(parts)
-
+    j = Job(tmp_path, *TRAIN_ARGS)
+    job, run, slurm_log, diagnose = j.id, j.run, j.log, j.diagnose
+    first, second = j.stdout(0), j.stdout(1)
     try:
         timings = {"stepping": _wait("first run stepping (step 5 in its log)",
                                      lambda: len(_steps(first)) >= 5, 90, diagnose)}
@@ -163,7 +198,7 @@ def test_preempted_job_requeues_and_resumes_with_zero_lost_steps(slurm_cluster, 
                                                         "COMPLETING"), 120, diagnose)
         timings["preempt_to_done"] = time.monotonic() - t0
     finally:
-        _slurm("scancel", job, check=False)  # a failed test leaves no job behind
+        j.cancel()  # a failed test leaves no job behind
     print(f"Slurm timings (s): {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
 
     events = _events(run)
@@ -200,3 +235,25 @@ def test_preempted_job_requeues_and_resumes_with_zero_lost_steps(slurm_cluster, 
     assert state is not None and state.status.value == "finished"
     assert _job_field(job, "JobState") in ("COMPLETED", None)  # None: Slurm already forgot it
     assert _slurm("squeue", "-h", "-j", job, check=False).stdout.strip() == ""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the Slurm test needs Linux")
+def test_cancelled_job_saves_and_is_not_requeued(slurm_cluster, tmp_path):
+    j = Job(tmp_path, *TRAIN_ARGS)
+    try:
+        j.wait("stepping (step 5 in its log)", lambda: len(_steps(j.stdout(0))) >= 5, 90)
+        _slurm("scancel", j.id)  # SIGTERM to every process of the job, as a person cancels it
+        j.wait("the job ended", lambda: j.state() not in ("PENDING", "RUNNING", "COMPLETING")
+               and any(e["kind"] == "requeue" for e in _events(j.run)), 60)
+    finally:
+        j.cancel()
+    assert j.state() in ("CANCELLED", None) and _job_field(j.id, "Restarts") in ("0", None)
+    requeue = next(e for e in _events(j.run) if e["kind"] == "requeue")
+    assert requeue["done"] is False and "not requeueing" in requeue["detail"], requeue
+    # The child got Slurm's SIGTERM (rtrain's stop signal in the batch script) and saved.
+    last = _steps(j.stdout(0))[-1]
+    exit_event = next(e for e in _events(j.run) if e["kind"] == "exit")
+    assert exit_event["returncode"] == 75 and exit_event["last_step"] == last
+    assert (j.run / "checkpoints" / f"checkpoint-{last}").is_dir()
+    assert load_state(j.run).status.value == "preempted"
