@@ -261,7 +261,7 @@ class _Loop:
                        f"{json.dumps(settings)}")
         self.events.emit("launch", attempt=attempt, argv=argv, settings=settings,
                          level=self.state.history.level, resume_from=resume_from, pid=child.pid,
-                         ckpt_dir=str(self.ckpt_dir))
+                         ckpt_dir=str(self.ckpt_dir), **_slurm_field())
         t0 = time.monotonic()
         self._last_summary = float("-inf")  # each attempt's first step starts its curve
         tree = ProcTree(exclude=self.hooks.pids) if self.hooks is not None else None
@@ -405,6 +405,11 @@ class _Loop:
                        history)
             return protocol.EXIT_PREEMPTED
         return None
+
+
+def _slurm_field() -> dict[str, Any]:
+    info = slurm.job_info()
+    return {"slurm": info} if info else {}
 
 
 def _interrupted_wait(signals: SignalCatcher, seconds: float) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -16,6 +17,35 @@ def job_id(env: Mapping[str, str]) -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
+def job_info(env: Mapping[str, str] | None = None) -> dict[str, object] | None:
+    """The Slurm job we run in, for the `launch` event; None outside Slurm.
+
+    `restart_count` is SLURM_RESTART_COUNT (0 in the first run, +1 per requeue); `array` is
+    `<array job>_<task>` for an array task, else None.
+    """
+    env = os.environ if env is None else env
+    jid = env.get("SLURM_JOB_ID")
+    if not jid:
+        return None
+    try:
+        restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        restarts = 0
+    array = job_id(env) if env.get("SLURM_ARRAY_TASK_ID") else None
+    return {"job_id": jid, "restart_count": restarts, "array": array}
+
+
+def job_state(jid: str, *, scontrol: str = "scontrol", timeout_s: float = 30.0) -> str | None:
+    """The job's JobState (RUNNING, CANCELLED, ...) from `scontrol show job`; None if unknown."""
+    try:
+        r = subprocess.run([scontrol, "show", "job", "--oneliner", jid], capture_output=True,
+                           text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"\bJobState=(\S+)", r.stdout)
+    return m.group(1) if r.returncode == 0 and m else None
+
+
 def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> tuple[bool, str]:
     """Ask Slurm to requeue this job. Returns (done, what happened), never raises."""
     env = os.environ if env is None else env
@@ -25,6 +55,13 @@ def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> tu
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         return False, "scontrol not found on PATH: exiting 75 instead"
+    state = job_state(jid, scontrol=scontrol, timeout_s=timeout_s)
+    if state not in (None, "RUNNING"):
+        # Slurm is ending the job itself (COMPLETING): `scancel JOB`, the time limit reached
+        # without the --signal warning, or a preemption it handles. Its SIGTERM looks like our
+        # warning signal, but requeueing would bring back a job a person just cancelled.
+        return False, (f"Slurm is already ending job {jid} (JobState={state}: scancel, time "
+                       "limit or preemption): not requeueing it, exiting 75")
     try:
         r = subprocess.run([scontrol, "requeue", jid], capture_output=True, text=True,
                            timeout=timeout_s)
