@@ -202,6 +202,9 @@ def check(path: str | os.PathLike, *, full: bool, dir_step: int | None = None) -
     others = sorted(n for n in names if n.endswith((".pt", ".pth")) or n == "training_args.bin")
     for name in others:
         _check_torch(root, name, report, full)
+    for name in sorted(n for n in names if n.endswith(".json")
+                       and n not in (TRAINER_STATE, SAFE_INDEX, BIN_INDEX)):
+        _load_json(root, name, report)  # config.json and the like: parseable
     if not has_opt:
         report.info["note"] = "model only (no optimizer.pt): optimizer state starts fresh"
     return report

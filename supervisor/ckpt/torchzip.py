@@ -62,6 +62,9 @@ def check(path: str | os.PathLike, *, full: bool) -> str:
 
 def _check_bounds(f, info: zipfile.ZipInfo, size: int) -> None:
     """The member's local header is where the central directory says and its data fits."""
+    if not 0 <= info.header_offset < size:
+        raise TorchFileError(f"member {info.filename!r}: header offset {info.header_offset} "
+                             f"outside the file (bytes cut or moved)")
     f.seek(info.header_offset)
     raw = f.read(_LOCAL_HEADER.size)
     if len(raw) < _LOCAL_HEADER.size:
