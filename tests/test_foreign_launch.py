@@ -74,7 +74,7 @@ def test_resume_arg_only_when_a_checkpoint_was_chosen(tmp_path):
     (skip,) = [e for e in events(tmp_path / "run", "skipped_checkpoint")
                if name_of(e["path"]) == "step_8.pt"]
     assert "data.pkl'" in skip["reason"] and "CRC-32" in skip["reason"]
-    out = json.loads((tmp_path / "run" / "attempts" / "1" / "stdout.log").read_text())
+    out = json.loads((tmp_path / "run" / "attempts" / "0" / "stdout.log").read_text())
     assert out["from"] == chosen
 
 
