@@ -126,7 +126,7 @@ def test_hugging_face_trainer_killed_and_oom_resumes_and_finishes(tmp_path):
     assert [name_of(e["resume_from"]) for e in launches] == [None, "checkpoint-4",
                                                              "checkpoint-8"]
     state = json.loads((out / "checkpoint-16" / "trainer_state.json").read_text())
-    assert state["global_step"] == 16 and state["train_batch_size"] == 2
+    assert state["global_step"] == 16
     # global_step continued across attempts: every step logged once, in order.
     assert [e["step"] for e in state["log_history"] if "loss" in e] == list(range(1, 17))
     r = subprocess.run([sys.executable, "-m", "supervisor", "inspect", str(out), "--verify",

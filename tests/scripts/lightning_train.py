@@ -48,7 +48,6 @@ class Model(pl.LightningModule):
 class Faults(pl.Callback):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.first = None
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         a = self.args
@@ -57,11 +56,12 @@ class Faults(pl.Callback):
                   f"(batch {a.batch_size}; injected)", file=sys.stderr, flush=True)
             os._exit(1)
 
+    def on_train_start(self, trainer, module):
+        # The checkpoint is restored by now: the next optimizer step is global_step + 1.
+        print(f"first step {trainer.global_step + 1} batch {self.args.batch_size} "
+              f"accum {self.args.accumulate_grad_batches}", flush=True)
+
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if self.first is None:
-            self.first = trainer.global_step
-            print(f"first step {trainer.global_step} batch {self.args.batch_size} "
-                  f"accum {self.args.accumulate_grad_batches}", flush=True)
         marker = os.path.join(self.args.ckpt_dir, ".killed")
         if trainer.global_step == self.args.kill_at and not os.path.exists(marker):
             open(marker, "w").close()
