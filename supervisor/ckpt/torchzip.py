@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import os
 import struct
-import zipfile
 import zlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import zipfile
 
 _CHUNK = 8 << 20
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zipfile's structFileHeader
@@ -31,6 +34,8 @@ class TorchFileError(ValueError):
 def check(path: str | os.PathLike, *, full: bool) -> str:
     """Raise `TorchFileError` with the reason if `path` is damaged; else return a note ("" or
     why there was nothing to check)."""
+    import zipfile  # here, not at the top: `rtrain inspect` over rtrain's own format never needs it
+
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
@@ -81,6 +86,8 @@ def _check_bounds(f, info: zipfile.ZipInfo, size: int) -> None:
 
 
 def _check_crc(f, info: zipfile.ZipInfo) -> None:
+    import zipfile
+
     if info.compress_type != zipfile.ZIP_STORED:
         # torch never compresses; a compressed member goes through zipfile, which checks CRCs.
         with zipfile.ZipFile(f) as zf, zf.open(info) as member:
