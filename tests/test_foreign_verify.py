@@ -201,6 +201,15 @@ def test_model_only_save_passes_with_a_note(tmp_path):
     assert v.ok and "optimizer state starts fresh" in v.info["note"]
 
 
+def test_deepspeed_layout_is_not_rejected_for_its_weights(tmp_path):
+    d = hf_checkpoint(tmp_path, 4)
+    (d / "model.safetensors").unlink()
+    (d / "optimizer.pt").unlink()  # inside global_step4/; scheduler.pt stays beside it
+    (d / "global_step4").mkdir()
+    v = foreign.verify_path(d, "full")
+    assert v.ok and v.info["note"] == "weights in global_step4/: not checked"
+
+
 def test_rtrain_and_trainer_dirs_side_by_side(tmp_path, make_ckpt):
     make_ckpt(tmp_path, 4)
     hf_checkpoint(tmp_path, 8)

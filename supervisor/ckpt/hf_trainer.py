@@ -139,6 +139,14 @@ def _check_index(root: Path, index_name: str, report: Report, full: bool) -> Non
             _check_torch(root, shard, report, full)
 
 
+def _engine_dirs(root: Path) -> list[str]:
+    try:
+        return sorted(e.name for e in os.scandir(root) if e.is_dir()
+                      and (e.name.startswith("global_step") or "fsdp" in e.name))
+    except OSError:
+        return []
+
+
 def _check_weights(root: Path, names: set[str], report: Report, full: bool) -> None:
     if SAFE_INDEX in names:
         _check_index(root, SAFE_INDEX, report, full)
@@ -146,7 +154,11 @@ def _check_weights(root: Path, names: set[str], report: Report, full: bool) -> N
         _check_index(root, BIN_INDEX, report, full)
     else:
         found = [n for n in (*SAFE_WEIGHTS, *BIN_WEIGHTS) if n in names]
-        if not found:
+        if not found and _engine_dirs(root):
+            # DeepSpeed (global_step*/) and FSDP (*fsdp*/) keep weights in their own layout,
+            # which rtrain does not read: pass with a note rather than reject a sound save.
+            report.info["note"] = f"weights in {', '.join(_engine_dirs(root))}/: not checked"
+        elif not found:
             report.fail("no model weights (model.safetensors, a sharded index, "
                         "pytorch_model.bin or adapter_model.*)")
         for name in found:
@@ -194,7 +206,7 @@ def check(path: str | os.PathLike, *, full: bool, dir_step: int | None = None) -
     _read_state(root, report, dir_step)
     _check_weights(root, names, report, full)
     has_opt, has_sched = "optimizer.pt" in names, "scheduler.pt" in names
-    if has_opt != has_sched:
+    if has_opt != has_sched and not _engine_dirs(root):  # DeepSpeed keeps its optimizer inside
         # Both or neither (save_only_model): one alone is a save cut short or a file removed.
         missing = "scheduler.pt" if has_opt else "optimizer.pt"
         report.files.append(FileResult(missing, None, "missing"))
@@ -205,6 +217,6 @@ def check(path: str | os.PathLike, *, full: bool, dir_step: int | None = None) -
     for name in sorted(n for n in names if n.endswith(".json")
                        and n not in (TRAINER_STATE, SAFE_INDEX, BIN_INDEX)):
         _load_json(root, name, report)  # config.json and the like: parseable
-    if not has_opt:
+    if not has_opt and not _engine_dirs(root):
         report.info["note"] = "model only (no optimizer.pt): optimizer state starts fresh"
     return report
