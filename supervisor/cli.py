@@ -168,6 +168,10 @@ def launch(
         "--resume", metavar="auto|never|PATH",
         help="auto: newest verified checkpoint (default); never: start fresh; PATH: this one.")
     ] = None,
+    resume_arg: Annotated[list[str] | None, typer.Option(
+        "--resume-arg", metavar="TEMPLATE",
+        help="Arguments appended (shell-split) only when resuming, e.g. "
+             "\"--resume_from_checkpoint {checkpoint}\" (repeatable).")] = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", metavar="DIR",
                                                  help="Run directory (default rtrain-run).")
                        ] = None,
@@ -243,7 +247,22 @@ def launch(
         else:
             command = child_command(script, module, list(ctx.args), python)
         raise typer.Exit(run_launch(LaunchSpec(command=command, config=cfg, fresh=fresh,
-                                               echo=not quiet, cwd=cwd)))
+                                               echo=not quiet, cwd=cwd,
+                                               resume_args=_split_resume_args(resume_arg))))
+
+
+def _split_resume_args(items: list[str] | None) -> tuple[str, ...]:
+    import shlex
+
+    from supervisor.errors import UsageError
+
+    out: list[str] = []
+    for item in items or []:
+        try:
+            out += shlex.split(item)
+        except ValueError as e:
+            raise UsageError(f"--resume-arg {item!r}: {e}; quote it as for a shell") from None
+    return tuple(out)
 
 
 def _parse_sets(items: list[str]) -> dict[str, Any]:

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import hashing, safetensors_io
-from supervisor.ckpt import verify as ckverify
+from supervisor.ckpt import foreign, hashing, hf_trainer, safetensors_io
 from supervisor.ckpt.layout import (
     MANIFEST,
     TMP_PREFIX,
@@ -35,7 +34,12 @@ class Entry:
     resume: bool = False
 
     def meta(self, name: str, default: Any = None) -> Any:
-        return (self.verdict.manifest or {}).get(name, default)
+        return _meta(self.verdict).get(name, default)
+
+
+def _meta(verdict: Verdict) -> dict[str, Any]:
+    # A foreign checkpoint has no manifest; what could be read of it sits in `info`.
+    return verdict.manifest or verdict.info or {}
 
 
 @dataclass
@@ -92,7 +96,7 @@ class Detail:
     tensors: dict[str, dict[str, tuple[str, list[int]]] | str] = field(default_factory=dict)
 
     def meta(self, name: str, default: Any = None) -> Any:
-        return (self.verdict.manifest or {}).get(name, default)
+        return _meta(self.verdict).get(name, default)
 
     def raise_if_failed(self) -> None:
         if not self.verdict.ok:
@@ -120,7 +124,7 @@ def dir_size(path: str | os.PathLike) -> int:
 
 def is_checkpoint_dir(path: Path) -> bool:
     """Whether `path` is one checkpoint (rather than a directory of them)."""
-    return ((path / MANIFEST).exists() or parse_step(path.name) is not None
+    return (path.is_file() or (path / MANIFEST).exists() or parse_step(path.name) is not None
             or path.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
 
 
@@ -138,7 +142,9 @@ def inspect_dir(ckpt_dir: str | os.PathLike, *, verify: Level = Level.QUICK,
     """Every committed checkpoint, newest first, and which one resume would pick at `verify`."""
     root = Path(ckpt_dir)
     _require_dir(root)
-    entries = [Entry(v, dir_size(v.path)) for v in ckverify.verify_all(root, verify, key)]
+    # Every format: rtrain's, Trainer checkpoint dirs, Lightning / torch.save files.
+    entries = [Entry(v, dir_size(v.path) if v.path.is_dir() else _file_size(v.path))
+               for v in foreign.verify_all(root, verify, key)]
     # Resume picks the newest checkpoint that verifies, as verify.select_resume does.
     pick = next((e for e in entries if e.verdict.ok), None)
     if pick is not None:
@@ -151,6 +157,13 @@ def inspect_dir(ckpt_dir: str | os.PathLike, *, verify: Level = Level.QUICK,
     ]
     leftovers.sort(key=lambda lo: lo.path.name)
     return DirReport(root, Level(verify), entries, leftovers)
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _check_file(root: Path, name: str, entry: dict[str, Any], level: Level) -> str:
@@ -221,7 +234,28 @@ def inspect_one(path: str | os.PathLike, *, verify: Level = Level.QUICK,
                 key: bytes | None = None) -> Detail:
     """One checkpoint in detail: files with sizes, hashes and their state, tensors, metadata."""
     root = Path(path)
+    if root.is_file():
+        verdict = foreign.verify_path(root, verify, key)
+        status = "ok" if verdict.ok else verdict.reason
+        return Detail(verdict, Level(verify), _file_size(root),
+                      [FileCheck(root.name, _file_size(root), None, status)])
     _require_dir(root)
-    verdict = ckverify.verify(root, verify, key)
+    verdict = foreign.verify_path(root, verify, key)
+    if verdict.format == foreign.Format.HF_TRAINER.value:
+        return _hf_detail(verdict, Level(verify))
     files = _files(verdict, Level(verify))
     return Detail(verdict, Level(verify), dir_size(root), files, _tensors(verdict, files))
+
+
+def _hf_detail(verdict: Verdict, level: Level) -> Detail:
+    """A Trainer checkpoint file by file (no hashes: it records none), tensors from headers."""
+    report = hf_trainer.check(verdict.path, full=level is Level.FULL,
+                              dir_step=parse_step(verdict.path.name))
+    files = [FileCheck(f.name, f.size, None, f.status) for f in report.files]
+    tensors: dict[str, Any] = {}
+    for f in files:
+        if f.name.endswith(".safetensors") and f.status == "ok":
+            header = safetensors_io.read_header(verdict.path / f.name)
+            tensors[f.name] = {t: (i["dtype"], i["shape"]) for t, i in header.items()
+                               if t != "__metadata__"}
+    return Detail(verdict, level, dir_size(verdict.path), files, tensors)

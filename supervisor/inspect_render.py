@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from supervisor.ckpt.verify import Verdict
 from supervisor.inspect import Detail, DirReport, Entry, Leftover
 from supervisor.statusline import human_bytes
 
@@ -52,11 +53,26 @@ def _leftover_state(lo: Leftover) -> str:
     return f"abandoned ({who} is gone): prune removes it"
 
 
+def _status(v: Verdict) -> str:
+    """The verdict, and for a foreign checkpoint its format and any note (`ok (hf-trainer)`)."""
+    if v.format == "rtrain":
+        return v.describe()
+    note = (v.info or {}).get("note")
+    return f"{v.describe()} ({v.format}{'; ' + note if note else ''})"
+
+
+def _step(v: Verdict) -> str:
+    return str(v.step) if v.step >= 0 else "-"  # a file whose name states no step
+
+
 def _row(e: Entry) -> list[str]:
     epoch = e.meta("epoch")
-    return ["*" if e.resume else "", str(e.verdict.step), "-" if epoch is None else str(epoch),
+    # A file's name says more than its step (last.ckpt beside epoch=3-step=400.ckpt).
+    label = e.verdict.path.name if e.verdict.path.suffix else ""
+    return ["*" if e.resume else "", _step(e.verdict), "-" if epoch is None else str(epoch),
             local_time(e.meta("created"), " ", offset=False), human_size(e.size),
-            pairs(e.meta("metrics")), pairs(e.meta("settings")), e.verdict.describe()]
+            pairs(e.meta("metrics")), pairs(e.meta("settings")),
+            f"{_status(e.verdict)}{'  ' + label if label else ''}"]
 
 
 def render_dir(report: DirReport) -> str:
@@ -96,13 +112,17 @@ def _tensor_lines(tensors: dict[str, Any]) -> list[str]:
 def render_one(d: Detail) -> str:
     v = d.verdict
     sig = d.meta("signature")
+    step = d.meta("step", v.step) if v.format == "rtrain" else _step(v)
     fields = [
         ("status", f"{v.status.value} (verified {d.level.value})"
                    + (f": {v.reason}" if v.reason else "")),
-        ("step", f"{d.meta('step', v.step)}   epoch {d.meta('epoch', '-')}   "
+        *([("format", v.format + (f" ({d.meta('note')})" if d.meta("note") else ""))]
+          if v.format != "rtrain" else []),
+        ("step", f"{step}   epoch {d.meta('epoch', '-')}   "
                  f"samples seen {d.meta('samples_seen', '-')}"),
         ("created", local_time(d.meta("created"))),
-        ("size", f"{human_size(d.size)} in {len(d.files)} files (+ manifest)"),
+        ("size", f"{human_size(d.size)} in {len(d.files)} files"
+                 + (" (+ manifest)" if v.format == "rtrain" else "")),
         ("fingerprint", str(d.meta("fingerprint", "-"))),
         ("signed", f"yes ({sig.get('alg')})" if isinstance(sig, dict) else "no"),
         ("metrics", pairs(d.meta("metrics"))),
@@ -126,6 +146,7 @@ def _entry_json(e: Entry) -> dict[str, Any]:
     return {
         "name": e.verdict.path.name, "path": str(e.verdict.path), "step": e.verdict.step,
         "status": e.verdict.status.value, "reason": e.verdict.reason, "resume": e.resume,
+        "format": e.verdict.format,
         "epoch": e.meta("epoch"), "samples_seen": e.meta("samples_seen"),
         "created": e.meta("created"), "time": local_time(e.meta("created")),
         "size": e.size, "metrics": e.meta("metrics", {}), "settings": e.meta("settings", {}),
@@ -146,9 +167,10 @@ def dir_json(report: DirReport) -> dict[str, Any]:
 
 def one_json(d: Detail) -> dict[str, Any]:
     v = d.verdict
-    m = v.manifest or {}
+    m = v.manifest or v.info or {}
     return {
         "name": v.path.name, "path": str(v.path), "step": v.step, "verify": d.level.value,
+        "format": v.format,
         "status": v.status.value, "reason": v.reason, "size": d.size,
         "time": local_time(m.get("created")),
         **{k: m.get(k) for k in ("epoch", "samples_seen", "created", "fingerprint",

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import protocol, slurm, templates
+from supervisor.ckpt import foreign
 from supervisor.ckpt.hashing import load_signing_key
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.ckpt.verify import Level, Selection, select_resume, verify
+from supervisor.ckpt.verify import Level, Selection
 from supervisor.classify import classify, plain_script_started
 from supervisor.config import Config
 from supervisor.errors import UsageError
@@ -59,6 +59,9 @@ class LaunchSpec:
     echo: bool = True
     """Tee the child's output to our terminal (always also to attempts/<n>/)."""
     cwd: Path = field(default_factory=Path.cwd)
+    resume_args: tuple[str, ...] = ()
+    """Appended to the child's argv, templates filled in, only when resuming from a checkpoint
+    (`--resume-arg "--resume_from_checkpoint {checkpoint}"`, shell-split)."""
 
 
 @dataclass(kw_only=True)
@@ -98,10 +101,10 @@ def launch(spec: LaunchSpec, seams: Seams | None = None) -> int:
     cfg = spec.config
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir():
-        raise UsageError(f"--resume {cfg.resume}: no such checkpoint directory")
-    templates.render(spec.command, {**cfg.settings, "checkpoint": "", "attempt": 0,
-                                    "run_dir": "", "ckpt_dir": ""})  # typos fail before any work
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        raise UsageError(f"--resume {cfg.resume}: no such checkpoint")
+    blank = {**cfg.settings, "checkpoint": "", "attempt": 0, "run_dir": "", "ckpt_dir": ""}
+    templates.render([*spec.command, *spec.resume_args], blank)  # typos fail before any work
     with RunLock(run_dir) as lock:
         loop = _Loop(spec, seams, run_dir)
         if lock.previous is not None:
@@ -203,7 +206,9 @@ class _Loop:
                 selection = self._pick(history, resume)
                 if selection is None:  # an explicit --resume PATH that does not verify
                     return 2
-                resumed_step = selection.chosen.step if selection.chosen else None
+                chosen = selection.chosen
+                # A foreign checkpoint whose name states no step has step -1: unknown.
+                resumed_step = chosen.step if chosen and chosen.step >= 0 else None
                 settings = dict(self.cfg.settings if history.settings is None
                                 else history.settings)
                 if history.launch_step is None:
@@ -224,18 +229,19 @@ class _Loop:
         if first and self.cfg.resume == "never":
             return Selection(None, [])
         if first and self.cfg.resume != "auto":
-            v = verify(self.cfg.resume, level, self.key)
+            v = foreign.verify_path(self.cfg.resume, level, self.key)
             if not v.ok:
                 raise UsageError(f"--resume {self.cfg.resume} does not verify ({v.describe()}): "
                                  "pick another checkpoint or use --resume auto")
             return Selection(v, [])
-        sel = select_resume(self.ckpt_dir, level, self.key,
-                            skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
+        # Any format: rtrain's own, a Trainer's checkpoint-N dirs, Lightning / torch.save files.
+        sel = foreign.select_resume(self.ckpt_dir, level, self.key,
+                                    skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
         for v in sel.skipped:
             self.say(f"skipping {v.path.name}: {v.describe()}")
             self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
         if resume is ResumeMode.ROLLBACK and sel.chosen is None:
-            sel = select_resume(self.ckpt_dir, level, self.key)  # nothing older: newest then
+            sel = foreign.select_resume(self.ckpt_dir, level, self.key)  # nothing older: newest
         return sel
 
     def _attempt(self, attempt: int, settings: dict[str, Any], selection: Selection,
@@ -248,6 +254,8 @@ class _Loop:
         values = {**settings, "checkpoint": resume_from or "", "attempt": attempt,
                   "run_dir": str(self.run_dir.resolve()), "ckpt_dir": str(self.ckpt_dir)}
         argv = templates.render(self.spec.command, values)
+        if chosen is not None:
+            argv += templates.render(list(self.spec.resume_args), values)
         env = self._child_env(attempt, settings, attempt_dir, resume_from)
         self.hb.drain()  # stale heartbeats of the previous attempt
         child = spawn(ChildSpec(argv=argv, env=env, cwd=self.spec.cwd, attempt_dir=attempt_dir,
@@ -362,9 +370,10 @@ class _Loop:
         return decision
 
     def _newest_step(self) -> int | None:
-        for step, path in list_checkpoints(self.ckpt_dir):
-            if verify(path, Level.QUICK, self.key).ok:
-                return step
+        for candidate in foreign.list_candidates(self.ckpt_dir):
+            v = foreign.verify_candidate(candidate, Level.QUICK, self.key)
+            if v.ok:
+                return v.step if v.step >= 0 else None
         return None
 
     def _act(self, decision: Decision, signals: SignalCatcher,

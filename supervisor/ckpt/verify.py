@@ -37,6 +37,11 @@ class Verdict:
     status: Status
     reason: str = ""
     manifest: dict[str, Any] | None = field(default=None, repr=False)
+    format: str = "rtrain"
+    """"rtrain", or a foreign format (`ckpt.foreign.Format`): "hf-trainer", "lightning", "torch"."""
+    info: dict[str, Any] | None = field(default=None, repr=False)
+    """For a foreign checkpoint: what could be read without unpickling (step, epoch, metrics,
+    created, note), shaped like the manifest's fields of the same names."""
 
     @property
     def ok(self) -> bool:

@@ -1,0 +1,178 @@
+"""Checkpoints rtrain did not write, beside its own: listing, verification, resume selection.
+
+A checkpoint directory may hold, besides rtrain's `checkpoint-<N>/` (with manifest.json):
+
+- Hugging Face Trainer dirs, also named `checkpoint-<N>/`, told apart by trainer_state.json
+  (and the other files only a Trainer writes) where rtrain's have manifest.json;
+- Lightning `.ckpt` files (`epoch=3-step=400.ckpt`, `last.ckpt`);
+- plain `torch.save` files (`*.pt`, `*.pth`, `*.bin`).
+
+Loose files count only in a directory without checkpoint dirs: a Trainer's output dir also holds
+the final `pytorch_model.bin` / `training_args.bin`, which are no place to resume from.
+
+Order, newest first: a directory by the step in its name; a file by the step in its name
+(`step=400`, `step_400`, `checkpoint-400.pt`, `ckpt400.pth`); a file without one sits just after
+the newest step-named file not newer than it on disk (so `last.ckpt` written with
+`epoch=3-step=400.ckpt` ranks above it), and among stepless files the newer mtime wins.
+
+rtrain's own checkpoints take the unchanged path (`verify.verify`); only a directory that turns
+out to have no manifest is looked at again as a Trainer dir.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.ckpt import hf_trainer, torchzip
+from supervisor.ckpt import verify as rverify
+from supervisor.ckpt.layout import MANIFEST, parse_step
+from supervisor.ckpt.verify import Level, Selection, Status, Verdict
+
+
+class Format(str, enum.Enum):
+    RTRAIN = "rtrain"
+    HF_TRAINER = "hf-trainer"
+    LIGHTNING = "lightning"
+    TORCH = "torch"
+
+
+FILE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+# Written beside checkpoints but never one to resume from.
+_NOT_CHECKPOINTS = {"training_args.bin"}
+_STEP_RES = (
+    re.compile(r"(?:^|[^a-z])step[=_-]?(\d+)", re.IGNORECASE),
+    re.compile(r"(?:^|[^a-z])(?:checkpoint|ckpt|iter|iteration)[=_-]?(\d+)", re.IGNORECASE),
+)
+
+
+def step_from_name(name: str) -> int | None:
+    """The training step a file name states (`epoch=3-step=400.ckpt` -> 400), if any."""
+    stem = name.rsplit(".", 1)[0]
+    for pattern in _STEP_RES:
+        m = pattern.search(stem)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    path: Path
+    step: int | None
+    is_dir: bool
+    order: tuple[int, int, float]  # larger is newer
+
+
+def list_candidates(ckpt_dir: str | os.PathLike) -> list[Candidate]:
+    """Every checkpoint dir and, where there are none, every checkpoint file; newest first."""
+    root = Path(ckpt_dir)
+    dirs, files = [], []
+    try:
+        entries = os.scandir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    with entries:
+        for entry in entries:
+            step = parse_step(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False):
+                dirs.append(Candidate(root / entry.name, step, True, (step, 0, 0.0)))
+            elif (entry.name.endswith(FILE_SUFFIXES) and not entry.name.startswith(".")
+                  and entry.name not in _NOT_CHECKPOINTS and entry.is_file()):
+                files.append((entry.name, step_from_name(entry.name), entry.stat().st_mtime))
+    if dirs:
+        dirs.sort(key=lambda c: c.order, reverse=True)
+        return dirs
+    stepped = sorted((mtime, step) for _, step, mtime in files if step is not None)
+    out = []
+    for name, step, mtime in files:
+        if step is not None:
+            out.append(Candidate(root / name, step, False, (step, 0, mtime)))
+        else:
+            before = [s for t, s in stepped if t <= mtime]
+            out.append(Candidate(root / name, None, False, (max(before, default=-1), 1, mtime)))
+    out.sort(key=lambda c: c.order, reverse=True)
+    return out
+
+
+def _verify_file(path: Path, level: Level, step: int | None) -> Verdict:
+    fmt = Format.LIGHTNING if path.suffix == ".ckpt" else Format.TORCH
+    info: dict = {"step": step}
+    try:
+        info["created"] = os.stat(path).st_mtime
+        note = torchzip.check(path, full=level is Level.FULL)
+    except FileNotFoundError:
+        return Verdict(path, -1 if step is None else step, Status.INCOMPLETE, "file is gone",
+                       format=fmt.value, info=info)
+    except (OSError, ValueError) as e:
+        return Verdict(path, -1 if step is None else step, Status.CORRUPT,
+                       getattr(e, "strerror", None) or str(e), format=fmt.value, info=info)
+    if note:
+        info["note"] = note
+    return Verdict(path, -1 if step is None else step, Status.OK, "", format=fmt.value,
+                   info=info)
+
+
+def _verify_hf(path: Path, level: Level) -> Verdict:
+    dir_step = parse_step(path.name)
+    report = hf_trainer.check(path, full=level is Level.FULL, dir_step=dir_step)
+    step = report.step if report.step is not None else (-1 if dir_step is None else dir_step)
+    status = (Status.OK if not report.problem
+              else Status.INCOMPLETE if report.incomplete else Status.CORRUPT)
+    return Verdict(path, step, status, report.problem, format=Format.HF_TRAINER.value,
+                   info=report.info)
+
+
+def is_hf_dir(path: Path) -> bool:
+    return not (path / MANIFEST).exists() and hf_trainer.looks_like(path)
+
+
+def verify_path(path: str | os.PathLike, level: Level | str = Level.FULL,
+                key: bytes | None = None) -> Verdict:
+    """One checkpoint of any format: a directory (rtrain's or a Trainer's) or a file."""
+    path, level = Path(path), Level(level)
+    if path.is_file():
+        return _verify_file(path, level, step_from_name(path.name))
+    verdict = rverify.verify(path, level, key)
+    if verdict.status is Status.INCOMPLETE and is_hf_dir(path):
+        return _verify_hf(path, level)
+    return verdict
+
+
+def verify_candidate(c: Candidate, level: Level | str, key: bytes | None = None) -> Verdict:
+    if c.is_dir:
+        return verify_path(c.path, level, key)
+    return _verify_file(c.path, Level(level), c.step)
+
+
+def verify_all(ckpt_dir: str | os.PathLike, level: Level | str = Level.QUICK,
+               key: bytes | None = None) -> list[Verdict]:
+    """Every checkpoint of any format, newest first."""
+    return [verify_candidate(c, level, key) for c in list_candidates(ckpt_dir)]
+
+
+def select_resume(
+    ckpt_dir: str | os.PathLike,
+    level: Level | str = Level.FULL,
+    key: bytes | None = None,
+    skip_newest: int = 0,
+    on_skip: Callable[[Verdict], None] | None = None,
+) -> Selection:
+    """`verify.select_resume` over checkpoints of every format: the newest that verifies, each
+    newer one that fails reported."""
+    skipped = []
+    for c in list_candidates(ckpt_dir):
+        v = verify_candidate(c, level, key)
+        if v.ok and skip_newest > 0:
+            skip_newest -= 1
+            continue
+        if v.ok:
+            return Selection(v, skipped)
+        skipped.append(v)
+        if on_skip:
+            on_skip(v)
+    return Selection(None, skipped)
