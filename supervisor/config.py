@@ -145,9 +145,6 @@ class HangConfig:
         if self.floor_s > self.ceiling_s:
             raise ConfigError(f"[hang] floor_s ({self.floor_s:g}) is above ceiling_s "
                               f"({self.ceiling_s:g}): lower floor_s or raise ceiling_s")
-        if self.floor_s > self.ceiling_s:
-            raise ConfigError(f"[hang] floor_s ({self.floor_s:g}) must not exceed ceiling_s "
-                              f"({self.ceiling_s:g})")
 
 
 def _check_json(where: str, value: Any) -> None:
