@@ -35,7 +35,7 @@ import datetime
 import itertools
 import json
 import random
-import shutil
+import re
 import signal
 import subprocess
 import sys
@@ -76,7 +76,8 @@ WEIGHTS = {"kill": 4, "kill_in_save": 3, "crash": 2, "oom": 1, "hang": 0.6, "non
 ENV_FAULT = {"kill_in_save", "crash", "oom", "hang", "nonfinite", "corrupt_newest"}
 EXTERNAL = {"kill", "preempt", "supervisor_kill"}
 NOT_BITWISE = {"oom", "nonfinite"}  # they change the batch split or the lr on purpose
-SETTINGS = {"steps": 100, "save_every": 4, "step_sleep": 0.01, "samples": 64}
+SETTINGS = {"steps": 100, "save_every": 4, "step_sleep": 0.01, "samples": 64, "batch_size": 8,
+            "grad_accum": 1, "lr": 0.01}
 HANG_S = 3.0
 EPISODE_LIMIT_S = 900.0
 EXPECT = {"kill": "crash", "kill_in_save": "crash", "crash": "crash", "oom": "oom_gpu",
@@ -202,7 +203,8 @@ class Driver:
 def analyse(ep: Episode, run: Path, ref: Path, ckpt_bytes: int) -> None:
     log = step_log(run)
     exits = {e["attempt"]: e for e in events(run, "exit")}
-    classes = {c["attempt"]: c for c in events(run, "classification")}
+    classes_all = events(run, "classification")
+    classes = {c["attempt"]: c for c in classes_all}
     # The kind planned for each launched process: the n-th launch of attempt a took the n-th
     # kind planned for a (rtrain SIGKILLed mid-attempt launches the same number again).
     kind_of: dict[int, str] = {}
@@ -232,8 +234,12 @@ def analyse(ep: Episode, run: Path, ref: Path, ckpt_bytes: int) -> None:
         last = max(ran.get(rec["pid"], []), default=rec["start"])
         ep.steps_lost[kind_of.get(rec["pid"], "none")] += max(0, last - nxt["start"])
     ep.bad_loads = sum(1 for r in st if r["resume_from"] and r["verified_full"] is not True)
-    corrupted = ep.injected["corrupt_newest"]
-    ep.committed_lost = max(0, len(events(run, "skipped_checkpoint")) - corrupted) * ckpt_bytes
+    # A corrupted checkpoint is skipped at every launch until it is saved again or pruned:
+    # count each failing checkpoint once, and only those no corrupt_newest fault damaged.
+    corrupted = {m for c in classes_all for m in re.findall(r"corrupting (checkpoint-\d+)",
+                                                             c["reason"])}
+    failing = {Path(s["path"]).name for s in events(run, "skipped_checkpoint")}
+    ep.committed_lost = len(failing - corrupted) * ckpt_bytes
     saves = [s for ss in ran.values() for s in ss if s % SETTINGS["save_every"] == 0]
     ep.bytes_rewritten = (len(saves) - len(set(saves))) * ckpt_bytes
     if not ep.finished:
@@ -259,13 +265,15 @@ def checkpoint_bytes(ref: Path) -> int:
     return 0
 
 
-def episode(n: int, base: Path, ref: Path, ckpt_bytes: int, rng: random.Random) -> Episode:
-    plan: list[str] = []
-    for _ in range(rng.randint(4, 10)):
-        kind = rng.choices(KINDS, [WEIGHTS[k] for k in KINDS])[0]
-        if kind == "oom" and plan.count("oom") >= 2:  # batch 8 -> 2: the ladder floor is 1
-            kind = "kill"
-        plan.append(kind)
+def episode(n: int, base: Path, ref: Path, ckpt_bytes: int, rng: random.Random,
+            plan: list[str] | None = None) -> Episode:
+    if plan is None:
+        plan = []
+        for _ in range(rng.randint(4, 10)):
+            kind = rng.choices(KINDS, [WEIGHTS[k] for k in KINDS])[0]
+            if kind == "oom" and plan.count("oom") >= 2:  # batch 8 -> 2; the floor is 1
+                kind = "kill"
+            plan.append(kind)
     ep = Episode(n, plan)
     work = base / f"episode-{n}"
     work.mkdir()
@@ -285,8 +293,6 @@ def episode(n: int, base: Path, ref: Path, ckpt_bytes: int, rng: random.Random) 
     for p in left:
         p.kill()
     analyse(ep, run, ref, ckpt_bytes)
-    if not ep.problems:
-        shutil.rmtree(work, ignore_errors=True)
     return ep
 
 
@@ -337,7 +343,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--jobs", type=int, default=1, help="episodes run side by side")
     p.add_argument("--dir", type=Path, default=None, help="work dir (default: a temp dir)")
+    p.add_argument("--plan", default=None,
+                   help="one episode with these faults in order, e.g. hang,oom,preempt")
     args = p.parse_args()
+    plan = args.plan.split(",") if args.plan else None
+    if plan and not set(plan) <= set(KINDS):
+        p.error(f"--plan: known kinds are {', '.join(KINDS)}")
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     base = args.dir or Path(tempfile.mkdtemp(prefix="rtrain-chaos-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -352,16 +363,18 @@ def main() -> int:
 
     def worker(j: int) -> None:
         rng = random.Random(seed * 1000 + j)
-        while time.monotonic() < end:
+        while time.monotonic() < end or (plan and not eps):
             with lock:
                 n = next(counter)
-            ep = episode(n, base, ref, ckpt_bytes, rng)
+            ep = episode(n, base, ref, ckpt_bytes, rng, plan)
             with lock:
                 eps.append(ep)
                 total = sum(sum(e.injected.values()) for e in eps)
             status = "ok" if ep.finished and not ep.problems else f"PROBLEMS {ep.problems}"
             print(f"episode {n}: {sum(ep.injected.values())} faults {dict(ep.injected)} in "
                   f"{ep.seconds:.0f} s: {status} (total {total})", flush=True)
+            if plan:
+                return
 
     threads = [threading.Thread(target=worker, args=(j,)) for j in range(args.jobs)]
     for t in threads:
