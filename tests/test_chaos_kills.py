@@ -30,7 +30,7 @@ from chaos_util import (
     write_config,
 )
 
-SETTINGS = {"steps": 150, "save_every": 4, "step_sleep": 0.01}
+SETTINGS = {"steps": 300, "save_every": 4, "step_sleep": 0.01}  # 20 kills well before the end
 KILLS = 20
 IN_SAVE = {2, 5, 9, 13, 17}  # attempts armed with kill_in_save; the killer leaves them alone
 

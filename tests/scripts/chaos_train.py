@@ -107,7 +107,8 @@ for step in range(start + 1, s.steps + 1):
             first = sampler.samples_seen - len(idx)
         ids += idx.tolist()
         if s.mem_mb:  # activations that grow with the micro-batch
-            torch.ones(len(idx) * s.mem_mb << 20, dtype=torch.uint8).sum()
+            activations = torch.ones(len(idx) * s.mem_mb << 20, dtype=torch.uint8)
+            del activations
         noise = 1e-3 * (random.random() + float(np.random.rand()))
         loss = nn.functional.cross_entropy(model(x + noise), y) / s.grad_accum
         loss = faults.poison_loss(loss, step)
