@@ -129,7 +129,11 @@ class Driver:
                                 cwd=self.run.parent, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         ending = None
+        # Only what this session's rtrain writes: an older launch of the same attempt number
+        # must not trigger the fault planned for this one.
         tail, steps = Tail(self.run / "events.jsonl"), Tail(self.run / "steps.jsonl")
+        for t in (tail, steps):
+            t.offset = t.path.stat().st_size if t.path.exists() else 0
         stepped: set[int] = set()
         done: set[int] = set()
         give_up_at = time.monotonic() + EPISODE_LIMIT_S
@@ -171,6 +175,8 @@ class Driver:
         while True:
             state = load_state(self.run) if (self.run / "state.json").exists() else None
             first = state.history.attempt if state else 0
+            while (self.run / "attempts" / str(first)).exists():
+                first += 1  # as rtrain numbers a launch after an rtrain that died
             items = []
             for kind in plan[idx:]:
                 items.append(kind)
