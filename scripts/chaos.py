@@ -79,6 +79,9 @@ NOT_BITWISE = {"oom", "nonfinite"}  # they change the batch split or the lr on p
 SETTINGS = {"steps": 100, "save_every": 4, "step_sleep": 0.01, "samples": 64, "batch_size": 8,
             "grad_accum": 1, "lr": 0.01}
 HANG_S = 3.0
+# A hang a few steps after a relaunch comes before the step timeout is learned: it is caught by
+# the start-up allowance ([hang] timeout_s, 30 min by default), shortened here.
+STARTUP_HANG_S = 20.0
 EPISODE_LIMIT_S = 900.0
 EXPECT = {"kill": "crash", "kill_in_save": "crash", "crash": "crash", "oom": "oom_gpu",
           "hang": "hang", "nonfinite": "nonfinite", "corrupt_newest": "crash"}
@@ -285,7 +288,7 @@ def episode(n: int, base: Path, ref: Path, ckpt_bytes: int, rng: random.Random,
     work.mkdir()
     write_config(work / "rtrain.toml", SETTINGS,
                  hang={"warmup_steps": 2, "multiple": 2.0, "floor_s": HANG_S,
-                       "ceiling_s": HANG_S})
+                       "ceiling_s": HANG_S, "timeout_s": STARTUP_HANG_S})
     run = work / "run"
     t0 = time.monotonic()
     d = Driver(ep, run, rng)
