@@ -200,6 +200,11 @@ class _Loop:
                            f"({self.state.reason}); nothing to do (pass --fresh to run it again)")
             return 0
         history = self.state.history
+        while (self.run_dir / "attempts" / str(history.attempt)).exists():
+            # An rtrain that died (SIGKILL, lost node) launched this attempt and never decided
+            # on it: this launch is a relaunch and gets the next number (contract 1), so the
+            # attempt's logs stay where they are and faults armed for it do not fire again.
+            history = replace(history, attempt=history.attempt + 1)
         resume = ResumeMode.LATEST
         with SignalCatcher() as signals:
             while True:

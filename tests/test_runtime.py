@@ -92,6 +92,7 @@ def test_step_heartbeats_are_throttled_events_are_not(receiver, monkeypatch):
     got = receiver.drain()
     assert [(h.event, h.step) for h in got] == [
         ("start", None),
+        ("step", 1),
         ("save_begin", 10),
         ("save_end", 10),
         ("step", 11),
@@ -100,6 +101,24 @@ def test_step_heartbeats_are_throttled_events_are_not(receiver, monkeypatch):
     assert last.max_step_interval == pytest.approx(0.3)
     assert last.next_save_step == 20
     assert last.samples_per_s == pytest.approx(40 / 0.39)  # samples after the first call
+
+
+def test_frequent_saves_do_not_starve_step_heartbeats(receiver, monkeypatch):
+    # A save every 0.1 s sends save_begin/save_end more often than the step throttle: the step
+    # heartbeats (which the hang timeout is learned from) must still go out every 0.2 s.
+    now = [100.0]
+    monkeypatch.setattr(runtime, "_clock", lambda: now[0])
+    runtime.install()
+    got = []
+    for step in range(1, 101):  # one second of 10 ms steps
+        now[0] += 0.01
+        runtime.heartbeat(step=step, loss=1.0)
+        if step % 10 == 0:
+            runtime.heartbeat(event="save_begin", step=step)
+            runtime.heartbeat(event="save_end", step=step)
+            got += receiver.drain()  # as the supervisor does, before the socket queue fills
+    steps = [h.step for h in got if h.event == "step"]
+    assert len(steps) >= 4, steps  # one per 0.2 s (floating-point time may drop a fifth)
 
 
 def test_dump_signal_writes_stacks_to_status_dir(receiver, tmp_path):

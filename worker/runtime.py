@@ -52,7 +52,7 @@ class _State:
         self.sock: socket.socket | None = None
         self.addr: str | bytes | None = None
         self.dump_file: Any = None  # kept open: faulthandler writes to its fd
-        self.last_send = float("-inf")
+        self.last_step_send = float("-inf")  # other events must not hold back step heartbeats
         self.steps = 0
         self.last_step_time: float | None = None
         self.max_interval: float | None = None
@@ -159,7 +159,7 @@ def heartbeat(
             s.samples_since = now
         else:
             s.samples += samples
-    if event == "step" and now - s.last_send < STEP_THROTTLE_S:
+    if event == "step" and now - s.last_step_send < STEP_THROTTLE_S:
         return
     # The rate window closes only on step heartbeats (>= 0.2 s apart): events are not steps.
     if event == "step" and s.samples_since is not None and now > s.samples_since and s.samples:
@@ -180,7 +180,8 @@ def heartbeat(
         s.sock.sendto(hb.encode(), socket.MSG_DONTWAIT, s.addr)
     except OSError:  # nobody listening, or the queue is full: a lost heartbeat is harmless
         pass
-    s.last_send = now
+    if event == "step":
+        s.last_step_send = now
 
 
 def write_exit_record(

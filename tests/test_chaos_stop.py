@@ -1,0 +1,82 @@
+"""Issue 4, suite 2 and 8: the supervisor itself is stopped (SIGTERM) or killed (SIGKILL)
+mid-run, and launching the same command again finishes the run bitwise-identical to an
+uninterrupted one."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from chaos_util import (
+    events,
+    final_state_diff,
+    launch,
+    leftovers,
+    reference,
+    replayed_steps,
+    start,
+    starts,
+    step_log,
+    wait_for_step,
+    wait_gone,
+    write_config,
+)
+from conftest import gone
+
+from supervisor.runstate import load_state
+
+SETTINGS = {"steps": 120, "save_every": 10, "step_sleep": 0.02}
+GRACE_S = 20.0
+
+
+def test_preemption_exits_75_in_the_grace_and_resumes_with_no_lost_step(tmp_path):
+    ref = reference(tmp_path, SETTINGS)
+    write_config(tmp_path / "rtrain.toml", SETTINGS, grace_s=GRACE_S)
+    run = tmp_path / "run"
+    proc = start(run)
+    wait_for_step(run, 25, proc=proc)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=GRACE_S + 30)
+    took = time.monotonic() - t0
+    assert proc.returncode == 75, err[-3000:]
+    assert took < GRACE_S, f"rtrain took {took:.1f} s to stop, the grace is {GRACE_S:g} s"
+    assert [e["name"] for e in events(run, "signal")] == ["SIGTERM"]
+    assert events(run, "exit")[0]["returncode"] == 75  # the child saved and exited 75 itself
+    assert events(run, "decision")[-1]["action"] == "exit_preempted"
+    assert load_state(run).status.value == "preempted"
+    last = max(r["step"] for r in step_log(run) if "step" in r)
+    assert last < SETTINGS["steps"], "the run ended before the stop reached it"
+
+    r = launch(run)  # the same command again
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = starts(step_log(run))[-1]
+    assert resumed["a"] == 1 and resumed["start"] == last, "resume is not at the last step run"
+    assert resumed["resume_from"].endswith(f"/checkpoint-{last}")
+    first = next(r["step"] for r in step_log(run) if r.get("a") == 1 and "step" in r)
+    assert first == last + 1
+    assert replayed_steps(step_log(run)) == 0, "steps were executed twice: work was lost"
+    assert final_state_diff(run, ref) is None
+    assert wait_gone(str(run)) == []
+
+
+def test_supervisor_sigkilled_takes_the_child_along_and_the_next_launch_resumes(tmp_path):
+    ref = reference(tmp_path, SETTINGS)
+    write_config(tmp_path / "rtrain.toml", SETTINGS)
+    run = tmp_path / "run"
+    proc = start(run)
+    wait_for_step(run, 35, proc=proc)
+    child = events(run, "launch")[0]["pid"]
+    proc.kill()
+    proc.wait(timeout=30)
+    assert gone(child, timeout=10), "the child outlived its SIGKILLed supervisor"
+    assert wait_gone(str(run)) == [], [p.cmdline() for p in leftovers(str(run))]
+    assert list((run / "checkpoints").glob("checkpoint-*")), "no checkpoint to resume from"
+
+    r = launch(run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert events(run, "lock_takeover"), "the stale lock was not reported as taken over"
+    resumed = starts(step_log(run))[-1]
+    assert resumed["a"] == 1 and resumed["start"] >= 30 and resumed["verified_full"] is True
+    assert final_state_diff(run, ref) is None
+    assert wait_gone(str(run)) == []
