@@ -84,7 +84,7 @@ def rtrain_async(model: nn.Module, d: Path, ck: worker.Checkpointer, step: int) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--dir", default="bench-out")
     args = ap.parse_args()
     for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_SIGNING_KEY"):
@@ -98,15 +98,31 @@ def main() -> None:
     ck_async = worker.Checkpointer(model=model, ckpt_dir=root / "async", keep=1,
                                    async_save=True)
     rtrain_async(model, root / "async", ck_async, 1)  # first call allocates the buffers
-    for i in range(args.repeat):
-        times["raw"].append(raw_write(model, root / "raw.bin"))
+    def run_raw(i: int) -> float:
+        t = raw_write(model, root / "raw.bin")
         (root / "raw.bin").unlink()
-        times["torch"].append(torch_save(model, root / "torch.pt"))
+        return t
+
+    def run_torch(i: int) -> float:
+        t = torch_save(model, root / "torch.pt")
         (root / "torch.pt").unlink()
+        return t
+
+    def run_sync(i: int) -> float:
         shutil.rmtree(root / "sync", ignore_errors=True)
-        times["sync"].append(rtrain_sync(model, root / "sync"))
-        times["async"].append(rtrain_async(model, root / "async", ck_async, i + 2))
+        return rtrain_sync(model, root / "sync")
+
+    methods = [("raw", run_raw), ("torch", run_torch), ("sync", run_sync),
+               ("async", lambda i: rtrain_async(model, root / "async", ck_async, i + 2))]
+    for i in range(args.repeat):
+        # Rotate the order each round: whichever runs first would otherwise always meet the
+        # previous round's deletions and write-back.
+        for name, fn in methods[i % 4:] + methods[:i % 4]:
+            os.sync()
+            times[name].append(fn(i))
     med = {k: statistics.median(v) for k, v in times.items()}
+    if os.environ.get("BENCH_VERBOSE"):
+        print({k: [round(x, 3) for x in v] for k, v in times.items()})
     ckpt = root / "sync" / "checkpoint-1"
     verify(ckpt, "full")  # warm the page cache
     vt = []
