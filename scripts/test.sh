@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # The CPU build of torch, pinned: an open range could pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check --config-settings editable_mode=compat -e '.[dev]'
 # The report test opens a page in headless Chromium (Debian's package); it skips without one.
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
