@@ -107,6 +107,12 @@ def classify(evidence: Evidence, *, memory_pressure_fraction: float = 0.9) -> Fa
         why = f"on {ev.stop_requested}" if ev.stop_requested else "on its own"
         return _failure(FailureKind.PREEMPTED,
                         f"stopped {why} after committing a checkpoint (exit 75)", ev)
+    if ev.stop_requested and ev.stop_confirmed and not ev.killed_after_grace:
+        # Under torchrun the agent's own exit status is not 75, but the ranks said they had
+        # committed their checkpoint and stopped (a `stop` heartbeat) before exiting.
+        return _failure(FailureKind.PREEMPTED,
+                        f"stopped on {ev.stop_requested} after committing a checkpoint (the "
+                        f"workers confirmed it; {how})", ev)
     if ev.stop_requested and ev.killed_after_grace:
         return _failure(FailureKind.PREEMPTED,
                         f"stop requested by {ev.stop_requested}, but the child did not save and "

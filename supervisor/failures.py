@@ -42,6 +42,7 @@ class Evidence:
     hang_detail: str = ""
     hang_at: float | None = None  # unix time the hang was detected (before stacks are dumped)
     stop_requested: str | None = None  # signal name that reached the supervisor, if any
+    stop_confirmed: bool = False  # the worker said "checkpoint committed, stopping" (heartbeat)
     killed_after_grace: bool = False
     duration_s: float = 0.0
 

@@ -340,6 +340,7 @@ class _Loop:
         ev = outcome.evidence
         hs = outcome.heartbeats
         attempt = history.attempt
+        ev.stop_confirmed = hs.last_event == "stop"
         if hs.count == 0 or hs.last_step is None:
             # No step heartbeats: a plain script, or one that died before its first step.
             ev.first_step_seen = hs.count == 0 and plain_script_started(ev)
