@@ -179,7 +179,7 @@ class _Loop:
                             updated=now)
         if old.command != self.spec.command:
             self.say(f"note: {self.run_dir} was started with a different command "
-                           f"({' '.join(old.command)}); continuing the run with this one")
+                     f"({' '.join(old.command)}); continuing the run with this one")
         history = old.history
         if old.status is RunStatus.GAVE_UP:
             # Launching a run that gave up is a person's (or cron's) explicit retry: new budgets,
@@ -197,7 +197,7 @@ class _Loop:
     def run(self) -> int:
         if self.state.status is RunStatus.FINISHED:
             self.say(f"the run in {self.run_dir} already finished "
-                           f"({self.state.reason}); nothing to do (pass --fresh to run it again)")
+                     f"({self.state.reason}); nothing to do (pass --fresh to run it again)")
             return 0
         history = self.state.history
         while (self.run_dir / "attempts" / str(history.attempt)).exists():
@@ -372,7 +372,7 @@ class _Loop:
             self.events.emit("degrade", attempt=attempt, change=decision.ladder_change,
                              level=decision.level, settings=decision.settings)
             self.say(f"degrading: {decision.ladder_change} -> settings "
-                           f"{json.dumps(decision.settings)}")
+                     f"{json.dumps(decision.settings)}")
         return decision
 
     def _newest_step(self) -> int | None:
@@ -411,7 +411,7 @@ class _Loop:
         if held:
             self.events.emit("gpu_not_released", pids=sorted(held))
             self.say(f"GPU memory still held by pids {sorted(held)} after "
-                           f"{self.cfg.gpu_release_wait_s:g} s; relaunching anyway")
+                     f"{self.cfg.gpu_release_wait_s:g} s; relaunching anyway")
         if decision.backoff_s > 0 and _interrupted_wait(signals, decision.backoff_s):
             # A stop arrived during the backoff: no child runs, the newest checkpoint stands.
             names = [signal.Signals(s).name for s in signals.take()]
