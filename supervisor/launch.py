@@ -174,6 +174,13 @@ class _Loop:
     def _load_state(self) -> RunState:
         now = self.seams.wall()
         old = load_state(self.run_dir)
+        # --resume never / PATH apply to the first launch of a new run only; a run continued
+        # (requeued, relaunched by cron) resumes from its newest checkpoint.
+        self._new_run = old is None or self.spec.fresh
+        attempts = self.run_dir / "attempts"
+        if self.spec.fresh and attempts.exists():
+            # A fresh run numbers its attempts from 0 again; the old run's logs are kept aside.
+            _move_aside(attempts, now)
         if old is None or self.spec.fresh:
             return RunState(command=self.spec.command, cwd=str(self.spec.cwd), created=now,
                             updated=now)
@@ -230,7 +237,7 @@ class _Loop:
 
     def _pick(self, history: History, resume: ResumeMode) -> Selection | None:
         level = Level(self.cfg.verify)
-        first = history.attempt == 0
+        first, self._new_run = self._new_run, False
         if first and self.cfg.resume == "never":
             return Selection(None, [])
         if first and self.cfg.resume != "auto":
@@ -255,7 +262,7 @@ class _Loop:
         resume_from = str(chosen.path.resolve()) if chosen else None
         attempt_dir = self.run_dir / "attempts" / str(attempt)
         if attempt_dir.exists():  # state.json was lost or reset: keep the old logs aside
-            attempt_dir.rename(attempt_dir.with_name(f"{attempt}.old-{int(self.seams.wall())}"))
+            _move_aside(attempt_dir, self.seams.wall())
         values = {**settings, "checkpoint": resume_from or "", "attempt": attempt,
                   "run_dir": str(self.run_dir.resolve()), "ckpt_dir": str(self.ckpt_dir)}
         argv = templates.render(self.spec.command, values)
@@ -425,6 +432,16 @@ class _Loop:
 def _slurm_field() -> dict[str, Any]:
     info = slurm.job_info()
     return {"slurm": info} if info else {}
+
+
+def _move_aside(path: Path, now: float) -> None:
+    """Rename `path` to `<name>.old-<time>[-n]`, never over an earlier one."""
+    for n in range(1000):
+        target = path.with_name(f"{path.name}.old-{int(now)}" + (f"-{n}" if n else ""))
+        if not target.exists():
+            path.rename(target)
+            return
+    raise UsageError(f"too many old copies of {path} beside it: remove some")
 
 
 def _interrupted_wait(signals: SignalCatcher, seconds: float) -> bool:
