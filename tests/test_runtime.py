@@ -151,3 +151,24 @@ def test_runtime_never_imports_torch():
     code = "import sys; import worker.runtime, supervisor.watch; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_last_throttled_step_goes_out_at_exit(receiver):
+    runtime.install()
+    for step in range(1, 41):  # far faster than the 0.2 s throttle: most are held back
+        runtime.heartbeat(step=step, loss=1.0 / step)
+    sent = [hb.step for hb in receiver.drain() if hb.event == "step"]
+    assert sent and sent[-1] < 40
+    runtime._send_held()  # what atexit runs
+    last = [hb for hb in receiver.drain() if hb.event == "step"][-1]
+    assert last.step == 40 and last.loss == pytest.approx(1 / 40)
+
+
+def test_stop_stays_the_last_word(receiver):
+    runtime.install()
+    runtime.heartbeat(step=1)
+    runtime.heartbeat(step=2)  # held by the throttle
+    runtime.heartbeat(step=2, event="stop")
+    runtime._send_held()
+    events = [hb.event for hb in receiver.drain()]
+    assert events[-1] == "stop"

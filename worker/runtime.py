@@ -13,6 +13,7 @@ on RTRAIN_DUMP_SIGNAL (default SIGUSR2); the supervisor sends it before stopping
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import logging
 import os
@@ -59,6 +60,7 @@ class _State:
         self.samples = 0.0  # since the last sent heartbeat
         self.samples_since: float | None = None
         self.rate: float | None = None
+        self.held: tuple[int | None, float | None, dict[str, Any]] | None = None  # throttled step
 
 
 _state = _State()
@@ -118,6 +120,7 @@ def install() -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
         _state.sock, _state.addr = sock, socket_address(address)
+        atexit.register(_send_held)
     heartbeat(event="start")
 
 
@@ -160,11 +163,21 @@ def heartbeat(
         else:
             s.samples += samples
     if event == "step" and now - s.last_step_send < STEP_THROTTLE_S:
+        s.held = (step, loss, fields)  # sent at exit if no later step heartbeat goes out
         return
     # The rate window closes only on step heartbeats (>= 0.2 s apart): events are not steps.
     if event == "step" and s.samples_since is not None and now > s.samples_since and s.samples:
         s.rate = s.samples / (now - s.samples_since)
         s.samples, s.samples_since = 0.0, now
+    if event == "stop":
+        s.held = None  # "stop" carries the step and must stay the last word
+    _send(event, step, loss, fields)
+    if event == "step":
+        s.last_step_send, s.held = now, None
+
+
+def _send(event: str, step: int | None, loss: float | None, fields: dict[str, Any]) -> None:
+    s = _state
     hb = Heartbeat(
         pid=os.getpid(),
         rank=rank(),
@@ -180,8 +193,15 @@ def heartbeat(
         s.sock.sendto(hb.encode(), socket.MSG_DONTWAIT, s.addr)
     except OSError:  # nobody listening, or the queue is full: a lost heartbeat is harmless
         pass
-    if event == "step":
-        s.last_step_send = now
+
+
+def _send_held() -> None:
+    """At exit: the last step the throttle held back, so the supervisor knows where it ended."""
+    s = _state
+    if s.sock is not None and s.held is not None:
+        step, loss, fields = s.held
+        s.held = None
+        _send("step", step, loss, fields)
 
 
 def write_exit_record(
