@@ -2,8 +2,9 @@
 
 Precedence (first found wins): `rtrain.toml` (top level or its `[rtrain]` table, as in
 supervisor/config.py), then `[tool.rtrain]` in `pyproject.toml`, then the default. Checkpoints:
-`ckpt_dir` wins over `run_dir` + "/checkpoints", default `./checkpoints`. Run dir: `run_dir`,
-default `./rtrain-run` (config.Config's default). Relative paths are relative to the directory
+`ckpt_dir` wins over `run_dir` + "/checkpoints", default `./checkpoints` (or, where only that
+exists, `./rtrain-run/checkpoints`, where an unconfigured `rtrain launch` puts them).
+Run dir: `run_dir`, default `./rtrain-run` (config.Config's default). Relative paths are relative to the directory
 holding the file. This reads only those keys, so that `inspect` and `status` start without the
 full config module.
 """
@@ -70,6 +71,11 @@ def default_ckpt_dir(cwd: str | Path | None = None) -> Path:
             found = _path_from(table, key, base, source)
             if found is not None:
                 return found / suffix if suffix else found
+    # `rtrain launch` with no configuration keeps its checkpoints in ./rtrain-run/checkpoints:
+    # `rtrain prune --keep 3` next to it must find them.
+    launched = base / "rtrain-run" / "checkpoints"
+    if launched.is_dir() and not (base / "checkpoints").is_dir():
+        return launched
     return base / "checkpoints"
 
 

@@ -101,6 +101,13 @@ def test_default_is_checkpoints_in_cwd(tmp_path):
     assert default_ckpt_dir(tmp_path) == tmp_path / "checkpoints"
 
 
+def test_an_unconfigured_launch_run_is_found(tmp_path):
+    (tmp_path / "rtrain-run" / "checkpoints").mkdir(parents=True)
+    assert default_ckpt_dir(tmp_path) == tmp_path / "rtrain-run" / "checkpoints"
+    (tmp_path / "checkpoints").mkdir()  # a ./checkpoints of its own still wins
+    assert default_ckpt_dir(tmp_path) == tmp_path / "checkpoints"
+
+
 def test_rtrain_toml_ckpt_dir_and_run_dir(tmp_path):
     (tmp_path / "rtrain.toml").write_text('run_dir = "runs/a"\n')
     assert default_ckpt_dir(tmp_path) == tmp_path / "runs/a/checkpoints"
