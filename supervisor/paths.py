@@ -2,11 +2,11 @@
 
 Precedence (first found wins): `rtrain.toml` (top level or its `[rtrain]` table, as in
 supervisor/config.py), then `[tool.rtrain]` in `pyproject.toml`, then the default. Checkpoints:
-`ckpt_dir` wins over `run_dir` + "/checkpoints", default `./checkpoints` (or, where only that
-exists, `./rtrain-run/checkpoints`, where an unconfigured `rtrain launch` puts them).
-Run dir: `run_dir`, default `./rtrain-run` (config.Config's default). Relative paths are relative to the directory
-holding the file. This reads only those keys, so that `inspect` and `status` start without the
-full config module.
+`ckpt_dir` wins over `run_dir` + "/checkpoints"; the default is `./checkpoints` or, where only
+that exists, `./rtrain-run/checkpoints` (where an unconfigured `rtrain launch` puts them). Run
+dir: `run_dir`, default `./rtrain-run` (config.Config's default). Relative paths are relative to
+the directory holding the file. This reads only those keys, so that `inspect` and `status` start
+without the full config module.
 """
 
 from __future__ import annotations
