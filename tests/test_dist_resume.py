@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bitwise import assert_bitwise_equal
 
 from supervisor.events import read_events
 
@@ -50,26 +51,6 @@ def rtrain(run_dir: Path, *args: str, extra_env: dict[str, str] | None = None,
 
 def events(run_dir: Path, kind: str) -> list[dict]:
     return [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == kind]
-
-
-def _bits(t):
-    return t.reshape(-1).view(torch.uint8) if t.dtype.is_floating_point else t
-
-
-def assert_bitwise_equal(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(_bits(a), _bits(b)), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            assert_bitwise_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_bitwise_equal(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
 
 
 def _kill_one_rank_and_compare(tmp_path: Path, *flags: str) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bitwise import assert_bitwise_equal
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "train_bitwise.py"
@@ -16,27 +17,6 @@ def run(ckpt_dir, out, total, die_at, *extra):
     return subprocess.run([sys.executable, str(SCRIPT), str(ckpt_dir), str(out), str(total),
                            str(die_at), *extra], env=env, capture_output=True, text=True,
                           timeout=120)
-
-
-def _bits(t):
-    # Compare the bytes, so -0.0 vs 0.0 or two different NaNs count as different.
-    return t.reshape(-1).view(torch.uint8) if t.dtype.is_floating_point else t
-
-
-def assert_bitwise_equal(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(_bits(a), _bits(b)), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            assert_bitwise_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_bitwise_equal(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
