@@ -59,14 +59,7 @@ class Heartbeat:
 
     @classmethod
     def decode(cls, raw: bytes) -> Heartbeat | None:
-        try:
-            obj = json.loads(raw)
-            if obj.get("v") != PROTOCOL_VERSION:
-                return None
-            known = cls.__dataclass_fields__
-            return cls(**{k: v for k, v in obj.items() if k in known})
-        except (ValueError, TypeError, AttributeError):
-            return None
+        return _parse(cls, raw)
 
 
 @dataclass
@@ -90,11 +83,18 @@ class ExitRecord:
 
     @classmethod
     def from_json(cls, text: str) -> ExitRecord | None:
-        try:
-            obj = json.loads(text)
-            if obj.get("v") != PROTOCOL_VERSION:
-                return None
-            known = cls.__dataclass_fields__
-            return cls(**{k: v for k, v in obj.items() if k in known})
-        except (ValueError, TypeError, AttributeError):
+        return _parse(cls, text)
+
+
+def _parse(cls: type, raw: str | bytes) -> Any:
+    """One message of this protocol version, or None for anything else (never raises):
+    fields this version does not know are dropped, so a newer worker's extras are harmless."""
+    try:
+        obj = json.loads(raw)
+        if obj.get("v") != PROTOCOL_VERSION:
             return None
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in obj.items() if k in known})
+    except (ValueError, TypeError, AttributeError):
+        return None
+
