@@ -31,7 +31,7 @@ from pathlib import Path
 from supervisor.ckpt import hf_trainer, torchzip
 from supervisor.ckpt import verify as rverify
 from supervisor.ckpt.layout import MANIFEST, parse_step
-from supervisor.ckpt.verify import Level, Selection, Status, Verdict
+from supervisor.ckpt.verify import Level, Selection, Status, Verdict, first_good
 
 
 class Format(str, enum.Enum):
@@ -164,15 +164,5 @@ def select_resume(
 ) -> Selection:
     """`verify.select_resume` over checkpoints of every format: the newest that verifies, each
     newer one that fails reported."""
-    skipped = []
-    for c in list_candidates(ckpt_dir):
-        v = verify_candidate(c, level, key)
-        if v.ok and skip_newest > 0:
-            skip_newest -= 1
-            continue
-        if v.ok:
-            return Selection(v, skipped)
-        skipped.append(v)
-        if on_skip:
-            on_skip(v)
-    return Selection(None, skipped)
+    return first_good((verify_candidate(c, level, key) for c in list_candidates(ckpt_dir)),
+                      skip_newest, on_skip)

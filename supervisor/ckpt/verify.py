@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,9 +145,16 @@ def select_resume(
     `skip_newest` passes over that many verified checkpoints (a rollback after a non-finite
     loss resumes from the one before the newest).
     """
+    return first_good((verify(p, level, key) for _, p in list_checkpoints(ckpt_dir)),
+                      skip_newest, on_skip)
+
+
+def first_good(verdicts: Iterable[Verdict], skip_newest: int = 0,
+               on_skip: Callable[[Verdict], None] | None = None) -> Selection:
+    """The first verdict that is ok after passing over `skip_newest` good ones; verdicts are
+    computed lazily, so nothing older than the pick is verified."""
     skipped = []
-    for _, p in list_checkpoints(ckpt_dir):
-        v = verify(p, level, key)
+    for v in verdicts:
         if v.ok and skip_newest > 0:
             skip_newest -= 1
             continue
