@@ -135,3 +135,24 @@ def _isolate_worker_runtime():
         runtime._state.sock.close()
     runtime._state = state
 
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """`small_tmpfs("8m")` mounts a tmpfs of that size (a disk that fills up for real) and
+    unmounts it after the test; skips with the reason where mounting is refused."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        mnt = tmp_path / f"tmpfs-{size}-{len(mounted)}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip() or r.returncode}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+

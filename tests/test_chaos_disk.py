@@ -4,8 +4,6 @@ disk is full resumes from one of them), and the run finishes bitwise-identical."
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 from chaos_util import (
     events,
@@ -24,15 +22,8 @@ TRAIN = {"steps": 80, "save_every": 4}
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip() or r.returncode}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+def small_disk(small_tmpfs):
+    return small_tmpfs("8m")
 
 
 def test_full_disk_skips_saves_keeps_old_checkpoints_and_finishes(tmp_path, small_disk):

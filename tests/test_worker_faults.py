@@ -72,15 +72,8 @@ def test_sigkill_at_many_points_of_the_commit_protocol(tmp_path):
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_fs(small_tmpfs):
+    return small_tmpfs("3m")
 
 
 def _model():
