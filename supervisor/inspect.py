@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import foreign, hashing, hf_trainer, safetensors_io
+from supervisor.ckpt import foreign, hashing, hf_trainer, safeio, safetensors_io
 from supervisor.ckpt.layout import (
     MANIFEST,
     TMP_PREFIX,
@@ -143,7 +143,7 @@ def inspect_dir(ckpt_dir: str | os.PathLike, *, verify: Level = Level.QUICK,
     root = Path(ckpt_dir)
     _require_dir(root)
     # Every format: rtrain's, Trainer checkpoint dirs, Lightning / torch.save files.
-    entries = [Entry(v, dir_size(v.path) if v.path.is_dir() else _file_size(v.path))
+    entries = [Entry(v, dir_size(v.path) if _real_dir(v.path) else _file_size(v.path))
                for v in foreign.verify_all(root, verify, key)]
     # Resume picks the newest checkpoint that verifies, as verify.select_resume does.
     pick = next((e for e in entries if e.verdict.ok), None)
@@ -159,6 +159,11 @@ def inspect_dir(ckpt_dir: str | os.PathLike, *, verify: Level = Level.QUICK,
     return DirReport(root, Level(verify), entries, leftovers)
 
 
+def _real_dir(path: Path) -> bool:
+    # A link to a directory is reported, never walked: its size is the link's own.
+    return path.is_dir() and not path.is_symlink()
+
+
 def _file_size(path: Path) -> int:
     try:
         return os.stat(path).st_size
@@ -169,9 +174,11 @@ def _file_size(path: Path) -> int:
 def _check_file(root: Path, name: str, entry: dict[str, Any], level: Level) -> str:
     try:
         path = check_member_name(root, name)
-        size = os.stat(path).st_size
+        size = safeio.check_regular(path, follow_symlinks=True).st_size
     except ManifestError as e:
         return f"refused: {e}"
+    except safeio.UnsafeFile as e:
+        return f"refused: {e.strerror}"
     except FileNotFoundError:
         return "missing"
     except OSError as e:
@@ -198,7 +205,8 @@ def _files(verdict: Verdict, level: Level) -> list[FileCheck]:
         status = "ok" if verdict.ok else _check_file(root, name, entry, level)
         out.append(FileCheck(name, entry["size"], entry["hash"], status))
     try:
-        on_disk = sorted(e.name for e in os.scandir(root) if e.is_file(follow_symlinks=False))
+        on_disk = sorted(e.name for e in os.scandir(root) if e.is_file(follow_symlinks=False)
+                         ) if _real_dir(root) else []
     except OSError:
         on_disk = []
     out += [FileCheck(n, None, None, "not in manifest")
@@ -255,7 +263,11 @@ def _hf_detail(verdict: Verdict, level: Level) -> Detail:
     tensors: dict[str, Any] = {}
     for f in files:
         if f.name.endswith(".safetensors") and f.status == "ok":
-            header = safetensors_io.read_header(verdict.path / f.name)
+            try:
+                header = safetensors_io.read_header(check_member_name(verdict.path, f.name))
+            except (ManifestError, OSError, ValueError) as e:  # changed since it was checked
+                tensors[f.name] = f"header unreadable: {getattr(e, 'strerror', None) or e}"
+                continue
             tensors[f.name] = {t: (i["dtype"], i["shape"]) for t, i in header.items()
                                if t != "__metadata__"}
     return Detail(verdict, level, dir_size(verdict.path), files, tensors)

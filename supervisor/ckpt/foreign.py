@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.ckpt import hf_trainer, torchzip
+from supervisor.ckpt import hf_trainer, safeio, torchzip
 from supervisor.ckpt import verify as rverify
 from supervisor.ckpt.layout import MANIFEST, parse_step
 from supervisor.ckpt.verify import Level, Selection, Status, Verdict, first_good
@@ -79,11 +79,14 @@ def list_candidates(ckpt_dir: str | os.PathLike) -> list[Candidate]:
     with entries:
         for entry in entries:
             step = parse_step(entry.name)
-            if step is not None and entry.is_dir(follow_symlinks=False):
+            if step is not None:
+                # Also a link or a file with a checkpoint dir's name: verification reports it.
                 dirs.append(Candidate(root / entry.name, step, True, (step, 0, 0.0)))
             elif (entry.name.endswith(FILE_SUFFIXES) and not entry.name.startswith(".")
-                  and entry.name not in _NOT_CHECKPOINTS and entry.is_file()):
-                files.append((entry.name, step_from_name(entry.name), entry.stat().st_mtime))
+                  and entry.name not in _NOT_CHECKPOINTS and not entry.is_dir()):
+                # Not only regular files: a FIFO or a link leading out is listed, and refused
+                # by _verify_file with the reason.
+                files.append((entry.name, step_from_name(entry.name), _mtime(entry)))
     if dirs:
         dirs.sort(key=lambda c: c.order, reverse=True)
         return dirs
@@ -99,18 +102,30 @@ def list_candidates(ckpt_dir: str | os.PathLike) -> list[Candidate]:
     return out
 
 
+def _mtime(entry: os.DirEntry) -> float:
+    try:
+        return entry.stat().st_mtime
+    except OSError:  # a dangling link
+        return entry.stat(follow_symlinks=False).st_mtime
+
+
 def _verify_file(path: Path, level: Level, step: int | None) -> Verdict:
     fmt = Format.LIGHTNING if path.suffix == ".ckpt" else Format.TORCH
     info: dict = {"step": step}
     try:
-        info["created"] = os.stat(path).st_mtime
-        note = torchzip.check(path, full=level is Level.FULL)
+        # A link is followed only inside the directory (Lightning's `last.ckpt` may be one).
+        member = rverify.check_member_name(path.parent, path.name)
+        info["created"] = os.stat(member).st_mtime
+        note = torchzip.check(member, full=level is Level.FULL)
     except FileNotFoundError:
         return Verdict(path, -1 if step is None else step, Status.INCOMPLETE, "file is gone",
                        format=fmt.value, info=info)
     except (OSError, ValueError) as e:
-        return Verdict(path, -1 if step is None else step, Status.CORRUPT,
-                       getattr(e, "strerror", None) or str(e), format=fmt.value, info=info)
+        why = getattr(e, "strerror", None) or str(e)
+        if isinstance(e, safeio.UnsafeFile):
+            why = f"the file {why}"
+        return Verdict(path, -1 if step is None else step, Status.CORRUPT, why,
+                       format=fmt.value, info=info)
     if note:
         info["note"] = note
     return Verdict(path, -1 if step is None else step, Status.OK, "", format=fmt.value,
@@ -135,7 +150,9 @@ def verify_path(path: str | os.PathLike, level: Level | str = Level.FULL,
                 key: bytes | None = None) -> Verdict:
     """One checkpoint of any format: a directory (rtrain's or a Trainer's) or a file."""
     path, level = Path(path), Level(level)
-    if path.is_file():
+    if path.suffix in FILE_SUFFIXES and not path.is_dir():
+        return _verify_file(path, level, step_from_name(path.name))
+    if path.is_file() and not path.is_symlink():
         return _verify_file(path, level, step_from_name(path.name))
     verdict = rverify.verify(path, level, key)
     if verdict.status is Status.INCOMPLETE and is_hf_dir(path):

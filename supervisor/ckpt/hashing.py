@@ -9,6 +9,8 @@ from pathlib import Path
 import blake3
 import xxhash
 
+from supervisor.ckpt import safeio
+
 HASH_ALG = "xxh3-128"
 SIGN_ALG = "blake3-keyed"
 _CHUNK = 16 << 20
@@ -24,7 +26,8 @@ def hash_file(path: str | os.PathLike) -> str:
     h = xxhash.xxh3_128()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    # Links were checked by the caller (verify.check_member_name); a FIFO must not hang us.
+    with safeio.open_regular(path, follow_symlinks=True, buffering=0) as f:
         while True:
             n = f.readinto(buf)
             if not n:

@@ -10,13 +10,13 @@ they hold `manifest.json` instead.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import safetensors_io, torchzip
+from supervisor.ckpt import safeio, safetensors_io, torchzip
+from supervisor.ckpt.verify import check_member_name
 
 TRAINER_STATE = "trainer_state.json"
 SAFE_WEIGHTS = ("model.safetensors", "adapter_model.safetensors")
@@ -27,6 +27,8 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 # unfinished Trainer save rather than an unfinished rtrain one.
 MARKERS = (TRAINER_STATE, "training_args.bin", "config.json", "adapter_config.json",
            *SAFE_WEIGHTS, SAFE_INDEX, *BIN_WEIGHTS, BIN_INDEX)
+# trainer_state.json grows with log_history (a line per logging step); a long run's is a few MiB.
+MAX_JSON = 64 << 20
 
 
 @dataclass
@@ -66,13 +68,13 @@ def _size(path: Path) -> int | None:
 
 def _check_safetensors(root: Path, name: str, report: Report) -> dict[str, Any] | None:
     try:
-        header = safetensors_io.read_header(root / name)
+        header = safetensors_io.read_header(check_member_name(root, name))
     except FileNotFoundError:
         report.files.append(FileResult(name, None, "missing"))
         report.fail(f"file {name!r} is missing")
         return None
     except (OSError, ValueError) as e:
-        why = getattr(e, "strerror", None) or str(e)
+        why = (getattr(e, "strerror", None) or str(e)).removeprefix("is ")
         report.files.append(FileResult(name, _size(root / name), why))
         report.fail(f"file {name!r}: {why}")
         return None
@@ -82,13 +84,13 @@ def _check_safetensors(root: Path, name: str, report: Report) -> dict[str, Any] 
 
 def _check_torch(root: Path, name: str, report: Report, full: bool) -> None:
     try:
-        note = torchzip.check(root / name, full=full)
+        note = torchzip.check(check_member_name(root, name), full=full)
     except FileNotFoundError:
         report.files.append(FileResult(name, None, "missing"))
         report.fail(f"file {name!r} is missing")
         return
     except (OSError, ValueError) as e:
-        why = getattr(e, "strerror", None) or str(e)
+        why = (getattr(e, "strerror", None) or str(e)).removeprefix("is ")
         report.files.append(FileResult(name, _size(root / name), why))
         report.fail(f"file {name!r}: {why}")
         return
@@ -98,13 +100,13 @@ def _check_torch(root: Path, name: str, report: Report, full: bool) -> None:
 def _load_json(root: Path, name: str, report: Report) -> Any:
     path = root / name
     try:
-        with open(path, "rb") as f:
-            obj = json.load(f)
+        obj = safeio.parse_json(safeio.read_limited(check_member_name(root, name), MAX_JSON,
+                                                    follow_symlinks=True))
     except FileNotFoundError:
         report.files.append(FileResult(name, None, "missing"))
         return None
-    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        why = f"not valid JSON ({e})" if isinstance(e, ValueError) else str(e.strerror or e)
+    except (OSError, ValueError) as e:  # ManifestError (a link leading out) is a ValueError
+        why = (str(e) if isinstance(e, ValueError) else str(e.strerror or e)).removeprefix("is ")
         report.files.append(FileResult(name, _size(path), why))
         report.fail(f"file {name!r}: {why}")
         return None
@@ -184,7 +186,9 @@ def _read_state(root: Path, report: Report, dir_step: int | None) -> None:
                     f"checkpoint-{dir_step}")
         return
     report.step = step
-    losses = [e for e in state.get("log_history") or [] if isinstance(e, dict) and "loss" in e]
+    history = state.get("log_history")
+    losses = [e for e in (history if isinstance(history, list) else [])
+              if isinstance(e, dict) and "loss" in e]
     metrics = {"loss": losses[-1]["loss"]} if losses else {}
     if isinstance(state.get("best_metric"), (int, float)):
         metrics["best_metric"] = state["best_metric"]

@@ -80,7 +80,12 @@ class TempDir:
 
 
 def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Committed checkpoint dirs as (step, path), newest first. A missing dir is empty."""
+    """Committed checkpoint dirs as (step, path), newest first. A missing dir is empty.
+
+    Every entry with a checkpoint's name is listed, also one that is not a directory (a link, a
+    file, a FIFO): verification reports it as corrupt with the reason rather than skipping it
+    unseen, and nothing follows it (`manifest.load` refuses it).
+    """
     root = Path(ckpt_dir)
     found = []
     try:
@@ -90,7 +95,7 @@ def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     with entries:
         for entry in entries:
             step = parse_step(entry.name)
-            if step is not None and entry.is_dir(follow_symlinks=False):
+            if step is not None:
                 found.append((step, root / entry.name))
     found.sort(key=lambda sp: sp[0], reverse=True)
     return found

@@ -24,10 +24,12 @@ from __future__ import annotations
 import hmac
 import json
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import hashing
+from supervisor.ckpt import hashing, safeio
 from supervisor.ckpt.layout import MANIFEST
 
 FORMAT = "rtrain-checkpoint"
@@ -91,38 +93,70 @@ def dumps(manifest: dict[str, Any]) -> bytes:
     return json.dumps(_jsonable(manifest), indent=1, sort_keys=True, allow_nan=False).encode()
 
 
-def load(ckpt_path: str | Path) -> dict[str, Any]:
-    """Read and validate the manifest's shape. Raises ManifestError with the reason."""
-    path = Path(ckpt_path) / MANIFEST
+MAX_BYTES = 16 << 20
+"""Largest manifest read. A real one is kilobytes (a model of 10,000 tensors: ~1 MiB); a larger
+one is refused unread rather than parsed at ~10x its size in memory."""
+
+# Fields that are counts or byte sizes: a negative or astronomically large value is not a fact
+# about a real run, and downstream arithmetic (formatting, int64 heartbeats) must not meet one.
+_COUNTS = ("step", "epoch", "samples_seen")
+_MAX_COUNT = 2**63 - 1
+
+
+def _read(ckpt_path: Path) -> bytes:
+    path = ckpt_path / MANIFEST
     try:
-        raw = path.read_bytes()
+        # The checkpoint dir itself: a link would make the manifest (and every file it lists)
+        # come from wherever the link points.
+        st = os.lstat(ckpt_path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ManifestError(f"{ckpt_path.name} is {safeio.kind(st.st_mode)}, not a "
+                                "checkpoint directory: not followed")
+        return safeio.read_limited(path, MAX_BYTES)
     except FileNotFoundError:
         raise ManifestError("no manifest.json (the save did not finish)") from None
+    except safeio.UnsafeFile as e:
+        raise ManifestError(f"manifest.json {e.strerror}") from None
     except OSError as e:
         raise ManifestError(f"cannot read manifest.json: {e.strerror}") from None
+
+
+def load(ckpt_path: str | os.PathLike) -> dict[str, Any]:
+    """Read and validate the manifest's shape. Raises ManifestError with the reason.
+
+    Opens nothing but a regular manifest.json of at most MAX_BYTES inside a real directory (no
+    FIFO, device or link), and parses it with bounded nesting (`safeio.parse_json`).
+    """
+    raw = _read(Path(ckpt_path))
     try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ManifestError(f"manifest.json is not valid JSON ({e})") from None
+        manifest = safeio.parse_json(raw)
+    except ValueError as e:
+        raise ManifestError(f"manifest.json {e}") from None
     if not isinstance(manifest, dict):
         raise ManifestError("manifest.json is not a JSON object")
     if manifest.get("format") != FORMAT:
         raise ManifestError(
-            f"manifest.json is not an rtrain manifest (format {manifest.get('format')!r})"
+            f"manifest.json is not an rtrain manifest (format {manifest.get('format')!r:.60})"
         )
     version = manifest.get("version")
     if version != VERSION:
         raise ManifestError(
-            f"unknown format version {version!r} (this rtrain reads {VERSION}): "
+            f"unknown format version {version!r:.30} (this rtrain reads {VERSION}): "
             "upgrade rtrain to read it"
         )
     for key, kind in REQUIRED.items():
         if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
             raise ManifestError(f"manifest.json field {key!r} is missing or of the wrong type")
+    for key in _COUNTS:
+        if not 0 <= manifest[key] <= _MAX_COUNT:
+            raise ManifestError(f"manifest.json field {key!r} is out of range "
+                                f"({str(manifest[key])[:30]})")
     for name, entry in manifest["files"].items():
         if (
             not isinstance(entry, dict)
             or not isinstance(entry.get("size"), int)
+            or isinstance(entry.get("size"), bool)
+            or not 0 <= entry["size"] <= _MAX_COUNT
             or not isinstance(entry.get("hash"), str)
         ):
             raise ManifestError(f"manifest.json entry for {name!r} lacks a size or hash")

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from supervisor.ckpt import safeio
 from supervisor.ckpt.hashing import new_hasher
 
 MAX_HEADER = 100 << 20
@@ -137,7 +138,7 @@ def _check_entries(header: dict[str, Any]) -> int:
         if dtype not in DTYPE_BITS:
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
         if (not isinstance(shape, list)
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63
                            for d in shape)):
             raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
         if (not isinstance(offsets, list) or len(offsets) != 2
@@ -147,6 +148,8 @@ def _check_entries(header: dict[str, Any]) -> int:
         count = 1
         for d in shape:
             count *= d
+            if count > 2**64:  # no file holds that much; stop before the product grows huge
+                raise ValueError(f"tensor {name!r}: shape {shape!r:.80} is too large")
         if count * DTYPE_BITS[dtype] != (offsets[1] - offsets[0]) * 8:
             raise ValueError(f"tensor {name!r}: {dtype} {shape} does not fill data_offsets "
                              f"{offsets}")
@@ -161,8 +164,10 @@ def _check_entries(header: dict[str, Any]) -> int:
 
 
 def read_header(path: str | os.PathLike) -> dict[str, Any]:
-    """The JSON header of a safetensors file, checked against the file's size. Raises ValueError."""
-    with open(path, "rb") as f:
+    """The JSON header of a safetensors file, checked against the file's size. Raises ValueError,
+    or OSError (`safeio.UnsafeFile` for a FIFO, device or socket; links are the caller's to
+    check). A length field past MAX_HEADER or the file's size is refused before reading."""
+    with safeio.open_regular(path, follow_symlinks=True) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
@@ -171,9 +176,9 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
         if n > MAX_HEADER or 8 + n > size:
             raise ValueError(f"header length {n} does not fit in a file of {size} bytes")
         try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"header is not valid JSON ({e})") from None
+            header = safeio.parse_json(f.read(n))
+        except ValueError as e:
+            raise ValueError(f"header {e}") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     end = _check_entries(header)

@@ -17,6 +17,8 @@ import struct
 import zlib
 from typing import TYPE_CHECKING
 
+from supervisor.ckpt import safeio
+
 if TYPE_CHECKING:
     import zipfile
 
@@ -36,7 +38,8 @@ def check(path: str | os.PathLike, *, full: bool) -> str:
     why there was nothing to check)."""
     import zipfile  # here, not at the top: `rtrain inspect` over rtrain's own format never needs it
 
-    with open(path, "rb") as f:
+    # Links are the caller's to check; a FIFO or device is refused here, never opened.
+    with safeio.open_regular(path, follow_symlinks=True) as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise TorchFileError("empty file")

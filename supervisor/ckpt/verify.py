@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import hashing, manifest
+from supervisor.ckpt import hashing, manifest, safeio
 from supervisor.ckpt.layout import MANIFEST, list_checkpoints, parse_step
 
 
@@ -98,9 +98,12 @@ def verify(
         for name, entry in m["files"].items():
             member = check_member_name(path, name)
             try:
-                st = os.stat(member)
+                # A FIFO or device listed here would hang or misbehave when hashed or loaded.
+                st = safeio.check_regular(member, follow_symlinks=True)
             except FileNotFoundError:
                 raise manifest.ManifestError(f"file {name!r} is missing") from None
+            except safeio.UnsafeFile as e:
+                raise manifest.ManifestError(f"file {name!r} {e.strerror}") from None
             if st.st_size != entry["size"]:
                 raise manifest.ManifestError(
                     f"file {name!r} has {st.st_size} bytes, the manifest says {entry['size']} "

@@ -1,0 +1,140 @@
+"""Reading files of a checkpoint that anyone with write access to the directory may have made.
+
+Every reader of checkpoint files (the supervisor's verifiers and inspectors, the worker's
+restore) opens them through `open_regular`, so that none of them can be made to hang or to read
+outside the checkpoint:
+
+- only regular files are opened: a FIFO would block `open()` until a writer comes (forever), a
+  device may have side effects or never end, a socket cannot be opened at all. The type is
+  checked before opening (lstat/stat), the open itself is non-blocking, and the type is checked
+  again on the open descriptor (the name may have been swapped in between);
+- a symbolic link is refused unless the caller allows links (`follow_symlinks`, for names it
+  has already checked stay inside the checkpoint, see `verify.check_member_name`);
+- `read_limited` refuses a file larger than the caller's limit before reading a byte of it, and
+  `parse_json` refuses what would cost far more than its size to parse or use (deep nesting,
+  numbers too large for a float, NaN and Infinity literals).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import stat
+from typing import Any, BinaryIO
+
+MAX_DEPTH = 64
+"""Deepest nesting a checkpoint's JSON may have. rtrain's manifest needs 5 levels (tensors ->
+file -> tensor -> [dtype, shape] -> shape); the rest is room for nested settings and info."""
+
+
+class UnsafeFile(OSError):
+    """A file that is refused unread; `strerror` is the reason a person reads."""
+
+    def __init__(self, path: str | os.PathLike, reason: str) -> None:
+        super().__init__(errno.EINVAL, reason, os.fspath(path))
+
+
+def kind(mode: int) -> str:
+    """What a file of this st_mode is, in words."""
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_regular(path: str | os.PathLike, *, follow_symlinks: bool = False) -> os.stat_result:
+    """The file's stat if it is a regular file (through a link only if allowed); raises
+    `UnsafeFile` otherwise, FileNotFoundError if it is not there."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        if not follow_symlinks:
+            raise UnsafeFile(path, "is a symbolic link: not followed")
+        st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFile(path, f"is {kind(st.st_mode)}, not a regular file")
+    return st
+
+
+def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False,
+                 buffering: int = -1) -> BinaryIO:
+    """Open a regular file for reading in binary mode; never blocks on a FIFO or opens a
+    device. Raises `UnsafeFile` (an OSError) for anything else."""
+    check_regular(path, follow_symlinks=follow_symlinks)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+    if not follow_symlinks:
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # became a link since the lstat above
+            raise UnsafeFile(path, "is a symbolic link: not followed") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped between the check and the open
+            raise UnsafeFile(path, f"is {kind(st.st_mode)}, not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_limited(path: str | os.PathLike, limit: int, *,
+                 follow_symlinks: bool = False) -> bytes:
+    """The whole of a regular file of at most `limit` bytes; a larger one is refused unread."""
+    with open_regular(path, follow_symlinks=follow_symlinks, buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise UnsafeFile(path, f"is {size} bytes, more than the {limit >> 20} MiB a "
+                                   "checkpoint's metadata may take")
+        data = f.read(limit + 1)
+    if len(data) > limit:  # grew while we read
+        raise UnsafeFile(path, f"is more than the {limit >> 20} MiB a checkpoint's metadata "
+                               "may take")
+    return data
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"holds {name}, which is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"holds the number {text[:40]}, too large for a float")
+    return value
+
+
+def parse_json(raw: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
+    """Strict JSON with bounded cost; raises ValueError with the reason (no position details a
+    person cannot use)."""
+    try:
+        obj = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError(f"is nested more than {max_depth} levels deep") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"is not valid JSON ({e})") from None
+    except UnicodeDecodeError:
+        raise ValueError("is not valid JSON (not UTF-8 text)") from None
+    except ValueError as e:  # our hooks, and ints past sys.get_int_max_str_digits()
+        raise ValueError(str(e) if str(e).startswith("holds") else
+                         f"holds a number too large to read ({e})") from None
+    _check_depth(obj, max_depth)
+    return obj
+
+
+def _check_depth(obj: Any, max_depth: int) -> None:
+    # Iterative, so that a deep document cannot exhaust the stack here either.
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            raise ValueError(f"is nested more than {max_depth} levels deep")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
