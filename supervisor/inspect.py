@@ -23,6 +23,7 @@ from supervisor.ckpt.layout import (
 from supervisor.ckpt.manifest import ManifestError
 from supervisor.ckpt.verify import Level, Verdict, check_member_name
 from supervisor.errors import CheckpointError, UsageError
+from supervisor.safetext import safe
 
 
 @dataclass
@@ -72,7 +73,7 @@ class DirReport:
         return next((e for e in self.entries if e.resume), None)
 
     def raise_if_failed(self) -> None:
-        bad = [e.verdict.path.name for e in self.entries if not e.verdict.ok]
+        bad = [safe(e.verdict.path.name) for e in self.entries if not e.verdict.ok]
         if bad:
             raise CheckpointError(f"{len(bad)} of {len(self.entries)} checkpoints failed "
                                   f"{self.level.value} verification: {', '.join(bad)}")
@@ -100,8 +101,8 @@ class Detail:
 
     def raise_if_failed(self) -> None:
         if not self.verdict.ok:
-            raise CheckpointError(f"{self.verdict.path.name} failed {self.level.value} "
-                                  f"verification: {self.verdict.describe()}")
+            raise CheckpointError(f"{safe(self.verdict.path.name)} failed {self.level.value} "
+                                  f"verification: {safe(self.verdict.describe())}")
 
 
 def dir_size(path: str | os.PathLike) -> int:

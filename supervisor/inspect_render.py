@@ -10,6 +10,7 @@ from typing import Any
 
 from supervisor.ckpt.verify import Verdict
 from supervisor.inspect import Detail, DirReport, Entry, Leftover
+from supervisor.safetext import safe
 from supervisor.statusline import human_bytes
 
 
@@ -21,20 +22,25 @@ def local_time(created: Any, sep: str = "T", offset: bool = True) -> str:
     """ISO 8601 local time; the table leaves out the UTC offset to stay narrow."""
     if isinstance(created, bool) or not isinstance(created, (int, float)):
         return "-"
-    when = dt.datetime.fromtimestamp(created)
+    try:
+        when = dt.datetime.fromtimestamp(created)
+    except (OverflowError, OSError, ValueError):  # a hand-made manifest: year 10**9, ...
+        return "-"
     return (when.astimezone() if offset else when).isoformat(sep, "seconds")
 
 
 def pairs(obj: Any) -> str:
-    """`{"loss": 0.25, "bs": 16}` as `loss=0.25 bs=16`."""
+    """`{"loss": 0.25, "bs": 16}` as `loss=0.25 bs=16`; names and values escaped (`safe`)."""
     if not isinstance(obj, dict) or not obj:
         return "-"
-    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+    return " ".join(f"{safe(k)}={v:.6g}" if isinstance(v, float) else f"{safe(k)}={safe(v)}"
                     for k, v in obj.items())
 
 
 def table(rows: list[list[str]], indent: str = "  ") -> list[str]:
-    """Left-aligned columns; the last one is not padded (it holds the long reasons)."""
+    """Left-aligned columns; the last one is not padded (it holds the long reasons). Every
+    cell is escaped (`safe`): a control character in any of them never reaches the terminal."""
+    rows = [[safe(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return [(indent + "  ".join([c.ljust(w) for c, w in zip(r, widths, strict=False)]
                                 + [r[-1]])).rstrip() for r in rows]
@@ -77,15 +83,15 @@ def _row(e: Entry) -> list[str]:
 
 def render_dir(report: DirReport) -> str:
     n = len(report.entries)
-    lines = [f"{report.ckpt_dir}: {n} checkpoint{'s' if n != 1 else ''}, "
+    lines = [f"{safe(report.ckpt_dir)}: {n} checkpoint{'s' if n != 1 else ''}, "
              f"verified {report.level.value}"]
     if report.entries:
         head = ["", "STEP", "EPOCH", "TIME", "SIZE", "METRICS", "SETTINGS", "STATUS"]
         lines += table([head] + [_row(e) for e in report.entries])
     pick = report.resume
     if pick is not None:
-        lines.append(f"* resume would pick {pick.verdict.path.name} (the newest that verifies "
-                     f"at level {report.level.value})")
+        lines.append(f"* resume would pick {safe(pick.verdict.path.name)} (the newest that "
+                     f"verifies at level {report.level.value})")
     elif report.entries:
         lines.append(f"resume would start fresh: no checkpoint verifies at level "
                      f"{report.level.value}")
@@ -100,12 +106,13 @@ def _tensor_lines(tensors: dict[str, Any]) -> list[str]:
     lines = []
     for fname, table_ in tensors.items():
         if isinstance(table_, str):
-            lines.append(f"  {fname}: {table_}")
+            lines.append(f"  {safe(fname)}: {safe(table_)}")
             continue
-        lines.append(f"  {fname} ({len(table_)} tensors)")
+        lines.append(f"  {safe(fname)} ({len(table_)} tensors)")
         if table_:
             lines += table([["NAME", "DTYPE", "SHAPE"]] + [
-                [t, dtype, str(list(shape))] for t, (dtype, shape) in table_.items()], "    ")
+                [t, dtype, str(list(shape) if isinstance(shape, (list, tuple)) else shape)]
+                for t, (dtype, shape) in table_.items()], "    ")
     return lines
 
 
@@ -130,7 +137,7 @@ def render_one(d: Detail) -> str:
         ("environment", pairs(d.meta("environment"))),
         ("info", pairs(d.meta("info"))),
     ]
-    lines = [str(v.path)] + [f"  {k:<12}{val}" for k, val in fields]
+    lines = [safe(v.path)] + [f"  {k:<12}{safe(val)}" for k, val in fields]
     if d.files:
         lines.append("files:")
         lines += table([["NAME", "SIZE", "HASH", "STATUS"]] + [
@@ -179,7 +186,8 @@ def one_json(d: Detail) -> dict[str, Any]:
         "files": [{"name": f.name, "size": f.size, "hash": f.hash, "status": f.status}
                   for f in d.files],
         "tensors": {fname: t if isinstance(t, str) else
-                    {name: {"dtype": dtype, "shape": list(shape)}
+                    {name: {"dtype": dtype,
+                            "shape": list(shape) if isinstance(shape, (list, tuple)) else shape}
                      for name, (dtype, shape) in t.items()}
                     for fname, t in d.tensors.items()},
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from supervisor.ckpt.prune import PruneReport, prune
+from supervisor.ckpt.prune import PruneReport, dir_size, prune
 from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level
 from supervisor.errors import CheckpointError, UsageError
@@ -50,11 +50,17 @@ def prune_dir(ckpt_dir: str | os.PathLike, *, policy: RetentionPolicy,
 
 def render_prune(report: PruneReport, *, dry_run: bool) -> str:
     from supervisor.inspect_render import human_size, table
+    from supervisor.safetext import safe
 
     verb = "would remove" if dry_run else "removed"
-    lines = table([[verb, r.path.name, human_size(r.bytes), r.reason] for r in report.removed],
-                  "") if report.removed else ["nothing to remove"]
-    kept = ", ".join(v.path.name for v in report.kept) or "none"
+    rows = [[verb, r.path.name, human_size(r.bytes), r.reason] for r in report.removed]
+    # What stays and why: the newest that verifies fully is always among them.
+    rows += [["would keep" if dry_run else "kept", v.path.name,
+              human_size(dir_size(v.path)) if v.path.is_dir() and not v.path.is_symlink()
+              else "-", report.why.get(v.path, "")] for v in report.kept]
+    lines = [] if report.removed else ["nothing to remove"]
+    lines += table(rows, "") if rows else []
+    kept = ", ".join(safe(v.path.name) for v in report.kept) or "none"
     lines.append(f"{'would free' if dry_run else 'freed'} {human_size(report.freed)}; "
                  f"kept {len(report.kept)} checkpoint{'s' if len(report.kept) != 1 else ''}: "
                  f"{kept}")

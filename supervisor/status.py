@@ -22,6 +22,7 @@ from supervisor.errors import UsageError
 from supervisor.events import read_events
 from supervisor.lock import LOCK_NAME
 from supervisor.runstate import STATE_FILE, load_state
+from supervisor.safetext import safe
 from supervisor.statusline import human_bytes, human_duration, human_rate
 
 _SETTINGS_KINDS = ("launch", "degrade", "decision")  # events that name the rung in force
@@ -187,7 +188,7 @@ def _pairs(obj: dict[str, Any]) -> str:
 
 def render_text(s: RunSummary) -> str:
     """A compact summary for a person: one labelled line per topic, empty topics left out."""
-    head = f"run {s.run_dir}: {s.status}"
+    head = f"run {safe(s.run_dir)}: {s.status}"
     if s.attempt is not None:
         head += f", attempt {s.attempt}"
     if s.supervisor_pid is not None and s.supervisor_alive is not False:
@@ -228,7 +229,8 @@ def render_text(s: RunSummary) -> str:
         rows.append(("last decision", f"attempt {d['attempt']}: {d['action']}: "
                                       f"{d['reason']}{wait}"))
     width = max(len(label) for label, _ in rows)
-    return "\n".join([head] + [f"  {label + (':' if label else ''):<{width + 1}} {text}"
+    # Reasons and settings quote checkpoint, script and log content: escaped (`safe`).
+    return "\n".join([head] + [f"  {label + (':' if label else ''):<{width + 1}} {safe(text)}"
                                 for label, text in rows])
 
 

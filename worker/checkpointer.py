@@ -19,8 +19,8 @@ import torch
 import supervisor
 from supervisor.ckpt import hashing, retention
 from supervisor.ckpt.commit import PendingCheckpoint, free_bytes
-from supervisor.ckpt.prune import prune
-from supervisor.ckpt.verify import Level, select_resume, verify
+from supervisor.ckpt.prune import PruneReport, prune
+from supervisor.ckpt.verify import Level, VerifiedCache, select_resume, verify
 from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_RUN_DIR, EXIT_PREEMPTED
 from worker import dist, dist_ckpt, faults, runtime, state
@@ -119,6 +119,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._frozen_fp: str | None = None
         self._lr_scale = 1.0
+        self._verified = VerifiedCache()  # checkpoints retention may rely on without re-hashing
         runtime.install()
 
     # ------------------------------------------------------------ restore
@@ -455,6 +456,8 @@ class Checkpointer:
             code = os.waitstatus_to_exitcode(status)
             if code == 0:
                 self.last_saved = self.ckpt_dir / f"checkpoint-{cap.step}"
+                # The child wrote and hashed it; the next forked child inherits this record.
+                self._verified.add(verify(self.last_saved, Level.QUICK, self.key))
             elif code == _CHILD_SKIPPED:
                 self.skipped_saves += 1
                 log.warning("%s", message)
@@ -491,9 +494,8 @@ class Checkpointer:
         tighter = retention.RetentionPolicy(keep=keep, keep_best=self.policy.keep_best,
                                             metric=self.policy.metric, mode=self.policy.mode,
                                             milestone_every=self.policy.milestone_every)
-        report = prune(self.ckpt_dir, tighter, key=self.key)
-        for r in report.removed:
-            log.warning("low on disk: removed %s (%s)", r.path.name, r.reason)
+        report = prune(self.ckpt_dir, tighter, key=self.key, verified=self._verified)
+        _log_retention(report, "low on disk: ", logging.WARNING)
         free = free_bytes(self.ckpt_dir)
         if free >= need:
             return True
@@ -555,9 +557,23 @@ class Checkpointer:
 
     def _apply_retention(self) -> None:
         protect = frozenset({self._inflight_step} - {None})
-        report = prune(self.ckpt_dir, self.policy, key=self.key, protect=protect)
-        for r in report.removed:
-            log.info("retention: removed %s (%s)", r.path.name, r.reason)
+        if self.last_saved is not None:
+            # Hashed from the very bytes it wrote a moment ago: counts as fully verified, so
+            # retention re-reads only checkpoints this process did not write (or that changed).
+            self._verified.add(verify(self.last_saved, Level.QUICK, self.key))
+        report = prune(self.ckpt_dir, self.policy, key=self.key, protect=protect,
+                       verified=self._verified)
+        _log_retention(report, "retention: ", logging.INFO)
+
+
+def _log_retention(report: PruneReport, prefix: str, removal_level: int) -> None:
+    for v in report.failed_full:
+        log.warning("%s%s passes the quick check but fails full verification (%s): not "
+                    "counted as a good checkpoint", prefix, v.path.name, v.describe())
+    for r in report.removed:
+        log.log(removal_level, "%sremoved %s (%s)", prefix, r.path.name, r.reason)
+    log.info("%skept %s", prefix, "; ".join(f"{v.path.name}: {report.why.get(v.path, '')}"
+                                            for v in report.kept) or "none")
 
 
 _CHILD_SKIPPED = 3

@@ -1,4 +1,13 @@
-"""Apply the retention policy to a checkpoint directory (used by `rtrain prune` and the worker)."""
+"""Apply the retention policy to a checkpoint directory (used by `rtrain prune` and the worker).
+
+Deleting trades old checkpoints for the ones kept, so the kept ones the deletions depend on
+(`retention.Plan.relied`: the newest good one, the newest `keep`, the best `keep_best`) are
+verified FULLY before anything is deleted, whatever level listed the directory: a checkpoint with
+one flipped byte passes the quick check (sizes), and keeping it in place of the good ones would
+leave nothing to resume from. Verification stays cheap: the listing is quick, only the few relied
+on are hashed (once; a `VerifiedCache` skips those unchanged since), and when one fails the plan
+is made again with it marked bad, until every relied-on checkpoint has passed.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +20,7 @@ from pathlib import Path
 from supervisor.ckpt import retention
 from supervisor.ckpt.commit import remove_dir
 from supervisor.ckpt.layout import TRASH_PREFIX, list_leftovers
-from supervisor.ckpt.verify import Level, Verdict, verify_all
+from supervisor.ckpt.verify import Level, Verdict, VerifiedCache, verify, verify_all
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +36,10 @@ class Removal:
 class PruneReport:
     removed: list[Removal] = field(default_factory=list)
     kept: list[Verdict] = field(default_factory=list)
+    why: dict[Path, str] = field(default_factory=dict)
+    """Kept path -> why it is kept (and how it was verified)."""
+    failed_full: list[Verdict] = field(default_factory=list)
+    """Checkpoints that passed the listing's level but failed full verification."""
 
     @property
     def freed(self) -> int:
@@ -50,25 +63,74 @@ def _metrics(v: Verdict) -> dict:
     return metrics if isinstance(metrics, dict) else {}
 
 
+def _plan_verified(verdicts: list[Verdict], policy: retention.RetentionPolicy,
+                   protect: frozenset[int], key: bytes | None, full_done: bool,
+                   cache: VerifiedCache | None, report: PruneReport) -> retention.Plan:
+    """Plan, fully verify what the plan relies on, and plan again until all of that passed."""
+    by_step = {v.step: v for v in verdicts}
+    checked: set[int] = set(by_step) if full_done else set()
+    while True:
+        cands = [retention.Candidate(v.step, v.ok, _metrics(v), v.path.name)
+                 for v in by_step.values()]
+        plan = retention.plan(cands, policy, protect)
+        todo = [by_step[c.step] for c in plan.relied if c.step not in checked]
+        if not todo:
+            return plan
+        for v in todo:
+            checked.add(v.step)
+            if cache is not None and cache.holds(v):
+                continue
+            full = verify(v.path, Level.FULL, key)
+            if full.ok:
+                if cache is not None:
+                    cache.add(full)
+                continue
+            log.info("%s passed the quick check but fails full verification: %s; "
+                     "not relied on", v.path.name, full.describe())
+            by_step[v.step] = full
+            report.failed_full.append(full)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        os.unlink(path)  # an entry with a checkpoint's name that is no directory: never followed
+    else:
+        remove_dir(path)
+
+
 def prune(ckpt_dir: str | os.PathLike, policy: retention.RetentionPolicy, *,
           level: Level | str = Level.QUICK, key: bytes | None = None, dry_run: bool = False,
-          protect: frozenset[int] = frozenset(), leftovers: bool = True) -> PruneReport:
-    """Remove what the policy does not keep, plus abandoned temp and trash dirs."""
+          protect: frozenset[int] = frozenset(), leftovers: bool = True,
+          verified: VerifiedCache | None = None) -> PruneReport:
+    """Remove what the policy does not keep, plus abandoned temp and trash dirs.
+
+    The listing is verified at `level`; what the plan relies on is always verified fully (see the
+    module docstring). `verified` carries full verifications over from earlier calls.
+    """
+    level = Level(level)
+    report = PruneReport()
     verdicts = verify_all(ckpt_dir, level, key)
-    by_step = {v.step: v for v in verdicts}
-    cands = [retention.Candidate(v.step, v.ok, _metrics(v), v.path.name) for v in verdicts]
-    plan = retention.plan(cands, policy, protect)
-    report = PruneReport(kept=[by_step[c.step] for c in plan.keep])
+    plan = _plan_verified(verdicts, policy, protect, key, level is Level.FULL, verified, report)
+    by_step = {v.step: v for v in verdicts} | {v.step: v for v in report.failed_full}
+    report.kept = [by_step[c.step] for c in plan.keep]
+    relied = {c.step for c in plan.relied}
+    for v in report.kept:
+        checked = " (verified full)" if v.step in relied or level is Level.FULL else ""
+        status = "" if v.ok else f" ({v.describe()})"
+        report.why[v.path] = f"{plan.why.get(v.step, 'kept')}{checked}{status}"
     for cand, reason in plan.delete:
-        path = by_step[cand.step].path
-        if not by_step[cand.step].ok:
-            reason = f"{reason} ({by_step[cand.step].describe()})"
-        size = dir_size(path)
+        v = by_step[cand.step]
+        path = v.path
+        if not v.ok:
+            reason = f"{reason} ({v.describe()})"
+        size = dir_size(path) if path.is_dir() and not path.is_symlink() else 0
         if not dry_run:
             try:
-                remove_dir(path)
+                _remove(path)
             except FileNotFoundError:
                 continue  # someone else removed it first
+            if verified is not None:
+                verified.forget(path)
         report.removed.append(Removal(path, reason, size))
     if leftovers:
         for tmp in list_leftovers(ckpt_dir):

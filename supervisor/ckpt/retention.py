@@ -5,12 +5,17 @@ Kept: the newest `keep` verified checkpoints, the best `keep_best` by `metric` (
 every milestone (step a multiple of `milestone_every`), and always the newest verified one.
 Checkpoints that fail verification are not counted as kept; those older than the newest verified
 checkpoint are removed (and reported), newer ones are left for a person to look at.
+
+`Plan.relied` names the kept checkpoints whose soundness the deletions depend on: the newest
+verified one and the others kept by count or rank (newest `keep`, best `keep_best`). Were one of
+them bad, another would have to be kept in its place, so the caller verifies them fully and plans
+again (`ckpt.prune`). Milestones and protected steps are kept whatever they hold.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -53,6 +58,10 @@ class Candidate:
 class Plan:
     keep: list[Candidate]
     delete: list[tuple[Candidate, str]]  # with the reason, for the report
+    why: dict[int, str] = field(default_factory=dict)
+    """Step -> why it is kept, for the report."""
+    relied: list[Candidate] = field(default_factory=list)
+    """Kept verified checkpoints the deletions depend on (see the module docstring)."""
 
 
 def _metric(c: Candidate, name: str) -> float | None:
@@ -68,30 +77,42 @@ def plan(
     """Decide what to keep and delete; `protect` lists steps that must stay (e.g. in flight)."""
     by_step = sorted(candidates, key=lambda c: c.step, reverse=True)
     good = [c for c in by_step if c.ok]
-    reasons: dict[int, str] = {}
-    kept: set[int] = set(protect)
-    if good:
-        kept.add(good[0].step)  # the newest verified checkpoint is never deleted
+    why: dict[int, list[str]] = {}
+
+    def keep_for(steps: list[int], reason: str) -> None:
+        for step in steps:
+            why.setdefault(step, []).append(reason)
+
+    relied: list[Candidate] = good[:1]  # the newest verified checkpoint is never deleted
+    keep_for([c.step for c in good[:1]], "the newest that verifies")
     if policy.keep is None:
-        kept.update(c.step for c in good)
+        keep_for([c.step for c in good[1:]], "keep all")
     else:
-        kept.update(c.step for c in good[: policy.keep])
+        relied += good[1:policy.keep]
+        keep_for([c.step for c in good[1:policy.keep]], f"among the newest {policy.keep}")
     if policy.keep_best and policy.metric:
         scored = [(m, c) for c in good if (m := _metric(c, policy.metric)) is not None]
         scored.sort(key=lambda mc: mc[0], reverse=policy.mode == "max")
-        kept.update(c.step for _, c in scored[: policy.keep_best])
+        best = [c for _, c in scored[: policy.keep_best]]
+        relied += [c for c in best if c not in relied]
+        keep_for([c.step for c in best],
+                 f"among the best {policy.keep_best} by {policy.metric} ({policy.mode})")
     if policy.milestone_every:
-        kept.update(c.step for c in good if c.step % policy.milestone_every == 0)
+        keep_for([c.step for c in good if c.step % policy.milestone_every == 0],
+                 f"a milestone (every {policy.milestone_every} steps)")
+    keep_for(sorted(protect), "protected (a save in flight)")
     newest_good = good[0].step if good else None
     keep, delete = [], []
     for c in by_step:
-        if c.step in kept:
+        if c.step in why:
             keep.append(c)
         elif c.ok:
-            reasons[c.step] = "beyond the retention policy"
-            delete.append((c, reasons[c.step]))
+            delete.append((c, "beyond the retention policy"))
         elif newest_good is not None and c.step < newest_good:
             delete.append((c, "failed verification and a newer checkpoint verifies"))
         else:
             keep.append(c)  # a failed checkpoint newer than any good one: leave it to a person
-    return Plan(keep, delete)
+            keep_for([c.step], "failed verification but newer than any that verifies: "
+                               "left for a person to look at")
+    return Plan(keep, delete, {step: "; ".join(reasons) for step, reasons in why.items()},
+                relied)

@@ -167,3 +167,44 @@ def first_good(verdicts: Iterable[Verdict], skip_newest: int = 0,
         if on_skip:
             on_skip(v)
     return Selection(None, skipped)
+
+
+class VerifiedCache:
+    """Checkpoints known to pass full verification, so that a process pruning after every save
+    re-hashes only what changed.
+
+    An entry holds the identity of the manifest and of every file it lists (device, inode, size,
+    mtime, ctime): rewriting a byte changes the ctime, which no user can set back, so `holds` is
+    false again and the checkpoint is hashed anew.
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[Path, tuple] = {}
+
+    def add(self, v: Verdict) -> None:
+        """Record `v`, which passed full verification (or was hashed as it was written)."""
+        if not v.ok:
+            return
+        ident = _identity(v)
+        if ident is not None:
+            self._ids[v.path] = ident
+
+    def holds(self, v: Verdict) -> bool:
+        ident = self._ids.get(v.path)
+        return ident is not None and ident == _identity(v)
+
+    def forget(self, path: Path) -> None:
+        self._ids.pop(path, None)
+
+
+def _identity(v: Verdict) -> tuple | None:
+    if v.manifest is None:
+        return None
+    out = []
+    try:
+        for name in (MANIFEST, *sorted(v.manifest["files"])):
+            st = os.stat(v.path / name)
+            out.append((name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    except OSError:
+        return None
+    return tuple(out)
