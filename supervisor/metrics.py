@@ -19,7 +19,6 @@ A value not known yet (no heartbeat, no checkpoint) is left out rather than inve
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -30,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt.layout import MANIFEST, list_checkpoints
+from supervisor.ckpt import manifest
+from supervisor.ckpt.layout import list_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,9 @@ class MetricsFile:
             if self._ckpt_seen is not None and self._ckpt_seen[0] == step:
                 return self._ckpt_seen[1]
             try:
-                created = json.loads((path / MANIFEST).read_bytes())["created"]
-            except (OSError, ValueError, KeyError, TypeError):
+                # manifest.load: never blocks on a FIFO, never parses a bomb.
+                created = manifest.load(path)["created"]
+            except manifest.ManifestError:
                 continue  # being written, or damaged: the next older one counts
             if isinstance(created, (int, float)):
                 self._ckpt_seen = (step, float(created))

@@ -247,3 +247,17 @@ def test_safetensors_header_bomb_in_one_checkpoint(three, header, length, words)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     tensors = json.loads(r.stdout)["tensors"]["model.safetensors"]
     assert tensors.startswith("header unreadable") and words in tensors
+
+
+@pytest.mark.slow
+def test_metrics_file_passes_over_a_fifo_manifest(three, tmp_path):
+    (three / "checkpoint-300" / MANIFEST).unlink()
+    os.mkfifo(three / "checkpoint-300" / MANIFEST)
+    out = tmp_path / "m.prom"
+    r = run_bounded("-c", "import sys; from pathlib import Path; "
+                          "from supervisor.metrics import MetricsFile; "
+                          "MetricsFile(Path(sys.argv[1]), run_dir=Path(sys.argv[2]), "
+                          "ckpt_dir=Path(sys.argv[3])).heartbeat(step=1)",
+                    str(out), str(tmp_path), str(three))
+    assert r.returncode == 0, r.stderr
+    assert "rtrain_last_checkpoint_age_seconds" in out.read_text()
