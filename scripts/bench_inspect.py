@@ -1,8 +1,11 @@
-"""Benchmark: `rtrain inspect` over 100 checkpoints, wall time including interpreter start-up.
+"""Benchmark: `rtrain inspect` (or `rtrain prune`) over 100 checkpoints, wall time including
+interpreter start-up.
 
 Target (issue 2): <= 0.3 s, and torch is never imported. Run from the repository root:
 
     python scripts/bench_inspect.py [--checkpoints 100] [--repeat 7] [--verify quick]
+    python scripts/bench_inspect.py --command prune   # prune --keep 3 --dry-run: the listing
+                                                      # plus full verification of the kept set
 """
 
 from __future__ import annotations
@@ -45,10 +48,13 @@ def make_checkpoints(root: Path, count: int) -> None:
                   "metrics": {"loss": 1.0 / step, "lr": 1e-3}, "info": {}})
 
 
-def run_inspect(ckpt_dir: Path, level: str, *extra: str) -> subprocess.CompletedProcess:
+def run_inspect(ckpt_dir: Path, level: str, *extra: str,
+                command: str = "inspect") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, *extra, "-m", "supervisor", "inspect", str(ckpt_dir),
-                           "--verify", level], env=env, capture_output=True, text=True,
+    # prune with --dry-run: the same verification and planning, nothing removed between runs.
+    args = ["--keep", "3", "--dry-run"] if command == "prune" else []
+    return subprocess.run([sys.executable, *extra, "-m", "supervisor", command, str(ckpt_dir),
+                           "--verify", level, *args], env=env, capture_output=True, text=True,
                           check=True)
 
 
@@ -57,21 +63,22 @@ def main() -> int:
     ap.add_argument("--checkpoints", type=int, default=100)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--verify", choices=["quick", "full"], default="quick")
+    ap.add_argument("--command", choices=["inspect", "prune"], default="inspect")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "checkpoints"
         make_checkpoints(root, args.checkpoints)
-        traced = run_inspect(root, args.verify, "-X", "importtime")
+        traced = run_inspect(root, args.verify, "-X", "importtime", command=args.command)
         torch_lines = [ln for ln in traced.stderr.splitlines()
                        if ln.rsplit("|", 1)[-1].strip().split(".")[0] == "torch"]
-        run_inspect(root, args.verify)  # warm the page cache and .pyc files
+        run_inspect(root, args.verify, command=args.command)  # warm page cache and .pyc files
         times = []
         for _ in range(args.repeat):
             t0 = time.perf_counter()
-            run_inspect(root, args.verify)
+            run_inspect(root, args.verify, command=args.command)
             times.append(time.perf_counter() - t0)
     best, median = min(times), statistics.median(times)
-    print(f"rtrain inspect --verify {args.verify}, {args.checkpoints} checkpoints, "
+    print(f"rtrain {args.command} --verify {args.verify}, {args.checkpoints} checkpoints, "
           f"{args.repeat} runs: median {median:.3f} s, best {best:.3f} s "
           f"(target {TARGET_S} s: median is {median / TARGET_S:.2f}x the target)")
     print("torch imported: " + ("YES, " + torch_lines[0].strip() if torch_lines else "no"))

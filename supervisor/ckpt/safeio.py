@@ -21,6 +21,7 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 from typing import Any, BinaryIO
 
@@ -60,10 +61,7 @@ def check_regular(path: str | os.PathLike, *, follow_symlinks: bool = False) -> 
     return st
 
 
-def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False,
-                 buffering: int = -1) -> BinaryIO:
-    """Open a regular file for reading in binary mode; never blocks on a FIFO or opens a
-    device. Raises `UnsafeFile` (an OSError) for anything else."""
+def _open_fd(path: str | os.PathLike, follow_symlinks: bool) -> tuple[int, os.stat_result]:
     check_regular(path, follow_symlinks=follow_symlinks)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
     if not follow_symlinks:
@@ -78,22 +76,39 @@ def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False,
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # swapped between the check and the open
             raise UnsafeFile(path, f"is {kind(st.st_mode)}, not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb", buffering=buffering)
     except BaseException:
         os.close(fd)
         raise
+    # O_NONBLOCK stays set: it has no effect on a regular file.
+    return fd, st
+
+
+def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False,
+                 buffering: int = -1) -> BinaryIO:
+    """Open a regular file for reading in binary mode; never blocks on a FIFO or opens a
+    device. Raises `UnsafeFile` (an OSError) for anything else."""
+    fd, _ = _open_fd(path, follow_symlinks)
+    return os.fdopen(fd, "rb", buffering=buffering)
 
 
 def read_limited(path: str | os.PathLike, limit: int, *,
                  follow_symlinks: bool = False) -> bytes:
     """The whole of a regular file of at most `limit` bytes; a larger one is refused unread."""
-    with open_regular(path, follow_symlinks=follow_symlinks, buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise UnsafeFile(path, f"is {size} bytes, more than the {limit >> 20} MiB a "
-                                   "checkpoint's metadata may take")
-        data = f.read(limit + 1)
+    fd, st = _open_fd(path, follow_symlinks)
+    try:
+        if st.st_size > limit:
+            raise UnsafeFile(path, f"is {st.st_size} bytes, more than the {limit >> 20} MiB "
+                                   "a checkpoint's metadata may take")
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, limit + 1 - total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
     if len(data) > limit:  # grew while we read
         raise UnsafeFile(path, f"is more than the {limit >> 20} MiB a checkpoint's metadata "
                                "may take")
@@ -111,12 +126,14 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def parse_json(raw: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
+def parse_json(raw: bytes, *, max_depth: int = MAX_DEPTH) -> Any:
     """Strict JSON with bounded cost; raises ValueError with the reason (no position details a
     person cannot use)."""
+    if nested_deeper(raw, max_depth):
+        raise ValueError(f"is nested more than {max_depth} levels deep")
     try:
-        obj = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except RecursionError:
+        return _DECODER.decode(raw.decode("utf-8"))
+    except RecursionError:  # not reached after the check above; kept as the last line
         raise ValueError(f"is nested more than {max_depth} levels deep") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"is not valid JSON ({e})") from None
@@ -125,16 +142,25 @@ def parse_json(raw: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
     except ValueError as e:  # our hooks, and ints past sys.get_int_max_str_digits()
         raise ValueError(str(e) if str(e).startswith("holds") else
                          f"holds a number too large to read ({e})") from None
-    _check_depth(obj, max_depth)
-    return obj
 
 
-def _check_depth(obj: Any, max_depth: int) -> None:
-    # Iterative, so that a deep document cannot exhaust the stack here either.
-    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
-    while stack:
-        node, depth = stack.pop()
-        if depth > max_depth:
-            raise ValueError(f"is nested more than {max_depth} levels deep")
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+# A JSON string, escapes included (brackets inside strings do not nest); unrolled for speed.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+
+
+def nested_deeper(raw: bytes, max_depth: int) -> bool:
+    """Whether the brackets of a JSON text nest deeper than `max_depth`, found before parsing
+    (so a bomb never reaches the recursive parser) at C speed: strings cut out, the rest reduced
+    to brackets, then the innermost pairs removed once per level. Malformed text may pass; the
+    parser refuses it."""
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    for _ in range(max_depth):
+        if not brackets:
+            return False
+        brackets, removed = _INNERMOST.subn(b"", brackets)
+        if not removed:
+            return False  # unbalanced: not JSON, which the parser says
+    return bool(brackets)
