@@ -14,6 +14,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -261,3 +262,15 @@ def test_metrics_file_passes_over_a_fifo_manifest(three, tmp_path):
                     str(out), str(tmp_path), str(three))
     assert r.returncode == 0, r.stderr
     assert "rtrain_last_checkpoint_age_seconds" in out.read_text()
+
+
+@pytest.mark.parametrize("raw", [b'"\\' * 2_000_000, b'"' * 4_000_000, b"[" * 4_000_000])
+def test_bomb_screening_is_linear(raw):
+    """4 MB of quotes, backslashes or brackets: refused in about a second, where a quadratic
+    scan (or the recursive parser) would take hours (or overflow)."""
+    from supervisor.ckpt import safeio
+
+    t0 = time.process_time()
+    with pytest.raises(ValueError):
+        safeio.parse_json(raw)
+    assert time.process_time() - t0 < 30

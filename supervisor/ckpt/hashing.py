@@ -24,10 +24,11 @@ def new_hasher() -> xxhash.xxh3_128:
 def hash_file(path: str | os.PathLike) -> str:
     """Stream a file through xxh3-128 with one reused buffer."""
     h = xxhash.xxh3_128()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
     # Links were checked by the caller (verify.check_member_name); a FIFO must not hang us.
     with safeio.open_regular(path, follow_symlinks=True, buffering=0) as f:
+        # Sized to the file: zeroing 16 MiB for a 1 KiB state.json costs more than hashing it.
+        buf = bytearray(max(1, min(_CHUNK, os.fstat(f.fileno()).st_size + 1)))
+        view = memoryview(buf)
         while True:
             n = f.readinto(buf)
             if not n:

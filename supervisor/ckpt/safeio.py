@@ -146,7 +146,9 @@ def parse_json(raw: bytes, *, max_depth: int = MAX_DEPTH) -> Any:
 
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 # A JSON string, escapes included (brackets inside strings do not nest); unrolled for speed.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# An unterminated one runs to the end: otherwise every later quote would start a new scan to
+# the end, quadratic time on a file of quotes and backslashes.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _INNERMOST = re.compile(rb"\[\]|\{\}")
 
