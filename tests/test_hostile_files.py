@@ -274,3 +274,18 @@ def test_bomb_screening_is_linear(raw):
     with pytest.raises(ValueError):
         safeio.parse_json(raw)
     assert time.process_time() - t0 < 30
+
+
+def test_a_save_replaces_a_link_with_its_name_and_leaves_the_target(three, tmp_path, make_ckpt):
+    outside = make_ckpt(tmp_path / "outside", 400)
+    (three / "checkpoint-400").symlink_to(outside)
+    (three / ".trash-checkpoint-9-abcd").symlink_to(outside)  # a leftover that is a link
+    saved = make_ckpt(three, 400)  # the run saves step 400 again
+    assert not saved.is_symlink() and saved.is_dir()
+    assert (outside / MANIFEST).is_file() and (outside / "model.safetensors").is_file()
+    from supervisor.ckpt import prune as prune_mod
+    from supervisor.ckpt.retention import RetentionPolicy
+
+    prune_mod.prune(three, RetentionPolicy(keep=4))
+    assert not os.path.lexists(three / ".trash-checkpoint-9-abcd")
+    assert (outside / MANIFEST).is_file()

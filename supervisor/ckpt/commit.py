@@ -38,7 +38,10 @@ def remove_dir(path: Path) -> None:
     """Delete by renaming out of the way first, so no reader ever sees half a checkpoint."""
     trash = path.parent / trash_name(path.name)
     os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    if trash.is_symlink() or not trash.is_dir():
+        os.unlink(trash)  # an entry with a checkpoint's name that is no directory: never followed
+    else:
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 class PendingCheckpoint:
@@ -118,7 +121,7 @@ class PendingCheckpoint:
         if self.fsync:
             fsync_dir(self.tmp)
         final = self.ckpt_dir / checkpoint_name(self.step)
-        if final.exists():
+        if os.path.lexists(final):  # a link (even a dangling one) is replaced, not followed
             # A step saved again (a replay after resume, or after a rollback): move the old one
             # aside first; until the rename below, resume falls back to the previous checkpoint.
             remove_dir(final)

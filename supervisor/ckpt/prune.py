@@ -91,13 +91,6 @@ def _plan_verified(verdicts: list[Verdict], policy: retention.RetentionPolicy,
             report.failed_full.append(full)
 
 
-def _remove(path: Path) -> None:
-    if path.is_symlink() or not path.is_dir():
-        os.unlink(path)  # an entry with a checkpoint's name that is no directory: never followed
-    else:
-        remove_dir(path)
-
-
 def prune(ckpt_dir: str | os.PathLike, policy: retention.RetentionPolicy, *,
           level: Level | str = Level.QUICK, key: bytes | None = None, dry_run: bool = False,
           protect: frozenset[int] = frozenset(), leftovers: bool = True,
@@ -126,7 +119,7 @@ def prune(ckpt_dir: str | os.PathLike, policy: retention.RetentionPolicy, *,
         size = dir_size(path) if path.is_dir() and not path.is_symlink() else 0
         if not dry_run:
             try:
-                _remove(path)
+                remove_dir(path)
             except FileNotFoundError:
                 continue  # someone else removed it first
             if verified is not None:
@@ -139,7 +132,10 @@ def prune(ckpt_dir: str | os.PathLike, policy: retention.RetentionPolicy, *,
                 continue
             size = dir_size(tmp.path)
             if not dry_run:
-                shutil.rmtree(tmp.path, ignore_errors=True)
+                if tmp.path.is_symlink() or not tmp.path.is_dir():
+                    tmp.path.unlink(missing_ok=True)  # the entry, never what a link points to
+                else:
+                    shutil.rmtree(tmp.path, ignore_errors=True)
             why = "interrupted deletion" if is_trash else "abandoned temp dir of a save that died"
             report.removed.append(Removal(tmp.path, why, size))
     return report
