@@ -39,6 +39,7 @@ from supervisor.metrics import MetricsFile
 from supervisor.policy import Action, Decision, History, ResumeMode, decide, note_progress
 from supervisor.proctree import ProcTree
 from supervisor.runstate import RunState, RunStatus, load_state, save_state
+from supervisor.safetext import safe
 from supervisor.spawn import ChildSpec, spawn
 from supervisor.statusline import StatusLine
 from supervisor.watch import Outcome, Sample, SignalCatcher, WatchConfig, watch
@@ -250,7 +251,7 @@ class _Loop:
         sel = foreign.select_resume(self.ckpt_dir, level, self.key,
                                     skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
         for v in sel.skipped:
-            self.say(f"skipping {v.path.name}: {v.describe()}")
+            self.say(f"skipping {safe(v.path.name)}: {safe(v.describe())}")  # names from disk
             self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
         if resume is ResumeMode.ROLLBACK and sel.chosen is None:
             sel = foreign.select_resume(self.ckpt_dir, level, self.key)  # nothing older: newest
