@@ -4,6 +4,7 @@ the newest `keep`, the best `keep_best`) is verified fully before anything is de
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -13,6 +14,7 @@ import pytest
 
 from supervisor.ckpt import prune as prune_mod
 from supervisor.ckpt.layout import list_checkpoints
+from supervisor.ckpt.manifest import dumps
 from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level, verify
 
@@ -107,3 +109,12 @@ def test_in_process_retention_verifies_fully(tmp_path, caplog, monkeypatch):
     assert "checkpoint-2 passes the quick check but fails full verification" in text
     assert "retention: kept checkpoint-3: the newest that verifies" in text
     assert "checkpoint-1: among the newest 2 (verified full)" in text
+
+
+def test_a_metric_too_large_for_a_float_does_not_stop_prune(four):
+    path = four / "checkpoint-300" / "manifest.json"
+    m = json.loads(path.read_bytes())
+    m["metrics"] = {"loss": 10**400}  # valid JSON, 401 digits: no float holds it
+    path.write_bytes(dumps(m))
+    prune_mod.prune(four, RetentionPolicy(keep=1, keep_best=1, metric="loss"))
+    assert steps(four) == [100, 400]

@@ -150,9 +150,10 @@ def verify_path(path: str | os.PathLike, level: Level | str = Level.FULL,
                 key: bytes | None = None) -> Verdict:
     """One checkpoint of any format: a directory (rtrain's or a Trainer's) or a file."""
     path, level = Path(path), Level(level)
-    if path.suffix in FILE_SUFFIXES and not path.is_dir():
-        return _verify_file(path, level, step_from_name(path.name))
-    if path.is_file() and not path.is_symlink():
+    # A checkpoint file (a FIFO or link with such a name too: refused there with the reason),
+    # or any regular file; everything else is a directory, whose manifest.load refuses links.
+    if (path.suffix in FILE_SUFFIXES and not path.is_dir()) or (
+            path.is_file() and not path.is_symlink()):
         return _verify_file(path, level, step_from_name(path.name))
     verdict = rverify.verify(path, level, key)
     if verdict.status is Status.INCOMPLETE and is_hf_dir(path):

@@ -130,12 +130,13 @@ def prune(ckpt_dir: str | os.PathLike, policy: retention.RetentionPolicy, *,
             is_trash = tmp.path.name.startswith(TRASH_PREFIX)
             if not is_trash and tmp.writer_alive():
                 continue
-            size = dir_size(tmp.path)
+            real_dir = tmp.path.is_dir() and not tmp.path.is_symlink()
+            size = dir_size(tmp.path) if real_dir else 0
             if not dry_run:
-                if tmp.path.is_symlink() or not tmp.path.is_dir():
-                    tmp.path.unlink(missing_ok=True)  # the entry, never what a link points to
-                else:
+                if real_dir:
                     shutil.rmtree(tmp.path, ignore_errors=True)
+                else:
+                    tmp.path.unlink(missing_ok=True)  # the entry, never what a link points to
             why = "interrupted deletion" if is_trash else "abandoned temp dir of a save that died"
             report.removed.append(Removal(tmp.path, why, size))
     return report

@@ -66,9 +66,13 @@ class Plan:
 
 def _metric(c: Candidate, name: str) -> float | None:
     v = c.metrics.get(name)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
-    return float(v)
+    try:
+        v = float(v)  # an int of 400 digits in a hand-made manifest does not fit
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) else None
 
 
 def plan(
