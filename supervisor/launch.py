@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import protocol, slurm, templates
-from supervisor.ckpt import foreign
+from supervisor.ckpt import foreign, generation
 from supervisor.ckpt.hashing import load_signing_key
 from supervisor.ckpt.verify import Level, Selection
 from supervisor.classify import classify, plain_script_started
@@ -35,6 +35,7 @@ from supervisor.events import STORAGE_ERRNOS, EventLog, read_events
 from supervisor.gpu import GpuReader, NvmlReader, wait_gpu_released
 from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
 from supervisor.hooks import HookRunner
+from supervisor.leftovers import ProcRecord, end_leftovers
 from supervisor.lock import RunLock
 from supervisor.metrics import MetricsFile
 from supervisor.policy import Action, Decision, History, ResumeMode, decide, note_progress
@@ -113,6 +114,7 @@ def launch(spec: LaunchSpec, seams: Seams | None = None) -> int:
     with RunLock(run_dir) as lock, best_effort_console() as console:
         loop = _Loop(spec, seams, run_dir)
         loop.console = console
+        loop.end_leftovers()
         if lock.previous is not None:
             loop.events.emit("lock_takeover", previous=lock.previous)
         try:
@@ -158,6 +160,7 @@ class _Loop:
         self._last_summary = 0.0
         self.console: list[BestEffortWriter] = []  # our stdout/stderr, when they are real
         self._state_unsaved = False  # state.json could not be written (disk full): retried
+        self.procs = ProcRecord(run_dir)  # the attempt's processes, for the next launch
 
     def say(self, text: str) -> None:
         if self.line is None:
@@ -177,6 +180,15 @@ class _Loop:
         if self.metrics is not None:
             self.metrics.stopped()
         self.events.close()
+
+    def end_leftovers(self) -> None:
+        """End what an earlier rtrain of this run dir left running (it was SIGKILLed)."""
+        ended = end_leftovers(self.run_dir)
+        if ended:
+            self.events.emit("leftovers_ended", pids=[p.pid for p in ended],
+                             commands=[p.command for p in ended], found=[p.why for p in ended])
+            self.say(f"ended {len(ended)} processes an earlier rtrain of this run left running: "
+                     + ", ".join(f"pid {p.pid} ({p.command[:60]})" for p in ended))
 
     # ------------------------------------------------------------ run state
 
@@ -309,6 +321,14 @@ class _Loop:
         if chosen is not None:
             argv += templates.render(list(self.spec.resume_args), values)
         env = self._child_env(attempt, settings, attempt_dir, resume_from)
+        try:  # from now on, writers of earlier attempts cannot commit
+            token = generation.new_token()
+            generation.advance(self.ckpt_dir, token)
+            env[protocol.ENV_GENERATION] = token
+        except OSError as e:
+            env.pop(protocol.ENV_GENERATION, None)
+            self.say(f"cannot write the checkpoint generation in {self.ckpt_dir} ({e.strerror});"
+                     " writers left from earlier attempts are not fenced off")
         self.hb.drain()  # stale heartbeats of the previous attempt
         for out in self.console:
             out.hint = f"{attempt_dir}/"
@@ -316,6 +336,7 @@ class _Loop:
                                 echo=self.spec.echo,
                                 log_cap_bytes=int(self.cfg.log_cap_mb * 2**20),
                                 echo_through=self.line.write_through if self.line else None))
+        self.procs.update([child.pid])
         if self.line is not None:
             self.line.update(attempt=attempt, level=self.state.history.level, step=None,
                              loss=None, samples_per_s=None)
@@ -332,6 +353,7 @@ class _Loop:
                         tree=tree, on_heartbeat=lambda hb: self._on_heartbeat(attempt, hb),
                         on_sample=self._on_sample)
         child.close()
+        self.procs.update([])  # swept
         return outcome, time.monotonic() - t0
 
     def _child_env(self, attempt: int, settings: dict[str, Any], attempt_dir: Path,
@@ -370,6 +392,7 @@ class _Loop:
             out.try_flush()
         if self.events.retry() and self._state_unsaved:  # held while the disk was full
             self._write_state()
+        self.procs.update(sample.tree.pids)
         if self.line is None:
             return
         used = sum(d.used for d in sample.gpu.devices) if sample.gpu.devices else None
