@@ -41,11 +41,10 @@ def _start(tmp_path: Path, run: Path, *child: str) -> subprocess.Popen:
 
 def _fill(disk: Path) -> Path:
     ballast = disk / "ballast"
-    with open(ballast, "wb") as f:
+    with open(ballast, "wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 65536)
-                f.flush()
         except OSError as e:
             assert e.errno == errno.ENOSPC
     return ballast
