@@ -128,3 +128,22 @@ def test_a_console_that_pauses_is_told_what_it_missed(tmp_path):
     log = (run / "attempts" / "0" / "stdout.log").read_bytes()
     before_gap = bytes(got[: got.index(b"\n[rtrain: ")])
     assert log.startswith(before_gap)
+
+
+def test_stop_works_while_the_terminal_is_not_read(tmp_path):
+    # A terminal nobody reads (a paused pager, a stalled ssh session): a real pty whose master
+    # side is never read; rtrain's stdout and stderr (with the live status line) go there.
+    run = tmp_path / "run"
+    master, slave = os.openpty()
+    proc = subprocess.Popen(_cmd(run, "1000000", "1024", "0.001"), env=_env(), cwd=tmp_path,
+                            stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    try:
+        _wait_step(run, 600)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 75
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    assert _decisions(run) == ["exit_preempted"]
