@@ -133,6 +133,14 @@ def _command(pid: int) -> str:
         return "?"
 
 
+def _why(pid: int, recorded: dict[int, int], marker: bytes) -> str | None:
+    if pid in recorded and recorded[pid] == start_time(pid):
+        return "recorded"
+    if _environ_marks(pid, marker):
+        return "environment"
+    return None
+
+
 def end_leftovers(run_dir: Path) -> list[Leftover]:
     """SIGKILL what earlier supervisors of `run_dir` left running; return what was ended."""
     run_dir = Path(run_dir).resolve()
@@ -145,23 +153,22 @@ def end_leftovers(run_dir: Path) -> list[Leftover]:
         if not name.isdigit() or int(name) in mine:
             continue
         pid = int(name)
+        if _why(pid, recorded, marker) is None:
+            continue
         try:
             fd = os.pidfd_open(pid)
         except OSError:
             continue
-        # Identity is checked after the pidfd pins the process: a pid reused meanwhile makes
-        # the checks fail, or the signal below go to the (dead) process the pidfd names.
-        if recorded.get(pid) is not None and recorded[pid] == start_time(pid):
-            why = "recorded"
-        elif _environ_marks(pid, marker):
-            why = "environment"
-        else:
-            os.close(fd)
-            continue
+        # Checked again once the pidfd pins the process: a pid reused in between fails the
+        # check, or the signal goes to the (dead) process the pidfd names.
+        why = _why(pid, recorded, marker)
         command = _command(pid)
         try:
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except OSError:
+            if why is not None:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except OSError:  # exited meanwhile
+            why = None
+        if why is None:
             os.close(fd)
             continue
         ended.append(Leftover(pid, command, why))
