@@ -36,6 +36,16 @@ def _cmd(run: Path, *child: str) -> list[str]:
             "--no-backoff", *child]
 
 
+def _read_pid(path: Path) -> int:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the file may exist before its content is written
+        text = path.read_text() if path.exists() else ""
+        if text.strip():
+            return int(text)
+        time.sleep(0.02)
+    pytest.fail(f"{path} was never written")
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -51,8 +61,8 @@ def test_next_launch_ends_what_a_killed_rtrain_left(tmp_path):
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     left: list[int] = []
     try:
-        grandchild = int(wait_for(d / "grandchild.pid", 30))
-        writer = int(wait_for(d / "writer.pid", 30))
+        grandchild = _read_pid(d / "grandchild.pid")
+        writer = _read_pid(d / "writer.pid")
         left = [grandchild, writer]
         deadline = time.monotonic() + 30  # the watch records the tree at its next sample
         while time.monotonic() < deadline:
