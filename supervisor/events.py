@@ -16,7 +16,6 @@ supervision goes on meanwhile. Past `PENDING_MAX` waiting events the newest are 
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import RtrainError
+from supervisor.logcap import STORAGE_ERRNOS
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,6 @@ EVENTS_VERSION = 1
 DURABLE_KINDS = frozenset({"give_up", "finished", "preempted", "requeue", "lock_takeover"})
 # Other kinds so far: heartbeat_summary, checkpoint, skipped_checkpoint, gpu_release_wait,
 # hook_failed, events_lost, leftovers_ended.
-
-# Errors of the storage, not of the program: waited out, never fatal to supervision.
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 
 Listener = Callable[[dict[str, Any]], None]
 

@@ -31,12 +31,13 @@ from supervisor.classify import classify, plain_script_started
 from supervisor.config import Config
 from supervisor.console import BestEffortWriter, best_effort_console
 from supervisor.errors import UsageError
-from supervisor.events import STORAGE_ERRNOS, EventLog, read_events
+from supervisor.events import EventLog, read_events
 from supervisor.gpu import GpuReader, NvmlReader, wait_gpu_released
 from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
 from supervisor.hooks import HookRunner
 from supervisor.leftovers import ProcRecord, end_leftovers
 from supervisor.lock import RunLock
+from supervisor.logcap import STORAGE_ERRNOS
 from supervisor.metrics import MetricsFile
 from supervisor.policy import Action, Decision, History, ResumeMode, decide, note_progress
 from supervisor.proctree import ProcTree

@@ -9,11 +9,13 @@ so each byte is rewritten at most once more.
 
 Best effort: a full disk (ENOSPC, EDQUOT) or a failing one (EIO) must not stop training or
 supervision. What cannot be written is counted and skipped; the next write that succeeds is
-preceded by a line saying how many bytes are missing there and why.
+preceded by a line saying how many bytes are missing there and why. A log whose directory or
+file cannot even be created (no free inode or block) is created at the first write that can.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from pathlib import Path
@@ -21,6 +23,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 DEFAULT_CAP_BYTES = 64 * 1024 * 1024
+# Errors of the storage, not of the program: waited out, never fatal to supervision.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 _LINE_SEARCH = 4096  # a cut starts at the next line start within this many bytes
 
 
@@ -33,8 +37,8 @@ class CappedLog:
 
     def __init__(self, path: Path, cap_bytes: int | None = DEFAULT_CAP_BYTES) -> None:
         self.path = Path(path)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
-        self.size = os.fstat(self.fd).st_size
+        self.fd = -1
+        self.size = 0
         self.cap = cap_bytes or 0
         self.head_max = self.cap // 2
         self.tail_max = self.cap - self.head_max
@@ -45,9 +49,26 @@ class CappedLog:
         self.lost_total = 0
         self._lost_reason = ""
         self.closed = False
+        self._open()
+
+    def _open(self) -> bool:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                              0o666)
+        except OSError as e:
+            if e.errno not in STORAGE_ERRNOS:
+                raise
+            self._lost_reason = e.strerror or str(e)
+            return False
+        self.size = os.fstat(self.fd).st_size
+        return True
 
     def write(self, data: bytes) -> None:
         if self.closed or not data:
+            return
+        if self.fd < 0 and not self._open():
+            self._lose(len(data), self._lost_reason)
             return
         if self.lost_bytes and not self._note_lost():
             self._lose(len(data), self._lost_reason)
@@ -116,7 +137,10 @@ class CappedLog:
 
     def close(self) -> None:
         if not self.closed:
+            if self.fd < 0 and self.lost_bytes:
+                self._open()
+            if self.fd >= 0:
+                if self.lost_bytes:
+                    self._note_lost()
+                os.close(self.fd)
             self.closed = True
-            if self.lost_bytes:
-                self._note_lost()
-            os.close(self.fd)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from .logcap import DEFAULT_CAP_BYTES, CappedLog
+from .logcap import DEFAULT_CAP_BYTES, STORAGE_ERRNOS, CappedLog
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,13 @@ def _preexec(parent_pid: int, cgroup_procs: bytes | None):
 
 def spawn(spec: ChildSpec) -> Child:
     """Start the child. Raises OSError (e.g. FileNotFoundError) when it cannot be started."""
-    spec.attempt_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        spec.attempt_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a full disk costs this attempt's logs until there is room, not the run
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        log.warning("cannot create %s (%s); training starts anyway", spec.attempt_dir,
+                    e.strerror)
     if spec.subreaper:
         become_subreaper()
     cgroup_procs = None

@@ -103,3 +103,33 @@ def test_the_end_of_a_run_is_recorded_once_there_is_room(tmp_path, small_tmpfs):
         ["launch", "exit", "decision", "finished"]
     assert load_state(run).status.value == "finished"
     assert "waiting up to 60 s for room" in (tmp_path / "err").read_text()
+
+
+def test_a_relaunch_while_not_even_a_directory_can_be_made(tmp_path, small_tmpfs):
+    # Few inodes: with them used up, the next attempt's directory and logs cannot be created.
+    run = small_tmpfs("8m,nr_inodes=64") / "run"
+    go = tmp_path / "go"
+    proc = _start(tmp_path, run, str(KIDS / "wait_file.py"), str(go), "1")
+    ballast = run.parent / "inodes"
+    try:
+        _wait_text(run / "attempts" / "0" / "stdout.log", b"ready")
+        ballast.mkdir()
+        try:
+            for i in range(1000):
+                (ballast / str(i)).touch()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+        go.touch()  # attempt 0 crashes now; attempt 1 runs with no room for its logs
+        time.sleep(4)
+        assert proc.poll() is None, (tmp_path / "err").read_text()
+        assert not (run / "attempts" / "1").exists()
+        for f in ballast.iterdir():
+            f.unlink()
+        assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [e["kind"] for e in read_events(run / "events.jsonl")] == \
+        ["launch", "exit", "classification", "decision", "launch", "exit", "decision",
+         "finished"]
+    assert load_state(run).status.value == "finished"
