@@ -133,3 +133,25 @@ def test_a_relaunch_while_not_even_a_directory_can_be_made(tmp_path, small_tmpfs
         ["launch", "exit", "classification", "decision", "launch", "exit", "decision",
          "finished"]
     assert load_state(run).status.value == "finished"
+
+
+def test_a_launch_onto_a_full_disk(tmp_path, small_tmpfs):
+    # A requeued job that starts while the run dir's disk is full: it runs, and records how it
+    # ended once there is room.
+    disk = small_tmpfs("8m")
+    run = disk / "run"
+    go = tmp_path / "go"
+    ballast = _fill(disk)
+    go.touch()  # the child ends as soon as it starts
+    proc = _start(tmp_path, run, str(KIDS / "wait_file.py"), str(go))
+    try:
+        time.sleep(6)
+        assert proc.poll() is None, (tmp_path / "err").read_text()
+        ballast.unlink()
+        assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [e["kind"] for e in read_events(run / "events.jsonl")] == \
+        ["launch", "exit", "decision", "finished"]
+    assert load_state(run).status.value == "finished"
