@@ -18,6 +18,7 @@ Sources: `--config FILE`, else `rtrain.toml` (top level, or its `[rtrain]` table
     [[ladder]] knob = "batch_size"  action = "halve"  floor = 1  compensate = "grad_accum"
     metrics_file = PATH            # Prometheus text format, rewritten atomically (none: off)
     summary_every_s = 5.0          # heartbeat_summary events while a child runs
+    log_cap_mb = 64.0              # per attempt log: its head and newest output are kept
     [[hooks]]  on = ["give_up", "degrade", "hang"]  command = [...]  timeout_s = 10.0
 """
 
@@ -205,6 +206,9 @@ class Config:
     runs (the points of `rtrain report`'s curves); each attempt's first step is always kept."""
     hooks: tuple[HookSpec, ...] = ()
     """`[[hooks]]`: commands run with an event's JSON on stdin (supervisor/hooks.py)."""
+    log_cap_mb: float = 64.0
+    """Each attempt log (stdout.log, stderr.log) keeps at most about this many MiB: its first
+    half and its newest output, with a line saying how much was cut between (0: no cap)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.resume, str) or not self.resume:
@@ -220,6 +224,7 @@ class Config:
         _number("memory_pressure_fraction", self.memory_pressure_fraction, above=True)
         _number("lr_factor_on_nonfinite", self.lr_factor_on_nonfinite, above=True)
         _number("summary_every_s", self.summary_every_s, above=True)
+        _number("log_cap_mb", self.log_cap_mb)
         if self.memory_pressure_fraction > 1 or self.lr_factor_on_nonfinite > 1:
             raise ConfigError("memory_pressure_fraction and lr_factor_on_nonfinite must be at "
                               "most 1")

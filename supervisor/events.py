@@ -6,6 +6,12 @@ supervisor restarts), `kind`, then the event's own fields. Each line goes out in
 only events a post-mortem needs (launch, exit, decisions, give-up...) pay for an fsync.
 A supervisor killed mid-write leaves a torn last line: readers skip it, and the next writer
 cuts it off before appending, so it never becomes a corrupt line in the middle.
+
+Writing is best effort against the disk, never against order: when the disk is full or failing
+(ENOSPC, EDQUOT, EIO) an event that cannot be written waits in memory (the rest of a line
+written in part first) and goes out, in order, with the next `emit`, `sync` or `retry`; the
+supervision goes on meanwhile. Past `PENDING_MAX` waiting events the newest are dropped and an
+`events_lost` event with their count is written once there is room.
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from supervisor.errors import RtrainError
+from supervisor.logcap import STORAGE_ERRNOS
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +37,12 @@ EVENTS_VERSION = 1
 # (the launch loop syncs once per decision), which keeps relaunches fast.
 DURABLE_KINDS = frozenset({"give_up", "finished", "preempted", "requeue", "lock_takeover"})
 # Other kinds so far: heartbeat_summary, checkpoint, skipped_checkpoint, gpu_release_wait,
-# hook_failed.
+# hook_failed, events_lost, leftovers_ended.
 
 Listener = Callable[[dict[str, Any]], None]
 
 _TAIL_BYTES = 64 * 1024  # enough to hold the last complete line of any event
+PENDING_MAX = 10_000  # events held in memory while the disk refuses them
 
 
 class EventLogError(RtrainError):
@@ -54,6 +63,9 @@ class EventLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._seq = self._recover()
+        self._pending: deque[bytes] = deque()  # lines not (completely) written yet, in order
+        self._lost = 0  # events dropped with the queue full
+        self._error: str | None = None  # why the disk refuses, while it does
 
     def _recover(self) -> int:
         """Cut a torn last line off and return the last seq written."""
@@ -80,9 +92,12 @@ class EventLog:
         event = {"v": EVENTS_VERSION, "time": self.clock(), "seq": self._seq, "kind": kind,
                  **fields}
         line = json.dumps(event, default=str, separators=(",", ":")) + "\n"
-        os.write(self._fd, line.encode())
-        if kind in DURABLE_KINDS:
-            os.fsync(self._fd)
+        if len(self._pending) < PENDING_MAX:
+            self._pending.append(line.encode())
+        else:
+            self._lost += 1
+        if self.retry() and kind in DURABLE_KINDS:
+            self.sync()
         for listener in self.listeners:
             try:
                 listener(event)
@@ -90,11 +105,55 @@ class EventLog:
                 log.exception("event listener %r failed on a %s event", listener, kind)
         return event
 
+    @property
+    def pending(self) -> int:
+        """Events waiting for room on the disk."""
+        return len(self._pending) + (1 if self._lost else 0)
+
+    def retry(self) -> bool:
+        """Write what waits, in order; True when nothing is left waiting."""
+        while self._pending:
+            line = self._pending[0]
+            try:
+                n = os.write(self._fd, line)
+            except OSError as e:
+                if e.errno not in STORAGE_ERRNOS:
+                    raise
+                if self._error is None:
+                    log.warning("cannot write %s (%s): events wait in memory until there is "
+                                "room; supervision goes on", self.path, e.strerror)
+                self._error = e.strerror
+                return False
+            if n < len(line):
+                self._pending[0] = line[n:]  # the line's rest must come before anything else
+                continue
+            self._pending.popleft()
+            if not self._pending and self._lost:
+                lost, self._lost = self._lost, 0
+                self._seq += 1
+                note = {"v": EVENTS_VERSION, "time": self.clock(), "seq": self._seq,
+                        "kind": "events_lost", "count": lost, "reason": self._error}
+                self._pending.append((json.dumps(note, separators=(",", ":")) + "\n").encode())
+        if self._error is not None:
+            log.warning("%s is written again", self.path)
+            self._error = None
+        return True
+
     def sync(self) -> None:
-        os.fsync(self._fd)
+        if not self.retry():
+            return
+        try:
+            os.fsync(self._fd)
+        except OSError as e:
+            if e.errno not in STORAGE_ERRNOS:
+                raise
+            log.warning("cannot sync %s (%s)", self.path, e.strerror)
 
     def close(self) -> None:
         if self._fd >= 0:
+            if not self.retry():
+                log.warning("%d events could not be written to %s (%s)", self.pending,
+                            self.path, self._error)
             os.close(self._fd)
             self._fd = -1
 

@@ -24,17 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import protocol, slurm, templates
-from supervisor.ckpt import foreign
+from supervisor.ckpt import foreign, generation
 from supervisor.ckpt.hashing import load_signing_key
 from supervisor.ckpt.verify import Level, Selection
 from supervisor.classify import classify, plain_script_started
 from supervisor.config import Config
+from supervisor.console import BestEffortWriter, best_effort_console
 from supervisor.errors import UsageError
 from supervisor.events import EventLog, read_events
 from supervisor.gpu import GpuReader, NvmlReader, wait_gpu_released
 from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
 from supervisor.hooks import HookRunner
+from supervisor.leftovers import ProcRecord, end_leftovers
 from supervisor.lock import RunLock
+from supervisor.logcap import STORAGE_ERRNOS
 from supervisor.metrics import MetricsFile
 from supervisor.policy import Action, Decision, History, ResumeMode, decide, note_progress
 from supervisor.proctree import ProcTree
@@ -45,6 +48,10 @@ from supervisor.statusline import StatusLine
 from supervisor.watch import Outcome, Sample, SignalCatcher, WatchConfig, watch
 
 log = logging.getLogger(__name__)
+
+# A run that ends while the run dir's disk is full waits this long for room to record how it
+# ended (state.json, the last events); supervision itself never waits for the disk.
+RECORD_WAIT_S = 60.0
 
 
 
@@ -106,8 +113,10 @@ def launch(spec: LaunchSpec, seams: Seams | None = None) -> int:
         raise UsageError(f"--resume {cfg.resume}: no such checkpoint")
     blank = {**cfg.settings, "checkpoint": "", "attempt": 0, "run_dir": "", "ckpt_dir": ""}
     templates.render([*spec.command, *spec.resume_args], blank)  # typos fail before any work
-    with RunLock(run_dir) as lock:
+    with RunLock(run_dir) as lock, best_effort_console() as console:
         loop = _Loop(spec, seams, run_dir)
+        loop.console = console
+        loop.end_leftovers()
         if lock.previous is not None:
             loop.events.emit("lock_takeover", previous=lock.previous)
         try:
@@ -151,6 +160,9 @@ class _Loop:
         self.line = StatusLine(sys.stderr) if spec.echo else None
         self.state = self._load_state()
         self._last_summary = 0.0
+        self.console: list[BestEffortWriter] = []  # our stdout/stderr, when they are real
+        self._state_unsaved = False  # state.json could not be written (disk full): retried
+        self.procs = ProcRecord(run_dir)  # the attempt's processes, for the next launch
 
     def say(self, text: str) -> None:
         if self.line is None:
@@ -160,6 +172,7 @@ class _Loop:
             self.seams.say(text)
 
     def close(self) -> None:
+        self._record_final()
         if self.line is not None:
             self.line.clear()
         self.hb.close()
@@ -169,6 +182,15 @@ class _Loop:
         if self.metrics is not None:
             self.metrics.stopped()
         self.events.close()
+
+    def end_leftovers(self) -> None:
+        """End what an earlier rtrain of this run dir left running (it was SIGKILLed)."""
+        ended = end_leftovers(self.run_dir)
+        if ended:
+            self.events.emit("leftovers_ended", pids=[p.pid for p in ended],
+                             commands=[p.command for p in ended], found=[p.why for p in ended])
+            self.say(f"ended {len(ended)} processes an earlier rtrain of this run left running: "
+                     + ", ".join(f"pid {p.pid} ({p.command[:60]})" for p in ended))
 
     # ------------------------------------------------------------ run state
 
@@ -198,7 +220,38 @@ class _Loop:
     def _save(self, status: RunStatus, reason: str, history: History) -> None:
         self.state = replace(self.state, status=status, reason=reason, history=history,
                              updated=self.seams.wall())
-        save_state(self.run_dir, self.state)
+        self._write_state()
+
+    def _write_state(self) -> bool:
+        """Write state.json; on a full or failing disk keep it for a later try (the samples'
+        ticks and the end of the run) instead of stopping the supervision."""
+        try:
+            save_state(self.run_dir, self.state)
+        except OSError as e:
+            if e.errno not in STORAGE_ERRNOS:
+                raise
+            if not self._state_unsaved:
+                self.say(f"cannot write state.json in {self.run_dir} ({e.strerror}): kept "
+                         "until there is room; training goes on")
+            self._state_unsaved = True
+            return False
+        self._state_unsaved = False
+        return True
+
+    def _record_final(self) -> None:
+        """Wait (bounded) for room to write the events and state.json that are still held."""
+        deadline, told = time.monotonic() + RECORD_WAIT_S, False
+        while not self.events.retry() or (self._state_unsaved and not self._write_state()):
+            if time.monotonic() >= deadline:
+                self.say(f"no room in {self.run_dir} after {RECORD_WAIT_S:g} s: "
+                         f"{self.events.pending} events"
+                         + (" and state.json" if self._state_unsaved else "") + " not recorded")
+                return
+            if not told:
+                self.say(f"waiting up to {RECORD_WAIT_S:g} s for room in {self.run_dir} to "
+                         "record how the run ended")
+                told = True
+            time.sleep(0.5)
 
     # ------------------------------------------------------------ the loop
 
@@ -270,10 +323,22 @@ class _Loop:
         if chosen is not None:
             argv += templates.render(list(self.spec.resume_args), values)
         env = self._child_env(attempt, settings, attempt_dir, resume_from)
+        try:  # from now on, writers of earlier attempts cannot commit
+            token = generation.new_token()
+            generation.advance(self.ckpt_dir, token)
+            env[protocol.ENV_GENERATION] = token
+        except OSError as e:
+            env.pop(protocol.ENV_GENERATION, None)
+            self.say(f"cannot write the checkpoint generation in {self.ckpt_dir} ({e.strerror});"
+                     " writers left from earlier attempts are not fenced off")
         self.hb.drain()  # stale heartbeats of the previous attempt
+        for out in self.console:
+            out.hint = f"{attempt_dir}/"
         child = spawn(ChildSpec(argv=argv, env=env, cwd=self.spec.cwd, attempt_dir=attempt_dir,
                                 echo=self.spec.echo,
+                                log_cap_bytes=int(self.cfg.log_cap_mb * 2**20),
                                 echo_through=self.line.write_through if self.line else None))
+        self.procs.update([child.pid])
         if self.line is not None:
             self.line.update(attempt=attempt, level=self.state.history.level, step=None,
                              loss=None, samples_per_s=None)
@@ -290,6 +355,7 @@ class _Loop:
                         tree=tree, on_heartbeat=lambda hb: self._on_heartbeat(attempt, hb),
                         on_sample=self._on_sample)
         child.close()
+        self.procs.update([])  # swept
         return outcome, time.monotonic() - t0
 
     def _child_env(self, attempt: int, settings: dict[str, Any], attempt_dir: Path,
@@ -324,6 +390,11 @@ class _Loop:
 
     def _on_sample(self, sample: Sample) -> None:
         self._observe()
+        for out in self.console:  # echo held back while the console was slow
+            out.try_flush()
+        if self.events.retry() and self._state_unsaved:  # held while the disk was full
+            self._write_state()
+        self.procs.update(sample.tree.pids)
         if self.line is None:
             return
         used = sum(d.used for d in sample.gpu.devices) if sample.gpu.devices else None

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import AlreadySupervised
+from supervisor.logcap import STORAGE_ERRNOS
 
 LOCK_NAME = ".rtrain.lock"
 
@@ -64,8 +65,14 @@ class RunLock:
                 previous["alive"] = _pid_alive(previous["pid"])
             self.previous = previous
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": self.clock()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        except OSError as e:
+            if e.errno not in STORAGE_ERRNOS:
+                os.close(fd)
+                raise
+            # A full disk: the holder's name is only for messages, the flock holds the run.
         self._fd = fd
         return self
 

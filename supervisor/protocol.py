@@ -25,6 +25,7 @@ ENV_STATUS = "RTRAIN_STATUS"
 ENV_STOP_SIGNAL = "RTRAIN_STOP_SIGNAL"
 ENV_HEARTBEAT = "RTRAIN_HEARTBEAT"
 ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
+ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's checkpoint generation (ckpt/generation.py)
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a committed checkpoint
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from .logcap import DEFAULT_CAP_BYTES, STORAGE_ERRNOS, CappedLog
+
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
@@ -52,6 +54,8 @@ class ChildSpec:
     """Join this cgroup (a directory with `cgroup.procs`) before exec, e.g. a memory limit."""
     subreaper: bool = True
     """Make the supervisor a child subreaper so setsid escapees stay our descendants."""
+    log_cap_bytes: int | None = DEFAULT_CAP_BYTES
+    """Each log keeps at most about this much: its head and its newest output (logcap.py)."""
 
     def __post_init__(self) -> None:
         if not self.argv:
@@ -62,11 +66,12 @@ class OutputPipe:
     """One of the child's output pipes: read without blocking, copy to a log and the terminal."""
 
     def __init__(self, fd: int, log_path: Path, echo_to: BinaryIO | None, tail_bytes: int,
-                 through: Callable[[bytes, BinaryIO], None] | None = None) -> None:
+                 through: Callable[[bytes, BinaryIO], None] | None = None,
+                 cap_bytes: int | None = DEFAULT_CAP_BYTES) -> None:
         self.fd = fd
         self.through = through
         os.set_blocking(fd, False)
-        self.log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        self.log = CappedLog(log_path, cap_bytes)  # never raises for a full or failing disk
         self.echo_to = echo_to
         self.tail_bytes = tail_bytes
         self.tail = bytearray()
@@ -160,7 +165,13 @@ def _preexec(parent_pid: int, cgroup_procs: bytes | None):
 
 def spawn(spec: ChildSpec) -> Child:
     """Start the child. Raises OSError (e.g. FileNotFoundError) when it cannot be started."""
-    spec.attempt_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        spec.attempt_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a full disk costs this attempt's logs until there is room, not the run
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        log.warning("cannot create %s (%s); training starts anyway", spec.attempt_dir,
+                    e.strerror)
     if spec.subreaper:
         become_subreaper()
     cgroup_procs = None
@@ -201,9 +212,9 @@ def spawn(spec: ChildSpec) -> Child:
         pgid=popen.pid,
         pidfd=pidfd,
         stdout=OutputPipe(out_r, spec.attempt_dir / "stdout.log", echo_out, 0,
-                          spec.echo_through),
+                          spec.echo_through, spec.log_cap_bytes),
         stderr=OutputPipe(err_r, spec.attempt_dir / "stderr.log", echo_err, STDERR_TAIL_BYTES,
-                          spec.echo_through),
+                          spec.echo_through, spec.log_cap_bytes),
         started=started,
         started_wall=started_wall,
     )

@@ -214,11 +214,16 @@ def final_state_diff(out: Path, ref: Path) -> str | None:
 
 
 def leftovers(marker: str) -> list[psutil.Process]:
-    """Live (non-zombie) processes whose command line mentions `marker` (e.g. the run dir)."""
+    """Live (non-zombie) processes whose command line mentions `marker` (e.g. the run dir).
+
+    This process and its ancestors are not leftovers, even when their command line names the
+    marker (`timeout 900 python scripts/chaos.py --dir D` checking under D)."""
+    me = psutil.Process()
+    mine = {me.pid, *(p.pid for p in me.parents())}
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
-            if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
+            if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid in mine:
                 continue
             if any(marker in part for part in p.info["cmdline"] or ()):
                 found.append(p)

@@ -16,10 +16,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from supervisor.ckpt import generation, safetensors_io
 from supervisor.ckpt import manifest as mf
-from supervisor.ckpt import safetensors_io
 from supervisor.ckpt.hashing import HASH_ALG, new_hasher
 from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
+from supervisor.protocol import ENV_GENERATION
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -54,6 +55,8 @@ class PendingCheckpoint:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.tmp = self.ckpt_dir / tmp_name(step)
         os.mkdir(self.tmp)
+        # The attempt this checkpoint belongs to; a forked writer keeps its parent's.
+        self.generation = os.environ.get(ENV_GENERATION) or None
         self.files: dict[str, dict[str, Any]] = {}
         self.tensors: dict[str, dict[str, list]] = {}
 
@@ -67,6 +70,7 @@ class PendingCheckpoint:
         self.ckpt_dir, self.step, self.fsync = Path(ckpt_dir), step, fsync
         self.tmp = Path(tmp)
         self.files, self.tensors = {}, {}
+        self.generation = os.environ.get(ENV_GENERATION) or None
         return self
 
     def add_file(self, name: str, size: int, hash: str,
@@ -100,7 +104,10 @@ class PendingCheckpoint:
         self.files[name] = {"size": len(data), "hash": h.hexdigest()}
 
     def commit(self, fields: dict[str, Any], key: bytes | None = None) -> Path:
-        """Write the manifest and rename into place. Returns the committed path."""
+        """Write the manifest and rename into place. Returns the committed path.
+
+        Raises generation.StaleWriter (the temp dir removed) when the run moved on to a newer
+        attempt since this checkpoint was started."""
         m = {
             "format": mf.FORMAT,
             "version": mf.VERSION,
@@ -121,13 +128,19 @@ class PendingCheckpoint:
         if self.fsync:
             fsync_dir(self.tmp)
         final = self.ckpt_dir / checkpoint_name(self.step)
-        if os.path.lexists(final):  # a link (even a dangling one) is replaced, not followed
-            # A step saved again (a replay after resume, or after a rollback): move the old one
-            # aside first; until the rename below, resume falls back to the previous checkpoint.
-            remove_dir(final)
-        os.rename(self.tmp, final)
-        if self.fsync:
-            fsync_dir(self.ckpt_dir)
+        try:
+            with generation.committing(self.ckpt_dir, self.generation, final.name):
+                if os.path.lexists(final):  # a link (even a dangling one) is replaced, not followed
+                    # A step saved again (a replay after resume, or after a rollback): move the
+                    # old one aside first; until the rename below, resume falls back to the
+                    # previous checkpoint.
+                    remove_dir(final)
+                os.rename(self.tmp, final)
+                if self.fsync:
+                    fsync_dir(self.ckpt_dir)
+        except generation.StaleWriter:
+            self.abort()
+            raise
         return final
 
     def abort(self) -> None:

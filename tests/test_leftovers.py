@@ -1,0 +1,149 @@
+"""What a SIGKILLed rtrain leaves running is ended by the next launch on the run dir, and a
+checkpoint writer of an earlier attempt cannot commit into a run that moved on (real processes,
+real signals, real files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import gone, wait_for
+
+from supervisor.ckpt import generation
+from supervisor.events import read_events
+
+ROOT = Path(__file__).resolve().parent.parent
+LEAVE = ROOT / "tests" / "launch_children" / "leave_behind.py"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
+    e["PYTHONPATH"] = str(ROOT)
+    e.update(extra)
+    return e
+
+
+def _cmd(run: Path, *child: str) -> list[str]:
+    return [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run), "-q",
+            "--no-backoff", *child]
+
+
+def _read_pid(path: Path) -> int:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the file may exist before its content is written
+        text = path.read_text() if path.exists() else ""
+        if text.strip():
+            return int(text)
+        time.sleep(0.02)
+    pytest.fail(f"{path} was never written")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+def test_next_launch_ends_what_a_killed_rtrain_left(tmp_path):
+    run, d = tmp_path / "run", tmp_path / "d"
+    d.mkdir()
+    first = subprocess.Popen(_cmd(run, str(LEAVE), str(d)), env=_env(), cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    left: list[int] = []
+    try:
+        grandchild = _read_pid(d / "grandchild.pid")
+        writer = _read_pid(d / "writer.pid")
+        left = [grandchild, writer]
+        deadline = time.monotonic() + 30  # the watch records the tree at its next sample
+        while time.monotonic() < deadline:
+            procs = run / "procs.json"
+            if procs.exists() and grandchild in [p for p, _ in
+                                                 json.loads(procs.read_text())["procs"]]:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the grandchild never appeared in procs.json")
+        child = read_events(run / "events.jsonl")[0]["pid"]
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+        assert gone(child)  # PR_SET_PDEATHSIG
+        time.sleep(0.5)
+        assert _alive(grandchild) and _alive(writer)  # what the next launch must end
+        r = subprocess.run(_cmd(run, str(LEAVE), str(d)), env=_env(), cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert not _alive(grandchild) and not _alive(writer)
+        ended = [e for e in read_events(run / "events.jsonl") if e["kind"] == "leftovers_ended"]
+        assert len(ended) == 1
+        found = dict(zip(ended[0]["pids"], ended[0]["found"], strict=True))
+        assert found[grandchild] == "recorded"  # its environment was cleared
+        assert writer in found
+        ticks = (d / "ticks").stat().st_size
+        time.sleep(0.3)
+        assert (d / "ticks").stat().st_size == ticks  # nothing writes any more
+        (d / "go").touch()
+        time.sleep(0.3)
+        assert not (d / "writer.result").exists()
+        assert not (run / "checkpoints" / "checkpoint-7").exists()
+    finally:
+        if first.poll() is None:
+            first.kill()
+        for pid in left:
+            if _alive(pid):
+                psutil.Process(pid).kill()
+
+
+WRITER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from supervisor.ckpt.commit import PendingCheckpoint
+    from supervisor.ckpt.generation import StaleWriter
+    d = Path(sys.argv[1])
+    pending = PendingCheckpoint(os.environ["RTRAIN_CKPT_DIR"], int(sys.argv[2]), fsync=False)
+    pending.write_json("state.json", {"step": int(sys.argv[2])})
+    (d / "ready").touch()
+    while not (d / "go").exists():
+        time.sleep(0.02)
+    try:
+        pending.commit({})
+        print("committed")
+    except StaleWriter as e:
+        print(f"refused: {e}")
+""")
+
+
+def _writer(d: Path, ckpt: Path, step: int, token: str) -> subprocess.Popen:
+    d.mkdir()
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(d), str(step)],
+                            env=_env(RTRAIN_CKPT_DIR=str(ckpt), RTRAIN_GENERATION=token),
+                            stdout=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_a_writer_of_an_earlier_attempt_cannot_commit(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    old = generation.new_token()
+    generation.advance(ckpt, old)  # as launch does before an attempt
+    stale = _writer(tmp_path / "stale", ckpt, 7, old)
+    wait_for(tmp_path / "stale" / "ready")
+    new = generation.new_token()
+    generation.advance(ckpt, new)  # the next attempt started
+    current = _writer(tmp_path / "current", ckpt, 8, new)
+    wait_for(tmp_path / "current" / "ready")
+    (tmp_path / "stale" / "go").touch()
+    (tmp_path / "current" / "go").touch()
+    out_stale, _ = stale.communicate(timeout=30)
+    out_current, _ = current.communicate(timeout=30)
+    assert out_stale.startswith("refused: checkpoint-7 not committed: its run has moved on")
+    assert out_current.strip() == "committed"
+    assert sorted(p.name for p in ckpt.iterdir()) == [".rtrain-generation", "checkpoint-8"]
