@@ -1,0 +1,112 @@
+"""Saves that fail are not invisible: the worker reports each skipped save, the supervisor
+records it (`save_skipped`), counts it in `rtrain status`, the report and the metrics file, and
+warns (a final line and a `final_state_unsaved` event) when the run ends with its final state in
+no checkpoint. Real runs of tests/scripts/chaos_train.py with the checkpoint dir on a small
+tmpfs that fills up, and on a tmpfs remounted read-only (which fails even for root)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from chaos_util import events, launch, write_config
+
+from supervisor.metrics import parse_text
+
+TRAIN = {"steps": 16, "save_every": 2}
+
+
+def _status(rtrain, run):
+    return rtrain("status", str(run))
+
+
+def _skipped_metric(prom):
+    return {name: v for (name, _), v in parse_text(prom.read_text()).items()}[
+        "rtrain_skipped_saves_total"]
+
+
+@pytest.mark.slow
+def test_full_disk_skips_are_recorded_counted_and_warned(tmp_path, small_tmpfs, rtrain):
+    disk = small_tmpfs("8m")
+    ckpts = disk / "checkpoints"
+    # Saves at steps 2, 4, 6 fit; the script fills the disk at step 7, so 8..16 cannot.
+    settings = {**TRAIN, "fill_at": 7, "fill_path": str(disk / "filler")}
+    prom = tmp_path / "rtrain.prom"
+    write_config(tmp_path / "rtrain.toml", settings, metrics_file=str(prom))
+    run = tmp_path / "run"
+    r = launch(run, "--ckpt-dir", str(ckpts))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    skipped = events(run, "save_skipped")
+    assert [e["step"] for e in skipped][:5] == [8, 10, 12, 14, 16]
+    assert all("MiB free" in e["reason"] and e["attempt"] == 0 for e in skipped)
+    [unsaved] = events(run, "final_state_unsaved")
+    assert unsaved["last_step"] == 16 and unsaved["checkpoint_step"] == 6
+    assert unsaved["skipped_saves"] == len(skipped)
+    kinds = [e["kind"] for e in events(run)]
+    assert kinds.index("final_state_unsaved") < kinds.index("finished")
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("rtrain: warning: the final state (step 16) was not saved: the "
+                           "newest checkpoint is at step 6"), r.stderr[-2000:]
+
+    status = _status(rtrain, run)
+    assert status.returncode == 0, status.stderr
+    assert "saves:" in status.stdout and f"{len(skipped)} skipped; the last at step 16" \
+        in status.stdout, status.stdout
+    assert "checkpoint-6 (verified quick), committed" in status.stdout
+    assert "warning:" in status.stdout and "final state (step 16) was not saved" \
+        in status.stdout
+    as_json = rtrain("status", str(run), "--json")
+    assert f'"skipped_saves": {len(skipped)}' in as_json.stdout
+    assert '"checkpoint_age_s": ' in as_json.stdout and '"checkpoint_age_s": null' \
+        not in as_json.stdout
+
+    report = rtrain("report", str(run))
+    assert report.returncode == 0, report.stderr
+    html = (run / "report.html").read_text()
+    assert f'<b class="skipped-saves">{len(skipped)}</b>' in html
+    assert 'class="warning">warning: the final state (step 16) was not saved' in html
+    assert _skipped_metric(prom) == len(skipped)
+
+
+@pytest.fixture
+def read_only_dir(small_tmpfs):
+    """A checkpoint dir on a tmpfs remounted read-only: writing fails with EROFS, for root too."""
+    disk = small_tmpfs("4m")
+    (disk / "checkpoints").mkdir()
+    r = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot remount read-only here: {r.stderr.strip()}")
+    return disk / "checkpoints"
+
+
+@pytest.mark.slow
+def test_read_only_checkpoint_dir_every_save_recorded_and_no_checkpoint_warned(
+        tmp_path, read_only_dir, rtrain):
+    prom = tmp_path / "rtrain.prom"
+    write_config(tmp_path / "rtrain.toml", TRAIN, metrics_file=str(prom))
+    run = tmp_path / "run"
+    r = launch(run, "--ckpt-dir", str(read_only_dir))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    skipped = events(run, "save_skipped")
+    assert [e["step"] for e in skipped][:8] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert all("Read-only file system" in e["reason"] for e in skipped), skipped[0]
+    [unsaved] = events(run, "final_state_unsaved")
+    assert unsaved["checkpoint_step"] is None and unsaved["last_step"] == 16
+    assert "there is no checkpoint" in r.stderr.strip().splitlines()[-1]
+    status = _status(rtrain, run)
+    assert f"{len(skipped)} skipped" in status.stdout and "none verified" in status.stdout
+    assert _skipped_metric(prom) == len(skipped)
+
+
+@pytest.mark.slow
+def test_saves_that_succeed_give_no_warning(tmp_path, rtrain):
+    write_config(tmp_path / "rtrain.toml", TRAIN)
+    run = tmp_path / "run"
+    r = launch(run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not events(run, "save_skipped") and not events(run, "final_state_unsaved")
+    assert "warning" not in r.stderr
+    status = _status(rtrain, run)
+    assert "saves:" not in status.stdout and "warning" not in status.stdout
