@@ -7,10 +7,12 @@ tmpfs that fills up, and on a tmpfs remounted read-only (which fails even for ro
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 from chaos_util import events, launch, write_config
 
+from supervisor.heartbeat import HeartbeatReceiver
 from supervisor.metrics import parse_text
 
 TRAIN = {"steps": 16, "save_every": 2}
@@ -110,3 +112,30 @@ def test_saves_that_succeed_give_no_warning(tmp_path, rtrain):
     assert "warning" not in r.stderr
     status = _status(rtrain, run)
     assert "saves:" not in status.stdout and "warning" not in status.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "fork", "thread"])
+def test_worker_reports_each_skipped_save_to_the_supervisor(read_only_dir, monkeypatch, mode):
+    """The heartbeat the launch loop turns into `save_skipped`, from each writer: in the
+    training process, in a forked writer process, in a writer thread."""
+    import torch
+
+    import worker
+
+    with HeartbeatReceiver() as receiver:
+        monkeypatch.setenv("RTRAIN_HEARTBEAT", receiver.name)
+        ck = worker.Checkpointer(model=torch.nn.Linear(4, 4), ckpt_dir=read_only_dir,
+                                 async_save=mode != "sync",
+                                 async_mode="auto" if mode == "sync" else mode)
+        ck.save(3)
+        ck.close()
+        assert ck.skipped_saves == 1
+        deadline, got = time.monotonic() + 5, []
+        while time.monotonic() < deadline and not got:
+            got = [hb for hb in receiver.drain() if hb.event == "save_skipped"]
+            time.sleep(0.02)
+        time.sleep(0.3)  # a second report (one per writer, say) would be here by now
+        got += [hb for hb in receiver.drain() if hb.event == "save_skipped"]
+    assert len(got) == 1, got
+    assert got[0].step == 3 and got[0].reason == "Read-only file system"

@@ -486,8 +486,8 @@ class Checkpointer:
         """A checkpoint that was not written: count it, say why, and tell the supervisor (it
         records a `save_skipped` event, and warns when the run ends unsaved)."""
         self.skipped_saves += 1
-        log.warning("skipping this checkpoint (step %d): %s; earlier checkpoints are intact, "
-                    "training goes on", step, reason)
+        log.warning("checkpoint at step %d not saved (%s); skipping this checkpoint, earlier "
+                    "checkpoints are intact, training goes on", step, reason)
         runtime.heartbeat(step=step, event="save_skipped", reason=reason)
 
     def _make_room(self, nbytes: int) -> str | None:
@@ -512,8 +512,8 @@ class Checkpointer:
         free = free_bytes(self.ckpt_dir)
         if free >= need:
             return None
-        return (f"it needs about {need / 2**20:.1f} MiB and {self.ckpt_dir} has "
-                f"{free / 2**20:.1f} MiB free (free some space or lower keep)")
+        return (f"no room: it needs about {need / 2**20:.1f} MiB and {self.ckpt_dir} has "
+                f"{free / 2**20:.1f} MiB free; free some space or lower keep")
 
     def _write(self, cap: _Capture) -> Path | None:
         if cap.world is not None:
@@ -537,7 +537,7 @@ class Checkpointer:
                 pending.abort()
             if e.errno not in _STORAGE_ERRNOS:
                 raise
-            self._skip(cap.step, f"{os.strerror(e.errno)} (writing in {self.ckpt_dir})")
+            self._skip(cap.step, os.strerror(e.errno))
             return None
         except BaseException:
             if pending is not None:
