@@ -12,7 +12,8 @@ event and each watch tick, kills its process group at its deadline, and records 
 event for a non-zero exit, a timeout or a command that cannot start. At the end of `rtrain
 launch` the hooks still running get until their deadline (a give-up alert is not cut short).
 Hook processes are kept out of the attempt's process tree (`pids()`), so they are neither
-counted as training memory nor swept with the attempt.
+counted as training memory nor swept with the attempt. A hook's environment is rtrain's without
+secrets (`hashing.SECRET_ENV`: the signing key), plus RTRAIN_RUN_DIR and RTRAIN_EVENT.
 """
 
 from __future__ import annotations
