@@ -139,3 +139,27 @@ def test_worker_reports_each_skipped_save_to_the_supervisor(read_only_dir, monke
         got += [hb for hb in receiver.drain() if hb.event == "save_skipped"]
     assert len(got) == 1, got
     assert got[0].step == 3 and got[0].reason == "Read-only file system"
+
+
+@pytest.mark.slow
+def test_distributed_skipped_saves_are_reported_once_by_rank_0(tmp_path, read_only_dir):
+    """Two ranks (gloo) saving collectively into a read-only dir: one event per save."""
+    import os
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RTRAIN_", "TORCHELASTIC"))}
+    env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run),
+                        "-q", "--no-backoff", "--nproc-per-node", "2", "--ckpt-dir",
+                        str(read_only_dir), str(root / "tests" / "scripts" / "dist_train.py"),
+                        str(tmp_path / "out"), "6"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    skipped = events(run, "save_skipped")
+    assert [(e["step"], e["rank"]) for e in skipped] == [(3, 0), (6, 0)], skipped
+    assert all(e["reason"] == "Read-only file system" for e in skipped)
+    [unsaved] = events(run, "final_state_unsaved")
+    assert unsaved["checkpoint_step"] is None and unsaved["skipped_saves"] == 2

@@ -112,7 +112,7 @@ def write(ck: Checkpointer, cap: _Capture) -> Path | None:
             pending.abort()
         if error is not None and not _storage_error(error):
             raise error
-        _skipped(ck, w, cap.step, str(error) if error is not None
+        _skipped(ck, w, cap.step, os.strerror(error.errno) if isinstance(error, OSError)
                  else "another rank could not write its part")
         return None
     parts = dist.gather((pending.files, pending.tensors))
