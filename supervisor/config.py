@@ -19,12 +19,14 @@ Sources: `--config FILE`, else `rtrain.toml` (top level, or its `[rtrain]` table
     metrics_file = PATH            # Prometheus text format, rewritten atomically (none: off)
     summary_every_s = 5.0          # heartbeat_summary events while a child runs
     log_cap_mb = 64.0              # per attempt log: its head and newest output are kept
+    file_mode = "0600"             # files rtrain writes; dirs it creates get x too (filemode.py)
     [[hooks]]  on = ["give_up", "degrade", "hang"]  command = [...]  timeout_s = 10.0
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import signal
 import sys
 from dataclasses import dataclass, field, fields
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import ConfigError
+from supervisor.filemode import DEFAULT_FILE_MODE, parse_mode
 from supervisor.hooks import HookSpec, parse_hooks
 from supervisor.ladder import DEFAULT_LADDER, Rung, parse_ladder
 
@@ -43,6 +46,8 @@ else:  # pragma: no cover - exercised on 3.10 only
 # Budget names: oom_gpu and oom_host share "oom" (each spent unit is one ladder step).
 # Preemption never spends budget and startup failures are never retried, so neither has one.
 DEFAULT_BUDGETS = {"crash": 3, "oom": 6, "hang": 3, "nonfinite": 2, "lost_device": 2, "data": 1}
+# A handler cannot be installed for these: the child could never save before it dies.
+UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 
 
 def _fail_unknown(key: str, known: list[str], where: str, elsewhere: dict[str, str]) -> None:
@@ -60,6 +65,8 @@ def _number(where: str, value: Any, *, low: float = 0.0, integer: bool = False,
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise ConfigError(f"{where} must be {'an integer' if integer else 'a number'} "
                           f"(got {value!r})")
+    if not math.isfinite(value):  # nan compares false with everything: it would pass below
+        raise ConfigError(f"{where} must be a finite number (got {value!r})")
     if value < low or (above and value == low):
         raise ConfigError(f"{where} must be {'above' if above else 'at least'} {low:g} "
                           f"(got {value!r})")
@@ -159,6 +166,9 @@ def _check_json(where: str, value: Any) -> None:
     elif not isinstance(value, (str, int, float, bool)) and value is not None:
         raise ConfigError(f"{where} must be a string, number, boolean, list or table "
                           f"(got {type(value).__name__})")
+    elif isinstance(value, float) and not math.isfinite(value):
+        # JSON has no nan or infinity: the child, events.jsonl and state.json could not carry it
+        raise ConfigError(f"{where} must be a finite number (got {value!r})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -209,6 +219,9 @@ class Config:
     log_cap_mb: float = 64.0
     """Each attempt log (stdout.log, stderr.log) keeps at most about this many MiB: its first
     half and its newest output, with a line saying how much was cut between (0: no cap)."""
+    file_mode: int = DEFAULT_FILE_MODE
+    """Mode of the files rtrain writes (state, events, lock, checkpoints); directories it
+    creates get the same plus x where readable. "0640" or "0660" share a run with a group."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.resume, str) or not self.resume:
@@ -233,7 +246,11 @@ class Config:
         if name not in signal.Signals.__members__:
             raise ConfigError(f"stop_signal {self.stop_signal!r} is not a signal on this system; "
                               "use a name such as SIGTERM or SIGUSR1")
+        if name in UNCATCHABLE:
+            raise ConfigError(f"stop_signal {name} cannot be caught, so the child could not save "
+                              "before it stops; use a name such as SIGTERM or SIGUSR1")
         self.stop_signal = name
+        self.file_mode = parse_mode(self.file_mode)
         if not isinstance(self.settings, dict):
             raise ConfigError("[settings] must be a table of knob = value")
         for key, value in self.settings.items():

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import RtrainError
+from supervisor.filemode import DEFAULT_FILE_MODE, set_mode
 from supervisor.logcap import STORAGE_ERRNOS
 
 log = logging.getLogger(__name__)
@@ -56,12 +57,14 @@ class EventLog:
     listener that raises is logged and skipped: observers never break supervision."""
 
     def __init__(self, path: Path, *, clock: Callable[[], float] = time.time,
-                 listeners: list[Listener] | tuple[Listener, ...] = ()) -> None:
+                 listeners: list[Listener] | tuple[Listener, ...] = (),
+                 mode: int = DEFAULT_FILE_MODE) -> None:
         self.path = Path(path)
         self.clock = clock
         self.listeners = list(listeners)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
+        set_mode(self._fd, mode)  # the run's file-mode policy, also for an older log
         self._seq = self._recover()
         self._pending: deque[bytes] = deque()  # lines not (completely) written yet, in order
         self._lost = 0  # events dropped with the queue full

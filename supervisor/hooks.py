@@ -12,7 +12,8 @@ event and each watch tick, kills its process group at its deadline, and records 
 event for a non-zero exit, a timeout or a command that cannot start. At the end of `rtrain
 launch` the hooks still running get until their deadline (a give-up alert is not cut short).
 Hook processes are kept out of the attempt's process tree (`pids()`), so they are neither
-counted as training memory nor swept with the attempt.
+counted as training memory nor swept with the attempt. A hook's environment is rtrain's without
+secrets (`hashing.SECRET_ENV`: the signing key), plus RTRAIN_RUN_DIR and RTRAIN_EVENT.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from supervisor.ckpt.hashing import SECRET_ENV
 from supervisor.errors import ConfigError
 from supervisor.failures import FailureKind
 
@@ -39,7 +42,7 @@ log = logging.getLogger(__name__)
 # a hook on its own failures could loop.
 EVENT_KINDS = ("launch", "skipped_checkpoint", "heartbeat_summary", "signal", "exit",
                "classification", "decision", "degrade", "give_up", "finished", "requeue",
-               "gpu_not_released", "lock_takeover")
+               "gpu_not_released", "lock_takeover", "save_skipped", "final_state_unsaved")
 HOOKABLE = tuple(dict.fromkeys([*EVENT_KINDS, *(k.value for k in FailureKind)]))
 _STDERR_TAIL = 2000
 
@@ -92,8 +95,9 @@ def parse_hooks(raw: Any) -> tuple[HookSpec, ...]:
             raise ConfigError(f"{where}: command must be a non-empty list of strings (argv, no "
                               "shell), e.g. command = [\"notify-send\", \"rtrain\"]")
         timeout = table.get("timeout_s", 10.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError(f"{where}: timeout_s must be a number of seconds above 0 "
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not math.isfinite(timeout) or timeout <= 0):
+            raise ConfigError(f"{where}: timeout_s must be a number of seconds above 0 (finite) "
                               f"(got {timeout!r})")
         hooks.append(HookSpec(on=tuple(on), command=tuple(command), timeout_s=float(timeout)))
     return tuple(hooks)
@@ -138,7 +142,10 @@ class HookRunner:
         return [r.proc.pid for r in self.running]
 
     def _start(self, hook: HookSpec, event: dict[str, Any]) -> None:
-        env = {**os.environ, **self.env, "RTRAIN_EVENT": str(event.get("kind"))}
+        # A hook gets our environment minus secrets: a notifier has no use for the signing key,
+        # and whatever it runs (curl, a chat client) should not be able to leak it.
+        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+        env.update(self.env, RTRAIN_EVENT=str(event.get("kind")))
         # Files, not pipes: a hook that never reads stdin or writes much to stderr cannot block
         # us. stderr stays open until the hook is reaped (its tail goes into hook_failed).
         stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed when the hook is reaped

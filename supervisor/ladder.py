@@ -65,8 +65,9 @@ class Rung:
             raise ConfigError(f"[[ladder]] knob={self.knob!r}: factor must be a number between 0 "
                               f"and 1 (got {self.factor!r})")
         if self.floor is not None and (isinstance(self.floor, bool)
-                                       or not isinstance(self.floor, (int, float))):
-            raise ConfigError(f"[[ladder]] knob={self.knob!r}: floor must be a number "
+                                       or not isinstance(self.floor, (int, float))
+                                       or not math.isfinite(self.floor)):
+            raise ConfigError(f"[[ladder]] knob={self.knob!r}: floor must be a finite number "
                               f"(got {self.floor!r})")
         if self.compensate is not None and self.compensate not in COMPENSATE:
             raise ConfigError(f"[[ladder]] knob={self.knob!r}: compensate must be one of "

@@ -17,13 +17,14 @@ import select
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from supervisor import protocol, slurm, templates
+from supervisor import filemode, protocol, saves, slurm, templates
 from supervisor.ckpt import foreign, generation
 from supervisor.ckpt.hashing import load_signing_key
 from supervisor.ckpt.verify import Level, Selection
@@ -108,12 +109,12 @@ def launch(spec: LaunchSpec, seams: Seams | None = None) -> int:
     seams = seams or Seams()
     cfg = spec.config
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _prepare_dirs(run_dir, Path(cfg.ckpt_dir or run_dir / "checkpoints"), cfg.file_mode)
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise UsageError(f"--resume {cfg.resume}: no such checkpoint")
     blank = {**cfg.settings, "checkpoint": "", "attempt": 0, "run_dir": "", "ckpt_dir": ""}
     templates.render([*spec.command, *spec.resume_args], blank)  # typos fail before any work
-    with RunLock(run_dir) as lock, best_effort_console() as console:
+    with RunLock(run_dir, mode=cfg.file_mode) as lock, best_effort_console() as console:
         loop = _Loop(spec, seams, run_dir)
         loop.console = console
         loop.end_leftovers()
@@ -142,7 +143,8 @@ class _Loop:
                                  env={protocol.ENV_RUN_DIR: str(run_dir.resolve())})
                       if self.cfg.hooks else None)
         self.events = EventLog(run_dir / "events.jsonl", clock=seams.wall,
-                               listeners=[o for o in (self.metrics, self.hooks) if o])
+                               listeners=[o for o in (self.metrics, self.hooks) if o],
+                               mode=self.cfg.file_mode)
         if self.hooks is not None:
             self.hooks.report = self.events.emit
         self.gpu = seams.gpu if seams.gpu is not None else NvmlReader()
@@ -163,6 +165,8 @@ class _Loop:
         self.console: list[BestEffortWriter] = []  # our stdout/stderr, when they are real
         self._state_unsaved = False  # state.json could not be written (disk full): retried
         self.procs = ProcRecord(run_dir)  # the attempt's processes, for the next launch
+        self._skipped: list[dict[str, Any]] = []  # save_skipped events of this launch
+        self._last_step: int | None = None  # of the attempt that just ended
 
     def say(self, text: str) -> None:
         if self.line is None:
@@ -226,7 +230,7 @@ class _Loop:
         """Write state.json; on a full or failing disk keep it for a later try (the samples'
         ticks and the end of the run) instead of stopping the supervision."""
         try:
-            save_state(self.run_dir, self.state)
+            save_state(self.run_dir, self.state, mode=self.cfg.file_mode)
         except OSError as e:
             if e.errno not in STORAGE_ERRNOS:
                 raise
@@ -370,6 +374,7 @@ class _Loop:
             protocol.ENV_STOP_SIGNAL: self.cfg.stop_signal,
             protocol.ENV_HEARTBEAT: self.hb.name,
             protocol.ENV_DUMP_SIGNAL: signal.Signals(self.watch_cfg.dump_signal).name,
+            filemode.ENV_FILE_MODE: f"{self.cfg.file_mode:04o}",
             "PYTHONUNBUFFERED": "1",  # output reaches the tee (and hang detection) at once
         })
         if resume_from:
@@ -403,6 +408,10 @@ class _Loop:
 
     def _on_heartbeat(self, attempt: int, hb: protocol.Heartbeat) -> None:
         self._observe(hb)
+        if hb.event == "save_skipped":
+            self._skipped.append(self.events.emit("save_skipped", attempt=attempt, step=hb.step,
+                                                  rank=hb.rank, reason=hb.reason))
+            self.say(f"checkpoint at step {hb.step} not saved: {hb.reason}")
         if self.line is not None and hb.step is not None:
             self.line.update(step=hb.step, loss=hb.loss, samples_per_s=hb.samples_per_s,
                              next_save_step=hb.next_save_step)
@@ -419,6 +428,7 @@ class _Loop:
         ev = outcome.evidence
         hs = outcome.heartbeats
         attempt = history.attempt
+        self._last_step = ev.last_step
         ev.stop_confirmed = hs.last_event == "stop"
         if hs.count == 0 or hs.last_step is None:
             # No step heartbeats: a plain script, or one that died before its first step.
@@ -461,13 +471,27 @@ class _Loop:
                 return v.step if v.step >= 0 else None
         return None
 
+    def _unsaved_final(self) -> str | None:
+        """The run stops here: when failed saves left its last steps in no checkpoint, record
+        it (`final_state_unsaved`) and return the warning; None when the state is saved."""
+        newest = self._newest_step()
+        warning = saves.unsaved_final(self._last_step, newest, self._skipped)
+        if warning is not None:
+            self.events.emit("final_state_unsaved", last_step=self._last_step,
+                             checkpoint_step=newest, skipped_saves=len(self._skipped),
+                             reason=warning)
+        return warning
+
     def _act(self, decision: Decision, signals: SignalCatcher,
              pids: list[int]) -> int | None:
         history = decision.history
         if decision.action is Action.FINISHED:
             self._save(RunStatus.FINISHED, decision.reason, history)
+            unsaved = self._unsaved_final()
             self.events.emit("finished", reason=decision.reason)
             self.say(f"finished: {decision.reason}")
+            if unsaved:
+                self.say(f"warning: {unsaved}")
             return 0
         if decision.action is Action.GIVE_UP:
             self._save(RunStatus.GAVE_UP, decision.reason, history)
@@ -481,7 +505,10 @@ class _Loop:
                 self.events.emit("requeue", done=done, detail=what)
                 reason = f"{reason}; {what}"
             self._save(RunStatus.PREEMPTED, reason, history)
+            unsaved = self._unsaved_final()
             self.say(f"stopped: {reason}")
+            if unsaved:
+                self.say(f"warning: {unsaved}")
             return protocol.EXIT_PREEMPTED
         self._save(RunStatus.RUNNING, decision.reason, history)
         self.events.sync()
@@ -499,6 +526,23 @@ class _Loop:
                        history)
             return protocol.EXIT_PREEMPTED
         return None
+
+
+def _prepare_dirs(run_dir: Path, ckpt_dir: Path, file_mode: int) -> None:
+    """Create the run and checkpoint dirs under the file-mode policy. One rtrain cannot write
+    to (read-only, not ours) is a usage error before anything starts, not a traceback."""
+    where = run_dir
+    try:
+        filemode.make_dir(run_dir, file_mode)
+        fd, probe = tempfile.mkstemp(dir=run_dir, prefix=".rtrain-probe-")
+        os.close(fd)
+        os.unlink(probe)
+        where = ckpt_dir
+        filemode.make_dir(ckpt_dir, file_mode)
+    except OSError as e:
+        flag = "--run-dir" if where == run_dir else "--ckpt-dir"
+        raise UsageError(f"cannot write to {where} ({e.strerror}): give a writable {flag} "
+                         "or fix its permissions") from None
 
 
 def _slurm_field() -> dict[str, Any]:

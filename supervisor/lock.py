@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import AlreadySupervised
+from supervisor.filemode import DEFAULT_FILE_MODE, set_mode
 from supervisor.logcap import STORAGE_ERRNOS
 
 LOCK_NAME = ".rtrain.lock"
@@ -38,8 +39,10 @@ class RunLock:
     """`with RunLock(run_dir) as lock:` holds the run dir; `lock.previous` describes a stale
     holder that was taken over (pid no longer alive), for the event log."""
 
-    def __init__(self, run_dir: Path, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, run_dir: Path, *, clock: Callable[[], float] = time.time,
+                 mode: int = DEFAULT_FILE_MODE) -> None:
         self.run_dir = Path(run_dir)
+        self.mode = mode  # the run's file-mode policy (supervisor/filemode.py)
         self.path = self.run_dir / LOCK_NAME
         self.clock = clock
         self.previous: dict[str, Any] | None = None
@@ -47,7 +50,8 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.mode)
+        set_mode(fd, self.mode)  # also a lock file an older rtrain made world-readable
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -13,6 +13,7 @@ file: no fsync (a lost write is replaced seconds later).
     rtrain_last_step{run_dir}                      newest step reported
     rtrain_seconds_since_heartbeat{run_dir}        since the last heartbeat from the child
     rtrain_last_checkpoint_age_seconds{run_dir}    since the newest checkpoint's commit
+    rtrain_skipped_saves_total{run_dir}            checkpoints the worker could not write
 
 A value not known yet (no heartbeat, no checkpoint) is left out rather than invented.
 """
@@ -20,6 +21,7 @@ A value not known yet (no heartbeat, no checkpoint) is left out rather than inve
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 import time
@@ -43,6 +45,8 @@ _HELP = {
     "rtrain_seconds_since_heartbeat": ("gauge", "Seconds since the child's last heartbeat"),
     "rtrain_last_checkpoint_age_seconds": ("gauge",
                                            "Seconds since the newest checkpoint was committed"),
+    "rtrain_skipped_saves_total": ("counter",
+                                   "Checkpoints not written (full disk, storage errors)"),
 }
 
 
@@ -65,6 +69,7 @@ class MetricsFile:
     attempts: int = 0
     failures: Counter[str] = field(default_factory=Counter)
     rung: int = 0
+    skipped_saves: int = 0
     last_step: int | None = None
     last_heartbeat: float | None = None
     """Unix time of the last heartbeat (from the child, or a heartbeat_summary event)."""
@@ -87,6 +92,8 @@ class MetricsFile:
             self.up = True
         elif kind == "classification":
             self.failures[str(event.get("failure") or "unnamed")] += 1
+        elif kind == "save_skipped":
+            self.skipped_saves += 1
         elif kind == "heartbeat_summary":
             self.last_heartbeat = float(event.get("time") or self.wall())
         if kind in ("launch", "decision", "degrade") and isinstance(event.get("level"), int):
@@ -122,7 +129,7 @@ class MetricsFile:
                 created = manifest.load(path)["created"]
             except manifest.ManifestError:
                 continue  # being written, or damaged: the next older one counts
-            if isinstance(created, (int, float)):
+            if isinstance(created, (int, float)) and math.isfinite(created):
                 self._ckpt_seen = (step, float(created))
                 return float(created)
         return None
@@ -144,6 +151,7 @@ class MetricsFile:
         created = self._checkpoint_created()
         values["rtrain_last_checkpoint_age_seconds"] = (
             [(run, round(max(0.0, now - created), 3))] if created is not None else [])
+        values["rtrain_skipped_saves_total"] = [(run, self.skipped_saves)]
         lines = []
         for name, samples in values.items():
             kind, text = _HELP[name]

@@ -41,7 +41,8 @@ def exit_record_name(rank: int) -> str:
 
 @dataclass
 class Heartbeat:
-    """One heartbeat datagram. `event` is `start`, `step`, `save_begin`, `save_end` or `stop`."""
+    """One heartbeat datagram. `event` is `start`, `step`, `save_begin`, `save_end`,
+    `save_skipped` (with `reason`: a checkpoint was not written, training goes on) or `stop`."""
 
     pid: int
     rank: int
@@ -53,6 +54,7 @@ class Heartbeat:
     max_step_interval: float | None = None  # longest step interval so far, after warm-up
     next_save_step: int | None = None
     settings: dict[str, Any] | None = None  # settings the worker actually uses (after back-off)
+    reason: str | None = None  # save_skipped: why that checkpoint was not written
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:

@@ -10,11 +10,14 @@ writes nothing but the report; safe beside a live supervisor. Sources:
 - degradations: `degrade` events, at the step of the failure that caused them;
 - checkpoints: committed `checkpoint-<step>` dirs now on disk (step and the manifest's commit
   time), plus `skipped_checkpoint` events and dirs whose manifest does not load (bad ones);
-- attempts: `launch` / `exit` / `classification` / `decision` events per attempt number.
+- attempts: `launch` / `exit` / `classification` / `decision` events per attempt number;
+- saves: the count of `save_skipped` events, the newest checkpoint's age, and the warning of
+  a run that ended with its final state unsaved (`final_state_unsaved`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,8 +25,9 @@ from typing import Any
 
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.layout import list_checkpoints, parse_step
+from supervisor.errors import UsageError
 from supervisor.events import read_events
-from supervisor.status import summarize
+from supervisor.status import finite, json_safe, summarize
 
 # One colour per failure kind (FailureKind values), shared by markers, chips and the table.
 KIND_COLORS = {
@@ -85,16 +89,25 @@ class Report:
     markers: list[Marker] = field(default_factory=list)
     attempts: list[AttemptRow] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)
+    skipped_saves: int = 0
+    """Saves the worker skipped (`save_skipped` events: full disk, storage errors)."""
+    checkpoint_age_s: float | None = None
+    """Age of the newest checkpoint that verifies quick, when the report was made."""
+    warning: str = ""
+    """Why the run's final state is in no checkpoint, when its last ending said so."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["run_dir"], out["ckpt_dir"] = str(self.run_dir), str(self.ckpt_dir)
-        return out
+        return json_safe(out)
 
 
 def _number(value: Any) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok and value == value and abs(value) != float("inf") else None
+    return float(value) if finite(value) else None
+
+
+def _int(value: Any) -> int:
+    return int(value) if finite(value) else 0
 
 
 def _name(path: Any) -> str | None:
@@ -108,7 +121,8 @@ def gather(run_dir: Path, *, key: bytes | None = None, now: float | None = None)
     events = read_events(run_dir / "events.jsonl")
     rep = Report(run_dir=run_dir, ckpt_dir=summary.ckpt_dir, status=summary.status,
                  reason=summary.reason, generated=time.time() if now is None else now,
-                 failures=dict(summary.failures))
+                 failures=dict(summary.failures), skipped_saves=summary.skipped_saves,
+                 checkpoint_age_s=summary.checkpoint_age_s, warning=summary.unsaved or "")
     rows: dict[int, AttemptRow] = {}
     current: int | None = None
     for e in events:
@@ -118,7 +132,7 @@ def gather(run_dir: Path, *, key: bytes | None = None, now: float | None = None)
         if kind == "launch" and isinstance(attempt, int):
             rows[attempt] = AttemptRow(
                 attempt=attempt, start=e["time"], resume_from=_name(e.get("resume_from")),
-                settings=dict(e.get("settings") or {}), level=int(e.get("level") or 0),
+                settings=dict(e.get("settings") or {}), level=_int(e.get("level")),
                 last_step=parse_step(_name(e.get("resume_from")) or ""))
         row = rows.get(attempt) if isinstance(attempt, int) else None
         if kind == "heartbeat_summary" and isinstance(e.get("step"), int):
@@ -186,7 +200,13 @@ def write_report(run_dir: Path, output: Path, *, key: bytes | None = None) -> Pa
     output = Path(output)
     html = render(gather(run_dir, key=key))
     tmp = output.with_name(f".{output.name}.tmp")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(html, encoding="utf-8")
-    tmp.replace(output)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(html, encoding="utf-8")
+        tmp.replace(output)
+    except OSError as e:  # a read-only run dir: say where else to write it
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise UsageError(f"cannot write the report to {output} ({e.strerror}): pass "
+                         "-o FILE somewhere writable") from None
     return output

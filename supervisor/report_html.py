@@ -69,6 +69,11 @@ def render(rep: Report) -> str:
         run_dir=_esc(rep.run_dir), status=_esc(rep.status), reason=_esc(rep.reason or "-"),
         generated=_esc(_when(rep.generated)), attempts=len(rep.attempts), failures=failures,
         checkpoints=checkpoints, rows=rows, legend=legend, css=_CSS, js=_JS,
+        skipped=rep.skipped_saves,
+        ckpt_age="-" if rep.checkpoint_age_s is None
+        else f"{human_duration(rep.checkpoint_age_s)} old",
+        warning=f'\n  <div class="warning">warning: {_esc(rep.warning)}</div>' if rep.warning
+        else "",
         data=_data_json(rep))
 
 
@@ -85,9 +90,11 @@ _PAGE = """<!DOCTYPE html>
     <span>attempts <b>{attempts}</b></span>
     <span>failures {failures}</span>
     <span>checkpoints on disk <b>{checkpoints}</b></span>
+    <span>newest checkpoint <b class="ckpt-age">{ckpt_age}</b></span>
+    <span>saves skipped <b class="skipped-saves">{skipped}</b></span>
     <span class="muted">generated {generated}</span>
   </div>
-  <div class="reason">{reason}</div>
+  <div class="reason">{reason}</div>{warning}
 </header>
 <main>
   <section><h2>Loss</h2><div class="plot" id="plot-loss"></div></section>
@@ -123,6 +130,7 @@ h1{font-size:19px;margin:0 0 6px}h1 .dir{font-weight:400;color:var(--muted);font
 h2{font-size:14px;margin:14px 0 4px;color:#374151}
 .facts{display:flex;flex-wrap:wrap;gap:18px;align-items:center}
 .reason{color:var(--muted);margin-top:4px}
+.warning{color:#b91c1c;margin-top:4px;font-weight:600}
 .muted{color:var(--muted)}
 .status-finished{color:#15803d}.status-gave_up{color:#b91c1c}.status-running{color:#1d4ed8}
 main{padding:0 24px 24px}

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import RtrainError
+from supervisor.filemode import DEFAULT_FILE_MODE, set_mode
 from supervisor.policy import History
 
 STATE_VERSION = 1
@@ -69,12 +70,13 @@ def state_path(run_dir: Path) -> Path:
     return Path(run_dir) / STATE_FILE
 
 
-def save_state(run_dir: Path, state: RunState) -> None:
-    """Replace state.json atomically (see the module docstring)."""
+def save_state(run_dir: Path, state: RunState, *, mode: int = DEFAULT_FILE_MODE) -> None:
+    """Replace state.json atomically (see the module docstring), with the run's file mode."""
     path = state_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=path.parent)
     try:
+        set_mode(fd, mode)
         with os.fdopen(fd, "w") as f:
             json.dump(state.to_dict(), f, indent=1)
             f.write("\n")

@@ -9,6 +9,7 @@ of a run whose log was moved aside).
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor import saves
 from supervisor.ckpt.verify import Level, select_resume
 from supervisor.errors import UsageError
 from supervisor.events import read_events
@@ -51,6 +53,14 @@ class RunSummary:
     checkpoint: Path | None = None
     """Newest checkpoint that verifies quick."""
     checkpoint_step: int | None = None
+    checkpoint_age_s: float | None = None
+    """Seconds since that checkpoint was committed (its manifest's `created`)."""
+    skipped_saves: int = 0
+    """Saves the worker skipped (full disk, storage errors): `save_skipped` events."""
+    last_skipped: dict[str, Any] | None = None
+    """The last skipped save: step, reason."""
+    unsaved: str | None = None
+    """Set when the run's last ending left its final state in no checkpoint."""
     bad_checkpoints: list[tuple[str, str]] = field(default_factory=list)
     """Newer checkpoints that failed quick verification: (name, reason)."""
     step: int | None = None
@@ -65,6 +75,28 @@ class RunSummary:
     """The last classification event: attempt, kind, reason."""
     last_decision: dict[str, Any] | None = None
     """The last decision event: attempt, action, reason, backoff_s."""
+
+
+def finite(value: Any) -> bool:
+    """A real number (an old run dir may hold nan or infinity where a number belongs)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` with nan and infinity replaced by None: JSON has neither, and a run dir written
+    before such values were refused may hold them."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def _int(value: Any) -> int:
+    return int(value) if finite(value) else 0
 
 
 def _last(events: list[dict[str, Any]], *kinds: str) -> dict[str, Any] | None:
@@ -144,18 +176,27 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
             s.attempts = hist.attempt
     rung = _last(events, *_SETTINGS_KINDS)
     if rung is not None and isinstance(rung.get("settings"), dict):
-        s.level, s.settings = int(rung.get("level") or 0), dict(rung["settings"])
+        s.level, s.settings = _int(rung.get("level")), dict(rung["settings"])
 
+    now = time.time() if now is None else now
     selection = select_resume(s.ckpt_dir, Level.QUICK, key)
     if selection.chosen is not None:
         s.checkpoint, s.checkpoint_step = selection.chosen.path, selection.chosen.step
+        created = (selection.chosen.manifest or {}).get("created")
+        if finite(created):
+            s.checkpoint_age_s = max(0.0, now - created)
+    skipped = saves.summarize(events)
+    s.skipped_saves, s.unsaved = skipped.count, skipped.unsaved
+    if skipped.count:
+        s.last_skipped = {"step": skipped.last_step, "reason": skipped.last_reason}
     s.bad_checkpoints = [(v.path.name, v.describe()) for v in selection.skipped]
 
     beat = _last(events, "heartbeat_summary")
     if beat is not None:
-        for name in ("loss", "samples_per_s", "rss_bytes", "gpu_used", "gpu_total"):
-            setattr(s, name, beat.get(name))
-        s.heartbeat_age_s = max(0.0, (time.time() if now is None else now) - beat["time"])
+        for name in ("samples_per_s", "rss_bytes", "gpu_used", "gpu_total"):
+            setattr(s, name, beat.get(name) if finite(beat.get(name)) else None)
+        s.loss = beat.get("loss")  # nan stays: a non-finite loss is news
+        s.heartbeat_age_s = max(0.0, now - beat["time"])
     # An exit event's last_step can be newer than the last summary (up to ~30 s of steps).
     steps = (e.get("step") if e["kind"] == "heartbeat_summary" else e.get("last_step")
              for e in reversed(events) if e.get("kind") in ("heartbeat_summary", "exit"))
@@ -196,6 +237,8 @@ def render_text(s: RunSummary) -> str:
     rows: list[tuple[str, str]] = []
     if stale := _stale(s):
         rows.append(("warning", stale))
+    if s.unsaved:
+        rows.append(("warning", s.unsaved))
     if s.reason:
         rows.append(("reason", s.reason))
     progress = [f"step {s.step:,}"] if s.step is not None else []
@@ -214,8 +257,13 @@ def render_text(s: RunSummary) -> str:
     if memory:
         rows.append(("memory", ", ".join(memory)))
     rows.append(("rung", f"{s.level} ({_pairs(s.settings)})"))
-    rows.append(("checkpoint", f"{s.checkpoint.name} (verified quick)" if s.checkpoint
+    age = (f", committed {human_duration(s.checkpoint_age_s)} ago"
+           if s.checkpoint_age_s is not None else "")
+    rows.append(("checkpoint", f"{s.checkpoint.name} (verified quick){age}" if s.checkpoint
                  else f"none verified in {s.ckpt_dir}"))
+    if s.last_skipped:
+        rows.append(("saves", f"{s.skipped_saves} skipped; the last at step "
+                              f"{s.last_skipped['step']}: {s.last_skipped['reason']}"))
     rows += [("", f"{name} skipped: {why}") for name, why in s.bad_checkpoints]
     failures = ", ".join(f"{k} {n}" for k, n in s.failures.items()) or "none"
     rows.append(("attempts", f"{s.attempts} launched; failures: {failures}"))
@@ -225,7 +273,8 @@ def render_text(s: RunSummary) -> str:
     if f := s.last_failure:
         rows.append(("last failure", f"attempt {f['attempt']}: {f['kind']}: {f['reason']}"))
     if d := s.last_decision:
-        wait = f" (backoff {d['backoff_s']:.3g} s)" if d.get("backoff_s") else ""
+        wait = f" (backoff {d['backoff_s']:.3g} s)" if finite(d.get("backoff_s")) \
+            and d["backoff_s"] else ""
         rows.append(("last decision", f"attempt {d['attempt']}: {d['action']}: "
                                       f"{d['reason']}{wait}"))
     width = max(len(label) for label, _ in rows)
@@ -241,4 +290,4 @@ def to_json(s: RunSummary) -> dict[str, Any]:
         out[name] = None if out[name] is None else str(out[name])
     out["bad_checkpoints"] = [{"name": n, "reason": r} for n, r in s.bad_checkpoints]
     out["stale"] = _stale(s)
-    return out
+    return json_safe(out)

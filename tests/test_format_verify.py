@@ -171,4 +171,5 @@ def test_signing_key_from_env_and_file(tmp_path):
     assert hashing.load_signing_key({"RTRAIN_SIGNING_KEY": "test secret"}) == KEY
     key_file = tmp_path / "key"
     key_file.write_bytes(b"test secret\n")
+    key_file.chmod(0o600)  # a key others can read is refused (tests/test_secrets.py)
     assert hashing.load_signing_key({"RTRAIN_SIGNING_KEY_FILE": str(key_file)}) == KEY

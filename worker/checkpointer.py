@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 
 import supervisor
+from supervisor import filemode
 from supervisor.ckpt import hashing, retention
 from supervisor.ckpt.commit import PendingCheckpoint, free_bytes
 from supervisor.ckpt.prune import PruneReport, prune
@@ -306,8 +307,9 @@ class Checkpointer:
         cap = self._capture(step, metrics or {}, extra or {})
         if cap.world is not None:
             return self._save_dist(cap)
-        if not self._make_room(cap.nbytes):
-            self.skipped_saves += 1
+        short = self._make_room(cap.nbytes)
+        if short is not None:
+            self._skip(step, short)
             return None
         runtime.heartbeat(step=step, event="save_begin")
         if not self.async_save:
@@ -459,8 +461,7 @@ class Checkpointer:
                 # The child wrote and hashed it; the next forked child inherits this record.
                 self._verified.add(verify(self.last_saved, Level.QUICK, self.key))
             elif code == _CHILD_SKIPPED:
-                self.skipped_saves += 1
-                log.warning("%s", message)
+                self.skipped_saves += 1  # the writer said why, in the log and to the supervisor
             else:
                 self._error = CheckpointError(message or f"the checkpoint writer process ended "
                                               f"with status {code}")
@@ -484,11 +485,25 @@ class Checkpointer:
             torch.cuda.synchronize()
         return replace(cap, tensors=out)
 
-    def _make_room(self, nbytes: int) -> bool:
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    def _skip(self, step: int, reason: str) -> None:
+        """A checkpoint that was not written: count it, say why, and tell the supervisor (it
+        records a `save_skipped` event, and warns when the run ends unsaved)."""
+        self.skipped_saves += 1
+        log.warning("checkpoint at step %d not saved (%s); skipping this checkpoint, earlier "
+                    "checkpoints are intact, training goes on", step, reason)
+        runtime.heartbeat(step=step, event="save_skipped", reason=reason)
+
+    def _make_room(self, nbytes: int) -> str | None:
+        """None when `nbytes` fit (after pruning if needed); else why the save must be skipped."""
+        try:
+            filemode.make_dir(self.ckpt_dir, filemode.from_env())
+        except OSError as e:
+            if e.errno not in _STORAGE_ERRNOS and not isinstance(e, PermissionError):
+                raise
+            return f"cannot create {self.ckpt_dir}: {e.strerror}"
         need = nbytes + (1 << 20)
         if free_bytes(self.ckpt_dir) >= need:
-            return True
+            return None
         # Make room for the new one: keep one fewer than the policy says (never the newest).
         keep = None if self.policy.keep is None else max(1, self.policy.keep - 1)
         tighter = retention.RetentionPolicy(keep=keep, keep_best=self.policy.keep_best,
@@ -498,11 +513,9 @@ class Checkpointer:
         _log_retention(report, "low on disk: ", logging.WARNING)
         free = free_bytes(self.ckpt_dir)
         if free >= need:
-            return True
-        log.warning("skipping this checkpoint: it needs about %.1f MiB and %s has %.1f MiB free; "
-                    "training goes on (free some space or lower keep)", need / 2**20,
-                    self.ckpt_dir, free / 2**20)
-        return False
+            return None
+        return (f"no room: it needs about {need / 2**20:.1f} MiB and {self.ckpt_dir} has "
+                f"{free / 2**20:.1f} MiB free; free some space or lower keep")
 
     def _write(self, cap: _Capture) -> Path | None:
         if cap.world is not None:
@@ -526,9 +539,7 @@ class Checkpointer:
                 pending.abort()
             if e.errno not in _STORAGE_ERRNOS:
                 raise
-            self.skipped_saves += 1
-            log.warning("checkpoint at step %d not saved (%s); earlier checkpoints are intact, "
-                        "training goes on", cap.step, os.strerror(e.errno))
+            self._skip(cap.step, os.strerror(e.errno))
             return None
         except BaseException:
             if pending is not None:

@@ -74,19 +74,23 @@ def write(ck: Checkpointer, cap: _Capture) -> Path | None:
     w = cap.world
     assert w is not None
     pending, name = None, None
+    why = "rank 0 could not start the checkpoint"
     if w.leader:
         try:
             need = cap.nbytes * (w.size if cap.sharded is not None else 1)
-            if ck._make_room(need):
+            short = ck._make_room(need)
+            if short is None:
                 pending = PendingCheckpoint(ck.ckpt_dir, cap.step, fsync=ck.fsync)
                 name = pending.tmp.name
+            else:
+                why = short
         except OSError as e:
             if not _storage_error(e):
                 raise
-            log.warning("checkpoint at step %d not saved (%s)", cap.step, os.strerror(e.errno))
+            why = os.strerror(e.errno)
     name = dist.broadcast(name)
     if name is None:
-        ck.skipped_saves += 1
+        _skipped(ck, w, cap.step, why)
         return None
     if pending is None:
         pending = PendingCheckpoint.adopt(ck.ckpt_dir, cap.step, ck.ckpt_dir / name,
@@ -108,10 +112,8 @@ def write(ck: Checkpointer, cap: _Capture) -> Path | None:
             pending.abort()
         if error is not None and not _storage_error(error):
             raise error
-        ck.skipped_saves += 1
-        log.warning("checkpoint at step %d not committed: %s; earlier checkpoints are intact, "
-                    "training goes on", cap.step,
-                    error if error is not None else "another rank could not write its part")
+        _skipped(ck, w, cap.step, os.strerror(error.errno) if isinstance(error, OSError)
+                 else "another rank could not write its part")
         return None
     parts = dist.gather((pending.files, pending.tensors))
     committed = None
@@ -123,13 +125,20 @@ def write(ck: Checkpointer, cap: _Capture) -> Path | None:
             pending.abort()
             if not _storage_error(e):
                 raise
-            log.warning("checkpoint at step %d not committed (%s)", cap.step,
-                        os.strerror(e.errno))
+            why = os.strerror(e.errno)
     committed = dist.broadcast(committed)  # no rank goes on before the commit
     if committed is None:
-        ck.skipped_saves += 1
+        _skipped(ck, w, cap.step, why)
         return None
     return ck.ckpt_dir / committed
+
+
+def _skipped(ck: Checkpointer, w: dist.World, step: int, why: str) -> None:
+    """Every rank counts the skipped save; rank 0 alone reports it (one event per save)."""
+    if w.leader:
+        ck._skip(step, why)
+    else:
+        ck.skipped_saves += 1
 
 
 def _write_part(pending: PendingCheckpoint, cap: _Capture, fsync: bool) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from supervisor import filemode
 from supervisor.ckpt import generation, safetensors_io
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.hashing import HASH_ALG, new_hasher
@@ -48,13 +49,16 @@ def remove_dir(path: Path) -> None:
 class PendingCheckpoint:
     """One checkpoint being written. Use `files`, then `commit()`; `abort()` on any error."""
 
-    def __init__(self, ckpt_dir: str | os.PathLike, step: int, fsync: bool = True) -> None:
+    def __init__(self, ckpt_dir: str | os.PathLike, step: int, fsync: bool = True,
+                 file_mode: int | None = None) -> None:
         self.ckpt_dir = Path(ckpt_dir)
         self.step = step
         self.fsync = fsync
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        # The run's file-mode policy (supervisor/filemode.py); None: RTRAIN_FILE_MODE or 0600.
+        self.file_mode = filemode.from_env() if file_mode is None else file_mode
+        filemode.make_dir(self.ckpt_dir, self.file_mode)
         self.tmp = self.ckpt_dir / tmp_name(step)
-        os.mkdir(self.tmp)
+        os.mkdir(self.tmp, 0o700)  # nobody else looks in while it is written
         # The attempt this checkpoint belongs to; a forked writer keeps its parent's.
         self.generation = os.environ.get(ENV_GENERATION) or None
         self.files: dict[str, dict[str, Any]] = {}
@@ -68,7 +72,7 @@ class PendingCheckpoint:
         that does."""
         self = cls.__new__(cls)
         self.ckpt_dir, self.step, self.fsync = Path(ckpt_dir), step, fsync
-        self.tmp = Path(tmp)
+        self.tmp, self.file_mode = Path(tmp), filemode.from_env()
         self.files, self.tensors = {}, {}
         self.generation = os.environ.get(ENV_GENERATION) or None
         return self
@@ -125,6 +129,7 @@ class PendingCheckpoint:
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
+        filemode.apply_tree(self.tmp, self.file_mode)
         if self.fsync:
             fsync_dir(self.tmp)
         final = self.ckpt_dir / checkpoint_name(self.step)

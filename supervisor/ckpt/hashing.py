@@ -4,7 +4,7 @@ keyed signatures (BLAKE3 in keyed mode, a cryptographic MAC)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import stat
 
 import blake3
 import xxhash
@@ -49,24 +49,59 @@ def sign(data: bytes, key: bytes) -> str:
 def load_signing_key(env: dict[str, str] | None = None) -> bytes | None:
     """The signing key from `RTRAIN_SIGNING_KEY` (the secret itself) or `RTRAIN_SIGNING_KEY_FILE`.
 
-    Returns the derived 32-byte key, or None when signing is not configured.
+    Returns the derived 32-byte key, or None when signing is not configured. Like ssh with a
+    private key, a key file that group or others may read or write is refused (anyone who can
+    read it can sign forged checkpoints) unless RTRAIN_ALLOW_SHARED_KEY=1 says it is meant.
     """
     env = os.environ if env is None else env
-    secret = env.get("RTRAIN_SIGNING_KEY")
+    secret = env.get(ENV_SIGNING_KEY)
     if secret:
         return derive_key(secret.encode())
-    key_file = env.get("RTRAIN_SIGNING_KEY_FILE")
+    key_file = env.get(ENV_SIGNING_KEY_FILE)
     if key_file:
         from supervisor.errors import UsageError
 
         try:
-            material = Path(key_file).read_bytes().strip()
+            material = _read_key_file(key_file, shared_ok=env.get(ENV_ALLOW_SHARED_KEY) == "1")
         except OSError as e:
             raise UsageError(
                 f"cannot read the signing key file {key_file!r} ({e.strerror}): "
-                "fix RTRAIN_SIGNING_KEY_FILE or unset it"
+                f"fix {ENV_SIGNING_KEY_FILE} or unset it"
             ) from None
         if not material:
             raise UsageError(f"the signing key file {key_file!r} is empty: put a secret in it")
         return derive_key(material)
     return None
+
+
+ENV_SIGNING_KEY = "RTRAIN_SIGNING_KEY"
+ENV_SIGNING_KEY_FILE = "RTRAIN_SIGNING_KEY_FILE"
+ENV_ALLOW_SHARED_KEY = "RTRAIN_ALLOW_SHARED_KEY"
+SECRET_ENV = (ENV_SIGNING_KEY,)
+"""Environment variables that hold a secret: kept from processes that do not sign (hooks)."""
+_KEY_FILE_MAX = 1 << 20
+
+
+def _read_key_file(key_file: str, *, shared_ok: bool) -> bytes:
+    from supervisor.errors import UsageError
+
+    # O_NONBLOCK: a FIFO put in the key file's place must not hang us; fstat of the descriptor
+    # read from, so the mode checked is the mode of the bytes used.
+    fd = os.open(key_file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"the signing key file {key_file!r} is not a regular file: "
+                             f"fix {ENV_SIGNING_KEY_FILE}")
+        if st.st_mode & 0o077 and not shared_ok:
+            raise UsageError(
+                f"the signing key file {key_file!r} is accessible by group or others (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}): chmod 600 it, or set "
+                f"{ENV_ALLOW_SHARED_KEY}=1 to use it anyway")
+        if st.st_size > _KEY_FILE_MAX:
+            raise UsageError(f"the signing key file {key_file!r} is larger than 1 MiB: a key "
+                             "is a short secret")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(_KEY_FILE_MAX).strip()
+    finally:
+        os.close(fd)
