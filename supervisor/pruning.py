@@ -44,7 +44,9 @@ def prune_dir(ckpt_dir: str | os.PathLike, *, policy: RetentionPolicy,
     try:
         return prune(root, policy, level=verify, key=key, dry_run=dry_run)
     except OSError as e:
-        raise CheckpointError(f"prune stopped: cannot remove {e.filename or root} "
+        from supervisor.safetext import safe
+
+        raise CheckpointError(f"prune stopped: cannot remove {safe(e.filename or root)} "
                               f"({e.strerror or e})") from None
 
 

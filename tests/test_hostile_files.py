@@ -289,3 +289,21 @@ def test_a_save_replaces_a_link_with_its_name_and_leaves_the_target(three, tmp_p
     prune_mod.prune(three, RetentionPolicy(keep=4))
     assert not os.path.lexists(three / ".trash-checkpoint-9-abcd")
     assert (outside / MANIFEST).is_file()
+
+
+@pytest.mark.slow
+def test_launch_resumes_from_the_newest_good_one_past_a_fifo_and_a_bomb(three, tmp_path,
+                                                                          make_ckpt):
+    make_ckpt(three, 400)
+    (three / "checkpoint-400" / MANIFEST).unlink()
+    os.mkfifo(three / "checkpoint-400" / MANIFEST)
+    _nested_manifest(three / "checkpoint-300")
+    (tmp_path / "echo.py").write_text(
+        "import os; print('FROM', os.environ.get('RTRAIN_RESUME_FROM'))\n")
+    r = run_bounded("-m", "supervisor", "launch", "--run-dir", str(tmp_path / "run"), "-q",
+                    "--no-backoff", "--ckpt-dir", str(three), str(tmp_path / "echo.py"))
+    assert r.returncode == 0, r.stderr
+    assert "skipping checkpoint-400: corrupt: manifest.json is a FIFO" in r.stderr
+    assert "skipping checkpoint-300: corrupt: manifest.json is nested" in r.stderr
+    log = next((tmp_path / "run" / "attempts").rglob("*.log")).read_text()
+    assert f"FROM {three / 'checkpoint-200'}" in log
