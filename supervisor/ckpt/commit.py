@@ -18,7 +18,7 @@ from typing import Any
 
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt import safetensors_io
-from supervisor.ckpt.hashing import HASH_ALG, new_hasher
+from supervisor.ckpt.hashing import CRYPTOGRAPHIC, HASH_ALG, new_hasher
 from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
 
 
@@ -44,10 +44,12 @@ def remove_dir(path: Path) -> None:
 class PendingCheckpoint:
     """One checkpoint being written. Use `files`, then `commit()`; `abort()` on any error."""
 
-    def __init__(self, ckpt_dir: str | os.PathLike, step: int, fsync: bool = True) -> None:
+    def __init__(self, ckpt_dir: str | os.PathLike, step: int, fsync: bool = True,
+                 hash_alg: str = HASH_ALG) -> None:
         self.ckpt_dir = Path(ckpt_dir)
         self.step = step
         self.fsync = fsync
+        self.hash_alg = hash_alg  # hashing.alg_for(key): blake3 for a checkpoint to be signed
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.tmp = self.ckpt_dir / tmp_name(step)
         os.mkdir(self.tmp)
@@ -56,12 +58,13 @@ class PendingCheckpoint:
 
     @classmethod
     def adopt(cls, ckpt_dir: str | os.PathLike, step: int, tmp: str | os.PathLike,
-              fsync: bool = True) -> PendingCheckpoint:
+              fsync: bool = True, hash_alg: str = HASH_ALG) -> PendingCheckpoint:
         """Write into a temp dir another process created (a rank other than 0 of a
         distributed save); such a writer never commits, it reports its `files` to the one
         that does."""
         self = cls.__new__(cls)
         self.ckpt_dir, self.step, self.fsync = Path(ckpt_dir), step, fsync
+        self.hash_alg = hash_alg
         self.tmp = Path(tmp)
         self.files, self.tensors = {}, {}
         return self
@@ -78,7 +81,7 @@ class PendingCheckpoint:
                       metadata: dict[str, str] | None = None) -> None:
         blobs = list(blobs)
         w = safetensors_io.write_file(self.tmp / name, blobs, metadata=metadata,
-                                      fsync=self.fsync)
+                                      fsync=self.fsync, hash_alg=self.hash_alg)
         self.files[name] = {"size": w.size, "hash": w.hash}
         self.tensors[name] = {b.name: [b.dtype, list(b.shape)] for b in blobs}
 
@@ -87,7 +90,7 @@ class PendingCheckpoint:
         self.write_bytes(name, data)
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        h = new_hasher()
+        h = new_hasher(self.hash_alg)
         h.update(data)
         with open(self.tmp / name, "xb") as f:
             f.write(data)
@@ -98,12 +101,16 @@ class PendingCheckpoint:
 
     def commit(self, fields: dict[str, Any], key: bytes | None = None) -> Path:
         """Write the manifest and rename into place. Returns the committed path."""
+        if key is not None and self.hash_alg not in CRYPTOGRAPHIC:
+            # A signature over non-cryptographic file hashes would not protect the files.
+            raise ValueError(f"a signed checkpoint needs cryptographic file hashes: create it "
+                             f"with hash_alg=alg_for(key), not {self.hash_alg!r}")
         m = {
             "format": mf.FORMAT,
             "version": mf.VERSION,
             "step": self.step,
             "created": time.time(),
-            "hash_alg": HASH_ALG,
+            "hash_alg": self.hash_alg,
             **fields,
             "files": self.files,
             "tensors": self.tensors,
