@@ -87,10 +87,12 @@ def _same_as_manifest(file: str, tensors: dict[str, torch.Tensor], listed: Any) 
             where = "the manifest" if t is None else "the file"
             raise LoadError(f"{file}: tensor {name!r} is only in {where}")
         real = [dtype_code(t.dtype), list(t.shape)]
-        if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[1], list)
-                or [entry[0], entry[1]] != real):
-            raise LoadError(f"{file}: tensor {name!r} is {real[0]} {real[1]} in the file but "
-                            f"{entry} in the manifest")
+        if entry == real:
+            continue
+        claimed = (f"{entry[0]} {entry[1]}" if isinstance(entry, list) and len(entry) == 2
+                   else repr(entry))
+        raise LoadError(f"{file}: tensor {name!r} is {real[0]} {real[1]} in the file but "
+                        f"{claimed} in the manifest")
 
 
 def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
