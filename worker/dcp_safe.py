@@ -108,12 +108,18 @@ class _SafeReader(dcp.FileSystemReader):
         self.fs = _VerifiedFS(root, manifest, alg)
         self._root, self._manifest, self._alg = root, manifest, alg
         self._sub = sub
+        self.refused: LoadError | None = None  # DCP hides a failed read behind its fallbacks
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = f"{self._sub}/.metadata" if rank is None else f"{self._sub}/__{rank}.metadata"
-        md = read_metadata(read_listed(self._root, name, self._manifest, self._alg,
-                                       limit=_MAX_METADATA))
+        try:
+            md = read_metadata(read_listed(self._root, name, self._manifest, self._alg,
+                                           limit=_MAX_METADATA))
+        except LoadError as e:
+            if self.refused is None:
+                self.refused = e
+            raise
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -139,12 +145,15 @@ class _SafePlanner(DefaultLoadPlanner):
 def load(sd: dict[str, Any], root: Path, sub: str, manifest: dict[str, Any], alg: str,
          group: Any) -> None:
     """`dcp.load(sd, ...)` from `root/sub`; LoadError for a checkpoint that cannot be trusted."""
+    reader = _SafeReader(root, sub, manifest, alg)
     try:
-        dcp.load(sd, storage_reader=_SafeReader(root, sub, manifest, alg),
-                 planner=_SafePlanner(), process_group=group)
-    except CheckpointException as e:
-        # DCP wraps each rank's error; a LoadError anywhere means the checkpoint is bad.
-        for exc, _ in e.failures.values():
+        dcp.load(sd, storage_reader=reader, planner=_SafePlanner(), process_group=group)
+    except (Exception, CheckpointException) as e:
+        # DCP wraps each rank's error (and tries other metadata files after a failed read); a
+        # refusal of ours anywhere means the checkpoint is bad, whatever DCP made of it.
+        if reader.refused is not None:
+            raise LoadError(str(reader.refused)) from None
+        for exc, _ in getattr(e, "failures", {}).values():
             if isinstance(exc, LoadError):
                 raise LoadError(str(exc)) from None
         raise
