@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from supervisor.ckpt.verified_read import LoadError, read_listed
+from supervisor.ckpt.verified_read import ListedFile, LoadError, read_listed
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                 "torch.distributed.checkpoint.planner")
@@ -99,7 +99,17 @@ class _VerifiedFS(FileSystem):
         if mode != "rb":
             raise LoadError(f"refusing to open {path} for writing while loading")
         name = os.path.relpath(path, self.root)
-        yield io.BytesIO(read_listed(self.root, name, self.manifest, self.alg, limit=1 << 62))
+        with ListedFile(self.root, name, self.manifest, self.alg) as f:
+            # Read straight into the stream's own buffer: one copy of a shard in memory.
+            stream = io.BytesIO()
+            if f.size:
+                stream.seek(f.size - 1)
+                stream.write(b"\0")
+                with stream.getbuffer() as view:
+                    f.readinto(view)
+            f.finish()
+        stream.seek(0)
+        yield stream
 
 
 class _SafeReader(dcp.FileSystemReader):
