@@ -10,7 +10,8 @@ Rules, in order:
   startup failure                         -> GIVE_UP (exit 3): retrying a broken import loops
   preempted on its own (exit 75)          -> RELAUNCH, same rung, no budget, no backoff
   bad_checkpoint (the worker could not    -> RELAUNCH from the next older checkpoint (the launch
-    load the checkpoint it was given)        loop skips that one), no per-kind budget, no backoff
+    load the checkpoint it was given)        loop skips that one), no per-kind budget, no backoff,
+                                             not part of a crash-loop streak
   per-kind budget or total spent          -> GIVE_UP (exit 1)
   oom_gpu / oom_host                      -> RELAUNCH one rung down; at the floor GIVE_UP
   K attempts without a newer checkpoint   -> GIVE_UP (crash loop)
@@ -159,12 +160,13 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
     if kind is FailureKind.PREEMPTED:  # exit 75 without a stop from us: relaunch, spend nothing
         return _relaunch(failure, history, nxt, config, settings, rand, backoff=False)
     if kind is FailureKind.BAD_CHECKPOINT:
-        # Each such attempt uses up one checkpoint (it is not offered again), so this ends; it
-        # still counts toward max_restarts and the crash-loop rule.
+        # Each such attempt uses up one checkpoint (it is not offered again), so this ends. It
+        # counts toward max_restarts but not toward the crash-loop streak: it never trained, and
+        # several bad checkpoints in a row must not hide the good one before them.
         if history.total_restarts >= config.restart.max_restarts:
             return _give_up(f"{failure.reason}; {history.total_restarts} relaunches spent, the "
                             "maximum ([restart] max_restarts)", history, settings)
-        nxt = replace(nxt, total_restarts=history.total_restarts + 1)
+        nxt = replace(nxt, total_restarts=history.total_restarts + 1, stalled=history.stalled)
         return _relaunch(failure, history, nxt, config, settings, rand, backoff=False)
 
     name = _budget_name(kind)

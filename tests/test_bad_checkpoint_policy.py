@@ -30,10 +30,12 @@ def test_exit_65_without_a_record_is_not_a_bad_checkpoint():
 def test_relaunch_at_once_counting_toward_max_restarts_only():
     failure = Failure(kind=FailureKind.BAD_CHECKPOINT, reason="checkpoint-8: cannot load",
                       evidence=Evidence(returncode=65, exit_records=[BAD]))
-    h = History(attempt=2, budgets_used={"crash": 3}, total_restarts=4, launch_step=8)
+    h = History(attempt=2, budgets_used={"crash": 3}, total_restarts=4, launch_step=8,
+                stalled=(8, 8))
     d = decide(failure, h, Config(), rand=0.9, newest_step=8)
     assert d.action is Action.RELAUNCH and d.backoff_s == 0.0
     assert d.history.total_restarts == 5 and d.history.budgets_used == {"crash": 3}
+    assert d.history.stalled == (8, 8)  # three bad ones in a row are not a crash loop
     assert "skipping that checkpoint" in d.reason
     spent = Config(restart=RestartConfig(max_restarts=4))
     assert decide(failure, h, spent, rand=0.0, newest_step=8).action is Action.GIVE_UP
