@@ -668,6 +668,9 @@ def _read_state(path: Path, m: dict[str, Any], alg: str) -> dict[str, Any]:
         raise LoadError(f"state.json is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(st, dict):
         raise LoadError("state.json is not a JSON object")
+    scale = st.get("lr_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < 1e30:
+        raise LoadError(f"state.json's lr_scale {scale!r} is not a positive number")
     return st
 
 

@@ -72,7 +72,10 @@ def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str
             raise
         except ValueError as e:
             raise LoadError(f"{name}: {e}") from None
-    listed = manifest.get("tensors", {}).get(name)
+    table = manifest.get("tensors", {})
+    if not isinstance(table, dict):
+        raise LoadError("the manifest's tensor table is not a map")
+    listed = table.get(name)
     if listed is not None:
         _same_as_manifest(name, tensors, listed)
     return tensors, meta
