@@ -65,6 +65,7 @@ def inspect_full(ckpt):
 # ---------------------------------------------------------------- 1. no code from a checkpoint
 
 
+@pytest.mark.slow  # runs `rtrain inspect` as a process
 def test_pickle_at_dcp_metadata_never_runs_and_restore_falls_back(tmp_path, caplog):
     weights = two_checkpoints(tmp_path)
     bad = tmp_path / "checkpoint-4"
