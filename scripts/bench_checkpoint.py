@@ -7,6 +7,8 @@ Prints, for a state of about --gib GiB (float32 weights):
   sync save     vs torch.save + fsync of the same state dict          (target >= 1.0x)
   async save    training-thread blocked time vs the sync save time    (target <= 0.15x)
   verify full   throughput from page cache                            (target >= 2 GB/s)
+                unsigned (xxh3-128 file hashes) and signed (blake3 file hashes)
+  restore       load into a model, every byte hashed as it is read, both hash algorithms
 Medians over --repeat runs; runs alternate so drift in disk speed hits every method alike.
 """
 
@@ -81,6 +83,48 @@ def rtrain_async(model: nn.Module, d: Path, ck: worker.Checkpointer, step: int) 
     return blocked
 
 
+def verify_speed(ckpt: Path, key: bytes | None, repeat: int) -> float:
+    """Median seconds of a full verification, from page cache."""
+    assert verify(ckpt, "full", key).ok  # warms the page cache
+    vt = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        assert verify(ckpt, "full", key).ok
+        vt.append(time.perf_counter() - t0)
+    return statistics.median(vt)
+
+
+def restore_speed(model: nn.Module, ckpt: Path, key: bytes | None, repeat: int) -> float:
+    """Median seconds of Checkpointer.restore(ckpt) at the quick level (as under rtrain, which
+    verified fully already): the load hashes every byte it reads."""
+    ck = worker.Checkpointer(model=model, ckpt_dir=ckpt.parent, signing_key=key,
+                             verify_level="quick")
+    ck.restore(ckpt)
+    rt = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        ck.restore(ckpt)
+        rt.append(time.perf_counter() - t0)
+    return statistics.median(rt)
+
+
+def plain_load_speed(model: nn.Module, ckpt: Path, repeat: int) -> float:
+    """Median seconds of what restore did before it hashed while reading: safetensors'
+    load_file (mmap, nothing verified) and a copy into the model."""
+    from safetensors.torch import load_file
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        tensors = load_file(ckpt / "model.safetensors")
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                t.copy_(tensors[name])
+        return time.perf_counter() - t0
+
+    once()
+    return statistics.median(once() for _ in range(repeat))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0)
@@ -124,17 +168,19 @@ def main() -> None:
     if os.environ.get("BENCH_VERBOSE"):
         print({k: [round(x, 3) for x in v] for k, v in times.items()})
     ckpt = root / "sync" / "checkpoint-1"
-    verify(ckpt, "full")  # warm the page cache
-    vt = []
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        assert verify(ckpt, "full").ok
-        vt.append(time.perf_counter() - t0)
-    ver = statistics.median(vt)
+    signer = worker.Checkpointer(model=model, ckpt_dir=root / "signed", keep=1,
+                                 signing_key="bench")
+    signed = signer.save(1)
+    ver = verify_speed(ckpt, None, args.repeat)
+    ver_signed = verify_speed(signed, signer.key, args.repeat)
+    twin = build(args.gib)
+    plain = plain_load_speed(twin, ckpt, args.repeat)
+    load = restore_speed(twin, ckpt, None, args.repeat)
+    load_signed = restore_speed(twin, signed, signer.key, args.repeat)
     gb = nbytes / 1e9
     print(f"state: {nbytes / 2**30:.2f} GiB, {args.repeat} runs each, medians; torch "
           f"{torch.__version__}, {os.cpu_count()} cores")
-    print(f"{'measure':<34}{'time s':>8}{'GB/s':>8}{'ratio':>8}  target")
+    print(f"{'measure':<42}{'time s':>8}{'GB/s':>8}{'ratio':>8}  target")
     rows = [
         ("raw write + fsync (baseline)", med["raw"], gb / med["raw"], None, ""),
         ("torch.save + fsync (baseline)", med["torch"], gb / med["torch"], None, ""),
@@ -144,12 +190,17 @@ def main() -> None:
          med["torch"] / med["sync"], ">= 1.00x"),
         ("async save: blocked vs sync save", med["async"], None, med["async"] / med["sync"],
          "<= 0.15x"),
-        ("verify full (page cache)", ver, gb / ver, None, ">= 2 GB/s"),
+        ("verify full, xxh3-128 (unsigned)", ver, gb / ver, None, ">= 2 GB/s"),
+        ("verify full, blake3 (signed)", ver_signed, gb / ver_signed, None, "baseline"),
+        ("safetensors load_file + copy_ (baseline)", plain, gb / plain, None, ""),
+        ("restore, hashing xxh3-128", load, gb / load, plain / load, "(vs baseline)"),
+        ("restore, hashing blake3", load_signed, gb / load_signed, plain / load_signed,
+         "(vs baseline)"),
     ]
     for name, t, rate, ratio, target in rows:
         rate_s = f"{rate:8.2f}" if rate else " " * 8
         ratio_s = f"{ratio:7.2f}x" if ratio else " " * 8
-        print(f"{name:<34}{t:8.3f}{rate_s}{ratio_s}  {target}")
+        print(f"{name:<42}{t:8.3f}{rate_s}{ratio_s}  {target}")
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -25,9 +25,11 @@ HOST_OOM = re.compile(r"\bMemoryError\b|std::bad_alloc|Cannot allocate memory")
 # When several ranks left records, the most specific kind names the attempt: rank 0's
 # "crash" is usually the NCCL fallout of rank 3's out-of-memory. Among records of one kind the
 # earliest names it: the others are usually the collective failing on the ranks left behind.
-_RECORD_PRIORITY = [FailureKind.OOM_GPU, FailureKind.OOM_HOST, FailureKind.NONFINITE,
-                    FailureKind.DATA, FailureKind.LOST_DEVICE, FailureKind.STARTUP,
-                    FailureKind.PREEMPTED, FailureKind.CRASH]
+# A checkpoint that cannot be loaded comes first: whatever else the ranks report (a collective
+# broken by the rank that gave up) follows from it.
+_RECORD_PRIORITY = [FailureKind.BAD_CHECKPOINT, FailureKind.OOM_GPU, FailureKind.OOM_HOST,
+                    FailureKind.NONFINITE, FailureKind.DATA, FailureKind.LOST_DEVICE,
+                    FailureKind.STARTUP, FailureKind.PREEMPTED, FailureKind.CRASH]
 
 
 def describe_exit(ev: Evidence) -> str:

@@ -17,6 +17,7 @@ class FailureKind(str, enum.Enum):
     DATA = "data"  # too many bad samples
     CRASH = "crash"  # anything else
     LOST_DEVICE = "lost_device"  # NVML reports the GPU gone / Xid
+    BAD_CHECKPOINT = "bad_checkpoint"  # the worker could not load the checkpoint it was given
 
 
 @dataclass

@@ -172,7 +172,8 @@ def _file_size(path: Path) -> int:
         return 0
 
 
-def _check_file(root: Path, name: str, entry: dict[str, Any], level: Level) -> str:
+def _check_file(root: Path, name: str, entry: dict[str, Any], level: Level,
+                alg: str = hashing.HASH_ALG) -> str:
     try:
         path = check_member_name(root, name)
         size = safeio.check_regular(path, follow_symlinks=True).st_size
@@ -188,8 +189,10 @@ def _check_file(root: Path, name: str, entry: dict[str, Any], level: Level) -> s
         return f"size {size}, the manifest says {entry['size']}"
     if level is Level.FULL:
         try:
-            if hashing.hash_file(path) != entry["hash"]:
+            if hashing.hash_file(path, alg) != entry["hash"]:
                 return "hash mismatch"
+        except hashing.HashAlgError as e:
+            return str(e)
         except OSError as e:
             return f"cannot read: {e.strerror}"
     return "ok"
@@ -203,7 +206,8 @@ def _files(verdict: Verdict, level: Level) -> list[FileCheck]:
         entry = listed[name]
         # A checkpoint that verified needs no second pass; a failed one is checked file by file
         # so the listing shows which files are at fault.
-        status = "ok" if verdict.ok else _check_file(root, name, entry, level)
+        status = "ok" if verdict.ok else _check_file(root, name, entry, level,
+                                                     manifest.get("hash_alg", hashing.HASH_ALG))
         out.append(FileCheck(name, entry["size"], entry["hash"], status))
     try:
         on_disk = sorted(e.name for e in os.scandir(root) if e.is_file(follow_symlinks=False)

@@ -27,12 +27,13 @@ from typing import Any
 from supervisor import filemode, protocol, saves, slurm, templates
 from supervisor.ckpt import foreign, generation
 from supervisor.ckpt.hashing import load_signing_key
-from supervisor.ckpt.verify import Level, Selection
+from supervisor.ckpt.verify import Level, Selection, Verdict, first_good
 from supervisor.classify import classify, plain_script_started
 from supervisor.config import Config
 from supervisor.console import BestEffortWriter, best_effort_console
 from supervisor.errors import UsageError
 from supervisor.events import EventLog, read_events
+from supervisor.failures import FailureKind
 from supervisor.gpu import GpuReader, NvmlReader, wait_gpu_released
 from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
 from supervisor.hooks import HookRunner
@@ -286,7 +287,7 @@ class _Loop:
                 if history is not self.state.history or self.state.status is not RunStatus.RUNNING:
                     self._save(RunStatus.RUNNING, "running", history)  # a relaunch saved already
                 outcome, dur = self._attempt(history.attempt, settings, selection, signals)
-                decision = self._decide(outcome, history, resumed_step, dur)
+                decision = self._decide(outcome, history, resumed_step, dur, chosen)
                 history = decision.history
                 code = self._act(decision, signals, outcome.pids_seen)
                 if code is not None:
@@ -305,14 +306,29 @@ class _Loop:
                                  "pick another checkpoint or use --resume auto")
             return Selection(v, [])
         # Any format: rtrain's own, a Trainer's checkpoint-N dirs, Lightning / torch.save files.
-        sel = foreign.select_resume(self.ckpt_dir, level, self.key,
-                                    skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
+        sel = self._select(level, history, skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
         for v in sel.skipped:
             self.say(f"skipping {safe(v.path.name)}: {safe(v.describe())}")  # names from disk
             self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
         if resume is ResumeMode.ROLLBACK and sel.chosen is None:
-            sel = foreign.select_resume(self.ckpt_dir, level, self.key)  # nothing older: newest
+            sel = self._select(level, history)  # nothing older: newest
         return sel
+
+    def _select(self, level: Level, history: History, skip_newest: int = 0) -> Selection:
+        """Resume selection, passing over checkpoints a worker of this run could not load
+        (reported when that happened, in a `skipped_checkpoint` event)."""
+        bad = set(history.bad_checkpoints)
+        verdicts = (foreign.verify_candidate(c, level, self.key)
+                    for c in foreign.list_candidates(self.ckpt_dir))
+        return first_good((v for v in verdicts if not (v.ok and _identity(v) in bad)),
+                          skip_newest)
+
+    def _skip_bad_checkpoint(self, history: History, chosen: Verdict, reason: str) -> History:
+        """The worker could not load `chosen`: record why, and never offer it again."""
+        self.say(f"skipping {chosen.path.name} from now on: {reason}")
+        self.events.emit("skipped_checkpoint", path=str(chosen.path),
+                         reason=f"cannot load: {reason}")
+        return replace(history, bad_checkpoints=(*history.bad_checkpoints, _identity(chosen)))
 
     def _attempt(self, attempt: int, settings: dict[str, Any], selection: Selection,
                  signals: SignalCatcher) -> tuple[Outcome, float]:
@@ -424,7 +440,7 @@ class _Loop:
     # ------------------------------------------------------------ decide and act
 
     def _decide(self, outcome: Outcome, history: History, resumed_step: int | None,
-                duration_s: float) -> Decision:
+                duration_s: float, chosen: Verdict | None = None) -> Decision:
         ev = outcome.evidence
         hs = outcome.heartbeats
         attempt = history.attempt
@@ -450,6 +466,8 @@ class _Loop:
             self.events.emit("classification", attempt=attempt, failure=failure.kind.value,
                              reason=failure.reason)
             self.say(f"attempt {attempt} failed: {failure.kind.value}: {failure.reason}")
+            if failure.kind is FailureKind.BAD_CHECKPOINT and chosen is not None:
+                history = self._skip_bad_checkpoint(history, chosen, failure.reason)
         history = note_progress(history, ev, resumed_step=resumed_step)
         newest = self._newest_step()
         decision = decide(failure, history, self.cfg, rand=self.seams.rand(), newest_step=newest)
@@ -543,6 +561,16 @@ def _prepare_dirs(run_dir: Path, ckpt_dir: Path, file_mode: int) -> None:
         flag = "--run-dir" if where == run_dir else "--ckpt-dir"
         raise UsageError(f"cannot write to {where} ({e.strerror}): give a writable {flag} "
                          "or fix its permissions") from None
+def _identity(v: Verdict) -> str:
+    """A checkpoint as a run remembers it: the path and when it was made (a checkpoint saved
+    again at the same path is a different one)."""
+    created = (v.manifest or {}).get("created")
+    if created is None:
+        try:
+            created = os.stat(v.path).st_mtime_ns
+        except OSError:
+            created = None
+    return f"{v.path.resolve()}|{created}"
 
 
 def _slurm_field() -> dict[str, Any]:

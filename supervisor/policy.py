@@ -9,6 +9,9 @@ Rules, in order:
   the supervisor was asked to stop        -> REQUEUE (config.requeue) or EXIT_PREEMPTED (exit 75)
   startup failure                         -> GIVE_UP (exit 3): retrying a broken import loops
   preempted on its own (exit 75)          -> RELAUNCH, same rung, no budget, no backoff
+  bad_checkpoint (the worker could not    -> RELAUNCH from the next older checkpoint (the launch
+    load the checkpoint it was given)        loop skips that one), no per-kind budget, no backoff,
+                                             not part of a crash-loop streak
   per-kind budget or total spent          -> GIVE_UP (exit 1)
   oom_gpu / oom_host                      -> RELAUNCH one rung down; at the floor GIVE_UP
   K attempts without a newer checkpoint   -> GIVE_UP (crash loop)
@@ -69,10 +72,14 @@ class History:
     """Training steps made since the last rung change."""
     lr_factor: float = 1.0
     """Product of the lr cuts applied after non-finite losses."""
+    bad_checkpoints: tuple[str, ...] = ()
+    """Checkpoints a worker could not load (`bad_checkpoint`), as "<path>|<manifest created>":
+    never offered again in this run; a checkpoint saved later at the same path is another."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["undo"], out["stalled"] = list(self.undo), list(self.stalled)
+        out["bad_checkpoints"] = list(self.bad_checkpoints)
         return out
 
     @classmethod
@@ -81,6 +88,7 @@ class History:
         raw = dict(raw)
         raw["undo"] = tuple(raw.get("undo", ()))
         raw["stalled"] = tuple(raw.get("stalled", ()))
+        raw["bad_checkpoints"] = tuple(raw.get("bad_checkpoints", ()))
         return cls(**raw)
 
 
@@ -151,6 +159,15 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
 
     if kind is FailureKind.PREEMPTED:  # exit 75 without a stop from us: relaunch, spend nothing
         return _relaunch(failure, history, nxt, config, settings, rand, backoff=False)
+    if kind is FailureKind.BAD_CHECKPOINT:
+        # Each such attempt uses up one checkpoint (it is not offered again), so this ends. It
+        # counts toward max_restarts but not toward the crash-loop streak: it never trained, and
+        # several bad checkpoints in a row must not hide the good one before them.
+        if history.total_restarts >= config.restart.max_restarts:
+            return _give_up(f"{failure.reason}; {history.total_restarts} relaunches spent, the "
+                            "maximum ([restart] max_restarts)", history, settings)
+        nxt = replace(nxt, total_restarts=history.total_restarts + 1, stalled=history.stalled)
+        return _relaunch(failure, history, nxt, config, settings, rand, backoff=False)
 
     name = _budget_name(kind)
     used = history.budgets_used.get(name, 0)
@@ -214,6 +231,8 @@ def _relaunch(failure: Failure, before: History, nxt: History, config: Config,
                      f"steps ({change})")
     nxt = replace(nxt, settings=settings)
     wait = backoff_s(config, max(len(stalled) - 1, 0), rand) if backoff else 0.0
+    if failure.kind is FailureKind.BAD_CHECKPOINT:
+        notes.append("skipping that checkpoint")
     what = "; ".join(["relaunching", *notes]) if notes else "relaunching on the same settings"
     return Decision(action=Action.RELAUNCH, reason=f"{failure.reason}; {what}", history=nxt,
                     settings=settings, level=level, resume=resume, backoff_s=wait,

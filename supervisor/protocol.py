@@ -28,6 +28,10 @@ ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
 ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's checkpoint generation (ckpt/generation.py)
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a committed checkpoint
+# EX_DATAERR: the checkpoint in RTRAIN_RESUME_FROM cannot be loaded. The exit record (kind
+# `bad_checkpoint`, extra.checkpoint = the path) is what the supervisor acts on; the code
+# alone is not trusted, since any script may exit 65 for reasons of its own.
+EXIT_BAD_CHECKPOINT = 65
 
 
 def socket_address(name: str) -> str | bytes:

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from supervisor.ckpt.commit import PendingCheckpoint
+from supervisor.ckpt.hashing import alg_for
 from supervisor.ckpt.safetensors_io import TensorBlob
 from supervisor.spawn import ChildSpec
 
@@ -49,7 +50,7 @@ def build_checkpoint(ckpt_dir: str | os.PathLike, step: int, *,
                      **fields: Any) -> Path:
     """Commit `checkpoint-<step>` with tensors (default: a tiny model), a state.json, `files`
     (extra raw files) and manifest `fields` (epoch, samples_seen, ... override the defaults)."""
-    pending = PendingCheckpoint(ckpt_dir, step, fsync=False)
+    pending = PendingCheckpoint(ckpt_dir, step, fsync=False, hash_alg=alg_for(key))
     for name, blobs in (default_tensors(step) if tensors is None else tensors).items():
         pending.write_tensors(name, blobs)
     pending.write_json("state.json", {"step": step})

@@ -20,15 +20,24 @@ import supervisor
 from supervisor import filemode
 from supervisor.ckpt import hashing, retention
 from supervisor.ckpt.commit import PendingCheckpoint, free_bytes
+from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.prune import PruneReport, prune
+from supervisor.ckpt.verified_read import LoadError, read_listed
 from supervisor.ckpt.verify import Level, VerifiedCache, select_resume, verify
 from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
-from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_RUN_DIR, EXIT_PREEMPTED
+from supervisor.failures import FailureKind
+from supervisor.protocol import (
+    ENV_CKPT_DIR,
+    ENV_RESUME_FROM,
+    ENV_RUN_DIR,
+    EXIT_BAD_CHECKPOINT,
+    EXIT_PREEMPTED,
+)
 from worker import dist, dist_ckpt, faults, runtime, state
 from worker.sampler import ResumableSampler
 from worker.schedule import SaveSchedule
 from worker.settings import current as current_settings
-from worker.tensors import cpu_contiguous, decode, encode, to_blob
+from worker.tensors import cpu_contiguous, decode, dtype_code, encode, load_listed, to_blob
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +61,20 @@ class _Capture:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for f in self.tensors.values() for t in f.values())
+
+
+@dataclass
+class _Loaded:
+    """A checkpoint read and verified, not yet applied."""
+
+    path: Path
+    manifest: dict[str, Any]
+    state: dict[str, Any]  # state.json
+    tensors: dict[str, dict[str, torch.Tensor]]  # file stem -> name -> tensor
+    rng: tuple[dict[str, torch.Tensor], dict[str, Any]] | None
+    layout: str  # "sharded" or "replicated" (dist_ckpt.check_world)
+    alg: str  # the manifest's file hash
+    extra: Any  # the user's extras, decoded
 
 
 class Checkpointer:
@@ -79,7 +102,8 @@ class Checkpointer:
                  trainable_only: bool = False, verify_level: Literal["quick", "full"] = "full",
                  map_location: str | torch.device = "cpu", exit_on_stop: bool = True,
                  fsync: bool = True, signing_key: bytes | str | None = None,
-                 sharded: bool | None = None, allow_resize: bool = False) -> None:
+                 sharded: bool | None = None, allow_resize: bool = False,
+                 allow_pickle: bool = False) -> None:
         ckpt_dir = ckpt_dir or os.environ.get(ENV_CKPT_DIR) or "checkpoints"
         self.ckpt_dir = Path(ckpt_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -98,6 +122,9 @@ class Checkpointer:
         self.trainable_only = trainable_only
         self.sharded = sharded  # None: detect (DTensor / FSDP parameters) at each save
         self.allow_resize = allow_resize
+        # Sharded (DCP) checkpoints are read without unpickling; True hands them to DCP's own
+        # reader, which unpickles (runs code from) the checkpoint: trusted checkpoints only.
+        self.allow_pickle = allow_pickle
         self.verify_level = Level(verify_level)
         self.map_location = map_location
         self.exit_on_stop = exit_on_stop
@@ -126,39 +153,58 @@ class Checkpointer:
     # ------------------------------------------------------------ restore
 
     def restore(self, path: str | os.PathLike | None = None) -> int:
-        """Load the newest checkpoint that verifies (or `path`). Returns the step to run next."""
+        """Load the newest checkpoint that verifies (or `path`). Returns the step to run next.
+
+        Every file is read once, hashed as it is read and compared with the manifest before
+        anything is applied to the model. A checkpoint that cannot be loaded (a file that does
+        not match its manifest, a required file missing, a layout this process cannot load):
+        - chosen by rtrain (RTRAIN_RESUME_FROM): a `bad_checkpoint` exit record names it and
+          the process exits EXIT_BAD_CHECKPOINT; rtrain relaunches from the one before;
+        - picked here from the checkpoint dir: skipped with a warning, the next older one tried;
+        - given as `path`: CorruptCheckpoint is raised.
+        One that does not fit the model (StateMismatch) is raised: an older one would not fit
+        either.
+        """
         w = dist.world()
-        if w is None:
-            chosen = self._pick(path)
-            found = None if chosen is None else (chosen.path, chosen.manifest)
-        else:  # rank 0 picks and verifies; every rank loads that one
-            found = dist_ckpt.agree(lambda: self._pick(path), w)
-        if found is None:
+        from_supervisor = path is None and bool(os.environ.get(ENV_RESUME_FROM))
+        try:
+            if w is None and path is None and not from_supervisor:
+                loaded = self._first_loadable()
+            else:
+                found = self._agree(path, w)
+                loaded = None if found is None else self._read(*found, w)
+            if loaded is not None:
+                self._restore_components(loaded)
+        except CorruptCheckpoint as e:
+            if from_supervisor:
+                _report_bad_checkpoint(os.environ[ENV_RESUME_FROM], e.reason)
+            raise
+        if loaded is None:
             log.info("no checkpoint to resume from in %s: starting fresh", self.ckpt_dir)
             return 0
-        ckpt_path, m = found
-        assert m is not None
-        st = json.loads((ckpt_path / "state.json").read_bytes())
-        layout = dist_ckpt.check_world(m.get("info", {}), w, self._is_sharded(),
-                                       self.allow_resize, ckpt_path.name)
-        tensors = {stem: self._load_tensors(ckpt_path, stem, m) for stem in _FILES}
-        rng = dist_ckpt.load_rank_rng(ckpt_path, m, st, tensors["extra"],
-                                      w.rank if w else 0, w is not None)
-        self._restore_components(m, st, tensors, rng, ckpt_path, layout)
+        m = loaded.manifest
         for w in _environment_changes(m.get("environment", {}), _environment(self.model)):
             log.warning("%s", w)
         self.step, self.epoch = m["step"], m["epoch"]
-        self.extra = decode(st.get("extra", {}), tensors["extra"])
+        self.extra = loaded.extra
         self._last_save_step = self.step
         self._hb_samples = self._samples() or 0
-        log.info("resumed from %s (step %d, epoch %d)", ckpt_path, self.step, self.epoch)
+        log.info("resumed from %s (step %d, epoch %d)", loaded.path, self.step, self.epoch)
         runtime.heartbeat(step=self.step, event="start")
         return self.step
+
+    def _agree(self, path: str | os.PathLike | None, w: dist.World | None
+               ) -> tuple[Path, dict[str, Any]] | None:
+        if w is not None:  # rank 0 picks and verifies; every rank loads that one
+            return dist_ckpt.agree(lambda: self._pick(path), w)
+        chosen = self._pick(path)
+        return None if chosen is None else (chosen.path, chosen.manifest)
 
     def _pick(self, path: str | os.PathLike | None):
         env_path = os.environ.get(ENV_RESUME_FROM)
         if path is None and env_path:
-            # The supervisor verified it fully a moment ago; a quick check catches a swap.
+            # The supervisor verified it fully a moment ago; loading hashes every byte it uses,
+            # so a file swapped since is caught there, not by a second full read here.
             path, level = env_path, Level.QUICK
         else:
             level = self.verify_level
@@ -174,28 +220,73 @@ class Checkpointer:
             log.warning("skipping %s: %s", v.path.name, v.describe())
         return sel.chosen
 
-    def _load_tensors(self, path: Path, stem: str, m: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _first_loadable(self) -> _Loaded | None:
+        """Run by hand: the newest checkpoint that verifies and loads; older ones on failure."""
+        if os.environ.get(ENV_RUN_DIR):
+            return None  # supervised without RTRAIN_RESUME_FROM: the supervisor chose a fresh start
+        for _, p in list_checkpoints(self.ckpt_dir):
+            v = verify(p, self.verify_level, self.key)
+            if not v.ok:
+                log.warning("skipping %s: %s", p.name, v.describe())
+                continue
+            try:
+                return self._read(v.path, v.manifest, None)
+            except CorruptCheckpoint as e:
+                log.warning("skipping %s: %s", p.name, e.reason)
+        return None
+
+    def _read(self, path: Path, m: dict[str, Any], w: dist.World | None) -> _Loaded:
+        """Read everything a restore needs from `path`, verified; nothing is applied yet, so a
+        checkpoint that fails here leaves the model as it was."""
+        try:
+            alg = hashing.manifest_alg(m, self.key)
+            info = m.get("info") if isinstance(m.get("info"), dict) else {}
+            layout = dist_ckpt.check_world(info, w, self._is_sharded(), self.allow_resize,
+                                           path.name)
+            st = _read_state(path, m, alg)
+            tensors = {stem: self._load_tensors(path, stem, m, alg) for stem in _FILES}
+            rng = dist_ckpt.load_rank_rng(path, m, st, tensors["extra"], w.rank if w else 0, alg)
+            try:
+                extra = decode(st.get("extra", {}), tensors["extra"])
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise LoadError(f"state.json's extras refer to what extra.safetensors does not "
+                                f"hold ({type(e).__name__}: {e})") from None
+        except (LoadError, hashing.HashAlgError) as e:
+            raise CorruptCheckpoint(str(path), f"cannot load: {e}") from None
+        return _Loaded(path, m, st, tensors, rng, layout, alg, extra)
+
+    def _load_tensors(self, path: Path, stem: str, m: dict[str, Any], alg: str
+                      ) -> dict[str, torch.Tensor]:
         name = f"{stem}.safetensors"
         if name not in m["files"]:
             return {}
-        from safetensors.torch import load_file
-
+        tensors, _ = load_listed(path, name, m, alg)
         # RNG states must stay on the CPU; the rest may go straight to the training device.
-        device = "cpu" if stem == "extra" else str(self.map_location)
-        return load_file(path / name, device=device)
+        device = torch.device("cpu" if stem == "extra" else self.map_location)
+        if device.type == "cpu":
+            return tensors
+        return {k: v.to(device) for k, v in tensors.items()}
 
-    def _restore_components(self, m: dict[str, Any], st: dict[str, Any],
-                            tensors: dict[str, dict[str, torch.Tensor]],
-                            rng: tuple[dict[str, torch.Tensor], dict[str, Any]] | None,
-                            path: Path, layout: str) -> None:
-        info = m.get("info", {})
+    def _restore_components(self, loaded: _Loaded) -> None:
+        m, st, tensors, rng, path = (loaded.manifest, loaded.state, loaded.tensors, loaded.rng,
+                                     loaded.path)
+        info = m.get("info") if isinstance(m.get("info"), dict) else {}
+        layout = loaded.layout
         if layout == "sharded":
-            dist_ckpt.load_sharded(path, self.model, self.optimizer)
+            try:
+                dist_ckpt.load_sharded(path, m, loaded.alg, self.model, self.optimizer,
+                                       self.allow_pickle)
+            except LoadError as e:
+                raise CorruptCheckpoint(str(path), f"cannot load: {e}") from None
         elif self.model is not None:
-            saved = m.get("tensors", {}).get("model.safetensors", {})
+            # What the file holds (read, not what the manifest claims) against the model, and
+            # the optimizer's tensors against their parameters, before anything is copied.
+            saved = {n: [dtype_code(t.dtype), list(t.shape)] for n, t in tensors["model"].items()}
             trainable_only = bool(info.get("trainable_only"))
             for w in state.check_model(self.model.state_dict(), saved, trainable_only):
                 log.warning("%s", w)
+            if self.optimizer is not None:
+                state.check_optimizer(self.optimizer, self.model, tensors["optimizer"])
             if trainable_only:
                 self._check_frozen(info.get("frozen_fingerprint"))
             state.load_model(self.model, tensors["model"])
@@ -527,7 +618,8 @@ class Checkpointer:
             return path
         pending = None
         try:
-            pending = PendingCheckpoint(self.ckpt_dir, cap.step, fsync=self.fsync)
+            pending = PendingCheckpoint(self.ckpt_dir, cap.step, fsync=self.fsync,
+                                        hash_alg=hashing.alg_for(self.key))
             for stem in _FILES:
                 blobs = [to_blob(n, t) for n, t in cap.tensors[stem].items()]
                 pending.write_tensors(f"{stem}.safetensors", blobs)
@@ -588,6 +680,38 @@ def _log_retention(report: PruneReport, prefix: str, removal_level: int) -> None
 
 
 _CHILD_SKIPPED = 3
+_STATE_LIMIT = 1 << 30  # state.json: JSON of the non-tensor state, never near this
+
+
+def _read_state(path: Path, m: dict[str, Any], alg: str) -> dict[str, Any]:
+    """state.json, which every rtrain checkpoint has: only if the manifest lists it."""
+    if "state.json" not in m["files"]:
+        raise LoadError("the manifest does not list state.json, which every rtrain checkpoint "
+                        "has: it is not a loadable rtrain checkpoint")
+    raw = read_listed(path, "state.json", m, alg, limit=_STATE_LIMIT)
+    try:
+        st = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise LoadError(f"state.json is not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(st, dict):
+        raise LoadError("state.json is not a JSON object")
+    scale = st.get("lr_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < 1e30:
+        raise LoadError(f"state.json's lr_scale {scale!r} is not a positive number")
+    return st
+
+
+def _report_bad_checkpoint(path: str, reason: str) -> None:
+    """Tell the supervisor that the checkpoint it chose cannot be loaded, and exit: it skips
+    that one and relaunches from the one before (contract 2, `bad_checkpoint`)."""
+    name = Path(path).name
+    log.error("cannot resume from %s: %s", name, reason)
+    try:
+        runtime.write_exit_record(FailureKind.BAD_CHECKPOINT.value, f"{name}: {reason}",
+                                  checkpoint=path)
+    except OSError as e:  # the exit code still tells
+        log.warning("could not write the exit record: %s", e)
+    raise SystemExit(EXIT_BAD_CHECKPOINT)
 
 
 def _has_cuda_state(model: torch.nn.Module | None) -> bool:

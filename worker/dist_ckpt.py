@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from supervisor.ckpt.commit import PendingCheckpoint, fsync_dir
-from supervisor.ckpt.hashing import hash_file
+from supervisor.ckpt.hashing import alg_for, hash_file
 from supervisor.ckpt.layout import MANIFEST
-from supervisor.errors import CheckpointError, StateMismatch
+from supervisor.ckpt.verified_read import LoadError
+from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
 from worker import dist, faults
-from worker.tensors import to_blob
+from worker.tensors import load_listed, to_blob
 
 if TYPE_CHECKING:
     from worker.checkpointer import Checkpointer, _Capture
@@ -80,7 +81,8 @@ def write(ck: Checkpointer, cap: _Capture) -> Path | None:
             need = cap.nbytes * (w.size if cap.sharded is not None else 1)
             short = ck._make_room(need)
             if short is None:
-                pending = PendingCheckpoint(ck.ckpt_dir, cap.step, fsync=ck.fsync)
+                pending = PendingCheckpoint(ck.ckpt_dir, cap.step, fsync=ck.fsync,
+                                            hash_alg=alg_for(ck.key))
                 name = pending.tmp.name
             else:
                 why = short
@@ -94,7 +96,7 @@ def write(ck: Checkpointer, cap: _Capture) -> Path | None:
         return None
     if pending is None:
         pending = PendingCheckpoint.adopt(ck.ckpt_dir, cap.step, ck.ckpt_dir / name,
-                                          fsync=ck.fsync)
+                                          fsync=ck.fsync, hash_alg=alg_for(ck.key))
     error: BaseException | None = None
     try:
         _write_part(pending, cap, ck.fsync)
@@ -164,7 +166,8 @@ def _write_part(pending: PendingCheckpoint, cap: _Capture, fsync: bool) -> None:
     if w.leader:
         mine += [out / ".metadata"]
     for f in mine:
-        pending.add_file(f"{DCP_DIR}/{f.name}", f.stat().st_size, hash_file(f))
+        pending.add_file(f"{DCP_DIR}/{f.name}", f.stat().st_size,
+                         hash_file(f, pending.hash_alg))
 
 
 def _commit(ck: Checkpointer, pending: PendingCheckpoint, cap: _Capture,
@@ -178,7 +181,7 @@ def _commit(ck: Checkpointer, pending: PendingCheckpoint, cap: _Capture,
             rel = os.path.relpath(os.path.join(root, n), pending.tmp)
             if rel != MANIFEST and rel not in pending.files:
                 p = Path(root) / n
-                pending.add_file(rel, p.stat().st_size, hash_file(p))
+                pending.add_file(rel, p.stat().st_size, hash_file(p, pending.hash_alg))
     if ck.fsync and (pending.tmp / DCP_DIR).is_dir():
         fsync_dir(pending.tmp / DCP_DIR)
     return pending.commit(cap.fields, ck.key).name
@@ -207,11 +210,18 @@ def agree(pick: Callable[[], Any], w: dist.World) -> tuple[Path, dict[str, Any]]
 
 def check_world(info: dict[str, Any], w: dist.World | None, sharded_now: bool,
                 allow_resize: bool, name: str) -> str:
-    """The layout to load ("sharded" or "replicated"), or StateMismatch naming both sizes."""
+    """The layout to load ("sharded" or "replicated"), or StateMismatch naming both sizes, or
+    CorruptCheckpoint for a sharded checkpoint without a process group to load it into."""
     saved_size = int(info.get("world_size", 1))
     saved_layout = info.get("layout", "single")
     size = w.size if w is not None else 1
     if saved_layout == "sharded":
+        if w is None:
+            # Sharded state loads only through DCP under a process group; a single process
+            # handed one is looking at a checkpoint that does not belong to this run.
+            raise CorruptCheckpoint(name, "cannot load here: it holds sharded (DCP) state, "
+                                    "which loads only under torch.distributed (torchrun); "
+                                    "this process has no process group")
         return "sharded"  # DCP reshards onto any world size
     if sharded_now:
         raise StateMismatch(
@@ -228,16 +238,16 @@ def check_world(info: dict[str, Any], w: dist.World | None, sharded_now: bool,
 
 
 def load_rank_rng(path: Path, m: dict[str, Any], st: dict[str, Any],
-                  extra: dict[str, torch.Tensor], rank: int, distributed: bool
+                  extra: dict[str, torch.Tensor], rank: int, alg: str
                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
     """This rank's RNG state: its rng-rank<R> file, else (rank 0) the single-process one."""
     name = f"{rng_stem(rank)}.safetensors"
     if name in m["files"]:
-        from safetensors import safe_open
-
-        with safe_open(str(path / name), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-            plain = json.loads((f.metadata() or {})["rng"])
+        tensors, meta = load_listed(path, name, m, alg)
+        try:
+            plain = json.loads(meta["rng"])
+        except (KeyError, ValueError, RecursionError):
+            raise LoadError(f"{name} holds no readable RNG metadata") from None
         return tensors, plain
     if "rng" in st and "rng/torch_cpu" in extra and rank == 0:
         return extra, st["rng"]
@@ -246,14 +256,30 @@ def load_rank_rng(path: Path, m: dict[str, Any], st: dict[str, Any],
     return None
 
 
-def load_sharded(path: Path, model: torch.nn.Module | None, optimizer: Any) -> None:
-    """Load DCP state into the model (and optimizer), resharding onto this world."""
+def load_sharded(path: Path, m: dict[str, Any], alg: str, model: torch.nn.Module | None,
+                 optimizer: Any, allow_pickle: bool = False) -> None:
+    """Load DCP state into the model (and optimizer), resharding onto this world.
+
+    DCP's own reader unpickles `.metadata` and its planner unpickles non-tensor items, so a
+    checkpoint could run code; here both go through `dcp_safe` (allow-listed classes only,
+    `weights_only` loading, every file read once and checked against the manifest's hash).
+    `allow_pickle=True` hands the files to DCP's stock reader instead (trusted checkpoints
+    only, e.g. one whose metadata uses classes the allow-list does not know).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+    from worker import dcp_safe
+
     sd = sharded_state(model, optimizer)
     group = dist.group() if dist.world() is not None else None
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path / DCP_DIR), process_group=group)
+    if allow_pickle:
+        log.warning("allow_pickle=True: loading %s with torch's DCP reader, which UNPICKLES "
+                    "its files: only do this for checkpoints you trust, it runs any code "
+                    "they contain", path.name)
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(path / DCP_DIR), process_group=group)
+    else:
+        dcp_safe.load(sd, path, DCP_DIR, m, alg, group)
     assert model is not None
     if optimizer is None:
         set_model_state_dict(model, sd["model"])

@@ -38,21 +38,25 @@ def frozen_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def check_model(model_sd: dict[str, torch.Tensor], saved: dict[str, list],
                 trainable_only: bool) -> list[str]:
-    """Name the exact problem: shape mismatches, missing and unexpected keys (raised), dtype
-    changes (returned as warnings: the values are cast)."""
+    """Name the exact problem: shape and dtype mismatches, missing and unexpected keys (raised).
+
+    `saved` is {name: [dtype code, shape]} of the tensors as read from the file. A dtype change
+    is refused like a shape change: copying would cast (an int32 tensor into float32 weights)
+    and hide a checkpoint that is not this model's. Returns warnings (none at present).
+    """
     from worker.tensors import dtype_code
 
-    problems, warnings = [], []
+    problems: list[str] = []
     for name, (dtype, shape) in saved.items():
         t = model_sd.get(name)
         if t is None:
             continue
-        if dtype_code(t.dtype) != dtype:
-            warnings.append(f"layer '{name}' dtype changed: model {dtype_code(t.dtype)}, "
-                            f"checkpoint {dtype} (values are cast)")
         if list(t.shape) != list(shape):
             problems.append(f"layer '{name}' shape mismatch: model {list(t.shape)}, "
                             f"checkpoint {list(shape)}")
+        if dtype_code(t.dtype) != dtype:
+            problems.append(f"layer '{name}' dtype mismatch: model {dtype_code(t.dtype)}, "
+                            f"checkpoint {dtype}")
     expected = set(model_sd)
     missing = sorted(expected - set(saved))
     unexpected = sorted(set(saved) - expected)
@@ -62,7 +66,7 @@ def check_model(model_sd: dict[str, torch.Tensor], saved: dict[str, list],
         problems.append(f"unexpected in the checkpoint (not in the model): {_some(unexpected)}")
     if problems:
         raise StateMismatch("the checkpoint does not fit this model: " + "; ".join(problems))
-    return warnings
+    return []
 
 
 def _some(names: list[str], n: int = 8) -> str:
@@ -71,10 +75,19 @@ def _some(names: list[str], n: int = 8) -> str:
 
 
 def load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    sd = model.state_dict(keep_vars=True)
+    # check_model ran on the same tensors; checked again here because copy_ would broadcast a
+    # [4] into a [2, 4] and cast an int32 into a float32 without a word.
+    check_model(sd, {n: [_code(t), list(t.shape)] for n, t in tensors.items()}, True)
     with torch.no_grad():
-        sd = model.state_dict(keep_vars=True)
         for name, t in tensors.items():
             sd[name].copy_(t)
+
+
+def _code(t: torch.Tensor) -> str:
+    from worker.tensors import dtype_code
+
+    return dtype_code(t.dtype)
 
 
 def fingerprint_items(sd: dict[str, torch.Tensor]) -> str:
@@ -143,6 +156,50 @@ def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | N
     return tensors, meta
 
 
+# Per-parameter optimizer state that has the parameter's shape and dtype in torch.optim (the
+# factored states of Adafactor, LBFGS's history and scalars like `step` have not).
+_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
+                           "square_avg", "grad_avg", "acc_delta", "sum", "exp_inf", "prev",
+                           "step_size", "ax"})
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
+                    tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse optimizer state tensors that do not fit their parameter, before anything is
+    loaded: load_state_dict would cast them and training would broadcast or fail later.
+
+    A tensor is compared with the optimizer's current state of the same name when it has one,
+    else (states known to be parameter-shaped) with the parameter itself."""
+    names = _param_names(optimizer, model)
+    params = {n: p for n, p in zip(names, (p for g in optimizer.param_groups
+                                           for p in g["params"]), strict=True)}
+    problems = []
+    for key, t in tensors.items():
+        if key.startswith("@"):
+            continue
+        name, _, sk = key.rpartition("/")
+        p = params.get(name)
+        if p is None:
+            problems.append(f"state '{key}' is for a parameter the optimizer does not have")
+            continue
+        current = optimizer.state.get(p, {}).get(sk)
+        if isinstance(current, torch.Tensor):
+            want, what = current, "optimizer"
+        elif sk in _PARAM_SHAPED and t.dim() > 0:
+            want, what = p, "parameter"
+        else:
+            continue
+        if t.shape != want.shape:
+            problems.append(f"state '{key}' shape mismatch: {what} {list(want.shape)}, "
+                            f"checkpoint {list(t.shape)}")
+        if t.dtype != want.dtype:
+            problems.append(f"state '{key}' dtype mismatch: {what} {_code(want)}, "
+                            f"checkpoint {_code(t)}")
+    if problems:
+        raise StateMismatch("the optimizer state does not fit: " + "; ".join(problems[:8])
+                            + (f" and {len(problems) - 8} more" if len(problems) > 8 else ""))
+
+
 def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
                    tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> list[str]:
     """Load the state by parameter name. Returns warnings (hyper-parameter changes)."""
@@ -180,6 +237,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | No
                 warnings.append(f"optimizer hyper-parameter '{k}' of group {gi} changed: "
                                 f"script {_fmt(cur)}, checkpoint {_fmt(v)} "
                                 "(the checkpoint's value is used)")
+    check_optimizer(optimizer, model, tensors)
     state: dict[int, dict[str, Any]] = {}
     for key, t in tensors.items():
         if key.startswith("@"):

@@ -8,11 +8,13 @@ loading never unpickles. Tuples and non-string dict keys are tagged so the round
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from supervisor.ckpt.safetensors_io import TensorBlob
+from supervisor.ckpt.safetensors_io import TensorBlob, read_tensors
+from supervisor.ckpt.verified_read import ListedFile, LoadError
 
 DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -23,6 +25,9 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
                      ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
     if hasattr(torch, _name):
         DTYPE_CODES[getattr(torch, _name)] = _code
+
+
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -39,6 +44,58 @@ def to_blob(name: str, t: torch.Tensor) -> TensorBlob:
     flat = t.detach().reshape(-1)
     data = flat.view(torch.uint8).numpy() if flat.numel() else memoryview(b"")
     return TensorBlob(name, dtype_code(t.dtype), tuple(t.shape), memoryview(data))
+
+
+def _alloc(name: str, code: str, shape: list[int]) -> tuple[torch.Tensor, memoryview]:
+    dtype = CODE_DTYPES.get(code)
+    if dtype is None:
+        raise LoadError(f"tensor {name!r}: dtype {code} is not one this torch can load")
+    t = torch.empty(shape, dtype=dtype)
+    if not t.numel():
+        return t, memoryview(b"")
+    return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str
+                ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors of the safetensors file `name` of a checkpoint, and its `__metadata__`.
+
+    One read, hashed as it goes, checked against the manifest's hash before anything is
+    returned; the file's tensors (names, dtypes, shapes: what the header says, which is what
+    was read) must be the manifest's `tensors` entry, so checks made from the manifest hold
+    for the file. Raises LoadError with the reason.
+    """
+    with ListedFile(root, name, manifest, alg) as f:
+        try:
+            tensors, meta = read_tensors(f, _alloc)
+        except LoadError:
+            raise
+        except ValueError as e:
+            raise LoadError(f"{name}: {e}") from None
+    table = manifest.get("tensors", {})
+    if not isinstance(table, dict):
+        raise LoadError("the manifest's tensor table is not a map")
+    listed = table.get(name)
+    if listed is not None:
+        _same_as_manifest(name, tensors, listed)
+    return tensors, meta
+
+
+def _same_as_manifest(file: str, tensors: dict[str, torch.Tensor], listed: Any) -> None:
+    if not isinstance(listed, dict):
+        raise LoadError(f"the manifest's tensor list for {file} is not a map")
+    for name in sorted(tensors.keys() | listed.keys()):
+        t, entry = tensors.get(name), listed.get(name)
+        if t is None or entry is None:
+            where = "the manifest" if t is None else "the file"
+            raise LoadError(f"{file}: tensor {name!r} is only in {where}")
+        real = [dtype_code(t.dtype), list(t.shape)]
+        if entry == real:
+            continue
+        claimed = (f"{entry[0]} {entry[1]}" if isinstance(entry, list) and len(entry) == 2
+                   else repr(entry))
+        raise LoadError(f"{file}: tensor {name!r} is {real[0]} {real[1]} in the file but "
+                        f"{claimed} in the manifest")
 
 
 def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:

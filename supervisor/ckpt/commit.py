@@ -19,7 +19,7 @@ from typing import Any
 from supervisor import filemode
 from supervisor.ckpt import generation, safetensors_io
 from supervisor.ckpt import manifest as mf
-from supervisor.ckpt.hashing import HASH_ALG, new_hasher
+from supervisor.ckpt.hashing import CRYPTOGRAPHIC, HASH_ALG, new_hasher
 from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
 from supervisor.protocol import ENV_GENERATION
 
@@ -50,10 +50,11 @@ class PendingCheckpoint:
     """One checkpoint being written. Use `files`, then `commit()`; `abort()` on any error."""
 
     def __init__(self, ckpt_dir: str | os.PathLike, step: int, fsync: bool = True,
-                 file_mode: int | None = None) -> None:
+                 file_mode: int | None = None, hash_alg: str = HASH_ALG) -> None:
         self.ckpt_dir = Path(ckpt_dir)
         self.step = step
         self.fsync = fsync
+        self.hash_alg = hash_alg  # hashing.alg_for(key): blake3 for a checkpoint to be signed
         # The run's file-mode policy (supervisor/filemode.py); None: RTRAIN_FILE_MODE or 0600.
         self.file_mode = filemode.from_env() if file_mode is None else file_mode
         filemode.make_dir(self.ckpt_dir, self.file_mode)
@@ -66,12 +67,13 @@ class PendingCheckpoint:
 
     @classmethod
     def adopt(cls, ckpt_dir: str | os.PathLike, step: int, tmp: str | os.PathLike,
-              fsync: bool = True) -> PendingCheckpoint:
+              fsync: bool = True, hash_alg: str = HASH_ALG) -> PendingCheckpoint:
         """Write into a temp dir another process created (a rank other than 0 of a
         distributed save); such a writer never commits, it reports its `files` to the one
         that does."""
         self = cls.__new__(cls)
         self.ckpt_dir, self.step, self.fsync = Path(ckpt_dir), step, fsync
+        self.hash_alg = hash_alg
         self.tmp, self.file_mode = Path(tmp), filemode.from_env()
         self.files, self.tensors = {}, {}
         self.generation = os.environ.get(ENV_GENERATION) or None
@@ -89,7 +91,7 @@ class PendingCheckpoint:
                       metadata: dict[str, str] | None = None) -> None:
         blobs = list(blobs)
         w = safetensors_io.write_file(self.tmp / name, blobs, metadata=metadata,
-                                      fsync=self.fsync)
+                                      fsync=self.fsync, hash_alg=self.hash_alg)
         self.files[name] = {"size": w.size, "hash": w.hash}
         self.tensors[name] = {b.name: [b.dtype, list(b.shape)] for b in blobs}
 
@@ -98,7 +100,7 @@ class PendingCheckpoint:
         self.write_bytes(name, data)
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        h = new_hasher()
+        h = new_hasher(self.hash_alg)
         h.update(data)
         with open(self.tmp / name, "xb") as f:
             f.write(data)
@@ -112,12 +114,16 @@ class PendingCheckpoint:
 
         Raises generation.StaleWriter (the temp dir removed) when the run moved on to a newer
         attempt since this checkpoint was started."""
+        if key is not None and self.hash_alg not in CRYPTOGRAPHIC:
+            # A signature over non-cryptographic file hashes would not protect the files.
+            raise ValueError(f"a signed checkpoint needs cryptographic file hashes: create it "
+                             f"with hash_alg=alg_for(key), not {self.hash_alg!r}")
         m = {
             "format": mf.FORMAT,
             "version": mf.VERSION,
             "step": self.step,
             "created": time.time(),
-            "hash_alg": HASH_ALG,
+            "hash_alg": self.hash_alg,
             **fields,
             "files": self.files,
             "tensors": self.tensors,

@@ -1,5 +1,9 @@
 """Write safetensors files straight from tensor memory, hashing on the way; read headers.
 
+Reading: `read_tensors` streams a file into buffers the caller allocates (one read, hashed on the
+way by `verified_read.ListedFile`), after checking the header against the file's size, so a
+header that lies (a length of 8 GiB, offsets past the end) is refused before any allocation.
+
 Why not `safetensors.torch.save_file`: it copies every tensor into a bytes object first, does
 not fsync, and would need a second pass to hash. This writer streams each buffer to the file
 once, feeds the same memory to xxh3, and fsyncs. The files it writes are plain safetensors
@@ -12,12 +16,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from supervisor.ckpt import safeio
-from supervisor.ckpt.hashing import new_hasher
+from supervisor.ckpt.hashing import HASH_ALG, new_hasher
 
 MAX_HEADER = 100 << 20
 
@@ -93,10 +97,11 @@ def write_file(
     blobs: Iterable[TensorBlob],
     metadata: dict[str, str] | None = None,
     fsync: bool = True,
+    hash_alg: str = HASH_ALG,
 ) -> Written:
-    """Write one safetensors file; returns its size and xxh3-128 content hash."""
+    """Write one safetensors file; returns its size and content hash (`hash_alg`)."""
     blobs = list(blobs)
-    hasher = new_hasher()
+    hasher = new_hasher(hash_alg)
     header = build_header(blobs, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -185,3 +190,43 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
     if 8 + n + end != size:
         raise ValueError(f"header describes {8 + n + end} bytes but the file has {size}")
     return header
+
+
+def _parse_header(raw: bytes) -> dict[str, Any]:
+    try:
+        header = safeio.parse_json(raw)
+    except ValueError as e:
+        raise ValueError(f"header {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header
+
+
+def read_tensors(f: Any, alloc: Callable[[str, str, list[int]], tuple[Any, memoryview]]
+                 ) -> tuple[dict[str, Any], dict[str, str]]:
+    """Read a whole safetensors file from `f` (a `verified_read.ListedFile`) into buffers.
+
+    `alloc(name, dtype, shape)` returns (the object to hand back, a writable byte view of the
+    tensor's size). Returns ({name: object}, the header's `__metadata__`); the file's hash is
+    checked (`f.finish()`) before returning. Raises ValueError naming what is wrong.
+    """
+    (n,) = struct.unpack("<Q", f.read(8)) if f.size >= 8 else (None,)
+    if n is None:
+        raise ValueError("shorter than a safetensors header")
+    if n > MAX_HEADER or 8 + n > f.size:
+        raise ValueError(f"header length {n} does not fit in a file of {f.size} bytes")
+    header = _parse_header(f.read(n))
+    end = _check_entries(header)
+    if 8 + n + end != f.size:
+        raise ValueError(f"header describes {8 + n + end} bytes but the file has {f.size}")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("header __metadata__ is not a map of strings")
+    out = {}
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        obj, view = alloc(name, info["dtype"], info["shape"])
+        if view.nbytes:
+            f.readinto(view)
+        out[name] = obj
+    f.finish()
+    return out, meta

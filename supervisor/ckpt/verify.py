@@ -91,6 +91,7 @@ def verify(
         return Verdict(path, step, status, str(e))
     try:
         manifest.check_signature(m, key)
+        alg = hashing.manifest_alg(m, key)
         if step >= 0 and m["step"] != step:
             raise manifest.ManifestError(
                 f"manifest says step {m['step']} but the directory is {path.name}"
@@ -111,12 +112,12 @@ def verify(
                 )
         if level is Level.FULL:
             for name, entry in m["files"].items():
-                if hashing.hash_file(path / name) != entry["hash"]:
+                if hashing.hash_file(path / name, alg) != entry["hash"]:
                     raise manifest.ManifestError(
                         f"file {name!r} content hash does not match the manifest "
                         "(bytes changed on disk)"
                     )
-    except manifest.ManifestError as e:
+    except (manifest.ManifestError, hashing.HashAlgError) as e:
         return Verdict(path, step, Status.CORRUPT, str(e), m)
     except OSError as e:
         return Verdict(path, step, Status.CORRUPT, f"cannot read: {e.strerror or e}", m)

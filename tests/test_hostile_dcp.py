@@ -1,0 +1,99 @@
+"""Sharded (DCP) checkpoints under a real process group (gloo, world size 1): they still load,
+without DCP's unpickling reader, and a code-running `.metadata` is refused."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hostile import code_running_pickle, relist
+
+import worker
+from supervisor.ckpt.verify import Level, verify
+from supervisor.errors import CorruptCheckpoint
+from worker import dist
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
+                                or not torch.distributed.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+@pytest.fixture
+def group(tmp_path, monkeypatch):
+    for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_STATUS", "RTRAIN_SIGNING_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
+                                         world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+        dist.forget_group()
+
+
+def make(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def sharded_checkpoints(ckpt_dir):
+    model, opt = make(0)
+    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, keep=None,
+                             sharded=True)
+    weights = {}
+    for step in (2, 4):
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+        ck.save(step)
+        weights[step] = model.weight.detach().clone()
+    return weights, opt
+
+
+def restore(ckpt_dir, path=None, **kw):
+    model, opt = make(7)
+    step = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, sharded=True,
+                               **kw).restore(path)
+    return step, model, opt
+
+
+def test_sharded_checkpoints_load_without_unpickling(group, tmp_path, monkeypatch):
+    import pickle
+
+    weights, opt = sharded_checkpoints(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "checkpoint-4" / "dcp" / ".metadata").exists()
+
+    def refuse(*a, **kw):
+        raise AssertionError("pickle.load was called on a checkpoint file")
+
+    monkeypatch.setattr(pickle, "load", refuse)  # DCP's own reader calls pickle.load
+    step, model, opt2 = restore(tmp_path / "ckpt")
+    assert step == 4 and torch.equal(model.weight, weights[4])
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"],
+                       opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_code_in_dcp_metadata_is_refused_under_a_process_group(group, tmp_path, caplog):
+    weights, _ = sharded_checkpoints(tmp_path / "ckpt")
+    bad = tmp_path / "ckpt" / "checkpoint-4"
+    marker = tmp_path / "PWNED"
+    relist(bad, "dcp/.metadata", code_running_pickle(marker))
+    assert verify(bad, Level.FULL).ok
+    try:
+        with pytest.raises(CorruptCheckpoint, match=r"builtins\.exec, which is not part of "
+                                                    "DCP's metadata"):
+            restore(tmp_path / "ckpt")
+    finally:
+        assert not marker.exists(), "restore() ran code from the checkpoint"
+    step, model, _ = restore(tmp_path / "ckpt", tmp_path / "ckpt" / "checkpoint-2")
+    assert step == 2 and torch.equal(model.weight, weights[2])
+
+
+def test_allow_pickle_is_an_explicit_loud_opt_in(group, tmp_path, caplog):
+    weights, _ = sharded_checkpoints(tmp_path / "ckpt")
+    with caplog.at_level(logging.WARNING):
+        step, model, _ = restore(tmp_path / "ckpt", allow_pickle=True)
+    assert step == 4 and torch.equal(model.weight, weights[4])
+    assert "UNPICKLES" in caplog.text
