@@ -83,7 +83,8 @@ def test_only_what_is_relied_on_is_hashed(four, monkeypatch):
 
     hashed = []
     real = hashing.hash_file
-    monkeypatch.setattr(hashing, "hash_file", lambda p: hashed.append(p.parent.name) or real(p))
+    monkeypatch.setattr(hashing, "hash_file",
+                        lambda p, *a: hashed.append(p.parent.name) or real(p, *a))
     prune_mod.prune(four, RetentionPolicy(keep=2), dry_run=True)
     assert sorted(set(hashed)) == ["checkpoint-300", "checkpoint-400"]
 
