@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import protocol, slurm, templates
-from supervisor.ckpt import foreign
+from supervisor.ckpt import foreign, quarantine
 from supervisor.ckpt.hashing import load_signing_key
-from supervisor.ckpt.verify import Level, Selection
+from supervisor.ckpt.verify import Level, Selection, mark_quarantined
 from supervisor.classify import classify, plain_script_started
 from supervisor.config import Config
 from supervisor.errors import UsageError
@@ -36,7 +36,15 @@ from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
 from supervisor.hooks import HookRunner
 from supervisor.lock import RunLock
 from supervisor.metrics import MetricsFile
-from supervisor.policy import Action, Decision, History, ResumeMode, decide, note_progress
+from supervisor.policy import (
+    Action,
+    Decision,
+    History,
+    Resumed,
+    ResumeMode,
+    decide,
+    note_progress,
+)
 from supervisor.proctree import ProcTree
 from supervisor.runstate import RunState, RunStatus, load_state, save_state
 from supervisor.spawn import ChildSpec, spawn
@@ -228,7 +236,10 @@ class _Loop:
                 if history is not self.state.history or self.state.status is not RunStatus.RUNNING:
                     self._save(RunStatus.RUNNING, "running", history)  # a relaunch saved already
                 outcome, dur = self._attempt(history.attempt, settings, selection, signals)
-                decision = self._decide(outcome, history, resumed_step, dur)
+                resumed = (Resumed(path=str(chosen.path), step=resumed_step,
+                                   id=quarantine.checkpoint_id(chosen.path))
+                           if chosen is not None else None)
+                decision = self._decide(outcome, history, resumed, dur)
                 history = decision.history
                 code = self._act(decision, signals, outcome.pids_seen)
                 if code is not None:
@@ -342,7 +353,7 @@ class _Loop:
 
     # ------------------------------------------------------------ decide and act
 
-    def _decide(self, outcome: Outcome, history: History, resumed_step: int | None,
+    def _decide(self, outcome: Outcome, history: History, resumed: Resumed | None,
                 duration_s: float) -> Decision:
         ev = outcome.evidence
         hs = outcome.heartbeats
@@ -368,9 +379,17 @@ class _Loop:
             self.events.emit("classification", attempt=attempt, failure=failure.kind.value,
                              reason=failure.reason)
             self.say(f"attempt {attempt} failed: {failure.kind.value}: {failure.reason}")
-        history = note_progress(history, ev, resumed_step=resumed_step)
+        history = note_progress(history, ev, resumed_step=resumed and resumed.step,
+                                duration_s=duration_s)
         newest = self._newest_step()
-        decision = decide(failure, history, self.cfg, rand=self.seams.rand(), newest_step=newest)
+        decision = decide(failure, history, self.cfg, rand=self.seams.rand(), newest_step=newest,
+                          now=self.seams.wall(), resumed=resumed)
+        if decision.alarm:
+            # Progress forgives failures, so a run can fail all day without stopping: say so.
+            self.events.emit("failure_rate", attempt=attempt, detail=decision.alarm,
+                             count=len(decision.history.failure_times),
+                             limit=self.cfg.restart.max_failures_per_hour)
+            self.say(f"WARNING: {decision.alarm}")
         self.events.emit("decision", attempt=attempt, action=decision.action.value,
                          reason=decision.reason, backoff_s=round(decision.backoff_s, 3),
                          level=decision.level, settings=decision.settings,
@@ -383,8 +402,9 @@ class _Loop:
         return decision
 
     def _newest_step(self) -> int | None:
-        for candidate in foreign.list_candidates(self.ckpt_dir):
-            v = foreign.verify_candidate(candidate, Level.QUICK, self.key)
+        verdicts = (foreign.verify_candidate(c, Level.QUICK, self.key)
+                    for c in foreign.list_candidates(self.ckpt_dir))
+        for v in mark_quarantined(self.ckpt_dir, verdicts):
             if v.ok:
                 return v.step if v.step >= 0 else None
         return None
