@@ -29,7 +29,7 @@ from supervisor.ckpt.hashing import load_signing_key
 from supervisor.ckpt.verify import Level, Selection, mark_quarantined
 from supervisor.classify import classify, plain_script_started
 from supervisor.config import Config
-from supervisor.errors import UsageError
+from supervisor.errors import ExitCode, UsageError
 from supervisor.events import EventLog, read_events
 from supervisor.gpu import GpuReader, NvmlReader, wait_gpu_released
 from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
@@ -64,6 +64,8 @@ class LaunchSpec:
     config: Config
     fresh: bool = False
     """Start the run over even when state.json says it finished."""
+    retry: bool = False
+    """Relaunch a run that gave up: fresh budgets, quarantines lifted (a person decided)."""
     echo: bool = True
     """Tee the child's output to our terminal (always also to attempts/<n>/)."""
     cwd: Path = field(default_factory=Path.cwd)
@@ -182,9 +184,9 @@ class _Loop:
     def _load_state(self) -> RunState:
         now = self.seams.wall()
         old = load_state(self.run_dir)
-        # --resume never / PATH apply to the first launch of a new run only; a run continued
-        # (requeued, relaunched by cron) resumes from its newest checkpoint.
-        self._new_run = old is None or self.spec.fresh
+        # --resume never / PATH apply to the first launch of a new run (or a --retry) only; a
+        # run continued (requeued, relaunched by cron) resumes from its newest checkpoint.
+        self._new_run = old is None or self.spec.fresh or self.spec.retry
         attempts = self.run_dir / "attempts"
         if self.spec.fresh and attempts.exists():
             # A fresh run numbers its attempts from 0 again; the old run's logs are kept aside.
@@ -196,10 +198,11 @@ class _Loop:
             self.say(f"note: {self.run_dir} was started with a different command "
                      f"({' '.join(old.command)}); continuing the run with this one")
         history = old.history
-        if old.status is RunStatus.GAVE_UP:
-            # Launching a run that gave up is a person's (or cron's) explicit retry: new budgets,
-            # same rung and attempt numbering.
-            history = replace(history, budgets_used={}, total_restarts=0, stalled=())
+        if self.spec.retry:
+            # A person decided to try again: new budgets and no quarantine, same rung and
+            # attempt numbering.
+            history = replace(history, budgets_used={}, total_restarts=0, stalled=(),
+                              failure_times=(), streak=None, quarantined=())
         return replace(old, command=self.spec.command, history=history)
 
     def _save(self, status: RunStatus, reason: str, history: History) -> None:
@@ -214,7 +217,16 @@ class _Loop:
             self.say(f"the run in {self.run_dir} already finished "
                      f"({self.state.reason}); nothing to do (pass --fresh to run it again)")
             return 0
+        if self.state.status is RunStatus.GAVE_UP and not self.spec.retry:
+            # A wrapper (cron, a Slurm batch script) repeating the command must not restart a
+            # hopeless run forever: it gets its own exit code and can stop requeueing.
+            self.say(f"the run in {self.run_dir} gave up: {self.state.reason}. Not relaunching "
+                     f"(exit {int(ExitCode.GAVE_UP_EARLIER)}); fix the cause, then pass --retry "
+                     "to relaunch it with fresh budgets, or --fresh to start over")
+            return ExitCode.GAVE_UP_EARLIER
         history = self.state.history
+        # state.json is the record; the checkpoint dir's copy is what readers of the dir see.
+        quarantine.publish(self.ckpt_dir, history.quarantined)
         while (self.run_dir / "attempts" / str(history.attempt)).exists():
             # An rtrain that died (SIGKILL, lost node) launched this attempt and never decided
             # on it: this launch is a relaunch and gets the next number (contract 1), so the
