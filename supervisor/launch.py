@@ -402,6 +402,11 @@ class _Loop:
                              count=len(decision.history.failure_times),
                              limit=self.cfg.restart.max_failures_per_hour)
             self.say(f"WARNING: {decision.alarm}")
+        if decision.quarantine:
+            q = decision.quarantine
+            self.events.emit("quarantine", attempt=attempt, path=q["path"], step=q["step"],
+                             reason=q["reason"])
+            self.say(f"quarantined {q['path']}: {q['reason']}")
         self.events.emit("decision", attempt=attempt, action=decision.action.value,
                          reason=decision.reason, backoff_s=round(decision.backoff_s, 3),
                          level=decision.level, settings=decision.settings,
@@ -444,6 +449,8 @@ class _Loop:
             self.say(f"stopped: {reason}")
             return protocol.EXIT_PREEMPTED
         self._save(RunStatus.RUNNING, decision.reason, history)
+        if decision.quarantine:  # before the next pick, which must pass over it
+            quarantine.publish(self.ckpt_dir, history.quarantined)
         self.events.sync()
         self.say(decision.reason)
         held = wait_gpu_released(self.gpu, pids, self.cfg.gpu_release_wait_s)

@@ -64,6 +64,12 @@ class RunSummary:
     """The last classification event: attempt, kind, reason."""
     last_decision: dict[str, Any] | None = None
     """The last decision event: attempt, action, reason, backoff_s."""
+    forgiven: int = 0
+    """Failures forgiven after progress (budgets_used counts those since the last progress)."""
+    quarantined: list[dict[str, Any]] = field(default_factory=list)
+    """Quarantined checkpoints (state.json): path, step, reason."""
+    failure_rate: str | None = None
+    """The last failure_rate alarm (too many failures in an hour), if any."""
 
 
 def _last(events: list[dict[str, Any]], *kinds: str) -> dict[str, Any] | None:
@@ -138,9 +144,12 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
     if state is not None:
         hist = state.history
         s.budgets_used, s.level = dict(hist.budgets_used), hist.level
+        s.forgiven, s.quarantined = hist.forgiven, [dict(q) for q in hist.quarantined]
         s.settings = dict(hist.settings or {})
         if not launches:
             s.attempts = hist.attempt
+    alarm = _last(events, "failure_rate")
+    s.failure_rate = alarm.get("detail") if alarm else None
     rung = _last(events, *_SETTINGS_KINDS)
     if rung is not None and isinstance(rung.get("settings"), dict):
         s.level, s.settings = int(rung.get("level") or 0), dict(rung["settings"])
@@ -218,9 +227,13 @@ def render_text(s: RunSummary) -> str:
     rows += [("", f"{name} skipped: {why}") for name, why in s.bad_checkpoints]
     failures = ", ".join(f"{k} {n}" for k, n in s.failures.items()) or "none"
     rows.append(("attempts", f"{s.attempts} launched; failures: {failures}"))
-    if s.budgets_used:
-        rows.append(("budgets", ", ".join(f"{k} {n}" for k, n in s.budgets_used.items())
-                     + " used"))
+    if s.budgets_used or s.forgiven:
+        rows.append(("budgets", (", ".join(f"{k} {n}" for k, n in s.budgets_used.items())
+                                 or "none") + f" used since the last progress ({s.forgiven} "
+                                              "earlier failures forgiven)"))
+    rows += [("", f"{Path(q['path']).name} quarantined: {q['reason']}") for q in s.quarantined]
+    if s.failure_rate:
+        rows.append(("failure rate", f"WARNING: {s.failure_rate}"))
     if f := s.last_failure:
         rows.append(("last failure", f"attempt {f['attempt']}: {f['kind']}: {f['reason']}"))
     if d := s.last_decision:
