@@ -32,6 +32,7 @@ from supervisor.config import Config
 from supervisor.errors import ExitCode, UsageError
 from supervisor.events import EventLog, read_events
 from supervisor.gpu import GpuReader, NvmlReader, wait_gpu_released
+from supervisor.gpu_health import describe, problems
 from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
 from supervisor.hooks import HookRunner
 from supervisor.lock import RunLock
@@ -387,6 +388,8 @@ class _Loop:
                              gpu_total=ev.gpu_mem_total)
         failure = None
         if not (ev.returncode == 0 and not ev.signal):
+            if not ev.stop_requested:
+                self._check_devices(attempt, ev)
             failure = classify(ev, memory_pressure_fraction=self.cfg.memory_pressure_fraction)
             self.events.emit("classification", attempt=attempt, failure=failure.kind.value,
                              reason=failure.reason)
@@ -395,7 +398,8 @@ class _Loop:
                                 duration_s=duration_s)
         newest = self._newest_step()
         decision = decide(failure, history, self.cfg, rand=self.seams.rand(), newest_step=newest,
-                          now=self.seams.wall(), resumed=resumed)
+                          now=self.seams.wall(), resumed=resumed,
+                          on_slurm=slurm.job_info() is not None)
         if decision.alarm:
             # Progress forgives failures, so a run can fail all day without stopping: say so.
             self.events.emit("failure_rate", attempt=attempt, detail=decision.alarm,
@@ -417,6 +421,21 @@ class _Loop:
             self.say(f"degrading: {decision.ladder_change} -> settings "
                      f"{json.dumps(decision.settings)}")
         return decision
+
+    def _check_devices(self, attempt: int, ev: Any) -> None:
+        """The health gate after a failed attempt: a device that fails its checks (NVML:
+        reachable, retired pages, row remapping, fatal XIDs, the driver's recovery action) makes
+        the failure `lost_device`, with the readings as evidence."""
+        if not self.gpu.available:
+            return
+        readings = self.gpu.health()
+        failed = [h for h in readings if problems(h)]
+        if not failed:
+            return
+        self.events.emit("device_failed", attempt=attempt, detail=describe(failed),
+                         devices=[h.to_dict() for h in failed], **_slurm_field())
+        ev.gpu_lost = True
+        ev.gpu_detail = "; ".join(filter(None, [ev.gpu_detail, describe(failed)]))
 
     def _newest_step(self) -> int | None:
         verdicts = (foreign.verify_candidate(c, Level.QUICK, self.key)
@@ -442,6 +461,10 @@ class _Loop:
         if decision.action in (Action.EXIT_PREEMPTED, Action.REQUEUE):
             reason = decision.reason
             if decision.action is Action.REQUEUE:
+                if decision.exclude_node:
+                    done, what = slurm.exclude_node()
+                    self.events.emit("exclude_node", done=done, detail=what)
+                    self.say(what)
                 done, what = slurm.requeue()
                 self.events.emit("requeue", done=done, detail=what)
                 reason = f"{reason}; {what}"

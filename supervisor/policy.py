@@ -16,6 +16,7 @@ Rules, in order:
   quarantine_after attempts resumed from one checkpoint failed the same way before committing
   a newer one                             -> quarantine it, RELAUNCH from the one before it
   oom_gpu / oom_host                      -> RELAUNCH one rung down; at the floor GIVE_UP
+  lost_device under Slurm with requeue    -> REQUEUE with this node excluded
   K attempts without a newer checkpoint   -> GIVE_UP (crash loop)
   nonfinite                               -> RELAUNCH from the checkpoint before the newest, lr cut
   crash / hang / lost_device / data       -> RELAUNCH on the same rung (or one up, see below)
@@ -76,6 +77,7 @@ class Decision:
     ladder_change: str | None = None  # what a rung step changed, for the degrade event
     alarm: str | None = None  # too many failures in the last hour: say it loudly
     quarantine: dict[str, Any] | None = None  # a checkpoint quarantined by this decision
+    exclude_node: bool = False  # REQUEUE away from this node (a device failed on it)
 
 
 def _budget_name(kind: FailureKind) -> str:
@@ -104,8 +106,9 @@ def _worker_settings(settings: dict[str, Any], ev: Evidence | None) -> dict[str,
 
 def decide(failure: Failure | None, history: History, config: Config, *, rand: float,
            newest_step: int | None = None, now: float = 0.0,
-           resumed: Resumed | None = None) -> Decision:
-    """The next action. `failure` None means the child exited 0; `rand` is in [0, 1)."""
+           resumed: Resumed | None = None, on_slurm: bool = False) -> Decision:
+    """The next action. `failure` None means the child exited 0; `rand` is in [0, 1);
+    `on_slurm`: we run in a Slurm job, which can be requeued onto another node."""
     settings = dict(config.settings if history.settings is None else history.settings)
 
     if failure is None:
@@ -144,6 +147,13 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
         return _give_up(f"{failure.reason}; {spent}", history, settings)
     nxt = budgets.charge(nxt, name, newest_step)
     nxt, quarantined = quarantine_streak(nxt, config, kind, resumed, newest_step)
+    if kind is FailureKind.LOST_DEVICE and on_slurm and config.requeue:
+        # A broken device stays broken: relaunching here would fail again. Requeue the job
+        # with this node excluded, so Slurm starts it on another one.
+        return Decision(action=Action.REQUEUE, history=nxt, settings=settings,
+                        level=history.level, exit_code=ExitCode.PREEMPTED, exclude_node=True,
+                        alarm=alarm, reason=f"{failure.reason}; requeueing the job with this "
+                                            "node excluded")
 
     if kind in _OOM:
         d = _degrade(failure, history, nxt, config, _worker_settings(settings, ev), rand)
