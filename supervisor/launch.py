@@ -248,10 +248,11 @@ class _Loop:
                     history = replace(history, launch_step=resumed_step)
                 if history is not self.state.history or self.state.status is not RunStatus.RUNNING:
                     self._save(RunStatus.RUNNING, "running", history)  # a relaunch saved already
-                outcome, dur = self._attempt(history.attempt, settings, selection, signals)
+                # Its identity before the attempt runs: what the quarantine would name.
                 resumed = (Resumed(path=str(chosen.path), step=resumed_step,
                                    id=quarantine.checkpoint_id(chosen.path))
                            if chosen is not None else None)
+                outcome, dur = self._attempt(history.attempt, settings, selection, signals)
                 decision = self._decide(outcome, history, resumed, dur)
                 history = decision.history
                 code = self._act(decision, signals, outcome.pids_seen)
