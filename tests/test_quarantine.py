@@ -75,3 +75,22 @@ def test_inspect_shows_quarantined_and_resume_skips_it(tmp_path):
     text = subprocess.run([sys.executable, "-m", "supervisor", "inspect", str(ckpts)],
                           env=env(), cwd=ROOT, capture_output=True, text=True).stdout
     assert "quarantined: 2 attempts in a row failed" in text
+
+
+@pytest.mark.slow
+def test_retry_lifts_the_quarantine(tmp_path):
+    from supervisor.policy import History
+    from supervisor.runstate import RunState, RunStatus, save_state
+
+    run = tmp_path / "run"
+    ckpts = _quarantined_dir(run)  # run/ckpts: 5 and the quarantined 10
+    entry = {**next(iter(quarantine.load(ckpts).values())), "path": str(ckpts / "checkpoint-10")}
+    save_state(run, RunState(command=[], status=RunStatus.GAVE_UP, reason="crash loop",
+                             history=History(attempt=3, quarantined=(entry,))))
+    args = ("--ckpt-dir", str(ckpts), str(KIDS / "show_resume.py"))
+    assert rtrain(run, *args).returncode == 5
+    r = rtrain(run, "--retry", *args)
+    assert r.returncode == 0, r.stderr
+    assert events(run, "launch")[-1]["resume_from"].endswith("checkpoint-10")
+    assert not (ckpts / quarantine.QUARANTINE_FILE).exists()
+    assert load_state(run).history.quarantined == ()
