@@ -185,7 +185,8 @@ def launch(
         "--max-restarts", metavar="N",
         help="Relaunches allowed after failures of any kind without progress in between (a "
              "newer checkpoint forgives earlier failures); per-kind budgets not set in the "
-             "config follow it. Default 20.")] = None,
+             "config follow it. Default 20. Apart from it, [restart] crash_loop_k (3) stops "
+             "a run whose attempts end in a row without a newer checkpoint.")] = None,
     grace: Annotated[float | None, typer.Option(
         "--grace", metavar="SECONDS", help="From the stop signal to SIGKILL.")] = None,
     stop_signal: Annotated[str | None, typer.Option(

@@ -91,7 +91,7 @@ def test_mixed_kinds_without_progress_give_up_fast():
     sim.attempt(K.CRASH, 300)
     d = [sim.attempt(k, 10) for k in (K.HANG, K.LOST_DEVICE, K.CRASH)]
     assert [x.action for x in d] == [Action.RELAUNCH, Action.RELAUNCH, Action.GIVE_UP]
-    assert "crash loop" in d[-1].reason
+    assert "crash loop" in d[-1].reason and "[restart] crash_loop_k = 3" in d[-1].reason
 
 
 def test_without_progress_and_no_crash_loop_rule_the_budget_stops_and_names_its_knob():
