@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt.verify import Level, select_resume
+from supervisor.ckpt import quarantine
+from supervisor.ckpt.verify import Level, Status, select_resume
 from supervisor.errors import UsageError
 from supervisor.events import read_events
 from supervisor.lock import LOCK_NAME
@@ -67,7 +68,8 @@ class RunSummary:
     forgiven: int = 0
     """Failures forgiven after progress (budgets_used counts those since the last progress)."""
     quarantined: list[dict[str, Any]] = field(default_factory=list)
-    """Quarantined checkpoints (state.json): path, step, reason."""
+    """Quarantined checkpoints (state.json): path, step, reason, in_force (False once the step
+    was saved again)."""
     failure_rate: str | None = None
     """The last failure_rate alarm (too many failures in an hour), if any."""
 
@@ -144,7 +146,9 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
     if state is not None:
         hist = state.history
         s.budgets_used, s.level = dict(hist.budgets_used), hist.level
-        s.forgiven, s.quarantined = hist.forgiven, [dict(q) for q in hist.quarantined]
+        s.forgiven = hist.forgiven
+        s.quarantined = [{**q, "in_force": quarantine.checkpoint_id(q["path"]) == q["id"]}
+                         for q in hist.quarantined]
         s.settings = dict(hist.settings or {})
         if not launches:
             s.attempts = hist.attempt
@@ -157,7 +161,8 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
     selection = select_resume(s.ckpt_dir, Level.QUICK, key)
     if selection.chosen is not None:
         s.checkpoint, s.checkpoint_step = selection.chosen.path, selection.chosen.step
-    s.bad_checkpoints = [(v.path.name, v.describe()) for v in selection.skipped]
+    s.bad_checkpoints = [(v.path.name, v.describe()) for v in selection.skipped
+                         if v.status is not Status.QUARANTINED]  # listed below, from state.json
 
     beat = _last(events, "heartbeat_summary")
     if beat is not None:
@@ -231,7 +236,8 @@ def render_text(s: RunSummary) -> str:
         rows.append(("budgets", (", ".join(f"{k} {n}" for k, n in s.budgets_used.items())
                                  or "none") + f" used since the last progress ({s.forgiven} "
                                               "earlier failures forgiven)"))
-    rows += [("", f"{Path(q['path']).name} quarantined: {q['reason']}") for q in s.quarantined]
+    rows += [("", f"{Path(q['path']).name} quarantined: {q['reason']}"
+                  + ("" if q["in_force"] else " (since saved again)")) for q in s.quarantined]
     if s.failure_rate:
         rows.append(("failure rate", f"WARNING: {s.failure_rate}"))
     if f := s.last_failure:
