@@ -48,8 +48,9 @@ class History:
     failure_times: tuple[float, ...] = ()
     """Unix times of the charged failures of the last hour (the rate guard)."""
     streak: dict[str, Any] | None = None
-    """{"path", "id", "step", "kind", "count"}: consecutive attempts that resumed from one
-    checkpoint and failed the same way before committing a newer one (quarantine)."""
+    """{"path", "id", "step", "kind", "last_step", "count"}: consecutive attempts that resumed
+    from one checkpoint and failed the same way at the same step before committing a newer one
+    (quarantine)."""
     quarantined: tuple[dict[str, Any], ...] = ()
     """{"path", "id", "step", "reason"} per quarantined checkpoint, oldest first."""
 

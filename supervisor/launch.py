@@ -252,8 +252,10 @@ class _Loop:
                 resumed = (Resumed(path=str(chosen.path), step=resumed_step,
                                    id=quarantine.checkpoint_id(chosen.path))
                            if chosen is not None else None)
+                started = time.time()  # compared with checkpoint mtimes: the real clock
                 outcome, dur = self._attempt(history.attempt, settings, selection, signals)
-                decision = self._decide(outcome, history, resumed, dur)
+                decision = self._decide(outcome, history, resumed, dur,
+                                        self._committed_since(started, resumed))
                 history = decision.history
                 code = self._act(decision, signals, outcome.pids_seen)
                 if code is not None:
@@ -368,7 +370,7 @@ class _Loop:
     # ------------------------------------------------------------ decide and act
 
     def _decide(self, outcome: Outcome, history: History, resumed: Resumed | None,
-                duration_s: float) -> Decision:
+                duration_s: float, committed: bool) -> Decision:
         ev = outcome.evidence
         hs = outcome.heartbeats
         attempt = history.attempt
@@ -399,7 +401,7 @@ class _Loop:
                                 duration_s=duration_s)
         newest = self._newest_step()
         decision = decide(failure, history, self.cfg, rand=self.seams.rand(), newest_step=newest,
-                          now=self.seams.wall(), resumed=resumed,
+                          now=self.seams.wall(), resumed=resumed, committed=committed,
                           on_slurm=slurm.job_info() is not None)
         if decision.alarm:
             # Progress forgives failures, so a run can fail all day without stopping: say so.
@@ -437,6 +439,21 @@ class _Loop:
                          devices=[h.to_dict() for h in failed], **_slurm_field())
         ev.gpu_lost = True
         ev.gpu_detail = "; ".join(filter(None, [ev.gpu_detail, describe(failed)]))
+
+    def _committed_since(self, started: float, resumed: Resumed | None) -> bool:
+        """Did the attempt commit a checkpoint newer than the one it resumed from? (A rollback
+        resumes below the newest, so the newest step alone cannot tell.)"""
+        floor = resumed.step if resumed is not None and resumed.step is not None else -1
+        for c in foreign.list_candidates(self.ckpt_dir):
+            if c.step is None or c.step <= floor:
+                continue
+            try:
+                # A commit renames a dir whose manifest was written last: its mtime is the save's.
+                if c.path.stat().st_mtime >= started:
+                    return True
+            except FileNotFoundError:
+                continue
+        return False
 
     def _newest_step(self) -> int | None:
         verdicts = (foreign.verify_candidate(c, Level.QUICK, self.key)

@@ -106,9 +106,11 @@ def _worker_settings(settings: dict[str, Any], ev: Evidence | None) -> dict[str,
 
 def decide(failure: Failure | None, history: History, config: Config, *, rand: float,
            newest_step: int | None = None, now: float = 0.0,
-           resumed: Resumed | None = None, on_slurm: bool = False) -> Decision:
+           resumed: Resumed | None = None, committed: bool | None = None,
+           on_slurm: bool = False) -> Decision:
     """The next action. `failure` None means the child exited 0; `rand` is in [0, 1);
-    `on_slurm`: we run in a Slurm job, which can be requeued onto another node."""
+    `committed`: the attempt committed a checkpoint newer than `resumed` (None: judged from
+    `newest_step`); `on_slurm`: we run in a Slurm job, which can be requeued elsewhere."""
     settings = dict(config.settings if history.settings is None else history.settings)
 
     if failure is None:
@@ -146,7 +148,11 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
     if spent:
         return _give_up(f"{failure.reason}; {spent}", history, settings)
     nxt = budgets.charge(nxt, name, newest_step)
-    nxt, quarantined = quarantine_streak(nxt, config, kind, resumed, newest_step)
+    if committed is None:
+        committed = newest_step is not None and (resumed is None or resumed.step is None
+                                                 or newest_step > resumed.step)
+    nxt, quarantined = quarantine_streak(nxt, config, kind, resumed, committed,
+                                         ev.last_step if ev is not None else None)
     if kind is FailureKind.LOST_DEVICE and on_slurm and config.requeue:
         # A broken device stays broken: relaunching here would fail again. Requeue the job
         # with this node excluded, so Slurm starts it on another one.
@@ -165,25 +171,27 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
 
 
 def quarantine_streak(history: History, config: Config, kind: FailureKind,
-                      resumed: Resumed | None, newest_step: int | None
-                      ) -> tuple[History, dict[str, Any] | None]:
-    """Count consecutive failures of one kind right after resuming from one checkpoint; at
-    `quarantine_after` the checkpoint is quarantined (returned) and the streak starts over."""
+                      resumed: Resumed | None, committed: bool,
+                      last_step: int | None) -> tuple[History, dict[str, Any] | None]:
+    """Count consecutive attempts that resumed from one checkpoint, trained, and failed the
+    same way at the same step before committing anything newer: what a poisoned state or data
+    position does, and what random outside kills (or deaths during start-up, before the
+    checkpoint was even used) do not. At `quarantine_after` the checkpoint is quarantined
+    (returned) and the streak starts over."""
     k = config.restart.quarantine_after
-    committed = newest_step is not None and (resumed is None or resumed.step is None
-                                             or newest_step > resumed.step)
-    if not k or resumed is None or committed:
+    if not k or resumed is None or committed or last_step is None:
         return replace(history, streak=None), None
     old = history.streak or {}
-    same = old.get("id") == resumed.id and old.get("kind") == kind.value
+    same = (old.get("id"), old.get("kind"), old.get("last_step")) == (resumed.id, kind.value,
+                                                                      last_step)
     count = old.get("count", 0) + 1 if same else 1
     if count < k:
         return replace(history, streak={"path": resumed.path, "id": resumed.id,
                                         "step": resumed.step, "kind": kind.value,
-                                        "count": count}), None
+                                        "last_step": last_step, "count": count}), None
     entry = {"path": resumed.path, "id": resumed.id, "step": resumed.step,
              "reason": f"{count} attempts in a row resumed from it and failed ({kind.value}) "
-                       "before committing a newer checkpoint"}
+                       f"at step {last_step}, before committing a newer checkpoint"}
     return replace(history, streak=None, quarantined=(*history.quarantined, entry)), entry
 
 

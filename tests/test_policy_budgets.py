@@ -184,3 +184,36 @@ def test_default_budget_message_when_max_restarts_set_names_max_restarts(tmp_pat
     d = [sim.attempt(K.DATA, 10) for _ in range(3)]
     assert [x.action for x in d] == [Action.RELAUNCH] * 2 + [Action.GIVE_UP]
     assert "max_restarts = 2 (set;" in d[-1].reason
+
+
+# ------------------------------------------------------------ quarantine: what counts as poison
+
+CKPT = "/ckpts/checkpoint-40"
+
+
+@pytest.mark.parametrize(("attempts", "quarantined"), [
+    ([(K.CRASH, 41), (K.CRASH, 41)], True),  # same kind, same step: its state or data position
+    ([(K.NONFINITE, 43), (K.NONFINITE, 43)], True),
+    ([(K.CRASH, 41), (K.CRASH, 44)], False),  # random moments: outside kills
+    ([(K.CRASH, None), (K.CRASH, None)], False),  # died in start-up: the checkpoint unused
+    ([(K.CRASH, 41), (K.HANG, 41)], False),  # different kinds
+    ([(K.CRASH, 41), (K.CRASH, None), (K.CRASH, 41)], False),  # not in a row
+    ([(K.CRASH, 44), (K.CRASH, 41), (K.CRASH, 41)], True),
+])
+def test_which_streaks_quarantine_a_checkpoint(attempts, quarantined):
+    from supervisor.policy import Resumed
+
+    config = cfg(crash_loop_k=0)
+    h = History(launch_step=40)
+    resumed = Resumed(path=CKPT, id="7-1", step=40)
+    decisions = []
+    for kind, last in attempts:
+        f = fail(kind, last_step=last)
+        d = decide(f, h, config, rand=0.0, newest_step=40, resumed=resumed, now=0.0)
+        decisions.append(d)
+        h = d.history
+    assert (decisions[-1].quarantine is not None) is quarantined
+    assert all(d.quarantine is None for d in decisions[:-1])
+    if quarantined:
+        assert h.quarantined[0]["path"] == CKPT and h.quarantined[0]["id"] == "7-1"
+        assert "2 attempts in a row resumed from it and failed" in h.quarantined[0]["reason"]
