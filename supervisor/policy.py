@@ -179,7 +179,8 @@ def quarantine_streak(history: History, config: Config, kind: FailureKind,
     checkpoint was even used) do not. At `quarantine_after` the checkpoint is quarantined
     (returned) and the streak starts over."""
     k = config.restart.quarantine_after
-    if not k or resumed is None or committed or last_step is None:
+    # Out of memory at the same step is the settings' fault, which the ladder changes.
+    if not k or kind in _OOM or resumed is None or committed or last_step is None:
         return replace(history, streak=None), None
     old = history.streak or {}
     same = (old.get("id"), old.get("kind"), old.get("last_step")) == (resumed.id, kind.value,

@@ -197,6 +197,7 @@ CKPT = "/ckpts/checkpoint-40"
     ([(K.CRASH, 41), (K.CRASH, 44)], False),  # random moments: outside kills
     ([(K.CRASH, None), (K.CRASH, None)], False),  # died in start-up: the checkpoint unused
     ([(K.CRASH, 41), (K.HANG, 41)], False),  # different kinds
+    ([(K.OOM_GPU, 41), (K.OOM_GPU, 41)], False),  # the ladder's business
     ([(K.CRASH, 41), (K.CRASH, None), (K.CRASH, 41)], False),  # not in a row
     ([(K.CRASH, 44), (K.CRASH, 41), (K.CRASH, 41)], True),
 ])
