@@ -152,7 +152,7 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
         committed = newest_step is not None and (resumed is None or resumed.step is None
                                                  or newest_step > resumed.step)
     nxt, quarantined = quarantine_streak(nxt, config, kind, resumed, committed,
-                                         ev.last_step if ev is not None else None)
+                                         _own_failure_step(ev))
     if kind is FailureKind.LOST_DEVICE and on_slurm and config.requeue:
         # A broken device stays broken: relaunching here would fail again. Requeue the job
         # with this node excluded, so Slurm starts it on another one.
@@ -168,6 +168,19 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
                       quarantined=quarantined)
     return replace(d, alarm=alarm, quarantine=quarantined if d.action is Action.RELAUNCH
                    else None)
+
+
+# Signals sent from outside (a person, a scheduler, a killer): what they end says nothing about
+# the checkpoint. Kills cluster at saves (the slowest moments), so their steps often match.
+_OUTSIDE_SIGNALS = {"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"}
+
+
+def _own_failure_step(ev: Evidence | None) -> int | None:
+    """The step at which the attempt failed by itself (an exception, NaN, a crash signal, a
+    hang); None when it was killed from outside or never trained."""
+    if ev is None or (ev.signal in _OUTSIDE_SIGNALS and not ev.hang):
+        return None
+    return ev.last_step
 
 
 def quarantine_streak(history: History, config: Config, kind: FailureKind,

@@ -209,7 +209,7 @@ def test_which_streaks_quarantine_a_checkpoint(attempts, quarantined):
     resumed = Resumed(path=CKPT, id="7-1", step=40)
     decisions = []
     for kind, last in attempts:
-        f = fail(kind, last_step=last)
+        f = fail(kind, last_step=last, returncode=1)
         d = decide(f, h, config, rand=0.0, newest_step=40, resumed=resumed, now=0.0)
         decisions.append(d)
         h = d.history
@@ -218,3 +218,23 @@ def test_which_streaks_quarantine_a_checkpoint(attempts, quarantined):
     if quarantined:
         assert h.quarantined[0]["path"] == CKPT and h.quarantined[0]["id"] == "7-1"
         assert "2 attempts in a row resumed from it and failed" in h.quarantined[0]["reason"]
+
+
+@pytest.mark.parametrize(("signal", "hang", "quarantined"), [
+    ("SIGKILL", False, False),  # killed from outside, at a save both times: says nothing
+    ("SIGTERM", False, False),
+    ("SIGKILL", True, True),  # rtrain's own kill of a hang at the same step: a data position
+    ("SIGSEGV", False, True),  # crashed by itself
+    (None, False, True),
+])
+def test_outside_kills_never_quarantine(signal, hang, quarantined):
+    from supervisor.policy import Resumed
+
+    config, h = cfg(crash_loop_k=0), History(launch_step=40)
+    resumed = Resumed(path=CKPT, id="7-1", step=40)
+    for _ in range(2):
+        f = fail(K.HANG if hang else K.CRASH, last_step=44, signal=signal,
+                 returncode=None if signal else 1, hang=hang)
+        d = decide(f, h, config, rand=0.0, newest_step=40, resumed=resumed)
+        h = d.history
+    assert (d.quarantine is not None) is quarantined
