@@ -181,8 +181,12 @@ def launch(
     config: Annotated[Path | None, typer.Option(
         "--config", metavar="FILE", help="Config file (default rtrain.toml or [tool.rtrain] in "
                                          "pyproject.toml).")] = None,
-    max_restarts: Annotated[int | None, typer.Option("--max-restarts", metavar="N",
-                                                     help="Relaunches allowed in all.")] = None,
+    max_restarts: Annotated[int | None, typer.Option(
+        "--max-restarts", metavar="N",
+        help="Relaunches allowed after failures of any kind without progress in between (a "
+             "newer checkpoint forgives earlier failures); per-kind budgets not set in the "
+             "config follow it. Default 20. Apart from it, [restart] crash_loop_k (3) stops "
+             "a run whose attempts end in a row without a newer checkpoint.")] = None,
     grace: Annotated[float | None, typer.Option(
         "--grace", metavar="SECONDS", help="From the stop signal to SIGKILL.")] = None,
     stop_signal: Annotated[str | None, typer.Option(
@@ -200,6 +204,9 @@ def launch(
                                              help="Relaunch at once after a failure.")] = False,
     fresh: Annotated[bool, typer.Option(
         "--fresh", help="Run again even if the run finished; ignore its history.")] = False,
+    retry: Annotated[bool, typer.Option(
+        "--retry", help="Relaunch a run that gave up (else exit 5 at once): fresh budgets, "
+                        "quarantined checkpoints usable again.")] = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="Do not echo the child's output (it is still logged).")] = False,
     python: Annotated[str | None, typer.Option(
@@ -234,6 +241,10 @@ def launch(
                      "backoff.enabled": False if no_backoff else None,
                      "metrics_file": metrics_file}
         cfg = load_config(overrides, config, cwd)
+        if retry and fresh:
+            from supervisor.errors import UsageError
+
+            raise UsageError("--retry continues the run, --fresh starts it over: pass one")
         if nproc_per_node is None and (nnodes or rdzv_endpoint or rdzv_backend):
             from supervisor.errors import UsageError
 
@@ -247,7 +258,7 @@ def launch(
         else:
             command = child_command(script, module, list(ctx.args), python)
         raise typer.Exit(run_launch(LaunchSpec(command=command, config=cfg, fresh=fresh,
-                                               echo=not quiet, cwd=cwd,
+                                               retry=retry, echo=not quiet, cwd=cwd,
                                                resume_args=_split_resume_args(resume_arg))))
 
 

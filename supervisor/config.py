@@ -9,7 +9,9 @@ Sources: `--config FILE`, else `rtrain.toml` (top level, or its `[rtrain]` table
     requeue = false                grace_s = 30.0        stop_signal = "SIGTERM"
     sample_interval_s = 1.0        gpu_release_wait_s = 10.0
     memory_pressure_fraction = 0.9 restore_after_steps = 0    lr_factor_on_nonfinite = 0.5
-    [restart]  max_restarts = 20   crash_loop_k = 3
+    [restart]  max_restarts = 20   crash_loop_k = 3   forgive_after_steps = 20
+               forgive_after_s = 600.0  quarantine_after = 2  max_failures_per_hour = 10
+               give_up_on_rate = false
     [restart.budgets]  crash = 3  oom = 6  hang = 3  nonfinite = 2  lost_device = 2  data = 1
     [backoff]  enabled = true  initial_s = 1.0  factor = 2.0  max_s = 300.0  jitter = 0.25
     [hang]     timeout_s = 1800.0  multiple = 10.0  warmup_steps = 20  floor_s = 60.0
@@ -48,6 +50,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 DEFAULT_BUDGETS = {"crash": 3, "oom": 6, "hang": 3, "nonfinite": 2, "lost_device": 2, "data": 1}
 # A handler cannot be installed for these: the child could never save before it dies.
 UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+DEFAULT_MAX_RESTARTS = 20
 
 
 def _fail_unknown(key: str, known: list[str], where: str, elsewhere: dict[str, str]) -> None:
@@ -79,26 +82,78 @@ def _bool(where: str, value: Any) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class RestartConfig:
-    """`[restart]`: how many relaunches the run may spend, and when a loop is a loop."""
+    """`[restart]`: how many failures the run may survive, and when a loop is a loop.
 
-    max_restarts: int = 20
-    """Relaunches in total, all kinds together (preemptions are not counted)."""
+    Every relaunch after a failure is charged to its kind's budget and to `max_restarts`; once
+    the run has made progress since (a newer verified checkpoint and `forgive_after_steps` steps
+    or `forgive_after_s` seconds of training), the charges are forgiven. So the limits count
+    failures without progress in between, and a run that keeps advancing never runs out.
+    """
+
+    max_restarts: int | None = None
+    """Relaunches after failures of any kind, all together, without progress in between
+    (default 20). Set (here or `--max-restarts`), it also raises every per-kind budget not set
+    in [restart.budgets] to the same number: N means N relaunches for any failure."""
     crash_loop_k: int = 3
     """Give up when K consecutive attempts end without a newer verified checkpoint (0: never)."""
-    budgets: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_BUDGETS))
-    """Relaunches per failure kind: crash, oom (= ladder steps), hang, nonfinite, lost_device,
-    data. Keys left out keep their default."""
+    budgets: dict[str, int] = field(default_factory=dict)
+    """Relaunches per failure kind without progress in between: crash, oom (= ladder steps),
+    hang, nonfinite, lost_device, data. Keys left out keep their default (or max_restarts)."""
+    forgive_after_steps: int = 20
+    """Progress that forgives earlier failures: a newer verified checkpoint and this many steps
+    trained since the last failure (or forgive_after_s, whichever comes first)."""
+    forgive_after_s: float = 600.0
+    """... or this many seconds spent training since the last failure."""
+    quarantine_after: int = 2
+    """Quarantine a checkpoint after this many consecutive attempts resumed from it and failed
+    the same way before committing a newer one; resume falls back to the one before (0: never).
+    Keep it at most crash_loop_k, so the fallback gets its attempt."""
+    max_failures_per_hour: int = 10
+    """More failures than this in an hour is reported (failure_rate event, status, hooks) even
+    when the run makes progress (0: never)."""
+    give_up_on_rate: bool = False
+    """Also give up when max_failures_per_hour is exceeded."""
+    user_set: frozenset[str] = field(default=frozenset(), init=False)
+    """Which of max_restarts and the budgets the configuration set (for messages)."""
 
     def __post_init__(self) -> None:
-        _number("[restart] max_restarts", self.max_restarts, integer=True)
+        if self.max_restarts is not None:
+            _number("[restart] max_restarts", self.max_restarts, integer=True)
         _number("[restart] crash_loop_k", self.crash_loop_k, integer=True)
+        _number("[restart] forgive_after_steps", self.forgive_after_steps, integer=True)
+        _number("[restart] forgive_after_s", self.forgive_after_s)
+        _number("[restart] quarantine_after", self.quarantine_after, integer=True)
+        _number("[restart] max_failures_per_hour", self.max_failures_per_hour, integer=True)
+        _bool("[restart] give_up_on_rate", self.give_up_on_rate)
         if not isinstance(self.budgets, dict):
             raise ConfigError("[restart.budgets] must be a table, e.g. crash = 3")
         for key, value in self.budgets.items():
             if key not in DEFAULT_BUDGETS:
                 _fail_unknown(key, list(DEFAULT_BUDGETS), "[restart.budgets]", {})
             _number(f"[restart.budgets] {key}", value, integer=True)
-        self.budgets = {**DEFAULT_BUDGETS, **self.budgets}
+        self.user_set = frozenset({*self.budgets, *(["max_restarts"]
+                                                     if self.max_restarts is not None else [])})
+        # An explicit max_restarts is what the user asked for: budgets they did not set never
+        # cap it below (torchrun's --max-restarts N means N restarts for any failure).
+        unset = DEFAULT_BUDGETS if self.max_restarts is None else dict.fromkeys(
+            DEFAULT_BUDGETS, self.max_restarts)
+        self.budgets = {**unset, **self.budgets}
+        if self.max_restarts is None:
+            self.max_restarts = DEFAULT_MAX_RESTARTS
+
+    def knob(self, name: str) -> str:
+        """How a person sets the limit `name` ("max_restarts" or a budget), with its value and
+        where it came from, for the give-up message."""
+        if name == "max_restarts":
+            where = "set" if name in self.user_set else "the default"
+            return (f"max_restarts = {self.max_restarts} ({where}; --max-restarts N or "
+                    "[restart] max_restarts)")
+        if name in self.user_set:
+            return f"[restart.budgets] {name} = {self.budgets[name]}"
+        if "max_restarts" in self.user_set:
+            return (f"max_restarts = {self.max_restarts} (--max-restarts or [restart] "
+                    f"max_restarts; it sets every budget not in [restart.budgets], {name} too)")
+        return f"[restart.budgets] {name} = {self.budgets[name]} (the default)"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -265,7 +320,7 @@ _TOP = [f.name for f in fields(Config)]
 def _where_is(key: str) -> dict[str, str]:
     """For a misplaced key, the table it belongs in (e.g. max_restarts -> [restart])."""
     return {f.name: f"[{sec}]" for sec, cls in _SECTIONS.items() for f in fields(cls)
-            if f.name == key}
+            if f.name == key and f.init}
 
 
 def _build(raw: dict[str, Any], cwd: Path) -> Config:
@@ -276,7 +331,7 @@ def _build(raw: dict[str, Any], cwd: Path) -> Config:
         if key in _SECTIONS:
             if not isinstance(value, dict):
                 raise ConfigError(f"[{key}] must be a table")
-            known = [f.name for f in fields(_SECTIONS[key])]
+            known = [f.name for f in fields(_SECTIONS[key]) if f.init]
             for sub in value:
                 if sub not in known:
                     elsewhere = {sub: "the top level"} if sub in _TOP else _where_is(sub)

@@ -17,6 +17,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # bad arguments or configuration
     STARTUP = 3  # the training script fails before its first step
     ALREADY_SUPERVISED = 4  # another live rtrain holds this run directory
+    GAVE_UP_EARLIER = 5  # launch: the run gave up before; nothing launched (--retry, --fresh)
     PREEMPTED = 75  # stopped on request, checkpoint saved: requeue me (EX_TEMPFAIL)
 
 

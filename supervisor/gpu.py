@@ -12,6 +12,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from supervisor.gpu_health import DeviceHealth, read_nvml, xid_events
+
 log = logging.getLogger(__name__)
 _told: set[str] = set()  # say why the GPU is not watched once per process, not once per attempt
 
@@ -45,6 +47,10 @@ class GpuReader(Protocol):
 
     def read(self, pids: Collection[int]) -> GpuReading: ...
 
+    def health(self) -> tuple[DeviceHealth, ...]:
+        """Each device's health readings (gpu_health.py); () without a GPU."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -53,6 +59,9 @@ class NullReader:
 
     def read(self, pids: Collection[int]) -> GpuReading:
         return NO_GPU
+
+    def health(self) -> tuple[DeviceHealth, ...]:
+        return ()
 
     def close(self) -> None:
         pass
@@ -63,15 +72,24 @@ class ScriptedReader:
 
     available = True
 
-    def __init__(self, readings: Sequence[GpuReading]) -> None:
+    def __init__(self, readings: Sequence[GpuReading],
+                 health: Sequence[tuple[DeviceHealth, ...]] = ()) -> None:
         if not readings:
             raise ValueError("ScriptedReader needs at least one reading")
         self.readings = list(readings)
         self.calls: list[frozenset[int]] = []
+        self.health_readings = list(health)  # one per health() call, then healthy devices
+        self.health_calls = 0
 
     def read(self, pids: Collection[int]) -> GpuReading:
         self.calls.append(frozenset(pids))
         return self.readings[min(len(self.calls), len(self.readings)) - 1]
+
+    def health(self) -> tuple[DeviceHealth, ...]:
+        self.health_calls += 1
+        if self.health_calls <= len(self.health_readings):
+            return self.health_readings[self.health_calls - 1]
+        return tuple(DeviceHealth(d.index) for d in self.readings[0].devices)
 
     def close(self) -> None:
         pass
@@ -84,6 +102,7 @@ class NvmlReader:
         self.available = False
         self._nvml: Any = None
         self._handles: list[Any] = []
+        self._xids: Any = None  # NVML event set for XID critical errors
         try:
             import pynvml
         except ImportError as err:
@@ -99,6 +118,8 @@ class NvmlReader:
             return
         self._nvml = pynvml
         self.available = bool(self._handles)
+        # Registered now, so the XIDs of every attempt are pending at the next health() call.
+        self._xids = xid_events(pynvml, self._handles) if self.available else None
         if not self.available:
             _tell_once("GPU memory not watched: NVML sees no device")
 
@@ -129,8 +150,18 @@ class NvmlReader:
                 log.debug("NVML read of GPU %d failed: %s", index, err)
         return GpuReading(tuple(devices), per_pid)
 
+    def health(self) -> tuple[DeviceHealth, ...]:
+        if not self.available:
+            return ()
+        return read_nvml(self._nvml, self._handles, self._xids)
+
     def close(self) -> None:
         if self._nvml is not None:
+            if self._xids is not None:
+                try:
+                    self._nvml.nvmlEventSetFree(self._xids)
+                except self._nvml.NVMLError as err:
+                    log.debug("nvmlEventSetFree: %s", err)
             self._nvml.nvmlShutdown()
             self._nvml, self.available = None, False
 

@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 # a hook on its own failures could loop.
 EVENT_KINDS = ("launch", "skipped_checkpoint", "heartbeat_summary", "signal", "exit",
                "classification", "decision", "degrade", "give_up", "finished", "requeue",
-               "gpu_not_released", "lock_takeover", "save_skipped", "final_state_unsaved")
+               "gpu_not_released", "lock_takeover", "save_skipped", "final_state_unsaved",
+               "failure_rate", "quarantine", "device_failed", "exclude_node")
 HOOKABLE = tuple(dict.fromkeys([*EVENT_KINDS, *(k.value for k in FailureKind)]))
 _STDERR_TAIL = 2000
 

@@ -21,7 +21,7 @@ from supervisor.ckpt.layout import (
     parse_step,
 )
 from supervisor.ckpt.manifest import ManifestError
-from supervisor.ckpt.verify import Level, Verdict, check_member_name
+from supervisor.ckpt.verify import Level, Status, Verdict, check_member_name
 from supervisor.errors import CheckpointError, UsageError
 from supervisor.safetext import safe
 
@@ -73,7 +73,9 @@ class DirReport:
         return next((e for e in self.entries if e.resume), None)
 
     def raise_if_failed(self) -> None:
-        bad = [safe(e.verdict.path.name) for e in self.entries if not e.verdict.ok]
+        # A quarantined checkpoint verifies: it is set aside, not failed.
+        bad = [safe(e.verdict.path.name) for e in self.entries
+               if not e.verdict.ok and e.verdict.status is not Status.QUARANTINED]
         if bad:
             raise CheckpointError(f"{len(bad)} of {len(self.entries)} checkpoints failed "
                                   f"{self.level.value} verification: {', '.join(bad)}")

@@ -25,23 +25,32 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import filemode, protocol, saves, slurm, templates
-from supervisor.ckpt import foreign, generation
+from supervisor.ckpt import foreign, generation, quarantine
 from supervisor.ckpt.hashing import load_signing_key
-from supervisor.ckpt.verify import Level, Selection, Verdict, first_good
+from supervisor.ckpt.verify import Level, Selection, Verdict, first_good, mark_quarantined
 from supervisor.classify import classify, plain_script_started
 from supervisor.config import Config
 from supervisor.console import BestEffortWriter, best_effort_console
-from supervisor.errors import UsageError
+from supervisor.errors import ExitCode, UsageError
 from supervisor.events import EventLog, read_events
 from supervisor.failures import FailureKind
 from supervisor.gpu import GpuReader, NvmlReader, wait_gpu_released
+from supervisor.gpu_health import describe, problems
 from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
 from supervisor.hooks import HookRunner
 from supervisor.leftovers import ProcRecord, end_leftovers
 from supervisor.lock import RunLock
 from supervisor.logcap import STORAGE_ERRNOS
 from supervisor.metrics import MetricsFile
-from supervisor.policy import Action, Decision, History, ResumeMode, decide, note_progress
+from supervisor.policy import (
+    Action,
+    Decision,
+    History,
+    Resumed,
+    ResumeMode,
+    decide,
+    note_progress,
+)
 from supervisor.proctree import ProcTree
 from supervisor.runstate import RunState, RunStatus, load_state, save_state
 from supervisor.safetext import safe
@@ -66,6 +75,8 @@ class LaunchSpec:
     config: Config
     fresh: bool = False
     """Start the run over even when state.json says it finished."""
+    retry: bool = False
+    """Relaunch a run that gave up: fresh budgets, quarantines lifted (a person decided)."""
     echo: bool = True
     """Tee the child's output to our terminal (always also to attempts/<n>/)."""
     cwd: Path = field(default_factory=Path.cwd)
@@ -202,9 +213,9 @@ class _Loop:
     def _load_state(self) -> RunState:
         now = self.seams.wall()
         old = load_state(self.run_dir)
-        # --resume never / PATH apply to the first launch of a new run only; a run continued
-        # (requeued, relaunched by cron) resumes from its newest checkpoint.
-        self._new_run = old is None or self.spec.fresh
+        # --resume never / PATH apply to the first launch of a new run (or a --retry) only; a
+        # run continued (requeued, relaunched by cron) resumes from its newest checkpoint.
+        self._new_run = old is None or self.spec.fresh or self.spec.retry
         attempts = self.run_dir / "attempts"
         if self.spec.fresh and attempts.exists():
             # A fresh run numbers its attempts from 0 again; the old run's logs are kept aside.
@@ -216,10 +227,11 @@ class _Loop:
             self.say(f"note: {self.run_dir} was started with a different command "
                      f"({' '.join(old.command)}); continuing the run with this one")
         history = old.history
-        if old.status is RunStatus.GAVE_UP:
-            # Launching a run that gave up is a person's (or cron's) explicit retry: new budgets,
-            # same rung and attempt numbering.
-            history = replace(history, budgets_used={}, total_restarts=0, stalled=())
+        if self.spec.retry:
+            # A person decided to try again: new budgets and no quarantine, same rung and
+            # attempt numbering.
+            history = replace(history, budgets_used={}, total_restarts=0, stalled=(),
+                              failure_times=(), streak=None, quarantined=())
         return replace(old, command=self.spec.command, history=history)
 
     def _save(self, status: RunStatus, reason: str, history: History) -> None:
@@ -265,7 +277,16 @@ class _Loop:
             self.say(f"the run in {self.run_dir} already finished "
                      f"({self.state.reason}); nothing to do (pass --fresh to run it again)")
             return 0
+        if self.state.status is RunStatus.GAVE_UP and not self.spec.retry:
+            # A wrapper (cron, a Slurm batch script) repeating the command must not restart a
+            # hopeless run forever: it gets its own exit code and can stop requeueing.
+            self.say(f"the run in {self.run_dir} gave up: {self.state.reason}. Not relaunching "
+                     f"(exit {int(ExitCode.GAVE_UP_EARLIER)}); fix the cause, then pass --retry "
+                     "to relaunch it with fresh budgets, or --fresh to start over")
+            return ExitCode.GAVE_UP_EARLIER
         history = self.state.history
+        # state.json is the record; the checkpoint dir's copy is what readers of the dir see.
+        quarantine.publish(self.ckpt_dir, history.quarantined)
         while (self.run_dir / "attempts" / str(history.attempt)).exists():
             # An rtrain that died (SIGKILL, lost node) launched this attempt and never decided
             # on it: this launch is a relaunch and gets the next number (contract 1), so the
@@ -286,8 +307,14 @@ class _Loop:
                     history = replace(history, launch_step=resumed_step)
                 if history is not self.state.history or self.state.status is not RunStatus.RUNNING:
                     self._save(RunStatus.RUNNING, "running", history)  # a relaunch saved already
+                # Its identity before the attempt runs: what the quarantine would name.
+                resumed = (Resumed(path=str(chosen.path), step=resumed_step,
+                                   id=quarantine.checkpoint_id(chosen.path))
+                           if chosen is not None else None)
+                started = time.time()  # compared with checkpoint mtimes: the real clock
                 outcome, dur = self._attempt(history.attempt, settings, selection, signals)
-                decision = self._decide(outcome, history, resumed_step, dur, chosen)
+                decision = self._decide(outcome, history, resumed, dur,
+                                        self._committed_since(started, resumed), chosen)
                 history = decision.history
                 code = self._act(decision, signals, outcome.pids_seen)
                 if code is not None:
@@ -315,11 +342,12 @@ class _Loop:
         return sel
 
     def _select(self, level: Level, history: History, skip_newest: int = 0) -> Selection:
-        """Resume selection, passing over checkpoints a worker of this run could not load
-        (reported when that happened, in a `skipped_checkpoint` event)."""
+        """Resume selection, passing over quarantined checkpoints and those a worker of this run
+        could not load (reported when that happened, in a `skipped_checkpoint` event)."""
         bad = set(history.bad_checkpoints)
-        verdicts = (foreign.verify_candidate(c, level, self.key)
-                    for c in foreign.list_candidates(self.ckpt_dir))
+        listed = (foreign.verify_candidate(c, level, self.key)
+                  for c in foreign.list_candidates(self.ckpt_dir))
+        verdicts = mark_quarantined(self.ckpt_dir, listed)
         return first_good((v for v in verdicts if not (v.ok and _identity(v) in bad)),
                           skip_newest)
 
@@ -439,8 +467,8 @@ class _Loop:
 
     # ------------------------------------------------------------ decide and act
 
-    def _decide(self, outcome: Outcome, history: History, resumed_step: int | None,
-                duration_s: float, chosen: Verdict | None = None) -> Decision:
+    def _decide(self, outcome: Outcome, history: History, resumed: Resumed | None,
+                duration_s: float, committed: bool, chosen: Verdict | None = None) -> Decision:
         ev = outcome.evidence
         hs = outcome.heartbeats
         attempt = history.attempt
@@ -462,15 +490,31 @@ class _Loop:
                              gpu_total=ev.gpu_mem_total)
         failure = None
         if not (ev.returncode == 0 and not ev.signal):
+            if not ev.stop_requested:
+                self._check_devices(attempt, ev)
             failure = classify(ev, memory_pressure_fraction=self.cfg.memory_pressure_fraction)
             self.events.emit("classification", attempt=attempt, failure=failure.kind.value,
                              reason=failure.reason)
             self.say(f"attempt {attempt} failed: {failure.kind.value}: {failure.reason}")
             if failure.kind is FailureKind.BAD_CHECKPOINT and chosen is not None:
                 history = self._skip_bad_checkpoint(history, chosen, failure.reason)
-        history = note_progress(history, ev, resumed_step=resumed_step)
+        history = note_progress(history, ev, resumed_step=resumed and resumed.step,
+                                duration_s=duration_s)
         newest = self._newest_step()
-        decision = decide(failure, history, self.cfg, rand=self.seams.rand(), newest_step=newest)
+        decision = decide(failure, history, self.cfg, rand=self.seams.rand(), newest_step=newest,
+                          now=self.seams.wall(), resumed=resumed, committed=committed,
+                          on_slurm=slurm.job_info() is not None)
+        if decision.alarm:
+            # Progress forgives failures, so a run can fail all day without stopping: say so.
+            self.events.emit("failure_rate", attempt=attempt, detail=decision.alarm,
+                             count=len(decision.history.failure_times),
+                             limit=self.cfg.restart.max_failures_per_hour)
+            self.say(f"WARNING: {decision.alarm}")
+        if decision.quarantine:
+            q = decision.quarantine
+            self.events.emit("quarantine", attempt=attempt, path=q["path"], step=q["step"],
+                             reason=q["reason"])
+            self.say(f"quarantined {q['path']}: {q['reason']}")
         self.events.emit("decision", attempt=attempt, action=decision.action.value,
                          reason=decision.reason, backoff_s=round(decision.backoff_s, 3),
                          level=decision.level, settings=decision.settings,
@@ -482,9 +526,40 @@ class _Loop:
                      f"{json.dumps(decision.settings)}")
         return decision
 
+    def _check_devices(self, attempt: int, ev: Any) -> None:
+        """The health gate after a failed attempt: a device that fails its checks (NVML:
+        reachable, retired pages, row remapping, fatal XIDs, the driver's recovery action) makes
+        the failure `lost_device`, with the readings as evidence."""
+        if not self.gpu.available:
+            return
+        readings = self.gpu.health()
+        failed = [h for h in readings if problems(h)]
+        if not failed:
+            return
+        self.events.emit("device_failed", attempt=attempt, detail=describe(failed),
+                         devices=[h.to_dict() for h in failed], **_slurm_field())
+        ev.gpu_lost = True
+        ev.gpu_detail = "; ".join(filter(None, [ev.gpu_detail, describe(failed)]))
+
+    def _committed_since(self, started: float, resumed: Resumed | None) -> bool:
+        """Did the attempt commit a checkpoint newer than the one it resumed from? (A rollback
+        resumes below the newest, so the newest step alone cannot tell.)"""
+        floor = resumed.step if resumed is not None and resumed.step is not None else -1
+        for c in foreign.list_candidates(self.ckpt_dir):
+            if c.step is None or c.step <= floor:
+                continue
+            try:
+                # A commit renames a dir whose manifest was written last: its mtime is the save's.
+                if c.path.stat().st_mtime >= started:
+                    return True
+            except FileNotFoundError:
+                continue
+        return False
+
     def _newest_step(self) -> int | None:
-        for candidate in foreign.list_candidates(self.ckpt_dir):
-            v = foreign.verify_candidate(candidate, Level.QUICK, self.key)
+        verdicts = (foreign.verify_candidate(c, Level.QUICK, self.key)
+                    for c in foreign.list_candidates(self.ckpt_dir))
+        for v in mark_quarantined(self.ckpt_dir, verdicts):
             if v.ok:
                 return v.step if v.step >= 0 else None
         return None
@@ -519,6 +594,10 @@ class _Loop:
         if decision.action in (Action.EXIT_PREEMPTED, Action.REQUEUE):
             reason = decision.reason
             if decision.action is Action.REQUEUE:
+                if decision.exclude_node:
+                    done, what = slurm.exclude_node()
+                    self.events.emit("exclude_node", done=done, detail=what)
+                    self.say(what)
                 done, what = slurm.requeue()
                 self.events.emit("requeue", done=done, detail=what)
                 reason = f"{reason}; {what}"
@@ -529,6 +608,8 @@ class _Loop:
                 self.say(f"warning: {unsaved}")
             return protocol.EXIT_PREEMPTED
         self._save(RunStatus.RUNNING, decision.reason, history)
+        if decision.quarantine:  # before the next pick, which must pass over it
+            quarantine.publish(self.ckpt_dir, history.quarantined)
         self.events.sync()
         self.say(decision.reason)
         held = wait_gpu_released(self.gpu, pids, self.cfg.gpu_release_wait_s)

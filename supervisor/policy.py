@@ -1,8 +1,9 @@
 """What to do after an attempt ends: `decide`, a pure function of (failure, history, config).
 
-It never sleeps, spawns or reads the clock; the jitter's random number comes in as `rand`, the
-newest verified checkpoint step as `newest_step`. It returns a `Decision` holding a new
-`History` (the old one is never mutated), which the loop persists in state.json.
+It never sleeps, spawns or reads the clock: the jitter's random number comes in as `rand`, the
+time as `now`, the newest verified checkpoint step as `newest_step`, the checkpoint the attempt
+resumed from as `resumed`. It returns a `Decision` holding a new `History` (the old one is never
+mutated), which the loop persists in state.json.
 
 Rules, in order:
   child exited 0                          -> FINISHED (exit 0)
@@ -12,8 +13,13 @@ Rules, in order:
   bad_checkpoint (the worker could not    -> RELAUNCH from the next older checkpoint (the launch
     load the checkpoint it was given)        loop skips that one), no per-kind budget, no backoff,
                                              not part of a crash-loop streak
-  per-kind budget or total spent          -> GIVE_UP (exit 1)
+  more failures in an hour than allowed   -> alarm; GIVE_UP when give_up_on_rate
+  max_restarts or the kind's budget spent -> GIVE_UP (exit 1); progress since the last failure
+                                             forgives earlier charges first (budgets.py)
+  quarantine_after attempts resumed from one checkpoint failed the same way before committing
+  a newer one                             -> quarantine it, RELAUNCH from the one before it
   oom_gpu / oom_host                      -> RELAUNCH one rung down; at the floor GIVE_UP
+  lost_device under Slurm with requeue    -> REQUEUE with this node excluded
   K attempts without a newer checkpoint   -> GIVE_UP (crash loop)
   nonfinite                               -> RELAUNCH from the checkpoint before the newest, lr cut
   crash / hang / lost_device / data       -> RELAUNCH on the same rung (or one up, see below)
@@ -24,13 +30,17 @@ healthy steps, when that is on.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from supervisor import budgets
 from supervisor.config import Config
 from supervisor.errors import ExitCode
 from supervisor.failures import Evidence, Failure, FailureKind
+from supervisor.history import History
 from supervisor.ladder import Floor, step_down, step_up
+
+__all__ = ["Action", "Decision", "History", "ResumeMode", "Resumed", "decide", "note_progress"]
 
 _OOM = (FailureKind.OOM_GPU, FailureKind.OOM_HOST)
 
@@ -49,47 +59,12 @@ class ResumeMode(str, enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class History:
-    """What earlier attempts of this run spent and changed; persisted in state.json."""
+class Resumed:
+    """The checkpoint an attempt resumed from."""
 
-    attempt: int = 0
-    """Number of the attempt to launch next (RTRAIN_ATTEMPT), continued across requeues."""
-    total_restarts: int = 0
-    """Relaunches spent, all kinds together (preemptions not counted)."""
-    budgets_used: dict[str, int] = field(default_factory=dict)
-    """Relaunches spent per budget name (crash, oom, hang, nonfinite, lost_device, data)."""
-    level: int = 0
-    """Ladder rungs walked down (0: the configured settings)."""
-    settings: dict[str, Any] | None = None
-    """Knob values in force; None means config.settings."""
-    undo: tuple[dict[str, Any], ...] = ()
-    """One undo record per rung walked (ladder.Step.undo), newest last."""
-    launch_step: int | None = None
-    """Newest verified checkpoint step when the current attempt was launched."""
-    stalled: tuple[int | None, ...] = ()
-    """Newest verified step after each consecutive attempt that did not advance it."""
-    healthy_steps: int = 0
-    """Training steps made since the last rung change."""
-    lr_factor: float = 1.0
-    """Product of the lr cuts applied after non-finite losses."""
-    bad_checkpoints: tuple[str, ...] = ()
-    """Checkpoints a worker could not load (`bad_checkpoint`), as "<path>|<manifest created>":
-    never offered again in this run; a checkpoint saved later at the same path is another."""
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["undo"], out["stalled"] = list(self.undo), list(self.stalled)
-        out["bad_checkpoints"] = list(self.bad_checkpoints)
-        return out
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> History:
-        """Inverse of `to_dict`; unknown keys raise TypeError (the caller names the file)."""
-        raw = dict(raw)
-        raw["undo"] = tuple(raw.get("undo", ()))
-        raw["stalled"] = tuple(raw.get("stalled", ()))
-        raw["bad_checkpoints"] = tuple(raw.get("bad_checkpoints", ()))
-        return cls(**raw)
+    path: str
+    id: str  # tells a checkpoint from a later one saved under the same name (quarantine.py)
+    step: int | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +78,9 @@ class Decision:
     backoff_s: float = 0.0  # wait before relaunching
     exit_code: int | None = None  # rtrain's own exit status when it stops (0, 1, 3, 75)
     ladder_change: str | None = None  # what a rung step changed, for the degrade event
+    alarm: str | None = None  # too many failures in the last hour: say it loudly
+    quarantine: dict[str, Any] | None = None  # a checkpoint quarantined by this decision
+    exclude_node: bool = False  # REQUEUE away from this node (a device failed on it)
 
 
 def _budget_name(kind: FailureKind) -> str:
@@ -130,8 +108,12 @@ def _worker_settings(settings: dict[str, Any], ev: Evidence | None) -> dict[str,
 
 
 def decide(failure: Failure | None, history: History, config: Config, *, rand: float,
-           newest_step: int | None = None) -> Decision:
-    """The next action. `failure` None means the child exited 0; `rand` is in [0, 1)."""
+           newest_step: int | None = None, now: float = 0.0,
+           resumed: Resumed | None = None, committed: bool | None = None,
+           on_slurm: bool = False) -> Decision:
+    """The next action. `failure` None means the child exited 0; `rand` is in [0, 1);
+    `committed`: the attempt committed a checkpoint newer than `resumed` (None: judged from
+    `newest_step`); `on_slurm`: we run in a Slurm job, which can be requeued elsewhere."""
     settings = dict(config.settings if history.settings is None else history.settings)
 
     if failure is None:
@@ -152,10 +134,10 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
                         reason=f"{failure.reason}; not retrying a script that fails at "
                                "start-up: fix the error and launch again")
 
-    advanced = newest_step is not None and (history.launch_step is None
-                                            or newest_step > history.launch_step)
+    high = history.launch_step
+    advanced = newest_step is not None and (high is None or newest_step > high)
     stalled = () if advanced else (*history.stalled, newest_step)
-    nxt = replace(nxt, launch_step=newest_step, stalled=stalled)
+    nxt = replace(nxt, launch_step=newest_step if advanced else high, stalled=stalled)
 
     if kind is FailureKind.PREEMPTED:  # exit 75 without a stop from us: relaunch, spend nothing
         return _relaunch(failure, history, nxt, config, settings, rand, backoff=False)
@@ -165,25 +147,78 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
         # several bad checkpoints in a row must not hide the good one before them.
         if history.total_restarts >= config.restart.max_restarts:
             return _give_up(f"{failure.reason}; {history.total_restarts} relaunches spent, the "
-                            "maximum ([restart] max_restarts)", history, settings)
+                            f"limit: {config.restart.knob('max_restarts')}", history, settings)
         nxt = replace(nxt, total_restarts=history.total_restarts + 1, stalled=history.stalled)
         return _relaunch(failure, history, nxt, config, settings, rand, backoff=False)
 
+    nxt, alarm = budgets.rate(budgets.forgive(nxt, config, newest_step), config, now)
+    if alarm and config.restart.give_up_on_rate:
+        return _give_up(f"{failure.reason}; {alarm} (and [restart] give_up_on_rate is set)",
+                        history, settings)
     name = _budget_name(kind)
-    used = history.budgets_used.get(name, 0)
-    if used >= config.restart.budgets[name]:
-        return _give_up(f"{failure.reason}; the {name} budget is spent ({used} of "
-                        f"{config.restart.budgets[name]} relaunches): raise [restart.budgets] "
-                        f"{name} to allow more", history, settings)
-    if history.total_restarts >= config.restart.max_restarts:
-        return _give_up(f"{failure.reason}; {history.total_restarts} relaunches spent, the "
-                        "maximum ([restart] max_restarts)", history, settings)
-    nxt = replace(nxt, total_restarts=history.total_restarts + 1,
-                  budgets_used={**history.budgets_used, name: used + 1})
+    spent = budgets.exhausted(nxt, config, name)
+    if spent:
+        return _give_up(f"{failure.reason}; {spent}", history, settings)
+    nxt = budgets.charge(nxt, name, newest_step)
+    if committed is None:
+        committed = newest_step is not None and (resumed is None or resumed.step is None
+                                                 or newest_step > resumed.step)
+    nxt, quarantined = quarantine_streak(nxt, config, kind, resumed, committed,
+                                         _own_failure_step(ev))
+    if kind is FailureKind.LOST_DEVICE and on_slurm and config.requeue:
+        # A broken device stays broken: relaunching here would fail again. Requeue the job
+        # with this node excluded, so Slurm starts it on another one.
+        return Decision(action=Action.REQUEUE, history=nxt, settings=settings,
+                        level=history.level, exit_code=ExitCode.PREEMPTED, exclude_node=True,
+                        alarm=alarm, reason=f"{failure.reason}; requeueing the job with this "
+                                            "node excluded")
 
     if kind in _OOM:
-        return _degrade(failure, history, nxt, config, _worker_settings(settings, ev), rand)
-    return _relaunch(failure, history, nxt, config, settings, rand, backoff=True)
+        d = _degrade(failure, history, nxt, config, _worker_settings(settings, ev), rand)
+    else:
+        d = _relaunch(failure, history, nxt, config, settings, rand, backoff=True,
+                      quarantined=quarantined)
+    return replace(d, alarm=alarm, quarantine=quarantined if d.action is Action.RELAUNCH
+                   else None)
+
+
+# Signals sent from outside (a person, a scheduler, a killer): what they end says nothing about
+# the checkpoint. Kills cluster at saves (the slowest moments), so their steps often match.
+_OUTSIDE_SIGNALS = {"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"}
+
+
+def _own_failure_step(ev: Evidence | None) -> int | None:
+    """The step at which the attempt failed by itself (an exception, NaN, a crash signal, a
+    hang); None when it was killed from outside or never trained."""
+    if ev is None or (ev.signal in _OUTSIDE_SIGNALS and not ev.hang):
+        return None
+    return ev.last_step
+
+
+def quarantine_streak(history: History, config: Config, kind: FailureKind,
+                      resumed: Resumed | None, committed: bool,
+                      last_step: int | None) -> tuple[History, dict[str, Any] | None]:
+    """Count consecutive attempts that resumed from one checkpoint, trained, and failed the
+    same way at the same step before committing anything newer: what a poisoned state or data
+    position does, and what random outside kills (or deaths during start-up, before the
+    checkpoint was even used) do not. At `quarantine_after` the checkpoint is quarantined
+    (returned) and the streak starts over."""
+    k = config.restart.quarantine_after
+    # Out of memory at the same step is the settings' fault, which the ladder changes.
+    if not k or kind in _OOM or resumed is None or committed or last_step is None:
+        return replace(history, streak=None), None
+    old = history.streak or {}
+    same = (old.get("id"), old.get("kind"), old.get("last_step")) == (resumed.id, kind.value,
+                                                                      last_step)
+    count = old.get("count", 0) + 1 if same else 1
+    if count < k:
+        return replace(history, streak={"path": resumed.path, "id": resumed.id,
+                                        "step": resumed.step, "kind": kind.value,
+                                        "last_step": last_step, "count": count}), None
+    entry = {"path": resumed.path, "id": resumed.id, "step": resumed.step,
+             "reason": f"{count} attempts in a row resumed from it and failed ({kind.value}) "
+                       f"at step {last_step}, before committing a newer checkpoint"}
+    return replace(history, streak=None, quarantined=(*history.quarantined, entry)), entry
 
 
 def _give_up(reason: str, history: History, settings: dict[str, Any]) -> Decision:
@@ -208,14 +243,20 @@ def _degrade(failure: Failure, before: History, nxt: History, config: Config,
 
 
 def _relaunch(failure: Failure, before: History, nxt: History, config: Config,
-              settings: dict[str, Any], rand: float, *, backoff: bool) -> Decision:
+              settings: dict[str, Any], rand: float, *, backoff: bool,
+              quarantined: dict[str, Any] | None = None) -> Decision:
     k, stalled = config.restart.crash_loop_k, nxt.stalled
-    if k and len(stalled) >= k:
+    # A quarantine's fallback gets its attempt before the crash-loop rule may give up.
+    if k and len(stalled) >= k and quarantined is None:
         at = f"step {stalled[-1]}" if stalled[-1] is not None else "none (no checkpoint yet)"
         return _give_up(f"{failure.reason}; crash loop: {len(stalled)} consecutive attempts "
-                        f"ended without a newer verified checkpoint (newest: {at})",
+                        f"ended without a newer verified checkpoint (newest: {at}); the limit "
+                        f"is [restart] crash_loop_k = {k} (0 turns the rule off)",
                         before, settings)
     resume, change, notes = ResumeMode.LATEST, None, []
+    if quarantined is not None:
+        notes.append(f"quarantined {quarantined['path']} ({quarantined['reason']}), resuming "
+                     "from the checkpoint before it")
     if failure.kind is FailureKind.NONFINITE:
         resume = ResumeMode.ROLLBACK
         settings, cut = _cut_lr(settings, config.lr_factor_on_nonfinite)
@@ -250,9 +291,12 @@ def _cut_lr(settings: dict[str, Any], factor: float) -> tuple[dict[str, Any], st
     return out, f"lr_scale -> {out['lr_scale']:g}"
 
 
-def note_progress(history: History, evidence: Evidence, *, resumed_step: int | None) -> History:
-    """Count the steps an attempt made (from `resumed_step`, or 0 on a fresh start) as healthy."""
+def note_progress(history: History, evidence: Evidence, *, resumed_step: int | None,
+                  duration_s: float = 0.0) -> History:
+    """Count the steps an attempt made (from `resumed_step`, or 0 on a fresh start) as healthy,
+    and, with its duration, as progress since the last charged failure."""
     if evidence.last_step is None:
         return history
     made = max(evidence.last_step - (resumed_step or 0), 0)
+    history = budgets.count_progress(history, made, duration_s)
     return replace(history, healthy_steps=history.healthy_steps + made)

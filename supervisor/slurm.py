@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 from collections.abc import Mapping
 
@@ -44,6 +45,32 @@ def job_state(jid: str, *, scontrol: str = "scontrol", timeout_s: float = 30.0) 
         return None
     m = re.search(r"\bJobState=(\S+)", r.stdout)
     return m.group(1) if r.returncode == 0 and m else None
+
+
+def exclude_node(env: Mapping[str, str] | None = None,
+                 timeout_s: float = 30.0) -> tuple[bool, str]:
+    """Add the node we run on to the job's excluded nodes (ExcNodeList), so a requeue does not
+    land on it again. Returns (done, what happened), never raises."""
+    env = os.environ if env is None else env
+    jid = job_id(env)
+    node = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    scontrol = shutil.which("scontrol")
+    if jid is None or scontrol is None:
+        return False, "not running under Slurm (no SLURM_JOB_ID or scontrol): no node excluded"
+    try:
+        shown = subprocess.run([scontrol, "show", "job", "--oneliner", jid], capture_output=True,
+                               text=True, timeout=timeout_s)
+        m = re.search(r"\bExcNodeList=(\S+)", shown.stdout)
+        old = [] if not m or m.group(1) == "(null)" else m.group(1).split(",")
+        nodes = ",".join(dict.fromkeys([*old, node]))
+        r = subprocess.run([scontrol, "update", f"JobId={jid}", f"ExcNodeList={nodes}"],
+                           capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"could not exclude node {node} from job {jid}: {e}"
+    if r.returncode != 0:
+        why = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"exit {r.returncode}"]
+        return False, f"could not exclude node {node} from job {jid}: {why[0]}"
+    return True, f"excluded node {node} from job {jid} (ExcNodeList={nodes})"
 
 
 def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> tuple[bool, str]:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import saves
-from supervisor.ckpt.verify import Level, select_resume
+from supervisor.ckpt import quarantine
+from supervisor.ckpt.verify import Level, Status, select_resume
 from supervisor.errors import UsageError
 from supervisor.events import read_events
 from supervisor.lock import LOCK_NAME
@@ -75,6 +76,13 @@ class RunSummary:
     """The last classification event: attempt, kind, reason."""
     last_decision: dict[str, Any] | None = None
     """The last decision event: attempt, action, reason, backoff_s."""
+    forgiven: int = 0
+    """Failures forgiven after progress (budgets_used counts those since the last progress)."""
+    quarantined: list[dict[str, Any]] = field(default_factory=list)
+    """Quarantined checkpoints (state.json): path, step, reason, in_force (False once the step
+    was saved again)."""
+    failure_rate: str | None = None
+    """The last failure_rate alarm (too many failures in an hour), if any."""
 
 
 def finite(value: Any) -> bool:
@@ -171,9 +179,14 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
     if state is not None:
         hist = state.history
         s.budgets_used, s.level = dict(hist.budgets_used), hist.level
+        s.forgiven = hist.forgiven
+        s.quarantined = [{**q, "in_force": quarantine.checkpoint_id(q["path"]) == q["id"]}
+                         for q in hist.quarantined]
         s.settings = dict(hist.settings or {})
         if not launches:
             s.attempts = hist.attempt
+    alarm = _last(events, "failure_rate")
+    s.failure_rate = alarm.get("detail") if alarm else None
     rung = _last(events, *_SETTINGS_KINDS)
     if rung is not None and isinstance(rung.get("settings"), dict):
         s.level, s.settings = _int(rung.get("level")), dict(rung["settings"])
@@ -189,7 +202,8 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
     s.skipped_saves, s.unsaved = skipped.count, skipped.unsaved
     if skipped.count:
         s.last_skipped = {"step": skipped.last_step, "reason": skipped.last_reason}
-    s.bad_checkpoints = [(v.path.name, v.describe()) for v in selection.skipped]
+    s.bad_checkpoints = [(v.path.name, v.describe()) for v in selection.skipped
+                         if v.status is not Status.QUARANTINED]  # listed below, from state.json
 
     beat = _last(events, "heartbeat_summary")
     if beat is not None:
@@ -267,9 +281,14 @@ def render_text(s: RunSummary) -> str:
     rows += [("", f"{name} skipped: {why}") for name, why in s.bad_checkpoints]
     failures = ", ".join(f"{k} {n}" for k, n in s.failures.items()) or "none"
     rows.append(("attempts", f"{s.attempts} launched; failures: {failures}"))
-    if s.budgets_used:
-        rows.append(("budgets", ", ".join(f"{k} {n}" for k, n in s.budgets_used.items())
-                     + " used"))
+    if s.budgets_used or s.forgiven:
+        rows.append(("budgets", (", ".join(f"{k} {n}" for k, n in s.budgets_used.items())
+                                 or "none") + f" used since the last progress ({s.forgiven} "
+                                              "earlier failures forgiven)"))
+    rows += [("", f"{Path(q['path']).name} quarantined: {q['reason']}"
+                  + ("" if q["in_force"] else " (since saved again)")) for q in s.quarantined]
+    if s.failure_rate:
+        rows.append(("failure rate", f"WARNING: {s.failure_rate}"))
     if f := s.last_failure:
         rows.append(("last failure", f"attempt {f['attempt']}: {f['kind']}: {f['reason']}"))
     if d := s.last_decision:

@@ -45,7 +45,8 @@ resolution = 224
                        "settings": {"batch_size": 16}}, None, tmp_path)
     assert cfg.restart.max_restarts == 2  # CLI
     assert cfg.restart.crash_loop_k == 5  # file, same table as a CLI override
-    assert cfg.restart.budgets == {**DEFAULT_BUDGETS, "crash": 9}  # file merged over defaults
+    # the file's budget kept; the others follow the explicit max_restarts, never cap it
+    assert cfg.restart.budgets == {**dict.fromkeys(DEFAULT_BUDGETS, 2), "crash": 9}
     assert cfg.run_dir == tmp_path / "runs/a"  # None on the CLI means "not given"
     assert cfg.ckpt_dir == tmp_path / "runs/a/checkpoints"
     assert cfg.grace_s == 12

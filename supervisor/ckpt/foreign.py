@@ -31,7 +31,14 @@ from pathlib import Path
 from supervisor.ckpt import hf_trainer, safeio, torchzip
 from supervisor.ckpt import verify as rverify
 from supervisor.ckpt.layout import MANIFEST, parse_step
-from supervisor.ckpt.verify import Level, Selection, Status, Verdict, first_good
+from supervisor.ckpt.verify import (
+    Level,
+    Selection,
+    Status,
+    Verdict,
+    first_good,
+    mark_quarantined,
+)
 
 
 class Format(str, enum.Enum):
@@ -170,7 +177,8 @@ def verify_candidate(c: Candidate, level: Level | str, key: bytes | None = None)
 def verify_all(ckpt_dir: str | os.PathLike, level: Level | str = Level.QUICK,
                key: bytes | None = None) -> list[Verdict]:
     """Every checkpoint of any format, newest first."""
-    return [verify_candidate(c, level, key) for c in list_candidates(ckpt_dir)]
+    return list(mark_quarantined(ckpt_dir, (verify_candidate(c, level, key)
+                                            for c in list_candidates(ckpt_dir))))
 
 
 def select_resume(
@@ -182,5 +190,6 @@ def select_resume(
 ) -> Selection:
     """`verify.select_resume` over checkpoints of every format: the newest that verifies, each
     newer one that fails reported."""
-    return first_good((verify_candidate(c, level, key) for c in list_candidates(ckpt_dir)),
+    return first_good(mark_quarantined(ckpt_dir, (verify_candidate(c, level, key)
+                                                  for c in list_candidates(ckpt_dir))),
                       skip_newest, on_skip)

@@ -11,11 +11,11 @@ import enum
 import os
 import stat
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import hashing, manifest, safeio
+from supervisor.ckpt import hashing, manifest, quarantine, safeio
 from supervisor.ckpt.layout import MANIFEST, list_checkpoints, parse_step
 
 
@@ -28,6 +28,7 @@ class Status(str, enum.Enum):
     OK = "ok"
     CORRUPT = "corrupt"
     INCOMPLETE = "incomplete"  # no manifest: a save that did not finish
+    QUARANTINED = "quarantined"  # verifies, but resuming from it kept failing (quarantine.py)
 
 
 @dataclass
@@ -128,7 +129,17 @@ def verify_all(
     ckpt_dir: str | os.PathLike, level: Level | str = Level.QUICK, key: bytes | None = None
 ) -> list[Verdict]:
     """Every committed checkpoint, newest first."""
-    return [verify(p, level, key) for _, p in list_checkpoints(ckpt_dir)]
+    return list(mark_quarantined(ckpt_dir, (verify(p, level, key)
+                                            for _, p in list_checkpoints(ckpt_dir))))
+
+
+def mark_quarantined(ckpt_dir: str | os.PathLike,
+                     verdicts: Iterable[Verdict]) -> Iterable[Verdict]:
+    """`verdicts`, with each good one listed in the dir's quarantine.json turned QUARANTINED."""
+    table = quarantine.load(ckpt_dir)
+    for v in verdicts:
+        why = quarantine.reason_for(v.path, table) if v.ok and table else None
+        yield replace(v, status=Status.QUARANTINED, reason=why) if why else v
 
 
 @dataclass
@@ -149,7 +160,8 @@ def select_resume(
     `skip_newest` passes over that many verified checkpoints (a rollback after a non-finite
     loss resumes from the one before the newest).
     """
-    return first_good((verify(p, level, key) for _, p in list_checkpoints(ckpt_dir)),
+    return first_good(mark_quarantined(ckpt_dir, (verify(p, level, key)
+                                                  for _, p in list_checkpoints(ckpt_dir))),
                       skip_newest, on_skip)
 
 
