@@ -205,7 +205,8 @@ class IterablePosition:
         self.epoch, self.batches = self.epoch + 1, 0
 
     def state_dict(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        st: dict[str, Any] = {"epoch": self.epoch, "batches": self.batches}
+        st: dict[str, Any] = {"epoch": self.epoch, "batches": self.batches,
+                              "workers": self.loader.num_workers}
         if self.own_state:
             st["dataset"] = encode(self.loader.dataset.state_dict(), tensors, "loader.dataset")
         return {"loader": {"kind": "iterable", **st}}
@@ -219,6 +220,11 @@ class IterablePosition:
             self.loader.dataset.load_state_dict(decode(saved["dataset"], tensors))
         else:
             self.skip = self.batches
+            if saved.get("workers", self.loader.num_workers) != self.loader.num_workers:
+                log.warning("data: the checkpoint was made with num_workers=%s, this loader has "
+                            "%d: the workers' shards interleave differently, so skipping %d "
+                            "batches does not land on the same samples", saved["workers"],
+                            self.loader.num_workers, self.batches)
 
     def restored(self) -> None:
         pass

@@ -69,9 +69,9 @@ class Stream(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         w, n_workers = (info.id, info.num_workers) if info else (0, 1)
-        start, self.pos = self.pos, 0
-        for i in range(start + w, N, n_workers):
-            self.pos = i + 1
+        start, self.pos = self.pos or w, 0  # pos: this copy's next index (0: a fresh epoch)
+        for i in range(start, N, n_workers):
+            self.pos = i + n_workers
             yield X[i], Y[i], i
         self.pos = 0
 
