@@ -138,6 +138,22 @@ def direct_cost(batch: int, n: int = 20000) -> float:
     return counted + tagged
 
 
+def worker_cost(n: int = 5000) -> float:
+    """Seconds per sample the per-sample generator adds in a worker, against drawing the same
+    augmentation from the worker's global generator."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        torch.rand(())
+        torch.randint(-2, 3, (2,))
+    base = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(n):
+        g = worker.sample_generator(SampleIndex(i, 0, 0))
+        torch.rand((), generator=g)
+        torch.randint(-2, 3, (2,), generator=g)
+    return (time.perf_counter() - t0 - base) / n
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=4)
@@ -160,12 +176,17 @@ def main() -> None:
                 times[name] += loops[name](args.steps)
     med = {k: statistics.median(v) for k, v in times.items()}
     cost = direct_cost(args.batch)
+    per_sample = worker_cost()
     print(f"workers {args.workers}, batch {args.batch}, resolution {args.resolution}, "
           f"{args.rounds} x {args.steps} steps per loop")
     print(f"median step: exact {med['exact'] * 1e3:.2f} ms, plain {med['plain'] * 1e3:.2f} ms: "
           f"difference {(med['exact'] / med['plain'] - 1) * 100:+.2f} %")
     print(f"machinery in the main process: {cost * 1e6:.1f} us per step = "
           f"{cost / med['plain'] * 100:.3f} % of a step")
+    spread = per_sample * args.batch / max(1, args.workers)
+    print(f"per-sample generator in the workers: {per_sample * 1e6:.1f} us per sample, "
+          f"{spread * 1e6:.1f} us per step over {args.workers} workers = "
+          f"{spread / med['plain'] * 100:.3f} % of a step (hidden while workers keep ahead)")
 
 
 if __name__ == "__main__":

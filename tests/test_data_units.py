@@ -129,3 +129,12 @@ def test_distributed_position_is_per_rank_and_refuses_another_world_mid_epoch():
                                                 11, num_replicas=2, rank=1, seed=5)]
     with pytest.raises(ValueError, match="same world size"):
         worker.DistributedResumableSampler(11, num_replicas=3, rank=1).load_state_dict(state)
+
+
+def test_a_new_iter_hands_out_again_what_was_fetched_but_not_taken():
+    sampler = worker.ResumableSampler(20, seed=1)
+    loader = DataLoader(dataset(), batch_size=4, sampler=sampler)
+    data.track(loader=loader)
+    first = stream(loader, 2)
+    sampler.position = 15  # a prefetching loader's sampler, ahead of the loop
+    assert first + stream(loader, 3) == [int(i) for i in sampler._order(0)]
