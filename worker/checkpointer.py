@@ -56,7 +56,7 @@ class _Capture:
 class Checkpointer:
     """Saves model, optimizer, scheduler, GradScaler, sampler, RNG and user extras together.
 
-    ckpt = Checkpointer(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
+    ckpt = Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=loader,
                         every_steps=100, keep=3)
     start_step = ckpt.restore()
     for step in range(start_step, total_steps):
@@ -218,7 +218,7 @@ class Checkpointer:
             return
         state.load_rng(*rng)
         if self.data is not None:
-            self.data.restored()  # undo the global-generator draw of the next iter(loader)
+            self.data.restored()  # sampler-only: undo the next iter(loader)'s global draw
 
     def _apply_lr_scale(self, saved_scale: float) -> None:
         """After a non-finite loss the supervisor sets `lr_scale` (for scripts without an `lr`
