@@ -5,16 +5,18 @@
 Trains the vision example's CNN on its synthetic images (examples/vision/train.py) with two
 loops, in one process, alternating blocks of `--steps` steps for `--rounds` rounds:
 
-  exact  ResumableSampler, Checkpointer(loader=loader) (the batches the loop takes are counted,
-         indices carry their epoch, iter(loader) is seeded from the position) and augmentation
-         from worker.sample_generator
-  plain  the same loop without it: torch's RandomSampler, augmentation from the worker's global
-         generator, a Checkpointer without the loader
+  exact  ResumableSampler, Checkpointer(loader=loader): the batches the loop takes are
+         counted, indices carry their epoch (SampleIndex), iter(loader) is seeded from the
+         position
+  plain  the same loop without it: torch's RandomSampler (plain int indices), a Checkpointer
+         without the loader; the dataset does the same work per sample
 
 Both call `maybe_save` every step (no save falls due) and use persistent workers. Prints the
 median step time of each and the difference; the difference between two loops on a shared
 machine is noisy, so it also prints the machinery's main-process cost measured directly (the
-counting iterator and the SampleIndex objects, per step) as a share of the step.
+counting iterator and the SampleIndex objects, per step) as a share of the step, and what
+the per-sample generator costs in a worker against drawing the same augmentation from the
+worker's global generator.
 """
 
 from __future__ import annotations
@@ -51,17 +53,12 @@ def load_vision():
 vision = load_vision()
 
 
-class GlobalRngImages(vision.SyntheticImages):
-    """The example's images with the same augmentation drawn from the global generator."""
+class PlainIndexImages(vision.SyntheticImages):
+    """The example's images for plain int indices: the same work per sample (the per-sample
+    generator is seeded as for epoch 0), so the two loops differ only by the machinery."""
 
     def __getitem__(self, i):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        label = i % vision.CLASSES
-        image = self.templates[label] + 0.5 * torch.randn(self.templates.shape[1:], generator=g)
-        if torch.rand(()) < 0.5:
-            image = image.flip(-1)
-        shift = torch.randint(-2, 3, (2,)).tolist()
-        return image.roll(shift, dims=(-2, -1)), label
+        return super().__getitem__(SampleIndex(i, 0, self.seed))
 
 
 def make_loop(exact: bool, args, ckpt_dir: Path):
@@ -70,10 +67,10 @@ def make_loop(exact: bool, args, ckpt_dir: Path):
         ds = vision.SyntheticImages(args.samples, args.resolution, 0)
         sampler = worker.ResumableSampler(len(ds), seed=0)
     else:
-        ds = GlobalRngImages(args.samples, args.resolution, 0)
+        ds = PlainIndexImages(args.samples, args.resolution, 0)
         sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(ds, batch_size=args.batch, sampler=sampler, num_workers=args.workers,
-                        persistent_workers=True, prefetch_factor=2)
+                        persistent_workers=args.workers > 0)
     model = vision.make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     ckpt = worker.Checkpointer(model=model, optimizer=opt, loader=loader if exact else None,
@@ -162,25 +159,32 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--resolution", type=int, default=32)
     p.add_argument("--samples", type=int, default=4096)
+    p.add_argument("--aa", action="store_true",
+                   help="time the plain loop against a second plain loop: the noise floor")
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        loops = {"exact": make_loop(True, args, Path(tmp)),
-                 "plain": make_loop(False, args, Path(tmp))}
+        loops = {"exact": make_loop(not args.aa, args, Path(tmp) / "a"),
+                 "plain": make_loop(False, args, Path(tmp) / "b")}
         for run in loops.values():
             run(10)  # start the workers, warm the caches
         times: dict[str, list[float]] = {"exact": [], "plain": []}
+        ratios = []  # per round, paired: the two loops ran back to back
         for r in range(args.rounds):
             order = ("exact", "plain") if r % 2 == 0 else ("plain", "exact")
-            for name in order:
-                times[name] += loops[name](args.steps)
+            block = {name: loops[name](args.steps) for name in order}
+            for name, t in block.items():
+                times[name] += t
+            ratios.append(statistics.median(block["exact"]) / statistics.median(block["plain"]))
     med = {k: statistics.median(v) for k, v in times.items()}
     cost = direct_cost(args.batch)
     per_sample = worker_cost()
     print(f"workers {args.workers}, batch {args.batch}, resolution {args.resolution}, "
-          f"{args.rounds} x {args.steps} steps per loop")
+          f"{args.rounds} x {args.steps} steps per loop" + (" (A/A: both plain)" if args.aa
+                                                             else ""))
     print(f"median step: exact {med['exact'] * 1e3:.2f} ms, plain {med['plain'] * 1e3:.2f} ms: "
-          f"difference {(med['exact'] / med['plain'] - 1) * 100:+.2f} %")
+          f"difference {(med['exact'] / med['plain'] - 1) * 100:+.2f} % (median of the "
+          f"{args.rounds} paired rounds: {(statistics.median(ratios) - 1) * 100:+.2f} %)")
     print(f"machinery in the main process: {cost * 1e6:.1f} us per step = "
           f"{cost / med['plain'] * 100:.3f} % of a step")
     spread = per_sample * args.batch / max(1, args.workers)

@@ -46,7 +46,9 @@ def sample_seed(index: int, *, epoch: int | None = None, seed: int | None = None
     if epoch is None or seed is None:
         raise TypeError("sample_seed needs the epoch and the run seed: use the index a "
                         "worker.ResumableSampler yielded, or pass epoch= and seed=")
-    return _mix(_mix(_mix(seed & _MASK) ^ (epoch & _MASK)) ^ (int(index) & _MASK)) >> 1
+    # Odd multipliers make each step a bijection of the 64-bit state; one finaliser spreads it.
+    x = (((seed * 0xD1B54A32D192ED03 + epoch) & _MASK) * 0xAEF17502108EF2D9 + index) & _MASK
+    return _mix(x) >> 1
 
 
 def sample_generator(index: int, *, epoch: int | None = None, seed: int | None = None,
