@@ -138,3 +138,30 @@ def test_a_new_iter_hands_out_again_what_was_fetched_but_not_taken():
     first = stream(loader, 2)
     sampler.position = 15  # a prefetching loader's sampler, ahead of the loop
     assert first + stream(loader, 3) == [int(i) for i in sampler._order(0)]
+
+
+def test_any_loader_with_state_dict_is_saved_as_json(tmp_path):
+    class Stream:  # not a DataLoader: a loader with its own state, as some libraries have
+        def __init__(self):
+            self.pos = 0
+
+        def __iter__(self):
+            while self.pos < 6:
+                self.pos += 1
+                yield torch.tensor([self.pos])
+
+        def state_dict(self):
+            return {"pos": self.pos, "mark": torch.tensor([7])}
+
+        def load_state_dict(self, state):
+            self.pos = state["pos"]
+            assert torch.equal(state["mark"], torch.tensor([7]))
+
+    a = Stream()
+    ck = worker.Checkpointer(loader=a, ckpt_dir=tmp_path)
+    it = iter(a)
+    assert [int(next(it)), int(next(it))] == [1, 2]
+    ck.save(1)
+    b = Stream()
+    worker.Checkpointer(loader=b, ckpt_dir=tmp_path).restore()
+    assert [int(x) for x in b] == [3, 4, 5, 6]

@@ -154,7 +154,7 @@ def _watch(loader: Any, pos: Any) -> bool:
         raise ValueError("this loader is already given to another Checkpointer")
     loader.__class__ = _watched_class(type(loader))
     loader._rtrain_position = pos
-    if loader.generator is not None:
+    if not isinstance(loader, DataLoader) or loader.generator is not None:
         return False
     loader.generator = torch.Generator()
     return True
