@@ -5,7 +5,7 @@
     start_step = ckpt.restore()
 
 `settings`, `should_stop`, `heartbeat` and the rest of `worker.runtime` are torch-free; the
-torch-bound parts (`Checkpointer`, `ResumableSampler`) load on first use.
+torch-bound parts (`Checkpointer`, the samplers, `sample_generator`) load on first use.
 """
 
 from typing import Any
@@ -17,11 +17,14 @@ from worker.settings import Settings, settings
 _GUARDS = ("NonFiniteGuard", "OOMBackoff", "SkipBadSamples", "DataError", "skip_none_collate",
            "install_excepthook")
 _LAZY = {"Checkpointer": "worker.checkpointer", "ResumableSampler": "worker.sampler",
+         "DistributedResumableSampler": "worker.sampler",
+         **dict.fromkeys(("sample_generator", "sample_seed", "seeded"), "worker.sample_rng"),
          **dict.fromkeys(_GUARDS, "worker.guards")}
 
-__all__ = ["Checkpointer", "DataError", "NonFiniteGuard", "OOMBackoff", "ResumableSampler",
-           "Settings", "SkipBadSamples", "__version__", "heartbeat", "install_excepthook",
-           "request_stop", "settings", "should_stop", "skip_none_collate", "write_exit_record"]
+__all__ = ["Checkpointer", "DataError", "DistributedResumableSampler", "NonFiniteGuard",
+           "OOMBackoff", "ResumableSampler", "Settings", "SkipBadSamples", "__version__",
+           "heartbeat", "install_excepthook", "request_stop", "sample_generator", "sample_seed",
+           "seeded", "settings", "should_stop", "skip_none_collate", "write_exit_record"]
 
 
 def __getattr__(name: str) -> Any:

@@ -33,7 +33,7 @@ from supervisor.protocol import (
     EXIT_BAD_CHECKPOINT,
     EXIT_PREEMPTED,
 )
-from worker import dist, dist_ckpt, faults, runtime, state
+from worker import data, dist, dist_ckpt, faults, runtime, state
 from worker.sampler import ResumableSampler
 from worker.schedule import SaveSchedule
 from worker.settings import current as current_settings
@@ -80,7 +80,7 @@ class _Loaded:
 class Checkpointer:
     """Saves model, optimizer, scheduler, GradScaler, sampler, RNG and user extras together.
 
-    ckpt = Checkpointer(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
+    ckpt = Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=loader,
                         every_steps=100, keep=3)
     start_step = ckpt.restore()
     for step in range(start_step, total_steps):
@@ -103,11 +103,13 @@ class Checkpointer:
                  map_location: str | torch.device = "cpu", exit_on_stop: bool = True,
                  fsync: bool = True, signing_key: bytes | str | None = None,
                  sharded: bool | None = None, allow_resize: bool = False,
-                 allow_pickle: bool = False) -> None:
+                 allow_pickle: bool = False, loader: Any = None) -> None:
         ckpt_dir = ckpt_dir or os.environ.get(ENV_CKPT_DIR) or "checkpoints"
         self.ckpt_dir = Path(ckpt_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler, self.sampler = scaler, sampler
+        # With loader=, the data position counts what the loop consumed (worker/data.py).
+        self.data = data.track(sampler=sampler, loader=loader)
         if every_steps == "auto":
             self.schedule = SaveSchedule.auto(total_steps or 0, on_epoch_end)
         else:
@@ -301,17 +303,14 @@ class Checkpointer:
             self.scheduler.load_state_dict(decode(st["scheduler"], tensors["extra"]))
         if self.scaler is not None and st.get("scaler"):
             self.scaler.load_state_dict(decode(st["scaler"], tensors["extra"]))
-        if self.sampler is not None and "sampler" in st:
-            self.sampler.load_state_dict(st["sampler"])
+        if self.data is not None:
+            self.data.load_state_dict(st, tensors["extra"])
         self._apply_lr_scale(float(st.get("lr_scale", 1.0)))
         if rng is None:
             return
         state.load_rng(*rng)
-        if self.sampler is not None and self.sampler.mid_epoch:
-            # `iter(loader)` after restore draws a base seed from the global generator, which an
-            # uninterrupted run did not do at this point: put the state back at the first fetch.
-            cpu_state = rng[0]["rng/torch_cpu"].clone()
-            self.sampler._before_next_iter = lambda: torch.set_rng_state(cpu_state)
+        if self.data is not None:
+            self.data.restored()  # sampler-only: undo the next iter(loader)'s global draw
 
     def _apply_lr_scale(self, saved_scale: float) -> None:
         """After a non-finite loss the supervisor sets `lr_scale` (for scripts without an `lr`
@@ -393,8 +392,8 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         if epoch is not None:
             self.epoch = epoch
-        elif self.sampler is not None:
-            self.epoch = self.sampler.epoch
+        elif self.data is not None and self.data.samples_seen is not None:
+            self.epoch = self.data.epoch
         cap = self._capture(step, metrics or {}, extra or {})
         if cap.world is not None:
             return self._save_dist(cap)
@@ -453,7 +452,7 @@ class Checkpointer:
     # ------------------------------------------------------------ internals
 
     def _samples(self) -> int | None:
-        return self.sampler.samples_seen if self.sampler is not None else None
+        return self.data.samples_seen if self.data is not None else None
 
     def _next_save_step(self, step: int) -> int | None:
         n = self.schedule.every_steps
@@ -512,15 +511,15 @@ class Checkpointer:
             st["scheduler"] = encode(self.scheduler.state_dict(), ex, "scheduler")
         if self.scaler is not None:
             st["scaler"] = encode(self.scaler.state_dict(), ex, "scaler")
-        if self.sampler is not None:
-            st["sampler"] = self.sampler.state_dict()
+        if self.data is not None:
+            st.update(self.data.state_dict(ex))
         if rng:
             rng_tensors, st["rng"] = state.rng_state()
             ex.update(rng_tensors)
         st["extra"] = encode(extra, ex, "extra")
         for stem in _FILES:
             tensors[stem] = {k: cpu_contiguous(v) for k, v in tensors[stem].items()}
-        samples = self.sampler.samples_seen if self.sampler is not None else 0
+        samples = self._samples() or 0
         fields = {
             "epoch": self.epoch, "samples_seen": samples, "fingerprint": fingerprint,
             "environment": _environment(self.model), "settings": current_settings(),

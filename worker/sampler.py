@@ -1,13 +1,34 @@
-"""A sampler whose position is kept in samples, so a run resumes at the exact next sample even
-when the batch size changed between attempts."""
+"""Samplers whose position is kept in samples, so a run resumes at the exact next sample even
+when the batch size changed between attempts.
+
+Each index they yield is a `SampleIndex`: an `int` that also carries the epoch and the seed it
+was drawn for, so code inside a DataLoader worker can seed per-sample randomness from it
+(`worker.sample_generator`) without knowing the epoch.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
+
+
+class SampleIndex(int):
+    """A dataset index (an `int` everywhere) with the `epoch` and `seed` it was drawn for."""
+
+    epoch: int
+    seed: int
+
+    def __new__(cls, index: int, epoch: int, seed: int) -> SampleIndex:
+        obj = super().__new__(cls, index)
+        obj.epoch, obj.seed = epoch, seed
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:  # to a worker process: value, epoch and seed
+        return (SampleIndex, (int(self), self.epoch, self.seed))
 
 
 class ResumableSampler(Sampler[int]):
@@ -19,15 +40,16 @@ class ResumableSampler(Sampler[int]):
         for epoch in itertools.count(ckpt.epoch):
             for batch in loader: ...
 
-    With `num_workers > 0` the DataLoader fetches ahead of training; the position counts indices
-    handed out, so resume may skip the few samples prefetched but not yet trained on. Use
-    `num_workers=0` where exactness matters, or call `set_consumed` with the true count.
+    `position` counts indices handed out. A DataLoader with workers takes indices ahead of the
+    training loop; give the loader to the Checkpointer (`loader=`) and it counts the samples the
+    loop consumed instead (worker/data.py), which is what a checkpoint stores.
     """
 
     def __init__(self, num_samples: int, seed: int = 0, shuffle: bool = True) -> None:
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
         self.num_samples = num_samples
+        self.epoch_length = num_samples  # indices this sampler yields per epoch
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
@@ -44,19 +66,20 @@ class ResumableSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         # This body runs at the DataLoader's first fetch, after `iter(loader)` has drawn its base
-        # seed from torch's global RNG; the Checkpointer uses the hook to undo that draw on the
-        # first iteration after a mid-epoch restore, which is what makes resume bitwise exact.
+        # seed from torch's global RNG; without a loader to watch, the Checkpointer uses the hook
+        # to undo that draw on the first iteration after a mid-epoch restore.
         if self._before_next_iter is not None:
             hook, self._before_next_iter = self._before_next_iter, None
             hook()
-        if self.position >= self.num_samples:
+        if self.position >= self.epoch_length:
             self._next_epoch()
-        order = self._order(self.epoch)
-        while self.position < self.num_samples:
+        epoch, seed = self.epoch, self.seed
+        order = self._order(epoch)
+        while self.position < self.epoch_length:
             i = order[self.position]
             self.position += 1
             self.samples_seen += 1
-            yield i
+            yield SampleIndex(i, epoch, seed)
         self._next_epoch()
 
     def _next_epoch(self) -> None:
@@ -64,8 +87,8 @@ class ResumableSampler(Sampler[int]):
         self.position = 0
 
     def __len__(self) -> int:
-        left = self.num_samples - self.position
-        return left if left > 0 else self.num_samples
+        left = self.epoch_length - self.position
+        return left if left > 0 else self.epoch_length
 
     def set_epoch(self, epoch: int) -> None:
         """For code written for DistributedSampler: jump to `epoch` (position 0) if it differs."""
@@ -77,6 +100,12 @@ class ResumableSampler(Sampler[int]):
         self.samples_seen += position - self.position
         self.position = position
 
+    def seek(self, epoch: int, position: int, samples_seen: int) -> None:
+        """Continue from exactly here at the next `iter()` (the samples the loop consumed)."""
+        self.epoch, self.position, self.samples_seen = epoch, position, samples_seen
+        if self.position >= self.epoch_length:
+            self._next_epoch()
+
     def state_dict(self) -> dict[str, Any]:
         return {"num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
                 "epoch": self.epoch, "position": self.position, "samples_seen": self.samples_seen}
@@ -87,11 +116,67 @@ class ResumableSampler(Sampler[int]):
                              f"made with {state['num_samples']}: the sample position would not "
                              "mean the same data")
         self.seed, self.shuffle = state["seed"], state["shuffle"]
-        self.epoch, self.position = state["epoch"], state["position"]
-        self.samples_seen = state["samples_seen"]
-        if self.position >= self.num_samples:
-            self._next_epoch()
+        self.seek(state["epoch"], state["position"], state["samples_seen"])
 
     @property
     def mid_epoch(self) -> bool:
-        return 0 < self.position < self.num_samples
+        return 0 < self.position < self.epoch_length
+
+
+class DistributedResumableSampler(ResumableSampler):
+    """`DistributedSampler`'s split with a resumable position: rank `r` of `R` takes every R-th
+    index of the epoch's permutation (the same permutation DistributedSampler draws for the same
+    seed and epoch), padded by repeating its start so every rank gets as many samples
+    (`drop_last=False`), or cut to a multiple of R (`drop_last=True`).
+
+    `position` counts this rank's samples; every rank consumes as many per step, so the one
+    position rank 0 saves is every rank's. `num_replicas` and `rank` default to the process
+    group's.
+    """
+
+    def __init__(self, num_samples: int, num_replicas: int | None = None,
+                 rank: int | None = None, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False) -> None:
+        super().__init__(num_samples, seed=seed, shuffle=shuffle)
+        if num_replicas is None or rank is None:
+            import torch.distributed as tdist
+
+            if not (tdist.is_available() and tdist.is_initialized()):
+                raise ValueError("DistributedResumableSampler needs num_replicas and rank, or an "
+                                 "initialised process group to take them from")
+            num_replicas = tdist.get_world_size() if num_replicas is None else num_replicas
+            rank = tdist.get_rank() if rank is None else rank
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
+        self.num_replicas, self.rank, self.drop_last = num_replicas, rank, drop_last
+        if drop_last:
+            self.epoch_length = num_samples // num_replicas
+            if self.epoch_length == 0:
+                raise ValueError(f"{num_samples} samples cannot give each of {num_replicas} "
+                                 "ranks one with drop_last=True")
+        else:
+            self.epoch_length = math.ceil(num_samples / num_replicas)
+
+    def _order(self, epoch: int) -> list[int]:
+        order = super()._order(epoch)
+        total = self.epoch_length * self.num_replicas
+        while len(order) < total:  # pad with the order's own start, as DistributedSampler does
+            order += order[: total - len(order)]
+        return order[self.rank:total:self.num_replicas]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "num_replicas": self.num_replicas,
+                "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("num_replicas", 1)
+        n = state["num_samples"]
+        saved_length = n // saved if state.get("drop_last") else math.ceil(n / saved)
+        if saved != self.num_replicas and 0 < state["position"] < saved_length:
+            raise ValueError(f"the checkpoint was made mid-epoch with {saved} ranks, this run "
+                             f"has {self.num_replicas}: each rank's position would not mean the "
+                             "same data (resume with the same world size, or from an "
+                             "epoch-boundary checkpoint)")
+        if saved != self.num_replicas:
+            state = {**state, "position": 0}
+        super().load_state_dict(state)

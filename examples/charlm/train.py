@@ -1,9 +1,10 @@
 """A tiny character-level language model (embedding + GRU) on data.txt, written for rtrain.
 
-Knobs: seq_len, batch_size, grad_accum, lr, steps, amp. Mixed precision: float16 autocast with
-a GradScaler on CUDA (the scaler's state is checkpointed); on the CPU, bfloat16 autocast (no
-scaler needed) when `amp` is true. amp's default (null) means on for CUDA, off for the CPU,
-where a bfloat16 GRU runs about three times slower than float32.
+Knobs: seq_len, batch_size, grad_accum, lr, steps, amp, workers (DataLoader worker processes;
+the Checkpointer is given the loader, so it saves the position the loop consumed). Mixed
+precision: float16 autocast with a GradScaler on CUDA (the scaler's state is checkpointed); on
+the CPU, bfloat16 autocast (no scaler needed) when `amp` is true. amp's default (null) means on
+for CUDA, off for the CPU, where a bfloat16 GRU runs about three times slower than float32.
 
 A sample is a fixed start offset in the text, so the sample count, and with it the resume
 position, does not change when the ladder lowers seq_len.
@@ -69,7 +70,7 @@ def generate(model: CharGRU, vocab: list[str], prompt: str, n: int, device: str)
 
 def main() -> None:
     s = worker.settings(seq_len=64, batch_size=32, grad_accum=1, lr=0.005, steps=150,
-                        save_every=20, log_every=10, amp=None, seed=0)
+                        save_every=20, log_every=10, amp=None, seed=0, workers=2)
     worker.install_excepthook()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     amp_dtype = torch.float16 if device == "cuda" else torch.bfloat16
@@ -77,12 +78,13 @@ def main() -> None:
     torch.manual_seed(s.seed)
     dataset = CharWindows((Path(__file__).parent / "data.txt").read_text(), s.seq_len)
     sampler = worker.ResumableSampler(len(dataset), seed=s.seed)
-    loader = DataLoader(dataset, batch_size=s.batch_size, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=s.batch_size, sampler=sampler,
+                        num_workers=s.workers)
     model = CharGRU(len(dataset.vocab)).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=s.lr)
     # Loss scaling is for float16 only; bfloat16 has float32's range.
     scaler = torch.amp.GradScaler(device, enabled=amp and amp_dtype == torch.float16)
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, scaler=scaler, sampler=sampler,
+    ckpt = worker.Checkpointer(model=model, optimizer=opt, scaler=scaler, loader=loader,
                                every_steps=s.save_every, map_location=device)
     start = ckpt.restore()
     for g in opt.param_groups:

@@ -1,9 +1,12 @@
 """A small CNN on synthetic images, written for rtrain (see examples/README.md).
 
 Knobs come from `worker.settings` (the supervisor lowers them after an out-of-memory failure):
-batch_size, grad_accum, resolution, offload, lr, steps. The images are generated from the seed
-and the sample index, at any resolution, so nothing is downloaded and a resumed run sees the
-same data.
+batch_size, grad_accum, resolution, offload, lr, steps, workers. The images are generated from
+the seed and the sample index, at any resolution, so nothing is downloaded and a resumed run sees
+the same data. The DataLoader has worker processes; the Checkpointer is given the loader, so the
+position it saves is what the loop consumed, and the random augmentation draws from a generator
+made for the sample (`worker.sample_generator`), so a resume mid-epoch sees the same flips and
+shifts.
 """
 
 import functools
@@ -37,7 +40,14 @@ class SyntheticImages(Dataset):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         label = i % CLASSES
         noise = torch.randn(self.templates.shape[1:], generator=g)
-        return self.templates[label] + 0.5 * noise, label
+        image = self.templates[label] + 0.5 * noise
+        # Augmentation, new every epoch: a random flip and shift from the sample's generator
+        # (torch's global generator in a worker would not come back the same after a resume).
+        aug = worker.sample_generator(i)
+        if torch.rand((), generator=aug) < 0.5:
+            image = image.flip(-1)
+        shift = torch.randint(-2, 3, (2,), generator=aug).tolist()
+        return image.roll(shift, dims=(-2, -1)), label
 
 
 def make_model() -> nn.Module:
@@ -64,7 +74,8 @@ def forever(loader: DataLoader):
 
 def main() -> None:
     s = worker.settings(batch_size=32, grad_accum=1, resolution=32, offload=False, lr=0.01,
-                        steps=200, save_every=20, log_every=10, samples=4096, seed=0)
+                        steps=200, save_every=20, log_every=10, samples=4096, seed=0,
+                        workers=2)
     worker.install_excepthook()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     offload = bool(s.offload) and device == "cuda"
@@ -73,7 +84,8 @@ def main() -> None:
     torch.manual_seed(s.seed)
     dataset = SyntheticImages(s.samples, s.resolution, s.seed)
     sampler = worker.ResumableSampler(len(dataset), seed=s.seed)
-    loader = DataLoader(dataset, batch_size=s.batch_size, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=s.batch_size, sampler=sampler,
+                        num_workers=s.workers, persistent_workers=s.workers > 0)
     model = make_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)
 
@@ -81,7 +93,7 @@ def main() -> None:
         return min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / s.steps))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
+    ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=loader,
                                every_steps=s.save_every, map_location=device)
     start = ckpt.restore()
     # The lr knob wins over the checkpoint's: the supervisor cuts it after a non-finite loss.

@@ -3,7 +3,8 @@
 usage: chaos_train.py OUT_DIR
 
 Knobs (worker.settings, i.e. RTRAIN_SETTINGS): batch_size, grad_accum, steps, save_every, lr,
-samples, keep, mem_mb (MiB of host memory touched per sample of a micro-batch, so memory use
+samples, keep, workers (DataLoader worker processes; the loader is then handed to the
+Checkpointer), mem_mb (MiB of host memory touched per sample of a micro-batch, so memory use
 scales with batch_size), step_sleep (seconds per step), fill_at / unfill_at / fill_path (fill
 the filesystem holding fill_path at that step, delete the filler at that step).
 
@@ -15,8 +16,8 @@ Writes to OUT_DIR:
                "verified_full": whether that checkpoint verified at `full` just before loading}
   final.pt     torch.save({"model", "opt", "step"}) after the last step
 
-The data loader uses num_workers=0 and `samples` divisible by every batch size, so sample k of
-the run (k = global index) is position k % samples of epoch k // samples.
+`samples` is divisible by every batch size, so sample k of the run (k = global index) is
+position k % samples of epoch k // samples.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from worker import faults
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 s = worker.settings(batch_size=8, grad_accum=1, steps=120, save_every=4, lr=0.01, samples=64,
-                    keep=3, mem_mb=0, step_sleep=0.0, fill_at=0, unfill_at=0, fill_path="")
+                    keep=3, workers=0, mem_mb=0, step_sleep=0.0, fill_at=0, unfill_at=0,
+                    fill_path="")
 worker.install_excepthook()
 attempt = worker.runtime.attempt()
 log = open(out / "steps.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the whole run
@@ -74,9 +76,10 @@ model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(3
 opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=25, gamma=0.8)
 sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
-loader = DataLoader(ds, batch_size=s.batch_size, sampler=sampler)
+loader = DataLoader(ds, batch_size=s.batch_size, sampler=sampler, num_workers=s.workers)
 ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
-                           every_steps=s.save_every, keep=s.keep)
+                           loader=loader if s.workers else None, every_steps=s.save_every,
+                           keep=s.keep)
 resume_from = os.environ.get(ENV_RESUME_FROM)
 ok = verify(resume_from, Level.FULL).ok if resume_from else None
 start = ckpt.restore()
@@ -104,7 +107,7 @@ for step in range(start + 1, s.steps + 1):
     for _ in range(s.grad_accum):
         x, y, idx = next(it)
         if first is None:
-            first = sampler.samples_seen - len(idx)
+            first = ckpt.data.samples_seen - len(idx)  # consumed, not prefetched
         ids += idx.tolist()
         if s.mem_mb:  # activations that grow with the micro-batch
             activations = torch.ones(len(idx) * s.mem_mb << 20, dtype=torch.uint8)

@@ -1,8 +1,11 @@
 """A 2-rank (gloo, CPU) training loop the way people write one, for the distributed tests.
 
 usage: dist_train.py OUT_PREFIX TOTAL_STEPS [--fsdp] [--every N] [--die-at S --die-rank R]
+                     [--workers W]
 Writes OUT_PREFIX-rank<R>.pt (the rank's local model/optimizer state and RNG) at the end.
 --die-at: in attempt 0, rank R writes an exit record and SIGKILLs itself after step S.
+--workers: each rank loads its share through a DistributedResumableSampler and a DataLoader with
+W worker processes handed to the Checkpointer (default: one global loader, sliced per rank).
 """
 
 import argparse
@@ -26,6 +29,7 @@ p.add_argument("--every", type=int, default=3)
 p.add_argument("--die-at", type=int, default=0)
 p.add_argument("--die-rank", type=int, default=1)
 p.add_argument("--width", type=int, default=32)
+p.add_argument("--workers", type=int, default=-1)
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -50,15 +54,22 @@ random.seed(rank)
 np.random.seed(rank)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
-sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
-loader = DataLoader(ds, batch_size=4 * world, sampler=sampler)  # global batch; rank's slice
-ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
+if args.workers < 0:
+    sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
+    loader = DataLoader(ds, batch_size=4 * world, sampler=sampler)  # global batch; rank's slice
+    data = {"sampler": sampler}
+else:
+    sampler = worker.DistributedResumableSampler(len(ds), seed=7, shuffle=True)
+    loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=args.workers)
+    data = {"loader": loader}
+ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, **data,
                            every_steps=args.every, keep=2,
                            ckpt_dir=os.environ.get("RTRAIN_CKPT_DIR", "checkpoints"))
 step = ckpt.restore()
 while step < args.total:
     for x, y in loader:
-        x, y = x[rank::world], y[rank::world]
+        if args.workers < 0:
+            x, y = x[rank::world], y[rank::world]
         noise = 1e-3 * (random.random() + float(np.random.rand()))
         loss = nn.functional.cross_entropy(model(x + noise), y)
         opt.zero_grad()

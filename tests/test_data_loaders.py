@@ -1,0 +1,45 @@
+"""torchdata's StatefulDataLoader (state stored without pickle) and IterableDatasets (their own
+state_dict, or fast-forward with a warning) resume bitwise-exact with worker sharding."""
+
+import json
+
+import pytest
+from data_split import run, split_vs_whole
+
+pytest.importorskip("torchdata.stateful_dataloader")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_stateful_dataloader_map_style(tmp_path, workers):
+    assert split_vs_whole(tmp_path, ["--loader", "stateful", "--workers", workers],
+                          (5, 13)) is None
+    # Its state is in state.json (tensors, if any, in extra.safetensors): nothing pickled.
+    (ckpt,) = sorted((tmp_path / "split").glob("checkpoint-*"))[-1:]
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["loader"]["kind"] == "stateful_dataloader"
+    assert not [p for p in ckpt.iterdir() if p.suffix in (".pt", ".pkl", ".bin")]
+
+
+@pytest.mark.slow
+def test_stateful_dataloader_iterable_with_own_state_and_sharding(tmp_path):
+    args = ["--loader", "stateful", "--data", "stream", "--workers", "2"]
+    assert split_vs_whole(tmp_path, args, (5, 13)) is None
+
+
+@pytest.mark.slow
+def test_iterable_with_own_state_no_workers(tmp_path):
+    assert split_vs_whole(tmp_path, ["--data", "stream", "--workers", "0"], (5, 13)) is None
+    state = json.loads((tmp_path / "split" / "checkpoint-30" / "state.json").read_text())
+    assert "dataset" in state["loader"]
+
+
+@pytest.mark.slow
+def test_iterable_fast_forward_with_sharding_warns(tmp_path):
+    assert split_vs_whole(tmp_path, ["--data", "iterable", "--workers", "2"], (5, 13)) is None
+    r = run(tmp_path / "ff", tmp_path / "ff.pt", 5, 0, "--data", "iterable", "--workers", "2")
+    assert r.returncode == 0, r.stderr
+    r = run(tmp_path / "ff", tmp_path / "ff.pt", 7, 0, "--data", "iterable", "--workers", "2")
+    assert r.returncode == 0, r.stderr
+    # resumed from checkpoint-3: three batches read again and dropped, and said so
+    assert "skipped the 3 batches consumed before the checkpoint" in r.stderr
