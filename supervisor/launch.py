@@ -285,8 +285,7 @@ class _Loop:
                      "to relaunch it with fresh budgets, or --fresh to start over")
             return ExitCode.GAVE_UP_EARLIER
         history = self.state.history
-        # state.json is the record; the checkpoint dir's copy is what readers of the dir see.
-        quarantine.publish(self.ckpt_dir, history.quarantined)
+        self._publish_quarantine(history)
         while (self.run_dir / "attempts" / str(history.attempt)).exists():
             # An rtrain that died (SIGKILL, lost node) launched this attempt and never decided
             # on it: this launch is a relaunch and gets the next number (contract 1), so the
@@ -320,6 +319,16 @@ class _Loop:
                 if code is not None:
                     return code
                 resume = decision.resume
+
+    def _publish_quarantine(self, history: History) -> None:
+        """state.json is the record; the checkpoint dir's copy is what readers of the dir see.
+        A dir rtrain cannot write (read-only, full) costs that copy, never the run (nor can any
+        checkpoint have been saved there to be quarantined)."""
+        try:
+            quarantine.publish(self.ckpt_dir, history.quarantined)
+        except OSError as e:
+            self.say(f"cannot write {quarantine.QUARANTINE_FILE} in {self.ckpt_dir} "
+                     f"({e.strerror}): other readers of the dir will not see the quarantine")
 
     def _pick(self, history: History, resume: ResumeMode) -> Selection | None:
         level = Level(self.cfg.verify)
@@ -609,7 +618,7 @@ class _Loop:
             return protocol.EXIT_PREEMPTED
         self._save(RunStatus.RUNNING, decision.reason, history)
         if decision.quarantine:  # before the next pick, which must pass over it
-            quarantine.publish(self.ckpt_dir, history.quarantined)
+            self._publish_quarantine(history)
         self.events.sync()
         self.say(decision.reason)
         held = wait_gpu_released(self.gpu, pids, self.cfg.gpu_release_wait_s)

@@ -74,7 +74,8 @@ def publish(ckpt_dir: str | os.PathLike, entries: Iterable[dict[str, Any]]) -> N
              for e in entries}
     target = root / QUARANTINE_FILE
     if not table:
-        target.unlink(missing_ok=True)
+        if os.path.lexists(target):  # nothing to write: a read-only dir must not fail here
+            target.unlink()
         return
     root.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".quarantine-", suffix=".tmp", dir=root)
