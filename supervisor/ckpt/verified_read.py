@@ -30,7 +30,9 @@ from supervisor.ckpt.verify import check_member_name
 _CHUNK = 4 << 20
 # Large reads run on reader threads a few chunks ahead of the hash, which the calling thread
 # feeds in file order: the copy out of the page cache (and the faults of fresh memory) on one
-# core overlaps the hash on another. The window is small so hashed chunks are still in cache.
+# core overlaps the hash on another (read and xxh3 of 1 GiB: 0.29 s against 0.38 s in turn, on
+# 2 cores when idle; no gain when other work holds the other core). The window is small so
+# hashed chunks are still in cache.
 _READERS = 2
 _AHEAD = 4
 _PARALLEL_FROM = 32 << 20
@@ -107,9 +109,10 @@ class ListedFile:
             pending: deque = deque()
 
             def submit() -> None:
-                for s, e in todo:
+                span = next(todo, None)
+                if span is not None:
+                    s, e = span
                     pending.append((s, e, pool.submit(self._fill, view[s:e], self.pos + s)))
-                    return
 
             for _ in range(_AHEAD):
                 submit()
