@@ -15,6 +15,7 @@ import torch
 
 from supervisor.ckpt.safetensors_io import TensorBlob, read_tensors
 from supervisor.ckpt.verified_read import ListedFile, LoadError
+from worker.hostmem import fresh_bytes
 
 DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -46,14 +47,26 @@ def to_blob(name: str, t: torch.Tensor) -> TensorBlob:
     return TensorBlob(name, dtype_code(t.dtype), tuple(t.shape), memoryview(data))
 
 
-def _alloc(name: str, code: str, shape: list[int]) -> tuple[torch.Tensor, memoryview]:
-    dtype = CODE_DTYPES.get(code)
-    if dtype is None:
-        raise LoadError(f"tensor {name!r}: dtype {code} is not one this torch can load")
-    t = torch.empty(shape, dtype=dtype)
-    if not t.numel():
-        return t, memoryview(b"")
-    return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
+def _alloc(entries: dict[str, Any], nbytes: int) -> tuple[torch.Tensor, memoryview]:
+    """One buffer for a file's whole data section (its tensors become views of it): one
+    allocation and large sequential reads instead of one of each per tensor."""
+    for name, info in entries.items():
+        if info["dtype"] not in CODE_DTYPES:
+            raise LoadError(f"tensor {name!r}: dtype {info['dtype']} is not one this torch can "
+                            "load")
+    buffer = fresh_bytes(nbytes)
+    return buffer, memoryview(buffer.numpy()) if nbytes else memoryview(bytearray())
+
+
+def _make(buffer: torch.Tensor, name: str, info: dict[str, Any]) -> torch.Tensor:
+    dtype = CODE_DTYPES[info["dtype"]]
+    start, stop = info["data_offsets"]
+    raw = buffer[start:stop]
+    if start % dtype.itemsize:
+        # safetensors packs tensors without padding, so one after an odd-sized tensor may start
+        # off its element boundary, where a view cannot: that one gets memory of its own.
+        raw = raw.clone()
+    return raw.view(dtype).reshape(info["shape"])
 
 
 def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str
@@ -67,7 +80,7 @@ def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str
     """
     with ListedFile(root, name, manifest, alg) as f:
         try:
-            tensors, meta = read_tensors(f, _alloc)
+            tensors, meta = read_tensors(f, _alloc, _make)
         except LoadError:
             raise
         except ValueError as e:

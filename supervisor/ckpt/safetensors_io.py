@@ -1,8 +1,9 @@
 """Write safetensors files straight from tensor memory, hashing on the way; read headers.
 
-Reading: `read_tensors` streams a file into buffers the caller allocates (one read, hashed on the
-way by `verified_read.ListedFile`), after checking the header against the file's size, so a
-header that lies (a length of 8 GiB, offsets past the end) is refused before any allocation.
+Reading: `read_tensors` streams a file's data into one buffer the caller allocates (one read,
+hashed on the way by `verified_read.ListedFile`), after checking the header against the file's
+size, so a header that lies (a length of 8 GiB, offsets past the end) is refused before any
+allocation; tensors are made from the buffer only after the hash matched.
 
 Why not `safetensors.torch.save_file`: it copies every tensor into a bytes object first, does
 not fsync, and would need a second pass to hash. This writer streams each buffer to the file
@@ -202,13 +203,18 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
     return header
 
 
-def read_tensors(f: Any, alloc: Callable[[str, str, list[int]], tuple[Any, memoryview]]
+def read_tensors(f: Any, alloc: Callable[[dict[str, Any], int], tuple[Any, memoryview]],
+                 make: Callable[[Any, str, dict[str, Any]], Any]
                  ) -> tuple[dict[str, Any], dict[str, str]]:
-    """Read a whole safetensors file from `f` (a `verified_read.ListedFile`) into buffers.
+    """Read a whole safetensors file from `f` (a `verified_read.ListedFile`) into one buffer.
 
-    `alloc(name, dtype, shape)` returns (the object to hand back, a writable byte view of the
-    tensor's size). Returns ({name: object}, the header's `__metadata__`); the file's hash is
-    checked (`f.finish()`) before returning. Raises ValueError naming what is wrong.
+    `alloc(entries, nbytes)` is called once the header is checked, with the tensor entries
+    ({name: {"dtype", "shape", "data_offsets"}}) and the size of the data section; it may refuse
+    an entry (raise) and returns (the buffer, a writable byte view of nbytes). The data section
+    is then read in one sequential pass (large reads, no per-tensor calls) and the file's hash
+    checked (`f.finish()`); only then is `make(buffer, name, entry)` called for each tensor, in
+    file order. Returns ({name: made}, the header's `__metadata__`). Raises ValueError naming
+    what is wrong.
     """
     (n,) = struct.unpack("<Q", f.read(8)) if f.size >= 8 else (None,)
     if n is None:
@@ -222,11 +228,9 @@ def read_tensors(f: Any, alloc: Callable[[str, str, list[int]], tuple[Any, memor
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError("header __metadata__ is not a map of strings")
-    out = {}
-    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        obj, view = alloc(name, info["dtype"], info["shape"])
-        if view.nbytes:
-            f.readinto(view)
-        out[name] = obj
+    buffer, view = alloc(header, end)
+    if end:
+        f.readinto(view)
     f.finish()
-    return out, meta
+    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    return {name: make(buffer, name, info) for name, info in entries}, meta

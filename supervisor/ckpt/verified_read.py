@@ -14,15 +14,28 @@ against leaving the checkpoint; a link swapped in later is refused here).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from supervisor.ckpt import hashing
 from supervisor.ckpt.verify import check_member_name
 
-_CHUNK = 16 << 20
+# A few MiB per read: per-call overhead is nothing at that size, and the hash reads a chunk
+# just after the read wrote it, from cache rather than from memory.
+_CHUNK = 4 << 20
+# Large reads run on reader threads a few chunks ahead of the hash, which the calling thread
+# feeds in file order: the copy out of the page cache (and the faults of fresh memory) on one
+# core overlaps the hash on another (read and xxh3 of 1 GiB: 0.29 s against 0.38 s in turn, on
+# 2 cores when idle; no gain when other work holds the other core). The window is small so
+# hashed chunks are still in cache.
+_READERS = 2
+_AHEAD = 4
+_PARALLEL_FROM = 32 << 20
 
 
 class LoadError(ValueError):
@@ -58,6 +71,8 @@ class ListedFile:
         if st.st_size != self.size:
             os.close(self.fd)
             raise LoadError(f"{name} has {st.st_size} bytes, the manifest says {self.size}")
+        with contextlib.suppress(OSError, AttributeError):  # a hint only: larger readahead
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self.hasher = hashing.new_hasher(alg)
         self.pos = 0
 
@@ -73,23 +88,50 @@ class ListedFile:
             self.fd = -1
 
     def readinto(self, buf: memoryview) -> None:
-        """Fill `buf` (a writable byte view) from the current position, hashing it."""
+        """Fill `buf` (a writable byte view) from the current position, hashing it in order."""
         view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
         if self.pos + view.nbytes > self.size:
             raise LoadError(f"{self.name}: reading past the end ({self.pos} + {view.nbytes} of "
                             f"{self.size} bytes)")
-        done = 0
-        while done < view.nbytes:
-            chunk = view[done:done + _CHUNK]
-            got = 0
-            while got < chunk.nbytes:
-                n = os.readv(self.fd, [chunk[got:]])
-                if n == 0:
-                    raise LoadError(f"{self.name} ended early (changed while being read)")
-                got += n
-            self.hasher.update(chunk)
-            done += chunk.nbytes
+        spans = [(s, min(s + _CHUNK, view.nbytes)) for s in range(0, view.nbytes, _CHUNK)]
+        if view.nbytes < _PARALLEL_FROM:
+            for s, e in spans:
+                self._fill(view[s:e], self.pos + s)
+                self.hasher.update(view[s:e])
+        else:
+            self._read_ahead(view, spans)
         self.pos += view.nbytes
+
+    def _read_ahead(self, view: memoryview, spans: list[tuple[int, int]]) -> None:
+        pool = ThreadPoolExecutor(_READERS, thread_name_prefix="rtrain-read")
+        try:
+            todo = iter(spans)
+            pending: deque = deque()
+
+            def submit() -> None:
+                span = next(todo, None)
+                if span is not None:
+                    s, e = span
+                    pending.append((s, e, pool.submit(self._fill, view[s:e], self.pos + s)))
+
+            for _ in range(_AHEAD):
+                submit()
+            while pending:
+                s, e, done = pending.popleft()
+                done.result()
+                submit()
+                self.hasher.update(view[s:e])
+        finally:
+            # No reader may still write into `view` once this returns or raises.
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _fill(self, chunk: memoryview, offset: int) -> None:
+        got = 0
+        while got < chunk.nbytes:
+            n = os.preadv(self.fd, [chunk[got:]], offset + got)
+            if n == 0:
+                raise LoadError(f"{self.name} ended early (changed while being read)")
+            got += n
 
     def read(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -100,7 +142,7 @@ class ListedFile:
         """Every byte was read and hashes to the manifest's value, or LoadError."""
         if self.pos != self.size:
             raise LoadError(f"{self.name}: read {self.pos} of {self.size} bytes")
-        if os.read(self.fd, 1):
+        if os.pread(self.fd, 1, self.size):
             raise LoadError(f"{self.name} grew while being read")
         if self.hasher.hexdigest() != self.expected:
             raise LoadError(f"{self.name}: content hash does not match the manifest (the file "
