@@ -325,7 +325,7 @@ class _Loop:
         A dir rtrain cannot write (read-only, full) costs that copy, never the run (nor can any
         checkpoint have been saved there to be quarantined)."""
         try:
-            quarantine.publish(self.ckpt_dir, history.quarantined)
+            quarantine.publish(self.ckpt_dir, history.quarantined, mode=self.cfg.file_mode)
         except OSError as e:
             self.say(f"cannot write {quarantine.QUARANTINE_FILE} in {self.ckpt_dir} "
                      f"({e.strerror}): other readers of the dir will not see the quarantine")

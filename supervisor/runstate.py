@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import enum
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from supervisor.errors import RtrainError
-from supervisor.filemode import DEFAULT_FILE_MODE, set_mode
+from supervisor.filemode import DEFAULT_FILE_MODE, write_json_atomic
 from supervisor.policy import History
 
 STATE_VERSION = 1
@@ -72,25 +70,7 @@ def state_path(run_dir: Path) -> Path:
 
 def save_state(run_dir: Path, state: RunState, *, mode: int = DEFAULT_FILE_MODE) -> None:
     """Replace state.json atomically (see the module docstring), with the run's file mode."""
-    path = state_path(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=path.parent)
-    try:
-        set_mode(fd, mode)
-        with os.fdopen(fd, "w") as f:
-            json.dump(state.to_dict(), f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)  # make the rename itself durable
-    finally:
-        os.close(dfd)
+    write_json_atomic(state_path(run_dir), state.to_dict(), mode=mode)
 
 
 def load_state(run_dir: Path) -> RunState | None:

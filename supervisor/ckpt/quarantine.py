@@ -14,15 +14,14 @@ the fallback) is a new directory with a new id and is not quarantined.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from supervisor.ckpt import safeio
+from supervisor.filemode import DEFAULT_FILE_MODE, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,8 @@ def reason_for(path: str | os.PathLike, table: dict[str, dict[str, Any]]) -> str
     return str(entry.get("reason") or "quarantined")
 
 
-def publish(ckpt_dir: str | os.PathLike, entries: Iterable[dict[str, Any]]) -> None:
+def publish(ckpt_dir: str | os.PathLike, entries: Iterable[dict[str, Any]], *,
+            mode: int = DEFAULT_FILE_MODE) -> None:
     """Write `quarantine.json` for `entries` (History.quarantined), atomically; none: remove."""
     root = Path(ckpt_dir)
     table = {Path(e["path"]).name: {"id": e["id"], "step": e.get("step"), "reason": e["reason"]}
@@ -77,14 +77,4 @@ def publish(ckpt_dir: str | os.PathLike, entries: Iterable[dict[str, Any]]) -> N
         if os.path.lexists(target):  # nothing to write: a read-only dir must not fail here
             target.unlink()
         return
-    root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".quarantine-", suffix=".tmp", dir=root)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"v": VERSION, "checkpoints": table}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json_atomic(target, {"v": VERSION, "checkpoints": table}, mode=mode)
