@@ -284,7 +284,9 @@ def load_rng(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
     random.setstate(decode(plain["python"], {}))
     n = plain["numpy"]
     np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
-    torch.set_rng_state(tensors["rng/torch_cpu"])
+    # A restored tensor may be a view into its file's buffer; the generators' set_state reads
+    # from the start of the storage, ignoring a view's offset: hand them memory of their own.
+    torch.set_rng_state(tensors["rng/torch_cpu"].clone())
     cuda = sorted((k for k in tensors if k.startswith("rng/cuda/")),
                   key=lambda k: int(k.rsplit("/", 1)[1]))
     if cuda and torch.cuda.is_available():
@@ -292,4 +294,4 @@ def load_rng(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
         if count != len(cuda):
             log.warning("checkpoint has CUDA RNG states for %d devices, this process sees %d: "
                         "restoring the first %d", len(cuda), count, min(count, len(cuda)))
-        torch.cuda.set_rng_state_all([tensors[k] for k in cuda[:count]])
+        torch.cuda.set_rng_state_all([tensors[k].clone() for k in cuda[:count]])
