@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
 from chaos_util import (
     events,
     final_state_diff,
@@ -29,9 +30,13 @@ SETTINGS = {"steps": 120, "save_every": 10, "step_sleep": 0.02}
 GRACE_S = 20.0
 
 
-def test_preemption_exits_75_in_the_grace_and_resumes_with_no_lost_step(tmp_path):
-    ref = reference(tmp_path, SETTINGS)
-    write_config(tmp_path / "rtrain.toml", SETTINGS, grace_s=GRACE_S)
+@pytest.mark.parametrize("workers", [0, 2], ids=["no-workers", "loader-workers"])
+def test_preemption_exits_75_in_the_grace_and_resumes_with_no_lost_step(tmp_path, workers):
+    # With DataLoader workers, the stop signal sent to the process group reaches them too: they
+    # must leave it to the training process (which saves at the step boundary), not die of it.
+    settings = {**SETTINGS, "workers": workers}
+    ref = reference(tmp_path, settings)
+    write_config(tmp_path / "rtrain.toml", settings, grace_s=GRACE_S)
     run = tmp_path / "run"
     proc = start(run)
     wait_for_step(run, 25, proc=proc)
@@ -46,7 +51,7 @@ def test_preemption_exits_75_in_the_grace_and_resumes_with_no_lost_step(tmp_path
     assert events(run, "decision")[-1]["action"] == "exit_preempted"
     assert load_state(run).status.value == "preempted"
     last = max(r["step"] for r in step_log(run) if "step" in r)
-    assert last < SETTINGS["steps"], "the run ended before the stop reached it"
+    assert last < settings["steps"], "the run ended before the stop reached it"
 
     r = launch(run)  # the same command again
     assert r.returncode == 0, r.stderr[-3000:]

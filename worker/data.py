@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -154,6 +157,8 @@ def _watch(loader: Any, pos: Any) -> bool:
         raise ValueError("this loader is already given to another Checkpointer")
     loader.__class__ = _watched_class(type(loader))
     loader._rtrain_position = pos
+    if isinstance(loader, DataLoader) and loader.num_workers > 0:
+        loader.worker_init_fn = functools.partial(_worker_init, loader.worker_init_fn)
     if not isinstance(loader, DataLoader) or loader.generator is not None:
         return False
     loader.generator = torch.Generator()
@@ -165,6 +170,41 @@ def _seed(loader: Any, seed: int, epoch: int, position: int) -> None:
     from worker.sample_rng import sample_seed
 
     loader.generator.manual_seed(sample_seed(position, epoch=epoch, seed=seed))
+
+
+# Signals that ask the training process to save and stop (worker/runtime.py).
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    """A handler that does nothing: unlike SIG_IGN it does not outlive an exec."""
+
+
+def _worker_init(user_init: Any, worker_id: int) -> None:
+    """In each DataLoader worker: leave stop signals to the training process.
+
+    A stop often reaches every process of the group or job (rtrain's stop to the child's
+    group, Ctrl-C, Slurm's --signal, a container's SIGTERM). torch's worker dies of a SIGTERM
+    its parent did not send, and the loader then raises "DataLoader worker is killed" in the
+    training loop instead of the step boundary saving. Here a SIGTERM from the training process
+    (the loader ending its workers, multiprocessing's terminate at exit) still ends the worker
+    at once, as torch's handler does; one from anyone else is left to the training process.
+    Python handlers do not see the sender, so SIGTERM is blocked and taken by a thread."""
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_sigterm_from_parent_only, args=(parent,), daemon=True,
+                     name="rtrain-worker-sigterm").start()
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, _ignore)
+    if user_init is not None:
+        user_init(worker_id)
+
+
+def _sigterm_from_parent_only(parent: int) -> None:
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == parent or os.getppid() != parent:
+            os._exit(0)
 
 
 @functools.cache
