@@ -26,6 +26,7 @@ def small_disk(small_tmpfs):
     return small_tmpfs("8m")
 
 
+@pytest.mark.slow
 def test_full_disk_skips_saves_keeps_old_checkpoints_and_finishes(tmp_path, small_disk):
     ref = reference(tmp_path, TRAIN)
     ckpts = small_disk / "checkpoints"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from chaos_util import (
     events,
     final_state_diff,
@@ -21,6 +22,7 @@ from supervisor.ckpt.verify import Level, verify
 HANG_TIMEOUT_S = 3.0
 
 
+@pytest.mark.slow
 def test_hang_is_detected_within_the_timeout_stacks_dumped_and_relaunched(tmp_path):
     settings = {"steps": 90, "save_every": 5, "step_sleep": 0.02}
     ref = reference(tmp_path, settings)
@@ -52,6 +54,7 @@ def test_hang_is_detected_within_the_timeout_stacks_dumped_and_relaunched(tmp_pa
     assert wait_gone(str(run)) == []
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_rolls_back_a_checkpoint_with_the_lr_cut(tmp_path):
     settings = {"steps": 70, "save_every": 4, "lr": 0.01}
     write_config(tmp_path / "rtrain.toml", settings, lr_factor_on_nonfinite=0.5)
@@ -80,6 +83,7 @@ def test_nonfinite_loss_rolls_back_a_checkpoint_with_the_lr_cut(tmp_path):
     assert wait_gone(str(run)) == []
 
 
+@pytest.mark.slow
 def test_corrupted_newest_checkpoint_is_skipped_with_the_reason(tmp_path):
     settings = {"steps": 70, "save_every": 4}
     ref = reference(tmp_path, settings)

@@ -15,6 +15,7 @@ import random
 import threading
 import time
 
+import pytest
 from chaos_util import (
     Tail,
     check_exactly_once,
@@ -73,6 +74,7 @@ class Killer(threading.Thread):
             self.kills.append((attempt, when))
 
 
+@pytest.mark.slow
 def test_random_kills_end_bitwise_identical(tmp_path):
     ref = reference(tmp_path, SETTINGS)
     write_config(tmp_path / "rtrain.toml", SETTINGS)

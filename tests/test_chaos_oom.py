@@ -53,6 +53,7 @@ def memory_cgroup():
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_kernel_oom_kill_degrades_and_every_sample_is_seen_once(tmp_path, memory_cgroup):
     write_config(tmp_path / "rtrain.toml", SETTINGS)
     run = tmp_path / "run"

@@ -30,6 +30,7 @@ SETTINGS = {"steps": 120, "save_every": 10, "step_sleep": 0.02}
 GRACE_S = 20.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2], ids=["no-workers", "loader-workers"])
 def test_preemption_exits_75_in_the_grace_and_resumes_with_no_lost_step(tmp_path, workers):
     # With DataLoader workers, the stop signal sent to the process group reaches them too: they
@@ -65,6 +66,7 @@ def test_preemption_exits_75_in_the_grace_and_resumes_with_no_lost_step(tmp_path
     assert wait_gone(str(run)) == []
 
 
+@pytest.mark.slow
 def test_supervisor_sigkilled_takes_the_child_along_and_the_next_launch_resumes(tmp_path):
     ref = reference(tmp_path, SETTINGS)
     write_config(tmp_path / "rtrain.toml", SETTINGS)

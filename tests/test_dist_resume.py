@@ -74,10 +74,12 @@ def _kill_one_rank_and_compare(tmp_path: Path, *flags: str) -> None:
     assert "rng-rank1.safetensors" in manifest and '"world_size": 2' in manifest
 
 
+@pytest.mark.slow
 def test_ddp_kill_of_one_rank_resumes_bitwise(tmp_path):
     _kill_one_rank_and_compare(tmp_path)
 
 
+@pytest.mark.slow
 def test_fsdp_kill_of_one_rank_resumes_bitwise(tmp_path):
     why = _fsdp_available()
     if why:
@@ -89,6 +91,7 @@ def test_fsdp_kill_of_one_rank_resumes_bitwise(tmp_path):
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
+@pytest.mark.slow
 def test_hung_rank_is_detected_and_the_group_relaunched(tmp_path):
     run = tmp_path / "run"
     # Rank 1 sleeps forever in step 4; rank 0 waits for it in a collective.
@@ -101,6 +104,7 @@ def test_hung_rank_is_detected_and_the_group_relaunched(tmp_path):
     assert events(run, "finished")
 
 
+@pytest.mark.slow
 def test_save_interrupted_on_one_rank_never_commits(tmp_path):
     run = tmp_path / "run"
     # Rank 1 is SIGKILLed after writing its first file of the step-6 checkpoint.

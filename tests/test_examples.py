@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from supervisor.ckpt.layout import list_checkpoints
@@ -36,6 +37,7 @@ def steps(ckpt_dir):
     return sorted(s for s, _ in list_checkpoints(ckpt_dir))
 
 
+@pytest.mark.slow
 def test_vision_backs_off_crashes_and_resumes(tmp_path):
     knobs = {"steps": 8, "save_every": 3, "log_every": 1, "samples": 256, "batch_size": 8,
              "resolution": 16}
@@ -55,6 +57,7 @@ def test_vision_backs_off_crashes_and_resumes(tmp_path):
     assert steps(tmp_path / "ckpt") == [3, 6, 8]
 
 
+@pytest.mark.slow
 def test_charlm_trains_with_autocast_and_resumes(tmp_path):
     knobs = {"steps": 4, "save_every": 2, "log_every": 1, "seq_len": 16, "batch_size": 8,
              "amp": True}  # bfloat16 autocast on the CPU
@@ -71,6 +74,7 @@ def test_charlm_trains_with_autocast_and_resumes(tmp_path):
     assert len(losses(r.stdout)) == 2
 
 
+@pytest.mark.slow
 def test_plain_script_resumes_from_its_own_file(tmp_path):
     args = ["--steps", "5", "--save-every", "2", "--ckpt", str(tmp_path / "plain.pt")]
     r = run("plain/train.py", *args, "--crash-at", "4", cwd=tmp_path)

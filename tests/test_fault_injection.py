@@ -151,6 +151,7 @@ def _env(spec, attempt=0):
             "RTRAIN_ATTEMPT": str(attempt)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "fork"])
 def test_kill_in_save_kills_the_training_process_mid_write(tmp_path, mode):
     r = subprocess.run([sys.executable, str(CHILD), str(tmp_path), "5", mode],
@@ -171,6 +172,7 @@ def test_kill_in_save_kills_the_training_process_mid_write(tmp_path, mode):
     assert r.stdout.split()[:2] == ["step", "2"]
 
 
+@pytest.mark.slow
 def test_hang_stops_the_loop_and_heartbeats(tmp_path):
     proc = subprocess.Popen([sys.executable, str(CHILD), str(tmp_path), "5"],
                             env=_env("hang@step=2"), stdout=subprocess.PIPE, text=True)

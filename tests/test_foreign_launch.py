@@ -49,6 +49,7 @@ print(json.dumps({"argv": sys.argv[1:], "from": os.environ.get("RTRAIN_RESUME_FR
 """
 
 
+@pytest.mark.slow
 def test_resume_arg_only_when_a_checkpoint_was_chosen(tmp_path):
     (tmp_path / "echo.py").write_text(ECHO)
     ckpts = tmp_path / "ck pts"  # a space: the path must stay one argument

@@ -155,6 +155,7 @@ def test_hook_processes_are_not_part_of_the_attempts_tree(tmp_path):
 # ------------------------------------------------------------------ in rtrain launch
 
 
+@pytest.mark.slow
 def test_launch_runs_hooks_and_records_a_broken_one(tmp_path):
     """give_up and degrade reach a hook; a hook that sleeps past its timeout is killed and
     recorded as hook_failed; neither slows supervision down."""

@@ -58,6 +58,7 @@ def restore(ckpt_dir, path=None, **kw):
     return step, model, opt
 
 
+@pytest.mark.slow
 def test_sharded_checkpoints_load_without_unpickling(group, tmp_path, monkeypatch):
     import pickle
 

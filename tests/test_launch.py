@@ -57,6 +57,7 @@ def wait_for_text(path: Path, text: str, timeout: float = 20) -> None:
     pytest.fail(f"{text!r} never appeared in {path}")
 
 
+@pytest.mark.slow
 def test_crash_once_then_succeed(tmp_path):
     run = tmp_path / "run"
     r = rtrain(run, str(KIDS / "flaky.py"), "1", "7")
@@ -91,6 +92,7 @@ def test_startup_failure_is_not_retried(tmp_path):
     assert cls["failure"] == "startup" and "ModuleNotFoundError" in cls["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("via", ["template", "settings"])
 def test_gpu_oom_steps_down_the_ladder_keeping_the_effective_batch(tmp_path, via):
     run = tmp_path / "run"
@@ -108,6 +110,7 @@ def test_gpu_oom_steps_down_the_ladder_keeping_the_effective_batch(tmp_path, via
     assert load_state(run).history.level == 2
 
 
+@pytest.mark.slow
 def test_oom_at_the_ladder_floor_gives_up_saying_what_was_tried(tmp_path):
     run = tmp_path / "run"
     r = rtrain(run, "--set", "batch_size=2", str(KIDS / "oom_print.py"), "0")
@@ -116,6 +119,7 @@ def test_oom_at_the_ladder_floor_gives_up_saying_what_was_tried(tmp_path):
     assert "floor" in reason and "batch_size" in reason
 
 
+@pytest.mark.slow
 def test_nonfinite_rolls_back_one_checkpoint_and_cuts_lr(tmp_path):
     run = tmp_path / "run"
     r = rtrain(run, "--set", "lr=0.1", str(KIDS / "nonfinite.py"))
@@ -126,6 +130,7 @@ def test_nonfinite_rolls_back_one_checkpoint_and_cuts_lr(tmp_path):
     assert events(run, "classification")[0]["failure"] == "nonfinite"
 
 
+@pytest.mark.slow
 def test_preemption_exits_75_and_the_same_command_continues(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(rtrain_cmd(run, str(KIDS / "stepper.py"), "100000"), env=env(),
@@ -143,6 +148,7 @@ def test_preemption_exits_75_and_the_same_command_continues(tmp_path):
     assert events(run, "launch")[-1]["attempt"] == 1
 
 
+@pytest.mark.slow
 def test_child_ignoring_the_stop_signal_is_killed_after_the_grace(tmp_path):
     run = tmp_path / "run"
     child = ROOT / "tests" / "children" / "ignore_term.py"
@@ -171,6 +177,7 @@ def test_grandchildren_left_behind_are_swept(tmp_path):
             psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["silent", "sigstop"])
 def test_hang_is_detected_stacks_dumped_and_relaunched(tmp_path, how):
     (tmp_path / "rtrain.toml").write_text(
@@ -188,6 +195,7 @@ def test_hang_is_detected_stacks_dumped_and_relaunched(tmp_path, how):
     assert "stepper.py" in text
 
 
+@pytest.mark.slow
 def test_plain_script_hang_by_silence(tmp_path):
     run = tmp_path / "run"
     r = rtrain(run, "--hang-timeout", "1", str(ROOT / "tests" / "children" / "hang.py"),
@@ -199,6 +207,7 @@ def test_plain_script_hang_by_silence(tmp_path):
     assert "crash loop" in events(run, "give_up")[0]["reason"]
 
 
+@pytest.mark.slow
 def test_second_supervisor_on_the_same_run_refuses_with_exit_4(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(rtrain_cmd(run, str(KIDS / "stepper.py"), "100000"), env=env(),
@@ -213,6 +222,7 @@ def test_second_supervisor_on_the_same_run_refuses_with_exit_4(tmp_path):
         proc.communicate(timeout=30)
 
 
+@pytest.mark.slow
 def test_finished_run_is_not_relaunched_unless_fresh(tmp_path):
     run = tmp_path / "run"
     assert rtrain(run, str(KIDS / "flaky.py"), "0", "1").returncode == 0
@@ -223,6 +233,7 @@ def test_finished_run_is_not_relaunched_unless_fresh(tmp_path):
     assert len(events(run, "launch")) == 2
 
 
+@pytest.mark.slow
 def test_supervisor_killed_takes_the_child_with_it(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(rtrain_cmd(run, str(KIDS / "stepper.py"), "100000"), env=env(),
@@ -238,6 +249,7 @@ def test_supervisor_killed_takes_the_child_with_it(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_usage_errors_are_one_line_with_exit_2(tmp_path):
     r = rtrain(tmp_path / "run", "--set", "batch_size=8", str(KIDS / "flaky.py"), "--bs",
                "{batchsize}")
@@ -257,6 +269,7 @@ def test_usage_errors_are_one_line_with_exit_2(tmp_path):
     assert not (tmp_path / "run" / "attempts").exists()
 
 
+@pytest.mark.slow
 def test_real_cgroup_oom_kill_is_classified_oom_host_and_degrades(tmp_path):
     cg_root = Path("/sys/fs/cgroup/memory")
     cg = cg_root / f"rtrain-launch-test-{os.getpid()}"
@@ -295,6 +308,7 @@ def _resumed_from(run: Path, attempt: int = 0) -> str | None:
     return json.loads((run / "attempts" / str(attempt) / "stdout.log").read_text())["resume_from"]
 
 
+@pytest.mark.slow
 def test_resume_auto_never_and_an_explicit_path(tmp_path, make_ckpt):
     run = tmp_path / "run"
     ckpts = run / "checkpoints"

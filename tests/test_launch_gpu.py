@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from supervisor.config import load_config
 from supervisor.events import read_events
 from supervisor.gpu import DeviceMemory, GpuReading, ScriptedReader
@@ -18,6 +20,7 @@ def reading(used_gib: float, lost: bool = False) -> GpuReading:
                       detail="NVML_ERROR_GPU_IS_LOST (injected)" if lost else "")
 
 
+@pytest.mark.slow
 def test_lost_device_is_classified_and_relaunched(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent))
     cfg = load_config({"run_dir": tmp_path / "run", "backoff.enabled": False,

@@ -9,6 +9,8 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from supervisor.metrics import MetricsFile, escape_label, parse_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +38,7 @@ def _values(path: Path, run: Path) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 def test_after_a_crash_and_a_finish(tmp_path):
     r = subprocess.run(_launch(tmp_path, str(KIDS / "flaky.py"), "1", "7"), cwd=tmp_path,
                        env=_env(), capture_output=True, text=True, timeout=60)
@@ -49,6 +52,7 @@ def test_after_a_crash_and_a_finish(tmp_path):
     assert [p.name for p in prom.parent.iterdir()] == ["rtrain.prom"]  # no temp file left
 
 
+@pytest.mark.slow
 def test_live_values_and_no_reader_ever_sees_a_partial_file(tmp_path):
     """Readers poll the file through a whole run (each write is a rename): every read is a
     complete file. While the child runs: up 1, steps move, heartbeat age small."""
@@ -140,6 +144,7 @@ def test_label_values_with_quotes_backslashes_and_newlines_round_trip(tmp_path):
                                                       ("kind", "oom_gpu")}))] == 1
 
 
+@pytest.mark.slow
 def test_counters_continue_the_runs_history(tmp_path):
     """A requeued supervisor seeds its counters from events.jsonl before writing."""
     r = subprocess.run(_launch(tmp_path, str(KIDS / "flaky.py"), "1", "7"), cwd=tmp_path,

@@ -43,6 +43,7 @@ def demo_run(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_gather_reads_attempts_failures_degrade_and_checkpoints(demo_run):
     rep = gather(demo_run)
     assert rep.status == "finished"

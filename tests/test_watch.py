@@ -145,6 +145,7 @@ def _assert_pyspy_stack(outcome, child):
     assert "stuck_here" in text or "Error" in text  # py-spy may lack ptrace rights elsewhere
 
 
+@pytest.mark.slow
 def test_learned_timeout_catches_silent_worker(tmp_path):
     hang = HangPolicy(startup_s=20, warmup_steps=2, multiple=4, floor_s=0.5, ceiling_s=3)
     config = WatchConfig(sample_interval_s=0.1, hang_grace_s=0.5, hang=hang)

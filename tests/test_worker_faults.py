@@ -22,6 +22,7 @@ from supervisor.ckpt.verify import select_resume, verify_all
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_sigkill_during_saves_never_leaves_a_bad_pick(tmp_path):
     """Kill a saving process at many random moments; whatever resume picks must load and be
     one consistent state (every weight equal to the checkpoint's step)."""
@@ -47,6 +48,7 @@ def test_sigkill_during_saves_never_leaves_a_bad_pick(tmp_path):
     assert all(v.ok for v in verify_all(tmp_path, "full"))
 
 
+@pytest.mark.slow
 def test_sigkill_at_many_points_of_the_commit_protocol(tmp_path):
     """The same with the torch-free commit layer, which starts fast enough for many kills."""
     from safetensors.numpy import load_file

@@ -19,6 +19,7 @@ def run(ckpt_dir, out, total, die_at, *extra):
                           timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_split_run_is_bitwise_identical(tmp_path, mode):
     extra = ["--async"] if mode == "async" else []
