@@ -68,8 +68,7 @@ def exclude_node(env: Mapping[str, str] | None = None,
     except (OSError, subprocess.TimeoutExpired) as e:
         return False, f"could not exclude node {node} from job {jid}: {e}"
     if r.returncode != 0:
-        why = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"exit {r.returncode}"]
-        return False, f"could not exclude node {node} from job {jid}: {why[0]}"
+        return False, f"could not exclude node {node} from job {jid}: {_last_line(r)}"
     return True, f"excluded node {node} from job {jid} (ExcNodeList={nodes})"
 
 
@@ -95,6 +94,10 @@ def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> tu
     except (OSError, subprocess.TimeoutExpired) as e:
         return False, f"scontrol requeue {jid} failed ({e}): exiting 75 instead"
     if r.returncode != 0:
-        why = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"exit {r.returncode}"]
-        return False, f"scontrol requeue {jid} failed ({why[0]}): exiting 75 instead"
+        return False, f"scontrol requeue {jid} failed ({_last_line(r)}): exiting 75 instead"
     return True, f"requeued Slurm job {jid}"
+
+
+def _last_line(r: subprocess.CompletedProcess) -> str:
+    """What a failed scontrol said last, for the one-line reason."""
+    return ((r.stderr or r.stdout).strip().splitlines() or [f"exit {r.returncode}"])[-1]

@@ -129,11 +129,9 @@ def load(ckpt_path: str | os.PathLike) -> dict[str, Any]:
     """
     raw = _read(Path(ckpt_path))
     try:
-        manifest = safeio.parse_json(raw)
+        manifest = safeio.parse_object(raw, "manifest.json")
     except ValueError as e:
-        raise ManifestError(f"manifest.json {e}") from None
-    if not isinstance(manifest, dict):
-        raise ManifestError("manifest.json is not a JSON object")
+        raise ManifestError(str(e)) from None
     if manifest.get("format") != FORMAT:
         raise ManifestError(
             f"manifest.json is not an rtrain manifest (format {manifest.get('format')!r:.60})"

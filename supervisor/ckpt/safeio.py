@@ -166,3 +166,14 @@ def nested_deeper(raw: bytes, max_depth: int) -> bool:
         if not removed:
             return False  # unbalanced: not JSON, which the parser says
     return bool(brackets)
+
+
+def parse_object(raw: bytes | str, what: str) -> dict[str, Any]:
+    """`parse_json` for a document that must be a JSON object; the ValueError names `what`."""
+    try:
+        obj = parse_json(raw)
+    except ValueError as e:
+        raise ValueError(f"{what} {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    return obj

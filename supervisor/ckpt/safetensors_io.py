@@ -181,25 +181,10 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER or 8 + n > size:
             raise ValueError(f"header length {n} does not fit in a file of {size} bytes")
-        try:
-            header = safeio.parse_json(f.read(n))
-        except ValueError as e:
-            raise ValueError(f"header {e}") from None
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
+        header = safeio.parse_object(f.read(n), "header")
     end = _check_entries(header)
     if 8 + n + end != size:
         raise ValueError(f"header describes {8 + n + end} bytes but the file has {size}")
-    return header
-
-
-def _parse_header(raw: bytes) -> dict[str, Any]:
-    try:
-        header = safeio.parse_json(raw)
-    except ValueError as e:
-        raise ValueError(f"header {e}") from None
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
     return header
 
 
@@ -221,7 +206,7 @@ def read_tensors(f: Any, alloc: Callable[[dict[str, Any], int], tuple[Any, memor
         raise ValueError("shorter than a safetensors header")
     if n > MAX_HEADER or 8 + n > f.size:
         raise ValueError(f"header length {n} does not fit in a file of {f.size} bytes")
-    header = _parse_header(f.read(n))
+    header = safeio.parse_object(f.read(n), "header")
     end = _check_entries(header)
     if 8 + n + end != f.size:
         raise ValueError(f"header describes {8 + n + end} bytes but the file has {f.size}")
