@@ -48,7 +48,7 @@ def relaunch(tmp: Path) -> tuple[float, float, float]:
     if r.returncode != 0:
         raise SystemExit(r.stderr[-3000:])
     killed = float((out / "killed").read_text())
-    from supervisor.events import read_events
+    from supervisor.records.events import read_events
 
     evs = read_events(out / "run" / "events.jsonl")
     exit_t = next(e["time"] for e in evs if e["kind"] == "exit")

@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 KIDS = ROOT / "scripts" / "bench_children"
 
-from supervisor.heartbeat import HangPolicy, HeartbeatReceiver  # noqa: E402
-from supervisor.spawn import ChildSpec, spawn  # noqa: E402
-from supervisor.watch import WatchConfig, watch  # noqa: E402
+from supervisor.proc.heartbeat import HangPolicy, HeartbeatReceiver  # noqa: E402
+from supervisor.proc.spawn import ChildSpec, spawn  # noqa: E402
+from supervisor.proc.watch import WatchConfig, watch  # noqa: E402
 
 
 def env(**extra: str) -> dict[str, str]:

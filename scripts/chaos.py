@@ -66,7 +66,7 @@ from chaos_util import (  # noqa: E402
     write_config,
 )
 
-from supervisor.runstate import load_state  # noqa: E402
+from supervisor.records.runstate import load_state  # noqa: E402
 
 KINDS = ("kill", "kill_in_save", "crash", "oom", "hang", "nonfinite", "corrupt_newest",
          "preempt", "supervisor_kill")

@@ -21,8 +21,8 @@ from typing import Annotated, Any
 import typer
 
 from supervisor import __version__
+from supervisor.commands.fast_typer import FastTyper
 from supervisor.errors import RtrainError
-from supervisor.fast_typer import FastTyper
 
 app = FastTyper(
     name="rtrain",
@@ -69,7 +69,7 @@ def _signing_key() -> bytes | None:
 def _ckpt_dir(target: Path | None) -> Path:
     if target is not None:
         return target
-    from supervisor.paths import default_ckpt_dir
+    from supervisor.records.paths import default_ckpt_dir
 
     return default_ckpt_dir()
 
@@ -104,9 +104,9 @@ def inspect(
 ) -> None:
     """List checkpoints and which one resume would pick, or show one checkpoint in detail."""
     with reported():
-        from supervisor import inspect as insp
-        from supervisor import inspect_render as render
         from supervisor.ckpt.verify import Level
+        from supervisor.commands import inspect_render as render
+        from supervisor.commands import inspecting as insp
 
         level = Level((verify or VerifyLevel.quick).value)
         root = _ckpt_dir(target)
@@ -143,8 +143,8 @@ def prune(
 ) -> None:
     """Remove checkpoints the retention policy does not keep, and abandoned temp dirs."""
     with reported():
-        from supervisor import pruning
         from supervisor.ckpt.verify import Level
+        from supervisor.commands import pruning
 
         policy = pruning.policy_from_options(
             keep=keep, keep_best=keep_best, metric=metric, mode=mode and mode.value,
@@ -230,8 +230,8 @@ def launch(
     """Run a training script under supervision: restart on failure, degrade on OOM."""
     with reported():
         from supervisor.config import load_config
-        from supervisor.launch import LaunchSpec, child_command
-        from supervisor.launch import launch as run_launch
+        from supervisor.launch.loop import LaunchSpec, child_command
+        from supervisor.launch.loop import launch as run_launch
 
         cwd = Path.cwd()
         overrides = {"resume": resume, "run_dir": run_dir, "ckpt_dir": ckpt_dir,
@@ -250,7 +250,7 @@ def launch(
 
             raise UsageError("--nnodes/--rdzv-* need --nproc-per-node N")
         if nproc_per_node is not None:
-            from supervisor.torchrun import TorchrunSpec, torchrun_command
+            from supervisor.proc.torchrun import TorchrunSpec, torchrun_command
 
             spec = TorchrunSpec(nproc_per_node=nproc_per_node, nnodes=nnodes,
                                 rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend)
@@ -301,8 +301,8 @@ def status(
 ) -> None:
     """Summarise a run from its files: attempts, failures, rung, checkpoint, progress."""
     with reported():
-        from supervisor import status as st
-        from supervisor.paths import default_run_dir
+        from supervisor.commands import status as st
+        from supervisor.records.paths import default_run_dir
 
         summary = st.summarize(run_dir or default_run_dir(), key=_signing_key())
         echo_json(st.to_json(summary)) if as_json else typer.echo(st.render_text(summary))
@@ -320,8 +320,8 @@ def report(
 ) -> None:
     """Write a self-contained HTML report: curves, failures, degradations, checkpoints."""
     with reported():
-        from supervisor import report as rp
-        from supervisor.paths import default_run_dir
+        from supervisor.commands import report as rp
+        from supervisor.records.paths import default_run_dir
 
         root = run_dir or default_run_dir()
         written = rp.write_report(root, output or root / "report.html", key=_signing_key())

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from supervisor.decide.ladder import DEFAULT_LADDER, Rung, parse_ladder
 from supervisor.errors import ConfigError
 from supervisor.filemode import DEFAULT_FILE_MODE, parse_mode
-from supervisor.hooks import HookSpec, parse_hooks
-from supervisor.ladder import DEFAULT_LADDER, Rung, parse_ladder
+from supervisor.records.hooks import HookSpec, parse_hooks
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -270,7 +270,7 @@ class Config:
     """How often a `heartbeat_summary` event records step, loss and samples/s while a child
     runs (the points of `rtrain report`'s curves); each attempt's first step is always kept."""
     hooks: tuple[HookSpec, ...] = ()
-    """`[[hooks]]`: commands run with an event's JSON on stdin (supervisor/hooks.py)."""
+    """`[[hooks]]`: commands run with an event's JSON on stdin (supervisor/records/hooks.py)."""
     log_cap_mb: float = 64.0
     """Each attempt log (stdout.log, stderr.log) keeps at most about this many MiB: its first
     half and its newest output, with a line saying how much was cut between (0: no cap)."""

@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 from bitwise import bitwise_diff
 
-from supervisor.events import read_events
+from supervisor.records.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "chaos_train.py"

@@ -18,7 +18,7 @@ import pytest
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.ckpt.hashing import alg_for
 from supervisor.ckpt.safetensors_io import TensorBlob
-from supervisor.spawn import ChildSpec
+from supervisor.proc.spawn import ChildSpec
 
 REPO = Path(__file__).resolve().parent.parent
 CHILDREN = Path(__file__).parent / "children"

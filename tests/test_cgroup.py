@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import child_spec
 
-from supervisor.cgroup import MemoryCgroup, limited_v1_group, memory_cgroup
-from supervisor.spawn import spawn
-from supervisor.watch import WatchConfig, watch
+from supervisor.proc.cgroup import MemoryCgroup, limited_v1_group, memory_cgroup
+from supervisor.proc.spawn import spawn
+from supervisor.proc.watch import WatchConfig, watch
 
 
 def test_counter_parsing(tmp_path):

@@ -24,7 +24,7 @@ from chaos_util import (
 )
 from conftest import gone
 
-from supervisor.runstate import load_state
+from supervisor.records.runstate import load_state
 
 SETTINGS = {"steps": 120, "save_every": 10, "step_sleep": 0.02}
 GRACE_S = 20.0

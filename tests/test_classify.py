@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.classify import classify
-from supervisor.failures import Evidence, FailureKind
+from supervisor.decide.classify import classify
+from supervisor.decide.failures import Evidence, FailureKind
 
 GiB = 2**30
 K = FailureKind

@@ -149,7 +149,7 @@ def test_inspect_does_not_import_torch(rtrain, run_dir):
                env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert r.returncode == 0
     imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}
-    assert "supervisor.inspect" in imported  # the trace works
+    assert "supervisor.commands.inspecting" in imported  # the trace works
     assert not {m for m in imported if m.split(".")[0] in ("torch", "pydantic", "rich")}
 
 

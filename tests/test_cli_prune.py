@@ -1,11 +1,11 @@
-"""`rtrain prune` in a subprocess, and the no-DIR lookup of supervisor.paths."""
+"""`rtrain prune` in a subprocess, and the no-DIR lookup of supervisor.records.paths."""
 
 from __future__ import annotations
 
 import pytest
 
 from supervisor.ckpt.layout import host_name, list_checkpoints
-from supervisor.paths import default_ckpt_dir
+from supervisor.records.paths import default_ckpt_dir
 
 
 def steps(ckpt_dir) -> list[int]:
@@ -94,7 +94,7 @@ def test_keep_is_required(rtrain, ckpts):
     assert r.returncode == 2 and "Missing option '--keep'" in r.stderr
 
 
-# --- supervisor.paths ---------------------------------------------------------------------
+# --- supervisor.records.paths ---------------------------------------------------------------------
 
 
 def test_default_is_checkpoints_in_cwd(tmp_path):

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import DEFAULT_BUDGETS, load_config
+from supervisor.decide.ladder import DEFAULT_LADDER, Action
 from supervisor.errors import ConfigError, ExitCode
-from supervisor.ladder import DEFAULT_LADDER, Action
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.events import read_events
-from supervisor.runstate import load_state
+from supervisor.records.events import read_events
+from supervisor.records.runstate import load_state
 
 ROOT = Path(__file__).resolve().parent.parent
 KIDS = ROOT / "tests" / "launch_children"

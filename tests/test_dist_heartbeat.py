@@ -1,6 +1,6 @@
 """Hang detection across ranks: one silent rank is a hang even while the others report."""
 
-from supervisor.heartbeat import HangClock, HangPolicy
+from supervisor.proc.heartbeat import HangClock, HangPolicy
 from supervisor.protocol import Heartbeat
 
 P = HangPolicy(startup_s=100.0, warmup_steps=0, multiple=10.0, floor_s=5.0, ceiling_s=50.0)

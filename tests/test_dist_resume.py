@@ -16,7 +16,7 @@ import pytest
 import torch
 from bitwise import assert_bitwise_equal
 
-from supervisor.events import read_events
+from supervisor.records.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "dist_train.py"

@@ -9,15 +9,15 @@ import pytest
 from typer.testing import CliRunner
 
 from supervisor import cli
-from supervisor.classify import classify
+from supervisor.decide.classify import classify
+from supervisor.decide.failures import Evidence
 from supervisor.errors import StateMismatch
-from supervisor.failures import Evidence
 
 
 @pytest.fixture
 def launched(monkeypatch, tmp_path):
     seen = {}
-    import supervisor.launch as launch_mod
+    import supervisor.launch.loop as launch_mod
 
     def fake(spec, seams=None):
         seen["argv"] = spec.command

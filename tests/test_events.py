@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from supervisor.events import EVENTS_VERSION, EventLog, EventLogError, read_events
+from supervisor.records.events import EVENTS_VERSION, EventLog, EventLogError, read_events
 
 
 class FakeClock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import errno
 
-from supervisor.events import EventLog, read_events
+from supervisor.records.events import EventLog, read_events
 
 
 def _fill(disk):

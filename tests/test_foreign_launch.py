@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_foreign_verify import flip, member_data_offset
 
-from supervisor.events import read_events
+from supervisor.records.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import load_config
-from supervisor.events import read_events
-from supervisor.gpu import DeviceMemory, GpuReading, NvmlReader, ScriptedReader
-from supervisor.gpu_health import DeviceHealth, describe, problems
-from supervisor.launch import LaunchSpec, Seams, child_command, launch
-from supervisor.runstate import load_state
+from supervisor.launch.loop import LaunchSpec, Seams, child_command, launch
+from supervisor.proc.gpu import DeviceMemory, GpuReading, NvmlReader, ScriptedReader
+from supervisor.proc.gpu_health import DeviceHealth, describe, problems
+from supervisor.records.events import read_events
+from supervisor.records.runstate import load_state
 
 ROOT = Path(__file__).resolve().parent.parent
 KIDS = ROOT / "tests" / "launch_children"

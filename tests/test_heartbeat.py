@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from supervisor.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
+from supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
 from supervisor.protocol import Heartbeat, socket_address
 
 P = HangPolicy(

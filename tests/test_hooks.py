@@ -14,9 +14,9 @@ import pytest
 
 from supervisor.config import load_config
 from supervisor.errors import ConfigError
-from supervisor.events import EventLog, read_events
-from supervisor.hooks import HookRunner, HookSpec, parse_hooks
-from supervisor.proctree import ProcTree
+from supervisor.proc.proctree import ProcTree
+from supervisor.records.events import EventLog, read_events
+from supervisor.records.hooks import HookRunner, HookSpec, parse_hooks
 
 ROOT = Path(__file__).resolve().parent.parent
 KIDS = ROOT / "tests" / "launch_children"

@@ -17,8 +17,8 @@ from conftest import run_rtrain
 from hostile import claim_huge_header, code_running_pickle, manifest, relist
 
 import worker
-from supervisor.events import read_events
-from supervisor.runstate import load_state
+from supervisor.records.events import read_events
+from supervisor.records.runstate import load_state
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = ROOT / "tests" / "launch_children" / "ckpt_train.py"

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from supervisor.events import EventLog
+from supervisor.records.events import EventLog
 
 ESC_TITLE = "\x1b]0;pwned\x07"
 CLEAR = "\x1b[2J"

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from supervisor.decide.ladder import (
+    DEFAULT_LADDER,
+    Floor,
+    Rung,
+    Step,
+    parse_ladder,
+    step_down,
+    step_up,
+)
 from supervisor.errors import ConfigError
-from supervisor.ladder import DEFAULT_LADDER, Floor, Rung, Step, parse_ladder, step_down, step_up
 
 
 def walk(settings, ladder=DEFAULT_LADDER, n=1):

@@ -17,8 +17,8 @@ import psutil
 import pytest
 from conftest import gone
 
-from supervisor.events import read_events
-from supervisor.runstate import load_state
+from supervisor.records.events import read_events
+from supervisor.records.runstate import load_state
 
 ROOT = Path(__file__).resolve().parent.parent
 KIDS = ROOT / "tests" / "launch_children"

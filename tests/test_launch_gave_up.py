@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_launch import KIDS, events, rtrain
 
-from supervisor.runstate import load_state
+from supervisor.records.runstate import load_state
 
 pytestmark = pytest.mark.slow
 

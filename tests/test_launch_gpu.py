@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import load_config
-from supervisor.events import read_events
-from supervisor.gpu import DeviceMemory, GpuReading, ScriptedReader
-from supervisor.launch import LaunchSpec, Seams, child_command, launch
+from supervisor.launch.loop import LaunchSpec, Seams, child_command, launch
+from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
+from supervisor.records.events import read_events
 
 KIDS = Path(__file__).resolve().parent / "launch_children"
 GIB = 1 << 30

@@ -18,7 +18,7 @@ import pytest
 from conftest import gone, wait_for
 
 from supervisor.ckpt import generation
-from supervisor.events import read_events
+from supervisor.records.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 LEAVE = ROOT / "tests" / "launch_children" / "leave_behind.py"

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from supervisor.errors import AlreadySupervised, ExitCode
-from supervisor.lock import LOCK_NAME, RunLock
+from supervisor.records.lock import LOCK_NAME, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLDER = """
 import sys, time
-from supervisor.lock import RunLock
+from supervisor.records.lock import RunLock
 with RunLock(sys.argv[1]):
     print("locked", flush=True)
     sys.stdin.read()  # hold until the test closes our stdin
@@ -73,7 +73,7 @@ def test_stale_lock_of_a_dead_pid_is_taken_over(tmp_path):
 
 ORPHANING_HOLDER = """
 import os, subprocess, sys
-from supervisor.lock import RunLock
+from supervisor.records.lock import RunLock
 RunLock(sys.argv[1]).acquire()
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], close_fds=False,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.logcap import CappedLog
+from supervisor.proc.logcap import CappedLog
 
 ROOT = Path(__file__).resolve().parent.parent
 CHATTY = ROOT / "tests" / "launch_children" / "chatty.py"

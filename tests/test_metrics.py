@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.metrics import MetricsFile, escape_label, parse_text
+from supervisor.records.metrics import MetricsFile, escape_label, parse_text
 
 ROOT = Path(__file__).resolve().parent.parent
 KIDS = ROOT / "tests" / "launch_children"

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from supervisor.config import Config, RestartConfig, load_config
-from supervisor.failures import Evidence, Failure, FailureKind
-from supervisor.policy import Action, Decision, History, decide, note_progress
-from supervisor.runstate import RunState, load_state, save_state
+from supervisor.decide.failures import Evidence, Failure, FailureKind
+from supervisor.decide.policy import Action, Decision, History, decide, note_progress
+from supervisor.records.runstate import RunState, load_state, save_state
 
 K = FailureKind
 DAY = 86400.0
@@ -202,7 +202,7 @@ CKPT = "/ckpts/checkpoint-40"
     ([(K.CRASH, 44), (K.CRASH, 41), (K.CRASH, 41)], True),
 ])
 def test_which_streaks_quarantine_a_checkpoint(attempts, quarantined):
-    from supervisor.policy import Resumed
+    from supervisor.decide.policy import Resumed
 
     config = cfg(crash_loop_k=0)
     h = History(launch_step=40)
@@ -228,7 +228,7 @@ def test_which_streaks_quarantine_a_checkpoint(attempts, quarantined):
     (None, False, True),
 ])
 def test_outside_kills_never_quarantine(signal, hang, quarantined):
-    from supervisor.policy import Resumed
+    from supervisor.decide.policy import Resumed
 
     config, h = cfg(crash_loop_k=0), History(launch_step=40)
     resumed = Resumed(path=CKPT, id="7-1", step=40)

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from supervisor.config import BackoffConfig, Config, RestartConfig
-from supervisor.failures import Evidence, Failure, FailureKind
-from supervisor.policy import Action, History, ResumeMode, backoff_s, decide, note_progress
+from supervisor.decide.failures import Evidence, Failure, FailureKind
+from supervisor.decide.policy import Action, History, ResumeMode, backoff_s, decide, note_progress
 
 K = FailureKind
 SETTINGS = {"batch_size": 64, "grad_accum": 1, "lr": 0.1}

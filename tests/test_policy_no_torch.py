@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["config", "ladder", "classify", "policy", "events", "runstate", "lock"]
+MODULES = ["config", "decide.ladder", "decide.classify", "decide.policy", "records.events",
+           "records.runstate", "records.lock"]
 
 
 def test_supervisor_modules_do_not_import_torch():

@@ -15,7 +15,7 @@ from test_launch import KIDS, ROOT, env, events, rtrain
 from supervisor.ckpt import quarantine
 from supervisor.ckpt.prune import prune
 from supervisor.ckpt.retention import RetentionPolicy
-from supervisor.runstate import load_state
+from supervisor.records.runstate import load_state
 
 
 @pytest.mark.slow
@@ -79,8 +79,8 @@ def test_inspect_shows_quarantined_and_resume_skips_it(tmp_path):
 
 @pytest.mark.slow
 def test_retry_lifts_the_quarantine(tmp_path):
-    from supervisor.policy import History
-    from supervisor.runstate import RunState, RunStatus, save_state
+    from supervisor.decide.policy import History
+    from supervisor.records.runstate import RunState, RunStatus, save_state
 
     run = tmp_path / "run"
     ckpts = _quarantined_dir(run)  # run/ckpts: 5 and the quarantined 10

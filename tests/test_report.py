@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.events import EventLog
-from supervisor.report import gather, write_report
+from supervisor.commands.report import gather, write_report
+from supervisor.records.events import EventLog
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "tests" / "launch_children" / "report_demo.py"

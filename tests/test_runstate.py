@@ -6,8 +6,15 @@ import json
 
 import pytest
 
-from supervisor.policy import History
-from supervisor.runstate import RunState, RunStatus, StateError, load_state, save_state, state_path
+from supervisor.decide.policy import History
+from supervisor.records.runstate import (
+    RunState,
+    RunStatus,
+    StateError,
+    load_state,
+    save_state,
+    state_path,
+)
 
 
 def test_round_trip(tmp_path):

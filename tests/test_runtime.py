@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from supervisor.heartbeat import HeartbeatReceiver
+from supervisor.proc.heartbeat import HeartbeatReceiver
 from supervisor.protocol import ExitRecord
 from worker import runtime
 
@@ -148,7 +148,7 @@ def test_runtime_never_imports_torch():
     import subprocess
     import sys
 
-    code = "import sys; import worker.runtime, supervisor.watch; print('torch' in sys.modules)"
+    code = "import sys; import worker.runtime, supervisor.proc.watch; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

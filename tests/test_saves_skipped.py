@@ -12,8 +12,8 @@ import time
 import pytest
 from chaos_util import events, launch, write_config
 
-from supervisor.heartbeat import HeartbeatReceiver
-from supervisor.metrics import parse_text
+from supervisor.proc.heartbeat import HeartbeatReceiver
+from supervisor.records.metrics import parse_text
 
 TRAIN = {"steps": 16, "save_every": 2}
 

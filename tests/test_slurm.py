@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import slurm
-from supervisor.events import read_events
-from supervisor.runstate import load_state
+from supervisor.proc import slurm
+from supervisor.records.events import read_events
+from supervisor.records.runstate import load_state
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "scripts" / "slurm" / "local-cluster.sh"

@@ -8,13 +8,13 @@ import os
 
 import pytest
 
+from supervisor.commands.status import render_text, summarize, to_json
+from supervisor.decide.policy import History
 from supervisor.errors import ConfigError, UsageError
-from supervisor.events import EventLog
-from supervisor.lock import LOCK_NAME
-from supervisor.paths import default_ckpt_dir, default_run_dir
-from supervisor.policy import History
-from supervisor.runstate import RunState, save_state
-from supervisor.status import render_text, summarize, to_json
+from supervisor.records.events import EventLog
+from supervisor.records.lock import LOCK_NAME
+from supervisor.records.paths import default_ckpt_dir, default_run_dir
+from supervisor.records.runstate import RunState, save_state
 
 T0 = 1_700_000_000.0
 GIB = 1024**3
@@ -168,7 +168,7 @@ def test_status_imports_no_torch_or_rich(rtrain, run):
     r = rtrain("status", str(run), env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert r.returncode == 0
     imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}
-    assert "supervisor.status" in imported  # the trace works
+    assert "supervisor.commands.status" in imported  # the trace works
     assert not {m for m in imported if m.split(".")[0] in ("torch", "pydantic", "rich")}
 
 

@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from supervisor.statusline import (
+from supervisor.commands.statusline import (
     CLEAR,
     LOG_INTERVAL_S,
     PARTIAL_QUIET_S,

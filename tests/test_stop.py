@@ -4,9 +4,9 @@ import signal
 
 from conftest import child_spec, gone, wait_for
 
-from supervisor.proctree import ProcTree
-from supervisor.spawn import spawn
-from supervisor.stop import stop_group
+from supervisor.proc.proctree import ProcTree
+from supervisor.proc.spawn import spawn
+from supervisor.proc.stop import stop_group
 
 
 def _ready(child):

@@ -8,10 +8,10 @@ import signal
 import pytest
 from conftest import child_spec, gone, wait_for
 
-from supervisor.gpu import DeviceMemory, GpuReading, ScriptedReader
-from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
-from supervisor.spawn import spawn
-from supervisor.watch import SignalCatcher, WatchConfig, watch
+from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
+from supervisor.proc.heartbeat import HangPolicy, HeartbeatReceiver
+from supervisor.proc.spawn import spawn
+from supervisor.proc.watch import SignalCatcher, WatchConfig, watch
 
 FAST = WatchConfig(
     sample_interval_s=0.1,

@@ -24,8 +24,8 @@ from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.prune import PruneReport, prune
 from supervisor.ckpt.verified_read import LoadError, read_listed
 from supervisor.ckpt.verify import Level, VerifiedCache, select_resume, verify
+from supervisor.decide.failures import FailureKind
 from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
-from supervisor.failures import FailureKind
 from supervisor.protocol import (
     ENV_CKPT_DIR,
     ENV_RESUME_FROM,

@@ -1,4 +1,4 @@
-"""Spawn a sleeping child with supervisor.spawn, write its pid to argv[1], wait to be killed."""
+"""Spawn a sleeping child with supervisor.proc.spawn, write its pid to argv[1], wait for a kill."""
 
 import os
 import sys
@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from supervisor.spawn import ChildSpec, spawn
+from supervisor.proc.spawn import ChildSpec, spawn
 
 out = Path(sys.argv[1])
 child = spawn(

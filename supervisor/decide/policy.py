@@ -33,12 +33,12 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Any
 
-from supervisor import budgets
 from supervisor.config import Config
+from supervisor.decide import budgets
+from supervisor.decide.failures import Evidence, Failure, FailureKind
+from supervisor.decide.history import History
+from supervisor.decide.ladder import Floor, step_down, step_up
 from supervisor.errors import ExitCode
-from supervisor.failures import Evidence, Failure, FailureKind
-from supervisor.history import History
-from supervisor.ladder import Floor, step_down, step_up
 
 __all__ = ["Action", "Decision", "History", "ResumeMode", "Resumed", "decide", "note_progress"]
 

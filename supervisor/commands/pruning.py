@@ -37,7 +37,7 @@ def prune_dir(ckpt_dir: str | os.PathLike, *, policy: RetentionPolicy,
     root = Path(ckpt_dir)
     if not root.is_dir():
         raise UsageError(f"no checkpoint directory at {root}")
-    from supervisor.inspect import is_checkpoint_dir
+    from supervisor.commands.inspecting import is_checkpoint_dir
 
     if is_checkpoint_dir(root):
         raise UsageError(f"{root} is one checkpoint: give the directory that holds them")
@@ -51,7 +51,7 @@ def prune_dir(ckpt_dir: str | os.PathLike, *, policy: RetentionPolicy,
 
 
 def render_prune(report: PruneReport, *, dry_run: bool) -> str:
-    from supervisor.inspect_render import human_size, table
+    from supervisor.commands.inspect_render import human_size, table
     from supervisor.safetext import safe
 
     verb = "would remove" if dry_run else "removed"

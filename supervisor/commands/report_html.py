@@ -15,8 +15,8 @@ import html
 import json
 import time
 
-from supervisor.report import KIND_COLORS, OTHER_COLOR, AttemptRow, Report
-from supervisor.statusline import human_duration
+from supervisor.commands.report import KIND_COLORS, OTHER_COLOR, AttemptRow, Report
+from supervisor.commands.statusline import human_duration
 
 
 def _esc(value: object) -> str:

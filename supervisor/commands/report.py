@@ -25,9 +25,9 @@ from typing import Any
 
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.layout import list_checkpoints, parse_step
+from supervisor.commands.status import finite, json_safe, summarize
 from supervisor.errors import UsageError
-from supervisor.events import read_events
-from supervisor.status import finite, json_safe, summarize
+from supervisor.records.events import read_events
 
 # One colour per failure kind (FailureKind values), shared by markers, chips and the table.
 KIND_COLORS = {
@@ -195,7 +195,7 @@ def _checkpoints(ckpt_dir: Path, already_bad: set[str]) -> list[Marker]:
 
 def write_report(run_dir: Path, output: Path, *, key: bytes | None = None) -> Path:
     """Gather and render the report of `run_dir` into `output` (one self-contained HTML file)."""
-    from supervisor.report_html import render
+    from supervisor.commands.report_html import render
 
     output = Path(output)
     html = render(gather(run_dir, key=key))

@@ -24,25 +24,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from supervisor import filemode, protocol, saves, slurm, templates
+from supervisor import filemode, protocol
 from supervisor.ckpt import foreign, generation, quarantine
 from supervisor.ckpt.hashing import load_signing_key
 from supervisor.ckpt.verify import Level, Selection, Verdict, first_good, mark_quarantined
-from supervisor.classify import classify, plain_script_started
+from supervisor.commands.statusline import StatusLine
 from supervisor.config import Config
-from supervisor.console import BestEffortWriter, best_effort_console
-from supervisor.errors import ExitCode, UsageError
-from supervisor.events import EventLog, read_events
-from supervisor.failures import FailureKind
-from supervisor.gpu import GpuReader, NvmlReader, wait_gpu_released
-from supervisor.gpu_health import describe, problems
-from supervisor.heartbeat import HangPolicy, HeartbeatReceiver
-from supervisor.hooks import HookRunner
-from supervisor.leftovers import ProcRecord, end_leftovers
-from supervisor.lock import RunLock
-from supervisor.logcap import STORAGE_ERRNOS
-from supervisor.metrics import MetricsFile
-from supervisor.policy import (
+from supervisor.decide import templates
+from supervisor.decide.classify import classify, plain_script_started
+from supervisor.decide.failures import FailureKind
+from supervisor.decide.policy import (
     Action,
     Decision,
     History,
@@ -51,12 +42,24 @@ from supervisor.policy import (
     decide,
     note_progress,
 )
-from supervisor.proctree import ProcTree
-from supervisor.runstate import RunState, RunStatus, load_state, save_state
+from supervisor.errors import ExitCode, UsageError
+from supervisor.proc import slurm
+from supervisor.proc.console import BestEffortWriter, best_effort_console
+from supervisor.proc.gpu import GpuReader, NvmlReader, wait_gpu_released
+from supervisor.proc.gpu_health import describe, problems
+from supervisor.proc.heartbeat import HangPolicy, HeartbeatReceiver
+from supervisor.proc.leftovers import ProcRecord, end_leftovers
+from supervisor.proc.logcap import STORAGE_ERRNOS
+from supervisor.proc.proctree import ProcTree
+from supervisor.proc.spawn import ChildSpec, spawn
+from supervisor.proc.watch import Outcome, Sample, SignalCatcher, WatchConfig, watch
+from supervisor.records import saves
+from supervisor.records.events import EventLog, read_events
+from supervisor.records.hooks import HookRunner
+from supervisor.records.lock import RunLock
+from supervisor.records.metrics import MetricsFile
+from supervisor.records.runstate import RunState, RunStatus, load_state, save_state
 from supervisor.safetext import safe
-from supervisor.spawn import ChildSpec, spawn
-from supervisor.statusline import StatusLine
-from supervisor.watch import Outcome, Sample, SignalCatcher, WatchConfig, watch
 
 log = logging.getLogger(__name__)
 

@@ -18,15 +18,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor import saves
 from supervisor.ckpt import quarantine
 from supervisor.ckpt.verify import Level, Status, select_resume
+from supervisor.commands.statusline import human_bytes, human_duration, human_rate
 from supervisor.errors import UsageError
-from supervisor.events import read_events
-from supervisor.lock import LOCK_NAME
-from supervisor.runstate import STATE_FILE, load_state
+from supervisor.records import saves
+from supervisor.records.events import read_events
+from supervisor.records.lock import LOCK_NAME
+from supervisor.records.runstate import STATE_FILE, load_state
 from supervisor.safetext import safe
-from supervisor.statusline import human_bytes, human_duration, human_rate
 
 _SETTINGS_KINDS = ("launch", "degrade", "decision")  # events that name the rung in force
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from .logcap import DEFAULT_CAP_BYTES, STORAGE_ERRNOS, CappedLog
+from supervisor.proc.logcap import DEFAULT_CAP_BYTES, STORAGE_ERRNOS, CappedLog
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.decide.policy import History
 from supervisor.errors import RtrainError
 from supervisor.filemode import DEFAULT_FILE_MODE, write_json_atomic
-from supervisor.policy import History
 
 STATE_VERSION = 1
 STATE_FILE = "state.json"

@@ -25,7 +25,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 
-from .protocol import Heartbeat, socket_address
+from supervisor.protocol import Heartbeat, socket_address
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ import re
 import signal as _signal
 from typing import Any
 
-from supervisor.failures import Evidence, Failure, FailureKind
+from supervisor.decide.failures import Evidence, Failure, FailureKind
 from supervisor.protocol import EXIT_PREEMPTED
 
 GPU_OOM = re.compile(r"CUDA out of memory|torch\.(cuda\.)?OutOfMemoryError|"

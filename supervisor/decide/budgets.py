@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from supervisor.config import Config
-from supervisor.history import History
+from supervisor.decide.history import History
 
 HOUR_S = 3600.0
 

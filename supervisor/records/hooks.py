@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from supervisor.ckpt.hashing import SECRET_ENV
+from supervisor.decide.failures import FailureKind
 from supervisor.errors import ConfigError
-from supervisor.failures import FailureKind
 
 log = logging.getLogger(__name__)
 

@@ -22,15 +22,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .cgroup import MemoryCgroup, memory_cgroup
-from .failures import Evidence
-from .gpu import GpuReader, GpuReading, NullReader
-from .heartbeat import HangClock, HangPolicy, HeartbeatReceiver
-from .proctree import ProcTree, TreeSample
-from .protocol import ExitRecord, Heartbeat
-from .spawn import Child
-from .stacks import dump_stacks
-from .stop import StopResult, signal_group, stop_group, sweep
+from supervisor.decide.failures import Evidence
+from supervisor.proc.cgroup import MemoryCgroup, memory_cgroup
+from supervisor.proc.gpu import GpuReader, GpuReading, NullReader
+from supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
+from supervisor.proc.proctree import ProcTree, TreeSample
+from supervisor.proc.spawn import Child
+from supervisor.proc.stacks import dump_stacks
+from supervisor.proc.stop import StopResult, signal_group, stop_group, sweep
+from supervisor.protocol import ExitRecord, Heartbeat
 
 log = logging.getLogger(__name__)
 

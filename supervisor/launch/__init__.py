@@ -1,0 +1,1 @@
+"""`rtrain launch`: the supervision loop."""
