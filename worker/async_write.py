@@ -26,7 +26,7 @@ from worker.save_target import Capture, SaveTarget
 
 _CHILD_SKIPPED = 3  # the forked writer's exit code for a save skipped (storage error, no space)
 
-Write = Callable[[Capture], "Path | None"]
+Write = Callable[[Capture], Path | None]
 
 
 class BackgroundSave:
