@@ -17,7 +17,7 @@ from hostile import claim_huge_header, code_running_pickle, manifest, relist, sa
 from hostile import table as tensor_table
 
 import worker
-import worker.checkpointer as checkpointer_module
+import worker.restore as restore_module
 from supervisor.ckpt.verify import Level, verify
 from supervisor.errors import CorruptCheckpoint, StateMismatch
 from supervisor.protocol import EXIT_BAD_CHECKPOINT
@@ -123,14 +123,14 @@ def test_same_size_swap_after_the_quick_check_is_caught_while_loading(tmp_path, 
     other = tmp_path / "ckpt" / "checkpoint-2" / "model.safetensors"
     assert verify(chosen, Level.FULL).ok
     assert other.stat().st_size == (chosen / "model.safetensors").stat().st_size
-    real_verify = checkpointer_module.verify
+    real_verify = restore_module.verify
 
     def verify_then_swap(path, level, key=None):
         v = real_verify(path, level, key)
         (chosen / "model.safetensors").write_bytes(other.read_bytes())  # same size
         return v
 
-    monkeypatch.setattr(checkpointer_module, "verify", verify_then_swap)
+    monkeypatch.setattr(restore_module, "verify", verify_then_swap)
     status = tmp_path / "attempt"
     status.mkdir()
     monkeypatch.setenv("RTRAIN_RESUME_FROM", str(chosen))

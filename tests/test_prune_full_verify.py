@@ -102,7 +102,7 @@ def test_in_process_retention_verifies_fully(tmp_path, caplog, monkeypatch):
     ck.save(2)
     time.sleep(0.05)  # a later clock tick: the rewrite shows in the file's ctime
     flip_a_byte(tmp_path / "checkpoint-2")
-    with caplog.at_level(logging.INFO, logger="worker.checkpointer"):
+    with caplog.at_level(logging.INFO, logger="worker"):
         ck.save(3)
     # checkpoint-2 passed the quick check but not the full one: it is not one of the two kept.
     assert steps(tmp_path) == [1, 3]

@@ -202,7 +202,7 @@ def test_async_error_surfaces_on_next_call(tmp_path, monkeypatch, mode):
     def boom(*a, **k):
         raise RuntimeError("disk controller on fire")
 
-    monkeypatch.setattr("worker.checkpointer.PendingCheckpoint.commit", boom)
+    monkeypatch.setattr("supervisor.ckpt.commit.PendingCheckpoint.commit", boom)
     ck.save(1)
     with pytest.raises(CheckpointError, match="disk controller on fire"):
         ck.close()

@@ -18,13 +18,12 @@ only when every rank said it wrote its part.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -34,23 +33,16 @@ from supervisor.ckpt.layout import MANIFEST
 from supervisor.ckpt.verified_read import LoadError
 from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
 from worker import dist, faults
+from worker.save_target import Capture, SaveTarget, storage_error
 from worker.tensors import load_listed, to_blob
-
-if TYPE_CHECKING:
-    from worker.checkpointer import Checkpointer, _Capture
 
 log = logging.getLogger(__name__)
 
 DCP_DIR = "dcp"
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EROFS}
 
 
 def rng_stem(rank: int) -> str:
     return f"rng-rank{rank}"
-
-
-def _storage_error(e: BaseException | None) -> bool:
-    return isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS
 
 
 # ---------------------------------------------------------------- save
@@ -68,38 +60,25 @@ def sharded_state(model: torch.nn.Module | None, optimizer: Any) -> dict[str, An
     return {"model": msd, "optim": osd}
 
 
-def write(ck: Checkpointer, cap: _Capture) -> Path | None:
+def write(target: SaveTarget, cap: Capture) -> Path | None:
     """Write this rank's part of `cap`; rank 0 commits. Collective: every rank calls it at the
     same step. Returns the committed path, or None when the save was skipped (no space, a
     storage error on some rank)."""
     w = cap.world
     assert w is not None
-    pending, name = None, None
-    why = "rank 0 could not start the checkpoint"
+    pending, why = None, "rank 0 could not start the checkpoint"
     if w.leader:
-        try:
-            need = cap.nbytes * (w.size if cap.sharded is not None else 1)
-            short = ck._make_room(need)
-            if short is None:
-                pending = PendingCheckpoint(ck.ckpt_dir, cap.step, fsync=ck.fsync,
-                                            hash_alg=alg_for(ck.key))
-                name = pending.tmp.name
-            else:
-                why = short
-        except OSError as e:
-            if not _storage_error(e):
-                raise
-            why = os.strerror(e.errno)
-    name = dist.broadcast(name)
+        pending, why = _start(target, cap, w)
+    name = dist.broadcast(None if pending is None else pending.tmp.name)
     if name is None:
-        _skipped(ck, w, cap.step, why)
+        _skipped(target, w, cap.step, why)
         return None
     if pending is None:
-        pending = PendingCheckpoint.adopt(ck.ckpt_dir, cap.step, ck.ckpt_dir / name,
-                                          fsync=ck.fsync, hash_alg=alg_for(ck.key))
+        pending = PendingCheckpoint.adopt(target.ckpt_dir, cap.step, target.ckpt_dir / name,
+                                          fsync=target.fsync, hash_alg=alg_for(target.key))
     error: BaseException | None = None
     try:
-        _write_part(pending, cap, ck.fsync)
+        _write_part(pending, cap, target.fsync)
     except BaseException as e:  # every rank learns of it below; re-raised there
         error = e
     try:
@@ -112,9 +91,9 @@ def write(ck: Checkpointer, cap: _Capture) -> Path | None:
     if not ok:
         if w.leader:
             pending.abort()
-        if error is not None and not _storage_error(error):
+        if error is not None and not storage_error(error):
             raise error
-        _skipped(ck, w, cap.step, os.strerror(error.errno) if isinstance(error, OSError)
+        _skipped(target, w, cap.step, os.strerror(error.errno) if isinstance(error, OSError)
                  else "another rank could not write its part")
         return None
     parts = dist.gather((pending.files, pending.tensors))
@@ -122,28 +101,43 @@ def write(ck: Checkpointer, cap: _Capture) -> Path | None:
     if w.leader:
         assert parts is not None
         try:
-            committed = _commit(ck, pending, cap, parts)
+            committed = _commit(target, pending, cap, parts)
         except OSError as e:
             pending.abort()
-            if not _storage_error(e):
+            if not storage_error(e):
                 raise
             why = os.strerror(e.errno)
     committed = dist.broadcast(committed)  # no rank goes on before the commit
     if committed is None:
-        _skipped(ck, w, cap.step, why)
+        _skipped(target, w, cap.step, why)
         return None
-    return ck.ckpt_dir / committed
+    return target.ckpt_dir / committed
 
 
-def _skipped(ck: Checkpointer, w: dist.World, step: int, why: str) -> None:
+def _start(target: SaveTarget, cap: Capture, w: dist.World
+           ) -> tuple[PendingCheckpoint | None, str]:
+    """Rank 0: make room and the temp dir every rank writes into; or say why not."""
+    try:
+        short = target.make_room(cap.nbytes * (w.size if cap.sharded is not None else 1))
+        if short is not None:
+            return None, short
+        return PendingCheckpoint(target.ckpt_dir, cap.step, fsync=target.fsync,
+                                 hash_alg=alg_for(target.key)), ""
+    except OSError as e:
+        if not storage_error(e):
+            raise
+        return None, os.strerror(e.errno)
+
+
+def _skipped(target: SaveTarget, w: dist.World, step: int, why: str) -> None:
     """Every rank counts the skipped save; rank 0 alone reports it (one event per save)."""
     if w.leader:
-        ck._skip(step, why)
+        target.skip(step, why)
     else:
-        ck.skipped_saves += 1
+        target.skipped += 1
 
 
-def _write_part(pending: PendingCheckpoint, cap: _Capture, fsync: bool) -> None:
+def _write_part(pending: PendingCheckpoint, cap: Capture, fsync: bool) -> None:
     w = cap.world
     assert w is not None
     for stem, ts in cap.tensors.items():
@@ -170,7 +164,7 @@ def _write_part(pending: PendingCheckpoint, cap: _Capture, fsync: bool) -> None:
                          hash_file(f, pending.hash_alg))
 
 
-def _commit(ck: Checkpointer, pending: PendingCheckpoint, cap: _Capture,
+def _commit(target: SaveTarget, pending: PendingCheckpoint, cap: Capture,
             parts: list[Any]) -> str:
     for files, tensors in parts[1:]:
         for n, entry in files.items():
@@ -182,9 +176,9 @@ def _commit(ck: Checkpointer, pending: PendingCheckpoint, cap: _Capture,
             if rel != MANIFEST and rel not in pending.files:
                 p = Path(root) / n
                 pending.add_file(rel, p.stat().st_size, hash_file(p, pending.hash_alg))
-    if ck.fsync and (pending.tmp / DCP_DIR).is_dir():
+    if target.fsync and (pending.tmp / DCP_DIR).is_dir():
         fsync_dir(pending.tmp / DCP_DIR)
-    return pending.commit(cap.fields, ck.key).name
+    return pending.commit(cap.fields, target.key).name
 
 
 # ---------------------------------------------------------------- restore

@@ -1,0 +1,148 @@
+"""Taking a save's contents at a step boundary: the live training objects (`Components`) turned
+into a `Capture` of CPU tensors, state.json and manifest fields.
+
+One process writes everything. Under torch.distributed, replicated state (DDP: identical on
+every rank) is taken on rank 0 only; sharded state (FSDP/DTensor) is left to DCP; every rank
+adds its own RNG state.
+"""
+
+from __future__ import annotations
+
+import platform
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import supervisor
+from worker import dist, dist_ckpt, state
+from worker.data import Position
+from worker.save_target import FILES, Capture
+from worker.settings import current as current_settings
+from worker.tensors import cpu_contiguous, encode
+
+
+class FrozenBase:
+    """The fingerprint of a trainable-only model's frozen tensors: taken once and saved with
+    each checkpoint, compared on restore (the base model must be the one trained on)."""
+
+    def __init__(self) -> None:
+        self.fingerprint: str | None = None
+
+    def of(self, model: torch.nn.Module) -> str:
+        if self.fingerprint is None:
+            self.fingerprint = state.content_fingerprint(state.frozen_tensors(model))
+        return self.fingerprint
+
+
+@dataclass(frozen=True)
+class Components:
+    """The training objects one checkpoint holds, as given to the Checkpointer."""
+
+    model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    scaler: Any
+    data: Position | None
+    trainable_only: bool
+    sharded: bool | None  # None: detect (DTensor / FSDP parameters) when asked
+    frozen: FrozenBase
+
+    def is_sharded(self) -> bool:
+        return self.sharded if self.sharded is not None else dist.is_sharded(self.model)
+
+    def samples(self) -> int | None:
+        return self.data.samples_seen if self.data is not None else None
+
+
+def capture(parts: Components, step: int, epoch: int, lr_scale: float,
+            metrics: dict[str, Any], extra: dict[str, Any]) -> Capture:
+    w = dist.world()
+    if w is not None:
+        return _capture_dist(parts, w, step, epoch, lr_scale, metrics, extra)
+    return _capture_local(parts, step, epoch, lr_scale, metrics, extra)
+
+
+def _capture_dist(parts: Components, w: dist.World, step: int, epoch: int, lr_scale: float,
+                  metrics: dict[str, Any], extra: dict[str, Any]) -> Capture:
+    sharded = parts.is_sharded()
+    if sharded and parts.trainable_only:
+        raise ValueError("trainable_only is not supported with sharded (FSDP/DTensor) state")
+    rng_tensors, rng_plain = state.rng_state()
+    sharded_sd = dist_ckpt.sharded_state(parts.model, parts.optimizer) if sharded else None
+    if w.leader:
+        # Replicated state (DDP: identical on every rank) is written once, by rank 0.
+        cap = _capture_local(parts, step, epoch, lr_scale, metrics, extra, rng=False,
+                             components=not sharded)
+        cap.fields["info"].update(world_size=w.size,
+                                  layout="sharded" if sharded else "replicated")
+    else:
+        cap = Capture(step, {}, {}, {})
+    stem = dist_ckpt.rng_stem(w.rank)
+    cap.tensors[stem] = {k: cpu_contiguous(v) for k, v in rng_tensors.items()}
+    cap.world, cap.rank_rng, cap.sharded = w, rng_plain, sharded_sd
+    return cap
+
+
+def _capture_local(parts: Components, step: int, epoch: int, lr_scale: float,
+                   metrics: dict[str, Any], extra: dict[str, Any], rng: bool = True,
+                   components: bool = True) -> Capture:
+    tensors: dict[str, dict[str, torch.Tensor]] = {stem: {} for stem in FILES}
+    st: dict[str, Any] = {"step": step, "epoch": epoch, "lr_scale": lr_scale}
+    info: dict[str, Any] = {"trainable_only": parts.trainable_only, "world_size": 1}
+    model, fingerprint = parts.model, None
+    if model is not None:
+        if components:
+            tensors["model"] = state.model_tensors(model, parts.trainable_only)
+        fingerprint = state.fingerprint_items(model.state_dict())
+        if components and parts.trainable_only:
+            info["frozen_fingerprint"] = parts.frozen.of(model)
+    if parts.optimizer is not None and components:
+        opt_tensors, st["optimizer"] = state.optimizer_state(parts.optimizer, model)
+        if parts.trainable_only:
+            keep = set(tensors["model"])
+            opt_tensors = {k: v for k, v in opt_tensors.items()
+                           if k.startswith("@") or k.rpartition("/")[0] in keep}
+        tensors["optimizer"] = opt_tensors
+    _capture_rest(parts, st, tensors["extra"], extra, rng)
+    for stem in FILES:
+        tensors[stem] = {k: cpu_contiguous(v) for k, v in tensors[stem].items()}
+    fields = {
+        "epoch": epoch, "samples_seen": parts.samples() or 0, "fingerprint": fingerprint,
+        "environment": environment(model), "settings": current_settings(),
+        "metrics": {k: number(v) for k, v in metrics.items()}, "info": info,
+    }
+    return Capture(step, tensors, st, fields)
+
+
+def _capture_rest(parts: Components, st: dict[str, Any], ex: dict[str, torch.Tensor],
+                  extra: dict[str, Any], rng: bool) -> None:
+    """Scheduler, scaler, data position, RNG and the user's extras: into state.json (`st`),
+    their tensors into extra.safetensors (`ex`)."""
+    if parts.scheduler is not None:
+        st["scheduler"] = encode(parts.scheduler.state_dict(), ex, "scheduler")
+    if parts.scaler is not None:
+        st["scaler"] = encode(parts.scaler.state_dict(), ex, "scaler")
+    if parts.data is not None:
+        st.update(parts.data.state_dict(ex))
+    if rng:
+        rng_tensors, st["rng"] = state.rng_state()
+        ex.update(rng_tensors)
+    st["extra"] = encode(extra, ex, "extra")
+
+
+def number(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    return v
+
+
+def environment(model: torch.nn.Module | None) -> dict[str, Any]:
+    device = "cpu"
+    if model is not None:
+        p = next(iter(model.parameters()), None)
+        device = p.device.type if p is not None else "cpu"
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "device": device, "rtrain": supervisor.__version__,
+            "host": socket.gethostname()}
