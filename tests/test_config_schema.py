@@ -213,6 +213,17 @@ def test_runtime_objects_have_no_defaults_for_settings():
                 assert f.default_factory is dataclasses.MISSING, f"{cls.__name__}.{f.name}"
 
 
+def test_functions_that_take_a_setting_have_no_default_for_it():
+    import inspect
+
+    from supervisor.decide.classify import classify
+    from supervisor.proc.logcap import CappedLog
+
+    param = inspect.signature(classify).parameters["memory_pressure_fraction"]
+    assert param.default is inspect.Parameter.empty
+    assert inspect.signature(CappedLog).parameters["cap_bytes"].default is inspect.Parameter.empty
+
+
 def test_watch_config_is_built_from_every_setting_it_uses():
     cfg = Config(stop_signal="SIGUSR1", grace_s=7.0, sample_interval_s=0.25,
                  hang=HangConfig(timeout_s=11.0, multiple=3.0, warmup_steps=4, floor_s=2.0,

@@ -94,10 +94,12 @@ def _failure(kind: FailureKind, reason: str, ev: Evidence) -> Failure:
                    evidence=ev)
 
 
-def classify(evidence: Evidence, *, memory_pressure_fraction: float = 0.9) -> Failure:
+def classify(evidence: Evidence, *, memory_pressure_fraction: float) -> Failure:
     """The kind of failure that ended the attempt, with the sentence a person reads.
 
     Call it only for attempts that did not exit 0 (exit 0 is success, not a failure).
+    `memory_pressure_fraction` is the setting of that name (config.py): a SIGKILL once memory
+    use reached this share of the total counts as a host OOM.
     """
     ev = evidence
     if ev.returncode == 0 and not ev.signal:
