@@ -29,7 +29,7 @@ ENV_HEARTBEAT = "RTRAIN_HEARTBEAT"
 ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
 ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's checkpoint generation (ckpt/generation.py)
 
-DUMP_SIGNAL = "SIGUSR2"  # RTRAIN_DUMP_SIGNAL's value: the supervisor sends it, the worker dumps
+DUMP_SIGNAL = "SIGUSR2"  # RTRAIN_DUMP_SIGNAL: on it the worker writes its stacks (faulthandler)
 # `Heartbeat.max_step_interval` leaves out the worker's first this-many step intervals (compile,
 # autotune). The worker's own measure, fixed by the protocol; [hang] warmup_steps is separate:
 # the step heartbeats the supervisor sees before it uses any interval.
@@ -61,7 +61,7 @@ class Heartbeat:
     step: int | None = None
     loss: float | None = None
     samples_per_s: float | None = None
-    max_step_interval: float | None = None  # longest step interval after the first 3 (above)
+    max_step_interval: float | None = None  # longest, after MAX_INTERVAL_WARMUP_STEPS
     next_save_step: int | None = None
     settings: dict[str, Any] | None = None  # settings the worker actually uses (after back-off)
     reason: str | None = None  # save_skipped: why that checkpoint was not written

@@ -56,6 +56,7 @@ class WatchConfig:
     sample_interval_s: float
     """Process tree, host memory and GPU sampling period."""
     hang: HangPolicy
+    """When silence means the child is stuck (`[hang]`)."""
     hang_grace_s: float = 15.0
     """From the stop signal to SIGKILL for a hung child or a lost GPU (it will not save)."""
     dump_signal: int = signal.Signals[DUMP_SIGNAL]
