@@ -20,12 +20,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 KIDS = ROOT / "scripts" / "bench_children"
 
+from supervisor.config import Config, HangConfig  # noqa: E402
 from supervisor.proc.heartbeat import HangPolicy, HeartbeatReceiver  # noqa: E402
 from supervisor.proc.spawn import ChildSpec, spawn  # noqa: E402
 from supervisor.proc.watch import WatchConfig, watch  # noqa: E402
@@ -44,7 +46,7 @@ def detection(tmp: Path, n: int) -> list[float]:
         stamp = tmp / f"det{i}"
         child = spawn(ChildSpec(argv=[sys.executable, "-c", code, str(stamp)], env=env(),
                                 cwd=tmp, attempt_dir=tmp / f"det-a{i}"))
-        ret = watch(child, WatchConfig(sweep_confirm_s=0.5))
+        ret = watch(child, replace(WatchConfig.from_config(Config()), sweep_confirm_s=0.5))
         done = time.monotonic()
         child.close()
         assert ret.evidence.returncode == 3
@@ -138,8 +140,9 @@ def hang_latency(tmp: Path, n: int) -> list[float]:
                 argv=[sys.executable, str(KIDS / "busy.py"), "2", str(mark)],
                 env=env(RTRAIN_HEARTBEAT=hb.name, RTRAIN_STATUS=str(tmp / f"hang-a{i}")),
                 cwd=tmp, attempt_dir=tmp / f"hang-a{i}"))
-            cfg = WatchConfig(hang=HangPolicy(floor_s=1.0, multiple=2.0, warmup_steps=3),
-                              hang_grace_s=1.0, sample_interval_s=0.5, dump_timeout_s=3.0)
+            hang = HangPolicy.from_config(HangConfig(floor_s=1.0, multiple=2.0, warmup_steps=3))
+            cfg = replace(WatchConfig.from_config(Config(sample_interval_s=0.5)), hang=hang,
+                          hang_grace_s=1.0, dump_timeout_s=3.0)
             ret = watch(child, cfg, heartbeats=hb)
             child.close()
         assert ret.evidence.hang, ret.evidence

@@ -166,7 +166,8 @@ def launch(
                                                help="Run a module: python -m MODULE.")] = None,
     resume: Annotated[str | None, typer.Option(
         "--resume", metavar="auto|never|PATH",
-        help="auto: newest verified checkpoint (default); never: start fresh; PATH: this one.")
+        help="auto: newest verified checkpoint; never: start fresh; PATH: this one (default "
+             "auto).")
     ] = None,
     resume_arg: Annotated[list[str] | None, typer.Option(
         "--resume-arg", metavar="TEMPLATE",
@@ -188,18 +189,21 @@ def launch(
              "config follow it. Default 20. Apart from it, [restart] crash_loop_k (3) stops "
              "a run whose attempts end in a row without a newer checkpoint.")] = None,
     grace: Annotated[float | None, typer.Option(
-        "--grace", metavar="SECONDS", help="From the stop signal to SIGKILL.")] = None,
+        "--grace", metavar="SECONDS",
+        help="From the stop signal to SIGKILL: time to save and exit (default 30).")] = None,
     stop_signal: Annotated[str | None, typer.Option(
-        "--stop-signal", metavar="SIG", help="Signal that asks the child to save and exit 75.")
-    ] = None,
+        "--stop-signal", metavar="SIG",
+        help="Signal that asks the child to save and exit 75 (default SIGTERM).")] = None,
     hang_timeout: Annotated[float | None, typer.Option(
         "--hang-timeout", metavar="SECONDS",
-        help="Plain scripts: hung after this long without output or CPU progress.")] = None,
+        help="Hung after this long without output or CPU progress (plain scripts), or "
+             "without a heartbeat before the step timeout is learned (default 1800).")] = None,
     sets: Annotated[list[str] | None, typer.Option(
         "--set", metavar="KNOB=VALUE", help="Set a knob's starting value (repeatable).")] = None,
     requeue: Annotated[bool | None, typer.Option(
         "--requeue/--no-requeue", show_default=False,
-        help="On preemption under Slurm, requeue the job (else exit 75).")] = None,
+        help="On preemption under Slurm, requeue the job, else exit 75 (default no).")
+    ] = None,
     no_backoff: Annotated[bool, typer.Option("--no-backoff",
                                              help="Relaunch at once after a failure.")] = False,
     fresh: Annotated[bool, typer.Option(
@@ -213,7 +217,8 @@ def launch(
         "--python", metavar="EXE", help="Interpreter for SCRIPT (default: rtrain's).")] = None,
     metrics_file: Annotated[Path | None, typer.Option(
         "--metrics-file", metavar="PATH",
-        help="Write Prometheus metrics here (textfile collector), replaced atomically.")] = None,
+        help="Write Prometheus metrics here (textfile collector), replaced atomically "
+             "(default none).")] = None,
     nproc_per_node: Annotated[int | None, typer.Option(
         "--nproc-per-node", metavar="N",
         help="Run SCRIPT under torchrun with N ranks on this node (rtrain owns restarts).")
@@ -234,9 +239,12 @@ def launch(
         from supervisor.launch.loop import launch as run_launch
 
         cwd = Path.cwd()
+        # Option -> config key; each option's help states the key's default (config.py owns
+        # it; tests/test_config_schema.py holds the two together).
         overrides = {"resume": resume, "run_dir": run_dir, "ckpt_dir": ckpt_dir,
-                     "max_restarts": max_restarts, "grace_s": grace, "stop_signal": stop_signal,
-                     "timeout_s": hang_timeout, "requeue": requeue,
+                     "restart.max_restarts": max_restarts, "grace_s": grace,
+                     "stop_signal": stop_signal, "hang.timeout_s": hang_timeout,
+                     "requeue": requeue,
                      "settings": _parse_sets(sets or []) or None,
                      "backoff.enabled": False if no_backoff else None,
                      "metrics_file": metrics_file}

@@ -1,28 +1,15 @@
 """Typed configuration for `rtrain launch`, resolved in one place (`load_config`).
 
 Sources: `--config FILE`, else `rtrain.toml` (top level, or its `[rtrain]` table), else
-`[tool.rtrain]` in `pyproject.toml`, all looked up in the current directory. Schema (defaults):
+`[tool.rtrain]` in `pyproject.toml`, all looked up in the current directory. Precedence:
+command line > file > defaults.
 
-    run_dir = "rtrain-run"         ckpt_dir = "<run_dir>/checkpoints"
-    resume = "auto"                # auto | never | PATH
-    verify = "full"                # quick | full
-    requeue = false                grace_s = 30.0        stop_signal = "SIGTERM"
-    sample_interval_s = 1.0        gpu_release_wait_s = 10.0
-    memory_pressure_fraction = 0.9 restore_after_steps = 0    lr_factor_on_nonfinite = 0.5
-    [restart]  max_restarts = 20   crash_loop_k = 3   forgive_after_steps = 20
-               forgive_after_s = 600.0  quarantine_after = 2  max_failures_per_hour = 10
-               give_up_on_rate = false
-    [restart.budgets]  crash = 3  oom = 6  hang = 3  nonfinite = 2  lost_device = 2  data = 1
-    [backoff]  enabled = true  initial_s = 1.0  factor = 2.0  max_s = 300.0  jitter = 0.25
-    [hang]     timeout_s = 1800.0  multiple = 10.0  warmup_steps = 20  floor_s = 60.0
-               ceiling_s = 3600.0  save_allowance_s = 600.0
-    [settings] any knob = JSON-able value, e.g. batch_size = 64
-    [[ladder]] knob = "batch_size"  action = "halve"  floor = 1  compensate = "grad_accum"
-    metrics_file = PATH            # Prometheus text format, rewritten atomically (none: off)
-    summary_every_s = 5.0          # heartbeat_summary events while a child runs
-    log_cap_mb = 64.0              # per attempt log: its head and newest output are kept
-    file_mode = "0600"             # files rtrain writes; dirs it creates get x too (filemode.py)
-    [[hooks]]  on = ["give_up", "degrade", "hang"]  command = [...]  timeout_s = 10.0
+The dataclasses below are the schema: each key's name, default and meaning are defined there
+once (the attribute docstring after each field), and everything else is built from them:
+`proc.watch.WatchConfig.from_config` and `proc.heartbeat.HangPolicy.from_config` for the
+supervisor's runtime, RTRAIN_* variables for the worker. docs/design.md ("Configuration") shows
+the same schema as TOML and `rtrain launch --help` names the defaults; tests/test_config_schema.py
+fails when either says otherwise.
 """
 
 from __future__ import annotations
@@ -188,17 +175,21 @@ class HangConfig:
     """`[hang]`: when silence means the child is stuck."""
 
     timeout_s: float = 1800.0
-    """Plain scripts (no heartbeats): no output and no CPU progress for this long is a hang."""
+    """No sign of life for this long is a hang (`--hang-timeout`): for a plain script (no
+    heartbeats), no output and no CPU progress; for a script that sends heartbeats, no
+    heartbeat until the timeout is learned (start-up: imports, compilation, warm-up steps)."""
     multiple: float = 10.0
-    """Heartbeat scripts: the timeout is this multiple of the longest step interval seen."""
+    """Heartbeat scripts: the learned timeout is this multiple of the longest step interval."""
     warmup_steps: int = 20
-    """Steps to see before learning the timeout (first steps compile, warm caches)."""
+    """Step heartbeats (at most five a second) to see before step intervals count and the
+    timeout is learned; the first steps compile and warm caches."""
     floor_s: float = 60.0
     """The learned timeout is never shorter than this."""
     ceiling_s: float = 3600.0
     """The learned timeout is never longer than this."""
     save_allowance_s: float = 600.0
-    """Extra silence allowed while the worker says a checkpoint is being saved."""
+    """While the worker says a checkpoint is being saved, at least this long from the save's
+    start counts as alive."""
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "floor_s", "ceiling_s", "save_allowance_s"):
@@ -241,7 +232,8 @@ class Config:
     requeue: bool = False
     """On a preemption signal, requeue the Slurm job instead of exiting 75."""
     grace_s: float = 30.0
-    """After the stop signal, how long the child may take to save and exit before SIGKILL."""
+    """After the stop signal, how long the child may take to save and exit before SIGKILL
+    (`--grace`). A hung child, which will not save, gets a short fixed one (proc/watch.py)."""
     stop_signal: str = "SIGTERM"
     """Signal forwarded to the child to ask it to save and exit (a name, e.g. SIGUSR1)."""
     sample_interval_s: float = 1.0

@@ -10,7 +10,10 @@ import enum
 
 
 class ExitCode(enum.IntEnum):
-    """Exit statuses of the `rtrain` command (documented in README and docs/design.md)."""
+    """Every exit status with a meaning: `rtrain`'s own (documented in README and
+    docs/design.md) and the ones a worker exits with on purpose (contract 2). PREEMPTED is both:
+    the worker exits 75 after saving on a stop request, and so does rtrain when it stops for
+    preemption. The worker imports these through `supervisor.protocol` (torch-free)."""
 
     OK = 0
     GAVE_UP = 1  # launch: budget, crash loop or ladder floor; inspect: a verification failed
@@ -19,6 +22,10 @@ class ExitCode(enum.IntEnum):
     ALREADY_SUPERVISED = 4  # another live rtrain holds this run directory
     GAVE_UP_EARLIER = 5  # launch: the run gave up before; nothing launched (--retry, --fresh)
     PREEMPTED = 75  # stopped on request, checkpoint saved: requeue me (EX_TEMPFAIL)
+    # Worker only: the checkpoint in RTRAIN_RESUME_FROM cannot be loaded (EX_DATAERR). The exit
+    # record (kind `bad_checkpoint`) is what the supervisor acts on; the code alone is not
+    # trusted, since any script may exit 65 for reasons of its own.
+    BAD_CHECKPOINT = 65
 
 
 class RtrainError(Exception):

@@ -14,6 +14,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from supervisor.errors import ExitCode
+
 PROTOCOL_VERSION = 1
 
 ENV_RUN_DIR = "RTRAIN_RUN_DIR"
@@ -27,11 +29,15 @@ ENV_HEARTBEAT = "RTRAIN_HEARTBEAT"
 ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
 ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's checkpoint generation (ckpt/generation.py)
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a committed checkpoint
-# EX_DATAERR: the checkpoint in RTRAIN_RESUME_FROM cannot be loaded. The exit record (kind
-# `bad_checkpoint`, extra.checkpoint = the path) is what the supervisor acts on; the code
-# alone is not trusted, since any script may exit 65 for reasons of its own.
-EXIT_BAD_CHECKPOINT = 65
+DUMP_SIGNAL = "SIGUSR2"  # RTRAIN_DUMP_SIGNAL: on it the worker writes its stacks (faulthandler)
+# `Heartbeat.max_step_interval` leaves out the worker's first this-many step intervals (compile,
+# autotune). The worker's own measure, fixed by the protocol; [hang] warmup_steps is separate:
+# the step heartbeats the supervisor sees before it uses any interval.
+MAX_INTERVAL_WARMUP_STEPS = 3
+
+# The worker's exit statuses, names for `errors.ExitCode` members (defined there only).
+EXIT_PREEMPTED = ExitCode.PREEMPTED  # stopped on request after a committed checkpoint
+EXIT_BAD_CHECKPOINT = ExitCode.BAD_CHECKPOINT  # RTRAIN_RESUME_FROM cannot be loaded
 
 
 def socket_address(name: str) -> str | bytes:
@@ -55,7 +61,7 @@ class Heartbeat:
     step: int | None = None
     loss: float | None = None
     samples_per_s: float | None = None
-    max_step_interval: float | None = None  # longest step interval so far, after warm-up
+    max_step_interval: float | None = None  # longest, after MAX_INTERVAL_WARMUP_STEPS
     next_save_step: int | None = None
     settings: dict[str, Any] | None = None  # settings the worker actually uses (after back-off)
     reason: str | None = None  # save_skipped: why that checkpoint was not written

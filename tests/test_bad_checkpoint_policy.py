@@ -17,13 +17,15 @@ BAD = {"kind": "bad_checkpoint", "reason": "checkpoint-8: cannot load: model.saf
 def test_the_record_names_the_attempt_over_what_other_ranks_report():
     crash = {"kind": "crash", "reason": "collective failed", "rank": 0, "time": 1.0}
     oom = {"kind": "oom_gpu", "reason": "CUDA out of memory", "rank": 2, "time": 3.0}
-    f = classify(Evidence(returncode=1, exit_records=[crash, BAD, oom]))
+    f = classify(Evidence(returncode=1, exit_records=[crash, BAD, oom]),
+                 memory_pressure_fraction=Config().memory_pressure_fraction)
     assert f.kind is FailureKind.BAD_CHECKPOINT
     assert f.reason.startswith("rank 1: checkpoint-8: cannot load: model.safetensors")
 
 
 def test_exit_65_without_a_record_is_not_a_bad_checkpoint():
-    f = classify(Evidence(returncode=65, first_step_seen=True, stderr_tail="bye"))
+    f = classify(Evidence(returncode=65, first_step_seen=True, stderr_tail="bye"),
+                 memory_pressure_fraction=Config().memory_pressure_fraction)
     assert f.kind is FailureKind.CRASH
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import child_spec
 
+from supervisor.config import Config
 from supervisor.proc.cgroup import MemoryCgroup, limited_v1_group, memory_cgroup
 from supervisor.proc.spawn import spawn
 from supervisor.proc.watch import WatchConfig, watch
@@ -35,7 +36,7 @@ def test_cgroup_limit_kill_is_counted(tmp_path):
     try:
         child = spawn(child_spec(tmp_path, "alloc.py", cgroup_dir=group.path))
         try:
-            outcome = watch(child, WatchConfig(sample_interval_s=0.1))
+            outcome = watch(child, WatchConfig.from_config(Config(sample_interval_s=0.1)))
         finally:
             child.close()
     finally:

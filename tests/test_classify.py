@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from supervisor.config import Config
 from supervisor.decide.classify import classify
 from supervisor.decide.failures import Evidence, FailureKind
+
+FRACTION = Config().memory_pressure_fraction  # what rtrain launch classifies with
 
 GiB = 2**30
 K = FailureKind
@@ -83,7 +86,7 @@ CASES = [
 
 @pytest.mark.parametrize(("name", "evidence", "kind", "phrases"), CASES, ids=[c[0] for c in CASES])
 def test_classify(name, evidence, kind, phrases):
-    failure = classify(evidence)
+    failure = classify(evidence, memory_pressure_fraction=FRACTION)
     assert failure.kind is kind, failure.reason
     for phrase in phrases:
         assert phrase in failure.reason
@@ -93,10 +96,10 @@ def test_classify(name, evidence, kind, phrases):
 
 def test_memory_pressure_fraction_is_a_parameter():
     e = ev(signal="SIGKILL", host_mem_total=100, host_mem_available_min=15)
-    assert classify(e).kind is K.CRASH
+    assert classify(e, memory_pressure_fraction=FRACTION).kind is K.CRASH
     assert classify(e, memory_pressure_fraction=0.8).kind is K.OOM_HOST
 
 
 def test_exit_zero_is_not_a_failure():
     with pytest.raises(ValueError):
-        classify(ev(returncode=0))
+        classify(ev(returncode=0), memory_pressure_fraction=FRACTION)

@@ -3,7 +3,8 @@
 from supervisor.proc.heartbeat import HangClock, HangPolicy
 from supervisor.protocol import Heartbeat
 
-P = HangPolicy(startup_s=100.0, warmup_steps=0, multiple=10.0, floor_s=5.0, ceiling_s=50.0)
+P = HangPolicy(startup_s=100.0, warmup_steps=0, multiple=10.0, floor_s=5.0, ceiling_s=50.0,
+               save_allowance_s=900.0, plain_timeout_s=1800.0)
 
 
 def hb(rank, step=None, event="step"):

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from supervisor import cli
+from supervisor.config import Config
 from supervisor.decide.classify import classify
 from supervisor.decide.failures import Evidence
 from supervisor.errors import StateMismatch
@@ -81,7 +82,7 @@ def test_earliest_failing_rank_names_the_attempt():
     ev = Evidence(returncode=1, exit_records=[
         {"kind": "crash", "reason": "gloo: connection closed by peer", "rank": 0, "time": 12.0},
         {"kind": "crash", "reason": "ValueError: bad batch", "rank": 1, "time": 10.0}])
-    f = classify(ev)
+    f = classify(ev, memory_pressure_fraction=Config().memory_pressure_fraction)
     assert f.reason.startswith("rank 1: ValueError: bad batch (failed first")
 
 
@@ -91,5 +92,6 @@ def test_torchrun_root_cause_names_a_rank_without_exit_record():
             "  host      : localhost\n  rank      : 1 (local_rank: 1)\n"
             "  exitcode  : -9 (pid: 8026)  (SIGKILL)\n  error_file: <N/A>\n"
             "  traceback : Signal 9 (SIGKILL) received by PID 8026\n" + "=" * 60 + "\n")
-    f = classify(Evidence(returncode=1, stderr_tail=tail, first_step_seen=True, last_step=20))
+    f = classify(Evidence(returncode=1, stderr_tail=tail, first_step_seen=True, last_step=20),
+                 memory_pressure_fraction=Config().memory_pressure_fraction)
     assert "rank 1 failed first: Signal 9 (SIGKILL) received by PID 8026" in f.reason

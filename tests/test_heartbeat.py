@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 
 import pytest
 
@@ -15,7 +16,7 @@ P = HangPolicy(
     multiple=5,
     floor_s=10,
     ceiling_s=60,
-    save_s=300,
+    save_allowance_s=300,
     plain_timeout_s=50,
 )
 
@@ -81,7 +82,7 @@ def test_save_in_progress_gets_its_own_allowance():
 
 def test_policy_rejects_nonsense():
     with pytest.raises(ValueError, match="floor"):
-        HangPolicy(floor_s=10, ceiling_s=5)
+        replace(P, floor_s=10, ceiling_s=5)
 
 
 def test_receiver_drains_valid_heartbeats_and_drops_garbage():

@@ -4,21 +4,31 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 from conftest import child_spec, gone, wait_for
 
+from supervisor.config import Config
 from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
-from supervisor.proc.heartbeat import HangPolicy, HeartbeatReceiver
+from supervisor.proc.heartbeat import HeartbeatReceiver
 from supervisor.proc.spawn import spawn
 from supervisor.proc.watch import SignalCatcher, WatchConfig, watch
 
-FAST = WatchConfig(
+
+def watch_config(*, hang=None, **changes):
+    """What `rtrain launch` watches with by default (config.Config), with these changes;
+    `hang` holds changes to its HangPolicy."""
+    base = WatchConfig.from_config(Config())
+    return replace(base, hang=replace(base.hang, **(hang or {})), **changes)
+
+
+FAST = watch_config(
     sample_interval_s=0.1,
     grace_s=5,
     hang_grace_s=0.5,
     dump_timeout_s=5,
-    hang=HangPolicy(plain_timeout_s=30),
+    hang={"plain_timeout_s": 30},
 )
 GiB = 1 << 30
 
@@ -94,7 +104,7 @@ def test_stop_escalates_to_sigkill_after_grace(tmp_path):
             os.kill(os.getpid(), signal.SIGTERM)
 
     fired: list = []
-    config = WatchConfig(sample_interval_s=0.2, grace_s=0.5)
+    config = watch_config(sample_interval_s=0.2, grace_s=0.5)
     with SignalCatcher() as catcher:
         outcome, _ = _watch(
             tmp_path, "ignore_term.py", config=config, signals=catcher, on_sample=on_sample
@@ -111,16 +121,14 @@ def test_second_sigint_kills_at_once(tmp_path):
             os.kill(os.getpid(), signal.SIGINT)
 
     fired: list = []
-    config = WatchConfig(sample_interval_s=0.1, grace_s=600)  # would take 10 min without it
+    config = watch_config(sample_interval_s=0.1, grace_s=600)  # would take 10 min without it
     outcome, _ = _watch(tmp_path, "ignore_term.py", config=config, on_sample=on_sample)
     assert outcome.hard_stop and outcome.signals == ["SIGINT", "SIGINT"]
     assert outcome.evidence.signal == "SIGKILL" and not outcome.evidence.killed_after_grace
 
 
 def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
-    config = WatchConfig(
-        sample_interval_s=0.1, hang_grace_s=2, hang=HangPolicy(plain_timeout_s=0.6)
-    )
+    config = watch_config(sample_interval_s=0.1, hang_grace_s=2, hang={"plain_timeout_s": 0.6})
     outcome, child = _watch(tmp_path, "hang.py", config=config)
     ev = outcome.evidence
     assert ev.hang and "no output and no CPU progress" in ev.hang_detail
@@ -129,9 +137,7 @@ def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
 
 
 def test_sigstopped_child_is_a_hang(tmp_path):
-    config = WatchConfig(
-        sample_interval_s=0.1, hang_grace_s=2, hang=HangPolicy(plain_timeout_s=0.6)
-    )
+    config = watch_config(sample_interval_s=0.1, hang_grace_s=2, hang={"plain_timeout_s": 0.6})
     outcome, child = _watch(tmp_path, "hang.py", "stop", config=config)
     ev = outcome.evidence
     assert ev.hang and ev.signal == "SIGTERM"  # SIGCONT after SIGTERM lets it act on it
@@ -147,8 +153,8 @@ def _assert_pyspy_stack(outcome, child):
 
 @pytest.mark.slow
 def test_learned_timeout_catches_silent_worker(tmp_path):
-    hang = HangPolicy(startup_s=20, warmup_steps=2, multiple=4, floor_s=0.5, ceiling_s=3)
-    config = WatchConfig(sample_interval_s=0.1, hang_grace_s=0.5, hang=hang)
+    hang = {"startup_s": 20, "warmup_steps": 2, "multiple": 4, "floor_s": 0.5, "ceiling_s": 3}
+    config = watch_config(sample_interval_s=0.1, hang_grace_s=0.5, hang=hang)
     with HeartbeatReceiver() as receiver:
         outcome, child = _watch(
             tmp_path, "worker_steps.py", "silent", config=config, heartbeats=receiver
@@ -186,6 +192,6 @@ def test_failing_callback_stops_the_child_and_propagates(tmp_path):
 
     with pytest.raises(RuntimeError, match="status line broke"):
         _watch(
-            tmp_path, "ignore_term.py", config=WatchConfig(hang_grace_s=0.2), on_sample=on_sample
+            tmp_path, "ignore_term.py", config=watch_config(hang_grace_s=0.2), on_sample=on_sample
         )
     assert seen and all(gone(pid, 2) for pid in seen)

@@ -8,7 +8,8 @@ Handlers only set a flag; the training loop checks `should_stop()` at a step bou
 exits 75. `install()` replaces any handler already set for those signals.
 
 Stacks. Under rtrain, faulthandler writes all threads' stacks to $RTRAIN_STATUS/stacks-<pid>.txt
-on RTRAIN_DUMP_SIGNAL (default SIGUSR2); the supervisor sends it before stopping a hung child.
+on RTRAIN_DUMP_SIGNAL (default SIGUSR2, `protocol.DUMP_SIGNAL`); the supervisor sends it before
+stopping a hung child.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.protocol import (
+    DUMP_SIGNAL,
     ENV_ATTEMPT,
     ENV_DUMP_SIGNAL,
     ENV_HEARTBEAT,
     ENV_STATUS,
     ENV_STOP_SIGNAL,
+    MAX_INTERVAL_WARMUP_STEPS,
     ExitRecord,
     Heartbeat,
     exit_record_name,
@@ -40,7 +43,6 @@ from supervisor.protocol import (
 log = logging.getLogger(__name__)
 
 STEP_THROTTLE_S = 0.2  # at most this often a "step" heartbeat; other events always go out
-WARMUP_STEPS = 3  # step intervals not counted toward the longest one (compile, autotune)
 _TRACEBACK_TAIL = 4000
 _clock = time.monotonic  # a seam for tests
 
@@ -112,7 +114,7 @@ def install() -> None:
         log.warning("rtrain worker installed off the main thread: stop signals not handled")
     status = os.environ.get(ENV_STATUS)
     if status:
-        dump = _signal(os.environ.get(ENV_DUMP_SIGNAL) or "SIGUSR2")
+        dump = _signal(os.environ.get(ENV_DUMP_SIGNAL) or DUMP_SIGNAL)
         _state.dump_file = open(Path(status) / f"stacks-{os.getpid()}.txt", "w")  # noqa: SIM115
         faulthandler.register(dump, file=_state.dump_file, all_threads=True, chain=False)
     address = os.environ.get(ENV_HEARTBEAT)
@@ -152,7 +154,7 @@ def heartbeat(
         return
     now = _clock()
     if event == "step" and step is not None:
-        if s.last_step_time is not None and s.steps >= WARMUP_STEPS:
+        if s.last_step_time is not None and s.steps >= MAX_INTERVAL_WARMUP_STEPS:
             interval = now - s.last_step_time
             s.max_interval = interval if s.max_interval is None else max(s.max_interval, interval)
         s.steps += 1

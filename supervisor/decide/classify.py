@@ -14,7 +14,7 @@ import signal as _signal
 from typing import Any
 
 from supervisor.decide.failures import Evidence, Failure, FailureKind
-from supervisor.protocol import EXIT_PREEMPTED
+from supervisor.errors import ExitCode
 
 GPU_OOM = re.compile(r"CUDA out of memory|torch\.(cuda\.)?OutOfMemoryError|"
                      r"CUBLAS_STATUS_ALLOC_FAILED|HIP out of memory|CUDA error: out of memory")
@@ -94,10 +94,12 @@ def _failure(kind: FailureKind, reason: str, ev: Evidence) -> Failure:
                    evidence=ev)
 
 
-def classify(evidence: Evidence, *, memory_pressure_fraction: float = 0.9) -> Failure:
+def classify(evidence: Evidence, *, memory_pressure_fraction: float) -> Failure:
     """The kind of failure that ended the attempt, with the sentence a person reads.
 
     Call it only for attempts that did not exit 0 (exit 0 is success, not a failure).
+    `memory_pressure_fraction` is the setting of that name (config.py): a SIGKILL once memory
+    use reached this share of the total counts as a host OOM.
     """
     ev = evidence
     if ev.returncode == 0 and not ev.signal:
@@ -105,7 +107,7 @@ def classify(evidence: Evidence, *, memory_pressure_fraction: float = 0.9) -> Fa
     how = describe_exit(ev)
     if ev.exit_records:
         return _from_records(ev.exit_records, ev)
-    if ev.returncode == EXIT_PREEMPTED:
+    if ev.returncode == ExitCode.PREEMPTED:
         why = f"on {ev.stop_requested}" if ev.stop_requested else "on its own"
         return _failure(FailureKind.PREEMPTED,
                         f"stopped {why} after committing a checkpoint (exit 75)", ev)

@@ -47,7 +47,7 @@ from supervisor.proc import slurm
 from supervisor.proc.console import BestEffortWriter, best_effort_console
 from supervisor.proc.gpu import GpuReader, NvmlReader, wait_gpu_released
 from supervisor.proc.gpu_health import describe, problems
-from supervisor.proc.heartbeat import HangPolicy, HeartbeatReceiver
+from supervisor.proc.heartbeat import HeartbeatReceiver
 from supervisor.proc.leftovers import ProcRecord, end_leftovers
 from supervisor.proc.logcap import STORAGE_ERRNOS
 from supervisor.proc.proctree import ProcTree
@@ -164,16 +164,7 @@ class _Loop:
             self.hooks.report = self.events.emit
         self.gpu = seams.gpu if seams.gpu is not None else NvmlReader()
         self.hb = HeartbeatReceiver()
-        self.watch_cfg = WatchConfig(
-            stop_signal=signal.Signals[self.cfg.stop_signal],
-            grace_s=self.cfg.grace_s,
-            sample_interval_s=self.cfg.sample_interval_s,
-            hang=HangPolicy(startup_s=self.cfg.hang.timeout_s,
-                            warmup_steps=self.cfg.hang.warmup_steps,
-                            multiple=self.cfg.hang.multiple, floor_s=self.cfg.hang.floor_s,
-                            ceiling_s=self.cfg.hang.ceiling_s,
-                            save_s=self.cfg.hang.save_allowance_s,
-                            plain_timeout_s=self.cfg.hang.timeout_s))
+        self.watch_cfg = WatchConfig.from_config(self.cfg)
         self.line = StatusLine(sys.stderr) if spec.echo else None
         self.state = self._load_state()
         self._last_summary = 0.0
@@ -597,7 +588,7 @@ class _Loop:
             self.say(f"finished: {decision.reason}")
             if unsaved:
                 self.say(f"warning: {unsaved}")
-            return 0
+            return decision.exit_code
         if decision.action is Action.GIVE_UP:
             self._save(RunStatus.GAVE_UP, decision.reason, history)
             self.events.emit("give_up", reason=decision.reason, exit_code=decision.exit_code)
@@ -618,7 +609,7 @@ class _Loop:
             self.say(f"stopped: {reason}")
             if unsaved:
                 self.say(f"warning: {unsaved}")
-            return protocol.EXIT_PREEMPTED
+            return decision.exit_code
         self._save(RunStatus.RUNNING, decision.reason, history)
         if decision.quarantine:  # before the next pick, which must pass over it
             self._publish_quarantine(history)
@@ -635,7 +626,7 @@ class _Loop:
             self.events.emit("signal", name=",".join(names))
             self._save(RunStatus.PREEMPTED, f"stopped by {','.join(names)} during backoff",
                        history)
-            return protocol.EXIT_PREEMPTED
+            return ExitCode.PREEMPTED
         return None
 
 

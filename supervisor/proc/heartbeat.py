@@ -9,8 +9,8 @@ the attempt counts as hung. Rules, in order:
   the first data loader fill make these slow): hung `startup_s` after the last heartbeat;
 - after warm-up: hung after clamp(`multiple` × longest step interval, `floor_s`, `ceiling_s`)
   without a heartbeat;
-- while a checkpoint save runs (between `save_begin` and `save_end`), at least `save_s` from the
-  save's start is allowed.
+- while a checkpoint save runs (between `save_begin` and `save_end`), at least
+  `save_allowance_s` from the save's start is allowed.
 
 Several ranks (torchrun): the last heartbeat is kept per rank, and the reference time is the
 *oldest* of them, so one rank that goes silent while the others wait for it in a collective (or
@@ -24,33 +24,52 @@ import os
 import secrets
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from supervisor.protocol import Heartbeat, socket_address
+
+if TYPE_CHECKING:
+    from supervisor.config import HangConfig
 
 
 @dataclass(frozen=True, kw_only=True)
 class HangPolicy:
-    startup_s: float = 600.0
+    """The hang rules' numbers. No defaults here: `from_config` builds it from `[hang]`
+    (`config.HangConfig`), which owns each setting's name, default and meaning."""
+
+    startup_s: float
     """Allowance from the first heartbeat until warm-up is over."""
-    warmup_steps: int = 3
-    """Step intervals ignored while learning (the first steps are slow for unrelated reasons)."""
-    multiple: float = 10.0
+    warmup_steps: int
+    """Step heartbeats seen before intervals count (the first steps are slow for unrelated
+    reasons)."""
+    multiple: float
     """Timeout = this × the longest step interval seen after warm-up..."""
-    floor_s: float = 60.0
+    floor_s: float
     """...but never less than this..."""
-    ceiling_s: float = 1800.0
+    ceiling_s: float
     """...nor more than this."""
-    save_s: float = 900.0
+    save_allowance_s: float
     """Allowance from a `save_begin` heartbeat until its `save_end`."""
-    plain_timeout_s: float = 1800.0
+    plain_timeout_s: float
     """Scripts without heartbeats: hung after this long with no output and no CPU progress."""
 
     def __post_init__(self) -> None:
         if not 0 < self.floor_s <= self.ceiling_s:
             raise ValueError("hang floor must be positive and at most the ceiling")
-        for name in ("startup_s", "multiple", "save_s", "plain_timeout_s"):
+        for name in ("startup_s", "multiple", "plain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hang {name} must be positive")
+        if self.save_allowance_s < 0:  # 0 is allowed, as in [hang]: no extra time for saves
+            raise ValueError("hang save_allowance_s must be zero or more")
+
+    @classmethod
+    def from_config(cls, hang: HangConfig) -> HangPolicy:
+        """The policy `[hang]` asks for: its one `timeout_s` is both the plain-script timeout
+        and the start-up allowance of a script that sends heartbeats."""
+        return cls(startup_s=hang.timeout_s, plain_timeout_s=hang.timeout_s,
+                   warmup_steps=hang.warmup_steps, multiple=hang.multiple,
+                   floor_s=hang.floor_s, ceiling_s=hang.ceiling_s,
+                   save_allowance_s=hang.save_allowance_s)
 
 
 class HangClock:
@@ -118,7 +137,7 @@ class HangClock:
         ref = self.last_activity if self.last_heartbeat is None else self.last_heartbeat
         deadline = ref + allowed
         if self.save_started is not None:
-            deadline = max(deadline, self.save_started + self.policy.save_s)
+            deadline = max(deadline, self.save_started + self.policy.save_allowance_s)
         return deadline
 
     def check(self, now: float) -> str | None:

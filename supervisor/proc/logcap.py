@@ -22,7 +22,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CAP_BYTES = 64 * 1024 * 1024
 # Errors of the storage, not of the program: waited out, never fatal to supervision.
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 _LINE_SEARCH = 4096  # a cut starts at the next line start within this many bytes
@@ -35,7 +34,7 @@ def _mib(n: int) -> str:
 class CappedLog:
     """Append-only log writer; `cap_bytes` None or 0: no cap. Never raises OSError on write."""
 
-    def __init__(self, path: Path, cap_bytes: int | None = DEFAULT_CAP_BYTES) -> None:
+    def __init__(self, path: Path, cap_bytes: int | None) -> None:
         self.path = Path(path)
         self.fd = -1
         self.size = 0

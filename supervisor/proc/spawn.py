@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from supervisor.proc.logcap import DEFAULT_CAP_BYTES, STORAGE_ERRNOS, CappedLog
+from supervisor.proc.logcap import STORAGE_ERRNOS, CappedLog
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,9 @@ class ChildSpec:
     """Join this cgroup (a directory with `cgroup.procs`) before exec, e.g. a memory limit."""
     subreaper: bool = True
     """Make the supervisor a child subreaper so setsid escapees stay our descendants."""
-    log_cap_bytes: int | None = DEFAULT_CAP_BYTES
-    """Each log keeps at most about this much: its head and its newest output (logcap.py)."""
+    log_cap_bytes: int | None = None
+    """Each log keeps at most about this much: its head and its newest output (logcap.py).
+    None: no cap; `rtrain launch` passes its `log_cap_mb` setting."""
 
     def __post_init__(self) -> None:
         if not self.argv:
@@ -66,8 +67,8 @@ class OutputPipe:
     """One of the child's output pipes: read without blocking, copy to a log and the terminal."""
 
     def __init__(self, fd: int, log_path: Path, echo_to: BinaryIO | None, tail_bytes: int,
-                 through: Callable[[bytes, BinaryIO], None] | None = None,
-                 cap_bytes: int | None = DEFAULT_CAP_BYTES) -> None:
+                 through: Callable[[bytes, BinaryIO], None] | None,
+                 cap_bytes: int | None) -> None:
         self.fd = fd
         self.through = through
         os.set_blocking(fd, False)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from supervisor.decide.failures import Evidence
 from supervisor.proc.cgroup import MemoryCgroup, memory_cgroup
@@ -30,7 +31,10 @@ from supervisor.proc.proctree import ProcTree, TreeSample
 from supervisor.proc.spawn import Child
 from supervisor.proc.stacks import dump_stacks
 from supervisor.proc.stop import StopResult, signal_group, stop_group, sweep
-from supervisor.protocol import ExitRecord, Heartbeat
+from supervisor.protocol import DUMP_SIGNAL, ExitRecord, Heartbeat
+
+if TYPE_CHECKING:
+    from supervisor.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +45,21 @@ _DRAIN_S = 0.5  # after the sweep, how long to wait for the pipes' EOF
 
 @dataclass(frozen=True, kw_only=True)
 class WatchConfig:
-    stop_signal: int = signal.SIGTERM
+    """How one attempt is watched. The settings among these have no defaults here:
+    `from_config` takes them from `config.Config`, which owns their names, defaults and
+    meaning. The rest are not settings; their defaults below are their only definition."""
+
+    stop_signal: int
     """Sent to the child's group to ask for "save at the next step boundary and exit 75"."""
-    grace_s: float = 120.0
+    grace_s: float
     """From the stop signal to SIGKILL, when a signal reached the supervisor."""
+    sample_interval_s: float
+    """Process tree, host memory and GPU sampling period."""
+    hang: HangPolicy
+    """When silence means the child is stuck (`[hang]`)."""
     hang_grace_s: float = 15.0
     """From the stop signal to SIGKILL for a hung child or a lost GPU (it will not save)."""
-    sample_interval_s: float = 1.0
-    """Process tree, host memory and GPU sampling period."""
-    hang: HangPolicy = field(default_factory=HangPolicy)
-    dump_signal: int = signal.SIGUSR2
+    dump_signal: int = signal.Signals[DUMP_SIGNAL]
     """RTRAIN_DUMP_SIGNAL: the worker's faulthandler writes its stacks on it."""
     dump_timeout_s: float = 10.0
     """Bound on collecting stacks of a hung child."""
@@ -62,6 +71,13 @@ class WatchConfig:
             raise ValueError("grace must be zero or more seconds")
         if self.sample_interval_s <= 0:
             raise ValueError("sample_interval_s must be positive")
+
+    @classmethod
+    def from_config(cls, config: Config) -> WatchConfig:
+        """What `rtrain launch` watches with: the stop signal, grace, sampling and `[hang]`."""
+        return cls(stop_signal=signal.Signals[config.stop_signal], grace_s=config.grace_s,
+                   sample_interval_s=config.sample_interval_s,
+                   hang=HangPolicy.from_config(config.hang))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,259 @@
+"""One owner per setting: config.py's dataclasses. docs/design.md's schema, `rtrain launch
+--help` and the runtime objects built from them (WatchConfig, HangPolicy) must agree with them."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from supervisor import cli
+from supervisor.config import DEFAULT_BUDGETS, BackoffConfig, Config, HangConfig, RestartConfig
+from supervisor.decide.ladder import DEFAULT_LADDER
+from supervisor.filemode import parse_mode
+from supervisor.proc.heartbeat import HangPolicy
+from supervisor.proc.watch import WatchConfig
+from supervisor.records.hooks import HookSpec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
+SECTIONS = {"restart": RestartConfig, "backoff": BackoffConfig, "hang": HangConfig}
+TABLES = ("settings", "ladder", "hooks")  # tables of the user's own, shown by example
+UNSET = ("ckpt_dir", "metrics_file")  # None by default; design.md shows what they stand for
+
+# `rtrain launch` options that set a config key (dotted: in its table); the rest set none.
+CONFIG_OPTIONS = {
+    "--resume": "resume", "--run-dir": "run_dir", "--ckpt-dir": "ckpt_dir",
+    "--max-restarts": "restart.max_restarts", "--grace": "grace_s",
+    "--stop-signal": "stop_signal", "--hang-timeout": "hang.timeout_s", "--set": "settings",
+    "--requeue": "requeue", "--no-backoff": "backoff.enabled", "--metrics-file": "metrics_file",
+}
+OTHER_OPTIONS = {"script", "--module", "--resume-arg", "--config", "--fresh",
+                 "--retry", "--quiet", "--python", "--nproc-per-node", "--nnodes",
+                 "--rdzv-endpoint", "--rdzv-backend", "--help"}
+# (option, value on the command line, what the config then holds) for the mapping test
+EXAMPLES = {
+    "--resume": ("never", "never"), "--run-dir": ("r", "r"), "--ckpt-dir": ("c", "c"),
+    "--max-restarts": ("7", 7), "--grace": ("7.5", 7.5), "--stop-signal": ("USR1", "SIGUSR1"),
+    "--hang-timeout": ("99", 99.0), "--set": ("batch_size=8", {"batch_size": 8}),
+    "--requeue": (None, True), "--no-backoff": (None, False), "--metrics-file": ("m", "m"),
+}
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _show(value) -> str:
+    """A default as docs and help write it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+# ------------------------------------------------------------------ docs/design.md
+
+def design_schema() -> dict[str, dict[str, object]]:
+    """The ```toml block under "## Configuration", table by table ("" = top level). Several
+    `key = value` pairs on one line are the doc's shorthand; comments are dropped."""
+    text = DESIGN.read_text()
+    section = text[text.index("\n## Configuration\n"):]
+    block = section[section.index("```toml\n") + 8:]
+    block = block[:block.index("```")]
+    tables: dict[str, dict[str, object]] = {"": {}}
+    table = ""
+    pair = re.compile(r'(\w+) = ("[^"]*"|\[[^\]]*\]|[^\s#]+)')
+    for line in block.splitlines():
+        line = re.sub(r'\s#.*$|^#.*$', "", line).strip()
+        header = re.fullmatch(r"\[\[?([\w.]+)\]?\]", line)
+        if header:
+            table = header[1]
+            tables.setdefault(table, {})
+            continue
+        for key, raw in pair.findall(line):
+            assert key not in tables[table], f"design.md: [{table}] {key} given twice"
+            tables[table][key] = tomllib.loads(f"v = {raw}")["v"]
+    return tables
+
+
+def test_design_md_schema_matches_the_dataclasses():
+    doc = design_schema()
+    defaults = Config()
+    top = {f.name for f in dataclasses.fields(Config)}
+    assert set(doc[""]) == top - set(SECTIONS) - set(TABLES), "top-level keys differ"
+    for name in top - set(SECTIONS) - set(TABLES) - set(UNSET):
+        value, shown = getattr(defaults, name), doc[""][name]
+        if name == "file_mode":
+            shown = parse_mode(shown)
+        assert str(shown) == str(value), f"design.md: {name} = {shown!r}, config.py: {value!r}"
+    for section, cls in SECTIONS.items():
+        fields = {f.name for f in dataclasses.fields(cls) if f.init} - {"budgets"}
+        assert set(doc[section]) == fields, f"[{section}] keys differ"
+        for name in fields:
+            value = getattr(getattr(defaults, section), name)
+            assert doc[section][name] == value, (
+                f"design.md: [{section}] {name} = {doc[section][name]!r}, config.py: {value!r}")
+    assert doc["restart.budgets"] == DEFAULT_BUDGETS
+    for table in TABLES:
+        assert table in doc, f"design.md shows no [{table}] table"
+    assert doc["hooks"]["timeout_s"] == HookSpec.__dataclass_fields__["timeout_s"].default
+    assert set(doc["hooks"]) == {f.name for f in dataclasses.fields(HookSpec)}
+    first = DEFAULT_LADDER[0]
+    assert doc["ladder"] == {"knob": first.knob, "action": first.action.value,
+                             "floor": first.floor, "compensate": first.compensate}
+
+
+def test_design_md_names_the_rest_of_the_default_ladder():
+    said = []
+    for rung in DEFAULT_LADDER[1:]:
+        words = f"{rung.knob}: {rung.action.value}"
+        if rung.action.value == "scale":
+            words += f" {rung.factor:g}"
+        if rung.floor is not None:
+            words += f", floor {rung.floor:g}"
+        said.append(words)
+    assert f"# then {'; '.join(said)}." in DESIGN.read_text()
+
+
+def test_schema_parser_sees_a_drifted_default(monkeypatch, tmp_path):
+    # the check above can fail: a changed default in the doc is caught
+    drifted = tmp_path / "design.md"
+    drifted.write_text(DESIGN.read_text().replace("grace_s = 30.0", "grace_s = 120.0"))
+    monkeypatch.setattr(sys.modules[__name__], "DESIGN", drifted)
+    with pytest.raises(AssertionError, match="grace_s"):
+        test_design_md_schema_matches_the_dataclasses()
+
+
+# ------------------------------------------------------------------ rtrain launch --help
+
+def launch_params() -> dict[str, object]:
+    command = typer.main.get_command(cli.app).commands["launch"]
+    out = {}
+    for param in command.params:
+        names = [o for o in param.opts if o.startswith("--")] or [param.name]
+        for name in names:
+            out[name] = param
+        for name in getattr(param, "secondary_opts", []):
+            out[name] = param
+    return out
+
+
+def test_every_launch_option_is_a_config_key_or_known_not_to_be():
+    params = launch_params()
+    unknown = set(params) - set(CONFIG_OPTIONS) - OTHER_OPTIONS - {"--no-requeue"}
+    assert not unknown, f"classify these options in CONFIG_OPTIONS or OTHER_OPTIONS: {unknown}"
+    defaults = Config()
+    for option, key in CONFIG_OPTIONS.items():
+        assert option in params, f"{option} is gone from rtrain launch"
+        _get(defaults, key)  # raises when the key is not a config field
+
+
+@pytest.mark.parametrize("option", sorted(CONFIG_OPTIONS))
+def test_launch_help_states_the_config_default(option):
+    value = _get(Config(), CONFIG_OPTIONS[option])
+    if value is None or isinstance(value, (bool, dict)):
+        return  # no default to state: unset, a switch, or knobs of the user's own
+    help_text = launch_params()[option].help
+    said = help_text.lower().replace("default:", "default")
+    assert f"default {_show(value)}".lower() in said, (
+        f"{option}: help should say 'default {_show(value)}' (config.py): {help_text!r}")
+
+
+def test_launch_help_mentions_of_other_keys_state_their_defaults():
+    defaults = Config()
+    keys = {f.name: f.name for f in dataclasses.fields(Config)}
+    for section in SECTIONS:
+        keys.update({f.name: f"{section}.{f.name}"
+                     for f in dataclasses.fields(SECTIONS[section]) if f.init})
+    for option, param in launch_params().items():
+        for name, shown in re.findall(r"\b(\w+) \(([^)]*)\)", param.help or ""):
+            if name in keys and not isinstance(_get(defaults, keys[name]), dict):
+                assert shown == _show(_get(defaults, keys[name])), (
+                    f"{option} help says {name} ({shown}); config.py: "
+                    f"{_get(defaults, keys[name])!r}")
+
+
+@pytest.mark.parametrize("option", sorted(CONFIG_OPTIONS))
+def test_launch_option_sets_its_config_key(option, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("supervisor.launch.loop.launch", lambda spec: seen.append(spec) or 0)
+    given, expected = EXAMPLES[option]
+    args = ["launch", option, *([] if given is None else [given]), "-m", "train"]
+    result = CliRunner().invoke(cli.app, args)
+    assert result.exit_code == 0, result.output
+    value = _get(seen[0].config, CONFIG_OPTIONS[option])
+    if isinstance(value, Path):
+        value = value.relative_to(tmp_path).as_posix()
+    assert value == expected
+
+
+# ------------------------------------------------------------------ runtime objects
+
+def test_runtime_objects_have_no_defaults_for_settings():
+    for cls, names in ((WatchConfig, ("stop_signal", "grace_s", "sample_interval_s", "hang")),
+                       (HangPolicy, [f.name for f in dataclasses.fields(HangPolicy)])):
+        for f in dataclasses.fields(cls):
+            if f.name in names:
+                assert f.default is dataclasses.MISSING, f"{cls.__name__}.{f.name} has a default"
+                assert f.default_factory is dataclasses.MISSING, f"{cls.__name__}.{f.name}"
+
+
+def test_functions_that_take_a_setting_have_no_default_for_it():
+    import inspect
+
+    from supervisor.decide.classify import classify
+    from supervisor.proc.logcap import CappedLog
+
+    param = inspect.signature(classify).parameters["memory_pressure_fraction"]
+    assert param.default is inspect.Parameter.empty
+    assert inspect.signature(CappedLog).parameters["cap_bytes"].default is inspect.Parameter.empty
+
+
+def test_watch_config_is_built_from_every_setting_it_uses():
+    cfg = Config(stop_signal="SIGUSR1", grace_s=7.0, sample_interval_s=0.25,
+                 hang=HangConfig(timeout_s=11.0, multiple=3.0, warmup_steps=4, floor_s=2.0,
+                                 ceiling_s=9.0, save_allowance_s=5.0))
+    watch = WatchConfig.from_config(cfg)
+    assert (watch.stop_signal, watch.grace_s, watch.sample_interval_s) == (
+        signal.SIGUSR1, 7.0, 0.25)
+    assert watch.hang == HangPolicy(startup_s=11.0, plain_timeout_s=11.0, warmup_steps=4,
+                                    multiple=3.0, floor_s=2.0, ceiling_s=9.0,
+                                    save_allowance_s=5.0)
+
+
+def test_every_hang_setting_reaches_the_policy():
+    # a new [hang] key must be wired into HangPolicy.from_config (or this list of exceptions)
+    policy_names = {f.name for f in dataclasses.fields(HangPolicy)}
+    for f in dataclasses.fields(HangConfig):
+        changed = dataclasses.replace(HangConfig(), **{f.name: getattr(HangConfig(), f.name) * 2})
+        assert HangPolicy.from_config(changed) != HangPolicy.from_config(HangConfig()), f.name
+        if f.name != "timeout_s":
+            assert f.name in policy_names, f"HangPolicy names [hang] {f.name} differently"
+
+
+def test_a_zero_save_allowance_is_accepted_by_both():
+    assert HangPolicy.from_config(HangConfig(save_allowance_s=0)).save_allowance_s == 0
+
+
+def test_design_md_numbers_for_what_is_not_a_setting():
+    from supervisor.protocol import MAX_INTERVAL_WARMUP_STEPS
+
+    text = " ".join(DESIGN.read_text().split())
+    hang_grace = WatchConfig.__dataclass_fields__["hang_grace_s"].default
+    assert f"the grace of a hung child ({hang_grace:g} s, `proc/watch.py`)" in text
+    assert f"`protocol.MAX_INTERVAL_WARMUP_STEPS`, {MAX_INTERVAL_WARMUP_STEPS} steps" in text
