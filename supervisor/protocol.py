@@ -14,8 +14,6 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from supervisor.errors import ExitCode
-
 PROTOCOL_VERSION = 1
 
 ENV_RUN_DIR = "RTRAIN_RUN_DIR"
@@ -35,9 +33,6 @@ DUMP_SIGNAL = "SIGUSR2"  # RTRAIN_DUMP_SIGNAL: on it the worker writes its stack
 # the step heartbeats the supervisor sees before it uses any interval.
 MAX_INTERVAL_WARMUP_STEPS = 3
 
-# The worker's exit statuses, names for `errors.ExitCode` members (defined there only).
-EXIT_PREEMPTED = ExitCode.PREEMPTED  # stopped on request after a committed checkpoint
-EXIT_BAD_CHECKPOINT = ExitCode.BAD_CHECKPOINT  # RTRAIN_RESUME_FROM cannot be loaded
 
 
 def socket_address(name: str) -> str | bytes:

@@ -19,8 +19,7 @@ from hostile import table as tensor_table
 import worker
 import worker.restore as restore_module
 from supervisor.ckpt.verify import Level, verify
-from supervisor.errors import CorruptCheckpoint, StateMismatch
-from supervisor.protocol import EXIT_BAD_CHECKPOINT
+from supervisor.errors import CorruptCheckpoint, ExitCode, StateMismatch
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +104,7 @@ def test_under_rtrain_a_bad_checkpoint_is_reported_in_the_exit_record(tmp_path, 
             restored(tmp_path / "ckpt")
     finally:
         assert not marker.exists(), "restore() ran code from the checkpoint"
-    assert e.value.code == EXIT_BAD_CHECKPOINT
+    assert e.value.code == ExitCode.BAD_CHECKPOINT
     rec = json.loads((status / "exit-rank0.json").read_text())
     assert rec["kind"] == "bad_checkpoint" and rec["extra"]["checkpoint"] == str(bad)
     assert rec["reason"].startswith("checkpoint-4: cannot load")
@@ -140,7 +139,7 @@ def test_same_size_swap_after_the_quick_check_is_caught_while_loading(tmp_path, 
     before = model.weight.detach().clone()
     with pytest.raises(SystemExit) as e:
         worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path / "ckpt").restore()
-    assert e.value.code == EXIT_BAD_CHECKPOINT
+    assert e.value.code == ExitCode.BAD_CHECKPOINT
     assert torch.equal(model.weight, before), "weights other than the verified ones were loaded"
     assert not torch.equal(model.weight, weights[2])
     rec = json.loads((status / "exit-rank0.json").read_text())

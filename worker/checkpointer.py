@@ -18,8 +18,8 @@ import torch
 from supervisor.ckpt import hashing
 from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level
-from supervisor.errors import CorruptCheckpoint
-from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, EXIT_PREEMPTED
+from supervisor.errors import CorruptCheckpoint, ExitCode
+from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
 from worker import data, dist, dist_ckpt, faults, restore, runtime
 from worker.async_write import BackgroundSave
 from worker.capture import Components, FrozenBase, capture, environment, number
@@ -113,7 +113,8 @@ class Checkpointer:
         anything is applied to the model. A checkpoint that cannot be loaded (a file that does
         not match its manifest, a required file missing, a layout this process cannot load):
         - chosen by rtrain (RTRAIN_RESUME_FROM): a `bad_checkpoint` exit record names it and
-          the process exits EXIT_BAD_CHECKPOINT; rtrain relaunches from the one before;
+          the process exits with ExitCode.BAD_CHECKPOINT (65); rtrain relaunches from the one
+          before;
         - picked here from the checkpoint dir: skipped with a warning, the next older one tried;
         - given as `path`: CorruptCheckpoint is raised.
         One that does not fit the model (StateMismatch) is raised: an older one would not fit
@@ -167,9 +168,9 @@ class Checkpointer:
         if stop and self.exit_on_stop:
             self.close()
             log.info("stop requested: checkpoint at step %d committed, exiting %d", step,
-                     EXIT_PREEMPTED)
+                     ExitCode.PREEMPTED)
             runtime.heartbeat(step=step, event="stop")
-            raise SystemExit(EXIT_PREEMPTED)
+            raise SystemExit(ExitCode.PREEMPTED)
         return path
 
     def request_save(self) -> None:

@@ -27,8 +27,8 @@ from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.verified_read import LoadError, read_listed
 from supervisor.ckpt.verify import Level, Verdict, select_resume, verify
 from supervisor.decide.failures import FailureKind
-from supervisor.errors import CorruptCheckpoint, StateMismatch
-from supervisor.protocol import ENV_RESUME_FROM, ENV_RUN_DIR, EXIT_BAD_CHECKPOINT
+from supervisor.errors import CorruptCheckpoint, ExitCode, StateMismatch
+from supervisor.protocol import ENV_RESUME_FROM, ENV_RUN_DIR
 from worker import dist, dist_ckpt, runtime, state
 from worker.capture import Components
 from worker.save_target import FILES
@@ -263,7 +263,7 @@ def report_bad_checkpoint(path: str, reason: str) -> None:
                                   checkpoint=path)
     except OSError as e:  # the exit code still tells
         log.warning("could not write the exit record: %s", e)
-    raise SystemExit(EXIT_BAD_CHECKPOINT)
+    raise SystemExit(ExitCode.BAD_CHECKPOINT)
 
 
 def environment_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
