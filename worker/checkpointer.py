@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from supervisor.ckpt.verified_read import LoadError, read_listed
 from supervisor.ckpt.verify import Level, VerifiedCache, select_resume, verify
 from supervisor.decide.failures import FailureKind
 from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
+from supervisor.fsio import STORAGE_ERRNOS as _STORAGE_ERRNOS
 from supervisor.protocol import (
     ENV_CKPT_DIR,
     ENV_RESUME_FROM,
@@ -42,7 +42,6 @@ from worker.tensors import cpu_contiguous, decode, dtype_code, encode, load_list
 log = logging.getLogger(__name__)
 
 # Errors of the storage, not of the program: a save that meets them is skipped, training goes on.
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EROFS}
 _FILES = ("model", "optimizer", "extra")
 
 

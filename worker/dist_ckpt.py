@@ -18,7 +18,6 @@ only when every rank said it wrote its part.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from supervisor.ckpt.hashing import alg_for, hash_file
 from supervisor.ckpt.layout import MANIFEST
 from supervisor.ckpt.verified_read import LoadError
 from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
+from supervisor.fsio import STORAGE_ERRNOS as _STORAGE_ERRNOS
 from worker import dist, faults
 from worker.tensors import load_listed, to_blob
 
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DCP_DIR = "dcp"
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EROFS}
 
 
 def rng_stem(rank: int) -> str:

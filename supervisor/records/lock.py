@@ -20,7 +20,7 @@ from typing import Any
 
 from supervisor.errors import AlreadySupervised
 from supervisor.filemode import DEFAULT_FILE_MODE, set_mode
-from supervisor.proc.logcap import STORAGE_ERRNOS
+from supervisor.fsio import STORAGE_ERRNOS
 
 LOCK_NAME = ".rtrain.lock"
 
