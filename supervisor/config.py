@@ -27,7 +27,6 @@ Sources: `--config FILE`, else `rtrain.toml` (top level, or its `[rtrain]` table
 
 from __future__ import annotations
 
-import difflib
 import math
 import signal
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.decide.ladder import DEFAULT_LADDER, Rung, parse_ladder
-from supervisor.errors import ConfigError
+from supervisor.errors import ConfigError, did_you_mean
 from supervisor.filemode import DEFAULT_FILE_MODE, parse_mode
 from supervisor.records.hooks import HookSpec, parse_hooks
 
@@ -56,8 +55,7 @@ DEFAULT_MAX_RESTARTS = 20
 def _fail_unknown(key: str, known: list[str], where: str, elsewhere: dict[str, str]) -> None:
     if key in elsewhere:
         raise ConfigError(f"key {key!r} does not belong in {where}; put it under {elsewhere[key]}")
-    hint = difflib.get_close_matches(key, known, n=1)
-    did = f" (did you mean {hint[0]!r}?)" if hint else f" (known keys: {', '.join(known)})"
+    did = did_you_mean(key, known, otherwise=f" (known keys: {', '.join(known)})")
     raise ConfigError(f"unknown key {key!r} in {where}{did}")
 
 

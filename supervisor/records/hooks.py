@@ -18,7 +18,6 @@ secrets (`hashing.SECRET_ENV`: the signing key), plus RTRAIN_RUN_DIR and RTRAIN_
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import math
@@ -34,7 +33,7 @@ from typing import IO, Any
 
 from supervisor.ckpt.hashing import SECRET_ENV
 from supervisor.decide.failures import FailureKind
-from supervisor.errors import ConfigError
+from supervisor.errors import ConfigError, did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +74,7 @@ def parse_hooks(raw: Any) -> tuple[HookSpec, ...]:
             raise ConfigError(f"{where} must be a table with on, command and timeout_s")
         for key in table:
             if key not in ("on", "command", "timeout_s"):
-                hint = difflib.get_close_matches(key, ["on", "command", "timeout_s"], n=1)
-                did = f" (did you mean {hint[0]!r}?)" if hint else ""
+                did = did_you_mean(key, ("on", "command", "timeout_s"))
                 raise ConfigError(f"unknown key {key!r} in {where}{did}")
         on = table.get("on")
         if isinstance(on, str):
@@ -86,9 +84,7 @@ def parse_hooks(raw: Any) -> tuple[HookSpec, ...]:
                               "\"degrade\", \"hang\"]")
         for name in on:
             if name not in HOOKABLE:
-                hint = difflib.get_close_matches(name, HOOKABLE, n=1)
-                did = f" (did you mean {hint[0]!r}?)" if hint else \
-                    f" (known: {', '.join(HOOKABLE)})"
+                did = did_you_mean(name, HOOKABLE, otherwise=f" (known: {', '.join(HOOKABLE)})")
                 raise ConfigError(f"{where}: {name!r} is not an event or failure kind{did}")
         command = table.get("command")
         if (not isinstance(command, list) or not command
