@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 
 from supervisor.protocol import ENV_SETTINGS
-from worker import settings as ws
+from worker.settings import current, settings
 
 
 def test_the_supervisors_values_overlay_the_defaults_keeping_types(monkeypatch):
     monkeypatch.setenv(ENV_SETTINGS, '{"batch_size": 16.0, "lr": 1}')
-    s = ws.settings(batch_size=64, lr=0.1, name="x")
+    s = settings(batch_size=64, lr=0.1, name="x")
     assert s == {"batch_size": 16, "lr": 1.0, "name": "x"}
     assert isinstance(s.batch_size, int) and isinstance(s.lr, float)
-    assert ws.current() == {"batch_size": 16.0, "lr": 1}
+    assert current() == {"batch_size": 16.0, "lr": 1}
 
 
 @pytest.mark.parametrize(("raw", "message"), [("{oops", "is not valid JSON"),
@@ -22,11 +22,11 @@ def test_the_supervisors_values_overlay_the_defaults_keeping_types(monkeypatch):
 def test_a_bad_value_stops_settings_but_reads_as_none_in_passing(monkeypatch, raw, message):
     monkeypatch.setenv(ENV_SETTINGS, raw)
     with pytest.raises(ValueError, match=message):
-        ws.settings(batch_size=64)
-    assert ws.current() == {}
+        settings(batch_size=64)
+    assert current() == {}
 
 
 def test_unset_means_the_defaults(monkeypatch):
     monkeypatch.delenv(ENV_SETTINGS, raising=False)
-    assert ws.settings(batch_size=64) == {"batch_size": 64}
-    assert ws.current() == {}
+    assert settings(batch_size=64) == {"batch_size": 64}
+    assert current() == {}
