@@ -37,7 +37,7 @@ from supervisor.configfile import find_config
 from supervisor.decide.ladder import DEFAULT_LADDER, Rung, parse_ladder
 from supervisor.errors import ConfigError, did_you_mean
 from supervisor.filemode import DEFAULT_FILE_MODE, parse_mode
-from supervisor.records.hooks import HookSpec, parse_hooks
+from supervisor.hookspec import HookSpec, parse_hooks
 
 # Budget names: oom_gpu and oom_host share "oom" (each spent unit is one ladder step).
 # Preemption never spends budget and startup failures are never retried, so neither has one.
