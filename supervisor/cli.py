@@ -328,11 +328,11 @@ def report(
 ) -> None:
     """Write a self-contained HTML report: curves, failures, degradations, checkpoints."""
     with reported():
-        from supervisor.commands import report as rp
+        from supervisor.commands.report_html import write_report
         from supervisor.records.paths import default_run_dir
 
         root = run_dir or default_run_dir()
-        written = rp.write_report(root, output or root / "report.html", key=_signing_key())
+        written = write_report(root, output or root / "report.html", key=_signing_key())
         typer.echo(f"wrote {written}")
 
 

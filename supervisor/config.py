@@ -14,23 +14,17 @@ fails when either says otherwise.
 
 from __future__ import annotations
 
-import difflib
 import math
 import signal
-import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from supervisor.configfile import find_config
 from supervisor.decide.ladder import DEFAULT_LADDER, Rung, parse_ladder
-from supervisor.errors import ConfigError
+from supervisor.errors import ConfigError, did_you_mean
 from supervisor.filemode import DEFAULT_FILE_MODE, parse_mode
-from supervisor.records.hooks import HookSpec, parse_hooks
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
+from supervisor.hookspec import HookSpec, parse_hooks
 
 # Budget names: oom_gpu and oom_host share "oom" (each spent unit is one ladder step).
 # Preemption never spends budget and startup failures are never retried, so neither has one.
@@ -43,8 +37,7 @@ DEFAULT_MAX_RESTARTS = 20
 def _fail_unknown(key: str, known: list[str], where: str, elsewhere: dict[str, str]) -> None:
     if key in elsewhere:
         raise ConfigError(f"key {key!r} does not belong in {where}; put it under {elsewhere[key]}")
-    hint = difflib.get_close_matches(key, known, n=1)
-    did = f" (did you mean {hint[0]!r}?)" if hint else f" (known keys: {', '.join(known)})"
+    did = did_you_mean(key, known, otherwise=f" (known keys: {', '.join(known)})")
     raise ConfigError(f"unknown key {key!r} in {where}{did}")
 
 
@@ -348,41 +341,6 @@ def _build(raw: dict[str, Any], cwd: Path) -> Config:
     if cfg.ckpt_dir is None:
         cfg.ckpt_dir = cfg.run_dir / "checkpoints"
     return cfg
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path.name}: not valid TOML: {err}") from None
-    except OSError as err:
-        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
-
-
-def find_config(config_file: Path | None, cwd: Path) -> tuple[str, dict[str, Any]]:
-    """The config source's name (for messages) and its rtrain table; ("defaults", {}) if none."""
-    if config_file is not None:
-        path = cwd / config_file
-        if not path.is_file():
-            raise ConfigError(f"config file {path} not found; fix --config or remove it")
-    elif (cwd / "rtrain.toml").is_file():
-        path = cwd / "rtrain.toml"
-    elif (cwd / "pyproject.toml").is_file():
-        path = cwd / "pyproject.toml"
-    else:
-        return "defaults", {}
-    doc = _read_toml(path)
-    if path.name == "pyproject.toml":
-        table = doc.get("tool", {}).get("rtrain", {})
-        return f"{path.name} [tool.rtrain]", table if isinstance(table, dict) else {}
-    if isinstance(doc.get("rtrain"), dict):
-        if len(doc) > 1:
-            extra = sorted(k for k in doc if k != "rtrain")
-            raise ConfigError(f"{path.name}: keys {extra} sit outside [rtrain]; put everything "
-                              "under [rtrain] or nothing")
-        return path.name, doc["rtrain"]
-    return path.name, doc
 
 
 def _cli_to_raw(overrides: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,9 @@ raises with a reason sentence that says what to change.
 
 from __future__ import annotations
 
+import difflib
 import enum
+from collections.abc import Iterable
 
 
 class ExitCode(enum.IntEnum):
@@ -63,3 +65,10 @@ class StateMismatch(CheckpointError):
 
 class AlreadySupervised(RtrainError):
     exit_code = ExitCode.ALREADY_SUPERVISED
+
+
+def did_you_mean(word: str, known: Iterable[str], *, otherwise: str = "") -> str:
+    """The tail of an "unknown name" message: ` (did you mean 'x'?)` naming the closest known
+    name, else `otherwise` (e.g. a list of the known names)."""
+    hint = difflib.get_close_matches(word, list(known), n=1)
+    return f" (did you mean {hint[0]!r}?)" if hint else otherwise

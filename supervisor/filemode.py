@@ -15,9 +15,7 @@ The supervisor hands the mode to the worker in RTRAIN_FILE_MODE (octal, e.g. "06
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -100,26 +98,3 @@ def apply_tree(root: Path, file_mode: int) -> None:
             if not path.is_symlink():
                 set_mode(path, dir_mode(file_mode) if name in dirnames else file_mode)
 
-
-def write_json_atomic(path: Path, obj: Any, *, mode: int = DEFAULT_FILE_MODE) -> None:
-    """Replace `path` with `obj` as JSON so that a reader sees the old file or the new one,
-    never half of one, even across a crash: temp file in the same dir with `mode`, fsync,
-    rename, fsync of the dir (the rename itself must be durable)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
-    try:
-        set_mode(fd, mode)
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

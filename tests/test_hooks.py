@@ -14,9 +14,10 @@ import pytest
 
 from supervisor.config import load_config
 from supervisor.errors import ConfigError
+from supervisor.hookspec import HookSpec, parse_hooks
 from supervisor.proc.proctree import ProcTree
 from supervisor.records.events import EventLog, read_events
-from supervisor.records.hooks import HookRunner, HookSpec, parse_hooks
+from supervisor.records.hooks import HookRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 KIDS = ROOT / "tests" / "launch_children"

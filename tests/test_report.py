@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.commands.report import gather, write_report
+from supervisor.commands.report import gather
+from supervisor.commands.report_html import write_report
 from supervisor.records.events import EventLog
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.protocol import ENV_ATTEMPT, ENV_SETTINGS
+from supervisor.protocol import ENV_ATTEMPT
+from worker.settings import current as current_settings
 
 ENV_FAULTS = "RTRAIN_FAULTS"
 KINDS = ("crash", "oom", "oom_step", "hang", "nonfinite", "kill_in_save", "corrupt_newest")
@@ -208,16 +209,6 @@ def _on_save_write(step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # a forked writer goes with it
 
 
-def _read_env_settings() -> dict[str, Any]:
-    import json
-
-    try:
-        value = json.loads(os.environ.get(ENV_SETTINGS) or "{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _arm(spec: str | None, attempt: int, rank: int = 0) -> list[Fault]:
     return [f for f in parse(spec)
             if f.in_attempt(attempt) and (f.ranks is None or rank in f.ranks)]
@@ -225,7 +216,7 @@ def _arm(spec: str | None, attempt: int, rank: int = 0) -> list[Fault]:
 
 _armed = _arm(os.environ.get(ENV_FAULTS), int(os.environ.get(ENV_ATTEMPT) or 0),
               int(os.environ.get("RANK") or 0))
-_env_settings = _read_env_settings() if _armed else {}
+_env_settings = current_settings() if _armed else {}
 _kinds = {f.kind for f in _armed}
 
 step_hook = _step_hook if _kinds & {"crash", "hang", "oom", "corrupt_newest"} else noop

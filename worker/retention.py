@@ -18,7 +18,7 @@ from supervisor.ckpt.commit import free_bytes
 from supervisor.ckpt.prune import PruneReport, prune
 from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level, VerifiedCache, verify
-from worker.save_target import STORAGE_ERRNOS
+from supervisor.fsio import STORAGE_ERRNOS
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from supervisor import filemode
+from supervisor.fsio import write_atomic
 from supervisor.protocol import (
     DUMP_SIGNAL,
     ENV_ATTEMPT,
@@ -237,7 +239,5 @@ def write_exit_record(
         time=time.time(),
     )
     path = Path(status) / exit_record_name(rank())
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(record.to_json())
-    os.replace(tmp, path)
+    write_atomic(path, record.to_json(), mode=filemode.from_env(), durable=False)
     return path

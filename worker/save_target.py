@@ -8,7 +8,6 @@ skipped: counted, reported once to the supervisor (`save_skipped`), and training
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -21,17 +20,17 @@ import torch
 
 from supervisor.ckpt import hashing
 from supervisor.ckpt.commit import PendingCheckpoint
+from supervisor.fsio import STORAGE_ERRNOS
 from worker import dist, faults, runtime
 from worker.tensors import to_blob
 
 log = logging.getLogger(__name__)
 
-# Errors of the storage, not of the program: a save that meets them is skipped, training goes on.
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EROFS})
 FILES = ("model", "optimizer", "extra")
 
 
 def storage_error(e: BaseException | None) -> bool:
+    """An error of the storage, not of the program: the save is skipped, training goes on."""
     return isinstance(e, OSError) and e.errno in STORAGE_ERRNOS
 
 

@@ -32,24 +32,32 @@ def _coerce(default: Any, value: Any) -> Any:
 
 def settings(**defaults: Any) -> Settings:
     """The script's defaults overlaid with the supervisor's values from RTRAIN_SETTINGS."""
-    raw = os.environ.get(ENV_SETTINGS)
-    given: dict[str, Any] = {}
-    if raw:
-        try:
-            given = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{ENV_SETTINGS} is not valid JSON ({e})") from None
-        if not isinstance(given, dict):
-            raise ValueError(f"{ENV_SETTINGS} must be a JSON object")
     out = Settings(defaults)
-    for k, v in given.items():
+    for k, v in from_env(strict=True).items():
         out[k] = _coerce(defaults.get(k), v)
     return out
 
 
 def current() -> dict[str, Any]:
+    """The supervisor's values as given, for code that reads them in passing (guards, faults):
+    a bad value reads as none rather than stopping training there."""
+    return from_env(strict=False)
+
+
+def from_env(*, strict: bool) -> dict[str, Any]:
+    """RTRAIN_SETTINGS as a dict ({} when unset). `strict`: a value that is not a JSON object
+    raises ValueError saying so; else it reads as {}."""
     raw = os.environ.get(ENV_SETTINGS)
-    try:
-        return json.loads(raw) if raw else {}
-    except json.JSONDecodeError:
+    if not raw:
         return {}
+    try:
+        given = json.loads(raw)
+    except json.JSONDecodeError as e:
+        if strict:
+            raise ValueError(f"{ENV_SETTINGS} is not valid JSON ({e})") from None
+        return {}
+    if not isinstance(given, dict):
+        if strict:
+            raise ValueError(f"{ENV_SETTINGS} must be a JSON object")
+        return {}
+    return given

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.pids import pid_alive
+
 CKPT_PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
 TRASH_PREFIX = ".trash-checkpoint-"
@@ -70,13 +72,7 @@ class TempDir:
             return True
         if self.pid == os.getpid():
             return True  # ours: the Checkpointer decides about its own temp dirs
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_alive(self.pid)
 
 
 def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -87,16 +83,8 @@ def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     unseen, and nothing follows it (`manifest.load` refuses it).
     """
     root = Path(ckpt_dir)
-    found = []
-    try:
-        entries = os.scandir(root)
-    except FileNotFoundError:
-        return []
-    with entries:
-        for entry in entries:
-            step = parse_step(entry.name)
-            if step is not None:
-                found.append((step, root / entry.name))
+    found = [(step, root / name) for name in _names(root)
+             if (step := parse_step(name)) is not None]
     found.sort(key=lambda sp: sp[0], reverse=True)
     return found
 
@@ -105,20 +93,22 @@ def list_leftovers(ckpt_dir: str | os.PathLike) -> list[TempDir]:
     """Temp dirs of saves (finished or not) and trash dirs of interrupted deletions."""
     root = Path(ckpt_dir)
     out = []
+    for name in _names(root):
+        if name.startswith(TMP_PREFIX):
+            m = _TMP_RE.match(name)
+            if m:
+                out.append(TempDir(root / name, int(m.group(1)), m.group(2), int(m.group(3))))
+            else:
+                out.append(TempDir(root / name, None, None, None))
+        elif name.startswith(TRASH_PREFIX):
+            out.append(TempDir(root / name, None, None, None))
+    return out
+
+
+def _names(root: Path) -> list[str]:
+    """The names in `root`; a missing directory is empty (nothing saved there yet)."""
     try:
-        entries = os.scandir(root)
+        with os.scandir(root) as entries:
+            return [entry.name for entry in entries]
     except FileNotFoundError:
         return []
-    with entries:
-        for entry in entries:
-            if entry.name.startswith(TMP_PREFIX):
-                m = _TMP_RE.match(entry.name)
-                if m:
-                    out.append(
-                        TempDir(root / entry.name, int(m.group(1)), m.group(2), int(m.group(3)))
-                    )
-                else:
-                    out.append(TempDir(root / entry.name, None, None, None))
-            elif entry.name.startswith(TRASH_PREFIX):
-                out.append(TempDir(root / entry.name, None, None, None))
-    return out

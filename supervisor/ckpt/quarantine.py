@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.ckpt import safeio
-from supervisor.filemode import DEFAULT_FILE_MODE, write_json_atomic
+from supervisor.filemode import DEFAULT_FILE_MODE
+from supervisor.fsio import write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ writes nothing but the report; safe beside a live supervisor. Sources:
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,16 +25,7 @@ from typing import Any
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.layout import list_checkpoints, parse_step
 from supervisor.commands.status import finite, json_safe, summarize
-from supervisor.errors import UsageError
 from supervisor.records.events import read_events
-
-# One colour per failure kind (FailureKind values), shared by markers, chips and the table.
-KIND_COLORS = {
-    "crash": "#d62728", "oom_gpu": "#ff7f0e", "oom_host": "#8c564b", "hang": "#9467bd",
-    "nonfinite": "#e377c2", "preempted": "#7f7f7f", "startup": "#17202a",
-    "lost_device": "#17becf", "data": "#bcbd22", "bad_checkpoint": "#2ca02c",
-}
-OTHER_COLOR = "#555555"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,22 +181,3 @@ def _checkpoints(ckpt_dir: Path, already_bad: set[str]) -> list[Marker]:
             continue
         out.append(Marker(kind="checkpoint", step=step, time=float(created), label=path.name))
     return out
-
-
-def write_report(run_dir: Path, output: Path, *, key: bytes | None = None) -> Path:
-    """Gather and render the report of `run_dir` into `output` (one self-contained HTML file)."""
-    from supervisor.commands.report_html import render
-
-    output = Path(output)
-    html = render(gather(run_dir, key=key))
-    tmp = output.with_name(f".{output.name}.tmp")
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(html, encoding="utf-8")
-        tmp.replace(output)
-    except OSError as e:  # a read-only run dir: say where else to write it
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise UsageError(f"cannot write the report to {output} ({e.strerror}): pass "
-                         "-o FILE somewhere writable") from None
-    return output

@@ -1,6 +1,6 @@
-"""Render a `report.Report` as one self-contained HTML file: inline CSS, SVG drawn by inline
-JavaScript from the data embedded as JSON, no network. The attempts table and the summary are
-plain HTML, so they read without scripts; the charts need them.
+"""Render a `report.Report` as one self-contained HTML file (`write_report` writes it): inline
+CSS, SVG drawn by inline JavaScript from the data embedded as JSON, no network. The attempts
+table and the summary are plain HTML, so they read without scripts; the charts need them.
 
 DOM contract (the tests and anyone scripting the page rely on it): each chart is
 `svg.chart[data-field=loss|samples_per_s]`; each attempt's curve is
@@ -14,9 +14,20 @@ from __future__ import annotations
 import html
 import json
 import time
+from pathlib import Path
 
-from supervisor.commands.report import KIND_COLORS, OTHER_COLOR, AttemptRow, Report
+from supervisor.commands.report import AttemptRow, Report, gather
 from supervisor.commands.statusline import human_duration
+from supervisor.errors import UsageError
+from supervisor.fsio import write_atomic
+
+# One colour per failure kind (FailureKind values), shared by markers, chips and the table.
+KIND_COLORS = {
+    "crash": "#d62728", "oom_gpu": "#ff7f0e", "oom_host": "#8c564b", "hang": "#9467bd",
+    "nonfinite": "#e377c2", "preempted": "#7f7f7f", "startup": "#17202a",
+    "lost_device": "#17becf", "data": "#bcbd22", "bad_checkpoint": "#2ca02c",
+}
+OTHER_COLOR = "#555555"
 
 
 def _esc(value: object) -> str:
@@ -52,6 +63,18 @@ def _data_json(rep: Report) -> str:
     data["colors"] = {**KIND_COLORS, "other": OTHER_COLOR}
     # "</script>" inside a string must not end the script element.
     return json.dumps(data, default=str, allow_nan=False).replace("<", "\\u003c")
+
+
+def write_report(run_dir: Path, output: Path, *, key: bytes | None = None) -> Path:
+    """Gather and render the report of `run_dir` into `output` (one self-contained HTML file)."""
+    output = Path(output)
+    page = render(gather(run_dir, key=key))
+    try:  # readable by others where the directory lets them in: a report is for sharing
+        write_atomic(output, page, mode=0o644, durable=False)
+    except OSError as e:  # a read-only run dir: say where else to write it
+        raise UsageError(f"cannot write the report to {output} ({e.strerror}): pass "
+                         "-o FILE somewhere writable") from None
+    return output
 
 
 def render(rep: Report) -> str:

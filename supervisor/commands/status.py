@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 import time
 from collections import Counter
@@ -22,6 +21,7 @@ from supervisor.ckpt import quarantine
 from supervisor.ckpt.verify import Level, Status, select_resume
 from supervisor.commands.statusline import human_bytes, human_duration, human_rate
 from supervisor.errors import UsageError
+from supervisor.pids import pid_alive
 from supervisor.records import saves
 from supervisor.records.events import read_events
 from supervisor.records.lock import LOCK_NAME
@@ -141,13 +141,7 @@ def _lock_holder(run_dir: Path) -> tuple[int | None, bool | None]:
         return None, None
     if info.get("host") not in (None, socket.gethostname()):
         return pid, None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return pid, False
-    except PermissionError:
-        pass  # exists, owned by someone else
-    return pid, True
+    return pid, pid_alive(pid)
 
 
 def _status(state: Any, events: list[dict[str, Any]]) -> tuple[str, str]:

@@ -9,14 +9,13 @@ returns an undo record; climbing back one rung applies the newest one.
 
 from __future__ import annotations
 
-import difflib
 import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.errors import ConfigError
+from supervisor.errors import ConfigError, did_you_mean
 
 Settings = dict[str, Any]
 
@@ -56,8 +55,7 @@ class Rung:
             object.__setattr__(self, "action", Action(self.action))
         except ValueError:
             names = [a.value for a in Action]
-            hint = difflib.get_close_matches(str(self.action), names, n=1)
-            did = f" (did you mean {hint[0]!r}?)" if hint else ""
+            did = did_you_mean(str(self.action), names)
             raise ConfigError(f"[[ladder]] knob={self.knob!r}: action {self.action!r} is not "
                               f"one of {', '.join(names)}{did}") from None
         if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) \
@@ -78,9 +76,8 @@ class Rung:
         known = [f for f in cls.__dataclass_fields__ if not f.startswith("_")]
         for key in raw:
             if key not in known:
-                hint = difflib.get_close_matches(key, known, n=1)
-                did = f" (did you mean {hint[0]!r}?)" if hint else ""
-                raise ConfigError(f"unknown key {key!r} in [[ladder]] #{index + 1}{did}")
+                raise ConfigError(f"unknown key {key!r} in [[ladder]] #{index + 1}"
+                                  f"{did_you_mean(key, known)}")
         if "knob" not in raw:
             raise ConfigError(f"[[ladder]] #{index + 1} needs a knob, e.g. knob = \"batch_size\"")
         return cls(**raw)

@@ -43,13 +43,13 @@ from supervisor.decide.policy import (
     note_progress,
 )
 from supervisor.errors import ExitCode, UsageError
+from supervisor.fsio import STORAGE_ERRNOS
 from supervisor.proc import slurm
 from supervisor.proc.console import BestEffortWriter, best_effort_console
 from supervisor.proc.gpu import GpuReader, NvmlReader, wait_gpu_released
 from supervisor.proc.gpu_health import describe, problems
 from supervisor.proc.heartbeat import HeartbeatReceiver
 from supervisor.proc.leftovers import ProcRecord, end_leftovers
-from supervisor.proc.logcap import STORAGE_ERRNOS
 from supervisor.proc.proctree import ProcTree
 from supervisor.proc.spawn import ChildSpec, spawn
 from supervisor.proc.watch import Outcome, Sample, SignalCatcher, WatchConfig, watch

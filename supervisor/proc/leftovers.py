@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.fsio import write_atomic
 from supervisor.protocol import ENV_GENERATION, ENV_RUN_DIR
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,10 @@ class ProcRecord:
         body = {"v": PROCS_VERSION, "host": socket.gethostname(),
                 "supervisor": [os.getpid(), start_time(os.getpid())],
                 "procs": sorted([pid, t] for pid, t in procs)}
-        tmp = self.path.with_name(f".{PROCS_FILE}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(json.dumps(body) + "\n")
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(body) + "\n", durable=False)
         except OSError as e:
             log.debug("cannot record the process tree in %s: %s", self.path, e)
-            tmp.unlink(missing_ok=True)
             return
         self._written = procs
 

@@ -15,15 +15,14 @@ file cannot even be created (no free inode or block) is created at the first wri
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from pathlib import Path
 
+from supervisor.fsio import STORAGE_ERRNOS
+
 log = logging.getLogger(__name__)
 
-# Errors of the storage, not of the program: waited out, never fatal to supervision.
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 _LINE_SEARCH = 4096  # a cut starts at the next line start within this many bytes
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from supervisor.proc.logcap import STORAGE_ERRNOS, CappedLog
+from supervisor.fsio import STORAGE_ERRNOS
+from supervisor.proc.logcap import CappedLog
 
 log = logging.getLogger(__name__)
 

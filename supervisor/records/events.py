@@ -27,7 +27,7 @@ from typing import Any
 
 from supervisor.errors import RtrainError
 from supervisor.filemode import DEFAULT_FILE_MODE, set_mode
-from supervisor.proc.logcap import STORAGE_ERRNOS
+from supervisor.fsio import STORAGE_ERRNOS
 
 log = logging.getLogger(__name__)
 

@@ -20,19 +20,10 @@ from typing import Any
 
 from supervisor.errors import AlreadySupervised
 from supervisor.filemode import DEFAULT_FILE_MODE, set_mode
-from supervisor.proc.logcap import STORAGE_ERRNOS
+from supervisor.fsio import STORAGE_ERRNOS
+from supervisor.pids import pid_alive
 
 LOCK_NAME = ".rtrain.lock"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 class RunLock:
@@ -66,7 +57,7 @@ class RunLock:
             same_host = previous.get("host") == socket.gethostname()
             # We hold the flock, so the recorded holder does not: it died, or its pid was reused.
             if same_host and isinstance(previous.get("pid"), int):
-                previous["alive"] = _pid_alive(previous["pid"])
+                previous["alive"] = pid_alive(previous["pid"])
             self.previous = previous
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": self.clock()}
         try:

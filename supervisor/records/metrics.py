@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,6 +31,7 @@ from typing import Any
 
 from supervisor.ckpt import manifest
 from supervisor.ckpt.layout import list_checkpoints
+from supervisor.fsio import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -162,18 +161,8 @@ class MetricsFile:
     def write(self) -> None:
         """Temp file in the same directory, then rename over the target: never a partial file."""
         self._written = self.wall()
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
-                                       suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(self.render())
-                os.chmod(tmp, 0o644)  # mkstemp makes 0600; a collector may run as another user
-                os.replace(tmp, self.path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+        try:  # 0644: a collector may run as another user; rewritten often, so not fsynced
+            write_atomic(self.path, self.render(), mode=0o644, durable=False)
         except OSError as err:  # a full or read-only disk must not stop supervision
             log.warning("cannot write metrics file %s: %s", self.path, err)
 

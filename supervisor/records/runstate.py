@@ -17,7 +17,8 @@ from typing import Any
 
 from supervisor.decide.policy import History
 from supervisor.errors import RtrainError
-from supervisor.filemode import DEFAULT_FILE_MODE, write_json_atomic
+from supervisor.filemode import DEFAULT_FILE_MODE
+from supervisor.fsio import write_json_atomic
 
 STATE_VERSION = 1
 STATE_FILE = "state.json"
