@@ -23,7 +23,7 @@ from supervisor.ckpt.commit import PendingCheckpoint, free_bytes
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.prune import PruneReport, prune
 from supervisor.ckpt.verified_read import LoadError, read_listed
-from supervisor.ckpt.verify import Level, VerifiedCache, select_resume, verify
+from supervisor.ckpt.verify import Level, VerifiedCache, select_rtrain_resume, verify
 from supervisor.decide.failures import FailureKind
 from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
 from supervisor.protocol import (
@@ -217,7 +217,7 @@ class Checkpointer:
             return v
         if os.environ.get(ENV_RUN_DIR):
             return None  # supervised without RTRAIN_RESUME_FROM: the supervisor chose a fresh start
-        sel = select_resume(self.ckpt_dir, self.verify_level, self.key)
+        sel = select_rtrain_resume(self.ckpt_dir, self.verify_level, self.key)
         for v in sel.skipped:
             log.warning("skipping %s: %s", v.path.name, v.describe())
         return sel.chosen
