@@ -15,7 +15,8 @@ K = FailureKind
 
 
 def ev(**kw) -> Evidence:
-    kw.setdefault("pid", 123)
+    # No default pid: the watcher sets it (Evidence(pid=child.pid)); cases that check the
+    # sentence naming it give one, as the watcher would.
     kw.setdefault("first_step_seen", True)
     return Evidence(**kw)
 
@@ -38,7 +39,7 @@ CASES = [
     ("stop confirmed by the workers, agent exit 1 (torchrun)",
      ev(returncode=1, stop_requested="SIGTERM", stop_confirmed=True), K.PREEMPTED,
      ["after committing a checkpoint", "workers confirmed"]),
-    ("stop, killed after grace", ev(signal="SIGKILL", stop_requested="SIGTERM",
+    ("stop, killed after grace", ev(pid=123, signal="SIGKILL", stop_requested="SIGTERM",
                                     killed_after_grace=True),
      K.PREEMPTED, ["did not save", "grace", "Signal 9 (SIGKILL) received by PID 123"]),
     ("hang", ev(signal="SIGTERM", hang=True, hang_detail="no heartbeat for 600 s"), K.HANG,
@@ -73,14 +74,17 @@ CASES = [
     ("stop requested, died of the forwarded signal", ev(signal="SIGTERM", stop_requested="SIGTERM"),
      K.PREEMPTED, ["without confirming a checkpoint"]),
     ("startup: ImportError, before the first step",
-     ev(returncode=1, first_step_seen=False,
+     ev(pid=123, returncode=1, first_step_seen=False,
         stderr_tail="Traceback (most recent call last):\n  File \"t.py\"\n"
                     "ModuleNotFoundError: No module named 'foo'\n"),
      K.STARTUP, ["before its first step", "No module named 'foo'", "PID 123 exited with code 1"]),
     ("crash after steps, with exit code and last line",
-     ev(returncode=2, last_step=500, stderr_tail="ValueError: bad shape\n"), K.CRASH,
+     ev(pid=123, returncode=2, last_step=500, stderr_tail="ValueError: bad shape\n"), K.CRASH,
      ["PID 123 exited with code 2 at step 500: ValueError: bad shape"]),
-    ("segfault", ev(signal="SIGSEGV"), K.CRASH, ["Signal 11 (SIGSEGV) received by PID 123"]),
+    ("segfault", ev(pid=123, signal="SIGSEGV"), K.CRASH,
+     ["Signal 11 (SIGSEGV) received by PID 123"]),
+    ("without a pid the sentence says the child", ev(returncode=2), K.CRASH,
+     ["the child exited with code 2"]),
 ]
 
 

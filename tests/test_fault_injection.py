@@ -14,7 +14,7 @@ import torch
 
 import worker
 from supervisor.ckpt.layout import list_checkpoints, list_leftovers
-from supervisor.ckpt.verify import select_resume, verify
+from supervisor.ckpt.verify import select_rtrain_resume, verify
 from worker import faults, guards
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,7 +114,7 @@ def test_corrupt_newest_then_crash(arm, tmp_path):
     with pytest.raises(RuntimeError, match="corrupting checkpoint-2"):
         ck.maybe_save(3)
     assert not verify(tmp_path / "checkpoint-2", "full").ok
-    assert select_resume(tmp_path, "full").chosen.step == 1
+    assert select_rtrain_resume(tmp_path, "full").chosen.step == 1
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -166,7 +166,7 @@ def test_damaged_trainer_dir_is_skipped_for_the_previous_one(tmp_path, case):
     damage, status, reason = CASES[case]
     hf_checkpoint(tmp_path, 4)
     damage(hf_checkpoint(tmp_path, 8))
-    sel = foreign.select_resume(tmp_path, "full")
+    sel = foreign.select_resume_any_format(tmp_path, "full")
     assert sel.chosen is not None and sel.chosen.path.name == "checkpoint-4"
     (bad,) = sel.skipped
     assert bad.path.name == "checkpoint-8" and bad.status is status
@@ -218,7 +218,7 @@ def test_rtrain_and_trainer_dirs_side_by_side(tmp_path, make_ckpt):
     assert [(v.path.name, v.format, v.status.value) for v in vs] == [
         ("checkpoint-12", "rtrain", "incomplete"), ("checkpoint-8", "hf-trainer", "ok"),
         ("checkpoint-4", "rtrain", "ok")]
-    assert foreign.select_resume(tmp_path, "full").chosen.path.name == "checkpoint-8"
+    assert foreign.select_resume_any_format(tmp_path, "full").chosen.path.name == "checkpoint-8"
 
 
 # ----------------------------------------------------------------- Lightning / plain files
@@ -237,7 +237,7 @@ def test_lightning_files_ordered_by_step_then_last_ckpt(tmp_path):
         stamp = p.stat().st_mtime
         flip(p, member_data_offset(p, "data/0"))
         os.utime(p, (stamp, stamp))
-    sel = foreign.select_resume(tmp_path, "full")
+    sel = foreign.select_resume_any_format(tmp_path, "full")
     assert sel.chosen.path.name == "epoch=1-step=8.ckpt" and sel.chosen.step == 8
     assert sel.chosen.format == "lightning"
     assert [v.path.name for v in sel.skipped] == ["last.ckpt", "epoch=2-step=12.ckpt"]
@@ -252,7 +252,7 @@ def test_plain_files_without_steps_go_by_mtime(tmp_path):
     (tmp_path / "training_args.bin").write_bytes(b"x")  # never a checkpoint
     names = [c.path.name for c in foreign.list_candidates(tmp_path)]
     assert names == ["plain.pt", "older.pth"]
-    chosen = foreign.select_resume(tmp_path, "quick").chosen
+    chosen = foreign.select_resume_any_format(tmp_path, "quick").chosen
     assert chosen.path.name == "plain.pt" and chosen.step == -1 and chosen.format == "torch"
 
 

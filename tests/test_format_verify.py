@@ -10,7 +10,7 @@ import pytest
 
 from supervisor.ckpt import hashing
 from supervisor.ckpt.layout import MANIFEST
-from supervisor.ckpt.verify import Level, Status, select_resume, verify
+from supervisor.ckpt.verify import Level, Status, select_rtrain_resume, verify
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def rewrite_manifest(ckpt: Path, **changes) -> None:
 
 
 def assert_falls_back(ckpt_dir: Path, level: Level, key: bytes | None = None) -> str:
-    sel = select_resume(ckpt_dir, level, key)
+    sel = select_rtrain_resume(ckpt_dir, level, key)
     assert sel.chosen is not None and sel.chosen.step == 100
     assert [v.step for v in sel.skipped] == [200]
     return sel.skipped[0].reason
@@ -35,7 +35,7 @@ def assert_falls_back(ckpt_dir: Path, level: Level, key: bytes | None = None) ->
 def test_good_checkpoints_verify_at_both_levels(two):
     for level in Level:
         assert verify(two[1], level).ok
-    assert select_resume(two[0].parent).chosen.step == 200
+    assert select_rtrain_resume(two[0].parent).chosen.step == 200
 
 
 def test_truncated_file(two):

@@ -55,12 +55,14 @@ def test_crash_exit_code_stderr_and_exit_record(tmp_path):
     (attempt / "exit-rank0.json").write_text(
         '{"kind": "data", "reason": "too many bad samples", "pid": 1, "v": 1}'
     )
-    outcome, _ = _watch(tmp_path, "crash.py", "3")
+    outcome, child = _watch(tmp_path, "crash.py", "3")
     ev = outcome.evidence
-    assert ev.returncode == 3 and ev.signal is None
+    assert ev.returncode == 3 and ev.signal is None and ev.pid == child.pid
     assert "RuntimeError: boom" in ev.stderr_tail
     assert [r["kind"] for r in ev.exit_records] == ["data"]
-    assert not ev.hang and not ev.first_step_seen and ev.stop_requested is None
+    assert not ev.hang and ev.stop_requested is None and not ev.stop_confirmed
+    # No heartbeats and no start-up error in stderr: a plain script that got past start-up.
+    assert ev.first_step_seen
     assert ev.host_mem_total and ev.duration_s > 0
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import worker
 from supervisor.ckpt.layout import list_checkpoints, list_leftovers
-from supervisor.ckpt.verify import select_resume, verify_all
+from supervisor.ckpt.verify import select_rtrain_resume, verify_all
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ def test_sigkill_during_saves_never_leaves_a_bad_pick(tmp_path):
         time.sleep(rng.uniform(0.05, 0.6))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        sel = select_resume(tmp_path)
+        sel = select_rtrain_resume(tmp_path)
         assert sel.chosen is not None
         step = sel.chosen.step
         model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
@@ -62,7 +62,7 @@ def test_sigkill_at_many_points_of_the_commit_protocol(tmp_path):
         time.sleep(rng.uniform(0.0, 0.08))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        sel = select_resume(tmp_path)
+        sel = select_rtrain_resume(tmp_path)
         if sel.chosen is None:
             assert list_checkpoints(tmp_path) == []
             continue

@@ -25,7 +25,7 @@ import torch
 from supervisor.ckpt import hashing
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.verified_read import LoadError, read_listed
-from supervisor.ckpt.verify import Level, Verdict, select_resume, verify
+from supervisor.ckpt.verify import Level, Verdict, select_rtrain_resume, verify
 from supervisor.decide.failures import FailureKind
 from supervisor.errors import CorruptCheckpoint, ExitCode, StateMismatch
 from supervisor.protocol import ENV_RESUME_FROM, ENV_RUN_DIR
@@ -94,7 +94,7 @@ class Source:
             return v
         if os.environ.get(ENV_RUN_DIR):
             return None  # supervised without RTRAIN_RESUME_FROM: the supervisor chose a fresh start
-        sel = select_resume(self.ckpt_dir, self.verify_level, self.key)
+        sel = select_rtrain_resume(self.ckpt_dir, self.verify_level, self.key)
         for v in sel.skipped:
             log.warning("skipping %s: %s", v.path.name, v.describe())
         return sel.chosen

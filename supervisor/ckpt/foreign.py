@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,15 +181,37 @@ def verify_all(ckpt_dir: str | os.PathLike, level: Level | str = Level.QUICK,
                                             for c in list_candidates(ckpt_dir))))
 
 
-def select_resume(
+def select_resume_any_format(
     ckpt_dir: str | os.PathLike,
     level: Level | str = Level.FULL,
     key: bytes | None = None,
     skip_newest: int = 0,
     on_skip: Callable[[Verdict], None] | None = None,
+    exclude: Collection[str] = (),
 ) -> Selection:
-    """`verify.select_resume` over checkpoints of every format: the newest that verifies, each
-    newer one that fails reported."""
-    return first_good(mark_quarantined(ckpt_dir, (verify_candidate(c, level, key)
-                                                  for c in list_candidates(ckpt_dir))),
-                      skip_newest, on_skip)
+    """The checkpoint a launch resumes from, over checkpoints of every format: the newest that
+    verifies and is not quarantined, each newer one that fails reported. `exclude` holds the
+    `resume_identity` of checkpoints a worker of the run could not load (History.bad_checkpoints);
+    they are passed over without a report (one was made when that happened).
+
+    `rtrain launch` and `rtrain status` both call this, so status names the checkpoint a launch
+    would pick. (`verify.select_rtrain_resume` is the worker's own, over rtrain's format only.)
+    """
+    verdicts = mark_quarantined(ckpt_dir, (verify_candidate(c, level, key)
+                                           for c in list_candidates(ckpt_dir)))
+    if exclude:
+        bad = set(exclude)
+        verdicts = (v for v in verdicts if not (v.ok and resume_identity(v) in bad))
+    return first_good(verdicts, skip_newest, on_skip)
+
+
+def resume_identity(v: Verdict) -> str:
+    """A checkpoint as a run remembers it: the path and when it was made (a checkpoint saved
+    again at the same path is a different one)."""
+    created = (v.manifest or {}).get("created")
+    if created is None:
+        try:
+            created = os.stat(v.path).st_mtime_ns
+        except OSError:
+            created = None
+    return f"{v.path.resolve()}|{created}"

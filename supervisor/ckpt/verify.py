@@ -148,14 +148,16 @@ class Selection:
     skipped: list[Verdict]  # newer checkpoints that failed, with their reasons
 
 
-def select_resume(
+def select_rtrain_resume(
     ckpt_dir: str | os.PathLike,
     level: Level | str = Level.FULL,
     key: bytes | None = None,
     skip_newest: int = 0,
     on_skip: Callable[[Verdict], None] | None = None,
 ) -> Selection:
-    """The newest checkpoint that verifies; each newer one that fails is reported.
+    """The newest of rtrain's own checkpoints that verifies; each newer one that fails is
+    reported. The worker resumes through this (it loads only its own format); a launch picks
+    over every format with `foreign.select_resume_any_format`.
 
     `skip_newest` passes over that many verified checkpoints (a rollback after a non-finite
     loss resumes from the one before the newest).

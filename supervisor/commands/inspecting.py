@@ -148,7 +148,7 @@ def inspect_dir(ckpt_dir: str | os.PathLike, *, verify: Level = Level.QUICK,
     # Every format: rtrain's, Trainer checkpoint dirs, Lightning / torch.save files.
     entries = [Entry(v, dir_size(v.path) if _real_dir(v.path) else _file_size(v.path))
                for v in foreign.verify_all(root, verify, key)]
-    # Resume picks the newest checkpoint that verifies, as verify.select_resume does.
+    # Resume picks the newest checkpoint that verifies, as foreign.select_resume_any_format does.
     pick = next((e for e in entries if e.verdict.ok), None)
     if pick is not None:
         pick.resume = True

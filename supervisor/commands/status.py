@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.ckpt import quarantine
-from supervisor.ckpt.verify import Level, Status, select_resume
+from supervisor.ckpt.foreign import select_resume_any_format
+from supervisor.ckpt.verify import Level, Status
 from supervisor.commands.statusline import human_bytes, human_duration, human_rate
 from supervisor.errors import UsageError
 from supervisor.pids import pid_alive
@@ -186,10 +187,14 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
         s.level, s.settings = _int(rung.get("level")), dict(rung["settings"])
 
     now = time.time() if now is None else now
-    selection = select_resume(s.ckpt_dir, Level.QUICK, key)
+    # The launch's own selection (every format, passing over what a worker could not load),
+    # so status names the checkpoint the next launch would resume from.
+    bad = state.history.bad_checkpoints if state is not None else ()
+    selection = select_resume_any_format(s.ckpt_dir, Level.QUICK, key, exclude=bad)
     if selection.chosen is not None:
-        s.checkpoint, s.checkpoint_step = selection.chosen.path, selection.chosen.step
-        created = (selection.chosen.manifest or {}).get("created")
+        step = selection.chosen.step  # -1: a foreign file whose name states no step
+        s.checkpoint, s.checkpoint_step = selection.chosen.path, step if step >= 0 else None
+        created = (selection.chosen.manifest or selection.chosen.info or {}).get("created")
         if finite(created):
             s.checkpoint_age_s = max(0.0, now - created)
     skipped = saves.summarize(events)

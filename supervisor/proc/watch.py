@@ -2,7 +2,9 @@
 
 Woken by: the child's pidfd (its exit, at once), its stdout/stderr (teed), heartbeat datagrams,
 the signal wakeup fd, and timers (sampling, the hang deadline, the end of a stop's grace). Nothing
-here decides what the ending means; it gathers `Evidence` for classify and returns it.
+here decides what the ending means; it gathers `Evidence` for classify and returns it finished:
+this module is the only writer of an attempt's Evidence (including the health gate's verdict on
+the devices after a failure), and everyone after it only reads.
 
 Stopping never blocks the loop: the stop signal goes to the group, output keeps being drained
 (a child saving a checkpoint must not block on a full pipe), and at the grace's end the group
@@ -23,9 +25,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from supervisor.decide.classify import plain_script_started
 from supervisor.decide.failures import Evidence
 from supervisor.proc.cgroup import MemoryCgroup, memory_cgroup
 from supervisor.proc.gpu import GpuReader, GpuReading, NullReader
+from supervisor.proc.gpu_health import DeviceHealth, describe, problems
 from supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
 from supervisor.proc.proctree import ProcTree, TreeSample
 from supervisor.proc.spawn import Child
@@ -106,6 +110,7 @@ class Outcome:
     hard_stop: bool = False  # a second SIGINT: SIGKILL at once, no grace
     pids_seen: list[int] = field(default_factory=list)  # for wait_gpu_released
     stack_files: list[Path] = field(default_factory=list)
+    failed_devices: tuple[DeviceHealth, ...] = ()  # the health gate's failed readings
 
 
 class SignalCatcher:
@@ -191,7 +196,7 @@ class _Watch:
         self.gpu, self.tree, self.clock = gpu, tree, clock
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None
         self.on_sample: Callable[[Sample], None] | None = None
-        self.ev = Evidence()
+        self.ev = Evidence(pid=child.pid)
         self.summary = HeartbeatSummary()
         self.t0 = clock()
         self.hang = HangClock(config.hang, self.t0)
@@ -367,6 +372,12 @@ class _Watch:
             ev.cgroup_oom_kills = max(0, (self.cgroup.oom_kills() or self.oom_base) - self.oom_base)
         ev.killed_after_grace = self.killed_after_grace
         ev.duration_s = now - self.t0
+        hs = self.summary
+        ev.stop_confirmed = hs.last_event == "stop"
+        if hs.count == 0 or hs.last_step is None:
+            # No step heartbeats: a plain script, or one that died before its first step.
+            ev.first_step_seen = hs.count == 0 and plain_script_started(ev)
+        failed = self._health_gate() if rc != 0 and not ev.stop_requested else ()
         stop = StopResult(
             returncode=rc,
             signal_sent=self.signal_sent,
@@ -383,7 +394,21 @@ class _Watch:
             hard_stop=self.hard_stop,
             pids_seen=sorted(self.tree.seen),
             stack_files=self.stack_files,
+            failed_devices=failed,
         )
+
+    def _health_gate(self) -> tuple[DeviceHealth, ...]:
+        """After a failed attempt, NVML's device checks (reachable, retired pages, row
+        remapping, fatal XIDs, the driver's recovery action): a device that fails them makes the
+        failure `lost_device`, with the readings as evidence."""
+        if not self.gpu.available:
+            return ()
+        failed = tuple(h for h in self.gpu.health() if problems(h))
+        if failed:
+            self.ev.gpu_lost = True
+            found = describe(list(failed))
+            self.ev.gpu_detail = "; ".join(filter(None, [self.ev.gpu_detail, found]))
+        return failed
 
     def _drain_pipes(self) -> None:
         # Everyone that could hold the write ends is dead now, so EOF comes at once.

@@ -1,0 +1,75 @@
+"""What an attempt is started with: its argv (knob templates filled in, `--resume-arg`s when it
+resumes) and its environment (contract 1: where to write, what to resume from, where to send
+heartbeats, the checkpoint generation that fences off writers of earlier attempts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from supervisor import filemode, protocol
+from supervisor.ckpt import generation
+from supervisor.decide import templates
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttemptPlan:
+    """One attempt's coordinates, from which its argv and environment follow."""
+
+    attempt: int
+    settings: dict[str, Any]
+    resume_from: str | None
+    """The chosen checkpoint's resolved path; None for a fresh start."""
+    run_dir: Path
+    ckpt_dir: Path
+    attempt_dir: Path
+
+
+def argv(command: list[str], resume_args: tuple[str, ...], plan: AttemptPlan) -> list[str]:
+    values = {**plan.settings, "checkpoint": plan.resume_from or "", "attempt": plan.attempt,
+              "run_dir": str(plan.run_dir.resolve()), "ckpt_dir": str(plan.ckpt_dir)}
+    out = templates.render(command, values)
+    if plan.resume_from is not None:
+        out += templates.render(list(resume_args), values)
+    return out
+
+
+def environment(plan: AttemptPlan, *, stop_signal: str, heartbeat_addr: str, dump_signal: int,
+                file_mode: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.update({
+        protocol.ENV_RUN_DIR: str(plan.run_dir.resolve()),
+        protocol.ENV_CKPT_DIR: str(plan.ckpt_dir.resolve()),
+        protocol.ENV_ATTEMPT: str(plan.attempt),
+        protocol.ENV_SETTINGS: json.dumps(plan.settings),
+        protocol.ENV_STATUS: str(plan.attempt_dir.resolve()),
+        protocol.ENV_STOP_SIGNAL: stop_signal,
+        protocol.ENV_HEARTBEAT: heartbeat_addr,
+        protocol.ENV_DUMP_SIGNAL: signal.Signals(dump_signal).name,
+        filemode.ENV_FILE_MODE: f"{file_mode:04o}",
+        "PYTHONUNBUFFERED": "1",  # output reaches the tee (and hang detection) at once
+    })
+    if plan.resume_from:
+        env[protocol.ENV_RESUME_FROM] = plan.resume_from
+    else:
+        env.pop(protocol.ENV_RESUME_FROM, None)
+    return env
+
+
+def fence_earlier_writers(env: dict[str, str], ckpt_dir: Path,
+                          say: Callable[[str], None]) -> None:
+    """Advance the checkpoint dir's generation and hand the new token to the attempt: from now
+    on, writers left from earlier attempts cannot commit."""
+    try:
+        token = generation.new_token()
+        generation.advance(ckpt_dir, token)
+        env[protocol.ENV_GENERATION] = token
+    except OSError as e:
+        env.pop(protocol.ENV_GENERATION, None)
+        say(f"cannot write the checkpoint generation in {ckpt_dir} ({e.strerror});"
+            " writers left from earlier attempts are not fenced off")

@@ -1,0 +1,109 @@
+"""Who follows the run besides the event log: the metrics file, [[hooks]], the status line and
+our own console. Fed by EventLog listeners and polled from the watch's callbacks (samples,
+heartbeats), never in the loop's way."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from supervisor import protocol
+from supervisor.commands.statusline import StatusLine
+from supervisor.config import Config
+from supervisor.proc.console import BestEffortWriter
+from supervisor.proc.watch import Sample
+from supervisor.records.events import EventLog, read_events
+from supervisor.records.hooks import HookRunner
+from supervisor.records.metrics import MetricsFile
+
+
+class Observers:
+    def __init__(self, config: Config, run_dir: Path, ckpt_dir: Path, *, cwd: Path, echo: bool,
+                 wall: Callable[[], float], monotonic: Callable[[], float],
+                 say: Callable[[str], None]) -> None:
+        self.cfg, self.monotonic, self._say = config, monotonic, say
+        self.metrics = (MetricsFile(config.metrics_file, run_dir=run_dir, ckpt_dir=ckpt_dir,
+                                    wall=wall)
+                        if config.metrics_file else None)
+        if self.metrics is not None:
+            for event in read_events(run_dir / "events.jsonl"):  # counters continue the run's
+                self.metrics.seed(event)
+        self.hooks = (HookRunner(config.hooks, cwd=cwd,
+                                 env={protocol.ENV_RUN_DIR: str(run_dir.resolve())})
+                      if config.hooks else None)
+        self.line = StatusLine(sys.stderr) if echo else None
+        self.console: list[BestEffortWriter] = []  # our stdout/stderr, when they are real
+        self.events: EventLog | None = None
+        self.skipped: list[dict[str, Any]] = []  # save_skipped events of this launch
+        self._last_summary = float("-inf")
+
+    @property
+    def listeners(self) -> list[Callable[[dict[str, Any]], None]]:
+        return [o for o in (self.metrics, self.hooks) if o is not None]
+
+    def attach(self, events: EventLog) -> None:
+        self.events = events
+        if self.hooks is not None:
+            self.hooks.report = events.emit
+
+    def say(self, text: str) -> None:
+        if self.line is None:
+            self._say(text)
+            return
+        with self.line.suspend():
+            self._say(text)
+
+    def attempt_started(self, attempt: int, attempt_dir: Path, level: int) -> None:
+        for out in self.console:
+            out.hint = f"{attempt_dir}/"
+        if self.line is not None:
+            self.line.update(attempt=attempt, level=level, step=None, loss=None,
+                             samples_per_s=None)
+        self._last_summary = float("-inf")  # each attempt's first step starts its curve
+
+    def tick(self, hb: protocol.Heartbeat | None = None) -> None:
+        """Watch ticks for the observers: metrics ages, hooks past their deadline."""
+        if self.metrics is not None:
+            if hb is not None:
+                self.metrics.heartbeat(hb.step)
+            else:
+                self.metrics.tick()
+        if self.hooks is not None:
+            self.hooks.poll()
+
+    def sample(self, sample: Sample) -> None:
+        self.tick()
+        for out in self.console:  # echo held back while the console was slow
+            out.try_flush()
+        if self.line is None:
+            return
+        devices = sample.gpu.devices
+        used = sum(d.used for d in devices) if devices else None
+        total = sum(d.total for d in devices) if devices else None
+        self.line.update(rss_bytes=sample.tree.rss_bytes, gpu_used=used, gpu_total=total)
+
+    def heartbeat(self, attempt: int, hb: protocol.Heartbeat) -> None:
+        assert self.events is not None
+        self.tick(hb)
+        if hb.event == "save_skipped":
+            self.skipped.append(self.events.emit("save_skipped", attempt=attempt, step=hb.step,
+                                                 rank=hb.rank, reason=hb.reason))
+            self.say(f"checkpoint at step {hb.step} not saved: {hb.reason}")
+        if self.line is not None and hb.step is not None:
+            self.line.update(step=hb.step, loss=hb.loss, samples_per_s=hb.samples_per_s,
+                             next_save_step=hb.next_save_step)
+        now = self.monotonic()
+        if hb.event == "step" and now - self._last_summary >= self.cfg.summary_every_s:
+            self._last_summary = now
+            self.events.emit("heartbeat_summary", attempt=attempt, step=hb.step, loss=hb.loss,
+                             samples_per_s=hb.samples_per_s)
+
+    def close(self) -> None:
+        if self.line is not None:
+            self.line.clear()
+        if self.hooks is not None:
+            self.hooks.close()  # a give-up alert runs to its deadline
+        if self.metrics is not None:
+            self.metrics.stopped()

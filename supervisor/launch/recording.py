@@ -1,0 +1,75 @@
+"""The events (and terminal lines) that record how an attempt ended and what was decided, in the
+order a reader of events.jsonl expects them:
+
+    signal* exit heartbeat_summary? device_failed? classification? skipped_checkpoint?
+    failure_rate? quarantine? decision degrade?
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from supervisor.config import Config
+from supervisor.decide.failures import Failure
+from supervisor.decide.policy import Decision
+from supervisor.proc import slurm
+from supervisor.proc.gpu_health import describe
+from supervisor.proc.watch import Outcome
+from supervisor.records.events import EventLog
+
+
+def slurm_field() -> dict[str, Any]:
+    info = slurm.job_info()
+    return {"slurm": info} if info else {}
+
+
+def record_exit(events: EventLog, attempt: int, outcome: Outcome, duration_s: float) -> None:
+    ev, hs = outcome.evidence, outcome.heartbeats
+    for name in outcome.signals:
+        events.emit("signal", name=name)
+    events.emit("exit", attempt=attempt, returncode=ev.returncode, signal=ev.signal,
+                duration_s=round(duration_s, 3), last_step=ev.last_step,
+                peak_rss_bytes=ev.peak_rss_bytes, gpu_used_peak=ev.gpu_mem_used_peak,
+                gpu_total=ev.gpu_mem_total, leftovers=outcome.stop.leftovers)
+    if hs.last_step is not None:
+        events.emit("heartbeat_summary", attempt=attempt, step=hs.last_step,
+                    loss=hs.last_loss, samples_per_s=hs.samples_per_s,
+                    rss_bytes=ev.peak_rss_bytes, gpu_used=ev.gpu_mem_used_peak,
+                    gpu_total=ev.gpu_mem_total)
+    if outcome.failed_devices:
+        failed = list(outcome.failed_devices)
+        events.emit("device_failed", attempt=attempt, detail=describe(failed),
+                    devices=[h.to_dict() for h in failed], **slurm_field())
+
+
+def record_failure(events: EventLog, say: Callable[[str], None], attempt: int,
+                   failure: Failure) -> None:
+    events.emit("classification", attempt=attempt, failure=failure.kind.value,
+                reason=failure.reason)
+    say(f"attempt {attempt} failed: {failure.kind.value}: {failure.reason}")
+
+
+def record_decision(events: EventLog, say: Callable[[str], None], attempt: int,
+                    decision: Decision, config: Config) -> None:
+    if decision.alarm:
+        # Progress forgives failures, so a run can fail all day without stopping: say so.
+        events.emit("failure_rate", attempt=attempt, detail=decision.alarm,
+                    count=len(decision.history.failure_times),
+                    limit=config.restart.max_failures_per_hour)
+        say(f"WARNING: {decision.alarm}")
+    if decision.quarantine:
+        q = decision.quarantine
+        events.emit("quarantine", attempt=attempt, path=q["path"], step=q["step"],
+                    reason=q["reason"])
+        say(f"quarantined {q['path']}: {q['reason']}")
+    events.emit("decision", attempt=attempt, action=decision.action.value,
+                reason=decision.reason, backoff_s=round(decision.backoff_s, 3),
+                level=decision.level, settings=decision.settings,
+                exit_code=decision.exit_code, resume=decision.resume.value)
+    if decision.ladder_change:
+        events.emit("degrade", attempt=attempt, change=decision.ladder_change,
+                    level=decision.level, settings=decision.settings)
+        say(f"degrading: {decision.ladder_change} -> settings "
+            f"{json.dumps(decision.settings)}")

@@ -1,0 +1,102 @@
+"""The run's checkpoint dir as the loop sees it: which checkpoint an attempt resumes from
+(`foreign.select_resume_any_format`, the same selection `rtrain status` shows), the newest good
+step, whether an attempt committed one, and the quarantine copy other readers of the dir see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from supervisor.ckpt import foreign, quarantine
+from supervisor.ckpt.verify import Level, Selection, Verdict, mark_quarantined
+from supervisor.config import Config
+from supervisor.decide.policy import History, Resumed, ResumeMode
+from supervisor.errors import UsageError
+from supervisor.records.events import EventLog
+from supervisor.safetext import safe
+
+
+class Checkpoints:
+    def __init__(self, ckpt_dir: Path, config: Config, key: bytes | None, events: EventLog,
+                 say: Callable[[str], None]) -> None:
+        self.dir, self.cfg, self.key, self.events, self.say = ckpt_dir, config, key, events, say
+
+    def pick(self, history: History, resume: ResumeMode, *, first: bool) -> Selection | None:
+        """The checkpoint the next attempt resumes from; None when an explicit --resume PATH
+        does not verify. `first`: the first attempt of a new run (--resume applies)."""
+        level = Level(self.cfg.verify)
+        if first and self.cfg.resume == "never":
+            return Selection(None, [])
+        if first and self.cfg.resume != "auto":
+            v = foreign.verify_path(self.cfg.resume, level, self.key)
+            if not v.ok:
+                raise UsageError(f"--resume {self.cfg.resume} does not verify ({v.describe()}): "
+                                 "pick another checkpoint or use --resume auto")
+            return Selection(v, [])
+        # Any format: rtrain's own, a Trainer's checkpoint-N dirs, Lightning / torch.save files.
+        sel = self._select(level, history, skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
+        for v in sel.skipped:
+            self.say(f"skipping {safe(v.path.name)}: {safe(v.describe())}")  # names from disk
+            self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
+        if resume is ResumeMode.ROLLBACK and sel.chosen is None:
+            sel = self._select(level, history)  # nothing older: newest
+        return sel
+
+    def _select(self, level: Level, history: History, skip_newest: int = 0) -> Selection:
+        """Passing over quarantined checkpoints and those a worker of this run could not load
+        (reported when that happened, in a `skipped_checkpoint` event)."""
+        return foreign.select_resume_any_format(self.dir, level, self.key, skip_newest,
+                                                exclude=history.bad_checkpoints)
+
+    def skip_bad(self, history: History, chosen: Verdict, reason: str) -> History:
+        """The worker could not load `chosen`: record why, and never offer it again."""
+        self.say(f"skipping {chosen.path.name} from now on: {reason}")
+        self.events.emit("skipped_checkpoint", path=str(chosen.path),
+                         reason=f"cannot load: {reason}")
+        return replace(history, bad_checkpoints=(*history.bad_checkpoints,
+                                                 foreign.resume_identity(chosen)))
+
+    def newest_step(self) -> int | None:
+        verdicts = (foreign.verify_candidate(c, Level.QUICK, self.key)
+                    for c in foreign.list_candidates(self.dir))
+        for v in mark_quarantined(self.dir, verdicts):
+            if v.ok:
+                return v.step if v.step >= 0 else None
+        return None
+
+    def committed_since(self, started: float, resumed: Resumed | None) -> bool:
+        """Did the attempt commit a checkpoint newer than the one it resumed from? (A rollback
+        resumes below the newest, so the newest step alone cannot tell.) `started` is unix
+        time, compared with the checkpoints' mtimes."""
+        floor = resumed.step if resumed is not None and resumed.step is not None else -1
+        for c in foreign.list_candidates(self.dir):
+            if c.step is None or c.step <= floor:
+                continue
+            try:
+                # A commit renames a dir whose manifest was written last: its mtime is the save's.
+                if c.path.stat().st_mtime >= started:
+                    return True
+            except FileNotFoundError:
+                continue
+        return False
+
+    def publish_quarantine(self, history: History) -> None:
+        """state.json is the record; the checkpoint dir's copy is what readers of the dir see.
+        A dir rtrain cannot write (read-only, full) costs that copy, never the run (nor can any
+        checkpoint have been saved there to be quarantined)."""
+        try:
+            quarantine.publish(self.dir, history.quarantined, mode=self.cfg.file_mode)
+        except OSError as e:
+            self.say(f"cannot write {quarantine.QUARANTINE_FILE} in {self.dir} "
+                     f"({e.strerror}): other readers of the dir will not see the quarantine")
+
+
+def resumed_from(chosen: Verdict | None) -> Resumed | None:
+    """The checkpoint's identity before the attempt runs: what a quarantine would name. A
+    foreign checkpoint whose name states no step has step -1: unknown."""
+    if chosen is None:
+        return None
+    return Resumed(path=str(chosen.path), step=chosen.step if chosen.step >= 0 else None,
+                   id=quarantine.checkpoint_id(chosen.path))

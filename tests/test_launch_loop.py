@@ -1,0 +1,194 @@
+"""The launch loop in-process, with scripted attempt outcomes (as torchelastic's agent tests
+script monitor results): a fake spawner and watcher stand in for the child, a fake clock and
+sleepers for time. Nothing here starts a process or sleeps; the event log, state.json and the
+decisions are the real ones."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor.config import load_config
+from supervisor.decide.failures import Evidence
+from supervisor.launch.loop import LaunchSpec, Seams, launch
+from supervisor.proc.gpu import DeviceMemory, GpuReading, NullReader, ScriptedReader
+from supervisor.proc.spawn import ChildSpec
+from supervisor.proc.stop import StopResult
+from supervisor.proc.watch import HeartbeatSummary, Outcome, SignalCatcher
+from supervisor.records.events import read_events
+from supervisor.records.runstate import RunStatus, load_state
+
+PID0 = 4_200_000  # above any pid_max: no process can have it, so nothing real is touched
+
+
+def crash(code: int = 1, stderr: str = "ValueError: bad batch\n") -> Evidence:
+    return Evidence(returncode=code, stderr_tail=stderr, first_step_seen=True, last_step=5)
+
+
+def success() -> Evidence:
+    return Evidence(returncode=0, first_step_seen=True, last_step=10)
+
+
+@dataclass
+class FakeChild:
+    spec: ChildSpec
+    pid: int
+    closed: bool = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class Script:
+    """The spawner, watcher, clock and sleepers of one scripted launch."""
+
+    outcomes: list[Evidence]
+    now: float = 1_000.0
+    spawned: list[FakeChild] = field(default_factory=list)
+    backoffs: list[float] = field(default_factory=list)
+    sleeps: list[float] = field(default_factory=list)
+    said: list[str] = field(default_factory=list)
+    stop_during_backoff: int | None = None  # a signal that arrives during the backoff
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def backoff(self, seconds: float, signals: SignalCatcher) -> bool:
+        self.backoffs.append(seconds)
+        self.now += seconds
+        if self.stop_during_backoff is not None:
+            signals.pending.append(self.stop_during_backoff)
+            return True
+        return False
+
+    def spawn(self, spec: ChildSpec) -> FakeChild:
+        child = FakeChild(spec, PID0 + len(self.spawned))
+        self.spawned.append(child)
+        return child
+
+    def watch(self, child: FakeChild, config, **kw) -> Outcome:
+        ev = self.outcomes[len(self.spawned) - 1]
+        ev.pid = child.pid  # the watcher names the child it watched
+        self.now += 30.0  # the attempt ran for 30 s
+        return Outcome(evidence=ev, heartbeats=HeartbeatSummary(),
+                       stop=StopResult(returncode=ev.returncode, signal_sent=None,
+                                       killed_after_grace=False),
+                       pids_seen=[child.pid])
+
+    def seams(self, gpu=None) -> Seams:
+        return Seams(gpu=gpu or NullReader(), rand=lambda: 0.0, wall=self.clock,
+                     monotonic=self.clock, sleep=self.sleep, backoff=self.backoff,
+                     spawn=self.spawn, watch=self.watch, say=self.said.append)
+
+
+def run(tmp_path: Path, script: Script, gpu=None, **cfg) -> tuple[int, list[dict]]:
+    config = load_config({"run_dir": tmp_path / "run", **cfg}, None, tmp_path)
+    spec = LaunchSpec(command=["train.py", "--attempt", "{attempt}"], config=config,
+                      echo=False, cwd=tmp_path)
+    code = launch(spec, script.seams(gpu))
+    return code, read_events(tmp_path / "run" / "events.jsonl")
+
+
+def kinds(events: list[dict]) -> list[str]:
+    return [e["kind"] for e in events]
+
+
+def test_crash_crash_success_relaunches_with_growing_backoff(tmp_path):
+    script = Script([crash(), crash(2), success()])
+    code, events = run(tmp_path, script)
+    assert code == 0
+    attempt_events = ["launch", "exit", "classification", "decision"]
+    assert kinds(events) == [*attempt_events, *attempt_events, "launch", "exit", "decision",
+                             "finished"]
+    decisions = [e for e in events if e["kind"] == "decision"]
+    assert [d["action"] for d in decisions] == ["relaunch", "relaunch", "finished"]
+    # The backoff doubles while attempts make no progress, and no real time passes.
+    assert script.backoffs == [1.0, 2.0]
+    assert [d["backoff_s"] for d in decisions[:2]] == script.backoffs
+    state = load_state(tmp_path / "run")
+    assert state.status is RunStatus.FINISHED
+    assert state.history.budgets_used == {"crash": 2} and state.history.attempt == 2
+    # Each attempt had its own number, in argv (templates) and the environment.
+    assert [c.spec.argv for c in script.spawned] == [
+        ["train.py", "--attempt", str(n)] for n in range(3)]
+    assert [c.spec.env["RTRAIN_ATTEMPT"] for c in script.spawned] == ["0", "1", "2"]
+    assert all(c.closed for c in script.spawned)
+    # The failure sentence names the pid the watcher saw, not "the child".
+    reasons = [e["reason"] for e in events if e["kind"] == "classification"]
+    assert reasons[0].startswith(f"PID {PID0} exited with code 1")
+    assert reasons[1].startswith(f"PID {PID0 + 1} exited with code 2")
+    assert [e["pid"] for e in events if e["kind"] == "launch"] == [PID0, PID0 + 1, PID0 + 2]
+    # Event times come from the injected wall clock: three 30 s attempts and 3 s of backoff.
+    assert events[-1]["time"] - events[0]["time"] == 3 * 30.0 + 1.0 + 2.0
+
+
+def test_crashes_without_progress_give_up_after_the_crash_loop(tmp_path):
+    script = Script([crash()] * 10)
+    code, events = run(tmp_path, script, **{"restart.crash_loop_k": 3})
+    assert code == 1
+    assert len(script.spawned) == 3
+    assert [e["action"] for e in events if e["kind"] == "decision"] == [
+        "relaunch", "relaunch", "give_up"]
+    assert kinds(events)[-1] == "give_up"
+    assert script.backoffs == [1.0, 2.0]  # none after the last: nothing is relaunched
+    state = load_state(tmp_path / "run")
+    assert state.status is RunStatus.GAVE_UP
+    assert "crash loop: 3 consecutive attempts" in state.reason
+    assert state.reason.startswith(f"PID {PID0 + 2} exited with code 1")
+
+
+def test_the_crash_budget_gives_up_and_names_the_budget(tmp_path):
+    script = Script([crash()] * 10)
+    code, events = run(tmp_path, script, **{"restart.crash_loop_k": 0,
+                                            "restart.budgets": {"crash": 2}})
+    assert code == 1 and len(script.spawned) == 3
+    assert load_state(tmp_path / "run").history.budgets_used == {"crash": 2}
+    [give_up] = [e for e in events if e["kind"] == "give_up"]
+    assert "the crash budget is spent (2 of 2" in give_up["reason"]
+
+
+def test_a_stop_during_the_backoff_ends_the_run_without_another_attempt(tmp_path):
+    script = Script([crash(), success()], stop_during_backoff=signal.SIGTERM)
+    code, events = run(tmp_path, script)
+    assert code == 75
+    assert len(script.spawned) == 1 and script.backoffs == [1.0]
+    assert kinds(events)[-2:] == ["decision", "signal"]
+    assert events[-1]["name"] == "SIGTERM"
+    state = load_state(tmp_path / "run")
+    assert state.status is RunStatus.PREEMPTED
+    assert state.reason == "stopped by SIGTERM during backoff"
+
+
+def test_backoff_disabled_sleeps_nothing(tmp_path):
+    script = Script([crash(), success()])
+    code, _ = run(tmp_path, script, **{"backoff.enabled": False})
+    assert code == 0 and script.backoffs == [] and script.sleeps == []
+
+
+def test_gpu_memory_still_held_is_waited_for_on_the_injected_clock(tmp_path):
+    held = GpuReading(devices=(DeviceMemory(0, 1 << 30, 80 << 30),),
+                      process_memory={PID0: 1 << 30})
+    script = Script([crash(), success()])
+    code, events = run(tmp_path, script, gpu=ScriptedReader([held]),
+                       gpu_release_wait_s=2.0)
+    assert code == 0
+    # Polled every 0.1 s on the fake clock until the 2 s ran out: no real sleeping.
+    assert script.sleeps and abs(sum(script.sleeps) - 2.0) < 0.11
+    [late] = [e for e in events if e["kind"] == "gpu_not_released"]
+    assert late["pids"] == [PID0]
+    assert kinds(events).index("gpu_not_released") < kinds(events).index("launch", 1)
+
+
+def test_a_finished_run_is_not_relaunched(tmp_path):
+    script = Script([success()])
+    assert run(tmp_path, script)[0] == 0
+    again = Script([success()])
+    code, _ = run(tmp_path, again)
+    assert code == 0 and again.spawned == []
+    assert any("already finished" in line for line in again.said)
