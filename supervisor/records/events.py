@@ -2,10 +2,18 @@
 
 One JSON object per line: `v` (schema version), `time` (unix seconds), `seq` (1, 2, ... across
 supervisor restarts), `kind`, then the event's own fields. Each line goes out in a single
-`write` on an O_APPEND descriptor, so a line is never interleaved or buffered in the process;
-only events a post-mortem needs (launch, exit, decisions, give-up...) pay for an fsync.
+`write` on an O_APPEND descriptor, so a line is never interleaved or buffered in the process.
 A supervisor killed mid-write leaves a torn last line: readers skip it, and the next writer
 cuts it off before appending, so it never becomes a corrupt line in the middle.
+
+`KINDS` is the schema: every kind, the fields it carries, whether it is fsynced at once
+(`durable`) and whether a hook may name it. `emit` refuses a kind or a field not in it
+(`EventSchemaError`), so the log cannot drift from the table (docs/design.md shows the same
+table; a test holds them together). Durable kinds are the few a post-mortem or a restarted
+supervisor needs and that come at most once per attempt: `launch`, `decision` (its fsync
+covers the attempt's `exit` and `classification` written just before it) and the ends of a
+run; the others reach the disk with the next durable event, the launch loop's `sync()` per
+relaunch, or `close()`.
 
 Writing is best effort against the disk, never against order: when the disk is full or failing
 (ENOSPC, EDQUOT, EIO) an event that cannot be written waits in memory (the rest of a line
@@ -21,7 +29,9 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +43,107 @@ log = logging.getLogger(__name__)
 
 EVENTS_VERSION = 1
 
-# Losing one of these to a power cut would hide why the run did what it did.
-# Events that end a run are synced at once; the others reach the disk at the next `sync()`
-# (the launch loop syncs once per decision), which keeps relaunches fast.
-DURABLE_KINDS = frozenset({"give_up", "finished", "preempted", "requeue", "lock_takeover"})
-# Other kinds so far: heartbeat_summary, checkpoint, skipped_checkpoint, gpu_release_wait,
-# hook_failed, events_lost, leftovers_ended.
+
+class Kind(str, Enum):
+    """Every kind of event the supervisor records; `KINDS` says what each one carries."""
+
+    LAUNCH = "launch"
+    SKIPPED_CHECKPOINT = "skipped_checkpoint"
+    HEARTBEAT_SUMMARY = "heartbeat_summary"
+    SIGNAL = "signal"
+    EXIT = "exit"
+    CLASSIFICATION = "classification"
+    DECISION = "decision"
+    DEGRADE = "degrade"
+    GIVE_UP = "give_up"
+    FAILURE_RATE = "failure_rate"
+    QUARANTINE = "quarantine"
+    DEVICE_FAILED = "device_failed"
+    EXCLUDE_NODE = "exclude_node"
+    REQUEUE = "requeue"
+    FINISHED = "finished"
+    GPU_NOT_RELEASED = "gpu_not_released"
+    LOCK_TAKEOVER = "lock_takeover"
+    LEFTOVERS_ENDED = "leftovers_ended"
+    EVENTS_LOST = "events_lost"
+    HOOK_FAILED = "hook_failed"
+    SAVE_SKIPPED = "save_skipped"
+    FINAL_STATE_UNSAVED = "final_state_unsaved"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KindSpec:
+    """What one kind of event carries and how it is written."""
+
+    fields: tuple[str, ...]
+    """Fields every event of the kind has (older logs may lack some)."""
+    optional: tuple[str, ...] = ()
+    """Fields written only when they apply (`slurm` under Slurm, ...)."""
+    durable: bool = False
+    """fsync right after the line is written."""
+    hookable: bool = True
+    """A `[[hooks]]` table may name it in `on`."""
+    meaning: str = ""
+
+
+# Durable (see the module docstring): `launch`, so an attempt that runs for hours is on record;
+# `decision`, on disk before state.json records the same decision; the ends of a run.
+KINDS: dict[Kind, KindSpec] = {
+    Kind.LAUNCH: KindSpec(
+        fields=("attempt", "argv", "settings", "level", "resume_from", "pid", "ckpt_dir"),
+        optional=("slurm",), durable=True, meaning="an attempt was started"),
+    Kind.SKIPPED_CHECKPOINT: KindSpec(
+        fields=("path", "reason"),
+        meaning="resume selection passed over a checkpoint, or a worker could not load it"),
+    Kind.HEARTBEAT_SUMMARY: KindSpec(
+        fields=("attempt", "step", "loss", "samples_per_s"),
+        optional=("rss_bytes", "gpu_used", "gpu_total"),
+        meaning="training progress, every summary_every_s and at the attempt's end"),
+    Kind.SIGNAL: KindSpec(fields=("name",), meaning="a signal reached the supervisor"),
+    Kind.EXIT: KindSpec(
+        fields=("attempt", "returncode", "signal", "duration_s", "last_step", "peak_rss_bytes",
+                "gpu_used_peak", "gpu_total", "leftovers"),
+        meaning="an attempt ended"),
+    Kind.CLASSIFICATION: KindSpec(fields=("attempt", "failure", "reason"),
+                                  meaning="what a failed attempt's failure was"),
+    Kind.DECISION: KindSpec(
+        fields=("attempt", "action", "reason", "backoff_s", "level", "settings", "exit_code",
+                "resume"),
+        durable=True, meaning="what the supervisor does after an attempt"),
+    Kind.DEGRADE: KindSpec(fields=("attempt", "change", "level", "settings"),
+                           meaning="the next attempt runs one rung down the ladder"),
+    Kind.GIVE_UP: KindSpec(fields=("reason", "exit_code"), durable=True,
+                           meaning="the run gave up"),
+    Kind.FAILURE_RATE: KindSpec(fields=("attempt", "detail", "count", "limit"),
+                                meaning="more failures in the last hour than allowed"),
+    Kind.QUARANTINE: KindSpec(fields=("attempt", "path", "step", "reason"),
+                              meaning="a checkpoint was set aside"),
+    Kind.DEVICE_FAILED: KindSpec(fields=("attempt", "detail", "devices"), optional=("slurm",),
+                                 meaning="a GPU failed its health checks after a failure"),
+    Kind.EXCLUDE_NODE: KindSpec(fields=("done", "detail"),
+                                meaning="the node was excluded from the Slurm job"),
+    Kind.REQUEUE: KindSpec(fields=("done", "detail"), durable=True,
+                           meaning="the Slurm job was requeued"),
+    Kind.FINISHED: KindSpec(fields=("reason",), durable=True, meaning="the run finished"),
+    Kind.GPU_NOT_RELEASED: KindSpec(fields=("pids",),
+                                    meaning="GPU memory still held when relaunching"),
+    Kind.LOCK_TAKEOVER: KindSpec(fields=("previous",), durable=True,
+                                 meaning="the run lock of a dead supervisor was taken over"),
+    Kind.LEFTOVERS_ENDED: KindSpec(fields=("pids", "commands", "found"), hookable=False,
+                                   meaning="processes an earlier supervisor left were killed"),
+    Kind.EVENTS_LOST: KindSpec(fields=("count", "reason"), hookable=False,
+                               meaning="events were dropped while the disk was full"),
+    Kind.HOOK_FAILED: KindSpec(fields=("command", "event", "event_seq", "reason"),
+                               optional=("returncode", "stderr"), hookable=False,
+                               meaning="a hook failed, timed out or could not start"),
+    Kind.SAVE_SKIPPED: KindSpec(fields=("attempt", "step", "rank", "reason"),
+                                meaning="the worker could not write a checkpoint"),
+    Kind.FINAL_STATE_UNSAVED: KindSpec(
+        fields=("last_step", "checkpoint_step", "skipped_saves", "reason"), durable=True,
+        meaning="the run stops with its last steps in no checkpoint"),
+}
+DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
+HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)
 
 Listener = Callable[[dict[str, Any]], None]
 
@@ -48,6 +153,28 @@ PENDING_MAX = 10_000  # events held in memory while the disk refuses them
 
 class EventLogError(RtrainError):
     """events.jsonl holds something this version cannot read."""
+
+
+class EventSchemaError(ValueError):
+    """An event of a kind, or with a field, that `KINDS` does not have: a bug in the emitter,
+    or a new kind or field not yet added to `KINDS` (and docs/design.md)."""
+
+
+_ALLOWED = {k.value: frozenset(spec.fields + spec.optional) for k, spec in KINDS.items()}
+
+
+def checked_kind(kind: Kind | str, fields: Iterable[str]) -> str:
+    """The kind's name, once `kind` and every field name are in `KINDS`; else EventSchemaError."""
+    try:
+        name = Kind(kind).value
+    except ValueError:
+        raise EventSchemaError(f"{kind!r} is not an event kind: add it to events.KINDS and the "
+                               "schema in docs/design.md") from None
+    unknown = set(fields) - _ALLOWED[name]
+    if unknown:
+        raise EventSchemaError(f"{name} events have no field {', '.join(sorted(unknown))}: add "
+                               "it to events.KINDS and the schema in docs/design.md")
+    return name
 
 
 class EventLog:
@@ -89,23 +216,25 @@ class EventLog:
                 continue
         return 0
 
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Append one event and return it. Field values must be JSON-able (Paths become str)."""
+    def emit(self, kind: Kind | str, **fields: Any) -> dict[str, Any]:
+        """Append one event and return it. Field values must be JSON-able (Paths become str).
+        EventSchemaError for a kind or field that `KINDS` does not have."""
+        name = checked_kind(kind, fields)
         self._seq += 1
-        event = {"v": EVENTS_VERSION, "time": self.clock(), "seq": self._seq, "kind": kind,
+        event = {"v": EVENTS_VERSION, "time": self.clock(), "seq": self._seq, "kind": name,
                  **fields}
         line = json.dumps(event, default=str, separators=(",", ":")) + "\n"
         if len(self._pending) < PENDING_MAX:
             self._pending.append(line.encode())
         else:
             self._lost += 1
-        if self.retry() and kind in DURABLE_KINDS:
+        if self.retry() and name in DURABLE_KINDS:
             self.sync()
         for listener in self.listeners:
             try:
                 listener(event)
             except Exception:  # an observer's bug must not stop supervision: log it, go on
-                log.exception("event listener %r failed on a %s event", listener, kind)
+                log.exception("event listener %r failed on a %s event", listener, name)
         return event
 
     @property
@@ -135,7 +264,7 @@ class EventLog:
                 lost, self._lost = self._lost, 0
                 self._seq += 1
                 note = {"v": EVENTS_VERSION, "time": self.clock(), "seq": self._seq,
-                        "kind": "events_lost", "count": lost, "reason": self._error}
+                        "kind": Kind.EVENTS_LOST.value, "count": lost, "reason": self._error}
                 self._pending.append((json.dumps(note, separators=(",", ":")) + "\n").encode())
         if self._error is not None:
             log.warning("%s is written again", self.path)
@@ -153,8 +282,10 @@ class EventLog:
             log.warning("cannot sync %s (%s)", self.path, e.strerror)
 
     def close(self) -> None:
+        """Write what waits and sync it: whatever the last events were, they outlive us."""
         if self._fd >= 0:
-            if not self.retry():
+            self.sync()
+            if self._pending or self._lost:
                 log.warning("%d events could not be written to %s (%s)", self.pending,
                             self.path, self._error)
             os.close(self._fd)

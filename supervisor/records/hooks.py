@@ -35,16 +35,13 @@ from typing import IO, Any
 from supervisor.ckpt.hashing import SECRET_ENV
 from supervisor.decide.failures import FailureKind
 from supervisor.errors import ConfigError
+from supervisor.records.events import HOOKABLE_KINDS, Kind
 
 log = logging.getLogger(__name__)
 
-# Event kinds a hook may name (docs/design.md, events.jsonl schema). hook_failed is left out:
-# a hook on its own failures could loop.
-EVENT_KINDS = ("launch", "skipped_checkpoint", "heartbeat_summary", "signal", "exit",
-               "classification", "decision", "degrade", "give_up", "finished", "requeue",
-               "gpu_not_released", "lock_takeover", "save_skipped", "final_state_unsaved",
-               "failure_rate", "quarantine", "device_failed", "exclude_node")
-HOOKABLE = tuple(dict.fromkeys([*EVENT_KINDS, *(k.value for k in FailureKind)]))
+# Event kinds a hook may name come from the events schema (hook_failed is not one of them: a
+# hook on its own failures could loop), then failure kinds.
+HOOKABLE = tuple(dict.fromkeys([*HOOKABLE_KINDS, *(k.value for k in FailureKind)]))
 _STDERR_TAIL = 2000
 
 
@@ -61,7 +58,8 @@ class HookSpec:
 
     def matches(self, event: dict[str, Any]) -> bool:
         kind = event.get("kind")
-        return kind in self.on or (kind == "classification" and event.get("failure") in self.on)
+        return kind in self.on or (kind == Kind.CLASSIFICATION
+                                   and event.get("failure") in self.on)
 
 
 def parse_hooks(raw: Any) -> tuple[HookSpec, ...]:
@@ -132,7 +130,7 @@ class HookRunner:
     _failures: list[dict[str, Any]] = field(default_factory=list)
 
     def __call__(self, event: dict[str, Any]) -> None:
-        if event.get("kind") == "hook_failed":
+        if event.get("kind") == Kind.HOOK_FAILED:
             return
         for hook in self.hooks:
             if hook.matches(event):
@@ -192,7 +190,7 @@ class HookRunner:
         failures, self._failures = self._failures, []
         if self.report is not None:
             for fields in failures:
-                self.report("hook_failed", **fields)
+                self.report(Kind.HOOK_FAILED, **fields)
 
     def close(self) -> None:
         """Give running hooks until their deadlines, then kill them; report every failure."""
