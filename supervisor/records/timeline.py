@@ -70,6 +70,8 @@ class Note:
 
 @dataclass(kw_only=True)
 class Timeline:
+    """The run so far, one `add(event)` at a time (the rules are in the module docstring)."""
+
     keep_curve: bool = False
     launches: int = 0
     first_launch: Event | None = None
@@ -89,7 +91,7 @@ class Timeline:
     skipped_saves: int = 0
     _last_skipped: Event | None = None
     _unsaved: str | None = None
-    _current: int | None = None  # the attempt the last event that named one named
+    _current: int | None = None  # the attempt named by the newest event that names one
     _last: dict[str, tuple[int, Event]] = field(default_factory=dict)
     _count: int = 0
 
