@@ -128,7 +128,7 @@ def test_emit_refuses_unknown_kinds_and_fields(tmp_path):
     assert type(events[0]["kind"]) is str
 
 
-def test_durable_kinds_are_fsynced_at_once_the_rest_at_close(tmp_path, monkeypatch):
+def test_durable_kinds_are_fsynced_at_once_the_rest_by_sync_or_close(tmp_path, monkeypatch):
     synced: list[int] = []
     real = os.fsync
     monkeypatch.setattr(ev.os, "fsync", lambda fd: (synced.append(fd), real(fd)))
@@ -139,7 +139,11 @@ def test_durable_kinds_are_fsynced_at_once_the_rest_at_close(tmp_path, monkeypat
             before = len(synced)
             log.emit(kind)
             assert (len(synced) > before) == spec.durable, kind.value
+        log.emit(Kind.DECISION)
         before = len(synced)
+        log.sync()  # nothing written since the durable decision: no second fsync
+        assert len(synced) == before
+        log.emit(Kind.SIGNAL)
     assert len(synced) == before + 1  # close syncs what is left
     assert set(DURABLE_KINDS) == {"launch", "decision", "give_up", "requeue", "finished",
                                   "lock_takeover", "final_state_unsaved"}

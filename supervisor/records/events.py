@@ -196,6 +196,7 @@ class EventLog:
         self._pending: deque[bytes] = deque()  # lines not (completely) written yet, in order
         self._lost = 0  # events dropped with the queue full
         self._error: str | None = None  # why the disk refuses, while it does
+        self._unsynced = False  # written since the last fsync
 
     def _recover(self) -> int:
         """Cut a torn last line off and return the last seq written."""
@@ -256,6 +257,7 @@ class EventLog:
                                 "room; supervision goes on", self.path, e.strerror)
                 self._error = e.strerror
                 return False
+            self._unsynced = True
             if n < len(line):
                 self._pending[0] = line[n:]  # the line's rest must come before anything else
                 continue
@@ -272,7 +274,9 @@ class EventLog:
         return True
 
     def sync(self) -> None:
-        if not self.retry():
+        """Write what waits and fsync it; free when nothing was written since the last sync
+        (the launch loop syncs before each relaunch, right after a durable `decision`)."""
+        if not self.retry() or not self._unsynced:
             return
         try:
             os.fsync(self._fd)
@@ -280,6 +284,8 @@ class EventLog:
             if e.errno not in STORAGE_ERRNOS:
                 raise
             log.warning("cannot sync %s (%s)", self.path, e.strerror)
+            return
+        self._unsynced = False
 
     def close(self) -> None:
         """Write what waits and sync it: whatever the last events were, they outlive us."""
