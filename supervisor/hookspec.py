@@ -12,14 +12,11 @@ from typing import Any
 
 from supervisor.decide.failures import FailureKind
 from supervisor.errors import ConfigError, did_you_mean
+from supervisor.event_schema import HOOKABLE_KINDS, Kind
 
-# Event kinds a hook may name (docs/design.md, events.jsonl schema). hook_failed is left out:
-# a hook on its own failures could loop.
-EVENT_KINDS = ("launch", "skipped_checkpoint", "heartbeat_summary", "signal", "exit",
-               "classification", "decision", "degrade", "give_up", "finished", "requeue",
-               "gpu_not_released", "lock_takeover", "save_skipped", "final_state_unsaved",
-               "failure_rate", "quarantine", "device_failed", "exclude_node")
-HOOKABLE = tuple(dict.fromkeys([*EVENT_KINDS, *(k.value for k in FailureKind)]))
+# Event kinds a hook may name come from the events schema (hook_failed is not one of them: a
+# hook on its own failures could loop), then failure kinds.
+HOOKABLE = tuple(dict.fromkeys([*HOOKABLE_KINDS, *(k.value for k in FailureKind)]))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,7 +32,8 @@ class HookSpec:
 
     def matches(self, event: dict[str, Any]) -> bool:
         kind = event.get("kind")
-        return kind in self.on or (kind == "classification" and event.get("failure") in self.on)
+        return kind in self.on or (kind == Kind.CLASSIFICATION
+                                   and event.get("failure") in self.on)
 
 
 def parse_hooks(raw: Any) -> tuple[HookSpec, ...]:

@@ -21,13 +21,13 @@ class FakeClock:
 def test_emit_and_read_back(tmp_path):
     path = tmp_path / "run" / "events.jsonl"
     with EventLog(path, clock=FakeClock()) as log:
-        log.emit("launch", attempt=0, command=["python", "train.py"], cwd=tmp_path)
+        log.emit("launch", attempt=0, argv=["python", "train.py"], ckpt_dir=tmp_path)
         log.emit("heartbeat_summary", step=10)
     events = read_events(path)
     assert [e["kind"] for e in events] == ["launch", "heartbeat_summary"]
     assert [e["seq"] for e in events] == [1, 2]
     assert [e["time"] for e in events] == [1001.0, 1002.0]
-    assert events[0]["v"] == EVENTS_VERSION and events[0]["cwd"] == str(tmp_path)
+    assert events[0]["v"] == EVENTS_VERSION and events[0]["ckpt_dir"] == str(tmp_path)
 
 
 def test_torn_last_line_is_skipped_and_cut_before_appending(tmp_path):

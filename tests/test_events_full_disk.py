@@ -26,7 +26,7 @@ def test_events_wait_for_room_and_keep_their_order(small_tmpfs):
         log.emit("launch", attempt=0)
         ballast = _fill(disk)
         for i in range(50):  # a full disk: nothing raises, nothing is lost
-            log.emit("heartbeat_summary", attempt=0, step=i, pad="z" * 300)
+            log.emit("save_skipped", attempt=0, step=i, rank=0, reason="z" * 300)
         log.emit("finished", reason="done")  # a durable kind: its fsync waits too
         assert log.pending > 0
         ballast.unlink()
@@ -34,6 +34,6 @@ def test_events_wait_for_room_and_keep_their_order(small_tmpfs):
         log.emit("exit", attempt=0)
     events = read_events(path)
     assert [e["seq"] for e in events] == list(range(1, 54))
-    assert [e["kind"] for e in events] == ["launch"] + ["heartbeat_summary"] * 50 + \
+    assert [e["kind"] for e in events] == ["launch"] + ["save_skipped"] * 50 + \
         ["finished", "exit"]
     assert [e["step"] for e in events[1:51]] == list(range(50))

@@ -33,7 +33,7 @@ def run(tmp_path, make_ckpt):
     run_dir = tmp_path / "run"
     small = {"batch_size": 16, "grad_accum": 2}
     launch = {"argv": ["python", "train.py"], "resume_from": None, "pid": 100}
-    beat = {"samples_per_s": 812.5, "rss_bytes": 3 * GIB, "host_mem_available": 100 * GIB,
+    beat = {"samples_per_s": 812.5, "rss_bytes": 3 * GIB,
             "gpu_used": 20 * GIB, "gpu_total": 80 * GIB}
     write_events(run_dir, [
         ("launch", {**launch, "attempt": 0, "settings": {"batch_size": 32, "grad_accum": 1},

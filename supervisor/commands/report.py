@@ -25,7 +25,8 @@ from typing import Any
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.layout import list_checkpoints, parse_step
 from supervisor.commands.status import finite, json_safe, summarize
-from supervisor.records.events import read_events
+from supervisor.event_schema import Kind
+from supervisor.records.timeline import AttemptRecord, failure_kind, read_timeline
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,60 +105,66 @@ def _name(path: Any) -> str | None:
     return Path(path).name if isinstance(path, str) and path else None
 
 
+def _resumed_step(row: AttemptRow) -> int | None:
+    return parse_step(row.resume_from or "")
+
+
+def _row(a: AttemptRecord) -> AttemptRow:
+    """One attempt's row: its launch, exit, classification and decision."""
+    launch = a.launch
+    row = AttemptRow(attempt=a.number, start=launch["time"],
+                     resume_from=_name(launch.get("resume_from")),
+                     settings=dict(launch.get("settings") or {}), level=_int(launch.get("level")))
+    row.last_step = a.last_step if a.last_step is not None else _resumed_step(row)
+    if a.exit is not None:
+        row.duration_s = _number(a.exit.get("duration_s"))
+        row.returncode, row.signal = a.exit.get("returncode"), a.exit.get("signal")
+        row.outcome = "unknown"
+    if a.classification is not None:
+        row.outcome = failure_kind(a.classification)
+        row.reason = str(a.classification.get("reason") or "")
+    if a.decision is not None:
+        action = str(a.decision.get("action") or "")
+        row.decision = f"{action}: {a.decision.get('reason', '')}".strip(": ")
+        if action == "finished":
+            row.outcome = "finished"
+        elif row.outcome == "unknown" and action in ("exit_preempted", "requeue"):
+            row.outcome = "stopped"
+    return row
+
+
 def gather(run_dir: Path, *, key: bytes | None = None, now: float | None = None) -> Report:
     """Everything the report shows, from the run's files. UsageError when RUN_DIR holds no run."""
     run_dir = Path(run_dir)
-    summary = summarize(run_dir, key=key, now=now)
-    events = read_events(run_dir / "events.jsonl")
+    timeline = read_timeline(run_dir / "events.jsonl", keep_curve=True)
+    summary = summarize(run_dir, key=key, now=now, timeline=timeline)
     rep = Report(run_dir=run_dir, ckpt_dir=summary.ckpt_dir, status=summary.status,
                  reason=summary.reason, generated=time.time() if now is None else now,
                  failures=dict(summary.failures), skipped_saves=summary.skipped_saves,
                  checkpoint_age_s=summary.checkpoint_age_s, warning=summary.unsaved or "")
-    rows: dict[int, AttemptRow] = {}
-    current: int | None = None
-    for e in events:
-        kind, attempt = e.get("kind"), e.get("attempt")
-        if isinstance(attempt, int):
-            current = attempt
-        if kind == "launch" and isinstance(attempt, int):
-            rows[attempt] = AttemptRow(
-                attempt=attempt, start=e["time"], resume_from=_name(e.get("resume_from")),
-                settings=dict(e.get("settings") or {}), level=_int(e.get("level")),
-                last_step=parse_step(_name(e.get("resume_from")) or ""))
-        row = rows.get(attempt) if isinstance(attempt, int) else None
-        if kind == "heartbeat_summary" and isinstance(e.get("step"), int):
+    rows = {n: _row(a) for n, a in timeline.attempts.items()}
+    for e in timeline.points:
+        attempt = e.get("attempt")
+        if isinstance(e.get("step"), int):
             rep.points.append(Point(attempt=attempt if isinstance(attempt, int) else -1,
                                     step=e["step"], time=e["time"], loss=_number(e.get("loss")),
                                     samples_per_s=_number(e.get("samples_per_s"))))
-            if row is not None:
-                row.last_step = e["step"]
-        elif kind == "exit" and row is not None:
-            row.duration_s = _number(e.get("duration_s"))
-            row.returncode, row.signal = e.get("returncode"), e.get("signal")
-            if isinstance(e.get("last_step"), int):
-                row.last_step = e["last_step"]
-            row.outcome = "unknown"
-        elif kind == "classification" and row is not None:
-            row.outcome = str(e.get("failure") or "unnamed")
-            row.reason = str(e.get("reason") or "")
-            rep.markers.append(Marker(kind="failure", step=row.last_step, time=e["time"],
-                                      attempt=attempt, label=row.outcome, detail=row.reason))
-        elif kind == "decision" and row is not None:
-            action = str(e.get("action") or "")
-            row.decision = f"{action}: {e.get('reason', '')}".strip(": ")
-            if action == "finished":
-                row.outcome = "finished"
-            elif row.outcome == "unknown" and action in ("exit_preempted", "requeue"):
-                row.outcome = "stopped"
-        elif kind == "degrade":
-            step = rows[current].last_step if current in rows else None
+    for note in timeline.notes:
+        e, row = note.event, rows.get(note.attempt) if note.attempt is not None else None
+        # Before any step of its own an attempt stands at the step it resumed from.
+        step = note.step if note.step is not None or row is None else _resumed_step(row)
+        if e["kind"] == Kind.CLASSIFICATION and row is not None:
+            rep.markers.append(Marker(kind="failure", step=step, time=e["time"],
+                                      attempt=row.attempt, label=failure_kind(e),
+                                      detail=str(e.get("reason") or "")))
+        elif e["kind"] == Kind.DEGRADE:
             rep.markers.append(Marker(kind="degrade", step=step, time=e["time"],
-                                      attempt=attempt, label=f"rung {e.get('level')}",
+                                      attempt=e.get("attempt"), label=f"rung {e.get('level')}",
                                       detail=str(e.get("change") or "")))
-        elif kind == "skipped_checkpoint":
+        elif e["kind"] == Kind.SKIPPED_CHECKPOINT:
             name = _name(e.get("path")) or "?"
             rep.markers.append(Marker(kind="bad_checkpoint", step=parse_step(name),
-                                      time=e["time"], attempt=current, label=name,
+                                      time=e["time"], attempt=note.attempt, label=name,
                                       detail=str(e.get("reason") or "")))
     if summary.status != "running":
         for row in rows.values():

@@ -12,7 +12,6 @@ import json
 import math
 import socket
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,14 +21,12 @@ from supervisor.ckpt.foreign import select_resume_any_format
 from supervisor.ckpt.verify import Level, Status
 from supervisor.commands.statusline import human_bytes, human_duration, human_rate
 from supervisor.errors import UsageError
+from supervisor.event_schema import Kind
 from supervisor.pids import pid_alive
-from supervisor.records import saves
-from supervisor.records.events import read_events
 from supervisor.records.lock import LOCK_NAME
 from supervisor.records.runstate import STATE_FILE, load_state
+from supervisor.records.timeline import Timeline, failure_kind, read_timeline
 from supervisor.safetext import safe
-
-_SETTINGS_KINDS = ("launch", "degrade", "decision")  # events that name the rung in force
 
 
 @dataclass(kw_only=True)
@@ -104,27 +101,13 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def _int(value: Any) -> int:
-    return int(value) if finite(value) else 0
-
-
-def _last(events: list[dict[str, Any]], *kinds: str) -> dict[str, Any] | None:
-    return next((e for e in reversed(events) if e.get("kind") in kinds), None)
-
-
-def _failure_kind(event: dict[str, Any]) -> str:
-    # `kind` names the event itself (EventLog.emit(kind, **fields)), so the failure kind of a
-    # classification travels as `failure`.
-    return str(event.get("failure") or event.get("failure_kind") or "unnamed")
-
-
 def _pick(event: dict[str, Any] | None, *names: str) -> dict[str, Any] | None:
     return None if event is None else {n: event.get(n) for n in names}
 
 
-def _ckpt_dir(run_dir: Path, events: list[dict[str, Any]]) -> Path:
+def _ckpt_dir(run_dir: Path, timeline: Timeline) -> Path:
     # The first launch fixed where the run's checkpoints go; later ones resume from there.
-    launch = next((e for e in events if e.get("kind") == "launch"), None)
+    launch = timeline.first_launch
     where = launch.get("ckpt_dir") if launch else None
     return run_dir / where if isinstance(where, str) and where else run_dir / "checkpoints"
 
@@ -145,32 +128,35 @@ def _lock_holder(run_dir: Path) -> tuple[int | None, bool | None]:
     return pid, pid_alive(pid)
 
 
-def _status(state: Any, events: list[dict[str, Any]]) -> tuple[str, str]:
+def _status(state: Any, timeline: Timeline) -> tuple[str, str]:
     if state is not None:
         return state.status.value, state.reason
-    closing = _last(events, "finished", "give_up", "launch")
-    if closing is None or closing["kind"] == "launch":
+    closing = timeline.last(Kind.FINISHED, Kind.GIVE_UP, Kind.LAUNCH)
+    if closing is None or closing["kind"] == Kind.LAUNCH:
         return "running", ""
-    return ("finished" if closing["kind"] == "finished" else "gave_up"), closing.get("reason", "")
+    return (("finished" if closing["kind"] == Kind.FINISHED else "gave_up"),
+            closing.get("reason", ""))
 
 
-def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = None) -> RunSummary:
-    """Everything `rtrain status` shows. `key` checks manifest signatures; `now` is unix time."""
+def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = None,
+              timeline: Timeline | None = None) -> RunSummary:
+    """Everything `rtrain status` shows. `key` checks manifest signatures; `now` is unix time;
+    `timeline`: the run's events.jsonl already read (the report's)."""
     run_dir = Path(run_dir)
     if not (run_dir / "events.jsonl").is_file() and not (run_dir / STATE_FILE).is_file():
         raise UsageError(f"no rtrain run in {run_dir}: pass the --run-dir used with rtrain "
                          "launch")
-    events = read_events(run_dir / "events.jsonl")
+    if timeline is None:
+        timeline = read_timeline(run_dir / "events.jsonl")
     state = load_state(run_dir)
-    status, reason = _status(state, events)
+    status, reason = _status(state, timeline)
     pid, alive = _lock_holder(run_dir)
-    launches = [e for e in events if e.get("kind") == "launch"]
-    s = RunSummary(run_dir=run_dir, ckpt_dir=_ckpt_dir(run_dir, events), status=status,
+    launch = timeline.last(Kind.LAUNCH)
+    s = RunSummary(run_dir=run_dir, ckpt_dir=_ckpt_dir(run_dir, timeline), status=status,
                    reason=reason, supervisor_pid=pid, supervisor_alive=alive,
-                   attempts=len(launches),
-                   attempt=launches[-1].get("attempt") if launches else None)
-    s.failures = dict(Counter(_failure_kind(e) for e in events
-                              if e.get("kind") == "classification"))
+                   attempts=timeline.launches,
+                   attempt=launch.get("attempt") if launch else None)
+    s.failures = dict(timeline.failures)
     if state is not None:
         hist = state.history
         s.budgets_used, s.level = dict(hist.budgets_used), hist.level
@@ -178,13 +164,12 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
         s.quarantined = [{**q, "in_force": quarantine.checkpoint_id(q["path"]) == q["id"]}
                          for q in hist.quarantined]
         s.settings = dict(hist.settings or {})
-        if not launches:
+        if not timeline.launches:
             s.attempts = hist.attempt
-    alarm = _last(events, "failure_rate")
+    alarm = timeline.last(Kind.FAILURE_RATE)
     s.failure_rate = alarm.get("detail") if alarm else None
-    rung = _last(events, *_SETTINGS_KINDS)
-    if rung is not None and isinstance(rung.get("settings"), dict):
-        s.level, s.settings = _int(rung.get("level")), dict(rung["settings"])
+    if timeline.settings is not None:
+        s.level, s.settings = timeline.level or 0, dict(timeline.settings)
 
     now = time.time() if now is None else now
     # The launch's own selection (every format, passing over what a worker could not load),
@@ -197,29 +182,29 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
         created = (selection.chosen.manifest or selection.chosen.info or {}).get("created")
         if finite(created):
             s.checkpoint_age_s = max(0.0, now - created)
-    skipped = saves.summarize(events)
+    skipped = timeline.saves
     s.skipped_saves, s.unsaved = skipped.count, skipped.unsaved
     if skipped.count:
         s.last_skipped = {"step": skipped.last_step, "reason": skipped.last_reason}
     s.bad_checkpoints = [(v.path.name, v.describe()) for v in selection.skipped
                          if v.status is not Status.QUARANTINED]  # listed below, from state.json
 
-    beat = _last(events, "heartbeat_summary")
+    beat = timeline.last(Kind.HEARTBEAT_SUMMARY)
     if beat is not None:
+        # rss and GPU memory come with the summary written at an attempt's end.
         for name in ("samples_per_s", "rss_bytes", "gpu_used", "gpu_total"):
             setattr(s, name, beat.get(name) if finite(beat.get(name)) else None)
         s.loss = beat.get("loss")  # nan stays: a non-finite loss is news
         s.heartbeat_age_s = max(0.0, now - beat["time"])
     # An exit event's last_step can be newer than the last summary (up to ~30 s of steps).
-    steps = (e.get("step") if e["kind"] == "heartbeat_summary" else e.get("last_step")
-             for e in reversed(events) if e.get("kind") in ("heartbeat_summary", "exit"))
-    s.step = next((step for step in steps if step is not None), None)
-    last_failure = _last(events, "classification")
+    s.step = timeline.step
+    last_failure = timeline.last(Kind.CLASSIFICATION)
     if last_failure is not None:
         s.last_failure = {"attempt": last_failure.get("attempt"),
-                          "kind": _failure_kind(last_failure),
+                          "kind": failure_kind(last_failure),
                           "reason": last_failure.get("reason", "")}
-    s.last_decision = _pick(_last(events, "decision"), "attempt", "action", "reason", "backoff_s")
+    s.last_decision = _pick(timeline.last(Kind.DECISION), "attempt", "action", "reason",
+                            "backoff_s")
     return s
 
 

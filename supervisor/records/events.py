@@ -2,10 +2,18 @@
 
 One JSON object per line: `v` (schema version), `time` (unix seconds), `seq` (1, 2, ... across
 supervisor restarts), `kind`, then the event's own fields. Each line goes out in a single
-`write` on an O_APPEND descriptor, so a line is never interleaved or buffered in the process;
-only events a post-mortem needs (launch, exit, decisions, give-up...) pay for an fsync.
+`write` on an O_APPEND descriptor, so a line is never interleaved or buffered in the process.
 A supervisor killed mid-write leaves a torn last line: readers skip it, and the next writer
 cuts it off before appending, so it never becomes a corrupt line in the middle.
+
+`event_schema.KINDS` is the schema: every kind, the fields it carries, whether it is fsynced at once
+(`durable`) and whether a hook may name it. `emit` refuses a kind or a field not in it
+(`EventSchemaError`), so the log cannot drift from the table (docs/design.md shows the same
+table; a test holds them together). Durable kinds are the few a post-mortem or a restarted
+supervisor needs and that come at most once per attempt: `launch`, `decision` (its fsync
+covers the attempt's `exit` and `classification` written just before it) and the ends of a
+run; the others reach the disk with the next durable event, the launch loop's `sync()` per
+relaunch, or `close()`.
 
 Writing is best effort against the disk, never against order: when the disk is full or failing
 (ENOSPC, EDQUOT, EIO) an event that cannot be written waits in memory (the rest of a line
@@ -21,11 +29,12 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from supervisor.errors import RtrainError
+from supervisor.event_schema import DURABLE_KINDS, KINDS, Kind
 from supervisor.filemode import DEFAULT_FILE_MODE, set_mode
 from supervisor.fsio import STORAGE_ERRNOS
 
@@ -33,12 +42,7 @@ log = logging.getLogger(__name__)
 
 EVENTS_VERSION = 1
 
-# Losing one of these to a power cut would hide why the run did what it did.
-# Events that end a run are synced at once; the others reach the disk at the next `sync()`
-# (the launch loop syncs once per decision), which keeps relaunches fast.
-DURABLE_KINDS = frozenset({"give_up", "finished", "preempted", "requeue", "lock_takeover"})
-# Other kinds so far: heartbeat_summary, checkpoint, skipped_checkpoint, gpu_release_wait,
-# hook_failed, events_lost, leftovers_ended.
+
 
 Listener = Callable[[dict[str, Any]], None]
 
@@ -48,6 +52,28 @@ PENDING_MAX = 10_000  # events held in memory while the disk refuses them
 
 class EventLogError(RtrainError):
     """events.jsonl holds something this version cannot read."""
+
+
+class EventSchemaError(ValueError):
+    """An event of a kind, or with a field, that `KINDS` does not have: a bug in the emitter,
+    or a new kind or field not yet added to `KINDS` (and docs/design.md)."""
+
+
+_ALLOWED = {k.value: frozenset(spec.fields + spec.optional) for k, spec in KINDS.items()}
+
+
+def checked_kind(kind: Kind | str, fields: Iterable[str]) -> str:
+    """The kind's name, once `kind` and every field name are in `KINDS`; else EventSchemaError."""
+    try:
+        name = Kind(kind).value
+    except ValueError:
+        raise EventSchemaError(f"{kind!r} is not an event kind: add it to events.KINDS and the "
+                               "schema in docs/design.md") from None
+    unknown = set(fields) - _ALLOWED[name]
+    if unknown:
+        raise EventSchemaError(f"{name} events have no field {', '.join(sorted(unknown))}: add "
+                               "it to events.KINDS and the schema in docs/design.md")
+    return name
 
 
 class EventLog:
@@ -69,6 +95,7 @@ class EventLog:
         self._pending: deque[bytes] = deque()  # lines not (completely) written yet, in order
         self._lost = 0  # events dropped with the queue full
         self._error: str | None = None  # why the disk refuses, while it does
+        self._unsynced = False  # written since the last fsync
 
     def _recover(self) -> int:
         """Cut a torn last line off and return the last seq written."""
@@ -89,23 +116,25 @@ class EventLog:
                 continue
         return 0
 
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Append one event and return it. Field values must be JSON-able (Paths become str)."""
+    def emit(self, kind: Kind | str, **fields: Any) -> dict[str, Any]:
+        """Append one event and return it. Field values must be JSON-able (Paths become str).
+        EventSchemaError for a kind or field that `KINDS` does not have."""
+        name = checked_kind(kind, fields)
         self._seq += 1
-        event = {"v": EVENTS_VERSION, "time": self.clock(), "seq": self._seq, "kind": kind,
+        event = {"v": EVENTS_VERSION, "time": self.clock(), "seq": self._seq, "kind": name,
                  **fields}
         line = json.dumps(event, default=str, separators=(",", ":")) + "\n"
         if len(self._pending) < PENDING_MAX:
             self._pending.append(line.encode())
         else:
             self._lost += 1
-        if self.retry() and kind in DURABLE_KINDS:
+        if self.retry() and name in DURABLE_KINDS:
             self.sync()
         for listener in self.listeners:
             try:
                 listener(event)
             except Exception:  # an observer's bug must not stop supervision: log it, go on
-                log.exception("event listener %r failed on a %s event", listener, kind)
+                log.exception("event listener %r failed on a %s event", listener, name)
         return event
 
     @property
@@ -127,6 +156,7 @@ class EventLog:
                                 "room; supervision goes on", self.path, e.strerror)
                 self._error = e.strerror
                 return False
+            self._unsynced = True
             if n < len(line):
                 self._pending[0] = line[n:]  # the line's rest must come before anything else
                 continue
@@ -135,7 +165,7 @@ class EventLog:
                 lost, self._lost = self._lost, 0
                 self._seq += 1
                 note = {"v": EVENTS_VERSION, "time": self.clock(), "seq": self._seq,
-                        "kind": "events_lost", "count": lost, "reason": self._error}
+                        "kind": Kind.EVENTS_LOST.value, "count": lost, "reason": self._error}
                 self._pending.append((json.dumps(note, separators=(",", ":")) + "\n").encode())
         if self._error is not None:
             log.warning("%s is written again", self.path)
@@ -143,7 +173,9 @@ class EventLog:
         return True
 
     def sync(self) -> None:
-        if not self.retry():
+        """Write what waits and fsync it; free when nothing was written since the last sync
+        (the launch loop syncs before each relaunch, right after a durable `decision`)."""
+        if not self.retry() or not self._unsynced:
             return
         try:
             os.fsync(self._fd)
@@ -151,10 +183,14 @@ class EventLog:
             if e.errno not in STORAGE_ERRNOS:
                 raise
             log.warning("cannot sync %s (%s)", self.path, e.strerror)
+            return
+        self._unsynced = False
 
     def close(self) -> None:
+        """Write what waits and sync it: whatever the last events were, they outlive us."""
         if self._fd >= 0:
-            if not self.retry():
+            self.sync()
+            if self._pending or self._lost:
                 log.warning("%d events could not be written to %s (%s)", self.pending,
                             self.path, self._error)
             os.close(self._fd)

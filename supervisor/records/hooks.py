@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from supervisor.ckpt.hashing import SECRET_ENV
+from supervisor.event_schema import Kind
 from supervisor.hookspec import HookSpec
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class HookRunner:
     _failures: list[dict[str, Any]] = field(default_factory=list)
 
     def __call__(self, event: dict[str, Any]) -> None:
-        if event.get("kind") == "hook_failed":
+        if event.get("kind") == Kind.HOOK_FAILED:
             return
         for hook in self.hooks:
             if hook.matches(event):
@@ -126,7 +127,7 @@ class HookRunner:
         failures, self._failures = self._failures, []
         if self.report is not None:
             for fields in failures:
-                self.report("hook_failed", **fields)
+                self.report(Kind.HOOK_FAILED, **fields)
 
     def close(self) -> None:
         """Give running hooks until their deadlines, then kill them; report every failure."""

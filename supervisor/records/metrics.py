@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,9 @@ from typing import Any
 
 from supervisor.ckpt import manifest
 from supervisor.ckpt.layout import list_checkpoints
+from supervisor.event_schema import Kind
 from supervisor.fsio import write_atomic
+from supervisor.records.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,8 @@ class MetricsFile:
     """Least interval between writes driven by `tick()` (events always write)."""
     wall: Callable[[], float] = time.time
     up: bool = True
-    attempts: int = 0
-    failures: Counter[str] = field(default_factory=Counter)
-    rung: int = 0
-    skipped_saves: int = 0
+    timeline: Timeline = field(default_factory=Timeline)
+    """The run's events so far: attempts, failures, rung, skipped saves."""
     last_step: int | None = None
     last_heartbeat: float | None = None
     """Unix time of the last heartbeat (from the child, or a heartbeat_summary event)."""
@@ -85,21 +84,14 @@ class MetricsFile:
 
     def seed(self, event: dict[str, Any]) -> None:
         """Take in one event without writing (the run's earlier events, at start-up)."""
+        self.timeline.add(event)
         kind = event.get("kind")
-        if kind == "launch":
-            self.attempts += 1
+        if kind == Kind.LAUNCH:
             self.up = True
-        elif kind == "classification":
-            self.failures[str(event.get("failure") or "unnamed")] += 1
-        elif kind == "save_skipped":
-            self.skipped_saves += 1
-        elif kind == "heartbeat_summary":
+        elif kind == Kind.HEARTBEAT_SUMMARY:
             self.last_heartbeat = float(event.get("time") or self.wall())
-        if kind in ("launch", "decision", "degrade") and isinstance(event.get("level"), int):
-            self.rung = event["level"]
-        step = event.get("step") if kind == "heartbeat_summary" else event.get("last_step")
-        if isinstance(step, int):
-            self.last_step = step
+        if self.timeline.step_event is event:  # live heartbeats also move last_step
+            self.last_step = self.timeline.step
 
     def heartbeat(self, step: int | None) -> None:
         """A heartbeat arrived from the child (watch callback); writes if due."""
@@ -138,10 +130,10 @@ class MetricsFile:
         run = f'run_dir="{escape_label(str(self.run_dir))}"'
         values: dict[str, list[tuple[str, float]]] = {
             "rtrain_up": [(run, 1 if self.up else 0)],
-            "rtrain_attempts_total": [(run, self.attempts)],
+            "rtrain_attempts_total": [(run, self.timeline.launches)],
             "rtrain_failures_total": [(f'{run},kind="{escape_label(k)}"', n)
-                                      for k, n in sorted(self.failures.items())],
-            "rtrain_rung": [(run, self.rung)],
+                                      for k, n in sorted(self.timeline.failures.items())],
+            "rtrain_rung": [(run, self.timeline.level or 0)],
             "rtrain_last_step": [(run, self.last_step)] if self.last_step is not None else [],
             "rtrain_seconds_since_heartbeat": (
                 [(run, round(max(0.0, now - self.last_heartbeat), 3))]
@@ -150,7 +142,7 @@ class MetricsFile:
         created = self._checkpoint_created()
         values["rtrain_last_checkpoint_age_seconds"] = (
             [(run, round(max(0.0, now - created), 3))] if created is not None else [])
-        values["rtrain_skipped_saves_total"] = [(run, self.skipped_saves)]
+        values["rtrain_skipped_saves_total"] = [(run, self.timeline.skipped_saves)]
         lines = []
         for name, samples in values.items():
             kind, text = _HELP[name]

@@ -1,0 +1,112 @@
+"""The events.jsonl schema: every kind of event, the fields it carries, whether it is fsynced
+at once and whether a hook may name it. Data only, shared by the log (records/events.py), the
+hook tables of the config (hookspec.py) and the readers; docs/design.md shows the same table
+(tests/test_event_schema.py holds them together).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(str, Enum):
+    """Every kind of event the supervisor records; `KINDS` says what each one carries."""
+
+    LAUNCH = "launch"
+    SKIPPED_CHECKPOINT = "skipped_checkpoint"
+    HEARTBEAT_SUMMARY = "heartbeat_summary"
+    SIGNAL = "signal"
+    EXIT = "exit"
+    CLASSIFICATION = "classification"
+    DECISION = "decision"
+    DEGRADE = "degrade"
+    GIVE_UP = "give_up"
+    FAILURE_RATE = "failure_rate"
+    QUARANTINE = "quarantine"
+    DEVICE_FAILED = "device_failed"
+    EXCLUDE_NODE = "exclude_node"
+    REQUEUE = "requeue"
+    FINISHED = "finished"
+    GPU_NOT_RELEASED = "gpu_not_released"
+    LOCK_TAKEOVER = "lock_takeover"
+    LEFTOVERS_ENDED = "leftovers_ended"
+    EVENTS_LOST = "events_lost"
+    HOOK_FAILED = "hook_failed"
+    SAVE_SKIPPED = "save_skipped"
+    FINAL_STATE_UNSAVED = "final_state_unsaved"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KindSpec:
+    """What one kind of event carries and how it is written."""
+
+    fields: tuple[str, ...]
+    """Fields every event of the kind has (older logs may lack some)."""
+    optional: tuple[str, ...] = ()
+    """Fields written only when they apply (`slurm` under Slurm, ...)."""
+    durable: bool = False
+    """fsync right after the line is written."""
+    hookable: bool = True
+    """A `[[hooks]]` table may name it in `on`."""
+    meaning: str = ""
+
+
+# Durable (see the module docstring): `launch`, so an attempt that runs for hours is on record;
+# `decision`, on disk before state.json records the same decision; the ends of a run.
+KINDS: dict[Kind, KindSpec] = {
+    Kind.LAUNCH: KindSpec(
+        fields=("attempt", "argv", "settings", "level", "resume_from", "pid", "ckpt_dir"),
+        optional=("slurm",), durable=True, meaning="an attempt was started"),
+    Kind.SKIPPED_CHECKPOINT: KindSpec(
+        fields=("path", "reason"),
+        meaning="resume selection passed over a checkpoint, or a worker could not load it"),
+    Kind.HEARTBEAT_SUMMARY: KindSpec(
+        fields=("attempt", "step", "loss", "samples_per_s"),
+        optional=("rss_bytes", "gpu_used", "gpu_total"),
+        meaning="training progress, every summary_every_s and at the attempt's end"),
+    Kind.SIGNAL: KindSpec(fields=("name",), meaning="a signal reached the supervisor"),
+    Kind.EXIT: KindSpec(
+        fields=("attempt", "returncode", "signal", "duration_s", "last_step", "peak_rss_bytes",
+                "gpu_used_peak", "gpu_total", "leftovers"),
+        meaning="an attempt ended"),
+    Kind.CLASSIFICATION: KindSpec(fields=("attempt", "failure", "reason"),
+                                  meaning="what a failed attempt's failure was"),
+    Kind.DECISION: KindSpec(
+        fields=("attempt", "action", "reason", "backoff_s", "level", "settings", "exit_code",
+                "resume"),
+        durable=True, meaning="what the supervisor does after an attempt"),
+    Kind.DEGRADE: KindSpec(fields=("attempt", "change", "level", "settings"),
+                           meaning="the next attempt runs one rung down the ladder"),
+    Kind.GIVE_UP: KindSpec(fields=("reason", "exit_code"), durable=True,
+                           meaning="the run gave up"),
+    Kind.FAILURE_RATE: KindSpec(fields=("attempt", "detail", "count", "limit"),
+                                meaning="more failures in the last hour than allowed"),
+    Kind.QUARANTINE: KindSpec(fields=("attempt", "path", "step", "reason"),
+                              meaning="a checkpoint was set aside"),
+    Kind.DEVICE_FAILED: KindSpec(fields=("attempt", "detail", "devices"), optional=("slurm",),
+                                 meaning="a GPU failed its health checks after a failure"),
+    Kind.EXCLUDE_NODE: KindSpec(fields=("done", "detail"),
+                                meaning="the node was excluded from the Slurm job"),
+    Kind.REQUEUE: KindSpec(fields=("done", "detail"), durable=True,
+                           meaning="the Slurm job was requeued"),
+    Kind.FINISHED: KindSpec(fields=("reason",), durable=True, meaning="the run finished"),
+    Kind.GPU_NOT_RELEASED: KindSpec(fields=("pids",),
+                                    meaning="GPU memory still held when relaunching"),
+    Kind.LOCK_TAKEOVER: KindSpec(fields=("previous",), durable=True,
+                                 meaning="the run lock of a dead supervisor was taken over"),
+    Kind.LEFTOVERS_ENDED: KindSpec(fields=("pids", "commands", "found"), hookable=False,
+                                   meaning="processes an earlier supervisor left were killed"),
+    Kind.EVENTS_LOST: KindSpec(fields=("count", "reason"), hookable=False,
+                               meaning="events were dropped while the disk was full"),
+    Kind.HOOK_FAILED: KindSpec(fields=("command", "event", "event_seq", "reason"),
+                               optional=("returncode", "stderr"), hookable=False,
+                               meaning="a hook failed, timed out or could not start"),
+    Kind.SAVE_SKIPPED: KindSpec(fields=("attempt", "step", "rank", "reason"),
+                                meaning="the worker could not write a checkpoint"),
+    Kind.FINAL_STATE_UNSAVED: KindSpec(
+        fields=("last_step", "checkpoint_step", "skipped_saves", "reason"), durable=True,
+        meaning="the run stops with its last steps in no checkpoint"),
+}
+DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
+HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)

@@ -1,0 +1,170 @@
+"""events.jsonl folded once into what `rtrain status`, `rtrain report` and the metrics file show.
+
+`Timeline.add(event)` takes the events in order; `read_timeline(path)` reads the file once and
+adds them all. The metrics writer, an EventLog listener, keeps one Timeline for the whole
+launch, so by default little grows with the run's length: per attempt its launch, exit,
+classification and decision, and per kind its last event. `keep_curve=True` (the report)
+also keeps every `heartbeat_summary` and the events it marks on the curve.
+
+Rules the readers share:
+- attempts are numbered by their `launch` events; a later launch with the same number (a
+  `--fresh` run numbers from 0 again) starts a new record;
+- the rung in force is the `level` and `settings` of the last launch / decision / degrade;
+- the newest step is that of the last `heartbeat_summary` or `exit` that names one;
+- skipped saves are counted over the whole log; a `final_state_unsaved` warning holds until
+  the next launch (which may have saved since).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.event_schema import Kind
+from supervisor.records.events import read_events
+from supervisor.records.saves import SkippedSaves
+
+Event = dict[str, Any]
+
+_RUNG_KINDS = (Kind.LAUNCH, Kind.DECISION, Kind.DEGRADE)  # events that name the rung in force
+
+
+def failure_kind(classification: Event) -> str:
+    """The failure kind a `classification` event names (`kind` names the event itself)."""
+    return str(classification.get("failure") or "unnamed")
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(kw_only=True)
+class AttemptRecord:
+    """One attempt, from its `launch` event on."""
+
+    number: int
+    launch: Event
+    exit: Event | None = None
+    classification: Event | None = None
+    decision: Event | None = None
+    last_step: int | None = None
+    """Newest step its `heartbeat_summary` or `exit` events name."""
+
+    @property
+    def failure(self) -> str | None:
+        """The failure kind of its classification, if it failed."""
+        return None if self.classification is None else failure_kind(self.classification)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Note:
+    """An event the report marks on the run's curve (`classification`, `degrade`,
+    `skipped_checkpoint`), with the attempt last named (by it or before it) and that attempt's
+    newest step then."""
+
+    event: Event
+    attempt: int | None
+    step: int | None
+
+
+@dataclass(kw_only=True)
+class Timeline:
+    """The run so far, one `add(event)` at a time (the rules are in the module docstring)."""
+
+    keep_curve: bool = False
+    launches: int = 0
+    first_launch: Event | None = None
+    attempts: dict[int, AttemptRecord] = field(default_factory=dict)
+    failures: Counter[str] = field(default_factory=Counter)
+    """Classified failures by kind, over the whole log."""
+    level: int | None = None
+    settings: dict[str, Any] | None = None
+    """The rung in force (None until an event names it)."""
+    step: int | None = None
+    step_event: Event | None = None
+    """The event that named `step`."""
+    points: list[Event] = field(default_factory=list)
+    """Every `heartbeat_summary`, in order (keep_curve only)."""
+    notes: list[Note] = field(default_factory=list)
+    """classification, degrade and skipped_checkpoint events, in order (keep_curve only)."""
+    skipped_saves: int = 0
+    _last_skipped: Event | None = None
+    _unsaved: str | None = None
+    _current: int | None = None  # the attempt named by the newest event that names one
+    _last: dict[str, tuple[int, Event]] = field(default_factory=dict)
+    _count: int = 0
+
+    def add(self, event: Event) -> None:
+        kind = event.get("kind")
+        self._count += 1
+        if isinstance(kind, str):
+            self._last[kind] = (self._count, event)
+        number = _int(event.get("attempt"))
+        if number is not None:
+            self._current = number
+        record = self.attempts.get(number) if number is not None else None
+        if kind == Kind.LAUNCH:
+            self.launches += 1
+            self.first_launch = self.first_launch or event
+            self._unsaved = None
+            if number is not None:
+                record = self.attempts[number] = AttemptRecord(number=number, launch=event)
+        elif kind == Kind.CLASSIFICATION:
+            self.failures[failure_kind(event)] += 1
+        elif kind == Kind.SAVE_SKIPPED:
+            self.skipped_saves += 1
+            self._last_skipped = event
+        elif kind == Kind.FINAL_STATE_UNSAVED:
+            self._unsaved = str(event.get("reason") or "the final state was not saved")
+        if kind in _RUNG_KINDS:
+            if _int(event.get("level")) is not None:
+                self.level = event["level"]
+            if isinstance(event.get("settings"), dict):
+                self.settings = event["settings"]
+        step = (event.get("step") if kind == Kind.HEARTBEAT_SUMMARY
+                else event.get("last_step") if kind == Kind.EXIT else None)
+        if _int(step) is not None:
+            self.step, self.step_event = step, event
+        if record is not None:
+            self._add_to(record, kind, event, _int(step))
+        if self.keep_curve:
+            if kind == Kind.HEARTBEAT_SUMMARY:
+                self.points.append(event)
+            elif kind in (Kind.CLASSIFICATION, Kind.DEGRADE, Kind.SKIPPED_CHECKPOINT):
+                current = self.attempts.get(self._current) if self._current is not None else None
+                self.notes.append(Note(event=event, attempt=self._current,
+                                       step=current.last_step if current else None))
+
+    def _add_to(self, record: AttemptRecord, kind: Any, event: Event, step: int | None) -> None:
+        if step is not None:
+            record.last_step = step
+        if kind == Kind.EXIT:
+            record.exit = event
+        elif kind == Kind.CLASSIFICATION:
+            record.classification = event
+        elif kind == Kind.DECISION:
+            record.decision = event
+
+    def last(self, *kinds: Kind) -> Event | None:
+        """The last event of any of `kinds`."""
+        found = [self._last[k.value] for k in kinds if k.value in self._last]
+        return max(found, key=lambda pair: pair[0])[1] if found else None
+
+    @property
+    def saves(self) -> SkippedSaves:
+        last = self._last_skipped
+        step = last.get("step") if last is not None else None
+        return SkippedSaves(count=self.skipped_saves, last_step=_int(step),
+                            last_reason=str(last.get("reason") or "") if last else "",
+                            unsaved=self._unsaved)
+
+
+def read_timeline(path: Path, *, keep_curve: bool = False) -> Timeline:
+    """events.jsonl at `path` (missing: empty), read once and folded. EventLogError as
+    read_events."""
+    timeline = Timeline(keep_curve=keep_curve)
+    for event in read_events(path):
+        timeline.add(event)
+    return timeline
