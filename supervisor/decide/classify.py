@@ -1,6 +1,7 @@
 """Name what ended an attempt: one pure function from `Evidence` to a `Failure`.
 
-Rules, first match wins (why each sits where it does is noted inline):
+Rules, first match wins (`_RULES`, one small function each; why each sits where it does is
+noted at the rule):
 exit record > exit 75 > stop killed after grace > hang > lost device > CUDA OOM in stderr >
 kernel OOM evidence > host OOM in stderr > stop requested > SIGKILL without memory pressure >
 failed before the first step (startup) > crash.
