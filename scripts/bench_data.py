@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import worker  # noqa: E402
-from worker.data import _Counted  # noqa: E402
+from worker.data_iter import Counted  # noqa: E402
 from worker.sampler import SampleIndex  # noqa: E402
 
 
@@ -119,7 +119,7 @@ def direct_cost(batch: int, n: int = 20000) -> float:
         pass
     plain = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for _ in _Counted(iter(data), Pos(), 1):
+    for _ in Counted(iter(data), Pos(), 1):
         pass
     counted = (time.perf_counter() - t0 - plain) / n
     reps = max(1, n // 20)

@@ -23,21 +23,21 @@ watched loader without a generator of its own is given one, seeded from where th
 starts, so `iter(loader)` never touches the global generator. The workers' generators still
 differ after a mid-epoch resume (each advanced per sample it processed): randomness inside
 `__getitem__` must come from `worker.sample_generator` (worker/sample_rng.py) to be exact.
+
+The class swap and the counting iterator are in worker/data_iter.py; what the loader's workers do
+with stop signals is in worker/data_workers.py.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-import signal
-import threading
 import time
 from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from worker.data_iter import Counted, seed_iteration, watch_loader
 from worker.sampler import ResumableSampler
 from worker.tensors import decode, encode
 
@@ -87,16 +87,16 @@ class CountedLoader:
         self.epoch, self.position = sampler.epoch, sampler.position
         self.samples_seen = sampler.samples_seen
         self.generation = 0  # only the newest iterator counts
-        self.own_generator = _watch(loader, self)
+        self.own_generator = watch_loader(loader, self)
 
-    def iterate(self, make_iter: Any) -> _Counted:
+    def iterate(self, make_iter: Any) -> Counted:
         """At `iter(loader)`: hand out again what was fetched ahead but never consumed."""
         self.sampler.seek(self.epoch, self.position, self.samples_seen)
         self.epoch, self.position = self.sampler.epoch, self.sampler.position
         self.generation += 1
         if self.own_generator:
-            _seed(self.loader, self.sampler.seed, self.epoch, self.position)
-        return _Counted(make_iter(), self, self.generation)
+            seed_iteration(self.loader, self.sampler.seed, self.epoch, self.position)
+        return Counted(make_iter(), self, self.generation)
 
     def took_batch(self) -> None:
         n = min(self.batch, self.sampler.epoch_length - self.position)
@@ -121,101 +121,6 @@ class CountedLoader:
         pass  # `iter(loader)` does not draw from the global generator (see the module's doc)
 
 
-class _Counted:
-    """The loader's iterator, counting each batch it hands to the loop."""
-
-    def __init__(self, it: Any, pos: CountedLoader | IterablePosition, generation: int) -> None:
-        self._it, self._pos, self._generation = it, pos, generation
-
-    def __iter__(self) -> _Counted:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            if self._pos.generation == self._generation:
-                self._pos.generation += 1  # an exhausted iterator ends its epoch once
-                self._pos.ended()
-            raise
-        if self._pos.generation == self._generation:
-            self._pos.took_batch()
-        return batch
-
-    def __len__(self) -> int:
-        return len(self._it)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._it, name)
-
-
-def _watch(loader: Any, pos: Any) -> bool:
-    """Route `iter(loader)` through `pos.iterate`: the loader's class is swapped for a subclass
-    that changes nothing else, so the user's loop stays `for batch in loader`. Gives the loader
-    a generator for its base seeds when it has none; says whether it did."""
-    if getattr(loader, "_rtrain_position", None) is not None:
-        raise ValueError("this loader is already given to another Checkpointer")
-    loader.__class__ = _watched_class(type(loader))
-    loader._rtrain_position = pos
-    if isinstance(loader, DataLoader) and loader.num_workers > 0:
-        loader.worker_init_fn = functools.partial(_worker_init, loader.worker_init_fn)
-    if not isinstance(loader, DataLoader) or loader.generator is not None:
-        return False
-    loader.generator = torch.Generator()
-    return True
-
-
-def _seed(loader: Any, seed: int, epoch: int, position: int) -> None:
-    """Seed the base seeds of the iteration starting at `position` of `epoch`."""
-    from worker.sample_rng import sample_seed
-
-    loader.generator.manual_seed(sample_seed(position, epoch=epoch, seed=seed))
-
-
-# Signals that ask the training process to save and stop (worker/runtime.py).
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-
-
-def _ignore(signum: int, frame: Any) -> None:
-    """A handler that does nothing: unlike SIG_IGN it does not outlive an exec."""
-
-
-def _worker_init(user_init: Any, worker_id: int) -> None:
-    """In each DataLoader worker: leave stop signals to the training process.
-
-    A stop often reaches every process of the group or job (rtrain's stop to the child's
-    group, Ctrl-C, Slurm's --signal, a container's SIGTERM). torch's worker dies of a SIGTERM
-    its parent did not send, and the loader then raises "DataLoader worker is killed" in the
-    training loop instead of the step boundary saving. Here a SIGTERM from the training process
-    (the loader ending its workers, multiprocessing's terminate at exit) still ends the worker
-    at once, as torch's handler does; one from anyone else is left to the training process.
-    Python handlers do not see the sender, so SIGTERM is blocked and taken by a thread."""
-    parent = os.getppid()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    threading.Thread(target=_sigterm_from_parent_only, args=(parent,), daemon=True,
-                     name="rtrain-worker-sigterm").start()
-    for sig in _STOP_SIGNALS:
-        signal.signal(sig, _ignore)
-    if user_init is not None:
-        user_init(worker_id)
-
-
-def _sigterm_from_parent_only(parent: int) -> None:
-    while True:
-        info = signal.sigwaitinfo({signal.SIGTERM})
-        if info.si_pid == parent or os.getppid() != parent:
-            os._exit(0)
-
-
-@functools.cache
-def _watched_class(cls: type) -> type:
-    def __iter__(self: Any) -> Any:
-        return self._rtrain_position.iterate(lambda: cls.__iter__(self))
-
-    return type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
-
-
 class IterablePosition:
     """A torch DataLoader over an IterableDataset: consumed batches are counted; on resume the
     dataset's own state is loaded (no workers) or the consumed batches are skipped."""
@@ -228,13 +133,13 @@ class IterablePosition:
         self.epoch, self.batches, self.skip = 0, 0, 0
         self.samples_seen = None
         self.generation = 0
-        self.own_generator = _watch(loader, self)
+        self.own_generator = watch_loader(loader, self)
 
-    def iterate(self, make_iter: Any) -> _Counted:
+    def iterate(self, make_iter: Any) -> Counted:
         self.generation += 1
         if self.own_generator:
-            _seed(self.loader, 0, self.epoch, self.batches)
-        it = _Counted(make_iter(), self, self.generation)
+            seed_iteration(self.loader, 0, self.epoch, self.batches)
+        it = Counted(make_iter(), self, self.generation)
         self._fast_forward(it)
         return it
 
@@ -269,7 +174,7 @@ class IterablePosition:
     def restored(self) -> None:
         pass
 
-    def _fast_forward(self, it: _Counted) -> None:
+    def _fast_forward(self, it: Counted) -> None:
         """Load and drop the batches consumed before the checkpoint."""
         n, self.skip = self.skip, 0
         if not n:
@@ -290,14 +195,14 @@ class StatefulPosition:
         self.sampler = None
         self.epoch = 0
         self.samples_seen = None
-        self.own_generator = _watch(loader, self)
+        self.own_generator = watch_loader(loader, self)
         self.iterations = 0
 
     def iterate(self, make_iter: Any) -> Any:
         # Its own state restores the workers' base seed; the draw just must not be global.
         self.iterations += 1
         if self.own_generator:
-            _seed(self.loader, 0, 0, self.iterations)
+            seed_iteration(self.loader, 0, 0, self.iterations)
         return make_iter()
 
     def state_dict(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Name what ended an attempt: one pure function from `Evidence` to a `Failure`.
 
-Rules, first match wins (why each sits where it does is noted inline):
+Rules, first match wins (`_RULES`, one small function each; why each sits where it does is
+noted at the rule):
 exit record > exit 75 > stop killed after grace > hang > lost device > CUDA OOM in stderr >
 kernel OOM evidence > host OOM in stderr > stop requested > SIGKILL without memory pressure >
 failed before the first step (startup) > crash.
@@ -11,6 +12,8 @@ from __future__ import annotations
 import math
 import re
 import signal as _signal
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from supervisor.decide.failures import Evidence, Failure, FailureKind
@@ -104,62 +107,138 @@ def classify(evidence: Evidence, *, memory_pressure_fraction: float) -> Failure:
     ev = evidence
     if ev.returncode == 0 and not ev.signal:
         raise ValueError("exit status 0 is success: there is no failure to classify")
-    how = describe_exit(ev)
     if ev.exit_records:
         return _from_records(ev.exit_records, ev)
-    if ev.returncode == ExitCode.PREEMPTED:
-        why = f"on {ev.stop_requested}" if ev.stop_requested else "on its own"
-        return _failure(FailureKind.PREEMPTED,
-                        f"stopped {why} after committing a checkpoint (exit 75)", ev)
-    if ev.stop_requested and ev.stop_confirmed and not ev.killed_after_grace:
-        # Under torchrun the agent's own exit status is not 75, but the ranks said they had
-        # committed their checkpoint and stopped (a `stop` heartbeat) before exiting.
-        return _failure(FailureKind.PREEMPTED,
-                        f"stopped on {ev.stop_requested} after committing a checkpoint (the "
-                        f"workers confirmed it; {how})", ev)
-    if ev.stop_requested and ev.killed_after_grace:
-        return _failure(FailureKind.PREEMPTED,
-                        f"stop requested by {ev.stop_requested}, but the child did not save and "
-                        f"exit within the grace period and was killed ({how}); the newest "
-                        "checkpoint predates the stop", ev)
+    case = _Case(ev, describe_exit(ev), _memory_pressure(ev, memory_pressure_fraction))
+    for rule in _RULES:
+        found = rule(case)
+        if found is not None:
+            return _failure(*found, ev)
+    return _failure(FailureKind.CRASH, _crash_reason(case), ev)
+
+
+@dataclass(frozen=True)
+class _Case:
+    """What the rules read: the evidence, and two sentences drawn from it."""
+
+    ev: Evidence
+    how: str  # describe_exit(ev)
+    pressure: str | None  # why memory looks exhausted (_memory_pressure), or None
+
+
+_Found = tuple[FailureKind, str] | None  # a rule's kind and reason, None when it does not apply
+
+
+def _exit_75(c: _Case) -> _Found:
+    if c.ev.returncode != ExitCode.PREEMPTED:
+        return None
+    why = f"on {c.ev.stop_requested}" if c.ev.stop_requested else "on its own"
+    return FailureKind.PREEMPTED, f"stopped {why} after committing a checkpoint (exit 75)"
+
+
+def _stop_confirmed(c: _Case) -> _Found:
+    ev = c.ev
+    if not (ev.stop_requested and ev.stop_confirmed and not ev.killed_after_grace):
+        return None
+    # Under torchrun the agent's own exit status is not 75, but the ranks said they had
+    # committed their checkpoint and stopped (a `stop` heartbeat) before exiting.
+    return FailureKind.PREEMPTED, (f"stopped on {ev.stop_requested} after committing a "
+                                   f"checkpoint (the workers confirmed it; {c.how})")
+
+
+def _stop_killed_after_grace(c: _Case) -> _Found:
+    ev = c.ev
+    if not (ev.stop_requested and ev.killed_after_grace):
+        return None
+    return FailureKind.PREEMPTED, (f"stop requested by {ev.stop_requested}, but the child did "
+                                   f"not save and exit within the grace period and was killed "
+                                   f"({c.how}); the newest checkpoint predates the stop")
+
+
+def _hang(c: _Case) -> _Found:
     # The supervisor's own kill of a silent child arrives as SIGTERM/SIGKILL: name it a hang
     # before any signal rule reads it as something else.
-    if ev.hang:
-        return _failure(FailureKind.HANG, f"no progress: {ev.hang_detail or 'silent too long'}; "
-                                          f"stopped by rtrain ({how})", ev)
-    if ev.gpu_lost:
-        return _failure(FailureKind.LOST_DEVICE,
-                        f"the GPU was lost ({ev.gpu_detail or 'NVML reports it gone'}); {how}", ev)
-    match = GPU_OOM.search(ev.stderr_tail)
-    if match:
-        return _failure(FailureKind.OOM_GPU, f"GPU out of memory ({how}): "
-                                             f"{_line_of(ev.stderr_tail, match)}", ev)
-    if ev.cgroup_oom_kills > 0:
-        # The OOM killer may have picked a data-loader worker, so any ending counts.
-        return _failure(FailureKind.OOM_HOST,
-                        f"{how}; the kernel OOM killer killed {ev.cgroup_oom_kills} process(es) "
-                        "in the run's cgroup", ev)
-    pressure = _memory_pressure(ev, memory_pressure_fraction)
-    if ev.signal == "SIGKILL" and pressure:
-        return _failure(FailureKind.OOM_HOST, f"{how} while {pressure}: out of host memory", ev)
-    match = HOST_OOM.search(ev.stderr_tail)
-    if match:
-        return _failure(FailureKind.OOM_HOST, f"host out of memory ({how}): "
-                                              f"{_line_of(ev.stderr_tail, match)}", ev)
-    if ev.stop_requested:
-        return _failure(FailureKind.PREEMPTED,
-                        f"stop requested by {ev.stop_requested}; {how} without confirming a "
-                        "checkpoint (no exit 75)", ev)
-    if ev.signal == "SIGKILL":
-        return _failure(FailureKind.CRASH, f"{how} with no sign of memory pressure: someone "
-                                           "killed it (not an out-of-memory)", ev)
-    if not ev.first_step_seen:
-        last = _last_line(ev.stderr_tail)
-        return _failure(FailureKind.STARTUP, f"failed before its first step ({how})"
-                                             + (f": {last}" if last else ""), ev)
-    last = _torchrun_root_cause(ev.stderr_tail) or _last_line(ev.stderr_tail)
-    step = f" at step {ev.last_step}" if ev.last_step is not None else ""
-    return _failure(FailureKind.CRASH, f"{how}{step}" + (f": {last}" if last else ""), ev)
+    if not c.ev.hang:
+        return None
+    return FailureKind.HANG, (f"no progress: {c.ev.hang_detail or 'silent too long'}; "
+                              f"stopped by rtrain ({c.how})")
+
+
+def _lost_device(c: _Case) -> _Found:
+    if not c.ev.gpu_lost:
+        return None
+    return FailureKind.LOST_DEVICE, (f"the GPU was lost "
+                                     f"({c.ev.gpu_detail or 'NVML reports it gone'}); {c.how}")
+
+
+def _gpu_oom_in_stderr(c: _Case) -> _Found:
+    match = GPU_OOM.search(c.ev.stderr_tail)
+    if match is None:
+        return None
+    return FailureKind.OOM_GPU, f"GPU out of memory ({c.how}): {_line_of(c.ev.stderr_tail, match)}"
+
+
+def _cgroup_oom_kill(c: _Case) -> _Found:
+    # The OOM killer may have picked a data-loader worker, so any ending counts.
+    if c.ev.cgroup_oom_kills <= 0:
+        return None
+    return FailureKind.OOM_HOST, (f"{c.how}; the kernel OOM killer killed "
+                                  f"{c.ev.cgroup_oom_kills} process(es) in the run's cgroup")
+
+
+def _sigkill_under_pressure(c: _Case) -> _Found:
+    if c.ev.signal != "SIGKILL" or not c.pressure:
+        return None
+    return FailureKind.OOM_HOST, f"{c.how} while {c.pressure}: out of host memory"
+
+
+def _host_oom_in_stderr(c: _Case) -> _Found:
+    match = HOST_OOM.search(c.ev.stderr_tail)
+    if match is None:
+        return None
+    return FailureKind.OOM_HOST, (f"host out of memory ({c.how}): "
+                                  f"{_line_of(c.ev.stderr_tail, match)}")
+
+
+def _stop_unconfirmed(c: _Case) -> _Found:
+    if not c.ev.stop_requested:
+        return None
+    return FailureKind.PREEMPTED, (f"stop requested by {c.ev.stop_requested}; {c.how} without "
+                                   "confirming a checkpoint (no exit 75)")
+
+
+def _sigkill(c: _Case) -> _Found:
+    if c.ev.signal != "SIGKILL":
+        return None
+    return FailureKind.CRASH, (f"{c.how} with no sign of memory pressure: someone killed it "
+                               "(not an out-of-memory)")
+
+
+def _before_first_step(c: _Case) -> _Found:
+    if c.ev.first_step_seen:
+        return None
+    return FailureKind.STARTUP, _then(f"failed before its first step ({c.how})",
+                                      _last_line(c.ev.stderr_tail))
+
+
+def _crash_reason(c: _Case) -> str:
+    last = _torchrun_root_cause(c.ev.stderr_tail) or _last_line(c.ev.stderr_tail)
+    step = f" at step {c.ev.last_step}" if c.ev.last_step is not None else ""
+    return _then(f"{c.how}{step}", last)
+
+
+def _then(sentence: str, last_line: str) -> str:
+    """The sentence, followed by the stderr line that says most, when there is one."""
+    return f"{sentence}: {last_line}" if last_line else sentence
+
+
+# The rules after the exit records, in the module docstring's order: the first that applies
+# names the failure; none applies: a crash.
+_RULES: tuple[Callable[[_Case], _Found], ...] = (
+    _exit_75, _stop_confirmed, _stop_killed_after_grace, _hang, _lost_device, _gpu_oom_in_stderr,
+    _cgroup_oom_kill, _sigkill_under_pressure, _host_oom_in_stderr, _stop_unconfirmed, _sigkill,
+    _before_first_step,
+)
 
 
 # torchrun's failure summary names the rank that failed first, even one killed before it

@@ -20,6 +20,10 @@ class FailureKind(str, enum.Enum):
     BAD_CHECKPOINT = "bad_checkpoint"  # the worker could not load the checkpoint it was given
 
 
+# The kinds the degradation ladder answers, and that share the "oom" restart budget.
+OUT_OF_MEMORY = (FailureKind.OOM_GPU, FailureKind.OOM_HOST)
+
+
 @dataclass
 class Evidence:
     """What the watcher saw of one attempt; classification reads only this."""

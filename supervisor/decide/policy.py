@@ -35,15 +35,14 @@ from typing import Any
 
 from supervisor.config import Config
 from supervisor.decide import budgets
-from supervisor.decide.failures import Evidence, Failure, FailureKind
+from supervisor.decide.failures import OUT_OF_MEMORY, Evidence, Failure, FailureKind
 from supervisor.decide.history import History
 from supervisor.decide.ladder import Floor, step_down, step_up
+from supervisor.decide.streak import Resumed, own_failure_step, quarantine_streak
 from supervisor.errors import ExitCode
 
-__all__ = ["Action", "Decision", "History", "ResumeMode", "Resumed", "decide", "note_progress"]
-
-_OOM = (FailureKind.OOM_GPU, FailureKind.OOM_HOST)
-
+__all__ = ["Action", "Decision", "History", "ResumeMode", "Resumed", "decide", "note_progress",
+           "quarantine_streak"]
 
 class Action(str, enum.Enum):
     RELAUNCH = "relaunch"
@@ -56,15 +55,6 @@ class Action(str, enum.Enum):
 class ResumeMode(str, enum.Enum):
     LATEST = "latest"  # the newest checkpoint that verifies
     ROLLBACK = "rollback"  # the verified checkpoint before the newest (it may hold NaN state)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Resumed:
-    """The checkpoint an attempt resumed from."""
-
-    path: str
-    id: str  # tells a checkpoint from a later one saved under the same name (quarantine.py)
-    step: int | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,7 +74,7 @@ class Decision:
 
 
 def _budget_name(kind: FailureKind) -> str:
-    return "oom" if kind in _OOM else kind.value
+    return "oom" if kind in OUT_OF_MEMORY else kind.value
 
 
 def backoff_s(config: Config, streak: int, rand: float) -> float:
@@ -115,66 +105,35 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
     `committed`: the attempt committed a checkpoint newer than `resumed` (None: judged from
     `newest_step`); `on_slurm`: we run in a Slurm job, which can be requeued elsewhere."""
     settings = dict(config.settings if history.settings is None else history.settings)
-
     if failure is None:
         return Decision(action=Action.FINISHED, reason="training finished (exit 0)",
                         history=history, settings=settings, level=history.level,
                         exit_code=ExitCode.OK)
-    ev = failure.evidence
+    ended = _stopped_or_startup(failure, history, config, settings)
+    if ended is not None:
+        return ended
     kind = failure.kind
-    nxt = replace(history, attempt=history.attempt + 1)
-    if ev is not None and ev.stop_requested:
-        action = Action.REQUEUE if config.requeue else Action.EXIT_PREEMPTED
-        verb = "requeueing the job" if config.requeue else "exiting 75 so it can be requeued"
-        return Decision(action=action, reason=f"{failure.reason}; {verb}", history=nxt,
-                        settings=settings, level=history.level, exit_code=ExitCode.PREEMPTED)
-    if kind is FailureKind.STARTUP:
-        return Decision(action=Action.GIVE_UP, history=history, settings=settings,
-                        level=history.level, exit_code=ExitCode.STARTUP,
-                        reason=f"{failure.reason}; not retrying a script that fails at "
-                               "start-up: fix the error and launch again")
-
-    high = history.launch_step
-    advanced = newest_step is not None and (high is None or newest_step > high)
-    stalled = () if advanced else (*history.stalled, newest_step)
-    nxt = replace(nxt, launch_step=newest_step if advanced else high, stalled=stalled)
-
+    nxt = _count_attempt(history, newest_step)
     if kind is FailureKind.PREEMPTED:  # exit 75 without a stop from us: relaunch, spend nothing
         return _relaunch(failure, history, nxt, config, settings, rand, backoff=False)
     if kind is FailureKind.BAD_CHECKPOINT:
-        # Each such attempt uses up one checkpoint (it is not offered again), so this ends. It
-        # counts toward max_restarts but not toward the crash-loop streak: it never trained, and
-        # several bad checkpoints in a row must not hide the good one before them.
-        if history.total_restarts >= config.restart.max_restarts:
-            return _give_up(f"{failure.reason}; {history.total_restarts} relaunches spent, the "
-                            f"limit: {config.restart.knob('max_restarts')}", history, settings)
-        nxt = replace(nxt, total_restarts=history.total_restarts + 1, stalled=history.stalled)
-        return _relaunch(failure, history, nxt, config, settings, rand, backoff=False)
+        return _skip_checkpoint(failure, history, nxt, config, settings, rand)
 
     nxt, alarm = budgets.rate(budgets.forgive(nxt, config, newest_step), config, now)
-    if alarm and config.restart.give_up_on_rate:
-        return _give_up(f"{failure.reason}; {alarm} (and [restart] give_up_on_rate is set)",
-                        history, settings)
-    name = _budget_name(kind)
-    spent = budgets.exhausted(nxt, config, name)
-    if spent:
-        return _give_up(f"{failure.reason}; {spent}", history, settings)
-    nxt = budgets.charge(nxt, name, newest_step)
+    spent = _out_of_budget(failure, history, nxt, config, settings, alarm)
+    if spent is not None:
+        return spent
+    nxt = budgets.charge(nxt, _budget_name(kind), newest_step)
     if committed is None:
         committed = newest_step is not None and (resumed is None or resumed.step is None
                                                  or newest_step > resumed.step)
     nxt, quarantined = quarantine_streak(nxt, config, kind, resumed, committed,
-                                         _own_failure_step(ev))
+                                         own_failure_step(failure.evidence))
     if kind is FailureKind.LOST_DEVICE and on_slurm and config.requeue:
-        # A broken device stays broken: relaunching here would fail again. Requeue the job
-        # with this node excluded, so Slurm starts it on another one.
-        return Decision(action=Action.REQUEUE, history=nxt, settings=settings,
-                        level=history.level, exit_code=ExitCode.PREEMPTED, exclude_node=True,
-                        alarm=alarm, reason=f"{failure.reason}; requeueing the job with this "
-                                            "node excluded")
-
-    if kind in _OOM:
-        d = _degrade(failure, history, nxt, config, _worker_settings(settings, ev), rand)
+        return _requeue_elsewhere(failure, history, nxt, settings, alarm)
+    if kind in OUT_OF_MEMORY:
+        d = _degrade(failure, history, nxt, config,
+                     _worker_settings(settings, failure.evidence), rand)
     else:
         d = _relaunch(failure, history, nxt, config, settings, rand, backoff=True,
                       quarantined=quarantined)
@@ -182,43 +141,68 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
                    else None)
 
 
-# Signals sent from outside (a person, a scheduler, a killer): what they end says nothing about
-# the checkpoint. Kills cluster at saves (the slowest moments), so their steps often match.
-_OUTSIDE_SIGNALS = {"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"}
+def _stopped_or_startup(failure: Failure, history: History, config: Config,
+                        settings: dict[str, Any]) -> Decision | None:
+    """A stop the supervisor was asked for, or a script that fails at start-up: the launch
+    ends, nothing is charged. None for every other failure."""
+    ev = failure.evidence
+    if ev is not None and ev.stop_requested:
+        action = Action.REQUEUE if config.requeue else Action.EXIT_PREEMPTED
+        verb = "requeueing the job" if config.requeue else "exiting 75 so it can be requeued"
+        return Decision(action=action, reason=f"{failure.reason}; {verb}",
+                        history=replace(history, attempt=history.attempt + 1),
+                        settings=settings, level=history.level, exit_code=ExitCode.PREEMPTED)
+    if failure.kind is FailureKind.STARTUP:
+        return Decision(action=Action.GIVE_UP, history=history, settings=settings,
+                        level=history.level, exit_code=ExitCode.STARTUP,
+                        reason=f"{failure.reason}; not retrying a script that fails at "
+                               "start-up: fix the error and launch again")
+    return None
 
 
-def _own_failure_step(ev: Evidence | None) -> int | None:
-    """The step at which the attempt failed by itself (an exception, NaN, a crash signal, a
-    hang); None when it was killed from outside or never trained."""
-    if ev is None or (ev.signal in _OUTSIDE_SIGNALS and not ev.hang):
-        return None
-    return ev.last_step
+def _count_attempt(history: History, newest_step: int | None) -> History:
+    """One more attempt; the newest step any launch reached, or one more stalled attempt."""
+    high = history.launch_step
+    advanced = newest_step is not None and (high is None or newest_step > high)
+    stalled = () if advanced else (*history.stalled, newest_step)
+    return replace(history, attempt=history.attempt + 1,
+                   launch_step=newest_step if advanced else high, stalled=stalled)
 
 
-def quarantine_streak(history: History, config: Config, kind: FailureKind,
-                      resumed: Resumed | None, committed: bool,
-                      last_step: int | None) -> tuple[History, dict[str, Any] | None]:
-    """Count consecutive attempts that resumed from one checkpoint, trained, and failed the
-    same way at the same step before committing anything newer: what a poisoned state or data
-    position does, and what random outside kills (or deaths during start-up, before the
-    checkpoint was even used) do not. At `quarantine_after` the checkpoint is quarantined
-    (returned) and the streak starts over."""
-    k = config.restart.quarantine_after
-    # Out of memory at the same step is the settings' fault, which the ladder changes.
-    if not k or kind in _OOM or resumed is None or committed or last_step is None:
-        return replace(history, streak=None), None
-    old = history.streak or {}
-    same = (old.get("id"), old.get("kind"), old.get("last_step")) == (resumed.id, kind.value,
-                                                                      last_step)
-    count = old.get("count", 0) + 1 if same else 1
-    if count < k:
-        return replace(history, streak={"path": resumed.path, "id": resumed.id,
-                                        "step": resumed.step, "kind": kind.value,
-                                        "last_step": last_step, "count": count}), None
-    entry = {"path": resumed.path, "id": resumed.id, "step": resumed.step,
-             "reason": f"{count} attempts in a row resumed from it and failed ({kind.value}) "
-                       f"at step {last_step}, before committing a newer checkpoint"}
-    return replace(history, streak=None, quarantined=(*history.quarantined, entry)), entry
+def _skip_checkpoint(failure: Failure, history: History, nxt: History, config: Config,
+                     settings: dict[str, Any], rand: float) -> Decision:
+    """bad_checkpoint: relaunch from the next older checkpoint, within max_restarts."""
+    # Each such attempt uses up one checkpoint (it is not offered again), so this ends. It
+    # counts toward max_restarts but not toward the crash-loop streak: it never trained, and
+    # several bad checkpoints in a row must not hide the good one before them.
+    if history.total_restarts >= config.restart.max_restarts:
+        return _give_up(f"{failure.reason}; {history.total_restarts} relaunches spent, the "
+                        f"limit: {config.restart.knob('max_restarts')}", history, settings)
+    nxt = replace(nxt, total_restarts=history.total_restarts + 1, stalled=history.stalled)
+    return _relaunch(failure, history, nxt, config, settings, rand, backoff=False)
+
+
+def _out_of_budget(failure: Failure, history: History, nxt: History, config: Config,
+                   settings: dict[str, Any], alarm: str | None) -> Decision | None:
+    """GIVE_UP when the failure rate alarms under give_up_on_rate, or when max_restarts or the
+    kind's budget is spent; None while the failure may still be charged."""
+    if alarm and config.restart.give_up_on_rate:
+        return _give_up(f"{failure.reason}; {alarm} (and [restart] give_up_on_rate is set)",
+                        history, settings)
+    spent = budgets.exhausted(nxt, config, _budget_name(failure.kind))
+    if spent:
+        return _give_up(f"{failure.reason}; {spent}", history, settings)
+    return None
+
+
+def _requeue_elsewhere(failure: Failure, history: History, nxt: History,
+                       settings: dict[str, Any], alarm: str | None) -> Decision:
+    # A broken device stays broken: relaunching here would fail again. Requeue the job
+    # with this node excluded, so Slurm starts it on another one.
+    return Decision(action=Action.REQUEUE, history=nxt, settings=settings,
+                    level=history.level, exit_code=ExitCode.PREEMPTED, exclude_node=True,
+                    alarm=alarm, reason=f"{failure.reason}; requeueing the job with this "
+                                        "node excluded")
 
 
 def _give_up(reason: str, history: History, settings: dict[str, Any]) -> Decision:
