@@ -1,4 +1,4 @@
-"""Run tests/scripts/train_data.py uninterrupted and split into processes; compare bitwise."""
+"""Run children/train_data.py uninterrupted and split into processes; compare bitwise."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ from pathlib import Path
 
 import torch
 from bitwise import bitwise_diff
+from harness import CHILDREN, child_env
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "scripts" / "train_data.py"
+SCRIPT = CHILDREN / "train_data.py"
 TOTAL = 31  # 44 samples, batches of 8: six steps an epoch, the sixth of 4 samples
 
 
 def run(ckpt_dir: Path, out: Path, total: int, die_at: int, *args: str,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    base = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, str(SCRIPT), str(ckpt_dir), str(out), str(total),
-                           str(die_at), *args], env={**base, **(env or {})},
+                           str(die_at), *args], env=child_env(**(env or {})),
                           capture_output=True, text=True, timeout=300)
 
 

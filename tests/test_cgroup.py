@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import child_spec
+from harness import child_spec
 
 from supervisor.proc.cgroup import MemoryCgroup, limited_v1_group, memory_cgroup
 from supervisor.proc.spawn import spawn
@@ -33,7 +33,7 @@ def test_cgroup_limit_kill_is_counted(tmp_path):
         print(f"skipping: cannot make a cgroup-v1 memory group: {err}")
         pytest.skip(f"cannot make a cgroup-v1 memory group here: {err}")
     try:
-        child = spawn(child_spec(tmp_path, "alloc.py", cgroup_dir=group.path))
+        child = spawn(child_spec(tmp_path, "alloc_until_killed.py", cgroup_dir=group.path))
         try:
             outcome = watch(child, WatchConfig(sample_interval_s=0.1))
         finally:

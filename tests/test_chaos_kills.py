@@ -19,17 +19,17 @@ import pytest
 from chaos_util import (
     Tail,
     check_exactly_once,
-    events,
     final_state_diff,
     kill_child,
     reference,
-    start,
+    start_chaos,
     starts,
     step_log,
     surviving,
     wait_gone,
     write_config,
 )
+from harness import events
 
 SETTINGS = {"steps": 300, "save_every": 4, "step_sleep": 0.01}  # 20 kills well before the end
 KILLS = 20
@@ -82,7 +82,7 @@ def test_random_kills_end_bitwise_identical(tmp_path):
     spec = "; ".join(f"kill_in_save@step=0,attempt={a}" for a in sorted(IN_SAVE))
     killer = Killer(run, KILLS - len(IN_SAVE), IN_SAVE, seed=4)
     killer.start()
-    proc = start(run, faults=spec)
+    proc = start_chaos(run, faults=spec)
     try:
         _, err = proc.communicate(timeout=400)
     finally:

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import CHILDREN
 
-SCRIPT = str(Path(__file__).parent / "launch_children" / "stepper.py")
+SCRIPT = str(CHILDREN / "heartbeat_steps.py")
 
 
 def _one_line_usage_error(r: subprocess.CompletedProcess, *needles: str) -> None:

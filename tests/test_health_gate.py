@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from harness import CHILDREN, REPO
 
 from supervisor.config import load_config
 from supervisor.launch.loop import LaunchSpec, Seams, child_command, launch
@@ -18,8 +19,6 @@ from supervisor.proc.gpu_health import DeviceHealth, describe, problems
 from supervisor.records.events import read_events
 from supervisor.records.runstate import load_state
 
-ROOT = Path(__file__).resolve().parent.parent
-KIDS = ROOT / "tests" / "launch_children"
 GIB = 1 << 30
 ONE_GPU = GpuReading(devices=(DeviceMemory(0, 1 * GIB, 80 * GIB),))
 
@@ -41,12 +40,13 @@ def test_which_readings_fail_a_device(health, expected):
 
 
 def run(tmp_path: Path, health, monkeypatch, **cfg) -> tuple[int, list[dict], ScriptedReader]:
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
     config = load_config({"run_dir": tmp_path / "run", "backoff.enabled": False,
                           "gpu_release_wait_s": 0.5, **cfg}, None, tmp_path)
     reader = ScriptedReader([ONE_GPU], health=health)
-    # flaky.py 1 7: attempt 0 exits 7 (looks like any crash), attempt 1 succeeds.
-    spec = LaunchSpec(command=child_command(str(KIDS / "flaky.py"), None, ["1", "7", "0.1"]),
+    # fail_first_attempts.py 1 7: attempt 0 exits 7 (looks like any crash), attempt 1 succeeds.
+    spec = LaunchSpec(command=child_command(str(CHILDREN / "fail_first_attempts.py"), None,
+                                            ["1", "7", "0.1"]),
                       config=config, echo=False, cwd=tmp_path)
     code = launch(spec, Seams(gpu=reader, rand=lambda: 0.0, say=lambda line: None))
     return code, read_events(tmp_path / "run" / "events.jsonl"), reader

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from harness import CHILDREN, launch
 
 from supervisor.config import load_config
 from supervisor.errors import ConfigError
@@ -18,16 +17,8 @@ from supervisor.proc.proctree import ProcTree
 from supervisor.records.events import EventLog, read_events
 from supervisor.records.hooks import HookRunner, HookSpec, parse_hooks
 
-ROOT = Path(__file__).resolve().parent.parent
-KIDS = ROOT / "tests" / "launch_children"
 PY = sys.executable
 SAVE_STDIN = "import sys; open(sys.argv[1], 'a').write(sys.stdin.read())"
-
-
-def _env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e["PYTHONPATH"] = str(ROOT)
-    return e
 
 
 def _wait(runner: HookRunner, timeout: float = 10) -> None:
@@ -168,9 +159,7 @@ def test_launch_runs_hooks_and_records_a_broken_one(tmp_path):
         "command = [\"sleep\", \"30\"]\ntimeout_s = 0.5\n")
     run = tmp_path / "run"
     t0 = time.monotonic()
-    r = subprocess.run([PY, "-m", "supervisor", "launch", "--run-dir", str(run), "-q",
-                        "--no-backoff", str(KIDS / "flaky.py"), "9", "5", "1"],
-                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    r = launch(run, str(CHILDREN / "fail_first_attempts.py"), "9", "5", "1")
     assert r.returncode == 1, r.stderr
     assert time.monotonic() - t0 < 20
     got = [json.loads(line) for line in out.read_text().splitlines()]

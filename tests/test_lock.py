@@ -9,14 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from harness import REPO
 
 from supervisor.errors import AlreadySupervised, ExitCode
 from supervisor.records.lock import LOCK_NAME, RunLock
 
-ROOT = Path(__file__).resolve().parents[1]
 HOLDER = """
 import sys, time
 from supervisor.records.lock import RunLock
@@ -29,7 +28,7 @@ with RunLock(sys.argv[1]):
 @pytest.fixture
 def holder(tmp_path):
     run_dir = tmp_path / "run 'dir'"
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], cwd=REPO,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "locked\n"  # blocks until the lock is held
@@ -83,7 +82,7 @@ os._exit(0)  # a supervisor that dies without releasing, its child still running
 
 
 def test_lock_fd_is_not_inherited_by_the_training_child(tmp_path):
-    out = subprocess.run([sys.executable, "-c", ORPHANING_HOLDER, str(tmp_path)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", ORPHANING_HOLDER, str(tmp_path)], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
     orphan = int(out)
     try:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import REPO
+
 MODULES = ["config", "decide.ladder", "decide.classify", "decide.policy", "records.events",
            "records.runstate", "records.lock"]
 
@@ -14,6 +14,6 @@ MODULES = ["config", "decide.ladder", "decide.classify", "decide.policy", "recor
 def test_supervisor_modules_do_not_import_torch():
     code = (f"import sys\nfor m in {MODULES!r}:\n    __import__('supervisor.' + m)\n"
             "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"

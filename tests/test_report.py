@@ -8,24 +8,17 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from harness import CHILDREN, launch
 
 from supervisor.commands.report import gather, write_report
 from supervisor.records.events import EventLog
 
-ROOT = Path(__file__).resolve().parent.parent
-DEMO = ROOT / "tests" / "launch_children" / "report_demo.py"
+DEMO = CHILDREN / "report_demo.py"
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium"
                                         if os.path.exists("/usr/bin/chromium") else None)
-
-
-def _env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e["PYTHONPATH"] = str(ROOT)
-    return e
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +29,7 @@ def demo_run(tmp_path_factory) -> Path:
     (base / "rtrain.toml").write_text(
         "summary_every_s = 0.1\n[settings]\nbatch_size = 32\ngrad_accum = 1\n")
     run = base / "run"
-    r = subprocess.run([sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run),
-                        "-q", "--no-backoff", str(DEMO), "120", "0.02", "20", "50", "90"],
-                       cwd=base, env=_env(), capture_output=True, text=True, timeout=90)
+    r = launch(run, str(DEMO), "120", "0.02", "20", "50", "90", timeout=90)
     assert r.returncode == 0, r.stderr
     return run
 

@@ -5,7 +5,7 @@ import select
 import sys
 
 import pytest
-from conftest import child_spec, gone, wait_for
+from harness import child_spec, gone, wait_for
 
 from supervisor.proc.spawn import STDERR_TAIL_BYTES, ChildSpec, spawn
 from supervisor.proc.stop import stop_group
@@ -21,7 +21,7 @@ def _run_to_end(child):
 
 
 def test_child_runs_in_own_session_with_logs(tmp_path):
-    spec = child_spec(tmp_path, "crash.py", "7", env={"RTRAIN_ATTEMPT": "4"})
+    spec = child_spec(tmp_path, "crash_with_code.py", "7", env={"RTRAIN_ATTEMPT": "4"})
     child = spawn(spec)
     try:
         assert child.pgid == child.pid
@@ -68,7 +68,7 @@ def test_stderr_tail_is_bounded(tmp_path):
 
 
 def test_echo_tees_to_our_streams(tmp_path, capfd):
-    child = spawn(child_spec(tmp_path, "crash.py", "0", echo=True))
+    child = spawn(child_spec(tmp_path, "crash_with_code.py", "0", echo=True))
     _run_to_end(child)
     child.close()
     out, err = capfd.readouterr()
@@ -90,7 +90,7 @@ def test_child_dies_with_a_killed_supervisor(tmp_path):
 
     pid_file = tmp_path / "child.pid"
     sup = subprocess.Popen(
-        [sys.executable, str(child_spec(tmp_path, "mini_supervisor.py").argv[1]), str(pid_file)]
+        [sys.executable, str(child_spec(tmp_path, "spawn_and_wait.py").argv[1]), str(pid_file)]
     )
     try:
         child_pid = int(wait_for(pid_file))
@@ -112,7 +112,7 @@ def test_joins_the_given_cgroup(tmp_path):
     except OSError as err:
         pytest.skip(f"cannot make a cgroup-v1 memory group here: {err}")
     try:
-        child = spawn(child_spec(tmp_path, "ignore_term.py", cgroup_dir=group.path))
+        child = spawn(child_spec(tmp_path, "ignore_sigterm.py", cgroup_dir=group.path))
         try:
             found = memory_cgroup(child.pid)
             assert found is not None and found.path == group.path

@@ -6,7 +6,7 @@ import os
 import signal
 
 import pytest
-from conftest import child_spec, gone, wait_for
+from harness import child_spec, gone, wait_for
 
 from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
 from supervisor.proc.heartbeat import HangPolicy, HeartbeatReceiver
@@ -45,7 +45,7 @@ def test_crash_exit_code_stderr_and_exit_record(tmp_path):
     (attempt / "exit-rank0.json").write_text(
         '{"kind": "data", "reason": "too many bad samples", "pid": 1, "v": 1}'
     )
-    outcome, _ = _watch(tmp_path, "crash.py", "3")
+    outcome, _ = _watch(tmp_path, "crash_with_code.py", "3")
     ev = outcome.evidence
     assert ev.returncode == 3 and ev.signal is None
     assert "RuntimeError: boom" in ev.stderr_tail
@@ -56,7 +56,7 @@ def test_crash_exit_code_stderr_and_exit_record(tmp_path):
 
 def test_leftover_grandchildren_are_swept_after_exit(tmp_path):
     pids_file = tmp_path / "pids"
-    outcome, _ = _watch(tmp_path, "grandchildren.py", str(pids_file))
+    outcome, _ = _watch(tmp_path, "leave_grandchildren.py", str(pids_file))
     inside, escaped = map(int, wait_for(pids_file).split())
     assert outcome.evidence.returncode == 0
     assert outcome.stop.leftovers == []
@@ -73,7 +73,8 @@ def test_signal_to_supervisor_forwards_stop_and_child_exits_75(tmp_path):
 
     with HeartbeatReceiver() as receiver:
         outcome, _ = _watch(
-            tmp_path, "worker_steps.py", "preempt", heartbeats=receiver, on_heartbeat=on_heartbeat
+            tmp_path, "runtime_heartbeats.py", "preempt", heartbeats=receiver,
+            on_heartbeat=on_heartbeat,
         )
     ev = outcome.evidence
     assert ev.returncode == 75
@@ -97,7 +98,7 @@ def test_stop_escalates_to_sigkill_after_grace(tmp_path):
     config = WatchConfig(sample_interval_s=0.2, grace_s=0.5)
     with SignalCatcher() as catcher:
         outcome, _ = _watch(
-            tmp_path, "ignore_term.py", config=config, signals=catcher, on_sample=on_sample
+            tmp_path, "ignore_sigterm.py", config=config, signals=catcher, on_sample=on_sample
         )
     ev = outcome.evidence
     assert ev.signal == "SIGKILL" and ev.killed_after_grace and ev.stop_requested == "SIGTERM"
@@ -112,7 +113,7 @@ def test_second_sigint_kills_at_once(tmp_path):
 
     fired: list = []
     config = WatchConfig(sample_interval_s=0.1, grace_s=600)  # would take 10 min without it
-    outcome, _ = _watch(tmp_path, "ignore_term.py", config=config, on_sample=on_sample)
+    outcome, _ = _watch(tmp_path, "ignore_sigterm.py", config=config, on_sample=on_sample)
     assert outcome.hard_stop and outcome.signals == ["SIGINT", "SIGINT"]
     assert outcome.evidence.signal == "SIGKILL" and not outcome.evidence.killed_after_grace
 
@@ -151,7 +152,7 @@ def test_learned_timeout_catches_silent_worker(tmp_path):
     config = WatchConfig(sample_interval_s=0.1, hang_grace_s=0.5, hang=hang)
     with HeartbeatReceiver() as receiver:
         outcome, child = _watch(
-            tmp_path, "worker_steps.py", "silent", config=config, heartbeats=receiver
+            tmp_path, "runtime_heartbeats.py", "silent", config=config, heartbeats=receiver
         )
     ev = outcome.evidence
     assert ev.hang and "learned" in ev.hang_detail, ev.hang_detail
@@ -159,7 +160,7 @@ def test_learned_timeout_catches_silent_worker(tmp_path):
     # the worker handles SIGTERM by setting a flag it never reads while hung: SIGKILL follows
     assert ev.signal == "SIGKILL" and ev.killed_after_grace
     stacks = child.spec.attempt_dir / f"stacks-{child.pid}.txt"
-    assert "time.sleep" in stacks.read_text() or "worker_steps.py" in stacks.read_text()
+    assert "time.sleep" in stacks.read_text() or "runtime_heartbeats.py" in stacks.read_text()
 
 
 def test_gpu_filling_up_then_lost(tmp_path):
@@ -186,6 +187,6 @@ def test_failing_callback_stops_the_child_and_propagates(tmp_path):
 
     with pytest.raises(RuntimeError, match="status line broke"):
         _watch(
-            tmp_path, "ignore_term.py", config=WatchConfig(hang_grace_s=0.2), on_sample=on_sample
+            tmp_path, "ignore_sigterm.py", config=WatchConfig(hang_grace_s=0.2), on_sample=on_sample
         )
     assert seen and all(gone(pid, 2) for pid in seen)

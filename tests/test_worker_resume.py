@@ -2,20 +2,18 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from bitwise import assert_bitwise_equal
+from harness import CHILDREN, child_env
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "scripts" / "train_bitwise.py"
+SCRIPT = CHILDREN / "train_bitwise.py"
 
 
 def run(ckpt_dir, out, total, die_at, *extra):
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, str(SCRIPT), str(ckpt_dir), str(out), str(total),
-                           str(die_at), *extra], env=env, capture_output=True, text=True,
+                           str(die_at), *extra], env=child_env(), capture_output=True, text=True,
                           timeout=120)
 
 
