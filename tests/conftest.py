@@ -5,14 +5,16 @@ processes. How tests run processes lives in harness.py."""
 from __future__ import annotations
 
 import ctypes
+import multiprocessing.util
 import os
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from harness import run_rtrain
+from harness import invoke_rtrain
 
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.ckpt.hashing import alg_for
@@ -67,8 +69,10 @@ def make_ckpt():
 
 @pytest.fixture
 def rtrain():
-    """`rtrain(*args, cwd=..., env=..., timeout=...)`: the CLI in a subprocess."""
-    return run_rtrain
+    """`rtrain(*args, cwd=..., env=...)`: the CLI run in this process (harness.invoke_rtrain).
+    Tests about the process itself (what it imports, how it exits under a signal) use
+    harness.run_rtrain and are marked slow."""
+    return invoke_rtrain
 
 
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -113,3 +117,68 @@ def small_tmpfs(tmp_path):
     yield mount
     for mnt in mounted:
         _libc.umount2(os.fsencode(mnt), _MNT_DETACH)
+
+
+def remount_read_only(mnt: Path) -> None:
+    """Remount a small_tmpfs read-only (writes then fail with EROFS, for root too); skips the
+    test where that is refused."""
+    ms_rdonly, ms_remount = 1, 32
+    if _libc.mount(b"tmpfs", os.fsencode(mnt), b"tmpfs", ms_remount | ms_rdonly, None) != 0:
+        pytest.skip(f"cannot remount read-only here: {os.strerror(ctypes.get_errno())}")
+
+
+class ProcessStart(BaseException):
+    """A test not marked slow started a process. A BaseException, so that the code under test
+    cannot swallow it with `except Exception`."""
+
+
+# Every way this code base (and torch, multiprocessing, subprocess) starts a process ends in one
+# of these: subprocess through _fork_exec (or posix_spawn), multiprocessing's fork through
+# os.fork, its spawn and forkserver through util.spawnv_passfds.
+_PROCESS_STARTS = [(subprocess, "_fork_exec"), (os, "fork"), (os, "forkpty"),
+                   (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system"),
+                   (multiprocessing.util, "spawnv_passfds")]
+
+
+def _refusing(what: str, started: list[str]):
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        started.append(what)
+        raise ProcessStart(f"{what}: a test that starts processes must be marked "
+                           "@pytest.mark.slow (`pytest -m 'not slow'` starts none)")
+    return refuse
+
+
+def _no_process_starts(item: pytest.Item):
+    """Around one phase of a test not marked slow (its fixtures' setup included): starting a
+    process raises ProcessStart, and fails the test even where the code under test caught it."""
+    if item.get_closest_marker("slow"):
+        yield
+        return
+    started: list[str] = []
+    saved = [(owner, name, getattr(owner, name)) for owner, name in _PROCESS_STARTS
+             if hasattr(owner, name)]
+    for owner, name, _ in saved:
+        setattr(owner, name, _refusing(f"{owner.__name__}.{name}", started))
+    try:
+        outcome = yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+    if started and outcome.excinfo is None:
+        outcome.force_exception(pytest.fail.Exception(
+            f"started a process ({started[0]}) without @pytest.mark.slow", pytrace=False))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _no_process_starts(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _no_process_starts(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _no_process_starts(item)

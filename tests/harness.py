@@ -7,6 +7,7 @@ fails a test that starts one without the mark).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -53,6 +54,28 @@ def run_rtrain(*args: str, cwd: str | os.PathLike | None = None,
     `env` adds to child_env()."""
     return subprocess.run(rtrain_cmd(*args), cwd=cwd or REPO, env=child_env(**(env or {})),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def invoke_rtrain(*args: str, cwd: str | os.PathLike | None = None,
+                  env: dict[str, str] | None = None,
+                  timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`rtrain ARGS` inside this process (typer's CliRunner), returning what run_rtrain would:
+    the exit code and the two streams. The CLI layer is the same code; only the interpreter
+    start is left out. `timeout` is accepted for run_rtrain's sake and unused. An exception
+    other than the CLI's own exit is raised here, where a subprocess would print a traceback."""
+    from typer.testing import CliRunner
+
+    from supervisor.cli import app
+
+    environ: dict[str, str | None] = {k: None for k in os.environ
+                                       if k.startswith(("RTRAIN_", "TORCHELASTIC"))}
+    environ.update(env or {})
+    with contextlib.chdir(cwd or REPO):
+        result = CliRunner().invoke(app, list(args), env=environ, prog_name="rtrain")
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["rtrain", *args], result.exit_code, result.stdout,
+                                       result.stderr)
 
 
 def launch(run_dir: Path, *args: str, env: dict[str, str] | None = None,

@@ -25,6 +25,7 @@ def test_own_cgroup_is_found():
     assert group.oom_kills() is not None
 
 
+@pytest.mark.slow
 def test_cgroup_limit_kill_is_counted(tmp_path):
     try:
         cm = limited_v1_group(100 * 1024 * 1024)

@@ -64,6 +64,7 @@ def test_resume_arg_only_when_a_checkpoint_was_chosen(tmp_path):
     assert out["from"] == chosen
 
 
+@pytest.mark.slow
 def test_resume_arg_typo_is_a_usage_error(tmp_path):
     (tmp_path / "echo.py").write_text(ECHO)
     r = launch_in(tmp_path, "--resume-arg", "--from {chekpoint}", "echo.py")

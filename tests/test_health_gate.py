@@ -52,6 +52,7 @@ def run(tmp_path: Path, health, monkeypatch, **cfg) -> tuple[int, list[dict], Sc
     return code, read_events(tmp_path / "run" / "events.jsonl"), reader
 
 
+@pytest.mark.slow
 def test_a_failed_device_makes_the_failure_lost_device_with_evidence(tmp_path, monkeypatch):
     for name in ("SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(name, raising=False)
@@ -68,6 +69,7 @@ def test_a_failed_device_makes_the_failure_lost_device_with_evidence(tmp_path, m
     assert load_state(tmp_path / "run").history.budgets_used == {"lost_device": 1}
 
 
+@pytest.mark.slow
 def test_healthy_devices_leave_a_crash_a_crash(tmp_path, monkeypatch):
     code, events, reader = run(tmp_path, [], monkeypatch)
     assert code == 0 and reader.health_calls == 1
@@ -89,6 +91,7 @@ exit 0
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
 
 
+@pytest.mark.slow
 def test_under_slurm_the_job_is_requeued_with_the_node_excluded(tmp_path, monkeypatch):
     log = tmp_path / "scontrol.log"
     fake_scontrol(tmp_path / "bin", log)

@@ -93,6 +93,7 @@ def test_bad_summary_interval_is_a_config_error(tmp_path):
 # ------------------------------------------------------------------ the runner
 
 
+@pytest.mark.slow
 def test_matching_events_reach_the_command_on_stdin(tmp_path):
     out = tmp_path / "out.jsonl"
     runner = HookRunner((HookSpec(on=("give_up", "hang"), command=(PY, "-c", SAVE_STDIN,
@@ -109,6 +110,7 @@ def test_matching_events_reach_the_command_on_stdin(tmp_path):
     assert {e["kind"] for e in got} == {"classification", "give_up"}
 
 
+@pytest.mark.slow
 def test_timeouts_failures_and_missing_commands_become_hook_failed(tmp_path):
     reported = []
     hooks = (HookSpec(on=("give_up",), command=(PY, "-c", "import time; time.sleep(30)"),
@@ -132,6 +134,7 @@ def test_timeouts_failures_and_missing_commands_become_hook_failed(tmp_path):
     assert sleeper.returncode == -9
 
 
+@pytest.mark.slow
 def test_hook_processes_are_not_part_of_the_attempts_tree(tmp_path):
     runner = HookRunner((HookSpec(on=("launch",), command=("sleep", "5")),), cwd=tmp_path)
     runner({"kind": "launch"})

@@ -33,6 +33,7 @@ def test_crash_once_then_succeed(tmp_path):
     assert (run / "attempts" / "0" / "stderr.log").read_text().endswith("flaky failure 0\n")
 
 
+@pytest.mark.slow
 def test_budget_spent_gives_up_with_exit_1(tmp_path):
     (tmp_path / "rtrain.toml").write_text("[restart.budgets]\ncrash = 2\n")
     run = tmp_path / "run"
@@ -45,6 +46,7 @@ def test_budget_spent_gives_up_with_exit_1(tmp_path):
     assert load_state(run).status.value == "gave_up"
 
 
+@pytest.mark.slow
 def test_startup_failure_is_not_retried(tmp_path):
     run = tmp_path / "run"
     r = launch(run, str(CHILDREN / "import_fails.py"))
@@ -127,6 +129,7 @@ def test_child_ignoring_the_stop_signal_is_killed_after_the_grace(tmp_path):
     assert "did not save and exit within the grace" in events(run, "classification")[0]["reason"]
 
 
+@pytest.mark.slow
 def test_grandchildren_left_behind_are_swept(tmp_path):
     run = tmp_path / "run"
     pids_file = tmp_path / "pids"

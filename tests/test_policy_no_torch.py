@@ -5,12 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from harness import REPO
 
 MODULES = ["config", "decide.ladder", "decide.classify", "decide.policy", "records.events",
            "records.runstate", "records.lock"]
 
 
+@pytest.mark.slow
 def test_supervisor_modules_do_not_import_torch():
     code = (f"import sys\nfor m in {MODULES!r}:\n    __import__('supervisor.' + m)\n"
             "print('torch' in sys.modules)")

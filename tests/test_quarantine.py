@@ -58,6 +58,7 @@ def test_retention_keeps_the_fallback_and_the_quarantined_one(tmp_path):
         == ["checkpoint-5"]
 
 
+@pytest.mark.slow
 def test_inspect_shows_quarantined_and_resume_skips_it(tmp_path):
     ckpts = _quarantined_dir(tmp_path)
     r = run_rtrain("inspect", str(ckpts), "--json", "--verify", "full")

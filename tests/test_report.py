@@ -83,6 +83,7 @@ def _chromium(page: Path, tmp_path: Path, *args: str) -> subprocess.CompletedPro
         capture_output=True, text=True, timeout=90)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y "
                                              "chromium; scripts/test.sh does it as root)")
 def test_report_renders_curves_and_markers_in_chromium(demo_run, tmp_path):
@@ -110,6 +111,7 @@ def test_report_renders_curves_and_markers_in_chromium(demo_run, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
+@pytest.mark.slow
 def test_report_is_self_contained(demo_run, tmp_path):
     text = write_report(demo_run, tmp_path / "r.html").read_text()
     assert "<link" not in text and " src=" not in text and "@import" not in text
@@ -138,6 +140,7 @@ def test_hand_built_run_escapes_text_and_says_what_is_missing(tmp_path):
     assert "no loss reported" in text  # the chart explains an empty plot
 
 
+@pytest.mark.slow
 def test_cli_report_writes_the_file_and_refuses_a_non_run(rtrain, demo_run, tmp_path):
     out = tmp_path / "x" / "page.html"
     r = rtrain("report", str(demo_run), "-o", str(out))

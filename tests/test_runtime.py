@@ -144,6 +144,7 @@ def test_exit_record_is_written_atomically_per_rank(receiver, tmp_path, monkeypa
     assert record.settings == {"batch_size": 8}
 
 
+@pytest.mark.slow
 def test_runtime_never_imports_torch():
     import subprocess
     import sys

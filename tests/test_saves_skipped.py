@@ -6,11 +6,11 @@ tmpfs that fills up, and on a tmpfs remounted read-only (which fails even for ro
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
 from chaos_util import launch_chaos, write_config
+from conftest import remount_read_only
 from harness import CHILDREN, events, launch
 
 from supervisor.proc.heartbeat import HeartbeatReceiver
@@ -77,9 +77,7 @@ def read_only_dir(small_tmpfs):
     """A checkpoint dir on a tmpfs remounted read-only: writing fails with EROFS, for root too."""
     disk = small_tmpfs("4m")
     (disk / "checkpoints").mkdir()
-    r = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot remount read-only here: {r.stderr.strip()}")
+    remount_read_only(disk)
     return disk / "checkpoints"
 
 

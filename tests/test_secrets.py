@@ -26,7 +26,6 @@ def _key_file(tmp_path: Path, mode: int) -> Path:
     return path
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
 def test_key_file_others_can_read_is_refused(tmp_path, rtrain, make_ckpt, mode):
     make_ckpt(tmp_path / "ckpts", 10)
@@ -42,7 +41,6 @@ def test_key_file_others_can_read_is_refused(tmp_path, rtrain, make_ckpt, mode):
     assert r.returncode == 1 and "unsigned, but a signing key is configured" in r.stdout
 
 
-@pytest.mark.slow
 def test_private_key_file_is_used(tmp_path, rtrain, make_ckpt):
     from supervisor.ckpt import hashing
 
@@ -53,7 +51,6 @@ def test_private_key_file_is_used(tmp_path, rtrain, make_ckpt):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.slow
 def test_launch_refuses_a_shared_key_before_running(tmp_path, rtrain):
     key = _key_file(tmp_path, 0o644)
     marker = tmp_path / "ran"

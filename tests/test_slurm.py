@@ -109,6 +109,7 @@ def test_job_info_names_the_job_and_its_restart_count():
     assert slurm.job_id(array_task) == "40_3"  # what `scontrol requeue` is given
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("state", "requeued"), [("RUNNING", True), ("COMPLETING", False)])
 def test_requeue_only_a_job_slurm_is_not_already_ending(tmp_path, monkeypatch, state, requeued):
     calls = tmp_path / "calls"

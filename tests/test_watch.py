@@ -39,6 +39,7 @@ def _watch(tmp_path, script, *args, config=FAST, env=None, **kw):
         child.close()
 
 
+@pytest.mark.slow
 def test_crash_exit_code_stderr_and_exit_record(tmp_path):
     attempt = tmp_path / "attempts" / "0"
     attempt.mkdir(parents=True)
@@ -54,6 +55,7 @@ def test_crash_exit_code_stderr_and_exit_record(tmp_path):
     assert ev.host_mem_total and ev.duration_s > 0
 
 
+@pytest.mark.slow
 def test_leftover_grandchildren_are_swept_after_exit(tmp_path):
     pids_file = tmp_path / "pids"
     outcome, _ = _watch(tmp_path, "leave_grandchildren.py", str(pids_file))
@@ -63,6 +65,7 @@ def test_leftover_grandchildren_are_swept_after_exit(tmp_path):
     assert gone(inside, 0.5) and gone(escaped, 0.5)
 
 
+@pytest.mark.slow
 def test_signal_to_supervisor_forwards_stop_and_child_exits_75(tmp_path):
     sent = []
 
@@ -87,6 +90,7 @@ def test_signal_to_supervisor_forwards_stop_and_child_exits_75(tmp_path):
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
+@pytest.mark.slow
 def test_stop_escalates_to_sigkill_after_grace(tmp_path):
     def on_sample(sample):
         ready = (tmp_path / "attempts/0/stdout.log").read_text() == "ready\n"
@@ -104,6 +108,7 @@ def test_stop_escalates_to_sigkill_after_grace(tmp_path):
     assert ev.signal == "SIGKILL" and ev.killed_after_grace and ev.stop_requested == "SIGTERM"
 
 
+@pytest.mark.slow
 def test_second_sigint_kills_at_once(tmp_path):
     def on_sample(sample):
         ready = (tmp_path / "attempts/0/stdout.log").read_text() == "ready\n"
@@ -118,6 +123,7 @@ def test_second_sigint_kills_at_once(tmp_path):
     assert outcome.evidence.signal == "SIGKILL" and not outcome.evidence.killed_after_grace
 
 
+@pytest.mark.slow
 def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
     config = WatchConfig(
         sample_interval_s=0.1, hang_grace_s=2, hang=HangPolicy(plain_timeout_s=0.6)
@@ -129,6 +135,7 @@ def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
     _assert_pyspy_stack(outcome, child)
 
 
+@pytest.mark.slow
 def test_sigstopped_child_is_a_hang(tmp_path):
     config = WatchConfig(
         sample_interval_s=0.1, hang_grace_s=2, hang=HangPolicy(plain_timeout_s=0.6)
@@ -163,6 +170,7 @@ def test_learned_timeout_catches_silent_worker(tmp_path):
     assert "time.sleep" in stacks.read_text() or "runtime_heartbeats.py" in stacks.read_text()
 
 
+@pytest.mark.slow
 def test_gpu_filling_up_then_lost(tmp_path):
     readings = [GpuReading((DeviceMemory(0, used * GiB, 80 * GiB),)) for used in (10, 40, 79)]
     readings.append(
@@ -178,6 +186,7 @@ def test_gpu_filling_up_then_lost(tmp_path):
     assert [s.gpu.devices[0].used // GiB for s in samples[:3]] == [10, 40, 79]
 
 
+@pytest.mark.slow
 def test_failing_callback_stops_the_child_and_propagates(tmp_path):
     seen = []
 
