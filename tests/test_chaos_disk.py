@@ -1,6 +1,6 @@
-"""Issue 4, suite 6: the checkpoint disk fills up mid-run (a small tmpfs). Training goes on,
-saves that do not fit are skipped, the checkpoints already there stay intact (a crash while the
-disk is full resumes from one of them), and the run finishes bitwise-identical."""
+"""The checkpoint disk fills up mid-run (a small tmpfs): training goes on, saves that do not fit
+are skipped, the checkpoints already there stay intact (a crash while the disk is full resumes
+from one of them), and the run finishes bitwise-identical."""
 
 from __future__ import annotations
 

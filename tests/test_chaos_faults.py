@@ -1,5 +1,5 @@
-"""Issue 4, suite 4, 5 and 7: a hang, a non-finite loss and a corrupted newest checkpoint, each
-injected into a real supervised run (RTRAIN_FAULTS), recovered, and the run finished."""
+"""A hang, a non-finite loss and a corrupted newest checkpoint, each injected into a real
+supervised run (RTRAIN_FAULTS), are recovered from and the run finishes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 4, suite 1: the training child SIGKILLed at random moments, some of them mid-save.
+"""The training child SIGKILLed at random moments, some of them mid-save, loses no sample.
 
 One supervised run is killed at least 20 times: some attempts die inside a save (RTRAIN_FAULTS
 kill_in_save), the others are killed from outside, by a thread that reads each attempt's pid

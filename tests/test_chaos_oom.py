@@ -1,4 +1,4 @@
-"""Issue 4, suite 3: out of memory for real. The run lives in a cgroup v1 memory group whose
+"""Out of memory for real. The run lives in a cgroup v1 memory group whose
 limit the first batch size exceeds (the script touches `mem_mb` MiB per sample of a
 micro-batch); the kernel kills the child, rtrain classifies `oom_host`, halves the batch and
 doubles the accumulation, and the run finishes having seen every sample of every epoch exactly

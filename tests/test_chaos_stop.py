@@ -1,6 +1,5 @@
-"""Issue 4, suite 2 and 8: the supervisor itself is stopped (SIGTERM) or killed (SIGKILL)
-mid-run, and launching the same command again finishes the run bitwise-identical to an
-uninterrupted one."""
+"""The supervisor itself stopped (SIGTERM) or killed (SIGKILL) mid-run: launching the same
+command again finishes the run bitwise-identical to an uninterrupted one."""
 
 from __future__ import annotations
 

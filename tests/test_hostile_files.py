@@ -60,7 +60,7 @@ def rewrite_manifest(ckpt, **changes) -> None:
     (ckpt / MANIFEST).write_bytes(dumps(m))
 
 
-# --- item 4: files that are not regular files ------------------------------------------------
+# --- files that are not regular files ---------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -165,7 +165,7 @@ def test_open_regular_refuses_what_is_not_a_regular_file(tmp_path):
         assert f.read() == b"x"
 
 
-# --- item 5: parser bombs ---------------------------------------------------------------------
+# --- parser bombs -----------------------------------------------------------------------------
 
 
 def _nested_manifest(ckpt) -> None:
