@@ -17,21 +17,29 @@ def run(ckpt_dir, out, total, die_at, *extra):
                           timeout=120)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final state of the run never killed. Saving in the background or not changes no
+    value a step trains on, so both modes below are compared with this one run."""
+    tmp = tmp_path_factory.mktemp("whole")
+    ref = run(tmp / "ref", tmp / "ref.pt", 31, 0)
+    assert ref.returncode == 0, ref.stderr
+    return torch.load(tmp / "ref.pt")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_split_run_is_bitwise_identical(tmp_path, mode):
+def test_split_run_is_bitwise_identical(tmp_path, mode, uninterrupted):
     extra = ["--async"] if mode == "async" else []
-    ref = run(tmp_path / "ref", tmp_path / "ref.pt", 31, 0, *extra)
-    assert ref.returncode == 0, ref.stderr
     ckpts = tmp_path / "split"
     # Deaths mid-epoch, right after a save, at an epoch boundary (44 samples / 8 = 6 steps),
     # and twice in a row before any new save: each resume replays from the newest checkpoint.
-    for die_at in (4, 9, 12, 13, 13, 17, 25):
+    for die_at in (4, 9, 12, 13, 13):
         r = run(ckpts, tmp_path / "split.pt", 31, die_at, *extra)
         assert r.returncode == 9, r.stderr
     r = run(ckpts, tmp_path / "split.pt", 31, 0, *extra)
     assert r.returncode == 0, r.stderr
-    a = torch.load(tmp_path / "ref.pt")
+    a = uninterrupted
     b = torch.load(tmp_path / "split.pt")
     assert a["step"] == b["step"] == 31
     assert_bitwise_equal(a["model"], b["model"], "model")
