@@ -2,7 +2,7 @@
 
     python scripts/chaos.py --minutes 15 [--seed S] [--jobs J] [--dir DIR]
 
-Each episode is one supervised run of tests/scripts/chaos_train.py (a small deterministic
+Each episode is one supervised run of tests/children/chaos_train.py (a small deterministic
 training loop that logs every step it executes) from a fresh run directory, with a random plan
 of faults, one per attempt, then a clean attempt that finishes. Kinds:
 
@@ -52,8 +52,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from chaos_util import (  # noqa: E402
     Tail,
     check_exactly_once,
-    env,
-    events,
     final_state_diff,
     kill_child,
     leftovers,
@@ -65,6 +63,7 @@ from chaos_util import (  # noqa: E402
     wait_gone,
     write_config,
 )
+from harness import child_env, events  # noqa: E402
 
 from supervisor.records.runstate import load_state  # noqa: E402
 
@@ -128,9 +127,9 @@ class Driver:
                 spec.append(f"{kind}@{cond.get(kind, f'step={step}')},attempt={a}")
             else:
                 external[a] = kind
-        proc = subprocess.Popen(rtrain_cmd(self.run), env=env(RTRAIN_FAULTS="; ".join(spec)),
-                                cwd=self.run.parent, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(rtrain_cmd(self.run),
+                                env=child_env(RTRAIN_FAULTS="; ".join(spec)), cwd=self.run.parent,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         ending = None
         # Only what this session's rtrain writes: an older launch of the same attempt number
         # must not trigger the fault planned for this one.

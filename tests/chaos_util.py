@@ -1,6 +1,6 @@
 """Helpers for the end-to-end fault tests (tests/test_chaos_*.py) and scripts/chaos.py.
 
-Each test runs `python -m supervisor launch` on tests/scripts/chaos_train.py, a small
+Each test runs `python -m supervisor launch` on tests/children/chaos_train.py, a small
 deterministic training run that logs every step it executes (with its sample ids) and saves its
 final model and optimizer state, and compares that with an uninterrupted run of the same script.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,11 +19,9 @@ from typing import Any
 
 import psutil
 from bitwise import bitwise_diff
+from harness import CHILDREN, child_env
 
-from supervisor.records.events import read_events
-
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "scripts" / "chaos_train.py"
+SCRIPT = CHILDREN / "chaos_train.py"
 
 # The run as configured for the tests: relaunch at once, as often as the faults need, and never
 # call repeated deaths before a new checkpoint a crash loop (the kill test does that on purpose).
@@ -35,16 +32,6 @@ BASE_CONFIG = {
                 "budgets": {"crash": 1000, "oom": 10, "hang": 10, "nonfinite": 10, "data": 1}},
     "backoff": {"enabled": False},
 }
-
-
-def env(**extra: str) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e["PYTHONPATH"] = str(ROOT)
-    # One thread per process: the machine is shared, and torch's spinning pool threads make
-    # a step of this tiny model take 70 ms instead of 2 ms under load.
-    e["OMP_NUM_THREADS"] = "1"
-    e.update(extra)
-    return e
 
 
 def _toml_value(v: Any) -> str:
@@ -85,28 +72,21 @@ def rtrain_cmd(run_dir: Path, *args: str) -> list[str]:
             *args, str(SCRIPT), "{run_dir}"]
 
 
-def launch(run_dir: Path, *args: str, faults: str = "", timeout: float = 300,
+def launch_chaos(run_dir: Path, *args: str, faults: str = "", timeout: float = 300,
            cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(rtrain_cmd(run_dir, *args), env=env(RTRAIN_FAULTS=faults),
+    return subprocess.run(rtrain_cmd(run_dir, *args), env=child_env(RTRAIN_FAULTS=faults),
                           cwd=cwd or run_dir.parent, capture_output=True, text=True,
                           timeout=timeout)
 
 
-def start(run_dir: Path, *args: str, faults: str = "", cwd: Path | None = None,
+def start_chaos(run_dir: Path, *args: str, faults: str = "", cwd: Path | None = None,
           **kw: Any) -> subprocess.Popen:
-    return subprocess.Popen(rtrain_cmd(run_dir, *args), env=env(RTRAIN_FAULTS=faults),
+    return subprocess.Popen(rtrain_cmd(run_dir, *args), env=child_env(RTRAIN_FAULTS=faults),
                             cwd=cwd or run_dir.parent, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
 # ------------------------------------------------------------------ reading a run
-
-
-def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    return [e for e in read_events(path) if kind is None or e["kind"] == kind]
 
 
 def step_log(out_dir: Path) -> list[dict[str, Any]]:
@@ -188,17 +168,27 @@ def check_exactly_once(traj: dict[int, dict[str, Any]], samples: int, steps: int
 # ------------------------------------------------------------------ the reference run
 
 
+_references: dict[str, Path] = {}  # settings key -> OUT_DIR, for this process's lifetime
+
+
 def reference(base: Path, settings: dict[str, Any]) -> Path:
-    """OUT_DIR of an uninterrupted run without rtrain (cached under `base` by settings)."""
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    """OUT_DIR of an uninterrupted run without rtrain, made under `base` once per set of values:
+    runs whose settings differ only in `step_sleep` (a pause that changes no value) or in
+    spelling out the default `workers = 0` share one, and it runs without the pause."""
+    values = {k: v for k, v in settings.items()
+              if k != "step_sleep" and not (k == "workers" and v == 0)}
+    key = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
+    made = _references.get(key)
+    if made is not None and (made / "final.pt").exists():
+        return made
     out = base / f"reference-{key}"
-    if (out / "final.pt").exists():
-        return out
-    r = subprocess.run([sys.executable, str(SCRIPT), str(out)], cwd=base, capture_output=True,
-                       text=True, timeout=300,
-                       env=env(RTRAIN_SETTINGS=json.dumps(settings),
-                               RTRAIN_CKPT_DIR=str(out / "checkpoints")))
-    assert r.returncode == 0, r.stderr
+    if not (out / "final.pt").exists():
+        r = subprocess.run([sys.executable, str(SCRIPT), str(out)], cwd=base,
+                           capture_output=True, text=True, timeout=300,
+                           env=child_env(RTRAIN_SETTINGS=json.dumps(values),
+                                         RTRAIN_CKPT_DIR=str(out / "checkpoints")))
+        assert r.returncode == 0, r.stderr
+    _references[key] = out
     return out
 
 

@@ -1,27 +1,25 @@
-"""Shared fixtures: checkpoints built without torch (through the real commit protocol), and
-helpers for tests that run real child processes (tests/children/*.py)."""
+"""Shared fixtures: checkpoints built without torch (through the real commit protocol), the
+`rtrain` CLI, a small disk that fills up, and a check that only tests marked slow start
+processes. How tests run processes lives in harness.py."""
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing.util
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
+from harness import invoke_rtrain
 
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.ckpt.hashing import alg_for
 from supervisor.ckpt.safetensors_io import TensorBlob
-from supervisor.proc.spawn import ChildSpec
 
-REPO = Path(__file__).resolve().parent.parent
-CHILDREN = Path(__file__).parent / "children"
 NUMPY_TO_ST = {np.dtype("float32"): "F32", np.dtype("float64"): "F64",
                np.dtype("int64"): "I64", np.dtype("int32"): "I32", np.dtype("uint8"): "U8",
                np.dtype("float16"): "F16", np.dtype("bool"): "BOOL"}
@@ -69,52 +67,12 @@ def make_ckpt():
     return build_checkpoint
 
 
-def run_rtrain(*args: str, cwd: str | os.PathLike | None = None,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python -m supervisor ARGS` in a subprocess, as a user would run `rtrain`."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    full_env["PYTHONPATH"] = str(REPO)
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "supervisor", *args], cwd=cwd or REPO,
-                          env=full_env, capture_output=True, text=True, timeout=60)
-
-
 @pytest.fixture
 def rtrain():
-    return run_rtrain
-
-def child_spec(tmp_path: Path, script: str, *args: str, **kw) -> ChildSpec:
-    env = dict(os.environ)
-    env.update(kw.pop("env", {}))
-    return ChildSpec(
-        argv=[sys.executable, str(CHILDREN / script), *args],
-        env=env,
-        cwd=CHILDREN,
-        attempt_dir=tmp_path / "attempts" / "0",
-        **kw,
-    )
-
-
-def gone(pid: int, timeout: float = 5.0) -> bool:
-    """True once `pid` no longer runs (a zombie counts as gone), waiting up to `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def wait_for(path: Path, timeout: float = 10.0) -> str:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{path} did not appear within {timeout} s")
-        time.sleep(0.01)
-    return path.read_text()
+    """`rtrain(*args, cwd=..., env=...)`: the CLI run in this process (harness.invoke_rtrain).
+    Tests about the process itself (what it imports, how it exits under a signal) use
+    harness.run_rtrain and are marked slow."""
+    return invoke_rtrain
 
 
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -137,23 +95,90 @@ def _isolate_worker_runtime():
     runtime._state = state
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_MNT_DETACH = 2
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """`small_tmpfs("8m")` mounts a tmpfs of that size (a disk that fills up for real) and
-    unmounts it after the test; skips with the reason where mounting is refused."""
+    unmounts it after the test; skips with the reason where mounting is refused. mount(2) is
+    called directly: no `mount` process, so tests that are not slow may use it."""
     mounted: list[Path] = []
 
     def mount(size: str) -> Path:
         mnt = tmp_path / f"tmpfs-{size}-{len(mounted)}"
         mnt.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip() or r.returncode}")
+        if _libc.mount(b"tmpfs", os.fsencode(mnt), b"tmpfs", 0, f"size={size}".encode()) != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {os.strerror(ctypes.get_errno())}")
         mounted.append(mnt)
         return mnt
 
     yield mount
     for mnt in mounted:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        _libc.umount2(os.fsencode(mnt), _MNT_DETACH)
 
+
+def remount_read_only(mnt: Path) -> None:
+    """Remount a small_tmpfs read-only (writes then fail with EROFS, for root too); skips the
+    test where that is refused."""
+    ms_rdonly, ms_remount = 1, 32
+    if _libc.mount(b"tmpfs", os.fsencode(mnt), b"tmpfs", ms_remount | ms_rdonly, None) != 0:
+        pytest.skip(f"cannot remount read-only here: {os.strerror(ctypes.get_errno())}")
+
+
+class ProcessStart(BaseException):
+    """A test not marked slow started a process. A BaseException, so that the code under test
+    cannot swallow it with `except Exception`."""
+
+
+# Every way this code base (and torch, multiprocessing, subprocess) starts a process ends in one
+# of these: subprocess through _fork_exec (or posix_spawn), multiprocessing's fork through
+# os.fork, its spawn and forkserver through util.spawnv_passfds.
+_PROCESS_STARTS = [(subprocess, "_fork_exec"), (os, "fork"), (os, "forkpty"),
+                   (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system"),
+                   (multiprocessing.util, "spawnv_passfds")]
+
+
+def _refusing(what: str, started: list[str]):
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        started.append(what)
+        raise ProcessStart(f"{what}: a test that starts processes must be marked "
+                           "@pytest.mark.slow (`pytest -m 'not slow'` starts none)")
+    return refuse
+
+
+def _no_process_starts(item: pytest.Item):
+    """Around one phase of a test not marked slow (its fixtures' setup included): starting a
+    process raises ProcessStart, and fails the test even where the code under test caught it."""
+    if item.get_closest_marker("slow"):
+        yield
+        return
+    started: list[str] = []
+    saved = [(owner, name, getattr(owner, name)) for owner, name in _PROCESS_STARTS
+             if hasattr(owner, name)]
+    for owner, name, _ in saved:
+        setattr(owner, name, _refusing(f"{owner.__name__}.{name}", started))
+    try:
+        outcome = yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+    if started and outcome.excinfo is None:
+        outcome.force_exception(pytest.fail.Exception(
+            f"started a process ({started[0]}) without @pytest.mark.slow", pytrace=False))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _no_process_starts(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _no_process_starts(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _no_process_starts(item)

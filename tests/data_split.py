@@ -1,4 +1,9 @@
-"""Run tests/scripts/train_data.py uninterrupted and split into processes; compare bitwise."""
+"""Run children/train_data.py uninterrupted and split into processes; compare bitwise.
+
+Each run is a fresh Python process, and starting one (torch's imports) costs far more than its
+31 steps: tests that compare several split runs with the same uninterrupted one run that one
+once (`whole`) and hand it in.
+"""
 
 from __future__ import annotations
 
@@ -8,34 +13,40 @@ from pathlib import Path
 
 import torch
 from bitwise import bitwise_diff
+from harness import CHILDREN, child_env
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "scripts" / "train_data.py"
+SCRIPT = CHILDREN / "train_data.py"
 TOTAL = 31  # 44 samples, batches of 8: six steps an epoch, the sixth of 4 samples
 
 
 def run(ckpt_dir: Path, out: Path, total: int, die_at: int, *args: str,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    base = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, str(SCRIPT), str(ckpt_dir), str(out), str(total),
-                           str(die_at), *args], env={**base, **(env or {})},
+                           str(die_at), *args], env=child_env(**(env or {})),
                           capture_output=True, text=True, timeout=300)
 
 
-def split_vs_whole(tmp: Path, args: list[str], deaths: tuple[int, ...] = (5, 13, 17)
-                   ) -> str | None:
+def whole(tmp: Path, args: list[str]) -> Path:
+    """The final state of an uninterrupted run with `args` (a file in `tmp`)."""
+    out = tmp / "ref.pt"
+    r = run(tmp / "ref", out, TOTAL, 0, *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def split_vs_whole(tmp: Path, args: list[str], deaths: tuple[int, ...] = (5, 13),
+                   reference: Path | None = None) -> str | None:
     """None when a run killed after each step in `deaths` (each resume from the newest
     checkpoint, saved every 3 steps) ends bitwise-identical to an uninterrupted one, else
-    where the two differ. The default resumes at step 3 (mid-epoch), 12 (an epoch's end) and
-    15 (mid-epoch)."""
-    ref = run(tmp / "ref", tmp / "ref.pt", TOTAL, 0, *args)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    where the two differ. The default resumes at step 3 (mid-epoch) and at 12 (an epoch's end).
+    `reference`: the uninterrupted run's final state when already run (see `whole`)."""
+    ref = reference or whole(tmp, args)
     for die_at in deaths:
         r = run(tmp / "split", tmp / "split.pt", TOTAL, die_at, *args)
         assert r.returncode == 9, r.stderr[-3000:]
     r = run(tmp / "split", tmp / "split.pt", TOTAL, 0, *args)
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b = torch.load(tmp / "ref.pt"), torch.load(tmp / "split.pt")
+    a, b = torch.load(ref), torch.load(tmp / "split.pt")
     assert a["step"] == b["step"] == TOTAL
     return bitwise_diff(a["model"], b["model"], "model") or bitwise_diff(a["opt"], b["opt"],
                                                                           "optimizer")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import child_spec
+from harness import child_spec
 
 from supervisor.config import Config
 from supervisor.proc.cgroup import MemoryCgroup, limited_v1_group, memory_cgroup
@@ -26,6 +26,7 @@ def test_own_cgroup_is_found():
     assert group.oom_kills() is not None
 
 
+@pytest.mark.slow
 def test_cgroup_limit_kill_is_counted(tmp_path):
     try:
         cm = limited_v1_group(100 * 1024 * 1024)
@@ -34,7 +35,7 @@ def test_cgroup_limit_kill_is_counted(tmp_path):
         print(f"skipping: cannot make a cgroup-v1 memory group: {err}")
         pytest.skip(f"cannot make a cgroup-v1 memory group here: {err}")
     try:
-        child = spawn(child_spec(tmp_path, "alloc.py", cgroup_dir=group.path))
+        child = spawn(child_spec(tmp_path, "alloc_until_killed.py", cgroup_dir=group.path))
         try:
             outcome = watch(child, WatchConfig.from_config(Config(sample_interval_s=0.1)))
         finally:

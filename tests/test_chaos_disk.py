@@ -1,20 +1,20 @@
-"""Issue 4, suite 6: the checkpoint disk fills up mid-run (a small tmpfs). Training goes on,
-saves that do not fit are skipped, the checkpoints already there stay intact (a crash while the
-disk is full resumes from one of them), and the run finishes bitwise-identical."""
+"""The checkpoint disk fills up mid-run (a small tmpfs): training goes on, saves that do not fit
+are skipped, the checkpoints already there stay intact (a crash while the disk is full resumes
+from one of them), and the run finishes bitwise-identical."""
 
 from __future__ import annotations
 
 import pytest
 from chaos_util import (
-    events,
     final_state_diff,
-    launch,
+    launch_chaos,
     reference,
     starts,
     step_log,
     wait_gone,
     write_config,
 )
+from harness import events
 
 from supervisor.ckpt.verify import Level, verify
 
@@ -35,7 +35,7 @@ def test_full_disk_skips_saves_keeps_old_checkpoints_and_finishes(tmp_path, smal
     settings = {**TRAIN, "fill_at": 30, "unfill_at": 60, "fill_path": str(small_disk / "filler")}
     write_config(tmp_path / "rtrain.toml", settings)
     run = tmp_path / "run"
-    r = launch(run, "--ckpt-dir", str(ckpts), faults="crash@step=50")
+    r = launch_chaos(run, "--ckpt-dir", str(ckpts), faults="crash@step=50")
     assert r.returncode == 0, r.stderr[-3000:]
 
     assert [c["failure"] for c in events(run, "classification")] == ["crash"]

@@ -1,5 +1,5 @@
-"""Issue 4, suite 4, 5 and 7: a hang, a non-finite loss and a corrupted newest checkpoint, each
-injected into a real supervised run (RTRAIN_FAULTS), recovered, and the run finished."""
+"""A hang, a non-finite loss and a corrupted newest checkpoint, each injected into a real
+supervised run (RTRAIN_FAULTS), are recovered from and the run finishes."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import re
 
 import pytest
 from chaos_util import (
-    events,
     final_state_diff,
-    launch,
+    launch_chaos,
     reference,
     starts,
     step_log,
     wait_gone,
     write_config,
 )
+from harness import events
 
 from supervisor.ckpt.verify import Level, verify
 
@@ -31,7 +31,7 @@ def test_hang_is_detected_within_the_timeout_stacks_dumped_and_relaunched(tmp_pa
                  hang={"warmup_steps": 2, "multiple": 2.0, "floor_s": HANG_TIMEOUT_S,
                        "ceiling_s": HANG_TIMEOUT_S})
     run = tmp_path / "run"
-    r = launch(run, faults="hang@step=70")
+    r = launch_chaos(run, faults="hang@step=70")
     assert r.returncode == 0, r.stderr[-3000:]
 
     cls = events(run, "classification")
@@ -60,7 +60,7 @@ def test_nonfinite_loss_rolls_back_a_checkpoint_with_the_lr_cut(tmp_path):
     write_config(tmp_path / "rtrain.toml", settings, lr_factor_on_nonfinite=0.5)
     run = tmp_path / "run"
     # NaN losses from step 41: the guard skips five in a row, then ends the attempt at step 45.
-    r = launch(run, faults="nonfinite@step=41,count=8")
+    r = launch_chaos(run, faults="nonfinite@step=41,count=8")
     assert r.returncode == 0, r.stderr[-3000:]
 
     assert [c["failure"] for c in events(run, "classification")] == ["nonfinite"]
@@ -90,7 +90,7 @@ def test_corrupted_newest_checkpoint_is_skipped_with_the_reason(tmp_path):
     write_config(tmp_path / "rtrain.toml", settings)
     run = tmp_path / "run"
     # After checkpoint-40 is committed, flip a byte of it and crash.
-    r = launch(run, faults="corrupt_newest@step=40")
+    r = launch_chaos(run, faults="corrupt_newest@step=40")
     assert r.returncode == 0, r.stderr[-3000:]
 
     skipped = events(run, "skipped_checkpoint")

@@ -4,15 +4,13 @@ D`), and must still count a real leftover."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from harness import REPO, child_env
 
-ROOT = Path(__file__).resolve().parent.parent
 CHECK = ("import sys; sys.path.insert(0, sys.argv[1]); from chaos_util import leftovers; "
          "print(len(leftovers(sys.argv[2])))")
 
@@ -20,17 +18,17 @@ CHECK = ("import sys; sys.path.insert(0, sys.argv[1]); from chaos_util import le
 @pytest.mark.slow
 def test_the_wrapper_that_started_the_check_is_not_a_leftover(tmp_path):
     marker = str(tmp_path / "work")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     # A wrapper (timeout) and a shell between it and the check, both naming the work dir.
     r = subprocess.run(["timeout", "60", "sh", "-c", f'"{sys.executable}" -c "$0" "$1" "$2"; '
-                        f': {marker}', CHECK, str(ROOT / "tests"), marker],
+                        f': {marker}', CHECK, str(REPO / "tests"), marker],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "0"
     stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", marker])
     try:
         time.sleep(0.1)
-        r = subprocess.run(["timeout", "60", sys.executable, "-c", CHECK, str(ROOT / "tests"),
+        r = subprocess.run(["timeout", "60", sys.executable, "-c", CHECK, str(REPO / "tests"),
                             marker], capture_output=True, text=True, env=env, timeout=60)
         assert r.stdout.strip() == "1", r.stderr
     finally:

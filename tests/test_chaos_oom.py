@@ -1,4 +1,4 @@
-"""Issue 4, suite 3: out of memory for real. The run lives in a cgroup v1 memory group whose
+"""Out of memory for real. The run lives in a cgroup v1 memory group whose
 limit the first batch size exceeds (the script touches `mem_mb` MiB per sample of a
 micro-batch); the kernel kills the child, rtrain classifies `oom_host`, halves the batch and
 doubles the accumulation, and the run finishes having seen every sample of every epoch exactly
@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 from chaos_util import (
     check_exactly_once,
-    env,
-    events,
     rtrain_cmd,
     starts,
     step_log,
@@ -23,6 +21,7 @@ from chaos_util import (
     wait_gone,
     write_config,
 )
+from harness import child_env, events
 
 SAMPLES = 128
 SETTINGS = {"batch_size": 32, "grad_accum": 1, "steps": 40, "samples": SAMPLES, "mem_mb": 10,
@@ -59,7 +58,7 @@ def test_kernel_oom_kill_degrades_and_every_sample_is_seen_once(tmp_path, memory
     run = tmp_path / "run"
     cmd = " ".join(f"'{a}'" for a in rtrain_cmd(run))
     r = subprocess.run(["sh", "-c", f"echo $$ > {memory_cgroup}/cgroup.procs && exec {cmd}"],
-                       env=env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                       env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
 
     cls = events(run, "classification")

@@ -1,6 +1,5 @@
-"""Issue 4, suite 2 and 8: the supervisor itself is stopped (SIGTERM) or killed (SIGKILL)
-mid-run, and launching the same command again finishes the run bitwise-identical to an
-uninterrupted one."""
+"""The supervisor itself stopped (SIGTERM) or killed (SIGKILL) mid-run: launching the same
+command again finishes the run bitwise-identical to an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -9,20 +8,19 @@ import time
 
 import pytest
 from chaos_util import (
-    events,
     final_state_diff,
-    launch,
+    launch_chaos,
     leftovers,
     reference,
     replayed_steps,
-    start,
+    start_chaos,
     starts,
     step_log,
     wait_for_step,
     wait_gone,
     write_config,
 )
-from conftest import gone
+from harness import events, gone
 
 from supervisor.records.runstate import load_state
 
@@ -39,7 +37,7 @@ def test_preemption_exits_75_in_the_grace_and_resumes_with_no_lost_step(tmp_path
     ref = reference(tmp_path, settings)
     write_config(tmp_path / "rtrain.toml", settings, grace_s=GRACE_S)
     run = tmp_path / "run"
-    proc = start(run)
+    proc = start_chaos(run)
     wait_for_step(run, 25, proc=proc)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -54,7 +52,7 @@ def test_preemption_exits_75_in_the_grace_and_resumes_with_no_lost_step(tmp_path
     last = max(r["step"] for r in step_log(run) if "step" in r)
     assert last < settings["steps"], "the run ended before the stop reached it"
 
-    r = launch(run)  # the same command again
+    r = launch_chaos(run)  # the same command again
     assert r.returncode == 0, r.stderr[-3000:]
     resumed = starts(step_log(run))[-1]
     assert resumed["a"] == 1 and resumed["start"] == last, "resume is not at the last step run"
@@ -71,7 +69,7 @@ def test_supervisor_sigkilled_takes_the_child_along_and_the_next_launch_resumes(
     ref = reference(tmp_path, SETTINGS)
     write_config(tmp_path / "rtrain.toml", SETTINGS)
     run = tmp_path / "run"
-    proc = start(run)
+    proc = start_chaos(run)
     wait_for_step(run, 35, proc=proc)
     child = events(run, "launch")[0]["pid"]
     proc.kill()
@@ -80,7 +78,7 @@ def test_supervisor_sigkilled_takes_the_child_along_and_the_next_launch_resumes(
     assert wait_gone(str(run)) == [], [p.cmdline() for p in leftovers(str(run))]
     assert list((run / "checkpoints").glob("checkpoint-*")), "no checkpoint to resume from"
 
-    r = launch(run)
+    r = launch_chaos(run)
     assert r.returncode == 0, r.stderr[-3000:]
     assert events(run, "lock_takeover"), "the stale lock was not reported as taken over"
     resumed = starts(step_log(run))[-1]

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+from harness import run_rtrain
 
 from supervisor.ckpt.layout import MANIFEST, host_name
 
@@ -144,8 +145,9 @@ def test_empty_dir(rtrain, tmp_path):
     assert r.returncode == 0 and "0 checkpoints" in r.stdout
 
 
-def test_inspect_does_not_import_torch(rtrain, run_dir):
-    r = rtrain("inspect", str(run_dir / "checkpoints" / "checkpoint-100"),
+@pytest.mark.slow
+def test_inspect_does_not_import_torch(run_dir):
+    r = run_rtrain("inspect", str(run_dir / "checkpoints" / "checkpoint-100"),
                env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert r.returncode == 0
     imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}

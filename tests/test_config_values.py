@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import remount_read_only
+from harness import CHILDREN
 
-SCRIPT = str(Path(__file__).parent / "launch_children" / "stepper.py")
+SCRIPT = str(CHILDREN / "heartbeat_steps.py")
 
 
 def _one_line_usage_error(r: subprocess.CompletedProcess, *needles: str) -> None:
@@ -51,7 +53,6 @@ def test_bad_value_in_the_config_file(tmp_path, rtrain, toml, needle):
     assert not (tmp_path / "rtrain-run").exists(), "something ran"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("args, needle", [
     (["--set", "batch_size=1e400"], "[settings] batch_size must be a finite number (got inf)"),
     (["--set", "lr=NaN"], "[settings] lr must be a finite number (got nan)"),
@@ -81,13 +82,10 @@ def read_only(small_tmpfs):
     """A tmpfs holding `existing/`, remounted read-only: writes fail with EROFS, even as root."""
     mnt = small_tmpfs("1m")
     (mnt / "existing").mkdir()
-    r = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot remount read-only here: {r.stderr.strip()}")
+    remount_read_only(mnt)
     return mnt
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sub", ["existing", "new/run"])
 def test_read_only_run_dir_is_a_usage_error(tmp_path, rtrain, read_only, sub):
     r = rtrain("launch", "--run-dir", str(read_only / sub), SCRIPT, cwd=tmp_path)
@@ -95,13 +93,10 @@ def test_read_only_run_dir_is_a_usage_error(tmp_path, rtrain, read_only, sub):
                           "--run-dir")
 
 
-@pytest.mark.slow
 def test_read_only_report_dir_is_a_usage_error(tmp_path, rtrain, small_tmpfs):
     mnt = small_tmpfs("1m")
     _old_run(mnt / "run")
-    r = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot remount read-only here: {r.stderr.strip()}")
+    remount_read_only(mnt)
     r = rtrain("report", str(mnt / "run"), cwd=tmp_path)
     _one_line_usage_error(r, "cannot write the report", "-o FILE")
     assert rtrain("report", str(mnt / "run"), "-o", str(tmp_path / "r.html")).returncode == 0
@@ -143,7 +138,6 @@ def _strict(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-@pytest.mark.slow
 def test_old_run_dir_with_infinity_reports_and_shows_status(tmp_path, rtrain):
     run = tmp_path / "run"
     _old_run(run)

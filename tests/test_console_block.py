@@ -9,32 +9,24 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from harness import CHILDREN, child_env, launch_cmd
 
 from supervisor.records.events import read_events
 from supervisor.records.runstate import load_state
 
-ROOT = Path(__file__).resolve().parent.parent
-CHATTY = ROOT / "tests" / "launch_children" / "chatty.py"
+CHATTY = CHILDREN / "chatty.py"
 
 pytestmark = pytest.mark.slow
 
 
-def _env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e["PYTHONPATH"] = str(ROOT)
-    return e
-
-
 def _cmd(run: Path, *child: str) -> list[str]:
     # No -q: the child's output is echoed to our stdout, the pipe under test.
-    return [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run), "--no-backoff",
-            str(CHATTY), *child]
+    return launch_cmd(run, str(CHATTY), *child, quiet=False)
 
 
 def _wait_step(run: Path, step: int, timeout: float = 60) -> None:
@@ -55,7 +47,7 @@ def test_stop_works_while_nobody_reads_the_console(tmp_path):
     run = tmp_path / "run"
     r, w = os.pipe()  # `| sleep 600`: the read end stays open, nobody reads
     with open(tmp_path / "stderr", "wb") as err:
-        proc = subprocess.Popen(_cmd(run, "1000000", "1024", "0.001"), env=_env(),
+        proc = subprocess.Popen(_cmd(run, "1000000", "1024", "0.001"), env=child_env(),
                                 cwd=tmp_path, stdout=w, stderr=err)
     os.close(w)
     try:
@@ -79,7 +71,7 @@ def test_a_console_closed_early_does_not_stop_training(tmp_path):
     head = subprocess.Popen(["head", "-c", "300"], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL)
     with open(tmp_path / "stderr", "wb") as err:
-        proc = subprocess.Popen(_cmd(run, "400", "200", "0.002"), env=_env(), cwd=tmp_path,
+        proc = subprocess.Popen(_cmd(run, "400", "200", "0.002"), env=child_env(), cwd=tmp_path,
                                 stdout=head.stdin, stderr=err)
     head.stdin.close()
     try:
@@ -100,7 +92,7 @@ def test_a_console_that_pauses_is_told_what_it_missed(tmp_path):
     r, w = os.pipe()
     got = bytearray()
     with open(tmp_path / "stderr", "wb") as err:
-        proc = subprocess.Popen(_cmd(run, "1000000", "1024", "0.001"), env=_env(),
+        proc = subprocess.Popen(_cmd(run, "1000000", "1024", "0.001"), env=child_env(),
                                 cwd=tmp_path, stdout=w, stderr=err)
     os.close(w)
 
@@ -135,7 +127,7 @@ def test_stop_works_while_the_terminal_is_not_read(tmp_path):
     # side is never read; rtrain's stdout and stderr (with the live status line) go there.
     run = tmp_path / "run"
     master, slave = os.openpty()
-    proc = subprocess.Popen(_cmd(run, "1000000", "1024", "0.001"), env=_env(), cwd=tmp_path,
+    proc = subprocess.Popen(_cmd(run, "1000000", "1024", "0.001"), env=child_env(), cwd=tmp_path,
                             stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
     os.close(slave)
     try:

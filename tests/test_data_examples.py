@@ -2,25 +2,21 @@
 resumes ends bitwise-identical to one that did not (augmentation from worker.sample_generator)."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from bitwise import bitwise_diff
+from harness import REPO, child_env
 from safetensors.torch import load_file
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(script, ckpt, knobs, faults=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RTRAIN_ATTEMPT="0",
-               RTRAIN_CKPT_DIR=str(ckpt), RTRAIN_SETTINGS=json.dumps(knobs))
+    env = child_env(RTRAIN_ATTEMPT="0", RTRAIN_CKPT_DIR=str(ckpt),
+                    RTRAIN_SETTINGS=json.dumps(knobs))
     if faults:
         env["RTRAIN_FAULTS"] = faults
-    return subprocess.run([sys.executable, str(ROOT / "examples" / script)], cwd=ckpt.parent,
+    return subprocess.run([sys.executable, str(REPO / "examples" / script)], cwd=ckpt.parent,
                           env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -4,16 +4,22 @@ state_dict, or fast-forward with a warning) resume bitwise-exact with worker sha
 import json
 
 import pytest
-from data_split import run, split_vs_whole
+from data_split import run, split_vs_whole, whole
 
 pytest.importorskip("torchdata.stateful_dataloader")
 
 
+@pytest.fixture(scope="module")
+def whole_stateful(tmp_path_factory):
+    """One uninterrupted run for both map-style cases: the worker count changes no value."""
+    return whole(tmp_path_factory.mktemp("whole"), ["--loader", "stateful", "--workers", "0"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", ["0", "2"])
-def test_stateful_dataloader_map_style(tmp_path, workers):
+def test_stateful_dataloader_map_style(tmp_path, workers, whole_stateful):
     assert split_vs_whole(tmp_path, ["--loader", "stateful", "--workers", workers],
-                          (5, 13)) is None
+                          (5, 13), reference=whole_stateful) is None
     # Its state is in state.json (tensors, if any, in extra.safetensors): nothing pickled.
     (ckpt,) = sorted((tmp_path / "split").glob("checkpoint-*"))[-1:]
     state = json.loads((ckpt / "state.json").read_text())

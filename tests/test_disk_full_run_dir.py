@@ -8,34 +8,23 @@ is room; the run's end is recorded once the ballast is gone.
 from __future__ import annotations
 
 import errno
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from harness import CHILDREN, child_env, launch_cmd
 
 from supervisor.records.events import read_events
 from supervisor.records.runstate import load_state
 
-ROOT = Path(__file__).resolve().parent.parent
-KIDS = ROOT / "tests" / "launch_children"
-
 pytestmark = pytest.mark.slow
-
-
-def _env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e["PYTHONPATH"] = str(ROOT)
-    return e
 
 
 def _start(tmp_path: Path, run: Path, *child: str) -> subprocess.Popen:
     # Events every half second: some are due while the disk is full.
     (tmp_path / "rtrain.toml").write_text("summary_every_s = 0.5\n")
-    return subprocess.Popen([sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run),
-                             "-q", "--no-backoff", *child], env=_env(), cwd=tmp_path,
+    return subprocess.Popen(launch_cmd(run, *child), env=child_env(), cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "wb"))
 
 
@@ -62,7 +51,7 @@ def _wait_text(path: Path, text: bytes, timeout: float = 60) -> None:
 def test_training_goes_on_through_a_full_disk(tmp_path, small_tmpfs):
     run = small_tmpfs("8m") / "run"
     log = run / "attempts" / "0" / "stdout.log"
-    proc = _start(tmp_path, run, str(KIDS / "chatty.py"), "1000", "200", "0.01")
+    proc = _start(tmp_path, run, str(CHILDREN / "chatty.py"), "1000", "200", "0.01")
     try:
         _wait_text(log, b"step 50 ")
         ballast = _fill(run.parent)
@@ -86,7 +75,7 @@ def test_training_goes_on_through_a_full_disk(tmp_path, small_tmpfs):
 def test_the_end_of_a_run_is_recorded_once_there_is_room(tmp_path, small_tmpfs):
     run = small_tmpfs("8m") / "run"
     go = tmp_path / "go"
-    proc = _start(tmp_path, run, str(KIDS / "wait_file.py"), str(go))
+    proc = _start(tmp_path, run, str(CHILDREN / "wait_for_file.py"), str(go))
     try:
         _wait_text(run / "attempts" / "0" / "stdout.log", b"ready")
         ballast = _fill(run.parent)
@@ -109,7 +98,7 @@ def test_a_relaunch_while_not_even_a_directory_can_be_made(tmp_path, small_tmpfs
     # Few inodes: with them used up, the next attempt's directory and logs cannot be created.
     run = small_tmpfs("8m,nr_inodes=64") / "run"
     go = tmp_path / "go"
-    proc = _start(tmp_path, run, str(KIDS / "wait_file.py"), str(go), "1")
+    proc = _start(tmp_path, run, str(CHILDREN / "wait_for_file.py"), str(go), "1")
     ballast = run.parent / "inodes"
     try:
         _wait_text(run / "attempts" / "0" / "stdout.log", b"ready")
@@ -143,7 +132,7 @@ def test_a_launch_onto_a_full_disk(tmp_path, small_tmpfs):
     go = tmp_path / "go"
     ballast = _fill(disk)
     go.touch()  # the child ends as soon as it starts
-    proc = _start(tmp_path, run, str(KIDS / "wait_file.py"), str(go))
+    proc = _start(tmp_path, run, str(CHILDREN / "wait_for_file.py"), str(go))
     try:
         time.sleep(6)
         assert proc.poll() is None, (tmp_path / "err").read_text()

@@ -7,19 +7,15 @@ of steps of a tiny model) and the timeouts generous (the machine may be shared).
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from bitwise import assert_bitwise_equal
+from harness import CHILDREN, events, launch
 
-from supervisor.records.events import read_events
-
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "scripts" / "dist_train.py"
+SCRIPT = CHILDREN / "dist_train.py"
 TIMEOUT = 300
 
 
@@ -35,30 +31,20 @@ def _fsdp_available() -> str | None:
     return None
 
 
-def env(**extra: str) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("RTRAIN_", "TORCHELASTIC"))}
-    e.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
-    return e
-
-
-def rtrain(run_dir: Path, *args: str, extra_env: dict[str, str] | None = None,
-           launch_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run_dir), "-q",
-           "--no-backoff", "--nproc-per-node", "2", *launch_args, str(SCRIPT), *args]
-    return subprocess.run(cmd, env=env(**(extra_env or {})), cwd=run_dir.parent,
-                          capture_output=True, text=True, timeout=TIMEOUT)
-
-
-def events(run_dir: Path, kind: str) -> list[dict]:
-    return [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == kind]
+def launch_2_ranks(run_dir: Path, *args: str, extra_env: dict[str, str] | None = None,
+                   launch_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`rtrain launch` of dist_train.py on 2 ranks, with its `args`."""
+    return launch(run_dir, "--nproc-per-node", "2", *launch_args, str(SCRIPT), *args,
+                  env=extra_env, timeout=TIMEOUT)
 
 
 def _kill_one_rank_and_compare(tmp_path: Path, *flags: str) -> None:
-    ref = rtrain(tmp_path / "ref", str(tmp_path / "ref"), "10", *flags)
+    ref = launch_2_ranks(tmp_path / "ref", str(tmp_path / "ref"), "10", *flags)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = tmp_path / "split"
     # Rank 1 dies by SIGKILL after step 7; checkpoints at 3 and 6; the group resumes at 6.
-    r = rtrain(run, str(tmp_path / "split"), "10", "--die-at", "7", "--die-rank", "1", *flags)
+    r = launch_2_ranks(run, str(tmp_path / "split"), "10", "--die-at", "7", "--die-rank", "1",
+                       *flags)
     assert r.returncode == 0, r.stderr[-3000:]
     launches = events(run, "launch")
     assert len(launches) == 2
@@ -95,8 +81,9 @@ def test_fsdp_kill_of_one_rank_resumes_bitwise(tmp_path):
 def test_hung_rank_is_detected_and_the_group_relaunched(tmp_path):
     run = tmp_path / "run"
     # Rank 1 sleeps forever in step 4; rank 0 waits for it in a collective.
-    r = rtrain(run, str(tmp_path / "out"), "6", extra_env={"RTRAIN_FAULTS": "hang@step=4,rank=1"},
-               launch_args=("--hang-timeout", "8"))
+    r = launch_2_ranks(run, str(tmp_path / "out"), "6",
+                       extra_env={"RTRAIN_FAULTS": "hang@step=4,rank=1"},
+                       launch_args=("--hang-timeout", "8"))
     assert r.returncode == 0, r.stderr[-3000:]
     (cls,) = events(run, "classification")
     assert cls["failure"] == "hang", cls
@@ -108,8 +95,8 @@ def test_hung_rank_is_detected_and_the_group_relaunched(tmp_path):
 def test_save_interrupted_on_one_rank_never_commits(tmp_path):
     run = tmp_path / "run"
     # Rank 1 is SIGKILLed after writing its first file of the step-6 checkpoint.
-    r = rtrain(run, str(tmp_path / "out"), "7",
-               extra_env={"RTRAIN_FAULTS": "kill_in_save@step=6,rank=1"})
+    r = launch_2_ranks(run, str(tmp_path / "out"), "7",
+                       extra_env={"RTRAIN_FAULTS": "kill_in_save@step=6,rank=1"})
     assert r.returncode == 0, r.stderr[-3000:]
     launches = events(run, "launch")
     assert len(launches) == 2

@@ -2,25 +2,21 @@
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from harness import REPO, child_env
 
 from supervisor.ckpt.layout import list_checkpoints
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
+EXAMPLES = REPO / "examples"
 
 
 def run(script, *args, cwd, settings=None, faults=None, attempt=0):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RTRAIN_ATTEMPT=str(attempt),
-               RTRAIN_CKPT_DIR=str(cwd / "ckpt"))
+    env = child_env(RTRAIN_ATTEMPT=str(attempt), RTRAIN_CKPT_DIR=str(cwd / "ckpt"))
     if settings:
         env["RTRAIN_SETTINGS"] = json.dumps(settings)
     if faults:

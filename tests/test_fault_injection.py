@@ -2,23 +2,25 @@
 
 import importlib
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from harness import CHILDREN, child_env
 
 import worker
 from supervisor.ckpt.layout import list_checkpoints, list_leftovers
 from supervisor.ckpt.verify import select_rtrain_resume, verify
 from worker import faults, guards
 
-ROOT = Path(__file__).resolve().parent.parent
-CHILD = ROOT / "tests" / "scripts" / "faults_child.py"
+CHILD = CHILDREN / "checkpointer_every_step.py"
+
+
+def faults_env(spec: str, attempt: int = 0) -> dict[str, str]:
+    return child_env(RTRAIN_FAULTS=spec, RTRAIN_ATTEMPT=str(attempt))
 
 
 @pytest.fixture
@@ -145,17 +147,11 @@ def test_parse_full_syntax():
     assert fs[3].count == 5 and fs[6].step == 0
 
 
-def _env(spec, attempt=0):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RTRAIN_FAULTS": spec,
-            "RTRAIN_ATTEMPT": str(attempt)}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "fork"])
 def test_kill_in_save_kills_the_training_process_mid_write(tmp_path, mode):
     r = subprocess.run([sys.executable, str(CHILD), str(tmp_path), "5", mode],
-                       env=_env("kill_in_save@step=2"), capture_output=True, text=True,
+                       env=faults_env("kill_in_save@step=2"), capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
@@ -166,7 +162,7 @@ def test_kill_in_save_kills_the_training_process_mid_write(tmp_path, mode):
         return
     # The relaunch (attempt 1) is not armed and finishes.
     r = subprocess.run([sys.executable, str(CHILD), str(tmp_path), "5", mode],
-                       env=_env("kill_in_save@step=2", attempt=1), capture_output=True,
+                       env=faults_env("kill_in_save@step=2", attempt=1), capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[:2] == ["step", "2"]
@@ -175,7 +171,7 @@ def test_kill_in_save_kills_the_training_process_mid_write(tmp_path, mode):
 @pytest.mark.slow
 def test_hang_stops_the_loop_and_heartbeats(tmp_path):
     proc = subprocess.Popen([sys.executable, str(CHILD), str(tmp_path), "5"],
-                            env=_env("hang@step=2"), stdout=subprocess.PIPE, text=True)
+                            env=faults_env("hang@step=2"), stdout=subprocess.PIPE, text=True)
     try:
         lines = [proc.stdout.readline().strip() for _ in range(3)]
         assert lines == ["step 1", "step 2", "rtrain faults: injected hang at step 2"]

@@ -1,4 +1,5 @@
-"""`rtrain inspect` over foreign checkpoints, run as a user runs it; torch never imported."""
+"""`rtrain inspect` over foreign checkpoints: listings, damage, the resume pick; and torch never
+imported (checked in a fresh process)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from test_foreign_verify import flip, hf_checkpoint, member_data_offset, torch_file
 
 
@@ -45,6 +47,7 @@ def test_lightning_files_listing_and_one_file(rtrain, tmp_path):
     assert one.returncode == 0 and "format      lightning" in one.stdout
 
 
+@pytest.mark.slow
 def test_inspect_of_foreign_checkpoints_never_imports_torch(tmp_path):
     hf_checkpoint(tmp_path / "hf", 4)
     (tmp_path / "pl").mkdir()

@@ -7,37 +7,22 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from harness import CHILDREN, events, run_rtrain
+from harness import launch as launch_run
 from test_foreign_verify import flip, member_data_offset
 
-from supervisor.records.events import read_events
-
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "tests" / "scripts"
+# Offline: the scripts build their models from configs and must never reach for the hub.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-             TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    return e
-
-
-def rtrain(tmp: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(tmp / "run"), "-q",
-           "--no-backoff", *args]
-    return subprocess.run(cmd, env=env(), cwd=tmp, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def events(run: Path, kind: str) -> list[dict]:
-    return [e for e in read_events(run / "events.jsonl") if e["kind"] == kind]
+def launch_in(tmp: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`rtrain launch --run-dir TMP/run ARGS`, run in TMP."""
+    return launch_run(tmp / "run", *args, env=OFFLINE, timeout=timeout)
 
 
 def name_of(path: str | None) -> str | None:
@@ -56,7 +41,7 @@ def test_resume_arg_only_when_a_checkpoint_was_chosen(tmp_path):
     ckpts.mkdir()
     args = ["--ckpt-dir", str(ckpts), "--resume-arg", "--resume_from_checkpoint {checkpoint}",
             "--resume-arg", "--note 'from a checkpoint'", "echo.py", "--", "--ck", "{checkpoint}"]
-    r = rtrain(tmp_path, *args)
+    r = launch_in(tmp_path, *args)
     assert r.returncode == 0, r.stderr
     (launch,) = events(tmp_path / "run", "launch")
     assert launch["resume_from"] is None and launch["argv"][-2:] == ["--ck", ""]
@@ -65,7 +50,7 @@ def test_resume_arg_only_when_a_checkpoint_was_chosen(tmp_path):
     torch.save({"step": 8}, ckpts / "step_8.pt")
     # The newest is damaged (a byte of its pickle flipped): resume falls back to step_4.pt.
     flip(ckpts / "step_8.pt", member_data_offset(ckpts / "step_8.pt", "data.pkl") + 2)
-    r = rtrain(tmp_path, "--fresh", *args)
+    r = launch_in(tmp_path, "--fresh", *args)
     assert r.returncode == 0, r.stderr
     launch = events(tmp_path / "run", "launch")[-1]
     chosen = str((ckpts / "step_4.pt").resolve())
@@ -79,9 +64,10 @@ def test_resume_arg_only_when_a_checkpoint_was_chosen(tmp_path):
     assert out["from"] == chosen
 
 
+@pytest.mark.slow
 def test_resume_arg_typo_is_a_usage_error(tmp_path):
     (tmp_path / "echo.py").write_text(ECHO)
-    r = rtrain(tmp_path, "--resume-arg", "--from {chekpoint}", "echo.py")
+    r = launch_in(tmp_path, "--resume-arg", "--from {chekpoint}", "echo.py")
     assert r.returncode == 2 and "chekpoint" in r.stderr
 
 
@@ -90,8 +76,8 @@ def run_with_kill_and_oom(tmp_path: Path, script: str, knob_args: list[str],
     """Kill at step 6 (checkpoint-4 exists), OOM from step 10 while batch > 2 (checkpoint-8
     exists): attempts resume from 4 then 8, the last with batch 2 x accumulation 2."""
     out = tmp_path / "out"
-    r = rtrain(tmp_path, "--ckpt-dir", str(out), "--set", "batch_size=4", "--set",
-               "grad_accum=1", "--resume-arg", resume_arg, str(SCRIPTS / script), "--",
+    r = launch_in(tmp_path, "--ckpt-dir", str(out), "--set", "batch_size=4", "--set",
+               "grad_accum=1", "--resume-arg", resume_arg, str(CHILDREN / script), "--",
                *knob_args, "--kill_at", "6", "--oom_above", "2", "--oom_from", "10",
                timeout=400)
     run = tmp_path / "run"
@@ -130,8 +116,7 @@ def test_hugging_face_trainer_killed_and_oom_resumes_and_finishes(tmp_path):
     assert state["global_step"] == 16
     # global_step continued across attempts: every step logged once, in order.
     assert [e["step"] for e in state["log_history"] if "loss" in e] == list(range(1, 17))
-    r = subprocess.run([sys.executable, "-m", "supervisor", "inspect", str(out), "--verify",
-                        "full"], env=env(), capture_output=True, text=True, timeout=60)
+    r = run_rtrain("inspect", str(out), "--verify", "full", env=OFFLINE)
     assert r.returncode == 0, r.stderr
     assert "resume would pick checkpoint-16" in r.stdout and "ok (hf-trainer)" in r.stdout
 

@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from harness import CHILDREN, REPO
 
 from supervisor.config import load_config
 from supervisor.launch.loop import LaunchSpec, Seams, child_command, launch
@@ -18,8 +19,6 @@ from supervisor.proc.gpu_health import DeviceHealth, describe, problems
 from supervisor.records.events import read_events
 from supervisor.records.runstate import load_state
 
-ROOT = Path(__file__).resolve().parent.parent
-KIDS = ROOT / "tests" / "launch_children"
 GIB = 1 << 30
 ONE_GPU = GpuReading(devices=(DeviceMemory(0, 1 * GIB, 80 * GIB),))
 
@@ -41,17 +40,19 @@ def test_which_readings_fail_a_device(health, expected):
 
 
 def run(tmp_path: Path, health, monkeypatch, **cfg) -> tuple[int, list[dict], ScriptedReader]:
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
     config = load_config({"run_dir": tmp_path / "run", "backoff.enabled": False,
                           "gpu_release_wait_s": 0.5, **cfg}, None, tmp_path)
     reader = ScriptedReader([ONE_GPU], health=health)
-    # flaky.py 1 7: attempt 0 exits 7 (looks like any crash), attempt 1 succeeds.
-    spec = LaunchSpec(command=child_command(str(KIDS / "flaky.py"), None, ["1", "7", "0.1"]),
+    # fail_first_attempts.py 1 7: attempt 0 exits 7 (looks like any crash), attempt 1 succeeds.
+    spec = LaunchSpec(command=child_command(str(CHILDREN / "fail_first_attempts.py"), None,
+                                            ["1", "7", "0.1"]),
                       config=config, echo=False, cwd=tmp_path)
     code = launch(spec, Seams(gpu=reader, rand=lambda: 0.0, say=lambda line: None))
     return code, read_events(tmp_path / "run" / "events.jsonl"), reader
 
 
+@pytest.mark.slow
 def test_a_failed_device_makes_the_failure_lost_device_with_evidence(tmp_path, monkeypatch):
     for name in ("SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(name, raising=False)
@@ -68,6 +69,7 @@ def test_a_failed_device_makes_the_failure_lost_device_with_evidence(tmp_path, m
     assert load_state(tmp_path / "run").history.budgets_used == {"lost_device": 1}
 
 
+@pytest.mark.slow
 def test_healthy_devices_leave_a_crash_a_crash(tmp_path, monkeypatch):
     code, events, reader = run(tmp_path, [], monkeypatch)
     assert code == 0 and reader.health_calls == 1
@@ -89,6 +91,7 @@ exit 0
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
 
 
+@pytest.mark.slow
 def test_under_slurm_the_job_is_requeued_with_the_node_excluded(tmp_path, monkeypatch):
     log = tmp_path / "scontrol.log"
     fake_scontrol(tmp_path / "bin", log)

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from harness import CHILDREN, launch
 
 from supervisor.config import load_config
 from supervisor.errors import ConfigError
@@ -19,16 +18,8 @@ from supervisor.proc.proctree import ProcTree
 from supervisor.records.events import EventLog, read_events
 from supervisor.records.hooks import HookRunner
 
-ROOT = Path(__file__).resolve().parent.parent
-KIDS = ROOT / "tests" / "launch_children"
 PY = sys.executable
 SAVE_STDIN = "import sys; open(sys.argv[1], 'a').write(sys.stdin.read())"
-
-
-def _env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e["PYTHONPATH"] = str(ROOT)
-    return e
 
 
 def _wait(runner: HookRunner, timeout: float = 10) -> None:
@@ -103,6 +94,7 @@ def test_bad_summary_interval_is_a_config_error(tmp_path):
 # ------------------------------------------------------------------ the runner
 
 
+@pytest.mark.slow
 def test_matching_events_reach_the_command_on_stdin(tmp_path):
     out = tmp_path / "out.jsonl"
     runner = HookRunner((HookSpec(on=("give_up", "hang"), command=(PY, "-c", SAVE_STDIN,
@@ -119,6 +111,7 @@ def test_matching_events_reach_the_command_on_stdin(tmp_path):
     assert {e["kind"] for e in got} == {"classification", "give_up"}
 
 
+@pytest.mark.slow
 def test_timeouts_failures_and_missing_commands_become_hook_failed(tmp_path):
     reported = []
     hooks = (HookSpec(on=("give_up",), command=(PY, "-c", "import time; time.sleep(30)"),
@@ -142,6 +135,7 @@ def test_timeouts_failures_and_missing_commands_become_hook_failed(tmp_path):
     assert sleeper.returncode == -9
 
 
+@pytest.mark.slow
 def test_hook_processes_are_not_part_of_the_attempts_tree(tmp_path):
     runner = HookRunner((HookSpec(on=("launch",), command=("sleep", "5")),), cwd=tmp_path)
     runner({"kind": "launch"})
@@ -169,9 +163,7 @@ def test_launch_runs_hooks_and_records_a_broken_one(tmp_path):
         "command = [\"sleep\", \"30\"]\ntimeout_s = 0.5\n")
     run = tmp_path / "run"
     t0 = time.monotonic()
-    r = subprocess.run([PY, "-m", "supervisor", "launch", "--run-dir", str(run), "-q",
-                        "--no-backoff", str(KIDS / "flaky.py"), "9", "5", "1"],
-                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    r = launch(run, str(CHILDREN / "fail_first_attempts.py"), "9", "5", "1")
     assert r.returncode == 1, r.stderr
     assert time.monotonic() - t0 < 20
     got = [json.loads(line) for line in out.read_text().splitlines()]

@@ -17,26 +17,25 @@ import sys
 import time
 
 import pytest
+from harness import REPO, child_env
 
 from supervisor.ckpt import hashing
 from supervisor.ckpt.layout import MANIFEST, list_checkpoints
 from supervisor.ckpt.manifest import dumps
-from tests.conftest import REPO
 
 HANG_S = 30  # far above a normal run, even on a loaded machine
 
 
 def run_bounded(*argv: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    env["PYTHONPATH"] = str(REPO)
+    """`python ARGV` with rtrain importable; a run past HANG_S fails the test."""
     try:
-        return subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=HANG_S)
+        return subprocess.run([sys.executable, *argv], cwd=REPO, env=child_env(),
+                              capture_output=True, text=True, timeout=HANG_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{' '.join(argv[:4])} hung for {HANG_S} s")
 
 
-def rtrain(*args: str) -> subprocess.CompletedProcess:
+def rtrain_bounded(*args: str) -> subprocess.CompletedProcess:
     return run_bounded("-m", "supervisor", *args)
 
 
@@ -49,7 +48,7 @@ def three(tmp_path, make_ckpt):
 
 
 def listing(ckpt_dir, *extra: str) -> dict[str, dict]:
-    r = rtrain("inspect", str(ckpt_dir), "--json", *extra)
+    r = rtrain_bounded("inspect", str(ckpt_dir), "--json", *extra)
     assert r.returncode in (0, 1), r.stderr
     assert "Traceback" not in r.stderr
     return {c["name"]: c for c in json.loads(r.stdout)["checkpoints"]}
@@ -61,7 +60,7 @@ def rewrite_manifest(ckpt, **changes) -> None:
     (ckpt / MANIFEST).write_bytes(dumps(m))
 
 
-# --- item 4: files that are not regular files ------------------------------------------------
+# --- files that are not regular files ---------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -73,7 +72,7 @@ def test_fifo_as_manifest_is_reported_by_inspect_and_prune(three):
         assert rows["checkpoint-300"]["status"] == "corrupt"
         assert "FIFO" in rows["checkpoint-300"]["reason"]
         assert rows["checkpoint-200"]["resume"] and rows["checkpoint-200"]["status"] == "ok"
-    r = rtrain("prune", str(three), "--keep", "1")
+    r = rtrain_bounded("prune", str(three), "--keep", "1")
     assert r.returncode == 0, r.stderr
     # The FIFO one is newer than any good one: left for a person; the newest good one stays.
     assert sorted(s for s, _ in list_checkpoints(three)) == [200, 300]
@@ -90,7 +89,7 @@ def test_fifo_listed_in_the_manifest_is_refused_before_hashing(three):
     rows = listing(three, "--verify", "full")
     assert rows["checkpoint-300"]["status"] == "corrupt"
     assert "'state.json' is a FIFO" in rows["checkpoint-300"]["reason"]
-    r = rtrain("inspect", str(ckpt), "--verify", "full")
+    r = rtrain_bounded("inspect", str(ckpt), "--verify", "full")
     assert r.returncode == 1 and "is a FIFO" in r.stdout
 
 
@@ -142,7 +141,7 @@ def test_symlinked_checkpoint_dir_is_reported_and_prune_never_follows_it(three, 
         assert rows[name]["status"] == "corrupt"
         assert "symbolic link" in rows[name]["reason"], rows[name]
     assert rows["checkpoint-300"]["resume"]
-    r = rtrain("prune", str(three), "--keep", "1")
+    r = rtrain_bounded("prune", str(three), "--keep", "1")
     assert r.returncode == 0, r.stderr
     # The older link is removed as a failed entry (the link only), the newer one is left.
     assert not os.path.lexists(three / "checkpoint-50")
@@ -166,7 +165,7 @@ def test_open_regular_refuses_what_is_not_a_regular_file(tmp_path):
         assert f.read() == b"x"
 
 
-# --- item 5: parser bombs ---------------------------------------------------------------------
+# --- parser bombs -----------------------------------------------------------------------------
 
 
 def _nested_manifest(ckpt) -> None:
@@ -210,7 +209,7 @@ BOMBS = {
 def test_manifest_bomb_is_one_corrupt_row_among_good_ones(three, bomb):
     make, words = BOMBS[bomb]
     make(three / "checkpoint-300")
-    r = rtrain("inspect", str(three))
+    r = rtrain_bounded("inspect", str(three))
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     rows = {(ln.split()[1] if ln.split()[0] == "*" else ln.split()[0]): ln
             for ln in r.stdout.splitlines()[2:5]}
@@ -244,7 +243,7 @@ def test_safetensors_header_bomb_in_one_checkpoint(three, header, length, words)
     m["files"]["model.safetensors"] = {"size": path.stat().st_size,
                                        "hash": hashing.hash_file(path)}
     rewrite_manifest(ckpt, files=m["files"], tensors=None)  # inspect reads the file's header
-    r = rtrain("inspect", str(ckpt), "--json")
+    r = rtrain_bounded("inspect", str(ckpt), "--json")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     tensors = json.loads(r.stdout)["tensors"]["model.safetensors"]
     assert tensors.startswith("header unreadable") and words in tensors

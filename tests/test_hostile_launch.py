@@ -6,27 +6,23 @@ the one before and the run finishes. Real supervisor, real torch children.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_rtrain
+from harness import CHILDREN, events, launch, run_rtrain
 from hostile import claim_huge_header, code_running_pickle, manifest, relist
 
 import worker
-from supervisor.records.events import read_events
 from supervisor.records.runstate import load_state
 
-ROOT = Path(__file__).resolve().parent.parent
-CHILD = ROOT / "tests" / "launch_children" / "ckpt_train.py"
+CHILD = CHILDREN / "checkpointer_resume.py"
 pytestmark = pytest.mark.slow
 
 
 def good_checkpoints(ckpt_dir: Path) -> None:
-    """checkpoint-2 and checkpoint-4 of the child's own model (tests/launch_children)."""
+    """checkpoint-2 and checkpoint-4 of the child's own model (children/checkpointer_resume.py)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -37,18 +33,10 @@ def good_checkpoints(ckpt_dir: Path) -> None:
         ck.save(step)
 
 
-def launch(run_dir: Path, *child_args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run_dir), "-q",
-           "--no-backoff", "--resume", "auto", str(CHILD), "8", str(run_dir / "resumed.jsonl"),
-           *child_args]
-    return subprocess.run(cmd, env=env, cwd=run_dir.parent, capture_output=True, text=True,
-                          timeout=300)
-
-
-def events(run_dir: Path, kind: str) -> list[dict]:
-    return [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == kind]
+def launch_child(run_dir: Path, *child_args: str) -> subprocess.CompletedProcess:
+    """`rtrain launch --resume auto` of the child for 8 steps (its resumes go to resumed.jsonl)."""
+    return launch(run_dir, "--resume", "auto", str(CHILD), "8", str(run_dir / "resumed.jsonl"),
+                  *child_args, timeout=300)
 
 
 def assert_resumed_from_the_previous_one(run_dir: Path, r: subprocess.CompletedProcess,
@@ -76,7 +64,7 @@ def test_header_claiming_8_gib_resumes_from_the_previous_checkpoint(tmp_path):
     claim_huge_header(run_dir / "checkpoints" / "checkpoint-4")
     inspect = run_rtrain("inspect", str(run_dir / "checkpoints"), "--verify", "full")
     assert inspect.returncode == 0, inspect.stdout + inspect.stderr
-    r = launch(run_dir)
+    r = launch_child(run_dir)
     assert_resumed_from_the_previous_one(run_dir, r, "header length 8589934592 does not fit")
 
 
@@ -89,7 +77,7 @@ def test_pickle_in_a_checkpoint_never_runs_under_launch(tmp_path):
            info={**manifest(bad)["info"], "layout": "sharded"})
     inspect = run_rtrain("inspect", str(run_dir / "checkpoints"), "--verify", "full")
     assert inspect.returncode == 0 and "checkpoint-4" in inspect.stdout, inspect.stdout
-    r = launch(run_dir)
+    r = launch_child(run_dir)
     assert not marker.exists(), "a pickle from the checkpoint ran under rtrain launch"
     assert_resumed_from_the_previous_one(run_dir, r, "no process group")
 
@@ -103,7 +91,7 @@ def test_file_swapped_after_verification_is_caught_by_the_worker(tmp_path):
     src = ckpts / "checkpoint-2" / "model.safetensors"
     dst = ckpts / "checkpoint-4" / "model.safetensors"
     assert src.stat().st_size == dst.stat().st_size
-    r = launch(run_dir, "--swap", str(src), str(dst))
+    r = launch_child(run_dir, "--swap", str(src), str(dst))
     assert_resumed_from_the_previous_one(run_dir, r, "content hash does not match")
 
 
@@ -116,6 +104,6 @@ def test_state_json_symlinked_and_unlisted_gives_a_reason_not_a_traceback(tmp_pa
     (bad / "manifest.json").write_text(json.dumps(m))
     (bad / "state.json").unlink()
     (bad / "state.json").symlink_to("/etc/passwd")
-    r = launch(run_dir)
+    r = launch_child(run_dir)
     assert "JSONDecodeError" not in r.stderr
     assert_resumed_from_the_previous_one(run_dir, r, "the manifest does not list state.json")

@@ -33,7 +33,6 @@ def hostile(tmp_path, make_ckpt):
     return d
 
 
-@pytest.mark.slow
 def test_inspect_listing_escapes_metrics_settings_and_names(rtrain, hostile):
     r = rtrain("inspect", str(hostile))
     assert r.returncode == 0, r.stderr
@@ -43,7 +42,6 @@ def test_inspect_listing_escapes_metrics_settings_and_names(rtrain, hostile):
     assert [ln.split()[0] for ln in r.stdout.splitlines()[2:4]] == ["*", "100"]
 
 
-@pytest.mark.slow
 def test_inspect_one_escapes_file_names(rtrain, hostile):
     r = rtrain("inspect", str(hostile / "checkpoint-200"))
     assert r.returncode == 0, r.stderr
@@ -52,7 +50,6 @@ def test_inspect_one_escapes_file_names(rtrain, hostile):
     assert repr(f"evil{CLEAR}{FORGED}.bin") in r.stdout
 
 
-@pytest.mark.slow
 def test_json_output_keeps_the_exact_strings(rtrain, hostile):
     r = rtrain("inspect", str(hostile), "--json")
     entry = next(c for c in json.loads(r.stdout)["checkpoints"] if c["step"] == 200)
@@ -62,7 +59,6 @@ def test_json_output_keeps_the_exact_strings(rtrain, hostile):
     assert f"evil{CLEAR}{FORGED}.bin" in [f["name"] for f in one["files"]]
 
 
-@pytest.mark.slow
 def test_prune_escapes_names_and_reasons(rtrain, hostile):
     r = rtrain("prune", str(hostile), "--keep", "1")
     assert r.returncode == 0, r.stderr
@@ -70,7 +66,6 @@ def test_prune_escapes_names_and_reasons(rtrain, hostile):
     assert repr(f".tmp-checkpoint-{ESC_TITLE}{FORGED}") in r.stdout
 
 
-@pytest.mark.slow
 def test_status_escapes_reasons_and_settings(rtrain, tmp_path, hostile):
     run_dir = hostile.parent
     with EventLog(run_dir / "events.jsonl") as log:

@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import run_rtrain
+from harness import run_rtrain
 from hostile import claim_huge_header, code_running_pickle, manifest, relist, safetensors_bytes
 from hostile import table as tensor_table
 

@@ -9,58 +9,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import gone
+from harness import CHILDREN, child_env, events, gone, kinds, launch, launch_cmd, wait_for_text
 
-from supervisor.records.events import read_events
 from supervisor.records.runstate import load_state
-
-ROOT = Path(__file__).resolve().parent.parent
-KIDS = ROOT / "tests" / "launch_children"
-
-
-def env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e["PYTHONPATH"] = str(ROOT)
-    return e
-
-
-def rtrain_cmd(run_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run_dir), "-q",
-            "--no-backoff", *args]
-
-
-def rtrain(run_dir: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(rtrain_cmd(run_dir, *args), env=env(), cwd=run_dir.parent,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def kinds(run_dir: Path) -> list[str]:
-    return [e["kind"] for e in read_events(run_dir / "events.jsonl")]
-
-
-def events(run_dir: Path, kind: str) -> list[dict]:
-    return [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == kind]
-
-
-def wait_for_text(path: Path, text: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text():
-            return
-        time.sleep(0.02)
-    pytest.fail(f"{text!r} never appeared in {path}")
 
 
 @pytest.mark.slow
 def test_crash_once_then_succeed(tmp_path):
     run = tmp_path / "run"
-    r = rtrain(run, str(KIDS / "flaky.py"), "1", "7")
+    r = launch(run, str(CHILDREN / "fail_first_attempts.py"), "1", "7")
     assert r.returncode == 0, r.stderr
     assert kinds(run) == ["launch", "exit", "classification", "decision", "launch", "exit",
                           "decision", "finished"]
@@ -71,10 +33,11 @@ def test_crash_once_then_succeed(tmp_path):
     assert (run / "attempts" / "0" / "stderr.log").read_text().endswith("flaky failure 0\n")
 
 
+@pytest.mark.slow
 def test_budget_spent_gives_up_with_exit_1(tmp_path):
     (tmp_path / "rtrain.toml").write_text("[restart.budgets]\ncrash = 2\n")
     run = tmp_path / "run"
-    r = rtrain(run, str(KIDS / "flaky.py"), "99", "5", "0")
+    r = launch(run, str(CHILDREN / "fail_first_attempts.py"), "99", "5", "0")
     assert r.returncode == 1
     assert len(events(run, "launch")) == 3
     give_up = events(run, "give_up")[0]
@@ -83,9 +46,10 @@ def test_budget_spent_gives_up_with_exit_1(tmp_path):
     assert load_state(run).status.value == "gave_up"
 
 
+@pytest.mark.slow
 def test_startup_failure_is_not_retried(tmp_path):
     run = tmp_path / "run"
-    r = rtrain(run, str(KIDS / "import_fail.py"))
+    r = launch(run, str(CHILDREN / "import_fails.py"))
     assert r.returncode == 3
     assert kinds(run) == ["launch", "exit", "classification", "decision", "give_up"]
     cls = events(run, "classification")[0]
@@ -97,8 +61,8 @@ def test_startup_failure_is_not_retried(tmp_path):
 def test_gpu_oom_steps_down_the_ladder_keeping_the_effective_batch(tmp_path, via):
     run = tmp_path / "run"
     args = ["--bs", "{batch_size}"] if via == "template" else []
-    r = rtrain(run, "--set", "batch_size=32", "--set", "grad_accum=1",
-               str(KIDS / "oom_print.py"), "8", *args)
+    r = launch(run, "--set", "batch_size=32", "--set", "grad_accum=1",
+               str(CHILDREN / "print_cuda_oom.py"), "8", *args)
     assert r.returncode == 0, r.stderr
     launches = events(run, "launch")
     assert [(e["settings"]["batch_size"], e["settings"]["grad_accum"]) for e in launches] == \
@@ -113,7 +77,7 @@ def test_gpu_oom_steps_down_the_ladder_keeping_the_effective_batch(tmp_path, via
 @pytest.mark.slow
 def test_oom_at_the_ladder_floor_gives_up_saying_what_was_tried(tmp_path):
     run = tmp_path / "run"
-    r = rtrain(run, "--set", "batch_size=2", str(KIDS / "oom_print.py"), "0")
+    r = launch(run, "--set", "batch_size=2", str(CHILDREN / "print_cuda_oom.py"), "0")
     assert r.returncode == 1
     reason = events(run, "give_up")[0]["reason"]
     assert "floor" in reason and "batch_size" in reason
@@ -122,7 +86,7 @@ def test_oom_at_the_ladder_floor_gives_up_saying_what_was_tried(tmp_path):
 @pytest.mark.slow
 def test_nonfinite_rolls_back_one_checkpoint_and_cuts_lr(tmp_path):
     run = tmp_path / "run"
-    r = rtrain(run, "--set", "lr=0.1", str(KIDS / "nonfinite.py"))
+    r = launch(run, "--set", "lr=0.1", str(CHILDREN / "nonfinite_loss.py"))
     assert r.returncode == 0, r.stderr
     second = json.loads((run / "attempts" / "1" / "stdout.log").read_text())
     assert second["resume_from"].endswith("checkpoint-1")
@@ -133,8 +97,8 @@ def test_nonfinite_rolls_back_one_checkpoint_and_cuts_lr(tmp_path):
 @pytest.mark.slow
 def test_preemption_exits_75_and_the_same_command_continues(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(rtrain_cmd(run, str(KIDS / "stepper.py"), "100000"), env=env(),
-                            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(launch_cmd(run, str(CHILDREN / "heartbeat_steps.py"), "100000"),
+                            env=child_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     wait_for_text(run / "attempts" / "0" / "stdout.log", "step 20")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
@@ -143,7 +107,7 @@ def test_preemption_exits_75_and_the_same_command_continues(tmp_path):
     assert [e["name"] for e in events(run, "signal")] == ["SIGTERM"]
     assert events(run, "decision")[-1]["action"] == "exit_preempted"
     assert load_state(run).status.value == "preempted"
-    r = rtrain(run, str(KIDS / "stepper.py"), "30")
+    r = launch(run, str(CHILDREN / "heartbeat_steps.py"), "30")
     assert r.returncode == 0, r.stderr
     assert events(run, "launch")[-1]["attempt"] == 1
 
@@ -151,8 +115,8 @@ def test_preemption_exits_75_and_the_same_command_continues(tmp_path):
 @pytest.mark.slow
 def test_child_ignoring_the_stop_signal_is_killed_after_the_grace(tmp_path):
     run = tmp_path / "run"
-    child = ROOT / "tests" / "children" / "ignore_term.py"
-    proc = subprocess.Popen(rtrain_cmd(run, "--grace", "1", str(child)), env=env(),
+    child = CHILDREN / "ignore_sigterm.py"
+    proc = subprocess.Popen(launch_cmd(run, "--grace", "1", str(child)), env=child_env(),
                             cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     wait_for_text(run / "attempts" / "0" / "stdout.log", "ready")
     pid = events(run, "launch")[0]["pid"]
@@ -165,10 +129,11 @@ def test_child_ignoring_the_stop_signal_is_killed_after_the_grace(tmp_path):
     assert "did not save and exit within the grace" in events(run, "classification")[0]["reason"]
 
 
+@pytest.mark.slow
 def test_grandchildren_left_behind_are_swept(tmp_path):
     run = tmp_path / "run"
     pids_file = tmp_path / "pids"
-    r = rtrain(run, str(ROOT / "tests" / "children" / "grandchildren.py"), str(pids_file))
+    r = launch(run, str(CHILDREN / "leave_grandchildren.py"), str(pids_file))
     assert r.returncode == 0, r.stderr
     pids = [int(p) for p in pids_file.read_text().split()]
     assert len(pids) == 2
@@ -184,7 +149,7 @@ def test_hang_is_detected_stacks_dumped_and_relaunched(tmp_path, how):
         "[hang]\nfloor_s = 1.0\nmultiple = 2.0\nwarmup_steps = 3\n")
     run = tmp_path / "run"
     t0 = time.monotonic()
-    r = rtrain(run, str(KIDS / "stepper.py"), "120", how, "80")
+    r = launch(run, str(CHILDREN / "heartbeat_steps.py"), "120", how, "80")
     assert r.returncode == 0, r.stderr
     assert time.monotonic() - t0 < 30
     cls = events(run, "classification")[0]
@@ -192,13 +157,13 @@ def test_hang_is_detected_stacks_dumped_and_relaunched(tmp_path, how):
     stacks = list((run / "attempts" / "0").glob("stacks-*.txt"))
     assert stacks, "no stack dump in the attempt dir"
     text = "\n".join(p.read_text(errors="replace") for p in stacks)
-    assert "stepper.py" in text
+    assert "heartbeat_steps.py" in text
 
 
 @pytest.mark.slow
 def test_plain_script_hang_by_silence(tmp_path):
     run = tmp_path / "run"
-    r = rtrain(run, "--hang-timeout", "1", str(ROOT / "tests" / "children" / "hang.py"),
+    r = launch(run, "--hang-timeout", "1", str(CHILDREN / "hang.py"),
                timeout=60)
     # hang.py hangs in every attempt and never checkpoints: after 3 attempts without a newer
     # checkpoint rtrain calls it a crash loop and gives up.
@@ -210,11 +175,11 @@ def test_plain_script_hang_by_silence(tmp_path):
 @pytest.mark.slow
 def test_second_supervisor_on_the_same_run_refuses_with_exit_4(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(rtrain_cmd(run, str(KIDS / "stepper.py"), "100000"), env=env(),
-                            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(launch_cmd(run, str(CHILDREN / "heartbeat_steps.py"), "100000"),
+                            env=child_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_text(run / "attempts" / "0" / "stdout.log", "step 3")
-        r = rtrain(run, str(KIDS / "stepper.py"), "10")
+        r = launch(run, str(CHILDREN / "heartbeat_steps.py"), "10")
         assert r.returncode == 4
         assert r.stderr.count("\n") == 1 and "already supervised" in r.stderr
     finally:
@@ -225,19 +190,20 @@ def test_second_supervisor_on_the_same_run_refuses_with_exit_4(tmp_path):
 @pytest.mark.slow
 def test_finished_run_is_not_relaunched_unless_fresh(tmp_path):
     run = tmp_path / "run"
-    assert rtrain(run, str(KIDS / "flaky.py"), "0", "1").returncode == 0
-    r = rtrain(run, str(KIDS / "flaky.py"), "0", "1")
+    assert launch(run, str(CHILDREN / "fail_first_attempts.py"), "0", "1").returncode == 0
+    r = launch(run, str(CHILDREN / "fail_first_attempts.py"), "0", "1")
     assert r.returncode == 0 and "already finished" in r.stderr
     assert len(events(run, "launch")) == 1
-    assert rtrain(run, "--fresh", str(KIDS / "flaky.py"), "0", "1").returncode == 0
+    r = launch(run, "--fresh", str(CHILDREN / "fail_first_attempts.py"), "0", "1")
+    assert r.returncode == 0
     assert len(events(run, "launch")) == 2
 
 
 @pytest.mark.slow
 def test_supervisor_killed_takes_the_child_with_it(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(rtrain_cmd(run, str(KIDS / "stepper.py"), "100000"), env=env(),
-                            cwd=tmp_path, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(launch_cmd(run, str(CHILDREN / "heartbeat_steps.py"), "100000"),
+                            env=child_env(), cwd=tmp_path, stderr=subprocess.DEVNULL)
     wait_for_text(run / "attempts" / "0" / "stdout.log", "step 3")
     pid = events(run, "launch")[0]["pid"]
     proc.kill()
@@ -245,26 +211,26 @@ def test_supervisor_killed_takes_the_child_with_it(tmp_path):
     # gone() counts a zombie as dead: earlier in-process tests made pytest a subreaper, so
     # the killed child may linger unreaped as pytest's zombie.
     assert gone(pid), "the child outlived its SIGKILLed supervisor"
-    r = rtrain(run, str(KIDS / "stepper.py"), "5")  # the stale lock is taken over
+    r = launch(run, str(CHILDREN / "heartbeat_steps.py"), "5")  # the stale lock is taken over
     assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.slow
 def test_usage_errors_are_one_line_with_exit_2(tmp_path):
-    r = rtrain(tmp_path / "run", "--set", "batch_size=8", str(KIDS / "flaky.py"), "--bs",
-               "{batchsize}")
+    r = launch(tmp_path / "run", "--set", "batch_size=8", str(CHILDREN / "fail_first_attempts.py"),
+               "--bs", "{batchsize}")
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0
     assert "{batchsize} but there is no setting of that name" in r.stderr
     (tmp_path / "rtrain.toml").write_text("[restart]\nmax_restart = 3\n")
-    r = rtrain(tmp_path / "run", str(KIDS / "flaky.py"), "0", "0")
+    r = launch(tmp_path / "run", str(CHILDREN / "fail_first_attempts.py"), "0", "0")
     assert r.returncode == 2 and "did you mean 'max_restarts'" in r.stderr
     assert "Traceback" not in r.stderr
     (tmp_path / "rtrain.toml").write_text("[hang]\nfloor_s = 100\nceiling_s = 10\n")
-    r = rtrain(tmp_path / "run", str(KIDS / "flaky.py"), "0", "0")
+    r = launch(tmp_path / "run", str(CHILDREN / "fail_first_attempts.py"), "0", "0")
     assert r.returncode == 2 and "floor_s (100) is above ceiling_s (10)" in r.stderr
     (tmp_path / "rtrain.toml").unlink()
-    r = rtrain(tmp_path / "run", "no_such_train.py")
+    r = launch(tmp_path / "run", "no_such_train.py")
     assert r.returncode == 2 and "no such script 'no_such_train.py'" in r.stderr
     assert not (tmp_path / "run" / "attempts").exists()
 
@@ -283,11 +249,12 @@ def test_real_cgroup_oom_kill_is_classified_oom_host_and_degrades(tmp_path):
     except OSError:
         pass  # no swap accounting: the memory limit alone is enough without swap
     run = tmp_path / "run"
-    cmd = " ".join(rtrain_cmd(run, "--set", "batch_size=16", "--set", "grad_accum=1",
-                              str(KIDS / "alloc_bs.py"), "--bs", "{batch_size}"))
+    cmd = " ".join(launch_cmd(run, "--set", "batch_size=16", "--set", "grad_accum=1",
+                              str(CHILDREN / "alloc_per_batch.py"), "--bs", "{batch_size}"))
     try:
         r = subprocess.run(["sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec {cmd}"],
-                           env=env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                           env=child_env(), cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120)
         assert r.returncode == 0, r.stderr
         cls = events(run, "classification")
         assert cls and all(c["failure"] == "oom_host" for c in cls)
@@ -315,17 +282,17 @@ def test_resume_auto_never_and_an_explicit_path(tmp_path, make_ckpt):
     for step in (10, 20, 30):
         make_ckpt(ckpts, step)
     (ckpts / "checkpoint-30" / "state.json").write_text("{}")  # corrupt the newest
-    child = str(KIDS / "show_resume.py")
-    r = rtrain(run, child)
+    child = str(CHILDREN / "print_resume_from.py")
+    r = launch(run, child)
     assert r.returncode == 0, r.stderr
     assert _resumed_from(run).endswith("checkpoint-20")
     skipped = events(run, "skipped_checkpoint")
     assert skipped[0]["path"].endswith("checkpoint-30") and "state.json" in skipped[0]["reason"]
     assert "skipping checkpoint-30" in r.stderr
-    r = rtrain(run, "--fresh", "--resume", "never", child)
+    r = launch(run, "--fresh", "--resume", "never", child)
     assert r.returncode == 0 and _resumed_from(run, 0) is None
-    r = rtrain(run, "--fresh", "--resume", str(ckpts / "checkpoint-10"), child)
+    r = launch(run, "--fresh", "--resume", str(ckpts / "checkpoint-10"), child)
     assert r.returncode == 0 and _resumed_from(run, 0).endswith("checkpoint-10")
-    r = rtrain(run, "--fresh", "--resume", str(ckpts / "checkpoint-30"), child)
+    r = launch(run, "--fresh", "--resume", str(ckpts / "checkpoint-30"), child)
     assert r.returncode == 2
     assert "does not verify" in r.stderr and "checkpoint-30" in r.stderr

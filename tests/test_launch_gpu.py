@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from harness import CHILDREN
 
 from supervisor.config import load_config
 from supervisor.launch.loop import LaunchSpec, Seams, child_command, launch
 from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
 from supervisor.records.events import read_events
 
-KIDS = Path(__file__).resolve().parent / "launch_children"
 GIB = 1 << 30
 
 
@@ -28,8 +28,10 @@ def test_lost_device_is_classified_and_relaunched(tmp_path, monkeypatch):
     reader = ScriptedReader([reading(40), reading(64), reading(79.5),
                              reading(79.5, lost=True), reading(0)])
     said: list[str] = []
-    # flaky.py 0 0 2: runs ~2 s per attempt and succeeds; the device is lost in attempt 0.
-    spec = LaunchSpec(command=child_command(str(KIDS / "flaky.py"), None, ["0", "0", "2"]),
+    # fail_first_attempts.py 0 0 2: runs ~2 s per attempt and succeeds; the device is lost in
+    # attempt 0.
+    spec = LaunchSpec(command=child_command(str(CHILDREN / "fail_first_attempts.py"), None,
+                                            ["0", "0", "2"]),
                       config=cfg, echo=False, cwd=tmp_path)
     code = launch(spec, Seams(gpu=reader, rand=lambda: 0.0, say=said.append))
     assert code == 0

@@ -5,7 +5,6 @@ real signals, real files)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,25 +14,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import gone, wait_for
+from harness import CHILDREN, child_env, gone, launch_cmd, wait_for
 
 from supervisor.ckpt import generation
 from supervisor.records.events import read_events
 
-ROOT = Path(__file__).resolve().parent.parent
-LEAVE = ROOT / "tests" / "launch_children" / "leave_behind.py"
-
-
-def _env(**extra: str) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e["PYTHONPATH"] = str(ROOT)
-    e.update(extra)
-    return e
-
-
-def _cmd(run: Path, *child: str) -> list[str]:
-    return [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run), "-q",
-            "--no-backoff", *child]
+LEAVE = CHILDREN / "leave_behind_on_kill.py"
 
 
 def _read_pid(path: Path) -> int:
@@ -57,7 +43,7 @@ def _alive(pid: int) -> bool:
 def test_next_launch_ends_what_a_killed_rtrain_left(tmp_path):
     run, d = tmp_path / "run", tmp_path / "d"
     d.mkdir()
-    first = subprocess.Popen(_cmd(run, str(LEAVE), str(d)), env=_env(), cwd=tmp_path,
+    first = subprocess.Popen(launch_cmd(run, str(LEAVE), str(d)), env=child_env(), cwd=tmp_path,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     left: list[int] = []
     try:
@@ -79,7 +65,7 @@ def test_next_launch_ends_what_a_killed_rtrain_left(tmp_path):
         assert gone(child)  # PR_SET_PDEATHSIG
         time.sleep(0.5)
         assert _alive(grandchild) and _alive(writer)  # what the next launch must end
-        r = subprocess.run(_cmd(run, str(LEAVE), str(d)), env=_env(), cwd=tmp_path,
+        r = subprocess.run(launch_cmd(run, str(LEAVE), str(d)), env=child_env(), cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert not _alive(grandchild) and not _alive(writer)
@@ -125,7 +111,7 @@ WRITER = textwrap.dedent("""
 def _writer(d: Path, ckpt: Path, step: int, token: str) -> subprocess.Popen:
     d.mkdir()
     return subprocess.Popen([sys.executable, "-c", WRITER, str(d), str(step)],
-                            env=_env(RTRAIN_CKPT_DIR=str(ckpt), RTRAIN_GENERATION=token),
+                            env=child_env(RTRAIN_CKPT_DIR=str(ckpt), RTRAIN_GENERATION=token),
                             stdout=subprocess.PIPE, text=True)
 
 

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import REPO
 
 from supervisor.errors import AlreadySupervised, ExitCode
 from supervisor.records.lock import LOCK_NAME, RunLock
 
-ROOT = Path(__file__).resolve().parents[1]
 HOLDER = """
 import sys, time
 from supervisor.records.lock import RunLock
@@ -29,7 +29,7 @@ with RunLock(sys.argv[1]):
 @pytest.fixture
 def holder(tmp_path):
     run_dir = tmp_path / "run 'dir'"
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], cwd=REPO,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "locked\n"  # blocks until the lock is held
@@ -39,6 +39,7 @@ def holder(tmp_path):
         proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_second_supervisor_is_refused_naming_the_pid(holder):
     run_dir, proc = holder
     with pytest.raises(AlreadySupervised) as err:
@@ -49,6 +50,7 @@ def test_second_supervisor_is_refused_naming_the_pid(holder):
     assert err.value.exit_code == ExitCode.ALREADY_SUPERVISED
 
 
+@pytest.mark.slow
 def test_lock_is_free_once_the_holder_exits(holder):
     run_dir, proc = holder
     proc.stdin.close()
@@ -60,12 +62,11 @@ def test_lock_is_free_once_the_holder_exits(holder):
 
 
 def test_stale_lock_of_a_dead_pid_is_taken_over(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(),
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text())  # no process has this pid
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead, "host": socket.gethostname(),
                                                   "started": 1.0}))
     with RunLock(tmp_path) as lock:
-        assert lock.previous["pid"] == dead.pid and lock.previous["alive"] is False
+        assert lock.previous["pid"] == dead and lock.previous["alive"] is False
         assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     with RunLock(tmp_path):  # released: a second acquire in turn works
         pass
@@ -82,8 +83,9 @@ os._exit(0)  # a supervisor that dies without releasing, its child still running
 """
 
 
+@pytest.mark.slow
 def test_lock_fd_is_not_inherited_by_the_training_child(tmp_path):
-    out = subprocess.run([sys.executable, "-c", ORPHANING_HOLDER, str(tmp_path)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", ORPHANING_HOLDER, str(tmp_path)], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
     orphan = int(out)
     try:

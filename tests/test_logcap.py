@@ -6,24 +6,15 @@ was kept plus what was cut is exactly what the child wrote.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from harness import CHILDREN, child_env, launch_cmd
 
 from supervisor.proc.logcap import CappedLog
 
-ROOT = Path(__file__).resolve().parent.parent
-CHATTY = ROOT / "tests" / "launch_children" / "chatty.py"
-
-
-def _env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e["PYTHONPATH"] = str(ROOT)
-    return e
+CHATTY = CHILDREN / "chatty.py"
 
 
 def _check_capped(log: bytes, cap: int, written: int, first: bytes, last: bytes) -> None:
@@ -42,9 +33,8 @@ def test_a_chatty_child_log_is_capped_keeping_head_and_tail(tmp_path, stream):
     (tmp_path / "rtrain.toml").write_text("log_cap_mb = 0.25\n")
     run = tmp_path / "run"
     steps, width = 30000, 200  # 6 MB of output, 24 times the cap
-    r = subprocess.run([sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run),
-                        "-q", "--no-backoff", str(CHATTY), str(steps), str(width), "0", stream],
-                       env=_env(), cwd=tmp_path, capture_output=True, timeout=300)
+    r = subprocess.run(launch_cmd(run, str(CHATTY), str(steps), str(width), "0", stream),
+                       env=child_env(), cwd=tmp_path, capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     log = (run / "attempts" / "0" / f"std{stream}.log").read_bytes()
     _check_capped(log, 2**18, steps * width + len(b"done\n"),

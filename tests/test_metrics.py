@@ -3,29 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
+from harness import CHILDREN, child_env, launch, launch_cmd
 
 from supervisor.records.metrics import MetricsFile, escape_label, parse_text
 
-ROOT = Path(__file__).resolve().parent.parent
-KIDS = ROOT / "tests" / "launch_children"
 
-
-def _env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e["PYTHONPATH"] = str(ROOT)
-    return e
-
-
-def _launch(base: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(base / "run"), "-q",
-            "--no-backoff", "--metrics-file", str(base / "prom" / "rtrain.prom"), *args]
+def _with_metrics(base: Path, *args: str) -> list[str]:
+    """`rtrain launch` of BASE/run writing BASE/prom/rtrain.prom, as an argv."""
+    return launch_cmd(base / "run", "--metrics-file", str(base / "prom" / "rtrain.prom"), *args)
 
 
 def _values(path: Path, run: Path) -> dict[str, float]:
@@ -40,8 +30,8 @@ def _values(path: Path, run: Path) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_after_a_crash_and_a_finish(tmp_path):
-    r = subprocess.run(_launch(tmp_path, str(KIDS / "flaky.py"), "1", "7"), cwd=tmp_path,
-                       env=_env(), capture_output=True, text=True, timeout=60)
+    r = launch(tmp_path / "run", "--metrics-file", str(tmp_path / "prom" / "rtrain.prom"),
+               str(CHILDREN / "fail_first_attempts.py"), "1", "7")
     assert r.returncode == 0, r.stderr
     prom = tmp_path / "prom" / "rtrain.prom"
     assert _values(prom, tmp_path / "run") == {
@@ -58,9 +48,9 @@ def test_live_values_and_no_reader_ever_sees_a_partial_file(tmp_path):
     complete file. While the child runs: up 1, steps move, heartbeat age small."""
     (tmp_path / "rtrain.toml").write_text("summary_every_s = 0.05\n")
     prom = tmp_path / "prom" / "rtrain.prom"
-    proc = subprocess.Popen(_launch(tmp_path, str(KIDS / "stepper.py"), "150"), cwd=tmp_path,
-                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(_with_metrics(tmp_path, str(CHILDREN / "heartbeat_steps.py"), "150"),
+                            cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     reads, bad, live = [0], [], []
 
     def reader() -> None:
@@ -147,11 +137,11 @@ def test_label_values_with_quotes_backslashes_and_newlines_round_trip(tmp_path):
 @pytest.mark.slow
 def test_counters_continue_the_runs_history(tmp_path):
     """A requeued supervisor seeds its counters from events.jsonl before writing."""
-    r = subprocess.run(_launch(tmp_path, str(KIDS / "flaky.py"), "1", "7"), cwd=tmp_path,
-                       env=_env(), capture_output=True, text=True, timeout=60)
+    r = launch(tmp_path / "run", "--metrics-file", str(tmp_path / "prom" / "rtrain.prom"),
+               str(CHILDREN / "fail_first_attempts.py"), "1", "7")
     assert r.returncode == 0, r.stderr
-    r = subprocess.run(_launch(tmp_path, "--fresh", str(KIDS / "flaky.py"), "0", "7"),
-                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    r = launch(tmp_path / "run", "--metrics-file", str(tmp_path / "prom" / "rtrain.prom"),
+               "--fresh", str(CHILDREN / "fail_first_attempts.py"), "0", "7")
     assert r.returncode == 0, r.stderr
     v = _values(tmp_path / "prom" / "rtrain.prom", tmp_path / "run")
     assert v["rtrain_attempts_total"] == 3 and v["rtrain_failures_total:crash"] == 1

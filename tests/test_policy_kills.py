@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from chaos_util import (
     Tail,
-    events,
     final_state_diff,
     kill_child,
-    launch,
+    launch_chaos,
     reference,
-    start,
+    start_chaos,
     wait_gone,
 )
+from harness import events
 
 from supervisor.records.runstate import load_state
 
@@ -71,7 +71,7 @@ def supervise(tmp_path: Path, after: int | None, planned: int) -> tuple[Path, in
     run = tmp_path / "run"
     killer = Killer(run, planned, after, seed=9)
     killer.start()
-    proc = start(run)
+    proc = start_chaos(run)
     try:
         proc.communicate(timeout=500)
     finally:
@@ -105,7 +105,7 @@ def test_kills_before_any_checkpoint_stop_by_the_crash_loop_rule(tmp_path):
     give_up = events(run, "give_up")[0]
     assert "crash loop: 3 consecutive attempts ended without a newer verified checkpoint " \
            "(newest: none (no checkpoint yet))" in give_up["reason"]
-    again = launch(run)  # the same command, as a cron or Slurm wrapper repeats it
+    again = launch_chaos(run)  # the same command, as a cron or Slurm wrapper repeats it
     assert again.returncode == 5, again.stderr
     assert "gave up" in again.stderr and "--retry" in again.stderr
     assert len(events(run, "launch")) == 3  # nothing launched

@@ -42,7 +42,6 @@ def four(tmp_path, make_ckpt):
     return d
 
 
-@pytest.mark.slow
 def test_cli_prune_keeps_the_newest_that_verifies_fully(rtrain, four):
     flip_a_byte(four / "checkpoint-400")
     r = rtrain("prune", str(four), "--keep", "1")
@@ -58,7 +57,6 @@ def test_cli_prune_keeps_the_newest_that_verifies_fully(rtrain, four):
     assert r.returncode == 1 and '"resume": "' + str(four / "checkpoint-300") in r.stdout
 
 
-@pytest.mark.slow
 def test_cli_prune_walks_past_several_bad_ones(rtrain, four):
     flip_a_byte(four / "checkpoint-400")
     flip_a_byte(four / "checkpoint-300")

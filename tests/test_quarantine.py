@@ -5,12 +5,10 @@ back to the one before it; retention and inspect see it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from conftest import build_checkpoint
-from test_launch import KIDS, ROOT, env, events, rtrain
+from harness import CHILDREN, events, launch, run_rtrain
 
 from supervisor.ckpt import quarantine
 from supervisor.ckpt.prune import prune
@@ -22,7 +20,7 @@ from supervisor.records.runstate import load_state
 def test_poisoned_checkpoint_is_quarantined_and_resume_falls_back(tmp_path):
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
-    r = rtrain(run, str(KIDS / "poison.py"), str(ckpts), "40", "20")
+    r = launch(run, str(CHILDREN / "poisoned_checkpoint.py"), str(ckpts), "40", "20")
     assert r.returncode == 0, r.stderr
     launches = events(run, "launch")
     resumed = [e["resume_from"] and e["resume_from"].rsplit("/", 1)[-1] for e in launches]
@@ -36,8 +34,7 @@ def test_poisoned_checkpoint_is_quarantined_and_resume_falls_back(tmp_path):
     assert [e["step"] for e in state.history.quarantined] == [20]
     # The fallback attempt saved step 20 again: a new checkpoint, not quarantined.
     assert quarantine.reason_for(ckpts / "checkpoint-20", quarantine.load(ckpts)) is None
-    status = subprocess.run([sys.executable, "-m", "supervisor", "status", str(run)],
-                            env=env(), cwd=ROOT, capture_output=True, text=True)
+    status = run_rtrain("status", str(run))
     assert "checkpoint-20 quarantined: 2 attempts in a row" in status.stdout
 
 
@@ -61,19 +58,17 @@ def test_retention_keeps_the_fallback_and_the_quarantined_one(tmp_path):
         == ["checkpoint-5"]
 
 
+@pytest.mark.slow
 def test_inspect_shows_quarantined_and_resume_skips_it(tmp_path):
     ckpts = _quarantined_dir(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "supervisor", "inspect", str(ckpts), "--json",
-                        "--verify", "full"], env=env(), cwd=ROOT, capture_output=True,
-                       text=True)
+    r = run_rtrain("inspect", str(ckpts), "--json", "--verify", "full")
     assert r.returncode == 0, r.stderr  # set aside, not failed
     rows = {e["name"] if "name" in e else e["path"].rsplit("/", 1)[-1]: e
             for e in json.loads(r.stdout)["checkpoints"]}
     assert rows["checkpoint-10"]["status"] == "quarantined"
     assert rows["checkpoint-10"]["reason"] == "2 attempts in a row failed"
     assert rows["checkpoint-5"]["resume"] is True
-    text = subprocess.run([sys.executable, "-m", "supervisor", "inspect", str(ckpts)],
-                          env=env(), cwd=ROOT, capture_output=True, text=True).stdout
+    text = run_rtrain("inspect", str(ckpts)).stdout
     assert "quarantined: 2 attempts in a row failed" in text
 
 
@@ -87,9 +82,9 @@ def test_retry_lifts_the_quarantine(tmp_path):
     entry = {**next(iter(quarantine.load(ckpts).values())), "path": str(ckpts / "checkpoint-10")}
     save_state(run, RunState(command=[], status=RunStatus.GAVE_UP, reason="crash loop",
                              history=History(attempt=3, quarantined=(entry,))))
-    args = ("--ckpt-dir", str(ckpts), str(KIDS / "show_resume.py"))
-    assert rtrain(run, *args).returncode == 5
-    r = rtrain(run, "--retry", *args)
+    args = ("--ckpt-dir", str(ckpts), str(CHILDREN / "print_resume_from.py"))
+    assert launch(run, *args).returncode == 5
+    r = launch(run, "--retry", *args)
     assert r.returncode == 0, r.stderr
     assert events(run, "launch")[-1]["resume_from"].endswith("checkpoint-10")
     assert not (ckpts / quarantine.QUARANTINE_FILE).exists()

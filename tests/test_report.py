@@ -8,25 +8,18 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from harness import CHILDREN, launch
 
 from supervisor.commands.report import gather
 from supervisor.commands.report_html import write_report
 from supervisor.records.events import EventLog
 
-ROOT = Path(__file__).resolve().parent.parent
-DEMO = ROOT / "tests" / "launch_children" / "report_demo.py"
+DEMO = CHILDREN / "report_demo.py"
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium"
                                         if os.path.exists("/usr/bin/chromium") else None)
-
-
-def _env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e["PYTHONPATH"] = str(ROOT)
-    return e
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +30,7 @@ def demo_run(tmp_path_factory) -> Path:
     (base / "rtrain.toml").write_text(
         "summary_every_s = 0.1\n[settings]\nbatch_size = 32\ngrad_accum = 1\n")
     run = base / "run"
-    r = subprocess.run([sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run),
-                        "-q", "--no-backoff", str(DEMO), "120", "0.02", "20", "50", "90"],
-                       cwd=base, env=_env(), capture_output=True, text=True, timeout=90)
+    r = launch(run, str(DEMO), "120", "0.02", "20", "50", "90", timeout=90)
     assert r.returncode == 0, r.stderr
     return run
 
@@ -93,6 +84,7 @@ def _chromium(page: Path, tmp_path: Path, *args: str) -> subprocess.CompletedPro
         capture_output=True, text=True, timeout=90)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y "
                                              "chromium; scripts/test.sh does it as root)")
 def test_report_renders_curves_and_markers_in_chromium(demo_run, tmp_path):
@@ -120,6 +112,7 @@ def test_report_renders_curves_and_markers_in_chromium(demo_run, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
+@pytest.mark.slow
 def test_report_is_self_contained(demo_run, tmp_path):
     text = write_report(demo_run, tmp_path / "r.html").read_text()
     assert "<link" not in text and " src=" not in text and "@import" not in text
@@ -148,6 +141,7 @@ def test_hand_built_run_escapes_text_and_says_what_is_missing(tmp_path):
     assert "no loss reported" in text  # the chart explains an empty plot
 
 
+@pytest.mark.slow
 def test_cli_report_writes_the_file_and_refuses_a_non_run(rtrain, demo_run, tmp_path):
     out = tmp_path / "x" / "page.html"
     r = rtrain("report", str(demo_run), "-o", str(out))

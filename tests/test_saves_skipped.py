@@ -1,16 +1,17 @@
 """Saves that fail are not invisible: the worker reports each skipped save, the supervisor
 records it (`save_skipped`), counts it in `rtrain status`, the report and the metrics file, and
 warns (a final line and a `final_state_unsaved` event) when the run ends with its final state in
-no checkpoint. Real runs of tests/scripts/chaos_train.py with the checkpoint dir on a small
+no checkpoint. Real runs of children/chaos_train.py with the checkpoint dir on a small
 tmpfs that fills up, and on a tmpfs remounted read-only (which fails even for root)."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
-from chaos_util import events, launch, write_config
+from chaos_util import launch_chaos, write_config
+from conftest import remount_read_only
+from harness import CHILDREN, events, launch
 
 from supervisor.proc.heartbeat import HeartbeatReceiver
 from supervisor.records.metrics import parse_text
@@ -36,7 +37,7 @@ def test_full_disk_skips_are_recorded_counted_and_warned(tmp_path, small_tmpfs, 
     prom = tmp_path / "rtrain.prom"
     write_config(tmp_path / "rtrain.toml", settings, metrics_file=str(prom))
     run = tmp_path / "run"
-    r = launch(run, "--ckpt-dir", str(ckpts))
+    r = launch_chaos(run, "--ckpt-dir", str(ckpts))
     assert r.returncode == 0, r.stderr[-3000:]
 
     skipped = events(run, "save_skipped")
@@ -76,9 +77,7 @@ def read_only_dir(small_tmpfs):
     """A checkpoint dir on a tmpfs remounted read-only: writing fails with EROFS, for root too."""
     disk = small_tmpfs("4m")
     (disk / "checkpoints").mkdir()
-    r = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot remount read-only here: {r.stderr.strip()}")
+    remount_read_only(disk)
     return disk / "checkpoints"
 
 
@@ -88,7 +87,7 @@ def test_read_only_checkpoint_dir_every_save_recorded_and_no_checkpoint_warned(
     prom = tmp_path / "rtrain.prom"
     write_config(tmp_path / "rtrain.toml", TRAIN, metrics_file=str(prom))
     run = tmp_path / "run"
-    r = launch(run, "--ckpt-dir", str(read_only_dir))
+    r = launch_chaos(run, "--ckpt-dir", str(read_only_dir))
     assert r.returncode == 0, r.stderr[-3000:]
 
     skipped = events(run, "save_skipped")
@@ -106,7 +105,7 @@ def test_read_only_checkpoint_dir_every_save_recorded_and_no_checkpoint_warned(
 def test_saves_that_succeed_give_no_warning(tmp_path, rtrain):
     write_config(tmp_path / "rtrain.toml", TRAIN)
     run = tmp_path / "run"
-    r = launch(run)
+    r = launch_chaos(run)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not events(run, "save_skipped") and not events(run, "final_state_unsaved")
     assert "warning" not in r.stderr
@@ -144,19 +143,9 @@ def test_worker_reports_each_skipped_save_to_the_supervisor(read_only_dir, monke
 @pytest.mark.slow
 def test_distributed_skipped_saves_are_reported_once_by_rank_0(tmp_path, read_only_dir):
     """Two ranks (gloo) saving collectively into a read-only dir: one event per save."""
-    import os
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RTRAIN_", "TORCHELASTIC"))}
-    env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run),
-                        "-q", "--no-backoff", "--nproc-per-node", "2", "--ckpt-dir",
-                        str(read_only_dir), str(root / "tests" / "scripts" / "dist_train.py"),
-                        str(tmp_path / "out"), "6"], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+    r = launch(run, "--nproc-per-node", "2", "--ckpt-dir", str(read_only_dir),
+                       str(CHILDREN / "dist_train.py"), str(tmp_path / "out"), "6", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     skipped = events(run, "save_skipped")
     assert [(e["step"], e["rank"]) for e in skipped] == [(3, 0), (6, 0)], skipped

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from chaos_util import env, events, rtrain_cmd, write_config
+from chaos_util import rtrain_cmd, write_config
+from harness import child_env, events, launch
 
 DUMP_ENV = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
 
@@ -25,7 +26,6 @@ def _key_file(tmp_path: Path, mode: int) -> Path:
     return path
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
 def test_key_file_others_can_read_is_refused(tmp_path, rtrain, make_ckpt, mode):
     make_ckpt(tmp_path / "ckpts", 10)
@@ -41,7 +41,6 @@ def test_key_file_others_can_read_is_refused(tmp_path, rtrain, make_ckpt, mode):
     assert r.returncode == 1 and "unsigned, but a signing key is configured" in r.stdout
 
 
-@pytest.mark.slow
 def test_private_key_file_is_used(tmp_path, rtrain, make_ckpt):
     from supervisor.ckpt import hashing
 
@@ -52,7 +51,6 @@ def test_private_key_file_is_used(tmp_path, rtrain, make_ckpt):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.slow
 def test_launch_refuses_a_shared_key_before_running(tmp_path, rtrain):
     key = _key_file(tmp_path, 0o644)
     marker = tmp_path / "ran"
@@ -74,17 +72,15 @@ def test_key_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path, rtrain):
 
 @pytest.mark.slow
 def test_hooks_do_not_see_the_signing_key_but_the_child_does(tmp_path):
-    child_env, hook_env = tmp_path / "child-env.json", tmp_path / "hook-env.json"
+    child_dump, hook_env = tmp_path / "child-env.json", tmp_path / "hook-env.json"
     script = tmp_path / "train.py"
     script.write_text(DUMP_ENV + "\n")
     hook = json.dumps([sys.executable, "-c", DUMP_ENV, str(hook_env)])
     (tmp_path / "rtrain.toml").write_text(f'[[hooks]]\non = ["finished"]\ncommand = {hook}\n')
-    r = subprocess.run([sys.executable, "-m", "supervisor", "launch", "--run-dir",
-                        str(tmp_path / "run"), "-q", str(script), str(child_env)],
-                       cwd=tmp_path, env=env(RTRAIN_SIGNING_KEY="hunter2"),
-                       capture_output=True, text=True, timeout=120)
+    r = launch(tmp_path / "run", str(script), str(child_dump),
+               env={"RTRAIN_SIGNING_KEY": "hunter2"}, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert json.loads(child_env.read_text())["RTRAIN_SIGNING_KEY"] == "hunter2"
+    assert json.loads(child_dump.read_text())["RTRAIN_SIGNING_KEY"] == "hunter2"
     hook = json.loads(hook_env.read_text())
     assert "RTRAIN_SIGNING_KEY" not in hook
     assert hook["RTRAIN_EVENT"] == "finished" and hook["RTRAIN_RUN_DIR"]
@@ -103,8 +99,9 @@ def _launch_chaos(tmp_path: Path, ckpts: Path | None = None, **config) -> Path:
     write_config(tmp_path / "rtrain.toml", {"steps": 6, "save_every": 2}, **config)
     run = tmp_path / "run"
     args = ["--ckpt-dir", str(ckpts)] if ckpts else []
-    r = subprocess.run(rtrain_cmd(run, *args), env=env(), cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300, umask=0o022)  # a permissive umask, as often
+    r = subprocess.run(rtrain_cmd(run, *args), env=child_env(), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300,
+                       umask=0o022)  # a permissive umask, as often
     assert r.returncode == 0, r.stderr[-3000:]
     return run
 

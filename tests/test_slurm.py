@@ -21,14 +21,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from harness import REPO
 
 from supervisor.proc import slurm
 from supervisor.records.events import read_events
 from supervisor.records.runstate import load_state
 
-ROOT = Path(__file__).resolve().parent.parent
-CLUSTER = ROOT / "scripts" / "slurm" / "local-cluster.sh"
-SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
+CLUSTER = REPO / "scripts" / "slurm" / "local-cluster.sh"
+SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 CANNOT_START = 3  # local-cluster.sh: this machine cannot run the cluster
 
 # Small and fast: 200 steps take a few seconds on an idle CPU, yet leave time to preempt mid-run.
@@ -109,6 +109,7 @@ def test_job_info_names_the_job_and_its_restart_count():
     assert slurm.job_id(array_task) == "40_3"  # what `scontrol requeue` is given
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("state", "requeued"), [("RUNNING", True), ("COMPLETING", False)])
 def test_requeue_only_a_job_slurm_is_not_already_ending(tmp_path, monkeypatch, state, requeued):
     calls = tmp_path / "calls"
@@ -134,7 +135,7 @@ class Job:
         bin_dir.mkdir()
         # `rtrain` on the job's PATH, as after `pip install`: this checkout, this interpreter.
         wrapper = bin_dir / "rtrain"
-        wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(ROOT))} "
+        wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(REPO))} "
                            f"exec {shlex.quote(sys.executable)} -m supervisor \"$@\"\n")
         wrapper.chmod(0o755)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")
@@ -142,7 +143,7 @@ class Job:
         env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", RUN_DIR=str(self.run),
                    OMP_NUM_THREADS="1")  # one thread: a busy CI machine slows it the least
         r = subprocess.run(["sbatch", "--parsable", "--job-name=rtrain-test", "--time=00:10:00",
-                            f"--output={logs}/slurm-%j.log", f"--chdir={ROOT}", str(SBATCH),
+                            f"--output={logs}/slurm-%j.log", f"--chdir={REPO}", str(SBATCH),
                             *train_args], env=env, capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, f"sbatch failed: {r.stderr}"
         self.id = r.stdout.strip().split(";")[0]

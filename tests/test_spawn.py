@@ -5,7 +5,7 @@ import select
 import sys
 
 import pytest
-from conftest import child_spec, gone, wait_for
+from harness import child_spec, gone, wait_for
 
 from supervisor.proc.spawn import STDERR_TAIL_BYTES, ChildSpec, spawn
 from supervisor.proc.stop import stop_group
@@ -20,8 +20,9 @@ def _run_to_end(child):
     child.popen.wait(5)
 
 
+@pytest.mark.slow
 def test_child_runs_in_own_session_with_logs(tmp_path):
-    spec = child_spec(tmp_path, "crash.py", "7", env={"RTRAIN_ATTEMPT": "4"})
+    spec = child_spec(tmp_path, "crash_with_code.py", "7", env={"RTRAIN_ATTEMPT": "4"})
     child = spawn(spec)
     try:
         assert child.pgid == child.pid
@@ -37,6 +38,7 @@ def test_child_runs_in_own_session_with_logs(tmp_path):
     assert "RuntimeError: boom" in child.stderr.tail_text()
 
 
+@pytest.mark.slow
 def test_env_and_cwd_reach_the_child(tmp_path):
     code = "import os; print(os.environ['RTRAIN_ATTEMPT'], os.getcwd())"
     spec = ChildSpec(
@@ -51,6 +53,7 @@ def test_env_and_cwd_reach_the_child(tmp_path):
     assert (spec.attempt_dir / "stdout.log").read_text() == f"2 {tmp_path}\n"
 
 
+@pytest.mark.slow
 def test_stderr_tail_is_bounded(tmp_path):
     code = "import sys; sys.stderr.write('x' * 100000 + 'END')"
     spec = ChildSpec(
@@ -67,14 +70,16 @@ def test_stderr_tail_is_bounded(tmp_path):
     assert (spec.attempt_dir / "stderr.log").stat().st_size == 100003
 
 
+@pytest.mark.slow
 def test_echo_tees_to_our_streams(tmp_path, capfd):
-    child = spawn(child_spec(tmp_path, "crash.py", "0", echo=True))
+    child = spawn(child_spec(tmp_path, "crash_with_code.py", "0", echo=True))
     _run_to_end(child)
     child.close()
     out, err = capfd.readouterr()
     assert "starting" in out and "RuntimeError: boom" in err
 
 
+@pytest.mark.slow
 def test_missing_program_raises_and_leaks_no_fd(tmp_path):
     before = len(os.listdir("/proc/self/fd"))
     spec = ChildSpec(argv=["/nonexistent/prog"], env={}, cwd=tmp_path, attempt_dir=tmp_path / "a")
@@ -83,6 +88,7 @@ def test_missing_program_raises_and_leaks_no_fd(tmp_path):
     assert len(os.listdir("/proc/self/fd")) == before
 
 
+@pytest.mark.slow
 def test_child_dies_with_a_killed_supervisor(tmp_path):
     """PR_SET_PDEATHSIG: SIGKILL the process that spawned the child; the child dies too."""
     import signal
@@ -90,7 +96,7 @@ def test_child_dies_with_a_killed_supervisor(tmp_path):
 
     pid_file = tmp_path / "child.pid"
     sup = subprocess.Popen(
-        [sys.executable, str(child_spec(tmp_path, "mini_supervisor.py").argv[1]), str(pid_file)]
+        [sys.executable, str(child_spec(tmp_path, "spawn_and_wait.py").argv[1]), str(pid_file)]
     )
     try:
         child_pid = int(wait_for(pid_file))
@@ -103,6 +109,7 @@ def test_child_dies_with_a_killed_supervisor(tmp_path):
         sup.wait()
 
 
+@pytest.mark.slow
 def test_joins_the_given_cgroup(tmp_path):
     from supervisor.proc.cgroup import limited_v1_group, memory_cgroup
 
@@ -112,7 +119,7 @@ def test_joins_the_given_cgroup(tmp_path):
     except OSError as err:
         pytest.skip(f"cannot make a cgroup-v1 memory group here: {err}")
     try:
-        child = spawn(child_spec(tmp_path, "ignore_term.py", cgroup_dir=group.path))
+        child = spawn(child_spec(tmp_path, "ignore_sigterm.py", cgroup_dir=group.path))
         try:
             found = memory_cgroup(child.pid)
             assert found is not None and found.path == group.path

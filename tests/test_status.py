@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+from harness import run_rtrain
 
 from supervisor.commands.status import render_text, summarize, to_json
 from supervisor.decide.policy import History
@@ -164,8 +165,9 @@ def test_cli_missing_run_exits_2(rtrain, tmp_path):
                                 "pass the --run-dir used with rtrain launch")
 
 
-def test_status_imports_no_torch_or_rich(rtrain, run):
-    r = rtrain("status", str(run), env={"PYTHONPROFILEIMPORTTIME": "1"})
+@pytest.mark.slow
+def test_status_imports_no_torch_or_rich(run):
+    r = run_rtrain("status", str(run), env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert r.returncode == 0
     imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}
     assert "supervisor.commands.status" in imported  # the trace works

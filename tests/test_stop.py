@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import signal
 
-from conftest import child_spec, gone, wait_for
+import pytest
+from harness import child_spec, gone, wait_for
 
 from supervisor.proc.proctree import ProcTree
 from supervisor.proc.spawn import spawn
@@ -17,6 +18,7 @@ def _ready(child):
     child.stdout.pump(0)
 
 
+@pytest.mark.slow
 def test_polite_signal_is_enough_for_a_normal_child(tmp_path):
     child = spawn(child_spec(tmp_path, "hang.py"))
     _ready(child)
@@ -27,8 +29,9 @@ def test_polite_signal_is_enough_for_a_normal_child(tmp_path):
     assert not result.killed_after_grace and result.leftovers == []
 
 
+@pytest.mark.slow
 def test_sigkill_after_grace_when_sigterm_is_ignored(tmp_path):
-    child = spawn(child_spec(tmp_path, "ignore_term.py"))
+    child = spawn(child_spec(tmp_path, "ignore_sigterm.py"))
     _ready(child)
     result = stop_group(child, signal.SIGTERM, grace_s=0.3)
     child.close()
@@ -36,17 +39,19 @@ def test_sigkill_after_grace_when_sigterm_is_ignored(tmp_path):
     assert result.returncode == -signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_already_exited_child_reports_its_code(tmp_path):
-    child = spawn(child_spec(tmp_path, "crash.py", "5"))
+    child = spawn(child_spec(tmp_path, "crash_with_code.py", "5"))
     child.popen.wait(10)
     result = stop_group(child, signal.SIGTERM, grace_s=5)
     child.close()
     assert result.returncode == 5 and result.signal_sent is None
 
 
+@pytest.mark.slow
 def test_no_grandchild_survives_even_after_setsid(tmp_path):
     pids_file = tmp_path / "pids"
-    child = spawn(child_spec(tmp_path, "grandchildren.py", str(pids_file), "stay"))
+    child = spawn(child_spec(tmp_path, "leave_grandchildren.py", str(pids_file), "stay"))
     inside, escaped = map(int, wait_for(pids_file).split())
     tree = ProcTree()
     tree.sample(0)  # the watcher samples during the attempt; one sample is enough here
@@ -57,10 +62,11 @@ def test_no_grandchild_survives_even_after_setsid(tmp_path):
     assert gone(inside, 0.5) and gone(escaped, 0.5)
 
 
+@pytest.mark.slow
 def test_escapee_found_without_a_sample_via_subreaper(tmp_path):
     """The child exits at once; its setsid grandchild was never sampled but is re-parented to us."""
     pids_file = tmp_path / "pids"
-    child = spawn(child_spec(tmp_path, "grandchildren.py", str(pids_file)))
+    child = spawn(child_spec(tmp_path, "leave_grandchildren.py", str(pids_file)))
     inside, escaped = map(int, wait_for(pids_file).split())
     child.popen.wait(10)
     result = stop_group(child, signal.SIGTERM, grace_s=5)

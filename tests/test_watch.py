@@ -7,7 +7,7 @@ import signal
 from dataclasses import replace
 
 import pytest
-from conftest import child_spec, gone, wait_for
+from harness import child_spec, gone, wait_for
 
 from supervisor.config import Config
 from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
@@ -49,13 +49,14 @@ def _watch(tmp_path, script, *args, config=FAST, env=None, **kw):
         child.close()
 
 
+@pytest.mark.slow
 def test_crash_exit_code_stderr_and_exit_record(tmp_path):
     attempt = tmp_path / "attempts" / "0"
     attempt.mkdir(parents=True)
     (attempt / "exit-rank0.json").write_text(
         '{"kind": "data", "reason": "too many bad samples", "pid": 1, "v": 1}'
     )
-    outcome, child = _watch(tmp_path, "crash.py", "3")
+    outcome, child = _watch(tmp_path, "crash_with_code.py", "3")
     ev = outcome.evidence
     assert ev.returncode == 3 and ev.signal is None and ev.pid == child.pid
     assert "RuntimeError: boom" in ev.stderr_tail
@@ -66,15 +67,17 @@ def test_crash_exit_code_stderr_and_exit_record(tmp_path):
     assert ev.host_mem_total and ev.duration_s > 0
 
 
+@pytest.mark.slow
 def test_leftover_grandchildren_are_swept_after_exit(tmp_path):
     pids_file = tmp_path / "pids"
-    outcome, _ = _watch(tmp_path, "grandchildren.py", str(pids_file))
+    outcome, _ = _watch(tmp_path, "leave_grandchildren.py", str(pids_file))
     inside, escaped = map(int, wait_for(pids_file).split())
     assert outcome.evidence.returncode == 0
     assert outcome.stop.leftovers == []
     assert gone(inside, 0.5) and gone(escaped, 0.5)
 
 
+@pytest.mark.slow
 def test_signal_to_supervisor_forwards_stop_and_child_exits_75(tmp_path):
     sent = []
 
@@ -85,7 +88,8 @@ def test_signal_to_supervisor_forwards_stop_and_child_exits_75(tmp_path):
 
     with HeartbeatReceiver() as receiver:
         outcome, _ = _watch(
-            tmp_path, "worker_steps.py", "preempt", heartbeats=receiver, on_heartbeat=on_heartbeat
+            tmp_path, "runtime_heartbeats.py", "preempt", heartbeats=receiver,
+            on_heartbeat=on_heartbeat,
         )
     ev = outcome.evidence
     assert ev.returncode == 75
@@ -98,6 +102,7 @@ def test_signal_to_supervisor_forwards_stop_and_child_exits_75(tmp_path):
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
+@pytest.mark.slow
 def test_stop_escalates_to_sigkill_after_grace(tmp_path):
     def on_sample(sample):
         ready = (tmp_path / "attempts/0/stdout.log").read_text() == "ready\n"
@@ -109,12 +114,13 @@ def test_stop_escalates_to_sigkill_after_grace(tmp_path):
     config = watch_config(sample_interval_s=0.2, grace_s=0.5)
     with SignalCatcher() as catcher:
         outcome, _ = _watch(
-            tmp_path, "ignore_term.py", config=config, signals=catcher, on_sample=on_sample
+            tmp_path, "ignore_sigterm.py", config=config, signals=catcher, on_sample=on_sample
         )
     ev = outcome.evidence
     assert ev.signal == "SIGKILL" and ev.killed_after_grace and ev.stop_requested == "SIGTERM"
 
 
+@pytest.mark.slow
 def test_second_sigint_kills_at_once(tmp_path):
     def on_sample(sample):
         ready = (tmp_path / "attempts/0/stdout.log").read_text() == "ready\n"
@@ -124,11 +130,12 @@ def test_second_sigint_kills_at_once(tmp_path):
 
     fired: list = []
     config = watch_config(sample_interval_s=0.1, grace_s=600)  # would take 10 min without it
-    outcome, _ = _watch(tmp_path, "ignore_term.py", config=config, on_sample=on_sample)
+    outcome, _ = _watch(tmp_path, "ignore_sigterm.py", config=config, on_sample=on_sample)
     assert outcome.hard_stop and outcome.signals == ["SIGINT", "SIGINT"]
     assert outcome.evidence.signal == "SIGKILL" and not outcome.evidence.killed_after_grace
 
 
+@pytest.mark.slow
 def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
     config = watch_config(sample_interval_s=0.1, hang_grace_s=2, hang={"plain_timeout_s": 0.6})
     outcome, child = _watch(tmp_path, "hang.py", config=config)
@@ -138,6 +145,7 @@ def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
     _assert_pyspy_stack(outcome, child)
 
 
+@pytest.mark.slow
 def test_sigstopped_child_is_a_hang(tmp_path):
     config = watch_config(sample_interval_s=0.1, hang_grace_s=2, hang={"plain_timeout_s": 0.6})
     outcome, child = _watch(tmp_path, "hang.py", "stop", config=config)
@@ -159,7 +167,7 @@ def test_learned_timeout_catches_silent_worker(tmp_path):
     config = watch_config(sample_interval_s=0.1, hang_grace_s=0.5, hang=hang)
     with HeartbeatReceiver() as receiver:
         outcome, child = _watch(
-            tmp_path, "worker_steps.py", "silent", config=config, heartbeats=receiver
+            tmp_path, "runtime_heartbeats.py", "silent", config=config, heartbeats=receiver
         )
     ev = outcome.evidence
     assert ev.hang and "learned" in ev.hang_detail, ev.hang_detail
@@ -167,9 +175,10 @@ def test_learned_timeout_catches_silent_worker(tmp_path):
     # the worker handles SIGTERM by setting a flag it never reads while hung: SIGKILL follows
     assert ev.signal == "SIGKILL" and ev.killed_after_grace
     stacks = child.spec.attempt_dir / f"stacks-{child.pid}.txt"
-    assert "time.sleep" in stacks.read_text() or "worker_steps.py" in stacks.read_text()
+    assert "time.sleep" in stacks.read_text() or "runtime_heartbeats.py" in stacks.read_text()
 
 
+@pytest.mark.slow
 def test_gpu_filling_up_then_lost(tmp_path):
     readings = [GpuReading((DeviceMemory(0, used * GiB, 80 * GiB),)) for used in (10, 40, 79)]
     readings.append(
@@ -185,6 +194,7 @@ def test_gpu_filling_up_then_lost(tmp_path):
     assert [s.gpu.devices[0].used // GiB for s in samples[:3]] == [10, 40, 79]
 
 
+@pytest.mark.slow
 def test_failing_callback_stops_the_child_and_propagates(tmp_path):
     seen = []
 
@@ -194,6 +204,7 @@ def test_failing_callback_stops_the_child_and_propagates(tmp_path):
 
     with pytest.raises(RuntimeError, match="status line broke"):
         _watch(
-            tmp_path, "ignore_term.py", config=watch_config(hang_grace_s=0.2), on_sample=on_sample
+            tmp_path, "ignore_sigterm.py", config=watch_config(hang_grace_s=0.2),
+            on_sample=on_sample,
         )
     assert seen and all(gone(pid, 2) for pid in seen)

@@ -194,7 +194,7 @@ def test_auto_cadence():
         SaveSchedule.auto(0)
 
 
-@pytest.mark.parametrize("mode", ["fork", "thread"])
+@pytest.mark.parametrize("mode", [pytest.param("fork", marks=pytest.mark.slow), "thread"])
 def test_async_error_surfaces_on_next_call(tmp_path, monkeypatch, mode):
     model, _ = make()
     ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path, async_save=True, async_mode=mode)
@@ -210,7 +210,7 @@ def test_async_error_surfaces_on_next_call(tmp_path, monkeypatch, mode):
     assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("mode", ["fork", "thread"])
+@pytest.mark.parametrize("mode", [pytest.param("fork", marks=pytest.mark.slow), "thread"])
 def test_async_snapshot_is_isolated_from_training(tmp_path, mode):
     model, opt = make()
     ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, async_save=True,

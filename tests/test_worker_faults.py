@@ -9,17 +9,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from harness import CHILDREN, child_env
 from torch import nn
 
 import worker
 from supervisor.ckpt.layout import list_checkpoints, list_leftovers
 from supervisor.ckpt.verify import select_rtrain_resume, verify_all
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
@@ -27,10 +25,10 @@ def test_sigkill_during_saves_never_leaves_a_bad_pick(tmp_path):
     """Kill a saving process at many random moments; whatever resume picks must load and be
     one consistent state (every weight equal to the checkpoint's step)."""
     rng = random.Random(1)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     env.pop("RTRAIN_RUN_DIR", None)
     for _ in range(6):
-        proc = subprocess.Popen([sys.executable, str(ROOT / "tests/scripts/save_forever.py"),
+        proc = subprocess.Popen([sys.executable, str(CHILDREN / "save_forever.py"),
                                  str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.05, 0.6))
@@ -54,9 +52,9 @@ def test_sigkill_at_many_points_of_the_commit_protocol(tmp_path):
     from safetensors.numpy import load_file
 
     rng = random.Random(2)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     for _ in range(30):
-        proc = subprocess.Popen([sys.executable, str(ROOT / "tests/scripts/commit_forever.py"),
+        proc = subprocess.Popen([sys.executable, str(CHILDREN / "commit_forever.py"),
                                  str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.0, 0.08))

@@ -2,7 +2,7 @@
 environment that keeps appending to DIR/ticks, and a forked checkpoint writer (as
 Checkpointer(async_save=True) forks one) that commits step 7 once DIR/go exists.
 
-usage: leave_behind.py DIR     (attempt 0 only; later attempts exit 0 at once)
+usage: leave_behind_on_kill.py DIR     (attempt 0 only; later attempts exit 0 at once)
 DIR receives grandchild.pid, writer.pid and, if the writer gets to commit, writer.result.
 """
 

@@ -1,6 +1,6 @@
 """Allocate batch_size x 40 MiB (touching every page), then finish.
 
-usage: alloc_bs.py --bs N
+usage: alloc_per_batch.py --bs N
 """
 
 import sys

@@ -3,7 +3,7 @@ layer). Attempt 0 writes a poisoned checkpoint at step POISON: every attempt tha
 it crashes at its first step. Any other attempt resuming from an earlier checkpoint passes
 through step POISON cleanly and finishes.
 
-usage: poison.py CKPT_DIR TOTAL POISON
+usage: poisoned_checkpoint.py CKPT_DIR TOTAL POISON
 """
 
 import json

@@ -1,6 +1,6 @@
 """A tiny Checkpointer loop for fault-injection tests: saves every step, prints each step.
 
-usage: faults_child.py CKPT_DIR STEPS [sync|fork]
+usage: checkpointer_every_step.py CKPT_DIR STEPS [sync|fork]
 """
 
 import sys

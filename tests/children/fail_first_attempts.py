@@ -1,6 +1,6 @@
 """Fail with exit code CODE in the first FAILS attempts (RTRAIN_ATTEMPT), then succeed.
 
-usage: flaky.py FAILS CODE [SECONDS]   (runs SECONDS before ending, default 0.2)
+usage: fail_first_attempts.py FAILS CODE [SECONDS]   (runs SECONDS before ending, default 0.2)
 """
 
 import os

@@ -1,6 +1,6 @@
 """A worker-library script without torch: heartbeats every 20 ms, exit 75 on a stop request.
 
-usage: stepper.py STEPS [hang-at-attempt0 N] [sigstop-at-attempt0 N]
+usage: heartbeat_steps.py STEPS [hang-at-attempt0 N] [sigstop-at-attempt0 N]
 """
 
 import os

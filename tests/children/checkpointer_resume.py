@@ -1,6 +1,6 @@
 """A tiny torch training run through the Checkpointer: checkpoints every 2 steps.
 
-usage: ckpt_train.py STEPS OUT [--swap SRC DST]
+usage: checkpointer_resume.py STEPS OUT [--swap SRC DST]
 Prints {"resumed": step} after restore() and appends it to OUT (one JSON line per attempt).
 --swap: at attempt 0, copy SRC over DST just before restore() (a file replaced after the
 supervisor verified the checkpoint).

@@ -1,7 +1,7 @@
 """Print "ready", wait until the file PATH exists, print "bye" and exit with CODE (default 0).
 Attempts after the first exit 0 at once.
 
-usage: wait_file.py PATH [CODE]
+usage: wait_for_file.py PATH [CODE]
 """
 
 import os

@@ -1,0 +1,147 @@
+"""How tests run real processes: the child scripts' folder, the environment a child gets, `rtrain`
+as a user runs it, reading a run's events, and waiting on pids and files.
+
+Tests that use any of this start processes and are marked `@pytest.mark.slow` (conftest.py
+fails a test that starts one without the mark).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from supervisor.proc.spawn import ChildSpec
+from supervisor.records.events import read_events
+
+REPO = Path(__file__).resolve().parent.parent
+CHILDREN = REPO / "tests" / "children"  # the small scripts tests run as children
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Our environment for a child: without RTRAIN_* (a supervisor sets those) or torchrun's
+    TORCHELASTIC_*, with rtrain importable, one thread per process (the machine is shared, and
+    torch's spinning pool threads make a step of a tiny model 30x slower under load), plus
+    `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RTRAIN_", "TORCHELASTIC"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
+
+
+def rtrain_cmd(*args: str) -> list[str]:
+    """`rtrain ARGS` as an argv: this interpreter running `-m supervisor`."""
+    return [sys.executable, "-m", "supervisor", *args]
+
+
+def launch_cmd(run_dir: str | os.PathLike, *args: str, quiet: bool = True) -> list[str]:
+    """`rtrain launch --run-dir RUN_DIR [-q] --no-backoff ARGS` as an argv."""
+    return rtrain_cmd("launch", "--run-dir", str(run_dir), *(["-q"] if quiet else []),
+                      "--no-backoff", *args)
+
+
+def run_rtrain(*args: str, cwd: str | os.PathLike | None = None,
+               env: dict[str, str] | None = None,
+               timeout: float = 60) -> subprocess.CompletedProcess:
+    """`rtrain ARGS` in a subprocess, as a user would run it (cwd: the repository by default);
+    `env` adds to child_env()."""
+    return subprocess.run(rtrain_cmd(*args), cwd=cwd or REPO, env=child_env(**(env or {})),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def invoke_rtrain(*args: str, cwd: str | os.PathLike | None = None,
+                  env: dict[str, str] | None = None,
+                  timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`rtrain ARGS` inside this process (typer's CliRunner), returning what run_rtrain would:
+    the exit code and the two streams. The CLI layer is the same code; only the interpreter
+    start is left out. `timeout` is accepted for run_rtrain's sake and unused. An exception
+    other than the CLI's own exit is raised here, where a subprocess would print a traceback."""
+    from typer.testing import CliRunner
+
+    from supervisor.cli import app
+
+    environ: dict[str, str | None] = {k: None for k in os.environ
+                                       if k.startswith(("RTRAIN_", "TORCHELASTIC"))}
+    environ.update(env or {})
+    with contextlib.chdir(cwd or REPO):
+        result = CliRunner().invoke(app, list(args), env=environ, prog_name="rtrain")
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["rtrain", *args], result.exit_code, result.stdout,
+                                       result.stderr)
+
+
+def launch(run_dir: Path, *args: str, env: dict[str, str] | None = None,
+           cwd: str | os.PathLike | None = None,
+           timeout: float = 60) -> subprocess.CompletedProcess:
+    """`rtrain launch --run-dir RUN_DIR -q --no-backoff ARGS`, run to its end in RUN_DIR's
+    parent (or `cwd`)."""
+    return subprocess.run(launch_cmd(run_dir, *args), cwd=cwd or run_dir.parent,
+                          env=child_env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The run's events (of one `kind` if given); none while events.jsonl does not exist."""
+    path = Path(run_dir) / "events.jsonl"
+    if not path.exists():
+        return []
+    return [e for e in read_events(path) if kind is None or e["kind"] == kind]
+
+
+def kinds(run_dir: Path) -> list[str]:
+    """The kinds of the run's events, in order."""
+    return [e["kind"] for e in events(run_dir)]
+
+
+def child_spec(tmp_path: Path, script: str, *args: str, **kw: Any) -> ChildSpec:
+    """A ChildSpec running CHILDREN/script with `args`; `env` adds to our environment."""
+    env = dict(os.environ)
+    env.update(kw.pop("env", {}))
+    return ChildSpec(
+        argv=[sys.executable, str(CHILDREN / script), *args],
+        env=env,
+        cwd=CHILDREN,
+        attempt_dir=tmp_path / "attempts" / "0",
+        **kw,
+    )
+
+
+def gone(pid: int, timeout: float = 5.0) -> bool:
+    """True once `pid` no longer runs (a zombie counts as gone), waiting up to `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def wait_for(path: Path, timeout: float = 10.0) -> str:
+    """The text of `path` once it exists; fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path} did not appear within {timeout} s")
+        time.sleep(0.01)
+    return path.read_text()
+
+
+def wait_for_text(path: Path, text: str, timeout: float = 20) -> None:
+    """Wait until `path` contains `text`; fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.02)
+    pytest.fail(f"{text!r} did not appear in {path} within {timeout} s")
