@@ -94,7 +94,6 @@ def _ckpt_dir(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.ckpt_dir or run_dir / "checkpoints")
 
 
-
 class Loop:
     """One launch of a run: attempts until a decision stops it. Holds the run's parts (records,
     checkpoints, observers, the heartbeat socket, the GPU reader) and the attempt in hand."""
