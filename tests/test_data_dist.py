@@ -5,9 +5,10 @@ and every rank ends bitwise-identical to an uninterrupted run (its data position
 from __future__ import annotations
 
 import pytest
-import test_dist_resume as dr
 import torch
 from bitwise import assert_bitwise_equal
+from harness import events
+from test_dist_resume import launch_2_ranks
 
 
 @pytest.mark.slow
@@ -15,14 +16,14 @@ def test_rank_kill_mid_epoch_with_workers_resumes_bitwise(tmp_path):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     args = ("14", "--workers", "2")
-    ref = dr.rtrain(tmp_path / "ref", str(tmp_path / "ref"), *args)
+    ref = launch_2_ranks(tmp_path / "ref", str(tmp_path / "ref"), *args)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = tmp_path / "split"
     # 24 samples per rank in batches of 4: six steps an epoch. Rank 1 dies after step 10; the
     # group resumes from checkpoint-9, half-way through epoch 1.
-    r = dr.rtrain(run, str(tmp_path / "split"), *args, "--die-at", "10", "--die-rank", "1")
+    r = launch_2_ranks(run, str(tmp_path / "split"), *args, "--die-at", "10", "--die-rank", "1")
     assert r.returncode == 0, r.stderr[-3000:]
-    launches = dr.events(run, "launch")
+    launches = events(run, "launch")
     assert len(launches) == 2 and launches[1]["resume_from"].endswith("checkpoint-9")
     for rank in (0, 1):
         a = torch.load(tmp_path / f"ref-rank{rank}.pt", weights_only=False)
