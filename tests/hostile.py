@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from conftest import NUMPY_TO_ST
 
+import worker
 from supervisor.ckpt import hashing
 from supervisor.ckpt.safetensors_io import TensorBlob, build_header
 
@@ -73,3 +75,26 @@ def claim_huge_header(ckpt: Path, name: str = "model.safetensors") -> None:
     data = bytearray((ckpt / name).read_bytes())
     data[:8] = (8 << 30).to_bytes(8, "little")
     relist(ckpt, name, bytes(data))
+
+
+def make(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small model and its optimizer, the same for a seed."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def two_checkpoints(ckpt_dir: Path, **checkpointer: Any
+                    ) -> tuple[dict[int, torch.Tensor], torch.optim.Optimizer]:
+    """checkpoint-2 and checkpoint-4 of `make()`'s model trained a little (Checkpointer keywords
+    as given, e.g. sharded=True): their weights by step, and the optimizer."""
+    model, opt = make()
+    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, keep=None,
+                             **checkpointer)
+    weights = {}
+    for step in (2, 4):
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+        ck.save(step)
+        weights[step] = model.weight.detach().clone()
+    return weights, opt

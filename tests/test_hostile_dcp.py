@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from hostile import code_running_pickle, relist
+from hostile import code_running_pickle, make, relist, two_checkpoints
 
 import worker
 from supervisor.ckpt.verify import Level, verify
@@ -32,23 +32,8 @@ def group(tmp_path, monkeypatch):
         dist.forget_group()
 
 
-def make(seed):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 2)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-
-
 def sharded_checkpoints(ckpt_dir):
-    model, opt = make(0)
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, keep=None,
-                             sharded=True)
-    weights = {}
-    for step in (2, 4):
-        model(torch.randn(3, 4)).pow(2).mean().backward()
-        opt.step()
-        ck.save(step)
-        weights[step] = model.weight.detach().clone()
-    return weights, opt
+    return two_checkpoints(ckpt_dir, sharded=True)
 
 
 def restore(ckpt_dir, path=None, **kw):

@@ -13,8 +13,16 @@ import numpy as np
 import pytest
 import torch
 from harness import run_rtrain
-from hostile import claim_huge_header, code_running_pickle, manifest, relist, safetensors_bytes
+from hostile import (
+    claim_huge_header,
+    code_running_pickle,
+    make,
+    manifest,
+    relist,
+    safetensors_bytes,
+)
 from hostile import table as tensor_table
+from hostile import two_checkpoints as shared_two_checkpoints
 
 import worker
 import worker.restore as restore_module
@@ -30,23 +38,8 @@ def unsupervised(monkeypatch):
         monkeypatch.delenv(k, raising=False)
 
 
-def make(seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 2)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-
-
 def two_checkpoints(ckpt_dir):
-    """checkpoint-2 and checkpoint-4 of a model trained a little; returns their weights."""
-    model, opt = make()
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, keep=None)
-    weights = {}
-    for step in (2, 4):
-        model(torch.randn(3, 4)).pow(2).mean().backward()
-        opt.step()
-        ck.save(step)
-        weights[step] = model.weight.detach().clone()
-    return weights
+    return shared_two_checkpoints(ckpt_dir)[0]
 
 
 def restored(ckpt_dir, path=None):
