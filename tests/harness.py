@@ -8,6 +8,7 @@ fails a test that starts one without the mark).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
 import sys
@@ -145,3 +146,16 @@ def wait_for_text(path: Path, text: str, timeout: float = 20) -> None:
             return
         time.sleep(0.02)
     pytest.fail(f"{text!r} did not appear in {path} within {timeout} s")
+
+
+def fill_disk(disk: Path) -> Path:
+    """Fill the filesystem of `disk` (a small_tmpfs) to the last block with one ballast file;
+    unlinking the returned file gives the room back."""
+    ballast = disk / "ballast"
+    with open(ballast, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    return ballast

@@ -7,13 +7,15 @@ is room; the run's end is recorded once the ballast is gone.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import CHILDREN, child_env, launch_cmd
+from harness import CHILDREN, child_env, fill_disk, launch_cmd, wait_for_text
 
 from supervisor.records.events import read_events
 from supervisor.records.runstate import load_state
@@ -21,47 +23,41 @@ from supervisor.records.runstate import load_state
 pytestmark = pytest.mark.slow
 
 
-def _start(tmp_path: Path, run: Path, *child: str) -> subprocess.Popen:
+@contextlib.contextmanager
+def _supervising(tmp_path: Path, run: Path, *child: str) -> Iterator[subprocess.Popen]:
+    """`rtrain launch` of the child in the background (stderr in tmp_path/err), killed if the
+    test leaves it running."""
     # Events every half second: some are due while the disk is full.
     (tmp_path / "rtrain.toml").write_text("summary_every_s = 0.5\n")
-    return subprocess.Popen(launch_cmd(run, *child), env=child_env(), cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "wb"))
+    with open(tmp_path / "err", "wb") as err:
+        proc = subprocess.Popen(launch_cmd(run, *child), env=child_env(), cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
-def _fill(disk: Path) -> Path:
-    ballast = disk / "ballast"
-    with open(ballast, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-    return ballast
+def _still_supervising(proc: subprocess.Popen, tmp_path: Path, seconds: float) -> None:
+    time.sleep(seconds)
+    assert proc.poll() is None, (tmp_path / "err").read_text()
 
 
-def _wait_text(path: Path, text: bytes, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_bytes():
-            return
-        time.sleep(0.05)
-    pytest.fail(f"{text!r} never appeared in {path}")
+def _finishes(proc: subprocess.Popen, tmp_path: Path) -> None:
+    assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
 
 
 def test_training_goes_on_through_a_full_disk(tmp_path, small_tmpfs):
     run = small_tmpfs("8m") / "run"
     log = run / "attempts" / "0" / "stdout.log"
-    proc = _start(tmp_path, run, str(CHILDREN / "chatty.py"), "1000", "200", "0.01")
-    try:
-        _wait_text(log, b"step 50 ")
-        ballast = _fill(run.parent)
-        time.sleep(4)
-        assert proc.poll() is None, (tmp_path / "err").read_text()
+    with _supervising(tmp_path, run, str(CHILDREN / "chatty.py"), "1000", "200", "0.01") as proc:
+        wait_for_text(log, "step 50 ", timeout=60)
+        ballast = fill_disk(run.parent)
+        _still_supervising(proc, tmp_path, 4)
         ballast.unlink()
-        assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        _finishes(proc, tmp_path)
     text = log.read_bytes()
     assert b"bytes of output could not be logged here (No space left on device)]" in text
     assert text.endswith(b"step 1000 " + b"x" * 189 + b"\ndone\n")
@@ -75,19 +71,14 @@ def test_training_goes_on_through_a_full_disk(tmp_path, small_tmpfs):
 def test_the_end_of_a_run_is_recorded_once_there_is_room(tmp_path, small_tmpfs):
     run = small_tmpfs("8m") / "run"
     go = tmp_path / "go"
-    proc = _start(tmp_path, run, str(CHILDREN / "wait_for_file.py"), str(go))
-    try:
-        _wait_text(run / "attempts" / "0" / "stdout.log", b"ready")
-        ballast = _fill(run.parent)
+    with _supervising(tmp_path, run, str(CHILDREN / "wait_for_file.py"), str(go)) as proc:
+        wait_for_text(run / "attempts" / "0" / "stdout.log", "ready", timeout=60)
+        ballast = fill_disk(run.parent)
         go.touch()  # the child ends while nothing can be written under the run dir
-        time.sleep(4)
-        assert proc.poll() is None, (tmp_path / "err").read_text()
+        _still_supervising(proc, tmp_path, 4)
         assert load_state(run).status.value == "running"
         ballast.unlink()
-        assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        _finishes(proc, tmp_path)
     assert [e["kind"] for e in read_events(run / "events.jsonl")] == \
         ["launch", "exit", "decision", "finished"]
     assert load_state(run).status.value == "finished"
@@ -98,10 +89,9 @@ def test_a_relaunch_while_not_even_a_directory_can_be_made(tmp_path, small_tmpfs
     # Few inodes: with them used up, the next attempt's directory and logs cannot be created.
     run = small_tmpfs("8m,nr_inodes=64") / "run"
     go = tmp_path / "go"
-    proc = _start(tmp_path, run, str(CHILDREN / "wait_for_file.py"), str(go), "1")
     ballast = run.parent / "inodes"
-    try:
-        _wait_text(run / "attempts" / "0" / "stdout.log", b"ready")
+    with _supervising(tmp_path, run, str(CHILDREN / "wait_for_file.py"), str(go), "1") as proc:
+        wait_for_text(run / "attempts" / "0" / "stdout.log", "ready", timeout=60)
         ballast.mkdir()
         try:
             for i in range(1000):
@@ -109,15 +99,11 @@ def test_a_relaunch_while_not_even_a_directory_can_be_made(tmp_path, small_tmpfs
         except OSError as e:
             assert e.errno == errno.ENOSPC
         go.touch()  # attempt 0 crashes now; attempt 1 runs with no room for its logs
-        time.sleep(4)
-        assert proc.poll() is None, (tmp_path / "err").read_text()
+        _still_supervising(proc, tmp_path, 4)
         assert not (run / "attempts" / "1").exists()
         for f in ballast.iterdir():
             f.unlink()
-        assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        _finishes(proc, tmp_path)
     assert [e["kind"] for e in read_events(run / "events.jsonl")] == \
         ["launch", "exit", "classification", "decision", "launch", "exit", "decision",
          "finished"]
@@ -130,17 +116,12 @@ def test_a_launch_onto_a_full_disk(tmp_path, small_tmpfs):
     disk = small_tmpfs("8m")
     run = disk / "run"
     go = tmp_path / "go"
-    ballast = _fill(disk)
+    ballast = fill_disk(disk)
     go.touch()  # the child ends as soon as it starts
-    proc = _start(tmp_path, run, str(CHILDREN / "wait_for_file.py"), str(go))
-    try:
-        time.sleep(6)
-        assert proc.poll() is None, (tmp_path / "err").read_text()
+    with _supervising(tmp_path, run, str(CHILDREN / "wait_for_file.py"), str(go)) as proc:
+        _still_supervising(proc, tmp_path, 6)
         ballast.unlink()
-        assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        _finishes(proc, tmp_path)
     assert [e["kind"] for e in read_events(run / "events.jsonl")] == \
         ["launch", "exit", "decision", "finished"]
     assert load_state(run).status.value == "finished"

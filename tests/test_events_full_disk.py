@@ -3,20 +3,9 @@ out in order, with their seq, once there is room."""
 
 from __future__ import annotations
 
-import errno
+from harness import fill_disk
 
 from supervisor.records.events import EventLog, read_events
-
-
-def _fill(disk):
-    ballast = disk / "ballast"
-    with open(ballast, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 4096)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-    return ballast
 
 
 def test_events_wait_for_room_and_keep_their_order(small_tmpfs):
@@ -24,7 +13,7 @@ def test_events_wait_for_room_and_keep_their_order(small_tmpfs):
     path = disk / "events.jsonl"
     with EventLog(path) as log:
         log.emit("launch", attempt=0)
-        ballast = _fill(disk)
+        ballast = fill_disk(disk)
         for i in range(50):  # a full disk: nothing raises, nothing is lost
             log.emit("save_skipped", attempt=0, step=i, rank=0, reason="z" * 300)
         log.emit("finished", reason="done")  # a durable kind: its fsync waits too
