@@ -156,8 +156,9 @@ class Checkpointer:
         """
         faults.step_hook(step, self.ckpt_dir)  # a no-op unless RTRAIN_FAULTS arms one
         stop = runtime.should_stop()
-        due = self._clock.tick(step, loss=number((metrics or {}).get("loss")),
-                               samples=self._parts().samples(), epoch_end=epoch_end)
+        samples = self.data.samples_seen if self.data is not None else None
+        due = self._clock.tick(step, loss=number((metrics or {}).get("loss")), samples=samples,
+                               epoch_end=epoch_end)
         path = None
         if dist.world() is not None:
             # A stop signal or a timed save reaches ranks at different steps; saving is
