@@ -5,10 +5,16 @@ says there why it exists."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from importlinter import configuration
 from importlinter.application import use_cases
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,3 +28,12 @@ def test_import_contracts_are_kept(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert passed, out[-4000:]
     assert "0 broken" in out
+
+
+def test_every_worker_unit_is_held_to_not_importing_the_checkpointer():
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (units,) = [c["source_modules"] for c in contracts["contracts"]
+                if c["forbidden_modules"] == ["worker.checkpointer"]]
+    modules = {f"worker.{p.stem}" for p in (ROOT / "worker").glob("*.py")
+               if p.stem not in ("__init__", "checkpointer")}
+    assert set(units) == modules

@@ -1,6 +1,5 @@
 """The Checkpointer's units on their own: the save clock, and which module may import which."""
 
-import ast
 from pathlib import Path
 
 from worker import save_clock
@@ -47,22 +46,3 @@ def test_save_clock_after_resume_counts_samples_from_the_checkpoint(monkeypatch)
     c.resumed(5, 40)
     assert not c.tick(5, loss=None, samples=44, epoch_end=False)  # saved there already
     assert beats[0]["samples"] == 4
-
-
-def _imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-    return names
-
-
-def test_only_the_package_entry_imports_the_checkpointer():
-    """The units below the Checkpointer get what they need handed in (dist_ckpt a SaveTarget,
-    restore the Components): none imports it back."""
-    importers = [p.name for p in sorted(WORKER.glob("*.py"))
-                 if p.name != "checkpointer.py" and "worker.checkpointer" in _imports(p)]
-    assert importers == []
