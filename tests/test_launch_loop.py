@@ -13,9 +13,10 @@ from supervisor.config import load_config
 from supervisor.decide.failures import Evidence
 from supervisor.launch.loop import LaunchSpec, Seams, launch
 from supervisor.proc.gpu import DeviceMemory, GpuReading, NullReader, ScriptedReader
+from supervisor.proc.signals import SignalCatcher
 from supervisor.proc.spawn import ChildSpec
 from supervisor.proc.stop import StopResult
-from supervisor.proc.watch import HeartbeatSummary, Outcome, SignalCatcher
+from supervisor.proc.watch_outcome import HeartbeatSummary, Outcome
 from supervisor.records.events import read_events
 from supervisor.records.runstate import RunStatus, load_state
 

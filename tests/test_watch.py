@@ -12,8 +12,9 @@ from harness import child_spec, gone, wait_for
 from supervisor.config import Config
 from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
 from supervisor.proc.heartbeat import HeartbeatReceiver
+from supervisor.proc.signals import SignalCatcher
 from supervisor.proc.spawn import spawn
-from supervisor.proc.watch import SignalCatcher, WatchConfig, watch
+from supervisor.proc.watch import WatchConfig, watch
 
 
 def watch_config(*, hang=None, **changes):

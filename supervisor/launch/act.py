@@ -13,7 +13,7 @@ from supervisor.decide.policy import Decision
 from supervisor.launch.spec import Seams
 from supervisor.proc import slurm
 from supervisor.proc.gpu import GpuReader, wait_gpu_released
-from supervisor.proc.watch import SignalCatcher
+from supervisor.proc.signals import SignalCatcher
 from supervisor.records import saves
 from supervisor.records.events import EventLog
 

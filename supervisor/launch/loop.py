@@ -49,8 +49,10 @@ from supervisor.proc.gpu import NvmlReader
 from supervisor.proc.heartbeat import HeartbeatReceiver
 from supervisor.proc.leftovers import ProcRecord, end_leftovers
 from supervisor.proc.proctree import ProcTree
+from supervisor.proc.signals import SignalCatcher
 from supervisor.proc.spawn import ChildSpec
-from supervisor.proc.watch import Outcome, Sample, SignalCatcher, WatchConfig
+from supervisor.proc.watch import Sample, WatchConfig
+from supervisor.proc.watch_outcome import Outcome
 from supervisor.records.events import EventLog
 from supervisor.records.lock import RunLock
 from supervisor.records.runstate import RunStatus

@@ -16,7 +16,7 @@ from supervisor.decide.failures import Failure
 from supervisor.decide.policy import Decision
 from supervisor.proc import slurm
 from supervisor.proc.gpu_health import describe
-from supervisor.proc.watch import Outcome
+from supervisor.proc.watch_outcome import Outcome
 from supervisor.records.events import EventLog
 
 

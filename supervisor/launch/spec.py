@@ -16,8 +16,9 @@ from pathlib import Path
 from supervisor.config import Config
 from supervisor.errors import UsageError
 from supervisor.proc.gpu import GpuReader
+from supervisor.proc.signals import SignalCatcher
 from supervisor.proc.spawn import spawn
-from supervisor.proc.watch import SignalCatcher, watch
+from supervisor.proc.watch import watch
 
 
 @dataclass(frozen=True, kw_only=True)

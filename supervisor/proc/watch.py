@@ -38,7 +38,6 @@ from supervisor.proc.watch_outcome import (
     OomCounter,
     Outcome,
     health_gate,
-    read_exit_records,
     record_exit,
 )
 from supervisor.proc.watch_stop import Stopping, drain_pipes
@@ -46,9 +45,6 @@ from supervisor.protocol import DUMP_SIGNAL, Heartbeat
 
 if TYPE_CHECKING:
     from supervisor.config import Config
-
-__all__ = ["STOP_SIGNALS", "HeartbeatSummary", "Outcome", "Sample", "SignalCatcher",
-           "WatchConfig", "read_exit_records", "watch"]
 
 log = logging.getLogger(__name__)
 
