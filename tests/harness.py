@@ -159,3 +159,11 @@ def fill_disk(disk: Path) -> Path:
         except OSError as e:
             assert e.errno == errno.ENOSPC
     return ballast
+
+
+def launch_2_ranks(run_dir: Path, *args: str, extra_env: dict[str, str] | None = None,
+                   launch_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`rtrain launch --nproc-per-node 2` of children/dist_train.py with its `args` (two gloo
+    ranks on CPU; generous timeout: torchrun and two torch imports on a shared machine)."""
+    return launch(run_dir, "--nproc-per-node", "2", *launch_args,
+                  str(CHILDREN / "dist_train.py"), *args, env=extra_env, timeout=300)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from bitwise import assert_bitwise_equal
-from harness import events
-from test_dist_resume import launch_2_ranks
+from harness import events, launch_2_ranks
 
 
 @pytest.mark.slow

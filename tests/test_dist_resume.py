@@ -7,16 +7,12 @@ of steps of a tiny model) and the timeouts generous (the machine may be shared).
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from bitwise import assert_bitwise_equal
-from harness import CHILDREN, events, launch
-
-SCRIPT = CHILDREN / "dist_train.py"
-TIMEOUT = 300
+from harness import events, launch_2_ranks
 
 
 def _fsdp_available() -> str | None:
@@ -29,13 +25,6 @@ def _fsdp_available() -> str | None:
     except ImportError as e:
         return f"FSDP2 / DCP state_dict helpers missing: {e}"
     return None
-
-
-def launch_2_ranks(run_dir: Path, *args: str, extra_env: dict[str, str] | None = None,
-                   launch_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """`rtrain launch` of dist_train.py on 2 ranks, with its `args`."""
-    return launch(run_dir, "--nproc-per-node", "2", *launch_args, str(SCRIPT), *args,
-                  env=extra_env, timeout=TIMEOUT)
 
 
 def _kill_one_rank_and_compare(tmp_path: Path, *flags: str) -> None:

@@ -6,94 +6,11 @@ decisions are the real ones."""
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from supervisor.config import load_config
-from supervisor.decide.failures import Evidence
-from supervisor.launch.loop import LaunchSpec, Seams, launch
-from supervisor.proc.gpu import DeviceMemory, GpuReading, NullReader, ScriptedReader
-from supervisor.proc.signals import SignalCatcher
-from supervisor.proc.spawn import ChildSpec
-from supervisor.proc.stop import StopResult
-from supervisor.proc.watch_outcome import HeartbeatSummary, Outcome
-from supervisor.records.events import read_events
+from scripted_loop import PID0, Script, crash, run, success
+
+from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
 from supervisor.records.runstate import RunStatus, load_state
-
-PID0 = 4_200_000  # above any pid_max: no process can have it, so nothing real is touched
-
-
-def crash(code: int = 1, stderr: str = "ValueError: bad batch\n") -> Evidence:
-    return Evidence(returncode=code, stderr_tail=stderr, first_step_seen=True, last_step=5)
-
-
-def success() -> Evidence:
-    return Evidence(returncode=0, first_step_seen=True, last_step=10)
-
-
-@dataclass
-class FakeChild:
-    spec: ChildSpec
-    pid: int
-    closed: bool = False
-
-    def close(self) -> None:
-        self.closed = True
-
-
-@dataclass
-class Script:
-    """The spawner, watcher, clock and sleepers of one scripted launch."""
-
-    outcomes: list[Evidence]
-    now: float = 1_000.0
-    spawned: list[FakeChild] = field(default_factory=list)
-    backoffs: list[float] = field(default_factory=list)
-    sleeps: list[float] = field(default_factory=list)
-    said: list[str] = field(default_factory=list)
-    stop_during_backoff: int | None = None  # a signal that arrives during the backoff
-
-    def clock(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-    def backoff(self, seconds: float, signals: SignalCatcher) -> bool:
-        self.backoffs.append(seconds)
-        self.now += seconds
-        if self.stop_during_backoff is not None:
-            signals.pending.append(self.stop_during_backoff)
-            return True
-        return False
-
-    def spawn(self, spec: ChildSpec) -> FakeChild:
-        child = FakeChild(spec, PID0 + len(self.spawned))
-        self.spawned.append(child)
-        return child
-
-    def watch(self, child: FakeChild, config, **kw) -> Outcome:
-        ev = self.outcomes[len(self.spawned) - 1]
-        ev.pid = child.pid  # the watcher names the child it watched
-        self.now += 30.0  # the attempt ran for 30 s
-        return Outcome(evidence=ev, heartbeats=HeartbeatSummary(),
-                       stop=StopResult(returncode=ev.returncode, signal_sent=None,
-                                       killed_after_grace=False),
-                       pids_seen=[child.pid])
-
-    def seams(self, gpu=None) -> Seams:
-        return Seams(gpu=gpu or NullReader(), rand=lambda: 0.0, wall=self.clock,
-                     monotonic=self.clock, sleep=self.sleep, backoff=self.backoff,
-                     spawn=self.spawn, watch=self.watch, say=self.said.append)
-
-
-def run(tmp_path: Path, script: Script, gpu=None, **cfg) -> tuple[int, list[dict]]:
-    config = load_config({"run_dir": tmp_path / "run", **cfg}, None, tmp_path)
-    spec = LaunchSpec(command=["train.py", "--attempt", "{attempt}"], config=config,
-                      echo=False, cwd=tmp_path)
-    code = launch(spec, script.seams(gpu))
-    return code, read_events(tmp_path / "run" / "events.jsonl")
 
 
 def kinds(events: list[dict]) -> list[str]:

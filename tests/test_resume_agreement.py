@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from scripted_loop import Script, run, success
 from test_foreign_verify import hf_checkpoint
-from test_launch_loop import Script, run, success
 
 from supervisor.ckpt import foreign
 from supervisor.ckpt.verify import select_rtrain_resume
