@@ -16,7 +16,7 @@ def _run_to_end(child):
     pipes = [child.stdout, child.stderr]
     while pipes:
         select.select([p.fd for p in pipes], [], [], 5)
-        pipes = [p for p in pipes if p.pump(0)]
+        pipes = [p for p in pipes if p.pump()]
     child.popen.wait(5)
 
 

@@ -15,7 +15,7 @@ def _ready(child):
     import select
 
     select.select([child.stdout.fd], [], [], 10)
-    child.stdout.pump(0)
+    child.stdout.pump()
 
 
 @pytest.mark.slow

@@ -100,12 +100,10 @@ class ProcTree:
         self.seen[pid] = proc
         return proc
 
-    def live(self, *, rescan: bool = False) -> list[psutil.Process]:
+    def live(self) -> list[psutil.Process]:
         """Current descendants, plus any process seen earlier that still runs (wherever it went).
-
-        `rescan` is kept for callers; the parent cache already re-reads every process whose
-        cached parent has died, which is all that re-parenting can change.
-        """
+        The parent cache re-reads every process whose cached parent has died, which is all that
+        re-parenting can change."""
         procs = {}
         skip = self.exclude() if self.exclude is not None else ()
         for pid in descendants(self.root, self._ppids, skip):

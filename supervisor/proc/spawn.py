@@ -77,10 +77,9 @@ class OutputPipe:
         self.echo_to = echo_to
         self.tail_bytes = tail_bytes
         self.tail = bytearray()
-        self.last_output: float | None = None  # monotonic time of the last byte read
         self.closed = False
 
-    def pump(self, now: float) -> bool:
+    def pump(self) -> bool:
         """Copy what is there now. False once the pipe reached EOF (and is closed)."""
         while not self.closed:
             try:
@@ -90,7 +89,6 @@ class OutputPipe:
             if not data:
                 self.close()
                 return False
-            self.last_output = now
             self.log.write(data)
             if self.echo_to is not None:
                 if self.through is not None:

@@ -71,7 +71,7 @@ def sweep(
     except ProcessLookupError:
         pass
     tree = tree or ProcTree()
-    procs = [p for p in tree.live(rescan=True) if p.pid != child.pid]
+    procs = [p for p in tree.live() if p.pid != child.pid]
     killed = []
     for proc in procs:
         try:

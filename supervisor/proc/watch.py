@@ -192,7 +192,7 @@ class _Watch:
             for sig in signals.take():
                 self._signal(sig, now)
         else:  # an output pipe
-            if not what.pump(now):  # type: ignore[attr-defined]
+            if not what.pump():  # type: ignore[attr-defined]
                 sel.unregister(what.fd)  # type: ignore[attr-defined]
             self.hang.activity(now)
 
@@ -247,11 +247,11 @@ class _Watch:
     def _finish(self) -> Outcome:
         c, now = self.child, self.clock()
         for pipe in (c.stdout, c.stderr):
-            pipe.pump(now)
+            pipe.pump()
         if self.hbs is not None:
             self._heartbeats(now)  # the last ones (e.g. "stop") arrive just before the exit
         swept, leftovers = sweep(c, self.tree, confirm_s=self.config.sweep_confirm_s)
-        drain_pipes(c, self.clock)
+        drain_pipes(c)
         ev = self.ev
         record_exit(ev, child=c, tree=self.tree, oom=self.oom, summary=self.summary,
                     killed_after_grace=self.stop.killed_after_grace, duration_s=now - self.t0)

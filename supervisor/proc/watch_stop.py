@@ -14,7 +14,6 @@ import math
 import selectors
 import signal
 import time
-from collections.abc import Callable
 
 from supervisor.proc.spawn import Child
 from supervisor.proc.stop import StopResult, signal_group
@@ -78,7 +77,7 @@ class Stopping:
         )
 
 
-def drain_pipes(child: Child, clock: Callable[[], float]) -> None:
+def drain_pipes(child: Child) -> None:
     """Read the child's pipes to EOF, then close them."""
     # Everyone that could hold the write ends is dead now, so EOF comes at once.
     deadline = time.monotonic() + _DRAIN_S
@@ -88,7 +87,7 @@ def drain_pipes(child: Child, clock: Callable[[], float]) -> None:
             sel.register(pipe.fd, selectors.EVENT_READ, pipe)
         while sel.get_map() and time.monotonic() < deadline:
             for key, _ in sel.select(max(0.0, deadline - time.monotonic())):
-                if not key.data.pump(clock()):
+                if not key.data.pump():
                     sel.unregister(key.fd)
     for pipe in pipes:
         pipe.close()
