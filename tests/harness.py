@@ -167,3 +167,30 @@ def launch_2_ranks(run_dir: Path, *args: str, extra_env: dict[str, str] | None =
     ranks on CPU; generous timeout: torchrun and two torch imports on a shared machine)."""
     return launch(run_dir, "--nproc-per-node", "2", *launch_args,
                   str(CHILDREN / "dist_train.py"), *args, env=extra_env, timeout=300)
+
+
+def read_metrics_text(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The metrics file rtrain writes (records/metrics.py) as {(name, labels): value}: a reader
+    for its own output, not a general Prometheus parser."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, rest = head.partition("{")
+        labels = []
+        rest = rest.rstrip("}")
+        while rest:
+            key, _, rest = rest.partition('="')
+            chars, i = [], 0
+            while rest[i] != '"':
+                if rest[i] == "\\":
+                    i += 1
+                    chars.append({"n": "\n"}.get(rest[i], rest[i]))
+                else:
+                    chars.append(rest[i])
+                i += 1
+            labels.append((key, "".join(chars)))
+            rest = rest[i + 1:].lstrip(",")
+        out[(name, frozenset(labels))] = float(value)
+    return out

@@ -8,9 +8,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from harness import CHILDREN, child_env, launch, launch_cmd
+from harness import CHILDREN, child_env, launch, launch_cmd, read_metrics_text
 
-from supervisor.records.metrics import MetricsFile, escape_label, parse_text
+from supervisor.records.metrics import MetricsFile, escape_label
 
 
 def _with_metrics(base: Path, *args: str) -> list[str]:
@@ -21,7 +21,7 @@ def _with_metrics(base: Path, *args: str) -> list[str]:
 def _values(path: Path, run: Path) -> dict[str, float]:
     """{name or name:kind: value} for this run's series."""
     out = {}
-    for (name, labels), value in parse_text(path.read_text()).items():
+    for (name, labels), value in read_metrics_text(path.read_text()).items():
         labels = dict(labels)
         assert labels.pop("run_dir") == str(run.resolve())
         out[name + (f":{labels['kind']}" if "kind" in labels else "")] = value
@@ -129,7 +129,7 @@ def test_label_values_with_quotes_backslashes_and_newlines_round_trip(tmp_path):
     text = (tmp_path / "m.prom").read_text()
     assert escape_label(str(odd.resolve())) in text
     assert all(line.startswith(("# ", "rtrain_")) for line in text.splitlines())
-    parsed = parse_text(text)
+    parsed = read_metrics_text(text)
     assert parsed[("rtrain_failures_total", frozenset({("run_dir", str(odd.resolve())),
                                                       ("kind", "oom_gpu")}))] == 1
 

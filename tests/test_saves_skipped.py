@@ -11,10 +11,9 @@ import time
 import pytest
 from chaos_util import launch_chaos, write_config
 from conftest import remount_read_only
-from harness import CHILDREN, events, launch
+from harness import CHILDREN, events, launch, read_metrics_text
 
 from supervisor.proc.heartbeat import HeartbeatReceiver
-from supervisor.records.metrics import parse_text
 
 TRAIN = {"steps": 16, "save_every": 2}
 
@@ -24,7 +23,7 @@ def _status(rtrain, run):
 
 
 def _skipped_metric(prom):
-    return {name: v for (name, _), v in parse_text(prom.read_text()).items()}[
+    return {name: v for (name, _), v in read_metrics_text(prom.read_text()).items()}[
         "rtrain_skipped_saves_total"]
 
 

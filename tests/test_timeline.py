@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from harness import read_metrics_text
+
 from supervisor.commands.report import gather
 from supervisor.commands.status import summarize
 from supervisor.event_schema import Kind
 from supervisor.records.events import EventLog, read_events
-from supervisor.records.metrics import MetricsFile, parse_text
+from supervisor.records.metrics import MetricsFile
 from supervisor.records.timeline import Timeline, read_timeline
 
 SMALL = {"batch_size": 16}
@@ -76,7 +78,7 @@ def test_status_report_and_metrics_agree(tmp_path):
     for event in read_events(run / "events.jsonl"):
         metrics.seed(event)
     metrics.write()
-    parsed = parse_text((tmp_path / "m.prom").read_text())
+    parsed = read_metrics_text((tmp_path / "m.prom").read_text())
     prom = {name: v for (name, labels), v in parsed.items() if name != "rtrain_failures_total"}
     fails = {dict(labels)["kind"]: v for (name, labels), v in parsed.items()
              if name == "rtrain_failures_total"}

@@ -161,30 +161,3 @@ class MetricsFile:
 
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-def parse_text(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """A small reader for the text format this module writes: {(name, labels): value}. Used by
-    tests and handy for scripts; not a general Prometheus parser."""
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, _, rest = head.partition("{")
-        labels = []
-        rest = rest.rstrip("}")
-        while rest:
-            key, _, rest = rest.partition('="')
-            chars, i = [], 0
-            while rest[i] != '"':
-                if rest[i] == "\\":
-                    i += 1
-                    chars.append({"n": "\n"}.get(rest[i], rest[i]))
-                else:
-                    chars.append(rest[i])
-                i += 1
-            labels.append((key, "".join(chars)))
-            rest = rest[i + 1:].lstrip(",")
-        out[(name, frozenset(labels))] = float(value)
-    return out
