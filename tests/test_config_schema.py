@@ -29,7 +29,8 @@ else:  # pragma: no cover
 DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
 SECTIONS = {"restart": RestartConfig, "backoff": BackoffConfig, "hang": HangConfig}
 TABLES = ("settings", "ladder", "hooks")  # tables of the user's own, shown by example
-UNSET = ("ckpt_dir", "metrics_file", "mirror")  # None by default; design.md shows what they stand for
+# None by default; design.md shows what they stand for
+UNSET = ("ckpt_dir", "metrics_file", "mirror")
 
 # `rtrain launch` options that set a config key (dotted: in its table); the rest set none.
 CONFIG_OPTIONS = {

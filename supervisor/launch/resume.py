@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from supervisor.ckpt import foreign, quarantine
 from supervisor.ckpt.verify import Level, Selection, Verdict, mark_quarantined
@@ -17,11 +18,16 @@ from supervisor.errors import UsageError
 from supervisor.records.events import EventLog
 from supervisor.safetext import safe
 
+if TYPE_CHECKING:
+    from supervisor.launch.mirroring import Mirroring
+
 
 class Checkpoints:
     def __init__(self, ckpt_dir: Path, config: Config, key: bytes | None, events: EventLog,
                  say: Callable[[str], None]) -> None:
         self.dir, self.cfg, self.key, self.events, self.say = ckpt_dir, config, key, events, say
+        self.remote: Mirroring | None = None  # the run's mirror, when it has one
+        self._looked_remote = False
 
     def pick(self, history: History, resume: ResumeMode, *, first: bool) -> Selection | None:
         """The checkpoint the next attempt resumes from; None when an explicit --resume PATH
@@ -37,12 +43,57 @@ class Checkpoints:
             return Selection(v, [])
         # Any format: rtrain's own, a Trainer's checkpoint-N dirs, Lightning / torch.save files.
         sel = self._select(level, history, skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
+        if self.remote is not None and not self._looked_remote and resume is ResumeMode.LATEST:
+            # Once per launch: only a fresh machine (or a lost local dir) can have a newer
+            # checkpoint on the mirror than on its disk, since every upload starts from here.
+            self._looked_remote = True
+            if self._fetch_newer(sel.chosen):
+                sel = self._select(level, history)
         for v in sel.skipped:
             self.say(f"skipping {safe(v.path.name)}: {safe(v.describe())}")  # names from disk
             self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
         if resume is ResumeMode.ROLLBACK and sel.chosen is None:
             sel = self._select(level, history)  # nothing older: newest
         return sel
+
+    def _fetch_newer(self, local: Verdict | None) -> bool:
+        """Download the newest checkpoint on the mirror that is newer than `local` and
+        verifies (hashed while it downloads); one that does not verify is reported and the
+        next older tried. Local wins at an equal step. True when one was downloaded."""
+        from supervisor.remote.cache import BlobCache
+        from supervisor.remote.store import CorruptRemote, MirrorError
+
+        assert self.remote is not None
+        mirror, where = self.remote.mirror, self.remote.display
+        floor = local.step if local is not None else -1
+        try:
+            newer = [c for c in mirror.list() if c.committed and c.step > floor]
+        except MirrorError as e:
+            self.say(f"mirror {where}: cannot list it ({e}); resuming from local checkpoints")
+            self.events.emit("mirror_failed", reason=f"list: {e}", step=None, retry_in_s=None,
+                             given_up=False)
+            return False
+        for c in newer:
+            try:
+                t = mirror.download(c.name, self.dir, key=self.key, cache=BlobCache.default(),
+                                    file_mode=self.cfg.file_mode)
+            except CorruptRemote as e:
+                self.say(f"skipping {c.name} on the mirror: {e}")
+                self.events.emit("skipped_checkpoint", path=f"{where}/{c.name}",
+                                 reason=f"on the mirror: {e}")
+                continue
+            except MirrorError as e:
+                self.say(f"mirror {where}: cannot download {c.name} ({e}); resuming from "
+                         "local checkpoints")
+                self.events.emit("mirror_failed", reason=f"download: {e}", step=c.step,
+                                 retry_in_s=None, given_up=False)
+                return False
+            self.say(f"downloaded {c.name} from the mirror: {t.bytes / 2**20:.1f} MiB in "
+                     f"{t.seconds:.1f} s ({t.cached_bytes / 2**20:.1f} MiB from the cache)")
+            self.events.emit("mirror_downloaded", step=c.step, bytes=t.bytes,
+                             seconds=round(t.seconds, 3), cached_bytes=t.cached_bytes)
+            return True
+        return False
 
     def _select(self, level: Level, history: History, skip_newest: int = 0) -> Selection:
         """Passing over quarantined checkpoints and those a worker of this run could not load
