@@ -41,7 +41,7 @@ def open_for(config: Config, run_dir: Path, ckpt_dir: Path, events: EventLog,
         mirror = open_mirror(config.mirror)
         mirror.probe()
     except MirrorError as e:
-        raise UsageError(f"--mirror: {e}") from None
+        raise UsageError(str(e)) from None  # it names the mirror and what to change
     spec = Spec(ckpt_dir=ckpt_dir, url=config.mirror, keep_remote=config.keep_remote,
                 milestone_every=config.milestone_every, parallel=config.mirror_parallel)
     return Mirroring(spec, run_dir, events, say, mirror)
@@ -109,7 +109,7 @@ class Mirroring:
         elif kind == "failed":
             reason, retry, given_up = str(get("reason")), get("retry_in_s"), bool(get("given_up"))
             if not self._failing or given_up:  # once per outage on the console
-                self.say(f"mirror {self.display}: {reason}"
+                self.say(reason  # names the mirror
                          + (f" (retrying in {retry:g} s)" if isinstance(retry, (int, float))
                             and not given_up else ""))
             self._failing = not given_up and retry is not None

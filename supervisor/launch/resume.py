@@ -69,13 +69,13 @@ class Checkpoints:
         try:
             newer = [c for c in mirror.list() if c.committed and c.step > floor]
         except MirrorError as e:
-            self.say(f"mirror {where}: cannot list it ({e}); resuming from local checkpoints")
+            self.say(f"{e}; resuming from local checkpoints")
             self.events.emit("mirror_failed", reason=f"list: {e}", step=None, retry_in_s=None,
                              given_up=False)
             return False
         for c in newer:
             try:
-                t = mirror.download(c.name, self.dir, key=self.key, cache=BlobCache.default(),
+                t = mirror.download(c.name, self.dir, key=self.key, cache=BlobCache(),
                                     file_mode=self.cfg.file_mode)
             except CorruptRemote as e:
                 self.say(f"skipping {c.name} on the mirror: {e}")
@@ -83,8 +83,7 @@ class Checkpoints:
                                  reason=f"on the mirror: {e}")
                 continue
             except MirrorError as e:
-                self.say(f"mirror {where}: cannot download {c.name} ({e}); resuming from "
-                         "local checkpoints")
+                self.say(f"{e}; resuming from local checkpoints")
                 self.events.emit("mirror_failed", reason=f"download: {e}", step=c.step,
                                  retry_in_s=None, given_up=False)
                 return False
