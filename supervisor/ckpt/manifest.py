@@ -127,7 +127,12 @@ def load(ckpt_path: str | os.PathLike) -> dict[str, Any]:
     Opens nothing but a regular manifest.json of at most MAX_BYTES inside a real directory (no
     FIFO, device or link), and parses it with bounded nesting (`safeio.parse_json`).
     """
-    raw = _read(Path(ckpt_path))
+    return parse(_read(Path(ckpt_path)))
+
+
+def parse(raw: bytes) -> dict[str, Any]:
+    """The checks of `load` on manifest bytes read elsewhere (a mirror): bounded parsing, then
+    the shape. The caller caps the size at MAX_BYTES before reading."""
     try:
         manifest = safeio.parse_object(raw, "manifest.json")
     except ValueError as e:
