@@ -88,14 +88,22 @@ def _root(
     """rtrain: a supervisor that keeps long PyTorch training runs alive."""
 
 
-Target = Annotated[Path | None, typer.Argument(
-    metavar="DIR", show_default=False,
-    help="Checkpoint dir or one checkpoint-N dir (default: from rtrain.toml, else ./checkpoints).")]
+MirrorTarget = Annotated[str | None, typer.Argument(
+    metavar="DIR|URL", show_default=False,
+    help="Checkpoint dir or one checkpoint-N dir (default: from rtrain.toml, else "
+         "./checkpoints), or a mirror URL (s3://bucket/prefix, file:///path[/checkpoint-N]).")]
+
+
+def _url(target: str | None) -> str | None:
+    """`target` when it names a mirror; the mirror code loads only then."""
+    from supervisor.remote.url import is_url
+
+    return target if target is not None and is_url(target) else None
 
 
 @app.command()
 def inspect(
-    target: Target = None,
+    target: MirrorTarget = None,
     verify: Annotated[VerifyLevel | None, typer.Option(
         "--verify", case_sensitive=False, show_default=False,
         help="quick (sizes) or full (content hashes). Default quick; when given, a failure "
@@ -109,21 +117,29 @@ def inspect(
         from supervisor.commands import inspecting as insp
 
         level = Level((verify or VerifyLevel.quick).value)
-        root = _ckpt_dir(target)
         key = _signing_key()
-        if insp.is_checkpoint_dir(root):
-            result: Any = insp.inspect_one(root, verify=level, key=key)
-            echo_json(render.one_json(result)) if as_json else typer.echo(render.render_one(result))
+        result: Any
+        if url := _url(target):
+            from supervisor.commands import mirroring
+
+            one = mirroring.is_one_checkpoint(url)
+            result = (mirroring.inspect_mirror_one if one else mirroring.inspect_mirror)(
+                url, verify=level, key=key)
         else:
-            result = insp.inspect_dir(root, verify=level, key=key)
-            echo_json(render.dir_json(result)) if as_json else typer.echo(render.render_dir(result))
+            root = _ckpt_dir(None if target is None else Path(target))
+            one = insp.is_checkpoint_dir(root)
+            result = (insp.inspect_one if one else insp.inspect_dir)(root, verify=level, key=key)
+        if as_json:
+            echo_json(render.one_json(result) if one else render.dir_json(result))
+        else:
+            typer.echo(render.render_one(result) if one else render.render_dir(result))
         if verify is not None:
             result.raise_if_failed()
 
 
 @app.command()
 def prune(
-    target: Target = None,
+    target: MirrorTarget = None,
     keep: Annotated[int, typer.Option("--keep", metavar="N", show_default=False,
                                       help="Keep the newest N verified checkpoints.")] = ...,
     keep_best: Annotated[int, typer.Option("--keep-best", metavar="K",
@@ -149,7 +165,15 @@ def prune(
         policy = pruning.policy_from_options(
             keep=keep, keep_best=keep_best, metric=metric, mode=mode and mode.value,
             milestone_every=milestone_every)
-        report = pruning.prune_dir(_ckpt_dir(target), policy=policy, verify=Level(verify.value),
+        if url := _url(target):
+            from supervisor.commands import mirroring
+
+            remote = mirroring.prune_mirror(url, policy=policy, verify=Level(verify.value),
+                                            key=_signing_key(), dry_run=dry_run)
+            typer.echo(mirroring.render_mirror_prune(url, remote, dry_run=dry_run))
+            return
+        report = pruning.prune_dir(_ckpt_dir(None if target is None else Path(target)),
+                                   policy=policy, verify=Level(verify.value),
                                    key=_signing_key(), dry_run=dry_run)
         typer.echo(pruning.render_prune(report, dry_run=dry_run))
 

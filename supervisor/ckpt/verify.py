@@ -52,8 +52,9 @@ class Verdict:
         return self.status.value if self.ok else f"{self.status.value}: {self.reason}"
 
 
-def check_member_name(root: Path, name: str) -> Path:
-    """File names in a manifest are data: refuse anything that could leave the checkpoint."""
+def check_name(name: str) -> None:
+    """The part of `check_member_name` that needs no filesystem: for names that will become
+    paths elsewhere (a mirror's object keys, a download's temp dir)."""
     if not name or name.startswith(("/", "\\")) or os.path.isabs(name):
         raise manifest.ManifestError(f"file name {name!r} is an absolute path")
     parts = name.replace("\\", "/").split("/")
@@ -61,6 +62,11 @@ def check_member_name(root: Path, name: str) -> Path:
         raise manifest.ManifestError(f"file name {name!r} leaves the checkpoint directory")
     if name == MANIFEST:
         raise manifest.ManifestError("the manifest lists itself")
+
+
+def check_member_name(root: Path, name: str) -> Path:
+    """File names in a manifest are data: refuse anything that could leave the checkpoint."""
+    check_name(name)
     path = root / name
     if "/" not in name:
         # With absolute names and '..' refused, only a link can lead outside; for a plain file

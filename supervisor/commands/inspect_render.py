@@ -83,7 +83,7 @@ def _row(e: Entry) -> list[str]:
 
 def render_dir(report: DirReport) -> str:
     n = len(report.entries)
-    lines = [f"{safe(report.ckpt_dir)}: {n} checkpoint{'s' if n != 1 else ''}, "
+    lines = [f"{safe(report.where)}: {n} checkpoint{'s' if n != 1 else ''}, "
              f"verified {report.level.value}"]
     if report.entries:
         head = ["", "STEP", "EPOCH", "TIME", "SIZE", "METRICS", "SETTINGS", "STATUS"]
@@ -137,7 +137,7 @@ def render_one(d: Detail) -> str:
         ("environment", pairs(d.meta("environment"))),
         ("info", pairs(d.meta("info"))),
     ]
-    lines = [safe(v.path)] + [f"  {k:<12}{safe(val)}" for k, val in fields]
+    lines = [safe(d.where)] + [f"  {k:<12}{safe(val)}" for k, val in fields]
     if d.files:
         lines.append("files:")
         lines += table([["NAME", "SIZE", "HASH", "STATUS"]] + [
@@ -149,9 +149,9 @@ def render_one(d: Detail) -> str:
     return "\n".join(lines)
 
 
-def _entry_json(e: Entry) -> dict[str, Any]:
+def _entry_json(e: Entry, path: str) -> dict[str, Any]:
     return {
-        "name": e.verdict.path.name, "path": str(e.verdict.path), "step": e.verdict.step,
+        "name": e.verdict.path.name, "path": path, "step": e.verdict.step,
         "status": e.verdict.status.value, "reason": e.verdict.reason, "resume": e.resume,
         "format": e.verdict.format,
         "epoch": e.meta("epoch"), "samples_seen": e.meta("samples_seen"),
@@ -163,9 +163,9 @@ def _entry_json(e: Entry) -> dict[str, Any]:
 def dir_json(report: DirReport) -> dict[str, Any]:
     pick = report.resume
     return {
-        "ckpt_dir": str(report.ckpt_dir), "verify": report.level.value,
-        "resume": None if pick is None else str(pick.verdict.path),
-        "checkpoints": [_entry_json(e) for e in report.entries],
+        "ckpt_dir": report.where, "verify": report.level.value,
+        "resume": None if pick is None else report.path_of(pick),
+        "checkpoints": [_entry_json(e, report.path_of(e)) for e in report.entries],
         "leftovers": [{"name": lo.path.name, "path": str(lo.path), "kind": lo.kind,
                        "size": lo.size, "step": lo.step, "host": lo.host, "pid": lo.pid,
                        "writer_alive": lo.writer_alive} for lo in report.leftovers],
@@ -176,7 +176,7 @@ def one_json(d: Detail) -> dict[str, Any]:
     v = d.verdict
     m = v.manifest or v.info or {}
     return {
-        "name": v.path.name, "path": str(v.path), "step": v.step, "verify": d.level.value,
+        "name": v.path.name, "path": d.where, "step": v.step, "verify": d.level.value,
         "format": v.format,
         "status": v.status.value, "reason": v.reason, "size": d.size,
         "time": local_time(m.get("created")),

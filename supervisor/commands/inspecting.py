@@ -67,6 +67,16 @@ class DirReport:
     level: Level
     entries: list[Entry]  # newest first
     leftovers: list[Leftover]
+    location: str | None = None
+    """A mirror's URL (credentials removed) when the checkpoints are not in `ckpt_dir`."""
+
+    @property
+    def where(self) -> str:
+        return self.location or str(self.ckpt_dir)
+
+    def path_of(self, e: Entry) -> str:
+        """Where an entry's checkpoint is, as shown: a path, or a URL for a mirror's."""
+        return f"{self.location}/{e.verdict.path.name}" if self.location else str(e.verdict.path)
 
     @property
     def resume(self) -> Entry | None:
@@ -97,6 +107,12 @@ class Detail:
     files: list[FileCheck]
     # {file: {tensor: (dtype, shape)}}, or {file: "why the header could not be read"}
     tensors: dict[str, dict[str, tuple[str, list[int]]] | str] = field(default_factory=dict)
+    location: str | None = None
+    """A mirror's URL of the checkpoint (credentials removed), for one not on this disk."""
+
+    @property
+    def where(self) -> str:
+        return self.location or str(self.verdict.path)
 
     def meta(self, name: str, default: Any = None) -> Any:
         return _meta(self.verdict).get(name, default)

@@ -20,7 +20,6 @@ no message shows them, and `display` is the URL without `user:pass@` or query.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +34,7 @@ from supervisor.ckpt.commit import fsync_dir
 from supervisor.ckpt.verify import Level, check_member_name, verify
 from supervisor.errors import RtrainError
 from supervisor.remote import cache as blobs
+from supervisor.remote.url import redact, scheme
 
 # S3 timeouts and retries. A dead endpoint fails an operation within about
 #   s3fs retries x botocore attempts x connect timeout = 3 x 3 x 5 s  (plus backoff, < 1 s)
@@ -53,8 +53,6 @@ max(MIN_PART, size / 9000) parts (rounded to MiB): 32 MiB parts reach 280 GiB, l
 get larger parts. Memory: one part buffer per parallel upload (4 x 32 MiB by default)."""
 PROBE_PREFIX = ".rtrain-probe-"
 
-_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_USERINFO_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@?#]*@")
 _S3 = ("s3", "s3a")
 _EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
@@ -101,22 +99,11 @@ class Transfer:
     """Bytes a download took from local blobs (cache or checkpoints) instead."""
 
 
-def is_url(text: str) -> bool:
-    """Whether `text` names a mirror (`scheme://...`) rather than a local directory."""
-    return bool(_SCHEME_RE.match(text))
-
-
-def redact(url: str) -> str:
-    """`url` as it may be shown: no `user:password@`, no query or fragment (tokens live there)."""
-    return re.split(r"[?#]", _USERINFO_RE.sub(r"\1", url), maxsplit=1)[0]
-
-
 def open_mirror(url: str) -> Mirror:
     """The mirror at `url`: `s3://bucket/prefix`, `gs://...`, `file:///path`, or a plain path
     (a shared filesystem). Nothing is contacted yet (`Mirror.probe` does)."""
     display = redact(url)
-    m = _SCHEME_RE.match(url)
-    protocol = m.group(1).lower() if m else "file"
+    protocol = scheme(url) or "file"
     extra = _EXTRA.get(protocol, "s3")
     try:
         import fsspec  # noqa: F401
@@ -126,7 +113,7 @@ def open_mirror(url: str) -> Mirror:
     if protocol == "file":
         from fsspec.implementations.local import LocalFileSystem
 
-        path = url[len("file://"):] if m else url
+        path = url[len("file://"):] if scheme(url) else url
         if not path:
             raise MirrorError("mirror file://: name a directory, e.g. file:///shared/ckpts")
         root = os.path.abspath(os.path.expanduser(path))
@@ -162,6 +149,13 @@ def open_mirror(url: str) -> Mirror:
     if not root:
         raise MirrorError(f"mirror {display}: name a bucket, e.g. {protocol}://bucket/prefix")
     return Mirror(url, fs, root, local=False)
+
+
+def checkpoints(inventory: dict[str, dict[str, int]]) -> list[RemoteCheckpoint]:
+    """The checkpoints of a `Mirror.inventory()`, newest first."""
+    out = [RemoteCheckpoint(layout.parse_step(n), n, layout.MANIFEST in files)
+           for n, files in inventory.items()]
+    return sorted(out, key=lambda r: r.step, reverse=True)
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -242,16 +236,21 @@ class Mirror:
         return {p[len(prefix):]: int(info.get("size") or 0) for p, info in found.items()
                 if p.startswith(prefix) and info.get("type", "file") != "directory"}
 
-    def list(self) -> list[RemoteCheckpoint]:
-        """Every remote checkpoint directory, newest first; committed and unfinished ones. One
-        recursive listing (on S3, one request per 1000 objects)."""
-        steps: dict[str, bool] = {}
-        for rel in self._listing(self.root):
+    def inventory(self) -> dict[str, dict[str, int]]:
+        """`checkpoint name -> {file: size}` of every checkpoint directory, from one recursive
+        listing (on S3, one request per 1000 objects). Other names under the prefix are not
+        checkpoints and are left out."""
+        out: dict[str, dict[str, int]] = {}
+        for rel, size in self._listing(self.root).items():
             top, _, member = rel.partition("/")
             if member and layout.parse_step(top) is not None:
-                steps[top] = steps.get(top, False) or member == layout.MANIFEST
-        out = [RemoteCheckpoint(layout.parse_step(n), n, c) for n, c in steps.items()]
-        return sorted(out, key=lambda r: r.step, reverse=True)
+                out.setdefault(top, {})[member] = size
+        return out
+
+    def list(self) -> list[RemoteCheckpoint]:
+        """Every remote checkpoint directory, newest first: committed ones and unfinished
+        uploads."""
+        return checkpoints(self.inventory())
 
     def sizes(self, name: str) -> dict[str, int]:
         """`file -> size` of what is stored under checkpoint `name` (manifest.json included)."""
