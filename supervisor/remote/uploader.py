@@ -174,13 +174,16 @@ class Uploader:
         from supervisor.remote.retention import prune_remote
         from supervisor.remote.store import MirrorError
 
+        if self.spec.keep_remote == 0:
+            return  # keep everything
         try:
-            deleted = prune_remote(self.mirror, keep_remote=self.spec.keep_remote,
-                                   milestone_every=self.spec.milestone_every,
-                                   protect={just_sent})
+            result = prune_remote(self.mirror, keep_remote=self.spec.keep_remote,
+                                  milestone_every=self.spec.milestone_every,
+                                  protect={just_sent})
         except MirrorError as e:
-            send("failed", step=None, reason=f"retention: {e}", retry_in_s=0, failures=0)
+            send("failed", step=None, reason=f"retention: {e}", retry_in_s=None, failures=0)
             return
+        deleted = {r.step for r, _ in result.deleted}
         if deleted:
             assert self.remote is not None
             self.remote.difference_update(deleted)
