@@ -77,3 +77,17 @@ def test_metrics_carry_the_mirror_lag(tmp_path, make_ckpt):
     assert values["rtrain_mirror_lag_steps"] == 10
     assert values["rtrain_mirror_seconds_since_upload"] == 10
     assert values["rtrain_mirror_failures_total"] == 1
+
+
+def test_the_report_shows_the_mirror(tmp_path, make_ckpt):
+    from supervisor.commands.report import gather
+    from supervisor.commands.report_html import render
+
+    run_dir = _run(tmp_path, make_ckpt, [
+        ("mirror_uploaded", {"step": 20, "bytes": 1, "seconds": 0.1, "files": 2}),
+        ("mirror_final", {"step": 30, "made_it": False, "reason": "not finished after 60 s"}),
+    ])
+    rep = gather(run_dir, now=T0 + 100)
+    assert rep.to_json()["mirror"]["behind_steps"] == 10
+    assert ('mirror <b class="mirror">step 20, 10 behind; the final step 30 did not make it'
+            in render(rep))
