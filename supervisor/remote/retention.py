@@ -78,9 +78,11 @@ def prune_remote(mirror: Mirror, *, keep_remote: int, milestone_every: int = 0,
         def check(rc: RemoteCheckpoint, sizes: dict[str, int]) -> Verdict:
             return verify_remote(mirror, rc, level, key, sizes)
 
+    protect = frozenset(protect)
     inventory = mirror.inventory()
     remote = checkpoints(inventory)
     by_step = {r.step: r for r in remote}
+    unfinished = {r.step for r in remote if not r.committed and r.step not in protect}
     out = RemotePrune()
     bad: set[int] = set()
     checked: set[int] = set()
@@ -97,7 +99,7 @@ def prune_remote(mirror: Mirror, *, keep_remote: int, milestone_every: int = 0,
                 out.failed.append(v)
     kept, deleted = plan_remote(remote, keep_remote, milestone_every, protect, frozenset(bad))
     out.kept, out.deleted = kept, deleted
-    out.why = {step: (KEPT_UNFINISHED if not by_step[step].committed else why)
+    out.why = {step: (KEPT_UNFINISHED if step in unfinished else why)
                for step, why in plan.why.items()}
     for r, _ in deleted:
         out.bytes += sum(inventory[r.name].values())
