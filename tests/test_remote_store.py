@@ -90,7 +90,7 @@ def test_newest_first_and_unfinished_uploads_listed_as_not_committed(mirror, tmp
                              RemoteCheckpoint(300, "checkpoint-300", True),
                              RemoteCheckpoint(20, "checkpoint-20", True),
                              RemoteCheckpoint(5, "checkpoint-5", True)]
-    with pytest.raises(CorruptRemote, match="no manifest.json"):
+    with pytest.raises(CorruptRemote, match=r"no manifest\.json"):
         mirror.download("checkpoint-400", tmp_path / "fresh")
 
 
@@ -218,7 +218,7 @@ def test_a_damaged_local_checkpoint_of_that_step_is_not_replaced(mirror, ckpt, t
     mirror.upload(ckpt)
     local = build_checkpoint(tmp_path / "a", 100)
     (local / "state.json").write_text('{"step": 1}')
-    with pytest.raises(MirrorError, match="fails verification.*move it away"):
+    with pytest.raises(MirrorError, match=r"fails verification.*move it away"):
         mirror.download("checkpoint-100", tmp_path / "a")
     assert (local / "state.json").read_text() == '{"step": 1}'
 
@@ -230,7 +230,7 @@ def test_names_that_are_not_checkpoints_are_refused(mirror):
 
 @pytest.mark.slow
 def test_large_files_go_up_in_parts(s3_mirror, tmp_path, monkeypatch):
-    monkeypatch.setattr(store, "MIN_PART", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(store, "PART_BYTES", 5 << 20)  # S3's smallest part
     url, _ = s3_mirror
     mirror = open_mirror(url)
     ckpt = build_checkpoint(tmp_path / "local", 1, files={"big.bin": os.urandom(12 << 20)})
