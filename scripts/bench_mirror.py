@@ -155,8 +155,15 @@ def resume_time(tmp: Path, server: S3Server, sizes: list[int]) -> None:
         shutil.rmtree(empty)
         shutil.rmtree(tmp / "cache", ignore_errors=True)
         shutil.rmtree(src)
+        # Baseline for the transfer: a plain fsspec get of the same files.
+        mirror = open_mirror(url)
+        t0 = time.perf_counter()
+        mirror.fs.get(f"{mirror.root}/checkpoint-7", str(tmp / "plain-get"), recursive=True)
+        plain = time.perf_counter() - t0
+        shutil.rmtree(tmp / "plain-get")
         extra = max(remote - local, 1e-9)
-        print(f"  {size:>5} MiB  {local:7.2f}s  {remote:10.2f}s  {size / extra:9.0f} MiB/s")
+        print(f"  {size:>5} MiB  {local:7.2f}s  {remote:10.2f}s  {size / extra:9.0f} MiB/s"
+              f"   (plain fsspec get: {size / plain:.0f} MiB/s)")
 
 
 def main() -> None:

@@ -81,6 +81,10 @@ def test_a_fresh_machine_resumes_from_the_mirror_bitwise(tmp_path, mirror):
     final = events(first, "mirror_final")[-1]
     assert final["made_it"] is True and final["step"] == 6, final
     assert 6 in mirror.committed()
+    if not mirror.url.startswith("s3://"):  # a shared directory: private, as the run's files
+        ckpt = Path(mirror.url) / "checkpoint-6"
+        assert ckpt.stat().st_mode & 0o777 == 0o700
+        assert {p.stat().st_mode & 0o777 for p in ckpt.iterdir()} == {0o600}
     shutil.rmtree(tmp_path / "machine-a")  # the machine and its disk are gone
 
     second = tmp_path / "machine-b" / "run"

@@ -38,12 +38,13 @@ def open_for(config: Config, run_dir: Path, ckpt_dir: Path, events: EventLog,
     from supervisor.remote.store import MirrorError, open_mirror
 
     try:
-        mirror = open_mirror(config.mirror)
+        mirror = open_mirror(config.mirror, file_mode=config.file_mode)
         mirror.probe()
     except MirrorError as e:
         raise UsageError(str(e)) from None  # it names the mirror and what to change
     spec = Spec(ckpt_dir=ckpt_dir, url=config.mirror, keep_remote=config.keep_remote,
-                milestone_every=config.milestone_every, parallel=config.mirror_parallel)
+                milestone_every=config.milestone_every, parallel=config.mirror_parallel,
+                file_mode=config.file_mode)
     return Mirroring(spec, run_dir, events, say, mirror)
 
 

@@ -99,7 +99,7 @@ class Transfer:
     """Bytes a download took from local blobs (cache or checkpoints) instead."""
 
 
-def open_mirror(url: str) -> Mirror:
+def open_mirror(url: str, *, file_mode: int = filemode.DEFAULT_FILE_MODE) -> Mirror:
     """The mirror at `url`: `s3://bucket/prefix`, `gs://...`, `file:///path`, or a plain path
     (a shared filesystem). Nothing is contacted yet (`Mirror.probe` does)."""
     display = redact(url)
@@ -117,7 +117,8 @@ def open_mirror(url: str) -> Mirror:
         if not path:
             raise MirrorError("mirror file://: name a directory, e.g. file:///shared/ckpts")
         root = os.path.abspath(os.path.expanduser(path))
-        return Mirror(url, LocalFileSystem(auto_mkdir=True), root, local=True)
+        return Mirror(url, LocalFileSystem(auto_mkdir=True), root, local=True,
+                      file_mode=file_mode)
     if protocol in _S3:
         try:
             import s3fs
@@ -200,12 +201,16 @@ def explain(exc: BaseException, *, local: bool = False) -> str:
 class Mirror:
     """Checkpoints under one URL. Every failure of the storage is a `MirrorError`."""
 
-    def __init__(self, url: str, fs: Any, root: str, *, local: bool) -> None:
+    def __init__(self, url: str, fs: Any, root: str, *, local: bool,
+                 file_mode: int = filemode.DEFAULT_FILE_MODE) -> None:
         self.url = url
         self.display = redact(url)
         self.fs = fs
         self.root = root
         self.local = local  # a filesystem path: fsync what is written, as for a local commit
+        # A directory mirror gets the run's modes (private unless file_mode shares it); an
+        # object store keeps its bucket's policy and ACLs (s3fs writes objects private).
+        self.file_mode = file_mode
 
     def __repr__(self) -> str:
         return f"Mirror({self.display!r})"
@@ -345,12 +350,16 @@ class Mirror:
         if self._remote_manifest_is(name, raw):
             return Transfer(name, 0, time.monotonic() - t0, 0)
         self._rm(self._path(name, layout.MANIFEST), f"cannot decommit {name}")
+        if self.local:  # private before the first byte lands in it
+            filemode.make_dir(Path(self._path(name)), self.file_mode)
         sent = _run_all(parallel, [
             (self._put, (src, name, member, entry, alg)) for src, member, entry in files])
         try:
             self.fs.pipe_file(self._path(name, layout.MANIFEST), raw)
         except Exception as e:
             raise self._error(f"cannot write {name}/manifest.json", e) from None
+        if self.local:
+            filemode.apply_tree(Path(self._path(name)), self.file_mode)
         self._sync(self._path(name, layout.MANIFEST), directory=True)
         return Transfer(name, sum(sent) + len(raw), time.monotonic() - t0, len(files) + 1)
 

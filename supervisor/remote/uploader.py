@@ -47,17 +47,19 @@ class Spec:
     keep_remote: int
     milestone_every: int
     parallel: int
+    file_mode: int = 0o600
 
     @classmethod
     def parse(cls, text: str) -> Spec:
         raw = json.loads(text)
         return cls(Path(raw["ckpt_dir"]), raw["url"], int(raw["keep_remote"]),
-                   int(raw["milestone_every"]), int(raw["parallel"]))
+                   int(raw["milestone_every"]), int(raw["parallel"]), int(raw["file_mode"]))
 
     def dumps(self) -> str:
         return json.dumps({"ckpt_dir": str(self.ckpt_dir), "url": self.url,
                            "keep_remote": self.keep_remote,
-                           "milestone_every": self.milestone_every, "parallel": self.parallel})
+                           "milestone_every": self.milestone_every, "parallel": self.parallel,
+                           "file_mode": self.file_mode})
 
 
 def retry_after(failures: int) -> float:
@@ -222,7 +224,7 @@ def main(argv: list[str]) -> int:
     spec = Spec.parse(argv[1])
     commands = Commands()
     try:
-        mirror = open_mirror(spec.url)
+        mirror = open_mirror(spec.url, file_mode=spec.file_mode)
     except MirrorError as e:
         send("failed", step=None, reason=str(e), retry_in_s=None, failures=1)
         return 2
