@@ -218,10 +218,24 @@ def hold_lock(ckpt_dir: Path, commands: Commands) -> int | None:
             commands.wait(STANDBY_RETRY_S)
 
 
+def yield_to_training() -> None:
+    """Lowest CPU and I/O priority: the uploader takes what training leaves (the training
+    child and its data workers keep their share on a busy node), and an upload merely takes
+    longer."""
+    os.nice(10)
+    try:
+        import psutil
+
+        psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, value=7)
+    except (OSError, AttributeError, ValueError):
+        pass  # no I/O priorities here (not Linux, or a container without them)
+
+
 def main(argv: list[str]) -> int:
     from supervisor.remote.store import MirrorError, open_mirror
 
     spec = Spec.parse(argv[1])
+    yield_to_training()
     commands = Commands()
     try:
         mirror = open_mirror(spec.url, file_mode=spec.file_mode)
