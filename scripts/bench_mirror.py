@@ -174,6 +174,9 @@ def main() -> None:
     ap.add_argument("--resume-sizes", default="64,256,1024")
     args = ap.parse_args()
     server = S3Server().start()
+    # The store is another machine in a real deployment; here it shares this one's cores, so
+    # it gets the leftovers, as the uploader does, rather than charging its CPU to training.
+    os.setpriority(os.PRIO_PROCESS, server.proc.pid, 10)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-mirror-") as d:
             tmp = Path(d)
