@@ -3,6 +3,7 @@
 import pytest
 
 from supervisor.remote.backlog import Plan, next_upload
+from supervisor.remote.uploader import retry_after
 
 CASES = [
     # local, remote, milestone_every, given_up -> plan
@@ -29,3 +30,7 @@ CASES = [
 @pytest.mark.parametrize("local,remote,every,given_up,plan", CASES)
 def test_next_upload(local, remote, every, given_up, plan):
     assert next_upload(local, remote, milestone_every=every, given_up=given_up) == plan
+
+
+def test_failed_uploads_are_retried_after_a_growing_wait_with_a_cap():
+    assert [retry_after(n) for n in (1, 2, 3, 4, 5, 6, 9)] == [1, 2, 4, 8, 16, 30, 30]
