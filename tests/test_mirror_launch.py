@@ -281,3 +281,36 @@ def test_an_outage_of_the_store_never_slows_training_and_is_caught_up(tmp_path, 
     assert caught["step"] >= newest_then - 3
     assert events(run, "mirror_superseded"), "the steps committed during the outage never go up"
     assert events(run, "mirror_final")[-1]["made_it"] is True
+
+
+def test_a_store_down_at_a_relaunch_does_not_stop_training_but_stops_a_new_run(tmp_path):
+    server = S3Server().start()
+    url = f"s3://{BUCKET}/down"
+    run = tmp_path / "run"
+    args = ("--mirror", url, BIG, "{ckpt_dir}", "1", "2", "0.2")
+    try:
+        proc = subprocess.Popen(launch_cmd(run, *args), cwd=tmp_path, env=child_env(**server.env),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_event(run, "mirror_uploaded", 60, lambda e: e["step"] == 2)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        finally:
+            proc.kill()
+        assert proc.returncode == 75
+    finally:
+        server.stop()
+    # The store is down: the requeued run trains anyway; the new one is told at once.
+    new = launch(tmp_path / "new-run", *args, env=server.env, timeout=120)
+    assert new.returncode == 2 and "the endpoint does not answer" in new.stderr, new.stderr
+    proc = subprocess.Popen(launch_cmd(run, *args), cwd=tmp_path, env=child_env(**server.env),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_event(run, "launch", 60, lambda e: e["attempt"] == 1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err
+    assert "training goes on, uploads will catch up" in err
+    assert events(run, "mirror_final")[-1]["made_it"] is False

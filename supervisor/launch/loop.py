@@ -119,8 +119,9 @@ class Loop:
         self.hb = HeartbeatReceiver()
         self.watch_cfg = WatchConfig.from_config(self.cfg)
         self.procs = ProcRecord(run_dir)  # the attempt's processes, for the next launch
-        self.mirroring = mirroring.open_for(self.cfg, run_dir, self.ckpt_dir, self.events,
-                                            self.say)  # probed: bad credentials stop us here
+        self.mirroring = mirroring.open_for(  # probed: bad credentials stop us here
+            self.cfg, run_dir, self.ckpt_dir, self.events, self.say,
+            new_run=self.record.new_run)
         self.checkpoints.remote = self.mirroring
         self._last_step: int | None = None  # of the attempt that just ended
 

@@ -29,17 +29,25 @@ from supervisor.remote.uploader import Spec
 
 
 def open_for(config: Config, run_dir: Path, ckpt_dir: Path, events: EventLog,
-             say: Callable[[str], None]) -> Mirroring | None:
+             say: Callable[[str], None], *, new_run: bool) -> Mirroring | None:
     """The run's mirror, probed (a small object written, read back and deleted), or None when
     no mirror is set. A mirror that cannot be used is a start-up error: the user finds out
-    before training starts, not after a week of checkpoints that went nowhere."""
+    before training starts, not after a week of checkpoints that went nowhere. Except an
+    endpoint that does not answer when a run that already trained is launched again (a
+    requeue during a store's outage): training goes on and the uploader catches up."""
     if config.mirror is None:
         return None
-    from supervisor.remote.store import MirrorError, open_mirror
+    from supervisor.remote.store import MirrorError, Unreachable, open_mirror
 
     try:
         mirror = open_mirror(config.mirror, file_mode=config.file_mode)
         mirror.probe()
+    except Unreachable as e:
+        if new_run:
+            raise UsageError(str(e)) from None
+        say(f"{e}; training goes on, uploads will catch up")
+        events.emit("mirror_failed", reason=str(e), step=None, retry_in_s=None,
+                    given_up=False)
     except MirrorError as e:
         raise UsageError(str(e)) from None  # it names the mirror and what to change
     spec = Spec(ckpt_dir=ckpt_dir, url=config.mirror, keep_remote=config.keep_remote,

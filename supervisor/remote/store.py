@@ -70,6 +70,10 @@ class CorruptRemote(MirrorError):
         self.reason = reason
 
 
+class Unreachable(MirrorError):
+    """The endpoint does not answer (refused, timed out, dropped): perhaps for a while only."""
+
+
 class CorruptLocal(MirrorError):
     """A local checkpoint that fails its own manifest: it is not uploaded."""
 
@@ -168,21 +172,29 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return out
 
 
+_UNREACHABLE = frozenset({"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                          "ConnectionError", "TimeoutError", "ClientConnectorError",
+                          "ServerDisconnectedError"})
+
+
+def _names(exc: BaseException) -> set[str]:
+    """Class names along the exception's chain, bases included."""
+    return {cls.__name__ for e in _chain(exc) for cls in type(e).__mro__}
+
+
 def explain(exc: BaseException, *, local: bool = False) -> str:
     """`(kind): what to check` for a storage error, from exception classes and S3 error codes
     only: an error's own text may quote request details, never shown. `local`: the mirror is a
     filesystem path (permissions, not credentials)."""
     chain = _chain(exc)
-    names = {cls.__name__ for e in chain for cls in type(e).__mro__}
+    names = _names(exc)
     codes = [e.response.get("Error", {}).get("Code") for e in chain
              if isinstance(getattr(e, "response", None), dict)]
     kind = next((c for c in codes if c), None) or type(exc).__name__
     if "NoCredentialsError" in names or "PartialCredentialsError" in names:
         return (f"({kind}): no credentials found: set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE")
-    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-                "ConnectionError", "TimeoutError", "ClientConnectorError",
-                "ServerDisconnectedError"}:
+    if names & _UNREACHABLE:
         return (f"({kind}): the endpoint does not answer: check AWS_ENDPOINT_URL (or the "
                 "region) and the network")
     if "PermissionError" in names or set(codes) & {
@@ -219,7 +231,8 @@ class Mirror:
         return f"{self.root}/{name}" if member is None else f"{self.root}/{name}/{member}"
 
     def _error(self, what: str, exc: BaseException) -> MirrorError:
-        return MirrorError(f"mirror {self.display}: {what} {explain(exc, local=self.local)}")
+        cls = Unreachable if _names(exc) & _UNREACHABLE else MirrorError
+        return cls(f"mirror {self.display}: {what} {explain(exc, local=self.local)}")
 
     def _step(self, name: str) -> int:
         step = layout.parse_step(name)
