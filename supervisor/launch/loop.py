@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from supervisor.ckpt import crypt
 from supervisor.ckpt.hashing import load_signing_key
 from supervisor.ckpt.verify import Selection, Verdict
 from supervisor.config import Config
@@ -92,6 +93,19 @@ def _end_leftovers(run_dir: Path, events: EventLog, say: Callable[[str], None]) 
             + ", ".join(f"pid {p.pid} ({p.command[:60]})" for p in ended))
 
 
+def encryption_key() -> crypt.EncryptionKey | None:
+    """The key the child inherits (RTRAIN_ENCRYPTION_KEY / _FILE), checked here so a bad key
+    file or a missing `cryptography` package is one line at launch, not a child's traceback.
+    Only the package's presence is checked: the supervisor never encrypts."""
+    import importlib.util
+
+    enc = crypt.load_encryption_key()
+    if enc is not None and importlib.util.find_spec("cryptography") is None:
+        raise UsageError(f"{crypt.ENV_KEY} is set, but encrypting checkpoints needs the "
+                         f"cryptography package: {crypt.INSTALL_HINT}")
+    return enc
+
+
 def _ckpt_dir(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.ckpt_dir or run_dir / "checkpoints")
 
@@ -114,7 +128,7 @@ class Loop:
                                 monotonic=seams.monotonic, sleep=seams.sleep, say=self.say)
         self.record.load(spec.command, spec.cwd, fresh=spec.fresh, retry=spec.retry)
         self.checkpoints = Checkpoints(self.ckpt_dir, self.cfg, load_signing_key(), self.events,
-                                       self.say)
+                                       self.say, enc=encryption_key())
         self.gpu = seams.gpu if seams.gpu is not None else NvmlReader()
         self.hb = HeartbeatReceiver()
         self.watch_cfg = WatchConfig.from_config(self.cfg)

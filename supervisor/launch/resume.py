@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from supervisor.ckpt import foreign, quarantine
+from supervisor.ckpt import crypt, foreign, quarantine
 from supervisor.ckpt.verify import Level, Selection, Verdict, mark_quarantined
 from supervisor.config import Config
 from supervisor.decide.policy import History, Resumed, ResumeMode
@@ -20,8 +20,9 @@ from supervisor.safetext import safe
 
 class Checkpoints:
     def __init__(self, ckpt_dir: Path, config: Config, key: bytes | None, events: EventLog,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], enc: crypt.EncryptionKey | None = None) -> None:
         self.dir, self.cfg, self.key, self.events, self.say = ckpt_dir, config, key, events, say
+        self.enc = enc  # RTRAIN_ENCRYPTION_KEY(_FILE), which the child inherits
 
     def pick(self, history: History, resume: ResumeMode, *, first: bool) -> Selection | None:
         """The checkpoint the next attempt resumes from; None when an explicit --resume PATH
@@ -34,7 +35,7 @@ class Checkpoints:
             if not v.ok:
                 raise UsageError(f"--resume {self.cfg.resume} does not verify ({v.describe()}): "
                                  "pick another checkpoint or use --resume auto")
-            return Selection(v, [])
+            return self._openable(Selection(v, []))
         # Any format: rtrain's own, a Trainer's checkpoint-N dirs, Lightning / torch.save files.
         sel = self._select(level, history, skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
         for v in sel.skipped:
@@ -42,6 +43,21 @@ class Checkpoints:
             self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
         if resume is ResumeMode.ROLLBACK and sel.chosen is None:
             sel = self._select(level, history)  # nothing older: newest
+        return self._openable(sel)
+
+    def _openable(self, sel: Selection) -> Selection:
+        """`sel`, unless its checkpoint is encrypted and the child's key cannot open it: then a
+        UsageError naming the fingerprints, before any attempt starts (the child would fail
+        on it, then on every older checkpoint of the run, all sealed with the same key)."""
+        chosen = sel.chosen
+        if chosen is None or chosen.manifest is None or chosen.format != "rtrain":
+            return sel
+        try:
+            problem = crypt.key_problem(chosen.manifest, self.enc)
+        except crypt.CryptError as e:
+            problem = str(e)
+        if problem is not None:
+            raise UsageError(f"cannot resume from {safe(chosen.path.name)}: {problem}")
         return sel
 
     def _select(self, level: Level, history: History, skip_newest: int = 0) -> Selection:
