@@ -75,7 +75,7 @@ def test_launch_refuses_a_checkpoint_its_key_cannot_open(tmp_path, rtrain, env):
     assert KEY.fingerprint in err
     if env:
         assert crypt.EncryptionKey.from_material(OTHER_HEX).fingerprint in err
-    assert not events(tmp_path / "run", "attempt_start")
+    assert not events(tmp_path / "run", "launch")
 
 
 def test_launch_with_a_bad_key_file_is_one_line(tmp_path, rtrain):
