@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from bitwise import assert_bitwise_equal
-from harness import CHILDREN, child_env, events, launch, run_rtrain
+from harness import CHILDREN, child_env, events, launch, launch_2_ranks, run_rtrain
 
 from supervisor.ckpt import crypt
 from supervisor.ckpt.hashing import hash_file
@@ -90,3 +90,29 @@ def test_tampered_and_keyless_resumes(tmp_path):
         assert r.returncode == 2
         assert crypt.EncryptionKey.from_material(KEY).fingerprint in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_resume_bitwise_from_encrypted_shards(tmp_path):
+    from test_dist_resume import _fsdp_available
+
+    why = _fsdp_available()
+    if why:
+        pytest.skip(why)
+    env = {"RTRAIN_ENCRYPTION_KEY": KEY}
+    ref = launch_2_ranks(tmp_path / "ref", str(tmp_path / "ref"), "10", "--fsdp")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = tmp_path / "split"
+    r = launch_2_ranks(run, str(tmp_path / "split"), "10", "--die-at", "7", "--die-rank", "1",
+                       "--fsdp", extra_env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert events(run, "launch")[1]["resume_from"].endswith("checkpoint-6")
+    for rank in (0, 1):
+        a = torch.load(tmp_path / f"ref-rank{rank}.pt", weights_only=False)
+        b = torch.load(tmp_path / f"split-rank{rank}.pt", weights_only=False)
+        assert_bitwise_equal(a, b, f"rank{rank}")
+    ckpt = run / "checkpoints" / "checkpoint-9"
+    m = json.loads((ckpt / "manifest.json").read_text())
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp",
+            "rng-rank1.safetensors"} <= m["files"].keys()
+    assert all((ckpt / n).read_bytes().startswith(crypt.MAGIC) for n in m["files"])
