@@ -375,16 +375,47 @@ class Decryptor:
         return self._chunk if i < self._last else self.size - self._last * self._chunk
 
     def _open(self, out: memoryview) -> None:
-        i = self._next
         sealed = memoryview(self._sealed)[:out.nbytes + TAG]
         self.raw.readinto(sealed)
+        self._decrypt(self._next, sealed, out)
+        self._next += 1
+
+    def _decrypt(self, i: int, sealed: memoryview, out: memoryview) -> None:
         try:
             self._aead.decrypt_into(_nonce(i), sealed, _aad(self.header, self.name, i,
                                                               i == self._last), out)
         except self._invalid_tag:
             raise CryptError(f"{self.name}: chunk {i} fails authentication: the file was "
                              "altered (tampered with, corrupted, or its chunks moved)") from None
-        self._next += 1
+
+    def _open_run(self, out: memoryview) -> None:
+        """Open whole chunks into `out` (exactly their plaintext): each chunk's ciphertext is
+        read and hashed here while a thread decrypts the one before into its place (read and
+        hash on one core, AES on the other)."""
+        free = [self._sealed, bytearray(len(self._sealed))]
+        pending: deque[tuple[Future, bytearray]] = deque()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rtrain-open")
+        try:
+            off = 0
+            while off < out.nbytes:
+                i = self._next
+                length = self._length(i)
+                if not free:
+                    done, buf = pending.popleft()
+                    done.result()
+                    free.append(buf)
+                buf = free.pop()
+                sealed = memoryview(buf)[:length + TAG]
+                self.raw.readinto(sealed)
+                pending.append((pool.submit(self._decrypt, i, sealed, out[off:off + length]),
+                                buf))
+                self._next += 1
+                off += length
+            while pending:
+                pending.popleft()[0].result()
+        finally:
+            # Nothing may still write into `out` once this returns or raises.
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def readinto(self, buf: memoryview) -> None:
         view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
@@ -401,13 +432,26 @@ class Decryptor:
                 off += take
                 continue
             length = self._length(self._next)
-            if n - off >= length:  # a whole chunk wanted: straight into the caller's memory
+            whole = self._whole_chunks(n - off)
+            if whole >= 2 * self._chunk:  # many chunks: read ahead of the decryption
+                self._open_run(view[off:off + whole])
+                off += whole
+            elif n - off >= length:  # a whole chunk wanted: straight into the caller's memory
                 self._open(view[off:off + length])
                 off += length
             else:
                 self._open(memoryview(self._plain)[:length])
                 self._have = memoryview(self._plain)[:length]
         self.pos += n
+
+    def _whole_chunks(self, n: int) -> int:
+        """How many of the next `n` plaintext bytes are whole chunks, as a byte count (the
+        final chunk counts when `n` reaches the end of the file)."""
+        full = min(n // self._chunk, self._last - self._next)
+        total = full * self._chunk
+        if self._next + full == self._last and n - total >= self._length(self._last):
+            total += self._length(self._last)
+        return total
 
     def read(self, n: int) -> bytes:
         buf = bytearray(n)
