@@ -1,5 +1,5 @@
-"""The encrypted file format (supervisor/ckpt/crypt.py): round trips, wrong keys, tampering,
-truncation, reordered chunks, and the key's loading rules."""
+"""The encrypted file format (supervisor/ckpt/sealed.py) and its key (crypt.py): round trips,
+wrong keys, tampering, truncation, reordered chunks, and the key's loading rules."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from supervisor.ckpt import crypt
-from supervisor.ckpt.crypt import CryptError, Decryptor, EncryptionKey
+from supervisor.ckpt import crypt, sealed
+from supervisor.ckpt.crypt import CryptError, EncryptionKey
+from supervisor.ckpt.sealed import Decryptor
 from supervisor.errors import UsageError
 
 KEY = EncryptionKey(bytes(range(32)))
@@ -44,7 +45,7 @@ class _Raw:
 def _seal(data: bytes, key: EncryptionKey = KEY, name: str = "model.safetensors",
           chunk: int = SMALL, pieces: int = 1) -> bytes:
     out: list[bytes] = []
-    enc = crypt.Encryptor(key, name, lambda v: out.append(bytes(v)), chunk)
+    enc = sealed.Encryptor(key, name, lambda v: out.append(bytes(v)), chunk)
     step = max(1, len(data) // pieces)
     for i in range(0, len(data), step):
         enc.update(data[i:i + step])
@@ -52,9 +53,9 @@ def _seal(data: bytes, key: EncryptionKey = KEY, name: str = "model.safetensors"
     return b"".join(out)
 
 
-def _open(sealed: bytes, key: EncryptionKey = KEY, name: str = "model.safetensors",
+def _open(ct: bytes, key: EncryptionKey = KEY, name: str = "model.safetensors",
           reads: tuple[int, ...] = ()) -> bytes:
-    raw = _Raw(sealed)
+    raw = _Raw(ct)
     d = Decryptor(raw, key, name)
     got = bytearray()
     for n in reads:
@@ -69,17 +70,17 @@ def _open(sealed: bytes, key: EncryptionKey = KEY, name: str = "model.safetensor
 @pytest.mark.parametrize("pieces", [1, 3, 50])
 def test_round_trip(size: int, pieces: int) -> None:
     data = os.urandom(size)
-    sealed = _seal(data, pieces=pieces)
-    assert len(sealed) == crypt.sealed_size(size, SMALL)
-    assert crypt.plain_size(len(sealed), SMALL) == size
-    assert _open(sealed) == data
-    assert _open(sealed, reads=(3, SMALL, 1)) == data if size >= SMALL + 4 else True
+    ct = _seal(data, pieces=pieces)
+    assert len(ct) == sealed.sealed_size(size, SMALL)
+    assert sealed.plain_size(len(ct), SMALL) == size
+    assert _open(ct) == data
+    assert _open(ct, reads=(3, SMALL, 1)) == data if size >= SMALL + 4 else True
 
 
 def test_default_chunk_round_trip_with_sealing_thread() -> None:
-    data = os.urandom(3 * crypt.CHUNK + 123)
-    sealed = crypt.seal_bytes(KEY, "x", data)
-    assert _open(sealed, name="x") == data
+    data = os.urandom(3 * sealed.CHUNK + 123)
+    ct = sealed.seal_bytes(KEY, "x", data)
+    assert _open(ct, name="x") == data
 
 
 def test_the_same_plaintext_seals_differently_each_time() -> None:
@@ -88,58 +89,58 @@ def test_the_same_plaintext_seals_differently_each_time() -> None:
 
 
 def test_wrong_key_is_named() -> None:
-    sealed = _seal(b"secret" * 40)
+    ct = _seal(b"secret" * 40)
     with pytest.raises(CryptError, match=f"fingerprint {KEY.fingerprint}, not {OTHER.fingerprint}"):
-        _open(sealed, key=OTHER)
+        _open(ct, key=OTHER)
 
 
 def test_one_flipped_byte_of_ciphertext_is_detected() -> None:
-    sealed = bytearray(_seal(os.urandom(4 * SMALL)))
-    sealed[crypt.HEADER_SIZE + SMALL + crypt.TAG + 20] ^= 1  # in chunk 1
+    ct = bytearray(_seal(os.urandom(4 * SMALL)))
+    ct[sealed.HEADER_SIZE + SMALL + sealed.TAG + 20] ^= 1  # in chunk 1
     with pytest.raises(CryptError, match="chunk 1 fails authentication"):
-        _open(bytes(sealed))
+        _open(bytes(ct))
 
 
 def test_a_changed_header_is_detected() -> None:
-    sealed = bytearray(_seal(os.urandom(4 * SMALL)))
-    sealed[crypt.HEADER_SIZE - 1] ^= 1  # the salt: another file key
+    ct = bytearray(_seal(os.urandom(4 * SMALL)))
+    ct[sealed.HEADER_SIZE - 1] ^= 1  # the salt: another file key
     with pytest.raises(CryptError, match="fails authentication"):
-        _open(bytes(sealed))
+        _open(bytes(ct))
 
 
-@pytest.mark.parametrize("cut", [1, crypt.TAG, crypt.TAG + 3, SMALL + crypt.TAG])
+@pytest.mark.parametrize("cut", [1, sealed.TAG, sealed.TAG + 3, SMALL + sealed.TAG])
 def test_truncation_is_detected(cut: int) -> None:
-    sealed = _seal(os.urandom(3 * SMALL + 10))
+    ct = _seal(os.urandom(3 * SMALL + 10))
     with pytest.raises(CryptError, match=r"truncated|fails authentication"):
-        _open(sealed[:-cut])
+        _open(ct[:-cut])
 
 
 def test_dropping_an_empty_final_chunk_is_detected() -> None:
-    sealed = _seal(os.urandom(3 * SMALL))  # whole chunks: the final one is empty (a tag)
+    ct = _seal(os.urandom(3 * SMALL))  # whole chunks: the final one is empty (a tag)
     with pytest.raises(CryptError):
-        _open(sealed[:-crypt.TAG])
+        _open(ct[:-sealed.TAG])
 
 
 def test_dropping_the_final_chunk_of_whole_chunks_is_detected() -> None:
     # Cut right after a full chunk: the layout then reads the last full chunk as the final one.
-    sealed = _seal(os.urandom(3 * SMALL + 5))
-    cut = crypt.HEADER_SIZE + 2 * (SMALL + crypt.TAG) + SMALL + crypt.TAG - (SMALL - 5)
+    ct = _seal(os.urandom(3 * SMALL + 5))
+    cut = sealed.HEADER_SIZE + 2 * (SMALL + sealed.TAG) + SMALL + sealed.TAG - (SMALL - 5)
     with pytest.raises(CryptError):
-        _open(sealed[:cut])
+        _open(ct[:cut])
 
 
 def test_reordered_chunks_are_detected() -> None:
-    sealed = _seal(os.urandom(3 * SMALL + 10))
-    h, c = crypt.HEADER_SIZE, SMALL + crypt.TAG
-    swapped = sealed[:h] + sealed[h + c:h + 2 * c] + sealed[h:h + c] + sealed[h + 2 * c:]
+    ct = _seal(os.urandom(3 * SMALL + 10))
+    h, c = sealed.HEADER_SIZE, SMALL + sealed.TAG
+    swapped = ct[:h] + ct[h + c:h + 2 * c] + ct[h:h + c] + ct[h + 2 * c:]
     with pytest.raises(CryptError, match="chunk 0 fails authentication"):
         _open(swapped)
 
 
 def test_a_file_renamed_within_the_checkpoint_is_detected() -> None:
-    sealed = _seal(os.urandom(100), name="model.safetensors")
+    ct = _seal(os.urandom(100), name="model.safetensors")
     with pytest.raises(CryptError, match="fails authentication"):
-        _open(sealed, name="optimizer.safetensors")
+        _open(ct, name="optimizer.safetensors")
 
 
 def test_a_plaintext_file_is_not_taken_for_an_encrypted_one() -> None:
@@ -150,11 +151,11 @@ def test_a_plaintext_file_is_not_taken_for_an_encrypted_one() -> None:
 
 
 def test_empty_file_round_trip_and_final_chunk_required() -> None:
-    sealed = _seal(b"")
-    assert len(sealed) == crypt.HEADER_SIZE + crypt.TAG
-    assert _open(sealed) == b""
+    ct = _seal(b"")
+    assert len(ct) == sealed.HEADER_SIZE + sealed.TAG
+    assert _open(ct) == b""
     with pytest.raises(CryptError):
-        _open(sealed[:crypt.HEADER_SIZE])
+        _open(ct[:sealed.HEADER_SIZE])
 
 
 def test_reading_past_the_end_is_refused() -> None:
@@ -212,7 +213,7 @@ def test_key_file_modes_follow_the_signing_key_rules(tmp_path) -> None:
 
 
 def test_key_problem_names_both_fingerprints() -> None:
-    m = {"encryption": crypt.manifest_entry(KEY)}
+    m = {"encryption": crypt.manifest_entry(KEY, sealed.CHUNK)}
     assert crypt.key_problem(m, KEY) is None
     assert crypt.key_problem({}, None) is None
     no_key = crypt.key_problem(m, None)

@@ -11,7 +11,7 @@ import torch
 from hostile import make, relist, two_checkpoints
 
 import worker
-from supervisor.ckpt import crypt
+from supervisor.ckpt import crypt, sealed
 from supervisor.ckpt.verify import verify
 from supervisor.errors import CorruptCheckpoint, KeyMismatch
 from worker import dist
@@ -52,7 +52,7 @@ def test_sharded_files_are_sealed_and_load_with_the_key(group, tmp_path):
     dcp_files = [n for n in m["files"] if n.startswith("dcp/")]
     assert "dcp/.metadata" in dcp_files and len(dcp_files) >= 2
     for name in m["files"]:
-        assert (path / name).read_bytes().startswith(crypt.MAGIC), name
+        assert (path / name).read_bytes().startswith(sealed.MAGIC), name
     assert not list(path.rglob("*.sealing"))
     assert verify(path, "full").ok
     step, model, _ = restore(tmp_path / "ckpt", encryption_key=KEY)
@@ -69,7 +69,7 @@ def test_sharded_without_the_key_or_tampered_is_refused(group, tmp_path):
     shard = next(n for n in json.loads((path / "manifest.json").read_text())["files"]
                  if n.endswith(".distcp"))
     data = bytearray((path / shard).read_bytes())
-    data[crypt.HEADER_SIZE + 1] ^= 1
+    data[sealed.HEADER_SIZE + 1] ^= 1
     relist(path, shard, bytes(data))  # the manifest's hash made to match
     with pytest.raises(CorruptCheckpoint, match="fails authentication"):
         restore(tmp_path / "ckpt", path, encryption_key=KEY)

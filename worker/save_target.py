@@ -61,7 +61,7 @@ class SaveTarget:
     make_room: Callable[[int], str | None]
     """None when that many bytes fit (after pruning if needed); else why the save is skipped."""
     encryption: crypt.EncryptionKey | None = None
-    """Every file of a checkpoint is written encrypted with it (supervisor/ckpt/crypt.py)."""
+    """Every file of a checkpoint is written encrypted with it (supervisor/ckpt/sealed.py)."""
     skipped: int = 0
     """Saves skipped so far (`Checkpointer.skipped_saves`)."""
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import filemode
-from supervisor.ckpt import crypt, generation, safetensors_io
+from supervisor.ckpt import crypt, generation, safetensors_io, sealed
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.hashing import CRYPTOGRAPHIC, HASH_ALG, hash_file, new_hasher
 from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
@@ -56,7 +56,7 @@ class PendingCheckpoint:
         self.step = step
         self.fsync = fsync
         self.hash_alg = hash_alg  # hashing.alg_for(key): blake3 for a checkpoint to be signed
-        self.encryption = encryption  # every file written encrypted (ckpt/crypt.py)
+        self.encryption = encryption  # every file written encrypted (ckpt/sealed.py)
         # The run's file-mode policy (supervisor/filemode.py); None: RTRAIN_FILE_MODE or 0600.
         self.file_mode = filemode.from_env() if file_mode is None else file_mode
         filemode.make_dir(self.ckpt_dir, self.file_mode)
@@ -97,15 +97,15 @@ class PendingCheckpoint:
         if self.encryption is None:
             return path.stat().st_size, hash_file(path, self.hash_alg)
         h = new_hasher(self.hash_alg)
-        sealed = path.with_name(path.name + ".sealing")
-        with open(path, "rb", buffering=0) as src, open(sealed, "xb", buffering=0) as dst:
+        tmp = path.with_name(path.name + ".sealing")
+        with open(path, "rb", buffering=0) as src, open(tmp, "xb", buffering=0) as dst:
             def emit(view: memoryview) -> None:
                 h.update(view)
                 dst.write(view)
 
-            enc = crypt.Encryptor(self.encryption, name, emit)
+            enc = sealed.Encryptor(self.encryption, name, emit)
             try:
-                for piece in iter(lambda: src.read(crypt.CHUNK), b""):
+                for piece in iter(lambda: src.read(sealed.CHUNK), b""):
                     enc.update(piece)
                 enc.finish()
             finally:
@@ -113,7 +113,7 @@ class PendingCheckpoint:
             if self.fsync:
                 os.fsync(dst.fileno())
             size = os.fstat(dst.fileno()).st_size
-        os.replace(sealed, path)  # the plaintext never reaches the committed checkpoint
+        os.replace(tmp, path)  # the plaintext never reaches the committed checkpoint
         return size, h.hexdigest()
 
     def write_tensors(self, name: str, blobs: Iterable[safetensors_io.TensorBlob],
@@ -131,7 +131,7 @@ class PendingCheckpoint:
 
     def write_bytes(self, name: str, data: bytes) -> None:
         if self.encryption is not None:
-            data = crypt.seal_bytes(self.encryption, name, data)
+            data = sealed.seal_bytes(self.encryption, name, data)
         h = new_hasher(self.hash_alg)
         h.update(data)
         with open(self.tmp / name, "xb") as f:
@@ -161,7 +161,7 @@ class PendingCheckpoint:
             "tensors": self.tensors,
         }
         if self.encryption is not None:
-            m["encryption"] = crypt.manifest_entry(self.encryption)
+            m["encryption"] = crypt.manifest_entry(self.encryption, sealed.CHUNK)
             if self.encryption.hide_tensors:
                 del m["tensors"]  # names and shapes stay inside the encrypted files
         if key is not None:

@@ -151,20 +151,20 @@ class ListedFile:
 
 def open_listed(root: Path, name: str, manifest: dict[str, Any], alg: str,
                 enc: Any = None) -> Any:
-    """`ListedFile`, or for an encrypted checkpoint a `crypt.Decryptor` over it (the same
+    """`ListedFile`, or for an encrypted checkpoint a `sealed.Decryptor` over it (the same
     interface, for the plaintext: the hash is of the file's bytes, the tags authenticate what
     is returned). `enc`: the `crypt.EncryptionKey`; a checkpoint it cannot open is a LoadError
     naming the fingerprints (callers check `crypt.key_problem` first for a clearer error)."""
     if manifest.get("encryption") is None:
         return ListedFile(root, name, manifest, alg)
-    from supervisor.ckpt import crypt  # imports this module
+    from supervisor.ckpt import crypt, sealed  # they import this module
 
     problem = crypt.key_problem(manifest, enc)
     if problem is not None:
         raise LoadError(problem)
     raw = ListedFile(root, name, manifest, alg)
     try:
-        return crypt.Decryptor(raw, enc, name)
+        return sealed.Decryptor(raw, enc, name)
     except BaseException:
         raw.close()
         raise
