@@ -42,6 +42,10 @@ class Checkpointer:
         ...
         ckpt.maybe_save(step + 1, metrics={"loss": loss.item()})
     ckpt.close()
+
+    With RTRAIN_ENCRYPTION_KEY / _FILE (or `encryption_key=`: an EncryptionKey, 32 bytes, or
+    a string: 64 hex digits, else a passphrase) every checkpoint file is written encrypted and
+    read back only with that key (docs/design.md, "Encryption at rest").
     """
 
     def __init__(self, *, model: torch.nn.Module | None = None,

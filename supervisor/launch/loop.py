@@ -20,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import crypt
 from supervisor.ckpt.hashing import load_signing_key
 from supervisor.ckpt.verify import Selection, Verdict
 from supervisor.config import Config
@@ -41,7 +40,7 @@ from supervisor.launch import act, child_env
 from supervisor.launch.child_env import AttemptPlan
 from supervisor.launch.observers import Observers
 from supervisor.launch.recording import record_decision, record_exit, record_failure, slurm_field
-from supervisor.launch.resume import Checkpoints, resumed_from
+from supervisor.launch.resume import Checkpoints, encryption_key, resumed_from
 from supervisor.launch.rundir import RunRecord, move_aside, prepare_dirs, refuse_ended
 from supervisor.launch.spec import LaunchSpec, Seams, child_command
 from supervisor.proc import slurm
@@ -91,19 +90,6 @@ def _end_leftovers(run_dir: Path, events: EventLog, say: Callable[[str], None]) 
                     commands=[p.command for p in ended], found=[p.why for p in ended])
         say(f"ended {len(ended)} processes an earlier rtrain of this run left running: "
             + ", ".join(f"pid {p.pid} ({p.command[:60]})" for p in ended))
-
-
-def encryption_key() -> crypt.EncryptionKey | None:
-    """The key the child inherits (RTRAIN_ENCRYPTION_KEY / _FILE), checked here so a bad key
-    file or a missing `cryptography` package is one line at launch, not a child's traceback.
-    Only the package's presence is checked: the supervisor never encrypts."""
-    import importlib.util
-
-    enc = crypt.load_encryption_key()
-    if enc is not None and importlib.util.find_spec("cryptography") is None:
-        raise UsageError(f"{crypt.ENV_KEY} is set, but encrypting checkpoints needs the "
-                         f"cryptography package: {crypt.INSTALL_HINT}")
-    return enc
 
 
 def _ckpt_dir(cfg: Config, run_dir: Path) -> Path:

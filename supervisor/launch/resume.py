@@ -1,6 +1,7 @@
 """The run's checkpoint dir as the loop sees it: which checkpoint an attempt resumes from
-(`foreign.select_resume_any_format`, the same selection `rtrain status` shows), the newest good
-step, whether an attempt committed one, and the quarantine copy other readers of the dir see.
+(`foreign.select_resume_any_format`, the same selection `rtrain status` shows) and whether the
+child's encryption key can open it, the newest good step, whether an attempt committed one, and
+the quarantine copy other readers of the dir see.
 """
 
 from __future__ import annotations
@@ -107,6 +108,19 @@ class Checkpoints:
         except OSError as e:
             self.say(f"cannot write {quarantine.QUARANTINE_FILE} in {self.dir} "
                      f"({e.strerror}): other readers of the dir will not see the quarantine")
+
+
+def encryption_key() -> crypt.EncryptionKey | None:
+    """The key the child inherits (RTRAIN_ENCRYPTION_KEY / _FILE), checked here so a bad key
+    file or a missing `cryptography` package is one line at launch, not a child's traceback.
+    Only the package's presence is checked: the supervisor never encrypts."""
+    import importlib.util
+
+    enc = crypt.load_encryption_key()
+    if enc is not None and importlib.util.find_spec("cryptography") is None:
+        raise UsageError(f"{crypt.ENV_KEY} is set, but encrypting checkpoints needs the "
+                         f"cryptography package: {crypt.INSTALL_HINT}")
+    return enc
 
 
 def resumed_from(chosen: Verdict | None) -> Resumed | None:
