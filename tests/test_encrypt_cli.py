@@ -94,3 +94,31 @@ def test_launch_without_the_cryptography_package_is_one_line(tmp_path, rtrain, m
                         lambda name, *a: None if name == "cryptography" else real(name, *a))
     r = _launch(rtrain, tmp_path, {"RTRAIN_ENCRYPTION_KEY": KEY_HEX})
     assert r.returncode == 2 and "pip install 'rtrain[encrypt]'" in r.stderr
+
+
+@pytest.mark.slow
+def test_inspect_and_the_launch_check_never_import_the_cipher_or_torch(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from harness import REPO
+
+    _encrypted(tmp_path / "run" / "checkpoints", 7)
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('never started')\n")
+    code = ("import sys\nfrom supervisor.cli import main\n"
+            "for argv in (['inspect', sys.argv[1], '--verify', 'full'],\n"
+            "             ['launch', '--run-dir', sys.argv[2], '-q', sys.argv[3]]):\n"
+            "    sys.argv = ['rtrain', *argv]\n"
+            "    try:\n        main()\n    except SystemExit as e:\n        print('code', e.code)\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "assert 'cryptography' not in sys.modules, 'cryptography imported'\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
+    env.update(PYTHONPATH=str(REPO), RTRAIN_ENCRYPTION_KEY=OTHER_HEX)
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run" / "checkpoints"),
+                        str(tmp_path / "run"), str(script)], capture_output=True, text=True,
+                       env=env, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    codes = [line for line in r.stdout.splitlines() if line.startswith("code ")]
+    assert codes == ["code 0", "code 2"], r.stdout  # inspect ok; launch refused (other key)
