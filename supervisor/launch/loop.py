@@ -40,7 +40,7 @@ from supervisor.launch import act, child_env, mirroring
 from supervisor.launch.child_env import AttemptPlan
 from supervisor.launch.observers import Observers
 from supervisor.launch.recording import record_decision, record_exit, record_failure, slurm_field
-from supervisor.launch.resume import Checkpoints, resumed_from
+from supervisor.launch.resume import Checkpoints, encryption_key, resumed_from
 from supervisor.launch.rundir import RunRecord, move_aside, prepare_dirs, refuse_ended
 from supervisor.launch.spec import LaunchSpec, Seams, child_command
 from supervisor.proc import slurm
@@ -114,7 +114,7 @@ class Loop:
                                 monotonic=seams.monotonic, sleep=seams.sleep, say=self.say)
         self.record.load(spec.command, spec.cwd, fresh=spec.fresh, retry=spec.retry)
         self.checkpoints = Checkpoints(self.ckpt_dir, self.cfg, load_signing_key(), self.events,
-                                       self.say)
+                                       self.say, enc=encryption_key())
         self.gpu = seams.gpu if seams.gpu is not None else NvmlReader()
         self.hb = HeartbeatReceiver()
         self.watch_cfg = WatchConfig.from_config(self.cfg)

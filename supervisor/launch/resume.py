@@ -1,6 +1,7 @@
 """The run's checkpoint dir as the loop sees it: which checkpoint an attempt resumes from
-(`foreign.select_resume_any_format`, the same selection `rtrain status` shows), the newest good
-step, whether an attempt committed one, and the quarantine copy other readers of the dir see.
+(`foreign.select_resume_any_format`, the same selection `rtrain status` shows) and whether the
+child's encryption key can open it, the newest good step, whether an attempt committed one, and
+the quarantine copy other readers of the dir see.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from supervisor.ckpt import foreign, quarantine
+from supervisor.ckpt import crypt, foreign, quarantine
 from supervisor.ckpt.verify import Level, Selection, Verdict, mark_quarantined
 from supervisor.config import Config
 from supervisor.decide.policy import History, Resumed, ResumeMode
@@ -24,8 +25,9 @@ if TYPE_CHECKING:
 
 class Checkpoints:
     def __init__(self, ckpt_dir: Path, config: Config, key: bytes | None, events: EventLog,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], enc: crypt.EncryptionKey | None = None) -> None:
         self.dir, self.cfg, self.key, self.events, self.say = ckpt_dir, config, key, events, say
+        self.enc = enc  # RTRAIN_ENCRYPTION_KEY(_FILE), which the child inherits
         self.remote: Mirroring | None = None  # the run's mirror, when it has one
         self._looked_remote = False
 
@@ -40,7 +42,7 @@ class Checkpoints:
             if not v.ok:
                 raise UsageError(f"--resume {self.cfg.resume} does not verify ({v.describe()}): "
                                  "pick another checkpoint or use --resume auto")
-            return Selection(v, [])
+            return self._openable(Selection(v, []))
         # Any format: rtrain's own, a Trainer's checkpoint-N dirs, Lightning / torch.save files.
         sel = self._select(level, history, skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
         if self.remote is not None and not self._looked_remote and resume is ResumeMode.LATEST:
@@ -54,6 +56,21 @@ class Checkpoints:
             self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
         if resume is ResumeMode.ROLLBACK and sel.chosen is None:
             sel = self._select(level, history)  # nothing older: newest
+        return self._openable(sel)
+
+    def _openable(self, sel: Selection) -> Selection:
+        """`sel`, unless its checkpoint is encrypted and the child's key cannot open it: then a
+        UsageError naming the fingerprints, before any attempt starts (the child would fail
+        on it, then on every older checkpoint of the run, all sealed with the same key)."""
+        chosen = sel.chosen
+        if chosen is None or chosen.manifest is None or chosen.format != "rtrain":
+            return sel
+        try:
+            problem = crypt.key_problem(chosen.manifest, self.enc)
+        except crypt.CryptError as e:
+            problem = str(e)
+        if problem is not None:
+            raise UsageError(f"cannot resume from {safe(chosen.path.name)}: {problem}")
         return sel
 
     def _fetch_newer(self, local: Verdict | None) -> bool:
@@ -141,6 +158,19 @@ class Checkpoints:
         except OSError as e:
             self.say(f"cannot write {quarantine.QUARANTINE_FILE} in {self.dir} "
                      f"({e.strerror}): other readers of the dir will not see the quarantine")
+
+
+def encryption_key() -> crypt.EncryptionKey | None:
+    """The key the child inherits (RTRAIN_ENCRYPTION_KEY / _FILE), checked here so a bad key
+    file or a missing `cryptography` package is one line at launch, not a child's traceback.
+    Only the package's presence is checked: the supervisor never encrypts."""
+    import importlib.util
+
+    enc = crypt.load_encryption_key()
+    if enc is not None and importlib.util.find_spec("cryptography") is None:
+        raise UsageError(f"{crypt.ENV_KEY} is set, but encrypting checkpoints needs the "
+                         f"cryptography package: {crypt.INSTALL_HINT}")
+    return enc
 
 
 def resumed_from(chosen: Verdict | None) -> Resumed | None:
