@@ -314,3 +314,29 @@ def test_a_store_down_at_a_relaunch_does_not_stop_training_but_stops_a_new_run(t
     assert proc.returncode == 75, err
     assert "training goes on, uploads will catch up" in err
     assert events(run, "mirror_final")[-1]["made_it"] is False
+
+
+def test_encrypted_checkpoints_travel_encrypted_and_resume_bitwise(tmp_path):
+    import torch
+
+    from supervisor.ckpt.sealed import MAGIC
+
+    key = {"RTRAIN_ENCRYPTION_KEY": "ab" * 32, "RTRAIN_CACHE_DIR": str(tmp_path / "cache")}
+    mirror = tmp_path / "shared-fs"
+    first = tmp_path / "a" / "run"
+    first.parent.mkdir()
+    r = launch(first, "--mirror", str(mirror), TRAIN, "{ckpt_dir}", str(tmp_path / "a.pt"), "6",
+               "0", env=key, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for f in (mirror / "checkpoint-6").iterdir():  # ciphertext on the mirror, not just locally
+        if f.name != "manifest.json":
+            assert f.read_bytes()[:len(MAGIC)] == MAGIC, f.name
+    shutil.rmtree(first.parent)
+
+    second = tmp_path / "b" / "run"
+    second.parent.mkdir()
+    r = launch(second, "--mirror", str(mirror), TRAIN, "{ckpt_dir}", str(tmp_path / "b.pt"),
+               "12", "0", env=key, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert [d["step"] for d in events(second, "mirror_downloaded")] == [6]
+    assert_bitwise_equal(torch.load(tmp_path / "b.pt"), reference(tmp_path, 12))
