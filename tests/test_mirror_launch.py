@@ -340,3 +340,28 @@ def test_encrypted_checkpoints_travel_encrypted_and_resume_bitwise(tmp_path):
     assert r.returncode == 0, r.stderr
     assert [d["step"] for d in events(second, "mirror_downloaded")] == [6]
     assert_bitwise_equal(torch.load(tmp_path / "b.pt"), reference(tmp_path, 12))
+
+
+def test_an_upload_outlives_the_child_killed_during_it(tmp_path, s3, monkeypatch):
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://{BUCKET}/child-killed"
+    run = tmp_path / "run"
+    # Attempt 0 commits 4 x 96 MiB and SIGKILLs itself at once: the upload has just begun.
+    proc = subprocess.Popen(launch_cmd(run, "--mirror", url, BIG, "{ckpt_dir}", "96", "1"),
+                            cwd=tmp_path, env=child_env(**s3.env, COMMIT_BIG_KILL_SELF="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        uploaded = _wait_event(run, "mirror_uploaded", 120)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    killed = next(e for e in events(run, "exit") if e["attempt"] == 0)
+    assert killed["signal"] == "SIGKILL"
+    assert uploaded["step"] == 1 and uploaded["time"] > killed["time"], (uploaded, killed)
+    m = Mirror(url, s3.env).open()
+    from supervisor.remote.verify import verify_remote
+
+    [rc] = m.list()
+    assert rc.committed and verify_remote(m, rc, "full", None).ok

@@ -1,11 +1,13 @@
 """Commits STEPS checkpoints of PARTS files of MIB MiB each with the torch-free format layer,
 one every INTERVAL seconds, then waits until stopped (SIGTERM: exit 75, as a worker that has
 nothing newer to save). Every byte of checkpoint S is S % 251. Continues from the newest
-checkpoint in CKPT_DIR. Prints "committed S" after each commit.
+checkpoint in CKPT_DIR. Prints "committed S" after each commit. With COMMIT_BIG_KILL_SELF=1
+the first attempt (RTRAIN_ATTEMPT 0) SIGKILLs itself right after its last commit instead.
 
 usage: commit_big.py CKPT_DIR MIB STEPS [INTERVAL] [PARTS]
 """
 
+import os
 import signal
 import sys
 import time
@@ -32,5 +34,7 @@ while step < steps:
     p.commit({"epoch": 0, "samples_seen": 0})
     print(f"committed {step}", flush=True)
     time.sleep(interval)
+if os.environ.get("COMMIT_BIG_KILL_SELF") == "1" and os.environ.get("RTRAIN_ATTEMPT") == "0":
+    os.kill(os.getpid(), signal.SIGKILL)
 while True:
     time.sleep(3600)
