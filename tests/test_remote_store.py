@@ -90,7 +90,7 @@ def test_newest_first_and_unfinished_uploads_listed_as_not_committed(mirror, tmp
                              RemoteCheckpoint(300, "checkpoint-300", True),
                              RemoteCheckpoint(20, "checkpoint-20", True),
                              RemoteCheckpoint(5, "checkpoint-5", True)]
-    with pytest.raises(CorruptRemote, match="no manifest.json"):
+    with pytest.raises(CorruptRemote, match=r"no manifest\.json"):
         mirror.download("checkpoint-400", tmp_path / "fresh")
 
 
@@ -218,7 +218,7 @@ def test_a_damaged_local_checkpoint_of_that_step_is_not_replaced(mirror, ckpt, t
     mirror.upload(ckpt)
     local = build_checkpoint(tmp_path / "a", 100)
     (local / "state.json").write_text('{"step": 1}')
-    with pytest.raises(MirrorError, match="fails verification.*move it away"):
+    with pytest.raises(MirrorError, match=r"fails verification.*move it away"):
         mirror.download("checkpoint-100", tmp_path / "a")
     assert (local / "state.json").read_text() == '{"step": 1}'
 
@@ -297,3 +297,26 @@ def test_a_missing_backend_says_what_to_install(monkeypatch):
 def test_a_bucketless_url_is_refused():
     with pytest.raises(MirrorError, match="name a bucket"):
         open_mirror("s3://")
+
+
+@pytest.mark.slow  # not a process, but ~10 s of waiting on purpose
+def test_an_endpoint_that_accepts_and_never_answers_times_out(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(store, "READ_TIMEOUT_S", 1)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # connections complete in the backlog; nothing is ever read or sent
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                     "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(k, v)
+        t0 = time.monotonic()
+        with pytest.raises(MirrorError, match=r"cannot write.*does not answer"):
+            open_mirror("s3://bucket/prefix").probe()
+        elapsed = time.monotonic() - t0
+    finally:
+        silent.close()
+    attempts = store.S3FS_RETRIES * store.BOTOCORE_ATTEMPTS
+    assert attempts * 1 <= elapsed < attempts * 1 + 30  # plus botocore's jittered backoff

@@ -36,14 +36,16 @@ from supervisor.errors import RtrainError
 from supervisor.remote import cache as blobs
 from supervisor.remote.url import redact, scheme
 
-# S3 timeouts and retries. A dead endpoint fails an operation within about
-#   s3fs retries x botocore attempts x connect timeout = 3 x 3 x 5 s  (plus backoff, < 1 s)
-# instead of hanging; a read stalled for 60 s on a live connection is retried the same way.
-# 60 s, not less: a large ranged GET from a slow store may legitimately pause that long.
+# S3 timeouts and retries, so that a dead endpoint fails an operation instead of hanging it:
+# - one that refuses or never accepts the connection: BOTOCORE_ATTEMPTS x CONNECT_TIMEOUT_S
+#   (15 s; s3fs does not retry connection errors);
+# - one that accepts and then stalls: each read waits READ_TIMEOUT_S, retried by botocore and
+#   again by s3fs: at most S3FS_RETRIES x BOTOCORE_ATTEMPTS x 60 s (6 min) plus backoff.
+# 60 s, not less: a slow store may legitimately pause that long before answering a large PUT.
 CONNECT_TIMEOUT_S = 5
 READ_TIMEOUT_S = 60
 BOTOCORE_ATTEMPTS = 3  # botocore "standard" retry mode: throttling and transient 5xx too
-S3FS_RETRIES = 3  # s3fs's own loop around each call (timeouts, dropped connections)
+S3FS_RETRIES = 2  # s3fs's loop around each call: timeouts, connections dropped mid-body
 
 CHUNK = 8 << 20
 """Bytes read or written per call while streaming (one buffer per file in flight)."""
@@ -124,7 +126,12 @@ def open_mirror(url: str) -> Mirror:
         except ImportError:
             raise MirrorError(f"mirror {display}: s3fs is not installed: pip install "
                               "'rtrain[s3]'") from None
+        from aiobotocore.session import AioSession
+
+        session = AioSession()  # the standard chain: environment, profiles, instance role
+        session.register("before-call.s3", _no_expect_continue)  # after botocore's own
         fs = s3fs.S3FileSystem(
+            session=session,
             skip_instance_cache=True,  # credentials are read when the mirror is opened
             use_listings_cache=False,  # another machine may have changed the prefix
             config_kwargs={
@@ -149,6 +156,14 @@ def open_mirror(url: str) -> Mirror:
     if not root:
         raise MirrorError(f"mirror {display}: name a bucket, e.g. {protocol}://bucket/prefix")
     return Mirror(url, fs, root, local=False)
+
+
+def _no_expect_continue(params: dict, **_: Any) -> None:
+    """botocore asks for "100 Continue" before every upload body; aiohttp waits for that answer
+    with no timeout at all (read_timeout does not cover it), so an endpoint that accepts the
+    connection and never answers would hang an upload forever. Sent without the header, the
+    body goes at once and the read timeout bounds the wait for the response."""
+    params.get("headers", {}).pop("Expect", None)
 
 
 def checkpoints(inventory: dict[str, dict[str, int]]) -> list[RemoteCheckpoint]:
