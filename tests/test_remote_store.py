@@ -320,3 +320,19 @@ def test_an_endpoint_that_accepts_and_never_answers_times_out(monkeypatch):
         silent.close()
     attempts = store.S3FS_RETRIES * store.BOTOCORE_ATTEMPTS
     assert attempts * 1 <= elapsed < attempts * 1 + 30  # plus botocore's jittered backoff
+
+
+def test_credentials_in_an_s3_url_are_refused_unshown():
+    with pytest.raises(MirrorError, match="credentials in the URL are not read") as e:
+        open_mirror("s3://AKIA:hunter2@bucket/prefix")
+    assert "hunter2" not in str(e.value) and "AKIA" not in str(e.value)
+
+
+def test_a_fifo_in_a_shared_directory_mirror_is_never_opened(tmp_path, ckpt):
+    mirror = open_mirror(str(tmp_path / "mirror"))
+    mirror.upload(ckpt)
+    target = tmp_path / "mirror" / "checkpoint-100" / "state.json"
+    target.unlink()
+    os.mkfifo(target)
+    with pytest.raises(CorruptRemote, match=r"state\.json is a FIFO"):
+        mirror.download("checkpoint-100", tmp_path / "fresh")

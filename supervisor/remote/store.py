@@ -152,6 +152,10 @@ def open_mirror(url: str) -> Mirror:
         except ValueError:
             raise MirrorError(f"mirror {display}: unknown protocol {protocol!r}: use s3://, "
                               "gs://, file:// or a directory path") from None
+    if redact(url) != url.split("?", 1)[0].split("#", 1)[0]:
+        raise MirrorError(f"mirror {display}: credentials in the URL are not read: set them in "
+                          "the backend's environment (AWS_ACCESS_KEY_ID / "
+                          "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) and leave them out of the URL")
     root = fs._strip_protocol(url).rstrip("/")
     if not root:
         raise MirrorError(f"mirror {display}: name a bucket, e.g. {protocol}://bucket/prefix")
@@ -277,10 +281,12 @@ class Mirror:
         self._step(name)
         path = self._path(name, layout.MANIFEST)
         try:
-            with self.fs.open(path, "rb", block_size=mf.MAX_BYTES + 1, cache_type="none") as f:
+            with self._open_read(path, mf.MAX_BYTES + 1) as f:
                 raw = f.read(mf.MAX_BYTES + 1)
         except FileNotFoundError:
             raise CorruptRemote(name, "no manifest.json (the upload did not finish)") from None
+        except safeio.UnsafeFile as e:
+            raise CorruptRemote(name, f"manifest.json {e.strerror}") from None
         except Exception as e:
             raise self._error(f"cannot read {name}/manifest.json", e) from None
         if len(raw) > mf.MAX_BYTES:
@@ -312,13 +318,20 @@ class Mirror:
                                 "(truncated or rewritten)")
         return h.hexdigest()
 
+    def _open_read(self, path: str, block: int):
+        if self.local:
+            # Anyone who can write a shared directory can put a FIFO or a device under a listed
+            # name: opening it would hang or misbehave. Only regular files are read.
+            return safeio.open_regular(path, follow_symlinks=True)
+        # Unbuffered ranged reads of `block` bytes: what is read is what was asked for.
+        return self.fs.open(path, "rb", block_size=block, cache_type="none")
+
     def _stream(self, name: str, member: str, size: int, sink) -> int:
         """Feed the remote file to `sink` chunk by chunk; reads at most `size + 1` bytes (one
         more tells a longer file). Returns the bytes read."""
         n = 0
         try:
-            with self.fs.open(self._path(name, member), "rb", block_size=CHUNK,
-                              cache_type="none") as f:
+            with self._open_read(self._path(name, member), CHUNK) as f:
                 while n <= size:
                     chunk = f.read(min(CHUNK, size + 1 - n))
                     if not chunk:
@@ -327,6 +340,8 @@ class Mirror:
                     n += len(chunk)
         except FileNotFoundError:
             raise CorruptRemote(name, f"{member}: missing") from None
+        except safeio.UnsafeFile as e:
+            raise CorruptRemote(name, f"{member} {e.strerror}") from None
         except MirrorError:
             raise
         except Exception as e:
