@@ -15,7 +15,7 @@ from supervisor.ckpt import layout
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.ckpt.hashing import derive_key, new_hasher
 from supervisor.ckpt.verify import Level, verify
-from supervisor.remote import store
+from supervisor.remote import backend, transfer
 from supervisor.remote.cache import BlobCache
 from supervisor.remote.store import (
     CorruptLocal,
@@ -24,6 +24,7 @@ from supervisor.remote.store import (
     RemoteCheckpoint,
     open_mirror,
 )
+from supervisor.remote.url import redact
 
 
 @pytest.fixture(params=[pytest.param("s3", marks=pytest.mark.slow), "local"])
@@ -230,7 +231,7 @@ def test_names_that_are_not_checkpoints_are_refused(mirror):
 
 @pytest.mark.slow
 def test_large_files_go_up_in_parts(s3_mirror, tmp_path, monkeypatch):
-    monkeypatch.setattr(store, "MIN_PART", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(transfer, "MIN_PART", 5 << 20)  # S3's smallest part
     url, _ = s3_mirror
     mirror = open_mirror(url)
     ckpt = build_checkpoint(tmp_path / "local", 1, files={"big.bin": os.urandom(12 << 20)})
@@ -281,7 +282,7 @@ def test_a_dead_endpoint_fails_within_the_timeouts_and_recovers(s3_mirror, s3_se
 def test_credentials_in_a_url_are_never_shown(tmp_path):
     m = open_mirror(f"file://{tmp_path}/m")
     assert m.display == f"file://{tmp_path}/m"
-    assert store.redact("s3://AKIA:hunter2@bucket/p?X-Amz-Signature=abc") == "s3://bucket/p"
+    assert redact("s3://AKIA:hunter2@bucket/p?X-Amz-Signature=abc") == "s3://bucket/p"
 
 
 def test_a_missing_backend_says_what_to_install(monkeypatch):
@@ -303,7 +304,7 @@ def test_a_bucketless_url_is_refused():
 def test_an_endpoint_that_accepts_and_never_answers_times_out(monkeypatch):
     import socket
 
-    monkeypatch.setattr(store, "READ_TIMEOUT_S", 1)
+    monkeypatch.setattr(backend, "READ_TIMEOUT_S", 1)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)  # connections complete in the backlog; nothing is ever read or sent
@@ -318,7 +319,7 @@ def test_an_endpoint_that_accepts_and_never_answers_times_out(monkeypatch):
         elapsed = time.monotonic() - t0
     finally:
         silent.close()
-    attempts = store.S3FS_RETRIES * store.BOTOCORE_ATTEMPTS
+    attempts = backend.S3FS_RETRIES * backend.BOTOCORE_ATTEMPTS
     assert attempts * 1 <= elapsed < attempts * 1 + 30  # plus botocore's jittered backoff
 
 
