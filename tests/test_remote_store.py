@@ -337,3 +337,17 @@ def test_a_fifo_in_a_shared_directory_mirror_is_never_opened(tmp_path, ckpt):
     os.mkfifo(target)
     with pytest.raises(CorruptRemote, match=r"state\.json is a FIFO"):
         mirror.download("checkpoint-100", tmp_path / "fresh")
+
+
+def test_a_fifo_in_a_local_checkpoint_is_no_source(tmp_path):
+    mirror = open_mirror(str(tmp_path / "mirror"))
+    frozen = os.urandom(1000)
+    for step in (100, 200):
+        mirror.upload(build_checkpoint(tmp_path / "local", step, files={"frozen.bin": frozen}))
+    mirror.download("checkpoint-100", tmp_path / "a")
+    planted = tmp_path / "a" / "checkpoint-100" / "frozen.bin"
+    planted.unlink()
+    os.mkfifo(planted)
+    got = mirror.download("checkpoint-200", tmp_path / "a")
+    assert got.cached_bytes == 0  # fetched, not read from the FIFO (nor hung on it)
+    assert verify(tmp_path / "a" / "checkpoint-200", Level.FULL).ok
