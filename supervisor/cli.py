@@ -243,6 +243,13 @@ def launch(
         "--metrics-file", metavar="PATH",
         help="Write Prometheus metrics here (textfile collector), replaced atomically "
              "(default none).")] = None,
+    mirror: Annotated[str | None, typer.Option(
+        "--mirror", metavar="URL",
+        help="Copy every checkpoint to this fsspec URL (s3://bucket/prefix, a path on a shared "
+             "filesystem) and resume from it on a fresh machine (default none).")] = None,
+    keep_remote: Annotated[int | None, typer.Option(
+        "--keep-remote", metavar="N",
+        help="The mirror keeps the newest N checkpoints, 0 all (default 3).")] = None,
     nproc_per_node: Annotated[int | None, typer.Option(
         "--nproc-per-node", metavar="N",
         help="Run SCRIPT under torchrun with N ranks on this node (rtrain owns restarts).")
@@ -271,7 +278,8 @@ def launch(
                      "requeue": requeue,
                      "settings": _parse_sets(sets or []) or None,
                      "backoff.enabled": False if no_backoff else None,
-                     "metrics_file": metrics_file}
+                     "metrics_file": metrics_file, "mirror": mirror,
+                     "keep_remote": keep_remote}
         cfg = load_config(overrides, config, cwd)
         if retry and fresh:
             from supervisor.errors import UsageError

@@ -262,6 +262,20 @@ class Config:
     file_mode: int = DEFAULT_FILE_MODE
     """Mode of the files rtrain writes (state, events, lock, checkpoints); directories it
     creates get the same plus x where readable. "0640" or "0660" share a run with a group."""
+    mirror: str | None = None
+    """Copy every committed checkpoint to this fsspec URL (`--mirror`): s3://bucket/prefix,
+    gs://..., file:///mnt/nfs/ckpts or a plain path; resume also looks there (None: no mirror)."""
+    keep_remote: int = 3
+    """The mirror keeps the newest this many checkpoints (0: all), plus milestones."""
+    milestone_every: int = 0
+    """The mirror also keeps forever every checkpoint whose step is a multiple of this (0: none);
+    a milestone is uploaded even when newer checkpoints came before its turn."""
+    mirror_parallel: int = 4
+    """Files of one checkpoint uploaded at once (large files go in parts on their own)."""
+    mirror_final_wait_s: float = 60.0
+    """When the run ends (finished, stopped, gave up), how long rtrain waits for the newest
+    checkpoint to reach the mirror before it exits. Under preemption keep it below the
+    platform's grace minus the save time."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.resume, str) or not self.resume:
@@ -278,6 +292,12 @@ class Config:
         _number("lr_factor_on_nonfinite", self.lr_factor_on_nonfinite, above=True)
         _number("summary_every_s", self.summary_every_s, above=True)
         _number("log_cap_mb", self.log_cap_mb)
+        if self.mirror is not None and (not isinstance(self.mirror, str) or not self.mirror):
+            raise ConfigError(f"mirror must be a URL or a path (got {self.mirror!r})")
+        _number("keep_remote", self.keep_remote, integer=True)
+        _number("milestone_every", self.milestone_every, integer=True)
+        _number("mirror_parallel", self.mirror_parallel, low=1, integer=True)
+        _number("mirror_final_wait_s", self.mirror_final_wait_s)
         if self.memory_pressure_fraction > 1 or self.lr_factor_on_nonfinite > 1:
             raise ConfigError("memory_pressure_fraction and lr_factor_on_nonfinite must be at "
                               "most 1")

@@ -59,6 +59,12 @@ class CorruptCheckpoint(CheckpointError):
         self.reason = reason
 
 
+class KeyMismatch(CorruptCheckpoint):
+    """An encrypted checkpoint and no key, or another key, to open it. `reason` names the key
+    fingerprint expected and the one given. The worker reports it as a bad checkpoint (exit
+    65); `rtrain launch` refuses to start (exit 2) before an attempt would meet it."""
+
+
 class StateMismatch(CheckpointError):
     """The checkpoint does not fit the model/optimizer it is being loaded into."""
 

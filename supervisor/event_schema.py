@@ -35,6 +35,12 @@ class Kind(str, Enum):
     HOOK_FAILED = "hook_failed"
     SAVE_SKIPPED = "save_skipped"
     FINAL_STATE_UNSAVED = "final_state_unsaved"
+    MIRROR_UPLOADED = "mirror_uploaded"
+    MIRROR_FAILED = "mirror_failed"
+    MIRROR_SUPERSEDED = "mirror_superseded"
+    MIRROR_PRUNED = "mirror_pruned"
+    MIRROR_FINAL = "mirror_final"
+    MIRROR_DOWNLOADED = "mirror_downloaded"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,6 +113,21 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.FINAL_STATE_UNSAVED: KindSpec(
         fields=("last_step", "checkpoint_step", "skipped_saves", "reason"), durable=True,
         meaning="the run stops with its last steps in no checkpoint"),
+    Kind.MIRROR_UPLOADED: KindSpec(fields=("step", "bytes", "seconds", "files"),
+                                   meaning="a checkpoint reached the mirror (manifest last)"),
+    Kind.MIRROR_FAILED: KindSpec(
+        fields=("reason", "step", "retry_in_s", "given_up"),
+        meaning="an upload, listing or download failed (retried unless given_up)"),
+    Kind.MIRROR_SUPERSEDED: KindSpec(
+        fields=("steps",), meaning="checkpoints the mirror skips: a newer one went first"),
+    Kind.MIRROR_PRUNED: KindSpec(fields=("steps",), hookable=False,
+                                 meaning="the mirror's retention deleted checkpoints"),
+    Kind.MIRROR_FINAL: KindSpec(
+        fields=("step", "made_it", "reason"), durable=True,
+        meaning="at the run's end: whether the newest checkpoint is on the mirror"),
+    Kind.MIRROR_DOWNLOADED: KindSpec(
+        fields=("step", "bytes", "seconds", "cached_bytes"), durable=True,
+        meaning="resume downloaded a checkpoint from the mirror (verified)"),
 }
 DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
 HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)

@@ -29,7 +29,8 @@ else:  # pragma: no cover
 DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
 SECTIONS = {"restart": RestartConfig, "backoff": BackoffConfig, "hang": HangConfig}
 TABLES = ("settings", "ladder", "hooks")  # tables of the user's own, shown by example
-UNSET = ("ckpt_dir", "metrics_file")  # None by default; design.md shows what they stand for
+# None by default; design.md shows what they stand for
+UNSET = ("ckpt_dir", "metrics_file", "mirror")
 
 # `rtrain launch` options that set a config key (dotted: in its table); the rest set none.
 CONFIG_OPTIONS = {
@@ -37,6 +38,7 @@ CONFIG_OPTIONS = {
     "--max-restarts": "restart.max_restarts", "--grace": "grace_s",
     "--stop-signal": "stop_signal", "--hang-timeout": "hang.timeout_s", "--set": "settings",
     "--requeue": "requeue", "--no-backoff": "backoff.enabled", "--metrics-file": "metrics_file",
+    "--mirror": "mirror", "--keep-remote": "keep_remote",
 }
 OTHER_OPTIONS = {"script", "--module", "--resume-arg", "--config", "--fresh",
                  "--retry", "--quiet", "--python", "--nproc-per-node", "--nnodes",
@@ -47,6 +49,7 @@ EXAMPLES = {
     "--max-restarts": ("7", 7), "--grace": ("7.5", 7.5), "--stop-signal": ("USR1", "SIGUSR1"),
     "--hang-timeout": ("99", 99.0), "--set": ("batch_size=8", {"batch_size": 8}),
     "--requeue": (None, True), "--no-backoff": (None, False), "--metrics-file": ("m", "m"),
+    "--mirror": ("s3://b/p", "s3://b/p"), "--keep-remote": ("5", 5),
 }
 
 

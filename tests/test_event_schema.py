@@ -140,7 +140,8 @@ def test_durable_kinds_are_fsynced_at_once_the_rest_by_sync_or_close(tmp_path, m
         log.emit(Kind.SIGNAL)
     assert len(synced) == before + 1  # close syncs what is left
     assert set(DURABLE_KINDS) == {"launch", "decision", "give_up", "requeue", "finished",
-                                  "lock_takeover", "final_state_unsaved"}
+                                  "lock_takeover", "final_state_unsaved", "mirror_final",
+                                  "mirror_downloaded"}
 
 
 def test_hooks_accept_the_hookable_kinds_only():

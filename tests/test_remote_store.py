@@ -15,7 +15,7 @@ from supervisor.ckpt import layout
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.ckpt.hashing import derive_key, new_hasher
 from supervisor.ckpt.verify import Level, verify
-from supervisor.remote import backend, transfer
+from supervisor.remote import store
 from supervisor.remote.cache import BlobCache
 from supervisor.remote.store import (
     CorruptLocal,
@@ -231,7 +231,7 @@ def test_names_that_are_not_checkpoints_are_refused(mirror):
 
 @pytest.mark.slow
 def test_large_files_go_up_in_parts(s3_mirror, tmp_path, monkeypatch):
-    monkeypatch.setattr(transfer, "MIN_PART", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(store, "PART_BYTES", 5 << 20)  # S3's smallest part
     url, _ = s3_mirror
     mirror = open_mirror(url)
     ckpt = build_checkpoint(tmp_path / "local", 1, files={"big.bin": os.urandom(12 << 20)})
@@ -304,7 +304,7 @@ def test_a_bucketless_url_is_refused():
 def test_an_endpoint_that_accepts_and_never_answers_times_out(monkeypatch):
     import socket
 
-    monkeypatch.setattr(backend, "READ_TIMEOUT_S", 1)
+    monkeypatch.setattr(store, "READ_TIMEOUT_S", 1)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)  # connections complete in the backlog; nothing is ever read or sent
@@ -319,7 +319,7 @@ def test_an_endpoint_that_accepts_and_never_answers_times_out(monkeypatch):
         elapsed = time.monotonic() - t0
     finally:
         silent.close()
-    attempts = backend.S3FS_RETRIES * backend.BOTOCORE_ATTEMPTS
+    attempts = store.S3FS_RETRIES * store.BOTOCORE_ATTEMPTS
     assert attempts * 1 <= elapsed < attempts * 1 + 30  # plus botocore's jittered backoff
 
 

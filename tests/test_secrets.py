@@ -71,20 +71,22 @@ def test_key_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path, rtrain):
 
 
 @pytest.mark.slow
-def test_hooks_do_not_see_the_signing_key_but_the_child_does(tmp_path):
+def test_hooks_do_not_see_the_keys_but_the_child_does(tmp_path):
     child_dump, hook_env = tmp_path / "child-env.json", tmp_path / "hook-env.json"
     script = tmp_path / "train.py"
     script.write_text(DUMP_ENV + "\n")
     hook = json.dumps([sys.executable, "-c", DUMP_ENV, str(hook_env)])
     (tmp_path / "rtrain.toml").write_text(f'[[hooks]]\non = ["finished"]\ncommand = {hook}\n')
     r = launch(tmp_path / "run", str(script), str(child_dump),
-               env={"RTRAIN_SIGNING_KEY": "hunter2"}, timeout=120)
+               env={"RTRAIN_SIGNING_KEY": "hunter2", "RTRAIN_ENCRYPTION_KEY": "hunter3"},
+               timeout=120)
     assert r.returncode == 0, r.stderr
-    assert json.loads(child_dump.read_text())["RTRAIN_SIGNING_KEY"] == "hunter2"
+    child = json.loads(child_dump.read_text())
+    assert child["RTRAIN_SIGNING_KEY"] == "hunter2" and child["RTRAIN_ENCRYPTION_KEY"] == "hunter3"
     hook = json.loads(hook_env.read_text())
-    assert "RTRAIN_SIGNING_KEY" not in hook
+    assert "RTRAIN_SIGNING_KEY" not in hook and "RTRAIN_ENCRYPTION_KEY" not in hook
     assert hook["RTRAIN_EVENT"] == "finished" and hook["RTRAIN_RUN_DIR"]
-    assert "hunter2" not in json.dumps(hook)
+    assert "hunter2" not in json.dumps(hook) and "hunter3" not in json.dumps(hook)
     assert not events(tmp_path / "run", "hook_failed")
 
 

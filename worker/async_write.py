@@ -136,7 +136,9 @@ def fork_writer(write: Write, cap: Capture) -> tuple[int, int]:
     pid and the read end of a pipe that carries its error message.
 
     The child runs only file I/O, hashing and JSON (no torch ops, no imports, no locks another
-    thread could hold) and leaves with os._exit, so forking a threaded process is safe here.
+    thread could hold) and leaves with os._exit, so forking a threaded process is safe here. An
+    encrypted checkpoint adds AES on a thread the child starts itself; the Checkpointer
+    imported the cipher before any fork.
     """
     import warnings
 

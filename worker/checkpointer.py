@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 import torch
 
-from supervisor.ckpt import hashing
+from supervisor.ckpt import crypt, hashing
 from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level
-from supervisor.errors import CorruptCheckpoint, ExitCode
+from supervisor.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
 from worker import data, dist, dist_ckpt, faults, restore, runtime
 from worker.async_write import BackgroundSave
@@ -42,6 +42,10 @@ class Checkpointer:
         ...
         ckpt.maybe_save(step + 1, metrics={"loss": loss.item()})
     ckpt.close()
+
+    With RTRAIN_ENCRYPTION_KEY / _FILE (or `encryption_key=`: an EncryptionKey, 32 bytes, or
+    a string: 64 hex digits, else a passphrase) every checkpoint file is written encrypted and
+    read back only with that key (docs/design.md, "Encryption at rest").
     """
 
     def __init__(self, *, model: torch.nn.Module | None = None,
@@ -58,7 +62,8 @@ class Checkpointer:
                  map_location: str | torch.device = "cpu", exit_on_stop: bool = True,
                  fsync: bool = True, signing_key: bytes | str | None = None,
                  sharded: bool | None = None, allow_resize: bool = False,
-                 allow_pickle: bool = False, loader: Any = None) -> None:
+                 allow_pickle: bool = False, loader: Any = None,
+                 encryption_key: crypt.EncryptionKey | bytes | str | None = None) -> None:
         ckpt_dir = ckpt_dir or os.environ.get(ENV_CKPT_DIR) or "checkpoints"
         self.ckpt_dir = Path(ckpt_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -89,6 +94,7 @@ class Checkpointer:
         if isinstance(signing_key, str):
             signing_key = hashing.derive_key(signing_key.encode())
         self.key = signing_key if signing_key is not None else hashing.load_signing_key()
+        self.encryption = _encryption_key(encryption_key)
         self.step = 0
         self.epoch = 0
         self.extra: dict[str, Any] = {}
@@ -97,7 +103,8 @@ class Checkpointer:
         self._lr_scale = 1.0
         self._frozen = FrozenBase()
         self._retention = Retention(self.ckpt_dir, self.policy, self.key)
-        self._target = SaveTarget(self.ckpt_dir, fsync, self.key, self._retention.make_room)
+        self._target = SaveTarget(self.ckpt_dir, fsync, self.key, self._retention.make_room,
+                                  encryption=self.encryption)
         self._bg = BackgroundSave(async_mode, self._write, self._target, self._child_saved)
         runtime.install()
 
@@ -123,7 +130,7 @@ class Checkpointer:
         from_supervisor = path is None and bool(os.environ.get(ENV_RESUME_FROM))
         parts = self._parts()
         source = restore.Source(self.ckpt_dir, self.verify_level, self.key, self.allow_resize,
-                                self.map_location)
+                                self.map_location, self.encryption)
         try:
             loaded = source.find(path, dist.world(), parts)
             if loaded is not None:
@@ -236,3 +243,26 @@ class Checkpointer:
         self.last_saved = self.ckpt_dir / f"checkpoint-{step}"
         # The child wrote and hashed it; the next forked child inherits this record.
         self._retention.remember(self.last_saved)
+
+
+def _encryption_key(given: crypt.EncryptionKey | bytes | str | None
+                    ) -> crypt.EncryptionKey | None:
+    """`encryption_key=`: an EncryptionKey, 32 raw bytes, or a string (64 hex digits, else a
+    passphrase); None reads RTRAIN_ENCRYPTION_KEY / _FILE. With a key, the cipher is imported
+    here, before any forked writer could need it (a forked child imports nothing)."""
+    if isinstance(given, crypt.EncryptionKey):
+        key = given
+    elif isinstance(given, bytes):
+        key = crypt.EncryptionKey(given, hide_tensors=os.environ.get(crypt.ENV_HIDE_TENSORS)
+                                  == "1")
+    elif isinstance(given, str):
+        key = crypt.EncryptionKey.from_material(
+            given, hide_tensors=os.environ.get(crypt.ENV_HIDE_TENSORS) == "1")
+    else:
+        key = crypt.load_encryption_key()
+    if key is not None:
+        try:
+            crypt.cipher()
+        except crypt.MissingCipher as e:
+            raise CheckpointError(str(e)) from None
+    return key

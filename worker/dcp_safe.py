@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from supervisor.ckpt.verified_read import ListedFile, LoadError, read_listed
+from supervisor.ckpt.verified_read import LoadError, open_listed, read_listed
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                 "torch.distributed.checkpoint.planner")
@@ -89,9 +89,9 @@ def read_metadata(data: bytes) -> Metadata:
 class _VerifiedFS(FileSystem):
     """DCP's file system, reading only manifest-listed files, each verified as it is read."""
 
-    def __init__(self, root: Path, manifest: dict[str, Any], alg: str) -> None:
+    def __init__(self, root: Path, manifest: dict[str, Any], alg: str, enc: Any) -> None:
         super().__init__()
-        self.root, self.manifest, self.alg = root, manifest, alg
+        self.root, self.manifest, self.alg, self.enc = root, manifest, alg, enc
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str
@@ -99,7 +99,7 @@ class _VerifiedFS(FileSystem):
         if mode != "rb":
             raise LoadError(f"refusing to open {path} for writing while loading")
         name = os.path.relpath(path, self.root)
-        with ListedFile(self.root, name, self.manifest, self.alg) as f:
+        with open_listed(self.root, name, self.manifest, self.alg, self.enc) as f:
             # Read straight into the stream's own buffer: one copy of a shard in memory.
             stream = io.BytesIO()
             if f.size:
@@ -113,10 +113,11 @@ class _VerifiedFS(FileSystem):
 
 
 class _SafeReader(dcp.FileSystemReader):
-    def __init__(self, root: Path, sub: str, manifest: dict[str, Any], alg: str) -> None:
+    def __init__(self, root: Path, sub: str, manifest: dict[str, Any], alg: str,
+                 enc: Any) -> None:
         super().__init__(root / sub)
-        self.fs = _VerifiedFS(root, manifest, alg)
-        self._root, self._manifest, self._alg = root, manifest, alg
+        self.fs = _VerifiedFS(root, manifest, alg, enc)
+        self._root, self._manifest, self._alg, self._enc = root, manifest, alg, enc
         self._sub = sub
         self.refused: LoadError | None = None  # DCP hides a failed read behind its fallbacks
 
@@ -125,7 +126,7 @@ class _SafeReader(dcp.FileSystemReader):
         name = f"{self._sub}/.metadata" if rank is None else f"{self._sub}/__{rank}.metadata"
         try:
             md = read_metadata(read_listed(self._root, name, self._manifest, self._alg,
-                                           limit=_MAX_METADATA))
+                                           limit=_MAX_METADATA, enc=self._enc))
         except LoadError as e:
             if self.refused is None:
                 self.refused = e
@@ -153,9 +154,10 @@ class _SafePlanner(DefaultLoadPlanner):
 
 
 def load(sd: dict[str, Any], root: Path, sub: str, manifest: dict[str, Any], alg: str,
-         group: Any) -> None:
-    """`dcp.load(sd, ...)` from `root/sub`; LoadError for a checkpoint that cannot be trusted."""
-    reader = _SafeReader(root, sub, manifest, alg)
+         group: Any, enc: Any = None) -> None:
+    """`dcp.load(sd, ...)` from `root/sub`; LoadError for a checkpoint that cannot be trusted.
+    Files of an encrypted checkpoint are decrypted with `enc` (`crypt.EncryptionKey`)."""
+    reader = _SafeReader(root, sub, manifest, alg, enc)
     try:
         dcp.load(sd, storage_reader=reader, planner=_SafePlanner(), process_group=group)
     except (Exception, CheckpointException) as e:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from supervisor.ckpt.commit import PendingCheckpoint, fsync_dir
-from supervisor.ckpt.hashing import alg_for, hash_file
+from supervisor.ckpt.hashing import alg_for
 from supervisor.ckpt.layout import MANIFEST
 from supervisor.ckpt.verified_read import LoadError
 from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
@@ -75,7 +75,8 @@ def write(target: SaveTarget, cap: Capture) -> Path | None:
         return None
     if pending is None:
         pending = PendingCheckpoint.adopt(target.ckpt_dir, cap.step, target.ckpt_dir / name,
-                                          fsync=target.fsync, hash_alg=alg_for(target.key))
+                                          fsync=target.fsync, hash_alg=alg_for(target.key),
+                                          encryption=target.encryption)
     error: BaseException | None = None
     try:
         _write_part(pending, cap, target.fsync)
@@ -122,7 +123,8 @@ def _start(target: SaveTarget, cap: Capture, w: dist.World
         if short is not None:
             return None, short
         return PendingCheckpoint(target.ckpt_dir, cap.step, fsync=target.fsync,
-                                 hash_alg=alg_for(target.key)), ""
+                                 hash_alg=alg_for(target.key),
+                                 encryption=target.encryption), ""
     except OSError as e:
         if not storage_error(e):
             raise
@@ -155,13 +157,13 @@ def _write_part(pending: PendingCheckpoint, cap: Capture, fsync: bool) -> None:
     dcp.save(cap.sharded, storage_writer=dcp.FileSystemWriter(out, sync_files=fsync),
              process_group=dist.group())
     faults.on_save_write(cap.step)
-    # Each rank hashes its own shards (in parallel); rank 0 also the global .metadata.
+    # Each rank hashes (and, for an encrypted checkpoint, encrypts) its own shards, in
+    # parallel; rank 0 also the global .metadata.
     mine = sorted(out.glob(f"__{w.rank}_*.distcp"))
     if w.leader:
         mine += [out / ".metadata"]
     for f in mine:
-        pending.add_file(f"{DCP_DIR}/{f.name}", f.stat().st_size,
-                         hash_file(f, pending.hash_alg))
+        pending.add_file(f"{DCP_DIR}/{f.name}", *pending.seal_file(f"{DCP_DIR}/{f.name}"))
 
 
 def _commit(target: SaveTarget, pending: PendingCheckpoint, cap: Capture,
@@ -174,8 +176,7 @@ def _commit(target: SaveTarget, pending: PendingCheckpoint, cap: Capture,
         for n in names:
             rel = os.path.relpath(os.path.join(root, n), pending.tmp)
             if rel != MANIFEST and rel not in pending.files:
-                p = Path(root) / n
-                pending.add_file(rel, p.stat().st_size, hash_file(p, pending.hash_alg))
+                pending.add_file(rel, *pending.seal_file(rel))
     if target.fsync and (pending.tmp / DCP_DIR).is_dir():
         fsync_dir(pending.tmp / DCP_DIR)
     return pending.commit(cap.fields, target.key).name
@@ -232,12 +233,12 @@ def check_world(info: dict[str, Any], w: dist.World | None, sharded_now: bool,
 
 
 def load_rank_rng(path: Path, m: dict[str, Any], st: dict[str, Any],
-                  extra: dict[str, torch.Tensor], rank: int, alg: str
+                  extra: dict[str, torch.Tensor], rank: int, alg: str, enc: Any = None
                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
     """This rank's RNG state: its rng-rank<R> file, else (rank 0) the single-process one."""
     name = f"{rng_stem(rank)}.safetensors"
     if name in m["files"]:
-        tensors, meta = load_listed(path, name, m, alg)
+        tensors, meta = load_listed(path, name, m, alg, enc)
         try:
             plain = json.loads(meta["rng"])
         except (KeyError, ValueError, RecursionError):
@@ -251,7 +252,7 @@ def load_rank_rng(path: Path, m: dict[str, Any], st: dict[str, Any],
 
 
 def load_sharded(path: Path, m: dict[str, Any], alg: str, model: torch.nn.Module | None,
-                 optimizer: Any, allow_pickle: bool = False) -> None:
+                 optimizer: Any, allow_pickle: bool = False, enc: Any = None) -> None:
     """Load DCP state into the model (and optimizer), resharding onto this world.
 
     DCP's own reader unpickles `.metadata` and its planner unpickles non-tensor items, so a
@@ -267,13 +268,16 @@ def load_sharded(path: Path, m: dict[str, Any], alg: str, model: torch.nn.Module
 
     sd = sharded_state(model, optimizer)
     group = dist.group() if dist.world() is not None else None
+    if allow_pickle and m.get("encryption") is not None:
+        raise LoadError("allow_pickle=True hands the files to DCP's own reader, which cannot "
+                        "read encrypted files: load encrypted sharded checkpoints without it")
     if allow_pickle:
         log.warning("allow_pickle=True: loading %s with torch's DCP reader, which UNPICKLES "
                     "its files: only do this for checkpoints you trust, it runs any code "
                     "they contain", path.name)
         dcp.load(sd, storage_reader=dcp.FileSystemReader(path / DCP_DIR), process_group=group)
     else:
-        dcp_safe.load(sd, path, DCP_DIR, m, alg, group)
+        dcp_safe.load(sd, path, DCP_DIR, m, alg, group, enc)
     assert model is not None
     if optimizer is None:
         set_model_state_dict(model, sd["model"])

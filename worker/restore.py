@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from supervisor.ckpt import hashing
+from supervisor.ckpt import crypt, hashing
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.verified_read import LoadError, read_listed
 from supervisor.ckpt.verify import Level, Verdict, select_rtrain_resume, verify
 from supervisor.decide.failures import FailureKind
-from supervisor.errors import CorruptCheckpoint, ExitCode, StateMismatch
+from supervisor.errors import CorruptCheckpoint, ExitCode, KeyMismatch, StateMismatch
 from supervisor.protocol import ENV_RESUME_FROM, ENV_RUN_DIR
 from worker import dist, dist_ckpt, runtime, state
 from worker.capture import Components
@@ -52,6 +52,7 @@ class Loaded:
     layout: str  # "sharded" or "replicated" (dist_ckpt.check_world)
     alg: str  # the manifest's file hash
     extra: Any  # the user's extras, decoded
+    enc: crypt.EncryptionKey | None = None  # opens the files of an encrypted checkpoint
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class Source:
     key: bytes | None
     allow_resize: bool
     map_location: str | torch.device
+    enc: crypt.EncryptionKey | None = None
+    """The encryption key (RTRAIN_ENCRYPTION_KEY); an encrypted checkpoint needs the one it
+    was saved with."""
 
     def find(self, path: str | os.PathLike | None, w: dist.World | None,
              parts: Components) -> Loaded | None:
@@ -110,6 +114,8 @@ class Source:
                 continue
             try:
                 return self.read(v.path, v.manifest, None, parts)
+            except KeyMismatch:
+                raise  # older checkpoints have the same key: never fall back to a fresh start
             except CorruptCheckpoint as e:
                 log.warning("skipping %s: %s", p.name, e.reason)
         return None
@@ -117,15 +123,23 @@ class Source:
     def read(self, path: Path, m: dict[str, Any], w: dist.World | None,
              parts: Components) -> Loaded:
         """Read everything a restore needs from `path`, verified; nothing is applied yet, so a
-        checkpoint that fails here leaves the model as it was."""
+        checkpoint that fails here leaves the model as it was. KeyMismatch (before any file is
+        read) when it is encrypted and this process has no key or another one."""
+        try:
+            problem = crypt.key_problem(m, self.enc)
+        except crypt.CryptError as e:
+            raise CorruptCheckpoint(str(path), f"cannot load: {e}") from None
+        if problem is not None:
+            raise KeyMismatch(str(path), problem)
         try:
             alg = hashing.manifest_alg(m, self.key)
             info = m.get("info") if isinstance(m.get("info"), dict) else {}
             layout = dist_ckpt.check_world(info, w, parts.is_sharded(), self.allow_resize,
                                            path.name)
-            st = read_state(path, m, alg)
+            st = read_state(path, m, alg, self.enc)
             tensors = {stem: self._load_tensors(path, stem, m, alg) for stem in FILES}
-            rng = dist_ckpt.load_rank_rng(path, m, st, tensors["extra"], w.rank if w else 0, alg)
+            rng = dist_ckpt.load_rank_rng(path, m, st, tensors["extra"], w.rank if w else 0, alg,
+                                          self.enc)
             try:
                 extra = decode(st.get("extra", {}), tensors["extra"])
             except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -133,14 +147,14 @@ class Source:
                                 f"hold ({type(e).__name__}: {e})") from None
         except (LoadError, hashing.HashAlgError) as e:
             raise CorruptCheckpoint(str(path), f"cannot load: {e}") from None
-        return Loaded(path, m, st, tensors, rng, layout, alg, extra)
+        return Loaded(path, m, st, tensors, rng, layout, alg, extra, self.enc)
 
     def _load_tensors(self, path: Path, stem: str, m: dict[str, Any], alg: str
                       ) -> dict[str, torch.Tensor]:
         name = f"{stem}.safetensors"
         if name not in m["files"]:
             return {}
-        tensors, _ = load_listed(path, name, m, alg)
+        tensors, _ = load_listed(path, name, m, alg, self.enc)
         # RNG states must stay on the CPU; the rest may go straight to the training device.
         device = torch.device("cpu" if stem == "extra" else self.map_location)
         if device.type == "cpu":
@@ -148,12 +162,13 @@ class Source:
         return {k: v.to(device) for k, v in tensors.items()}
 
 
-def read_state(path: Path, m: dict[str, Any], alg: str) -> dict[str, Any]:
+def read_state(path: Path, m: dict[str, Any], alg: str,
+               enc: crypt.EncryptionKey | None = None) -> dict[str, Any]:
     """state.json, which every rtrain checkpoint has: only if the manifest lists it."""
     if "state.json" not in m["files"]:
         raise LoadError("the manifest does not list state.json, which every rtrain checkpoint "
                         "has: it is not a loadable rtrain checkpoint")
-    raw = read_listed(path, "state.json", m, alg, limit=_STATE_LIMIT)
+    raw = read_listed(path, "state.json", m, alg, limit=_STATE_LIMIT, enc=enc)
     try:
         st = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -172,7 +187,7 @@ def apply(loaded: Loaded, parts: Components, allow_pickle: bool) -> None:
     if loaded.layout == "sharded":
         try:
             dist_ckpt.load_sharded(loaded.path, loaded.manifest, loaded.alg, parts.model,
-                                   parts.optimizer, allow_pickle)
+                                   parts.optimizer, allow_pickle, loaded.enc)
         except LoadError as e:
             raise CorruptCheckpoint(str(loaded.path), f"cannot load: {e}") from None
     elif parts.model is not None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from supervisor.ckpt import hashing
+from supervisor.ckpt import crypt, hashing
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.fsio import STORAGE_ERRNOS
 from worker import dist, faults, runtime
@@ -60,6 +60,8 @@ class SaveTarget:
     key: bytes | None  # signing key; also picks the file hash
     make_room: Callable[[int], str | None]
     """None when that many bytes fit (after pruning if needed); else why the save is skipped."""
+    encryption: crypt.EncryptionKey | None = None
+    """Every file of a checkpoint is written encrypted with it (supervisor/ckpt/sealed.py)."""
     skipped: int = 0
     """Saves skipped so far (`Checkpointer.skipped_saves`)."""
 
@@ -78,7 +80,8 @@ def write_local(target: SaveTarget, cap: Capture) -> Path | None:
     pending = None
     try:
         pending = PendingCheckpoint(target.ckpt_dir, cap.step, fsync=target.fsync,
-                                    hash_alg=hashing.alg_for(target.key))
+                                    hash_alg=hashing.alg_for(target.key),
+                                    encryption=target.encryption)
         for stem in FILES:
             blobs = [to_blob(n, t) for n, t in cap.tensors[stem].items()]
             pending.write_tensors(f"{stem}.safetensors", blobs)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from supervisor.ckpt.safetensors_io import TensorBlob, read_tensors
-from supervisor.ckpt.verified_read import ListedFile, LoadError
+from supervisor.ckpt.verified_read import LoadError, open_listed
 from worker.hostmem import fresh_bytes
 
 DTYPE_CODES = {
@@ -69,16 +69,17 @@ def _make(buffer: torch.Tensor, name: str, info: dict[str, Any]) -> torch.Tensor
     return raw.view(dtype).reshape(info["shape"])
 
 
-def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str
+def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str, enc: Any = None
                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors of the safetensors file `name` of a checkpoint, and its `__metadata__`.
 
     One read, hashed as it goes, checked against the manifest's hash before anything is
     returned; the file's tensors (names, dtypes, shapes: what the header says, which is what
     was read) must be the manifest's `tensors` entry, so checks made from the manifest hold
-    for the file. Raises LoadError with the reason.
+    for the file. An encrypted file is decrypted with `enc` (its chunks authenticated) on the
+    way. Raises LoadError with the reason.
     """
-    with ListedFile(root, name, manifest, alg) as f:
+    with open_listed(root, name, manifest, alg, enc) as f:
         try:
             tensors, meta = read_tensors(f, _alloc, _make)
         except LoadError:

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import filemode
-from supervisor.ckpt import generation, safetensors_io
+from supervisor.ckpt import crypt, generation, safetensors_io, sealed
 from supervisor.ckpt import manifest as mf
-from supervisor.ckpt.hashing import CRYPTOGRAPHIC, HASH_ALG, new_hasher
+from supervisor.ckpt.hashing import CRYPTOGRAPHIC, HASH_ALG, hash_file, new_hasher
 from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
 from supervisor.protocol import ENV_GENERATION
 
@@ -50,11 +50,13 @@ class PendingCheckpoint:
     """One checkpoint being written. Use `files`, then `commit()`; `abort()` on any error."""
 
     def __init__(self, ckpt_dir: str | os.PathLike, step: int, fsync: bool = True,
-                 file_mode: int | None = None, hash_alg: str = HASH_ALG) -> None:
+                 file_mode: int | None = None, hash_alg: str = HASH_ALG,
+                 encryption: crypt.EncryptionKey | None = None) -> None:
         self.ckpt_dir = Path(ckpt_dir)
         self.step = step
         self.fsync = fsync
         self.hash_alg = hash_alg  # hashing.alg_for(key): blake3 for a checkpoint to be signed
+        self.encryption = encryption  # every file written encrypted (ckpt/sealed.py)
         # The run's file-mode policy (supervisor/filemode.py); None: RTRAIN_FILE_MODE or 0600.
         self.file_mode = filemode.from_env() if file_mode is None else file_mode
         filemode.make_dir(self.ckpt_dir, self.file_mode)
@@ -67,13 +69,14 @@ class PendingCheckpoint:
 
     @classmethod
     def adopt(cls, ckpt_dir: str | os.PathLike, step: int, tmp: str | os.PathLike,
-              fsync: bool = True, hash_alg: str = HASH_ALG) -> PendingCheckpoint:
+              fsync: bool = True, hash_alg: str = HASH_ALG,
+              encryption: crypt.EncryptionKey | None = None) -> PendingCheckpoint:
         """Write into a temp dir another process created (a rank other than 0 of a
         distributed save); such a writer never commits, it reports its `files` to the one
         that does."""
         self = cls.__new__(cls)
         self.ckpt_dir, self.step, self.fsync = Path(ckpt_dir), step, fsync
-        self.hash_alg = hash_alg
+        self.hash_alg, self.encryption = hash_alg, encryption
         self.tmp, self.file_mode = Path(tmp), filemode.from_env()
         self.files, self.tensors = {}, {}
         self.generation = os.environ.get(ENV_GENERATION) or None
@@ -87,11 +90,38 @@ class PendingCheckpoint:
         if tensors:
             self.tensors[name] = tensors
 
+    def seal_file(self, name: str) -> tuple[int, str]:
+        """Encrypt, in place, a file someone else wrote into the temp dir (a DCP shard) when
+        this checkpoint is encrypted; returns its size and content hash as it now is."""
+        path = self.tmp / name
+        if self.encryption is None:
+            return path.stat().st_size, hash_file(path, self.hash_alg)
+        h = new_hasher(self.hash_alg)
+        tmp = path.with_name(path.name + ".sealing")
+        with open(path, "rb", buffering=0) as src, open(tmp, "xb", buffering=0) as dst:
+            def emit(view: memoryview) -> None:
+                h.update(view)
+                dst.write(view)
+
+            enc = sealed.Encryptor(self.encryption, name, emit)
+            try:
+                for piece in iter(lambda: src.read(sealed.CHUNK), b""):
+                    enc.update(piece)
+                enc.finish()
+            finally:
+                enc.close()
+            if self.fsync:
+                os.fsync(dst.fileno())
+            size = os.fstat(dst.fileno()).st_size
+        os.replace(tmp, path)  # the plaintext never reaches the committed checkpoint
+        return size, h.hexdigest()
+
     def write_tensors(self, name: str, blobs: Iterable[safetensors_io.TensorBlob],
                       metadata: dict[str, str] | None = None) -> None:
         blobs = list(blobs)
+        seal = None if self.encryption is None else (self.encryption, name)
         w = safetensors_io.write_file(self.tmp / name, blobs, metadata=metadata,
-                                      fsync=self.fsync, hash_alg=self.hash_alg)
+                                      fsync=self.fsync, hash_alg=self.hash_alg, seal=seal)
         self.files[name] = {"size": w.size, "hash": w.hash}
         self.tensors[name] = {b.name: [b.dtype, list(b.shape)] for b in blobs}
 
@@ -100,6 +130,8 @@ class PendingCheckpoint:
         self.write_bytes(name, data)
 
     def write_bytes(self, name: str, data: bytes) -> None:
+        if self.encryption is not None:
+            data = sealed.seal_bytes(self.encryption, name, data)
         h = new_hasher(self.hash_alg)
         h.update(data)
         with open(self.tmp / name, "xb") as f:
@@ -128,6 +160,10 @@ class PendingCheckpoint:
             "files": self.files,
             "tensors": self.tensors,
         }
+        if self.encryption is not None:
+            m["encryption"] = crypt.manifest_entry(self.encryption, sealed.CHUNK)
+            if self.encryption.hide_tensors:
+                del m["tensors"]  # names and shapes stay inside the encrypted files
         if key is not None:
             mf.sign_manifest(m, key)
         with open(self.tmp / MANIFEST, "xb") as f:

@@ -116,7 +116,7 @@ def load_signing_key(env: dict[str, str] | None = None) -> bytes | None:
         from supervisor.errors import UsageError
 
         try:
-            material = _read_key_file(key_file, shared_ok=env.get(ENV_ALLOW_SHARED_KEY) == "1")
+            material = read_key_file(key_file, shared_ok=env.get(ENV_ALLOW_SHARED_KEY) == "1")
         except OSError as e:
             raise UsageError(
                 f"cannot read the signing key file {key_file!r} ({e.strerror}): "
@@ -131,12 +131,17 @@ def load_signing_key(env: dict[str, str] | None = None) -> bytes | None:
 ENV_SIGNING_KEY = "RTRAIN_SIGNING_KEY"
 ENV_SIGNING_KEY_FILE = "RTRAIN_SIGNING_KEY_FILE"
 ENV_ALLOW_SHARED_KEY = "RTRAIN_ALLOW_SHARED_KEY"
-SECRET_ENV = (ENV_SIGNING_KEY,)
-"""Environment variables that hold a secret: kept from processes that do not sign (hooks)."""
+ENV_ENCRYPTION_KEY = "RTRAIN_ENCRYPTION_KEY"  # read by ckpt/crypt.py
+SECRET_ENV = (ENV_SIGNING_KEY, ENV_ENCRYPTION_KEY)
+"""Environment variables that hold a secret: kept from processes that neither sign nor
+encrypt checkpoints (hooks)."""
 _KEY_FILE_MAX = 1 << 20
 
 
-def _read_key_file(key_file: str, *, shared_ok: bool) -> bytes:
+def read_key_file(key_file: str, *, shared_ok: bool, what: str = "signing key file",
+                  env_name: str = ENV_SIGNING_KEY_FILE) -> bytes:
+    """A key file's stripped content; UsageError for one that is not a regular file, that
+    group or others may access (unless `shared_ok`), or larger than 1 MiB."""
     from supervisor.errors import UsageError
 
     # O_NONBLOCK: a FIFO put in the key file's place must not hang us; fstat of the descriptor
@@ -145,15 +150,14 @@ def _read_key_file(key_file: str, *, shared_ok: bool) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"the signing key file {key_file!r} is not a regular file: "
-                             f"fix {ENV_SIGNING_KEY_FILE}")
+            raise UsageError(f"the {what} {key_file!r} is not a regular file: fix {env_name}")
         if st.st_mode & 0o077 and not shared_ok:
             raise UsageError(
-                f"the signing key file {key_file!r} is accessible by group or others (mode "
+                f"the {what} {key_file!r} is accessible by group or others (mode "
                 f"{stat.S_IMODE(st.st_mode):04o}): chmod 600 it, or set "
                 f"{ENV_ALLOW_SHARED_KEY}=1 to use it anyway")
         if st.st_size > _KEY_FILE_MAX:
-            raise UsageError(f"the signing key file {key_file!r} is larger than 1 MiB: a key "
+            raise UsageError(f"the {what} {key_file!r} is larger than 1 MiB: a key "
                              "is a short secret")
         with os.fdopen(os.dup(fd), "rb") as f:
             return f.read(_KEY_FILE_MAX).strip()

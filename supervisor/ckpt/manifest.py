@@ -9,8 +9,13 @@ Schema (version 1), a JSON object:
     samples_seen  int, samples consumed since the start of training
     created       float, unix time of the commit
     files         {relative path: {"size": int, "hash": str}}      every file but the manifest
-    hash_alg      "xxh3-128"
-    tensors       {relative path: {tensor name: [dtype, shape]}}   safetensors contents
+                  (for an encrypted checkpoint: of the encrypted bytes)
+    hash_alg      "xxh3-128", or "blake3" when signed
+    tensors       {relative path: {tensor name: [dtype, shape]}}   safetensors contents; absent
+                  when encrypted with RTRAIN_ENCRYPT_METADATA=1
+    encryption    optional {"scheme": "aes-256-gcm-chunked-v1", "key_fingerprint": 16 hex,
+                  "chunk_size": int, "tensors_listed": false (only when tensors is absent)}:
+                  every listed file is encrypted (ckpt/sealed.py); never the key itself
     fingerprint   str, hash of the model's (name, shape, dtype) list
     environment   {"python", "torch", "cuda", "device", "rtrain", "host"}
     settings      {knob: value} in force (RTRAIN_SETTINGS)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.ckpt import safeio
+from supervisor.ckpt import crypt, safeio, sealed
 from supervisor.ckpt.hashing import HASH_ALG, new_hasher
 
 MAX_HEADER = 100 << 20
@@ -99,25 +99,46 @@ def write_file(
     metadata: dict[str, str] | None = None,
     fsync: bool = True,
     hash_alg: str = HASH_ALG,
+    seal: tuple[crypt.EncryptionKey, str] | None = None,
 ) -> Written:
-    """Write one safetensors file; returns its size and content hash (`hash_alg`)."""
+    """Write one safetensors file; returns its size and content hash (`hash_alg`).
+
+    `seal` (key, name in the checkpoint): the file written is the encrypted form
+    (`ckpt/sealed.py`), and the size and hash returned are of those bytes.
+    """
     blobs = list(blobs)
     hasher = new_hasher(hash_alg)
     header = build_header(blobs, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    out = _Out(fd, hasher)
+    enc = None if seal is None else sealed.Encryptor(seal[0], seal[1], out.write)
+    put = out.write if enc is None else enc.update
     try:
-        offset = _write_all(fd, memoryview(header), hasher, 0)
+        put(memoryview(header))
         for b in blobs:
             if not b.data.nbytes:
                 continue  # an empty tensor has no bytes, and memoryview refuses to cast it
-            data = b.data if b.data.format == "B" and b.data.ndim == 1 else b.data.cast("B")
-            offset = _write_all(fd, data, hasher, offset)
+            put(b.data if b.data.format == "B" and b.data.ndim == 1 else b.data.cast("B"))
+        if enc is not None:
+            enc.finish()
         if fsync:
             os.fsync(fd)
         size = os.fstat(fd).st_size
     finally:
+        if enc is not None:
+            enc.close()
         os.close(fd)
     return Written(size=size, hash=hasher.hexdigest())
+
+
+class _Out:
+    """The file's bytes in order: hashed and written (`_write_all`)."""
+
+    def __init__(self, fd: int, hasher: Any) -> None:
+        self.fd, self.hasher, self.offset = fd, hasher, 0
+
+    def write(self, view: memoryview) -> None:
+        self.offset = _write_all(self.fd, view, self.hasher, self.offset)
 
 
 # Bits per element of each safetensors dtype (the sub-byte float formats included).

@@ -149,10 +149,31 @@ class ListedFile:
                             "changed after it was verified, or was replaced)")
 
 
+def open_listed(root: Path, name: str, manifest: dict[str, Any], alg: str,
+                enc: Any = None) -> Any:
+    """`ListedFile`, or for an encrypted checkpoint a `sealed.Decryptor` over it (the same
+    interface, for the plaintext: the hash is of the file's bytes, the tags authenticate what
+    is returned). `enc`: the `crypt.EncryptionKey`; a checkpoint it cannot open is a LoadError
+    naming the fingerprints (callers check `crypt.key_problem` first for a clearer error)."""
+    if manifest.get("encryption") is None:
+        return ListedFile(root, name, manifest, alg)
+    from supervisor.ckpt import crypt, sealed  # they import this module
+
+    problem = crypt.key_problem(manifest, enc)
+    if problem is not None:
+        raise LoadError(problem)
+    raw = ListedFile(root, name, manifest, alg)
+    try:
+        return sealed.Decryptor(raw, enc, name)
+    except BaseException:
+        raw.close()
+        raise
+
+
 def read_listed(root: Path, name: str, manifest: dict[str, Any], alg: str,
-                limit: int = 256 << 20) -> bytes:
-    """The whole content of a small listed file (state.json), verified."""
-    with ListedFile(root, name, manifest, alg) as f:
+                limit: int = 256 << 20, enc: Any = None) -> bytes:
+    """The whole content of a small listed file (state.json), verified (and decrypted)."""
+    with open_listed(root, name, manifest, alg, enc) as f:
         if f.size > limit:
             raise LoadError(f"{name} has {f.size} bytes, more than the {limit >> 20} MiB "
                             "rtrain reads for it")

@@ -116,6 +116,14 @@ def _tensor_lines(tensors: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _encrypted(entry: Any) -> str:
+    if entry is None:
+        return "no"
+    if not isinstance(entry, dict):
+        return "yes (unreadable encryption field)"
+    return f"yes ({entry.get('scheme')}, key fingerprint {entry.get('key_fingerprint')})"
+
+
 def render_one(d: Detail) -> str:
     v = d.verdict
     sig = d.meta("signature")
@@ -132,6 +140,7 @@ def render_one(d: Detail) -> str:
                  + (" (+ manifest)" if v.format == "rtrain" else "")),
         ("fingerprint", str(d.meta("fingerprint", "-"))),
         ("signed", f"yes ({sig.get('alg')})" if isinstance(sig, dict) else "no"),
+        *([("encrypted", _encrypted(d.meta("encryption")))] if v.format == "rtrain" else []),
         ("metrics", pairs(d.meta("metrics"))),
         ("settings", pairs(d.meta("settings"))),
         ("environment", pairs(d.meta("environment"))),
@@ -183,6 +192,7 @@ def one_json(d: Detail) -> dict[str, Any]:
         **{k: m.get(k) for k in ("epoch", "samples_seen", "created", "fingerprint",
                                  "environment", "settings", "metrics", "info", "hash_alg")},
         "signed": isinstance(m.get("signature"), dict),
+        "encryption": m.get("encryption"),
         "files": [{"name": f.name, "size": f.size, "hash": f.hash, "status": f.status}
                   for f in d.files],
         "tensors": {fname: t if isinstance(t, str) else

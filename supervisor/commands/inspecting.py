@@ -249,6 +249,11 @@ def _tensors(verdict: Verdict, files: list[FileCheck]) -> dict[str, Any]:
             out[f.name] = {t: (spec[0], spec[1]) for t, spec in table.items()
                            if isinstance(spec, list) and len(spec) == 2}
             continue
+        if (verdict.manifest or {}).get("encryption") is not None:
+            # The header is inside the encrypted file; RTRAIN_ENCRYPT_METADATA=1 left the table
+            # out of the manifest on purpose.
+            out[f.name] = "encrypted: names and shapes not recorded in the manifest"
+            continue
         # Older or hand-made manifests lack the table: read the file's own header instead.
         try:
             path = check_member_name(verdict.path, f.name)

@@ -86,6 +86,8 @@ class Report:
     """Age of the newest checkpoint that verifies quick, when the report was made."""
     warning: str = ""
     """Why the run's final state is in no checkpoint, when its last ending said so."""
+    mirror: dict[str, Any] | None = None
+    """With a mirror: what `rtrain status` says of it (uploaded step, lag, final upload)."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -141,7 +143,8 @@ def gather(run_dir: Path, *, key: bytes | None = None, now: float | None = None)
     rep = Report(run_dir=run_dir, ckpt_dir=summary.ckpt_dir, status=summary.status,
                  reason=summary.reason, generated=time.time() if now is None else now,
                  failures=dict(summary.failures), skipped_saves=summary.skipped_saves,
-                 checkpoint_age_s=summary.checkpoint_age_s, warning=summary.unsaved or "")
+                 checkpoint_age_s=summary.checkpoint_age_s, warning=summary.unsaved or "",
+                 mirror=summary.mirror)
     rows = {n: _row(a) for n, a in timeline.attempts.items()}
     for e in timeline.points:
         attempt = e.get("attempt")

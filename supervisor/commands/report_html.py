@@ -15,6 +15,7 @@ import html
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from supervisor.commands.report import AttemptRow, Report, gather
 from supervisor.commands.statusline import human_duration
@@ -92,12 +93,29 @@ def render(rep: Report) -> str:
         run_dir=_esc(rep.run_dir), status=_esc(rep.status), reason=_esc(rep.reason or "-"),
         generated=_esc(_when(rep.generated)), attempts=len(rep.attempts), failures=failures,
         checkpoints=checkpoints, rows=rows, legend=legend, css=_CSS, js=_JS,
-        skipped=rep.skipped_saves,
+        skipped=rep.skipped_saves, mirror=_mirror(rep.mirror),
         ckpt_age="-" if rep.checkpoint_age_s is None
         else f"{human_duration(rep.checkpoint_age_s)} old",
         warning=f'\n  <div class="warning">warning: {_esc(rep.warning)}</div>' if rep.warning
         else "",
         data=_data_json(rep))
+
+
+def _mirror(m: dict[str, Any] | None) -> str:
+    """The mirror's fact: the newest step on it and how far behind it is, or nothing."""
+    if m is None:
+        return ""
+    if m["uploaded_step"] is None:
+        text = "nothing uploaded"
+    else:
+        behind = m.get("behind_steps")
+        text = f"step {m['uploaded_step']}" + (f", {behind} behind" if behind else ", current")
+    final = m.get("final")
+    if final is not None and not final.get("made_it"):
+        text += f"; the final step {final.get('step')} did not make it"
+    elif m.get("failing"):
+        text += "; failing"
+    return f'\n    <span>mirror <b class="mirror">{_esc(text)}</b></span>'
 
 
 _PAGE = """<!DOCTYPE html>
@@ -114,7 +132,7 @@ _PAGE = """<!DOCTYPE html>
     <span>failures {failures}</span>
     <span>checkpoints on disk <b>{checkpoints}</b></span>
     <span>newest checkpoint <b class="ckpt-age">{ckpt_age}</b></span>
-    <span>saves skipped <b class="skipped-saves">{skipped}</b></span>
+    <span>saves skipped <b class="skipped-saves">{skipped}</b></span>{mirror}
     <span class="muted">generated {generated}</span>
   </div>
   <div class="reason">{reason}</div>{warning}

@@ -81,6 +81,10 @@ class RunSummary:
     was saved again)."""
     failure_rate: str | None = None
     """The last failure_rate alarm (too many failures in an hour), if any."""
+    mirror: dict[str, Any] | None = None
+    """With a mirror: uploaded_step, uploaded_age_s, behind_steps (newest local checkpoint
+    minus the newest uploaded), failing (the last failure since an upload), final (made_it,
+    step, reason at the run's end), downloaded_step (a resume came from it)."""
 
 
 def finite(value: Any) -> bool:
@@ -205,7 +209,23 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
                           "reason": last_failure.get("reason", "")}
     s.last_decision = _pick(timeline.last(Kind.DECISION), "attempt", "action", "reason",
                             "backoff_s")
+    if timeline.mirror is not None:
+        s.mirror = _mirror(timeline.mirror, s.checkpoint_step, now)
     return s
+
+
+def _mirror(m: Any, local_step: int | None, now: float) -> dict[str, Any]:
+    behind = (local_step - m.uploaded_step if local_step is not None
+              and m.uploaded_step is not None and local_step > m.uploaded_step
+              else (0 if local_step is None or m.uploaded_step is not None else None))
+    final = m.final
+    return {"uploaded_step": m.uploaded_step,
+            "uploaded_age_s": (max(0.0, now - m.uploaded_at) if finite(m.uploaded_at)
+                               else None),
+            "behind_steps": behind, "uploads": m.uploads, "failures": m.failures,
+            "failing": _pick(m.failing, "reason", "step", "retry_in_s"),
+            "final": _pick(final, "made_it", "step", "reason"),
+            "downloaded_step": m.downloaded.get("step") if m.downloaded else None}
 
 
 def _stale(s: RunSummary) -> str | None:
@@ -259,6 +279,8 @@ def render_text(s: RunSummary) -> str:
            if s.checkpoint_age_s is not None else "")
     rows.append(("checkpoint", f"{s.checkpoint.name} (verified quick){age}" if s.checkpoint
                  else f"none verified in {s.ckpt_dir}"))
+    if s.mirror is not None:
+        rows += _mirror_rows(s.mirror)
     if s.last_skipped:
         rows.append(("saves", f"{s.skipped_saves} skipped; the last at step "
                               f"{s.last_skipped['step']}: {s.last_skipped['reason']}"))
@@ -284,6 +306,28 @@ def render_text(s: RunSummary) -> str:
     # Reasons and settings quote checkpoint, script and log content: escaped (`safe`).
     return "\n".join([head] + [f"  {label + (':' if label else ''):<{width + 1}} {safe(text)}"
                                 for label, text in rows])
+
+
+def _mirror_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
+    if m["uploaded_step"] is None:
+        text = "nothing uploaded yet"
+    else:
+        age = (f" {human_duration(m['uploaded_age_s'])} ago"
+               if m["uploaded_age_s"] is not None else "")
+        text = f"step {m['uploaded_step']:,} uploaded{age}"
+    if m["behind_steps"]:
+        text += f"; {m['behind_steps']:,} steps behind the newest local checkpoint"
+    elif m["behind_steps"] == 0 and m["uploaded_step"] is not None:
+        text += "; up to date"
+    rows = [("mirror", text)]
+    if f := m["failing"]:
+        rows.append(("", f"failing: {f['reason']}"))
+    if f := m["final"]:
+        rows.append(("", f"at the end: step {f['step']} " + (
+            "made it to the mirror" if f["made_it"] else f"did NOT make it ({f['reason']})")))
+    if m["downloaded_step"] is not None:
+        rows.append(("", f"resumed from the mirror's step {m['downloaded_step']}"))
+    return rows
 
 
 def to_json(s: RunSummary) -> dict[str, Any]:

@@ -36,11 +36,11 @@ from supervisor.decide.policy import (
     note_progress,
 )
 from supervisor.errors import ExitCode, UsageError
-from supervisor.launch import act, child_env
+from supervisor.launch import act, child_env, mirroring
 from supervisor.launch.child_env import AttemptPlan
 from supervisor.launch.observers import Observers
 from supervisor.launch.recording import record_decision, record_exit, record_failure, slurm_field
-from supervisor.launch.resume import Checkpoints, resumed_from
+from supervisor.launch.resume import Checkpoints, encryption_key, resumed_from
 from supervisor.launch.rundir import RunRecord, move_aside, prepare_dirs, refuse_ended
 from supervisor.launch.spec import LaunchSpec, Seams, child_command
 from supervisor.proc import slurm
@@ -114,14 +114,20 @@ class Loop:
                                 monotonic=seams.monotonic, sleep=seams.sleep, say=self.say)
         self.record.load(spec.command, spec.cwd, fresh=spec.fresh, retry=spec.retry)
         self.checkpoints = Checkpoints(self.ckpt_dir, self.cfg, load_signing_key(), self.events,
-                                       self.say)
+                                       self.say, enc=encryption_key())
         self.gpu = seams.gpu if seams.gpu is not None else NvmlReader()
         self.hb = HeartbeatReceiver()
         self.watch_cfg = WatchConfig.from_config(self.cfg)
         self.procs = ProcRecord(run_dir)  # the attempt's processes, for the next launch
+        self.mirroring = mirroring.open_for(  # probed: bad credentials stop us here
+            self.cfg, run_dir, self.ckpt_dir, self.events, self.say,
+            new_run=self.record.new_run)
+        self.checkpoints.remote = self.mirroring
         self._last_step: int | None = None  # of the attempt that just ended
 
     def close(self) -> None:
+        if self.mirroring is not None:
+            self.mirroring.close()
         self.record.record_final()
         self.hb.close()
         self.gpu.close()
@@ -137,6 +143,8 @@ class Loop:
             return refused
         history = self._first_history()
         resume, first = ResumeMode.LATEST, self.record.new_run
+        if self.mirroring is not None:
+            self.mirroring.start()
         with SignalCatcher() as signals:
             while True:
                 selection = self.checkpoints.pick(history, resume, first=first)
@@ -205,17 +213,24 @@ class Loop:
                          resume_from=plan.resume_from, pid=child.pid,
                          ckpt_dir=str(self.ckpt_dir), **slurm_field())
         t0 = self.seams.monotonic()
-        hooks = self.observers.hooks
         outcome = self.seams.watch(
             child, self.watch_cfg, heartbeats=self.hb, gpu=self.gpu, signals=signals,
-            tree=ProcTree(exclude=hooks.pids) if hooks is not None else None,
+            tree=ProcTree(exclude=self._helper_pids),
             on_heartbeat=lambda hb: self.observers.heartbeat(attempt, hb),
             on_sample=self._on_sample)
         child.close()
         self.procs.update([])  # swept
         return outcome, self.seams.monotonic() - t0
 
+    def _helper_pids(self) -> list[int]:
+        """rtrain's own helpers (hooks, the uploader): not the attempt's processes."""
+        hooks = self.observers.hooks
+        return [*(hooks.pids() if hooks is not None else []),
+                *(self.mirroring.pids() if self.mirroring is not None else [])]
+
     def _on_sample(self, sample: Sample) -> None:
+        if self.mirroring is not None:
+            self.mirroring.poll()
         self.observers.sample(sample)
         self.record.retry_held()  # held while the disk was full
         self.procs.update(sample.tree.pids)
@@ -244,6 +259,10 @@ class Loop:
 
     def _act(self, decision: Decision, signals: SignalCatcher, pids: list[int]) -> int | None:
         history, reason = decision.history, decision.reason
+        if decision.action is not Action.RELAUNCH and self.mirroring is not None:
+            # The run ends here: the newest checkpoint goes to the mirror before rtrain exits
+            # (under preemption, within what the grace leaves; see mirror_final_wait_s).
+            self.mirroring.finish(self.cfg.mirror_final_wait_s)
         if decision.action is Action.FINISHED:
             self.record.save(RunStatus.FINISHED, reason, history)
             unsaved = self._unsaved_final()
@@ -274,6 +293,8 @@ class Loop:
                                               events=self.events, say=self.say)
         if stopped_by is not None:
             # A stop arrived during the backoff: no child runs, the newest checkpoint stands.
+            if self.mirroring is not None:
+                self.mirroring.finish(self.cfg.mirror_final_wait_s)
             self.record.save(RunStatus.PREEMPTED,
                              f"stopped by {','.join(stopped_by)} during backoff", history)
             return ExitCode.PREEMPTED

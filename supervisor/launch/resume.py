@@ -1,6 +1,7 @@
 """The run's checkpoint dir as the loop sees it: which checkpoint an attempt resumes from
-(`foreign.select_resume_any_format`, the same selection `rtrain status` shows), the newest good
-step, whether an attempt committed one, and the quarantine copy other readers of the dir see.
+(`foreign.select_resume_any_format`, the same selection `rtrain status` shows) and whether the
+child's encryption key can open it, the newest good step, whether an attempt committed one, and
+the quarantine copy other readers of the dir see.
 """
 
 from __future__ import annotations
@@ -8,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from supervisor.ckpt import foreign, quarantine
+from supervisor.ckpt import crypt, foreign, quarantine
 from supervisor.ckpt.verify import Level, Selection, Verdict, mark_quarantined
 from supervisor.config import Config
 from supervisor.decide.policy import History, Resumed, ResumeMode
@@ -17,11 +19,17 @@ from supervisor.errors import UsageError
 from supervisor.records.events import EventLog
 from supervisor.safetext import safe
 
+if TYPE_CHECKING:
+    from supervisor.launch.mirroring import Mirroring
+
 
 class Checkpoints:
     def __init__(self, ckpt_dir: Path, config: Config, key: bytes | None, events: EventLog,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], enc: crypt.EncryptionKey | None = None) -> None:
         self.dir, self.cfg, self.key, self.events, self.say = ckpt_dir, config, key, events, say
+        self.enc = enc  # RTRAIN_ENCRYPTION_KEY(_FILE), which the child inherits
+        self.remote: Mirroring | None = None  # the run's mirror, when it has one
+        self._looked_remote = False
 
     def pick(self, history: History, resume: ResumeMode, *, first: bool) -> Selection | None:
         """The checkpoint the next attempt resumes from; None when an explicit --resume PATH
@@ -34,15 +42,74 @@ class Checkpoints:
             if not v.ok:
                 raise UsageError(f"--resume {self.cfg.resume} does not verify ({v.describe()}): "
                                  "pick another checkpoint or use --resume auto")
-            return Selection(v, [])
+            return self._openable(Selection(v, []))
         # Any format: rtrain's own, a Trainer's checkpoint-N dirs, Lightning / torch.save files.
         sel = self._select(level, history, skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
+        if self.remote is not None and not self._looked_remote and resume is ResumeMode.LATEST:
+            # Once per launch: only a fresh machine (or a lost local dir) can have a newer
+            # checkpoint on the mirror than on its disk, since every upload starts from here.
+            self._looked_remote = True
+            if self._fetch_newer(sel.chosen):
+                sel = self._select(level, history)
         for v in sel.skipped:
             self.say(f"skipping {safe(v.path.name)}: {safe(v.describe())}")  # names from disk
             self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
         if resume is ResumeMode.ROLLBACK and sel.chosen is None:
             sel = self._select(level, history)  # nothing older: newest
+        return self._openable(sel)
+
+    def _openable(self, sel: Selection) -> Selection:
+        """`sel`, unless its checkpoint is encrypted and the child's key cannot open it: then a
+        UsageError naming the fingerprints, before any attempt starts (the child would fail
+        on it, then on every older checkpoint of the run, all sealed with the same key)."""
+        chosen = sel.chosen
+        if chosen is None or chosen.manifest is None or chosen.format != "rtrain":
+            return sel
+        try:
+            problem = crypt.key_problem(chosen.manifest, self.enc)
+        except crypt.CryptError as e:
+            problem = str(e)
+        if problem is not None:
+            raise UsageError(f"cannot resume from {safe(chosen.path.name)}: {problem}")
         return sel
+
+    def _fetch_newer(self, local: Verdict | None) -> bool:
+        """Download the newest checkpoint on the mirror that is newer than `local` and
+        verifies (hashed while it downloads); one that does not verify is reported and the
+        next older tried. Local wins at an equal step. True when one was downloaded."""
+        from supervisor.remote.cache import BlobCache
+        from supervisor.remote.store import CorruptRemote, MirrorError
+
+        assert self.remote is not None
+        mirror, where = self.remote.mirror, self.remote.display
+        floor = local.step if local is not None else -1
+        try:
+            newer = [c for c in mirror.list() if c.committed and c.step > floor]
+        except MirrorError as e:
+            self.say(f"{e}; resuming from local checkpoints")
+            self.events.emit("mirror_failed", reason=f"list: {e}", step=None, retry_in_s=None,
+                             given_up=False)
+            return False
+        for c in newer:
+            try:
+                t = mirror.download(c.name, self.dir, key=self.key, cache=BlobCache(),
+                                    file_mode=self.cfg.file_mode)
+            except CorruptRemote as e:
+                self.say(f"skipping {c.name} on the mirror: {e}")
+                self.events.emit("skipped_checkpoint", path=f"{where}/{c.name}",
+                                 reason=f"on the mirror: {e}")
+                continue
+            except MirrorError as e:
+                self.say(f"{e}; resuming from local checkpoints")
+                self.events.emit("mirror_failed", reason=f"download: {e}", step=c.step,
+                                 retry_in_s=None, given_up=False)
+                return False
+            self.say(f"downloaded {c.name} from the mirror: {t.bytes / 2**20:.1f} MiB in "
+                     f"{t.seconds:.1f} s ({t.cached_bytes / 2**20:.1f} MiB from the cache)")
+            self.events.emit("mirror_downloaded", step=c.step, bytes=t.bytes,
+                             seconds=round(t.seconds, 3), cached_bytes=t.cached_bytes)
+            return True
+        return False
 
     def _select(self, level: Level, history: History, skip_newest: int = 0) -> Selection:
         """Passing over quarantined checkpoints and those a worker of this run could not load
@@ -91,6 +158,19 @@ class Checkpoints:
         except OSError as e:
             self.say(f"cannot write {quarantine.QUARANTINE_FILE} in {self.dir} "
                      f"({e.strerror}): other readers of the dir will not see the quarantine")
+
+
+def encryption_key() -> crypt.EncryptionKey | None:
+    """The key the child inherits (RTRAIN_ENCRYPTION_KEY / _FILE), checked here so a bad key
+    file or a missing `cryptography` package is one line at launch, not a child's traceback.
+    Only the package's presence is checked: the supervisor never encrypts."""
+    import importlib.util
+
+    enc = crypt.load_encryption_key()
+    if enc is not None and importlib.util.find_spec("cryptography") is None:
+        raise UsageError(f"{crypt.ENV_KEY} is set, but encrypting checkpoints needs the "
+                         f"cryptography package: {crypt.INSTALL_HINT}")
+    return enc
 
 
 def resumed_from(chosen: Verdict | None) -> Resumed | None:

@@ -163,6 +163,11 @@ def _preexec(parent_pid: int, cgroup_procs: bytes | None):
     return hook
 
 
+def pdeathsig_preexec(parent_pid: int):
+    """For rtrain's own helper processes: they die with the supervisor, as the child does."""
+    return _preexec(parent_pid, None)
+
+
 def spawn(spec: ChildSpec) -> Child:
     """Start the child. Raises OSError (e.g. FileNotFoundError) when it cannot be started."""
     try:

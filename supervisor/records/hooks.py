@@ -13,7 +13,8 @@ event for a non-zero exit, a timeout or a command that cannot start. At the end 
 launch` the hooks still running get until their deadline (a give-up alert is not cut short).
 Hook processes are kept out of the attempt's process tree (`pids()`), so they are neither
 counted as training memory nor swept with the attempt. A hook's environment is rtrain's without
-secrets (`hashing.SECRET_ENV`: the signing key), plus RTRAIN_RUN_DIR and RTRAIN_EVENT.
+secrets (`hashing.SECRET_ENV`: the signing and encryption keys), plus RTRAIN_RUN_DIR and
+RTRAIN_EVENT.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class HookRunner:
         return [r.proc.pid for r in self.running]
 
     def _start(self, hook: HookSpec, event: dict[str, Any]) -> None:
-        # A hook gets our environment minus secrets: a notifier has no use for the signing key,
+        # A hook gets our environment minus secrets: a notifier has no use for the keys,
         # and whatever it runs (curl, a chat client) should not be able to leak it.
         env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
         env.update(self.env, RTRAIN_EVENT=str(event.get("kind")))

@@ -14,6 +14,12 @@ file: no fsync (a lost write is replaced seconds later).
     rtrain_seconds_since_heartbeat{run_dir}        since the last heartbeat from the child
     rtrain_last_checkpoint_age_seconds{run_dir}    since the newest checkpoint's commit
     rtrain_skipped_saves_total{run_dir}            checkpoints the worker could not write
+    rtrain_mirror_uploaded_step{run_dir}           newest checkpoint step on the mirror
+    rtrain_mirror_lag_steps{run_dir}               newest local checkpoint's step minus that
+    rtrain_mirror_seconds_since_upload{run_dir}    since the last upload finished
+    rtrain_mirror_failures_total{run_dir}          failed uploads, listings and downloads
+
+The mirror's series appear once the log has a mirror event (runs with `--mirror`).
 
 A value not known yet (no heartbeat, no checkpoint) is left out rather than invented.
 """
@@ -47,6 +53,13 @@ _HELP = {
                                            "Seconds since the newest checkpoint was committed"),
     "rtrain_skipped_saves_total": ("counter",
                                    "Checkpoints not written (full disk, storage errors)"),
+    "rtrain_mirror_uploaded_step": ("gauge", "Step of the newest checkpoint on the mirror"),
+    "rtrain_mirror_lag_steps": ("gauge",
+                                "Newest local checkpoint's step minus the newest on the mirror"),
+    "rtrain_mirror_seconds_since_upload": ("gauge",
+                                           "Seconds since the last upload to the mirror"),
+    "rtrain_mirror_failures_total": ("counter",
+                                     "Failed mirror uploads, listings and downloads"),
 }
 
 
@@ -110,11 +123,12 @@ class MetricsFile:
         self.up = False
         self.write()
 
-    def _checkpoint_created(self) -> float | None:
+    def _newest_checkpoint(self) -> tuple[int, float] | None:
+        """(step, created) of the newest checkpoint whose manifest reads."""
         # One scandir per write; the newest manifest is read again only when a newer step shows.
         for step, path in list_checkpoints(self.ckpt_dir):
             if self._ckpt_seen is not None and self._ckpt_seen[0] == step:
-                return self._ckpt_seen[1]
+                return self._ckpt_seen
             try:
                 # manifest.load: never blocks on a FIFO, never parses a bomb.
                 created = manifest.load(path)["created"]
@@ -122,7 +136,7 @@ class MetricsFile:
                 continue  # being written, or damaged: the next older one counts
             if isinstance(created, (int, float)) and math.isfinite(created):
                 self._ckpt_seen = (step, float(created))
-                return float(created)
+                return self._ckpt_seen
         return None
 
     def render(self) -> str:
@@ -139,10 +153,20 @@ class MetricsFile:
                 [(run, round(max(0.0, now - self.last_heartbeat), 3))]
                 if self.last_heartbeat is not None else []),
         }
-        created = self._checkpoint_created()
+        newest = self._newest_checkpoint()
         values["rtrain_last_checkpoint_age_seconds"] = (
-            [(run, round(max(0.0, now - created), 3))] if created is not None else [])
+            [(run, round(max(0.0, now - newest[1]), 3))] if newest is not None else [])
         values["rtrain_skipped_saves_total"] = [(run, self.timeline.skipped_saves)]
+        if (m := self.timeline.mirror) is not None:
+            up = m.uploaded_step
+            values["rtrain_mirror_uploaded_step"] = [(run, up)] if up is not None else []
+            values["rtrain_mirror_lag_steps"] = (
+                [(run, max(0, newest[0] - (up if up is not None else 0)))]
+                if newest is not None and (up is not None or m.failures) else [])
+            at = m.uploaded_at
+            values["rtrain_mirror_seconds_since_upload"] = (
+                [(run, round(max(0.0, now - at), 3))] if isinstance(at, (int, float)) else [])
+            values["rtrain_mirror_failures_total"] = [(run, m.failures)]
         lines = []
         for name, samples in values.items():
             kind, text = _HELP[name]

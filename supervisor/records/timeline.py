@@ -70,6 +70,45 @@ class Note:
 
 
 @dataclass(kw_only=True)
+class MirrorRecord:
+    """The mirror as the log tells it (the `mirror_*` events)."""
+
+    uploaded_step: int | None = None
+    """Step of the newest checkpoint uploaded."""
+    uploaded_at: float | None = None
+    uploads: int = 0
+    failures: int = 0
+    failing: Event | None = None
+    """The last `mirror_failed` that no upload has followed (the mirror is behind)."""
+    final: Event | None = None
+    """The last `mirror_final`: did the newest checkpoint make it at the run's end?"""
+    downloaded: Event | None = None
+    """The last `mirror_downloaded` (a resume from the mirror)."""
+
+    def add(self, kind: Any, event: Event) -> None:
+        if kind == Kind.MIRROR_UPLOADED:
+            step = _int(event.get("step"))
+            if step is not None and (self.uploaded_step is None or step > self.uploaded_step):
+                self.uploaded_step, self.uploaded_at = step, event.get("time")
+            self.uploads += 1
+            self.failing = None
+        elif kind == Kind.MIRROR_FAILED:
+            self.failures += 1
+            self.failing = event
+        elif kind == Kind.MIRROR_FINAL:
+            self.final = event
+        elif kind == Kind.MIRROR_DOWNLOADED:
+            self.downloaded = event
+            step = _int(event.get("step"))
+            if step is not None and (self.uploaded_step is None or step > self.uploaded_step):
+                self.uploaded_step, self.uploaded_at = step, event.get("time")
+
+
+_MIRROR_KINDS = (Kind.MIRROR_UPLOADED, Kind.MIRROR_FAILED, Kind.MIRROR_FINAL,
+                 Kind.MIRROR_DOWNLOADED)
+
+
+@dataclass(kw_only=True)
 class Timeline:
     """The run so far, one `add(event)` at a time (the rules are in the module docstring)."""
 
@@ -89,6 +128,8 @@ class Timeline:
     """Every `heartbeat_summary`, in order (keep_curve only)."""
     notes: list[Note] = field(default_factory=list)
     """classification, degrade and skipped_checkpoint events, in order (keep_curve only)."""
+    mirror: MirrorRecord | None = None
+    """Set once the log has a `mirror_*` event."""
     skipped_saves: int = 0
     _last_skipped: Event | None = None
     _unsaved: str | None = None
@@ -118,6 +159,9 @@ class Timeline:
             self._last_skipped = event
         elif kind == Kind.FINAL_STATE_UNSAVED:
             self._unsaved = str(event.get("reason") or "the final state was not saved")
+        elif kind in _MIRROR_KINDS:
+            self.mirror = self.mirror or MirrorRecord()
+            self.mirror.add(kind, event)
         if kind in _RUNG_KINDS:
             if _int(event.get("level")) is not None:
                 self.level = event["level"]

@@ -1,0 +1,252 @@
+"""The uploader: a process of its own that copies committed checkpoints to the mirror.
+
+`rtrain launch --mirror URL` starts it once per launch (`launch/mirroring.py`) and it outlives
+every attempt: a crash of the training child never interrupts an upload, and a hung or slow
+store never holds up the supervisor, which only reads this process's messages. It watches the
+checkpoint dir, sends the newest committed checkpoint first (`backlog.next_upload`), the
+manifest last (the remote commit marker), retries failures with a capped backoff, and applies
+the mirror's retention after each upload.
+
+    python -m supervisor.remote.uploader SPEC_JSON
+
+Talks over pipes: stdin takes commands, one per line ("finish": send what is still waiting,
+then exit; end of input means the same); stdout carries one JSON object per line (`kind`:
+started, uploaded, failed, superseded, pruned, standby, final). It writes nothing else
+anywhere but the mirror and its lock file. Credentials come from the backend's own chain and
+never appear in a message (errors say what failed, never with what).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import select
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from supervisor.ckpt.layout import MANIFEST, list_checkpoints
+from supervisor.remote import backlog
+
+# One uploader per checkpoint dir: on a shared filesystem every node's rtrain starts one, and
+# only the holder of this lock sends; the others stand by and take over if it goes away.
+LOCK_NAME = ".rtrain-mirror.lock"
+POLL_S = 0.5  # how often the checkpoint dir is listed: a listing costs microseconds
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 30.0  # an outage of minutes is caught up within this long of its end
+STANDBY_RETRY_S = 5.0
+
+
+@dataclass(frozen=True)
+class Spec:
+    ckpt_dir: Path
+    url: str
+    keep_remote: int
+    milestone_every: int
+    parallel: int
+    file_mode: int = 0o600
+
+    @classmethod
+    def parse(cls, text: str) -> Spec:
+        raw = json.loads(text)
+        return cls(Path(raw["ckpt_dir"]), raw["url"], int(raw["keep_remote"]),
+                   int(raw["milestone_every"]), int(raw["parallel"]), int(raw["file_mode"]))
+
+    def dumps(self) -> str:
+        return json.dumps({"ckpt_dir": str(self.ckpt_dir), "url": self.url,
+                           "keep_remote": self.keep_remote,
+                           "milestone_every": self.milestone_every, "parallel": self.parallel,
+                           "file_mode": self.file_mode})
+
+
+def retry_after(failures: int) -> float:
+    """Seconds before the next try after `failures` failures in a row (1, 2, 4, ... 30)."""
+    return min(RETRY_FIRST_S * 2 ** max(failures - 1, 0), RETRY_MAX_S)
+
+
+def send(kind: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"kind": kind, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def local_steps(ckpt_dir: Path) -> list[int]:
+    """Committed local checkpoints of rtrain's format (a manifest: what can be verified)."""
+    return [step for step, path in list_checkpoints(ckpt_dir)
+            if os.path.isfile(path / MANIFEST)]
+
+
+class Commands:
+    """stdin, read without blocking: the supervisor's "finish", or its end (it went away)."""
+
+    def __init__(self) -> None:
+        self.finishing = False
+        self._buf = b""
+
+    def wait(self, timeout: float) -> None:
+        if self.finishing:
+            time.sleep(min(timeout, POLL_S))
+            return
+        ready, _, _ = select.select([sys.stdin.fileno()], [], [], max(timeout, 0.0))
+        if not ready:
+            return
+        chunk = os.read(sys.stdin.fileno(), 4096)
+        if not chunk or b"finish" in self._buf + chunk:
+            self.finishing = True
+        self._buf = (self._buf + chunk)[-64:]
+
+
+class Uploader:
+    def __init__(self, spec: Spec, mirror: Any, commands: Commands) -> None:
+        self.spec, self.mirror, self.commands = spec, mirror, commands
+        self.remote: set[int] | None = None  # committed on the mirror; None until listed
+        self.given_up: set[int] = set()
+        self.told_superseded: set[int] = set()
+        self.failures = 0
+        self.retry_at = 0.0
+
+    def run(self) -> int:
+        while True:
+            if self.remote is None and not self._list_remote():
+                if self.commands.finishing:
+                    return self._final()
+                self.commands.wait(self.retry_at - time.monotonic())
+                continue
+            plan = backlog.next_upload(local_steps(self.spec.ckpt_dir), self.remote,
+                                       milestone_every=self.spec.milestone_every,
+                                       given_up=self.given_up)
+            fresh = [s for s in plan.superseded if s not in self.told_superseded]
+            if fresh:
+                self.told_superseded.update(fresh)
+                send("superseded", steps=sorted(fresh))
+            if plan.upload is None:
+                if self.commands.finishing:
+                    return self._final()
+                self.commands.wait(POLL_S)
+                continue
+            wait = self.retry_at - time.monotonic()
+            if wait > 0:
+                self.commands.wait(wait)
+                continue
+            self._upload(plan.upload)
+
+    def _list_remote(self) -> bool:
+        from supervisor.remote.store import MirrorError
+
+        try:
+            self.remote = {c.step for c in self.mirror.list() if c.committed}
+        except MirrorError as e:
+            self._failed(None, str(e))
+            return False
+        self.failures = 0
+        send("started", remote_steps=sorted(self.remote))
+        return True
+
+    def _upload(self, step: int) -> None:
+        from supervisor.remote.store import CorruptLocal, MirrorError
+
+        path = self.spec.ckpt_dir / f"checkpoint-{step}"
+        try:
+            t = self.mirror.upload(path, parallel=self.spec.parallel)
+        except CorruptLocal as e:
+            # Sending it again would not help: the newer or older ones go instead.
+            self.given_up.add(step)
+            send("failed", step=step, reason=str(e), given_up=True)
+            return
+        except FileNotFoundError:
+            return  # pruned locally meanwhile: the plan moves on to what is there now
+        except MirrorError as e:
+            self._failed(step, str(e))
+            return
+        assert self.remote is not None
+        self.remote.add(step)
+        self.failures = 0
+        send("uploaded", step=step, bytes=t.bytes, seconds=round(t.seconds, 3), files=t.files)
+        self._prune(step)
+
+    def _failed(self, step: int | None, reason: str) -> None:
+        self.failures += 1
+        delay = retry_after(self.failures)
+        self.retry_at = time.monotonic() + delay
+        send("failed", step=step, reason=reason, retry_in_s=delay, failures=self.failures)
+
+    def _prune(self, just_sent: int) -> None:
+        from supervisor.remote.retention import prune_remote
+        from supervisor.remote.store import MirrorError
+
+        if self.spec.keep_remote == 0:
+            return  # keep everything
+        try:
+            result = prune_remote(self.mirror, keep_remote=self.spec.keep_remote,
+                                  milestone_every=self.spec.milestone_every,
+                                  protect={just_sent})
+        except MirrorError as e:
+            send("failed", step=None, reason=f"retention: {e}", retry_in_s=None, failures=0)
+            return
+        deleted = {r.step for r, _ in result.deleted}
+        if deleted:
+            assert self.remote is not None
+            self.remote.difference_update(deleted)
+            send("pruned", steps=sorted(deleted))
+
+    def _final(self) -> int:
+        local = local_steps(self.spec.ckpt_dir)
+        newest = max(local, default=None)
+        made_it = newest is None or (self.remote is not None and newest in self.remote)
+        send("final", step=newest, made_it=made_it)
+        return 0
+
+
+def hold_lock(ckpt_dir: Path, commands: Commands) -> int | None:
+    """The uploader lock's fd once held; None when told to finish while standing by."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(ckpt_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    told = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if not told:
+                send("standby", reason="another rtrain uploads this checkpoint dir")
+                told = True
+            if commands.finishing:
+                os.close(fd)
+                return None
+            commands.wait(STANDBY_RETRY_S)
+
+
+def yield_to_training() -> None:
+    """Lowest CPU and I/O priority: the uploader takes what training leaves (the training
+    child and its data workers keep their share on a busy node), and an upload merely takes
+    longer."""
+    os.nice(10)
+    try:
+        import psutil
+
+        psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, value=7)
+    except (OSError, AttributeError, ValueError):
+        pass  # no I/O priorities here (not Linux, or a container without them)
+
+
+def main(argv: list[str]) -> int:
+    from supervisor.remote.store import MirrorError, open_mirror
+
+    spec = Spec.parse(argv[1])
+    yield_to_training()
+    commands = Commands()
+    try:
+        mirror = open_mirror(spec.url, file_mode=spec.file_mode)
+    except MirrorError as e:
+        send("failed", step=None, reason=str(e), retry_in_s=None, failures=1)
+        return 2
+    if hold_lock(spec.ckpt_dir, commands) is None:
+        send("final", step=None, made_it=False, standby=True)
+        return 0
+    return Uploader(spec, mirror, commands).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,106 @@
+"""The uploader process (supervisor/remote/uploader.py) on its own: its messages, one uploader
+per checkpoint dir, a damaged local checkpoint never sent. A directory is the mirror here;
+tests/test_mirror_launch.py runs it under rtrain launch against S3."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import build_checkpoint
+from harness import REPO, child_env
+
+from supervisor.remote.uploader import Spec
+
+pytestmark = pytest.mark.slow
+
+
+class Uploader:
+    def __init__(self, ckpt_dir: Path, mirror: Path, **kw) -> None:
+        spec = Spec(ckpt_dir=ckpt_dir, url=str(mirror), keep_remote=kw.get("keep_remote", 3),
+                    milestone_every=kw.get("milestone_every", 0), parallel=2)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.remote.uploader", spec.dumps()], cwd=REPO,
+            env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.seen: list[dict] = []
+
+    def until(self, kind: str, timeout: float = 20) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.seen.append(json.loads(line))
+            if self.seen[-1]["kind"] == kind:
+                return self.seen[-1]
+        raise AssertionError(f"no {kind!r} message: {self.seen}")
+
+    def finish(self) -> dict:
+        self.proc.stdin.write("finish\n")
+        self.proc.stdin.flush()
+        final = self.until("final")
+        assert self.proc.wait(10) == 0
+        return final
+
+
+def test_newest_first_the_overtaken_skipped_and_the_final_made_it(tmp_path):
+    ck, mirror = tmp_path / "ck", tmp_path / "mirror"
+    for step in (10, 20, 30):
+        build_checkpoint(ck, step)
+    up = Uploader(ck, mirror, milestone_every=10)
+    try:
+        up.until("started")
+        sent = [up.until("uploaded")["step"] for _ in range(3)]
+        assert sent == [30, 20, 10]  # newest first, then the milestones
+        build_checkpoint(ck, 35)
+        build_checkpoint(ck, 45)
+        assert up.until("superseded")["steps"] == [35]
+        assert up.until("uploaded")["step"] == 45
+        assert up.finish() == {"kind": "final", "step": 45, "made_it": True}
+    finally:
+        up.proc.kill()
+    assert sorted(p.name for p in mirror.iterdir()) == [
+        "checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-45"]
+
+
+def test_a_damaged_local_checkpoint_is_never_sent(tmp_path):
+    ck, mirror = tmp_path / "ck", tmp_path / "mirror"
+    build_checkpoint(ck, 10)
+    bad = build_checkpoint(ck, 20)
+    data = bytearray((bad / "state.json").read_bytes())
+    data[0] ^= 1  # same size, other bytes
+    (bad / "state.json").write_bytes(bytes(data))
+    up = Uploader(ck, mirror)
+    try:
+        failed = up.until("failed")
+        assert failed["step"] == 20 and failed["given_up"] is True
+        assert "state.json: hash mismatch" in failed["reason"]
+        assert up.until("uploaded")["step"] == 10  # the newest good one instead
+        assert up.finish()["made_it"] is False  # the newest local one is not on the mirror
+    finally:
+        up.proc.kill()
+    assert not (mirror / "checkpoint-20" / "manifest.json").exists()
+
+
+def test_one_uploader_per_checkpoint_dir_the_other_stands_by(tmp_path):
+    ck, mirror = tmp_path / "ck", tmp_path / "mirror"
+    build_checkpoint(ck, 10)
+    first = Uploader(ck, mirror)
+    second = None
+    try:
+        first.until("uploaded")
+        second = Uploader(ck, mirror)
+        assert "another rtrain" in second.until("standby")["reason"]
+        assert first.finish()["made_it"] is True
+        # The holder is gone: the one standing by takes over within its retry interval.
+        build_checkpoint(ck, 20)
+        assert second.until("uploaded", timeout=15)["step"] == 20
+        assert second.finish()["made_it"] is True
+    finally:
+        first.proc.kill()
+        if second is not None:
+            second.proc.kill()
