@@ -7,9 +7,10 @@ Remote layout, the local one without temp names (docs/design.md, "Mirror"):
 
 A remote checkpoint exists when its manifest.json does; a directory without one is an upload
 that did not finish (`RemoteCheckpoint.committed` False), never downloaded. Uploads hash every
-local file while sending it and refuse a file that differs from the local manifest
-(`CorruptLocal`); downloads hash while receiving, into a temp dir renamed into place only when
-every file matches (`CorruptRemote` otherwise), exactly like a local commit.
+local file just before the backend's put sends it and refuse a file that differs from the local
+manifest (`CorruptLocal`); downloads fetch with the backend's get into a temp dir, hash the
+bytes on disk and rename into place only when every file matches (`CorruptRemote` otherwise),
+exactly like a local commit.
 
 fsspec (and the protocol's backend, s3fs for `s3://`) is imported only by `open_mirror`:
 `rtrain inspect DIR` never pays for it. Credentials and endpoint come only from the backend's
