@@ -24,6 +24,7 @@ from supervisor.remote.store import (
     RemoteCheckpoint,
     open_mirror,
 )
+from supervisor.remote.url import redact
 
 
 @pytest.fixture(params=[pytest.param("s3", marks=pytest.mark.slow), "local"])
@@ -281,7 +282,7 @@ def test_a_dead_endpoint_fails_within_the_timeouts_and_recovers(s3_mirror, s3_se
 def test_credentials_in_a_url_are_never_shown(tmp_path):
     m = open_mirror(f"file://{tmp_path}/m")
     assert m.display == f"file://{tmp_path}/m"
-    assert store.redact("s3://AKIA:hunter2@bucket/p?X-Amz-Signature=abc") == "s3://bucket/p"
+    assert redact("s3://AKIA:hunter2@bucket/p?X-Amz-Signature=abc") == "s3://bucket/p"
 
 
 def test_a_missing_backend_says_what_to_install(monkeypatch):
@@ -297,3 +298,56 @@ def test_a_missing_backend_says_what_to_install(monkeypatch):
 def test_a_bucketless_url_is_refused():
     with pytest.raises(MirrorError, match="name a bucket"):
         open_mirror("s3://")
+
+
+@pytest.mark.slow  # not a process, but ~10 s of waiting on purpose
+def test_an_endpoint_that_accepts_and_never_answers_times_out(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(store, "READ_TIMEOUT_S", 1)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # connections complete in the backlog; nothing is ever read or sent
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                     "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(k, v)
+        t0 = time.monotonic()
+        with pytest.raises(MirrorError, match=r"cannot write.*does not answer"):
+            open_mirror("s3://bucket/prefix").probe()
+        elapsed = time.monotonic() - t0
+    finally:
+        silent.close()
+    attempts = store.S3FS_RETRIES * store.BOTOCORE_ATTEMPTS
+    assert attempts * 1 <= elapsed < attempts * 1 + 30  # plus botocore's jittered backoff
+
+
+def test_credentials_in_an_s3_url_are_refused_unshown():
+    with pytest.raises(MirrorError, match="credentials in the URL are not read") as e:
+        open_mirror("s3://AKIA:hunter2@bucket/prefix")
+    assert "hunter2" not in str(e.value) and "AKIA" not in str(e.value)
+
+
+def test_a_fifo_in_a_shared_directory_mirror_is_never_opened(tmp_path, ckpt):
+    mirror = open_mirror(str(tmp_path / "mirror"))
+    mirror.upload(ckpt)
+    target = tmp_path / "mirror" / "checkpoint-100" / "state.json"
+    target.unlink()
+    os.mkfifo(target)
+    with pytest.raises(CorruptRemote, match=r"state\.json is a FIFO"):
+        mirror.download("checkpoint-100", tmp_path / "fresh")
+
+
+def test_a_fifo_in_a_local_checkpoint_is_no_source(tmp_path):
+    mirror = open_mirror(str(tmp_path / "mirror"))
+    frozen = os.urandom(1000)
+    for step in (100, 200):
+        mirror.upload(build_checkpoint(tmp_path / "local", step, files={"frozen.bin": frozen}))
+    mirror.download("checkpoint-100", tmp_path / "a")
+    planted = tmp_path / "a" / "checkpoint-100" / "frozen.bin"
+    planted.unlink()
+    os.mkfifo(planted)
+    got = mirror.download("checkpoint-200", tmp_path / "a")
+    assert got.cached_bytes == 0  # fetched, not read from the FIFO (nor hung on it)
+    assert verify(tmp_path / "a" / "checkpoint-200", Level.FULL).ok

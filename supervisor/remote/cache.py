@@ -23,8 +23,10 @@ import shutil
 from pathlib import Path
 
 from supervisor.ckpt import manifest as mf
+from supervisor.ckpt import safeio
 from supervisor.ckpt.hashing import BLAKE3, XXH3
 from supervisor.ckpt.layout import list_checkpoints
+from supervisor.ckpt.verify import check_name
 
 ENV_CACHE_DIR = "RTRAIN_CACHE_DIR"
 DEFAULT_MAX_BYTES = 20 << 30
@@ -53,12 +55,13 @@ def place(src: Path, dest: Path) -> bool:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise
     try:
-        with open(src, "rb") as fin:
+        # A FIFO or device under a checkpoint's file name must not hang the copy.
+        with safeio.open_regular(src, follow_symlinks=True) as fin:
             fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb") as fout:
                 shutil.copyfileobj(fin, fout, 8 << 20)
         return True
-    except FileNotFoundError:
+    except (FileNotFoundError, safeio.UnsafeFile):
         return False
 
 
@@ -73,7 +76,9 @@ def local_blobs(ckpt_dir: str | os.PathLike) -> dict[tuple[str, str], Path]:
             continue
         alg = m.get("hash_alg", XXH3)
         for name, entry in m["files"].items():
-            if ".." in name.split("/") or name.startswith("/"):
+            try:
+                check_name(name)
+            except mf.ManifestError:
                 continue  # a hostile manifest cannot point the downloader outside `ckpt_dir`
             found.setdefault((alg, entry["hash"]), path / name)
     return found

@@ -7,9 +7,10 @@ Remote layout, the local one without temp names (docs/design.md, "Mirror"):
 
 A remote checkpoint exists when its manifest.json does; a directory without one is an upload
 that did not finish (`RemoteCheckpoint.committed` False), never downloaded. Uploads hash every
-local file while sending it and refuse a file that differs from the local manifest
-(`CorruptLocal`); downloads hash while receiving, into a temp dir renamed into place only when
-every file matches (`CorruptRemote` otherwise), exactly like a local commit.
+local file just before the backend's put sends it and refuse a file that differs from the local
+manifest (`CorruptLocal`); downloads fetch with the backend's get into a temp dir, hash the
+bytes on disk and rename into place only when every file matches (`CorruptRemote` otherwise),
+exactly like a local commit.
 
 fsspec (and the protocol's backend, s3fs for `s3://`) is imported only by `open_mirror`:
 `rtrain inspect DIR` never pays for it. Credentials and endpoint come only from the backend's
@@ -36,14 +37,18 @@ from supervisor.errors import RtrainError
 from supervisor.remote import cache as blobs
 from supervisor.remote.url import redact, scheme
 
-# S3 timeouts and retries. A dead endpoint fails an operation within about
-#   s3fs retries x botocore attempts x connect timeout = 3 x 3 x 5 s  (plus backoff, < 1 s)
-# instead of hanging; a read stalled for 60 s on a live connection is retried the same way.
-# 60 s, not less: a large ranged GET from a slow store may legitimately pause that long.
+# S3 timeouts and retries, so that a dead endpoint fails an operation instead of hanging it:
+# - one that refuses or never accepts the connection: BOTOCORE_ATTEMPTS x CONNECT_TIMEOUT_S
+#   (15 s; s3fs does not retry connection errors);
+# - one that accepts and then stalls: each read waits READ_TIMEOUT_S, retried by botocore and
+#   again by s3fs: at most S3FS_RETRIES x BOTOCORE_ATTEMPTS x 60 s (6 min) plus backoff.
+# 60 s, not less: a slow store may legitimately pause that long before answering a large PUT.
+# Uploads go without "Expect: 100-continue" (`_no_expect_continue`), or the stalled case would
+# have no bound at all.
 CONNECT_TIMEOUT_S = 5
 READ_TIMEOUT_S = 60
 BOTOCORE_ATTEMPTS = 3  # botocore "standard" retry mode: throttling and transient 5xx too
-S3FS_RETRIES = 3  # s3fs's own loop around each call (timeouts, dropped connections)
+S3FS_RETRIES = 2  # s3fs's loop around each call: timeouts, connections dropped mid-body
 
 CHUNK = 8 << 20
 """Bytes read or written per call while hashing or streaming (one buffer per file in flight)."""
@@ -129,7 +134,12 @@ def open_mirror(url: str, *, file_mode: int = filemode.DEFAULT_FILE_MODE) -> Mir
         except ImportError:
             raise MirrorError(f"mirror {display}: s3fs is not installed: pip install "
                               "'rtrain[s3]'") from None
+        from aiobotocore.session import AioSession
+
+        session = AioSession()  # the standard chain: environment, profiles, instance role
+        session.register("before-call.s3", _no_expect_continue)  # after botocore's own
         fs = s3fs.S3FileSystem(
+            session=session,
             skip_instance_cache=True,  # credentials are read when the mirror is opened
             use_listings_cache=False,  # another machine may have changed the prefix
             config_kwargs={
@@ -150,10 +160,22 @@ def open_mirror(url: str, *, file_mode: int = filemode.DEFAULT_FILE_MODE) -> Mir
         except ValueError:
             raise MirrorError(f"mirror {display}: unknown protocol {protocol!r}: use s3://, "
                               "gs://, file:// or a directory path") from None
+    if redact(url) != url.split("?", 1)[0].split("#", 1)[0]:
+        raise MirrorError(f"mirror {display}: credentials in the URL are not read: set them in "
+                          "the backend's environment (AWS_ACCESS_KEY_ID / "
+                          "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) and leave them out of the URL")
     root = fs._strip_protocol(url).rstrip("/")
     if not root:
         raise MirrorError(f"mirror {display}: name a bucket, e.g. {protocol}://bucket/prefix")
     return Mirror(url, fs, root, local=False)
+
+
+def _no_expect_continue(params: dict, **_: Any) -> None:
+    """botocore asks for "100 Continue" before every upload body; aiohttp waits for that answer
+    with no timeout at all (read_timeout does not cover it), so an endpoint that accepts the
+    connection and never answers would hang an upload forever. Sent without the header, the
+    body goes at once and the read timeout bounds the wait for the response."""
+    params.get("headers", {}).pop("Expect", None)
 
 
 def checkpoints(inventory: dict[str, dict[str, int]]) -> list[RemoteCheckpoint]:
@@ -280,10 +302,12 @@ class Mirror:
         self._step(name)
         path = self._path(name, layout.MANIFEST)
         try:
-            with self.fs.open(path, "rb", block_size=mf.MAX_BYTES + 1, cache_type="none") as f:
+            with self._open_read(path, mf.MAX_BYTES + 1) as f:
                 raw = f.read(mf.MAX_BYTES + 1)
         except FileNotFoundError:
             raise CorruptRemote(name, "no manifest.json (the upload did not finish)") from None
+        except safeio.UnsafeFile as e:
+            raise CorruptRemote(name, f"manifest.json {e.strerror}") from None
         except Exception as e:
             raise self._error(f"cannot read {name}/manifest.json", e) from None
         if len(raw) > mf.MAX_BYTES:
@@ -315,13 +339,20 @@ class Mirror:
                                 "(truncated or rewritten)")
         return h.hexdigest()
 
+    def _open_read(self, path: str, block: int):
+        if self.local:
+            # Anyone who can write a shared directory can put a FIFO or a device under a listed
+            # name: opening it would hang or misbehave. Only regular files are read.
+            return safeio.open_regular(path, follow_symlinks=True)
+        # Unbuffered ranged reads of `block` bytes: what is read is what was asked for.
+        return self.fs.open(path, "rb", block_size=block, cache_type="none")
+
     def _stream(self, name: str, member: str, size: int, sink) -> int:
         """Feed the remote file to `sink` chunk by chunk; reads at most `size + 1` bytes (one
         more tells a longer file). Returns the bytes read."""
         n = 0
         try:
-            with self.fs.open(self._path(name, member), "rb", block_size=CHUNK,
-                              cache_type="none") as f:
+            with self._open_read(self._path(name, member), CHUNK) as f:
                 while n <= size:
                     chunk = f.read(min(CHUNK, size + 1 - n))
                     if not chunk:
@@ -330,6 +361,8 @@ class Mirror:
                     n += len(chunk)
         except FileNotFoundError:
             raise CorruptRemote(name, f"{member}: missing") from None
+        except safeio.UnsafeFile as e:
+            raise CorruptRemote(name, f"{member} {e.strerror}") from None
         except MirrorError:
             raise
         except Exception as e:
@@ -521,9 +554,13 @@ class Mirror:
                 dest.unlink(missing_ok=True)  # a damaged blob: fetch the real bytes
         remote = self._path(name, member)
         try:
+            if self.local:  # a FIFO or device under a listed name: never opened (get would)
+                safeio.check_regular(remote, follow_symlinks=True)
             n = self.fs.size(remote)
         except FileNotFoundError:
             raise CorruptRemote(name, f"{member}: missing") from None
+        except safeio.UnsafeFile as e:
+            raise CorruptRemote(name, f"{member} {e.strerror}") from None
         except Exception as e:
             raise self._error(f"cannot read {name}/{member}", e) from None
         if n != size:  # checked first: a mirror cannot make us fill the disk
