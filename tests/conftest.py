@@ -68,6 +68,26 @@ def make_ckpt():
 
 
 @pytest.fixture
+def gloo_group(tmp_path, monkeypatch):
+    """A real process group in this process (gloo, world size 1), with no RTRAIN_* of the run
+    that could steer a restore; destroyed after the test."""
+    import torch.distributed
+
+    from worker import dist
+
+    for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_STATUS", "RTRAIN_SIGNING_KEY",
+              "RTRAIN_ENCRYPTION_KEY", "RTRAIN_ENCRYPTION_KEY_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
+                                         world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+        dist.forget_group()
+
+
+@pytest.fixture
 def rtrain():
     """`rtrain(*args, cwd=..., env=...)`: the CLI run in this process (harness.invoke_rtrain).
     Tests about the process itself (what it imports, how it exits under a signal) use

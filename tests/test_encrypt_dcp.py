@@ -14,26 +14,11 @@ import worker
 from supervisor.ckpt import crypt, sealed
 from supervisor.ckpt.verify import verify
 from supervisor.errors import CorruptCheckpoint, KeyMismatch
-from worker import dist
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 KEY = "7e" * 32
-
-
-@pytest.fixture
-def group(tmp_path, monkeypatch):
-    for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_STATUS", "RTRAIN_SIGNING_KEY",
-              "RTRAIN_ENCRYPTION_KEY", "RTRAIN_ENCRYPTION_KEY_FILE"):
-        monkeypatch.delenv(k, raising=False)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
-                                         world_size=1)
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
-        dist.forget_group()
 
 
 def restore(ckpt_dir, path=None, **kw):
@@ -43,7 +28,7 @@ def restore(ckpt_dir, path=None, **kw):
     return step, model, opt
 
 
-def test_sharded_files_are_sealed_and_load_with_the_key(group, tmp_path):
+def test_sharded_files_are_sealed_and_load_with_the_key(gloo_group, tmp_path):
     weights, _ = two_checkpoints(tmp_path / "ckpt", sharded=True, encryption_key=KEY)
     path = tmp_path / "ckpt" / "checkpoint-4"
     m = json.loads((path / "manifest.json").read_text())
@@ -59,7 +44,7 @@ def test_sharded_files_are_sealed_and_load_with_the_key(group, tmp_path):
     assert step == 4 and torch.equal(model.weight, weights[4])
 
 
-def test_sharded_without_the_key_or_tampered_is_refused(group, tmp_path):
+def test_sharded_without_the_key_or_tampered_is_refused(gloo_group, tmp_path):
     two_checkpoints(tmp_path / "ckpt", sharded=True, encryption_key=KEY)
     path = tmp_path / "ckpt" / "checkpoint-4"
     with pytest.raises(KeyMismatch, match="fingerprint"):

@@ -12,24 +12,10 @@ from hostile import code_running_pickle, make, relist, two_checkpoints
 import worker
 from supervisor.ckpt.verify import Level, verify
 from supervisor.errors import CorruptCheckpoint
-from worker import dist
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-
-
-@pytest.fixture
-def group(tmp_path, monkeypatch):
-    for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_STATUS", "RTRAIN_SIGNING_KEY"):
-        monkeypatch.delenv(k, raising=False)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
-                                         world_size=1)
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
-        dist.forget_group()
 
 
 def sharded_checkpoints(ckpt_dir):
@@ -44,7 +30,7 @@ def restore(ckpt_dir, path=None, **kw):
 
 
 @pytest.mark.slow
-def test_sharded_checkpoints_load_without_unpickling(group, tmp_path, monkeypatch):
+def test_sharded_checkpoints_load_without_unpickling(gloo_group, tmp_path, monkeypatch):
     import pickle
 
     weights, opt = sharded_checkpoints(tmp_path / "ckpt")
@@ -61,7 +47,7 @@ def test_sharded_checkpoints_load_without_unpickling(group, tmp_path, monkeypatc
                        opt.state_dict()["state"][0]["exp_avg"])
 
 
-def test_code_in_dcp_metadata_is_refused_under_a_process_group(group, tmp_path, caplog):
+def test_code_in_dcp_metadata_is_refused_under_a_process_group(gloo_group, tmp_path, caplog):
     weights, _ = sharded_checkpoints(tmp_path / "ckpt")
     bad = tmp_path / "ckpt" / "checkpoint-4"
     marker = tmp_path / "PWNED"
@@ -77,7 +63,7 @@ def test_code_in_dcp_metadata_is_refused_under_a_process_group(group, tmp_path, 
     assert step == 2 and torch.equal(model.weight, weights[2])
 
 
-def test_allow_pickle_is_an_explicit_loud_opt_in(group, tmp_path, caplog):
+def test_allow_pickle_is_an_explicit_loud_opt_in(gloo_group, tmp_path, caplog):
     weights, _ = sharded_checkpoints(tmp_path / "ckpt")
     with caplog.at_level(logging.WARNING):
         step, model, _ = restore(tmp_path / "ckpt", allow_pickle=True)
