@@ -15,7 +15,7 @@ def filled(url: str, tmp_path) -> None:
     mirror = open_mirror(url)
     for step in (100, 200, 300):
         mirror.upload(build_checkpoint(tmp_path / "local", step, metrics={"loss": 1 / step}))
-    mirror.fs.pipe_file(mirror._path("checkpoint-50", "state.json"), b"{}")  # a dead upload
+    mirror.fs.pipe_file(mirror.path("checkpoint-50", "state.json"), b"{}")  # a dead upload
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def url(tmp_path):
 
 def flip_remote_byte(url: str, member: str = "state.json", name: str = "checkpoint-300"):
     mirror = open_mirror(url)
-    path = mirror._path(name, member)
+    path = mirror.path(name, member)
     data = mirror.fs.cat_file(path)
     mirror.fs.pipe_file(path, data[:-1] + bytes([data[-1] ^ 1]))
 
@@ -138,6 +138,7 @@ def test_fsspec_loads_only_for_a_url(tmp_path, url):
     assert "supervisor.commands.inspecting" in local  # the trace works
     assert not {m for m in local if m.split(".")[0] in ("fsspec", "s3fs", "botocore",
                                                          "aiobotocore", "boto3")}
-    assert not {m for m in local if m.startswith(("supervisor.remote.store",
-                                                  "supervisor.commands.mirroring"))}
+    assert not {m for m in local if m.startswith((
+        "supervisor.remote.store", "supervisor.remote.backend", "supervisor.remote.transfer",
+        "supervisor.commands.mirroring"))}
     assert "fsspec" in imported(url)

@@ -66,7 +66,7 @@ def test_prune_checks_what_it_relies_on_before_deleting(tmp_path):
     mirror = open_mirror(str(tmp_path / "mirror"))
     for step in (100, 200, 300):
         mirror.upload(build_checkpoint(tmp_path / "local", step))
-    mirror.fs.pipe_file(mirror._path("checkpoint-50", "state.json"), b"{}")
+    mirror.fs.pipe_file(mirror.path("checkpoint-50", "state.json"), b"{}")
     checked = []
 
     def check(rc, sizes):

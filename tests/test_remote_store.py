@@ -1,4 +1,4 @@
-"""The mirror (supervisor/remote/store.py) against a real S3 endpoint (moto's server, a process:
+"""The mirror (supervisor/remote/) against a real S3 endpoint (moto's server, a process:
 slow) and a plain directory (a shared filesystem: fast), with the same tests."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from supervisor.ckpt import layout
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.ckpt.hashing import derive_key, new_hasher
 from supervisor.ckpt.verify import Level, verify
-from supervisor.remote import store
+from supervisor.remote import backend, transfer
 from supervisor.remote.cache import BlobCache
 from supervisor.remote.store import (
     CorruptLocal,
@@ -57,7 +57,7 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 def overwrite(mirror, name: str, member: str, data: bytes) -> None:
-    mirror.fs.pipe_file(mirror._path(name, member), data)
+    mirror.fs.pipe_file(mirror.path(name, member), data)
 
 
 def test_upload_list_read_download_round_trip(mirror, ckpt, tmp_path):
@@ -97,7 +97,7 @@ def test_newest_first_and_unfinished_uploads_listed_as_not_committed(mirror, tmp
 
 def test_reupload_into_an_unfinished_dir_overwrites_it(mirror, ckpt, tmp_path):
     mirror.upload(ckpt)
-    mirror.fs.rm(mirror._path("checkpoint-100", "manifest.json"))
+    mirror.fs.rm(mirror.path("checkpoint-100", "manifest.json"))
     overwrite(mirror, "checkpoint-100", "state.json", b"garbage from the upload that died")
     mirror.upload(ckpt)
     mirror.download("checkpoint-100", tmp_path / "fresh")
@@ -231,12 +231,12 @@ def test_names_that_are_not_checkpoints_are_refused(mirror):
 
 @pytest.mark.slow
 def test_large_files_go_up_in_parts(s3_mirror, tmp_path, monkeypatch):
-    monkeypatch.setattr(store, "PART_BYTES", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(transfer, "PART_BYTES", 5 << 20)  # S3's smallest part
     url, _ = s3_mirror
     mirror = open_mirror(url)
     ckpt = build_checkpoint(tmp_path / "local", 1, files={"big.bin": os.urandom(12 << 20)})
     mirror.upload(ckpt)
-    etag = mirror.fs.info(mirror._path("checkpoint-1", "big.bin"))["ETag"]
+    etag = mirror.fs.info(mirror.path("checkpoint-1", "big.bin"))["ETag"]
     parts = etag.strip('"').rpartition("-")[2]  # a multipart upload's ETag counts its parts
     assert parts.isdigit() and int(parts) >= 2
     mirror.download("checkpoint-1", tmp_path / "fresh")
@@ -304,7 +304,7 @@ def test_a_bucketless_url_is_refused():
 def test_an_endpoint_that_accepts_and_never_answers_times_out(monkeypatch):
     import socket
 
-    monkeypatch.setattr(store, "READ_TIMEOUT_S", 1)
+    monkeypatch.setattr(backend, "READ_TIMEOUT_S", 1)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)  # connections complete in the backlog; nothing is ever read or sent
@@ -319,7 +319,7 @@ def test_an_endpoint_that_accepts_and_never_answers_times_out(monkeypatch):
         elapsed = time.monotonic() - t0
     finally:
         silent.close()
-    attempts = store.S3FS_RETRIES * store.BOTOCORE_ATTEMPTS
+    attempts = backend.S3FS_RETRIES * backend.BOTOCORE_ATTEMPTS
     assert attempts * 1 <= elapsed < attempts * 1 + 30  # plus botocore's jittered backoff
 
 
