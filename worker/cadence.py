@@ -150,22 +150,22 @@ def interval(*, save_stall_s: float, step_time_s: float, mtbf: Mtbf,
         steps, why = by_time, why + f"; capped at {span(bounds.max_seconds)} between saves"
     if bounds.max_steps is not None and steps > bounds.max_steps:
         steps, why = bounds.max_steps, why + f"; capped at max_steps {bounds.max_steps}"
-    if steps < bounds.min_steps:
+    if steps < bounds.min_steps and bounds.min_steps > 1:  # every step needs no reason
         steps, why = bounds.min_steps, why + f"; raised to min_steps {bounds.min_steps}"
     n = max(1, math.floor(steps))
     return Cadence(
         every_steps=n, save_stall_s=stall, step_time_s=step_time, mtbf_s=mtbf.seconds,
         mtbf_source=mtbf.source, loss_factor=factor, expected_loss_s=n * step_time / 2,
-        reason=(f"every {n:,} steps: save stall {stall:.2g} s, MTBF {span(mtbf.seconds)} "
-                f"({mtbf.source}){why}"))
+        reason=(f"every {n:,} step{'s' if n > 1 else ''}: save stall {stall:.2g} s, "
+                f"MTBF {span(mtbf.seconds)} ({mtbf.source}){why}"))
 
 
 def span(seconds: float) -> str:
-    """A duration for a reason sentence: "12 s", "40 min", "3 h", "2.5 d"."""
+    """A duration for a reason sentence: "12 s", "40 min", "3 h", "24 h", "2.5 d"."""
     if seconds < 60:
         return f"{seconds:.2g} s"
     if seconds < 3600:
         return f"{seconds / 60:.2g} min"
-    if seconds < 86400:
+    if seconds < 2 * 86400:
         return f"{seconds / 3600:.2g} h"
     return f"{seconds / 86400:.2g} d"
