@@ -45,6 +45,11 @@ class Checkpointer:
         ckpt.maybe_save(step + 1, metrics={"loss": loss.item()})
     ckpt.close()
 
+    `every_steps="auto"` (or a `CadenceBounds`) re-chooses the interval after every save from
+    the measured save stall, the step time, the run's failures (passed in by rtrain) and the
+    loss trend, within the bounds; `every_seconds` with it is the longest time between saves
+    (docs/design.md, "Save cadence").
+
     With RTRAIN_ENCRYPTION_KEY / _FILE (or `encryption_key=`: an EncryptionKey, 32 bytes, or
     a string: 64 hex digits, else a passphrase) every checkpoint file is written encrypted and
     read back only with that key (docs/design.md, "Encryption at rest").
