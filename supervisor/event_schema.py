@@ -34,6 +34,7 @@ class Kind(str, Enum):
     EVENTS_LOST = "events_lost"
     HOOK_FAILED = "hook_failed"
     SAVE_SKIPPED = "save_skipped"
+    CADENCE = "cadence"
     FINAL_STATE_UNSAVED = "final_state_unsaved"
     MIRROR_UPLOADED = "mirror_uploaded"
     MIRROR_FAILED = "mirror_failed"
@@ -110,6 +111,10 @@ KINDS: dict[Kind, KindSpec] = {
                                meaning="a hook failed, timed out or could not start"),
     Kind.SAVE_SKIPPED: KindSpec(fields=("attempt", "step", "rank", "reason"),
                                 meaning="the worker could not write a checkpoint"),
+    Kind.CADENCE: KindSpec(
+        fields=("attempt", "step", "every_steps", "reason", "save_stall_s", "step_time_s",
+                "mtbf_s", "mtbf_source", "loss_factor", "expected_loss_s"),
+        hookable=False, meaning="every_steps=\"auto\" chose the save interval (after a save)"),
     Kind.FINAL_STATE_UNSAVED: KindSpec(
         fields=("last_step", "checkpoint_step", "skipped_saves", "reason"), durable=True,
         meaning="the run stops with its last steps in no checkpoint"),

@@ -26,6 +26,10 @@ ENV_STOP_SIGNAL = "RTRAIN_STOP_SIGNAL"
 ENV_HEARTBEAT = "RTRAIN_HEARTBEAT"
 ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
 ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's checkpoint generation (ckpt/generation.py)
+# The run's failure record so far, for the worker's save cadence (worker/cadence.py): failures
+# that lost work, and the seconds its attempts ran.
+ENV_FAILURES = "RTRAIN_FAILURES"
+ENV_RUN_SECONDS = "RTRAIN_RUN_SECONDS"
 
 DUMP_SIGNAL = "SIGUSR2"  # RTRAIN_DUMP_SIGNAL: on it the worker writes its stacks (faulthandler)
 # `Heartbeat.max_step_interval` leaves out the worker's first this-many step intervals (compile,
@@ -47,7 +51,9 @@ def exit_record_name(rank: int) -> str:
 @dataclass
 class Heartbeat:
     """One heartbeat datagram. `event` is `start`, `step`, `save_begin`, `save_end`,
-    `save_skipped` (with `reason`: a checkpoint was not written, training goes on) or `stop`."""
+    `save_skipped` (with `reason`: a checkpoint was not written, training goes on), `cadence`
+    (with `cadence`: the save interval `every_steps="auto"` chose, worker/cadence.py) or
+    `stop`."""
 
     pid: int
     rank: int
@@ -60,6 +66,7 @@ class Heartbeat:
     next_save_step: int | None = None
     settings: dict[str, Any] | None = None  # settings the worker actually uses (after back-off)
     reason: str | None = None  # save_skipped: why that checkpoint was not written
+    cadence: dict[str, Any] | None = None  # cadence: `Cadence.fields()`
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:

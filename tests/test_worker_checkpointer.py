@@ -194,6 +194,35 @@ def test_auto_cadence():
         SaveSchedule.auto(0)
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_auto_cadence_follows_the_measured_save(tmp_path, async_save):
+    """The first interval is the 20-per-run rule; after the first save the measured stall and
+    step time choose it (async: the thread snapshot, not the write), within the bounds."""
+    model, opt = make()
+    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, every_steps="auto",
+                             total_steps=100, async_save=async_save, async_mode="thread")
+    assert ck.schedule.every_steps == 5
+    for step in range(1, 6):
+        train_steps(model, opt, 1)
+        ck.maybe_save(step, metrics={"loss": 1.0 / step})
+    ck.close()
+    chosen = ck._clock.cadence
+    assert chosen is not None and chosen.mtbf_source == "prior"
+    assert ck._clock.schedule.every_steps == chosen.every_steps
+    assert chosen.save_stall_s > 0 and chosen.step_time_s > 0
+    assert chosen.reason.startswith(f"every {chosen.every_steps:,} step")
+
+    bounded = worker.Checkpointer(model=model, ckpt_dir=tmp_path / "b", keep=None,
+                                  every_steps=worker.CadenceBounds(min_steps=2, max_steps=3),
+                                  every_seconds=60.0)
+    assert bounded.schedule.every_seconds == 60.0  # no total_steps: the first save by time
+    for step in range(1, 8):
+        bounded.maybe_save(step)
+    bounded.save(8)
+    assert bounded._clock.schedule.every_steps in (2, 3)  # within the bounds, whatever it cost
+    assert bounded._clock.schedule.every_seconds == 60.0
+
+
 @pytest.mark.parametrize("mode", [pytest.param("fork", marks=pytest.mark.slow), "thread"])
 def test_async_error_surfaces_on_next_call(tmp_path, monkeypatch, mode):
     model, _ = make()

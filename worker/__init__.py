@@ -16,15 +16,17 @@ from worker.settings import Settings, settings
 
 _GUARDS = ("NonFiniteGuard", "OOMBackoff", "SkipBadSamples", "DataError", "skip_none_collate",
            "install_excepthook")
-_LAZY = {"Checkpointer": "worker.checkpointer", "ResumableSampler": "worker.sampler",
+_LAZY = {"Checkpointer": "worker.checkpointer", "CadenceBounds": "worker.cadence",
+         "ResumableSampler": "worker.sampler",
          "DistributedResumableSampler": "worker.sampler",
          **dict.fromkeys(("sample_generator", "sample_seed", "seeded"), "worker.sample_rng"),
          **dict.fromkeys(_GUARDS, "worker.guards")}
 
-__all__ = ["Checkpointer", "DataError", "DistributedResumableSampler", "NonFiniteGuard",
-           "OOMBackoff", "ResumableSampler", "Settings", "SkipBadSamples", "__version__",
-           "heartbeat", "install_excepthook", "request_stop", "sample_generator", "sample_seed",
-           "seeded", "settings", "should_stop", "skip_none_collate", "write_exit_record"]
+__all__ = ["CadenceBounds", "Checkpointer", "DataError", "DistributedResumableSampler",
+           "NonFiniteGuard", "OOMBackoff", "ResumableSampler", "Settings", "SkipBadSamples",
+           "__version__", "heartbeat", "install_excepthook", "request_stop", "sample_generator",
+           "sample_seed", "seeded", "settings", "should_stop", "skip_none_collate",
+           "write_exit_record"]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +23,7 @@ from supervisor.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
 from worker import data, dist, dist_ckpt, faults, restore, runtime
 from worker.async_write import BackgroundSave
+from worker.cadence import FIRST_SAVE_S, CadenceBounds
 from worker.capture import Components, FrozenBase, capture, environment, number
 from worker.retention import Retention
 from worker.sampler import ResumableSampler
@@ -43,6 +45,11 @@ class Checkpointer:
         ckpt.maybe_save(step + 1, metrics={"loss": loss.item()})
     ckpt.close()
 
+    `every_steps="auto"` (or a `CadenceBounds`) re-chooses the interval after every save from
+    the measured save stall, the step time, the run's failures (passed in by rtrain) and the
+    loss trend, within the bounds; `every_seconds` with it is the longest time between saves
+    (docs/design.md, "Save cadence").
+
     With RTRAIN_ENCRYPTION_KEY / _FILE (or `encryption_key=`: an EncryptionKey, 32 bytes, or
     a string: 64 hex digits, else a passphrase) every checkpoint file is written encrypted and
     read back only with that key (docs/design.md, "Encryption at rest").
@@ -52,7 +59,7 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
                  scaler: Any = None, sampler: ResumableSampler | None = None,
                  ckpt_dir: str | os.PathLike | None = None,
-                 every_steps: int | Literal["auto"] | None = None,
+                 every_steps: int | Literal["auto"] | CadenceBounds | None = None,
                  every_seconds: float | None = None, total_steps: int | None = None,
                  on_epoch_end: bool = False, keep: int | None = 3, keep_best: int = 0,
                  metric: str | None = None, mode: Literal["min", "max"] = "min",
@@ -70,8 +77,9 @@ class Checkpointer:
         self.scaler, self.sampler = scaler, sampler
         # With loader=, the data position counts what the loop consumed (worker/data.py).
         self.data = data.track(sampler=sampler, loader=loader)
-        if every_steps == "auto":
-            self.schedule = SaveSchedule.auto(total_steps or 0, on_epoch_end)
+        bounds = _cadence_bounds(every_steps, every_seconds)
+        if bounds is not None:
+            self.schedule = _first_auto_schedule(bounds, total_steps, on_epoch_end)
         else:
             self.schedule = SaveSchedule(every_steps=every_steps, every_seconds=every_seconds,
                                          on_epoch_end=on_epoch_end)
@@ -99,7 +107,7 @@ class Checkpointer:
         self.epoch = 0
         self.extra: dict[str, Any] = {}
         self.last_saved: Path | None = None
-        self._clock = SaveClock(self.schedule)
+        self._clock = SaveClock(self.schedule, bounds=bounds)
         self._lr_scale = 1.0
         self._frozen = FrozenBase()
         self._retention = Retention(self.ckpt_dir, self.policy, self.key)
@@ -189,10 +197,12 @@ class Checkpointer:
              extra: dict[str, Any] | None = None, epoch: int | None = None) -> Path | None:
         """Save now. Returns the committed path (sync), the path it will have (async), or None
         when the save was skipped for lack of disk space or a storage error (training goes on)."""
+        # The stall counts from here: waiting for the save before is training time lost too.
+        began = self._clock.clock()
         self._bg.wait()
         if self._clock.last_step == step and self.last_saved is not None:
             return self.last_saved  # already saved at this step (e.g. on schedule, then on stop)
-        self._clock.save_begins()
+        self._clock.save_begins(step)
         if epoch is not None:
             self.epoch = epoch
         elif self.data is not None and self.data.samples_seen is not None:
@@ -208,9 +218,12 @@ class Checkpointer:
             # Sharded state is saved synchronously: DCP reads the live parameters.
             path = self._write(cap)
             runtime.heartbeat(step=step, event="save_end")
+            if path is not None:
+                self._clock.save_ended(step, self._clock.clock() - began)
             return path
         self._bg.start(cap, self.model)
         self._clock.last_step = step
+        self._clock.save_ended(step, self._clock.clock() - began)
         return self.ckpt_dir / f"checkpoint-{step}"
 
     def close(self) -> None:
@@ -243,6 +256,35 @@ class Checkpointer:
         self.last_saved = self.ckpt_dir / f"checkpoint-{step}"
         # The child wrote and hashed it; the next forked child inherits this record.
         self._retention.remember(self.last_saved)
+
+
+def _cadence_bounds(every_steps: Any, every_seconds: float | None) -> CadenceBounds | None:
+    """The bounds of an `every_steps="auto"` cadence (None: a fixed schedule); `every_seconds`
+    given with "auto" is its longest wall time between saves."""
+    if every_steps == "auto":
+        bounds = CadenceBounds()
+    elif isinstance(every_steps, CadenceBounds):
+        bounds = every_steps
+    else:
+        return None
+    if every_seconds is not None:
+        bounds = replace(bounds, max_seconds=every_seconds)
+    return bounds
+
+
+def _first_auto_schedule(bounds: CadenceBounds, total_steps: int | None,
+                         on_epoch_end: bool) -> SaveSchedule:
+    """Until the first save has measured its stall and the step time: about 20 saves over
+    the run when its length is known (the rule before the cadence followed cost and risk),
+    else the first save after FIRST_SAVE_S; never longer apart than the bounds allow."""
+    seconds = bounds.max_seconds if total_steps else min(bounds.max_seconds, FIRST_SAVE_S)
+    if not total_steps:
+        return SaveSchedule(every_seconds=seconds, on_epoch_end=on_epoch_end)
+    first = SaveSchedule.auto(total_steps, on_epoch_end).every_steps or 1
+    if bounds.max_steps is not None:
+        first = min(first, bounds.max_steps)
+    return SaveSchedule(every_steps=max(first, bounds.min_steps), every_seconds=seconds,
+                        on_epoch_end=on_epoch_end)
 
 
 def _encryption_key(given: crypt.EncryptionKey | bytes | str | None

@@ -3,31 +3,53 @@
 `SaveSchedule` decides from the step, the clock and the last save; this keeps what it decides
 from (the last saved step, when the last save began, a pending `request_save`) and sends each
 step's heartbeat (loss, samples since the last beat, the next scheduled save step).
+
+Under `every_steps="auto"` (`bounds` given) it also measures what worker/cadence.py chooses
+from: the step time between saves, each save's stall and the recent losses; after every save it
+replaces the schedule's `every_steps` with the new choice and reports it in a `cadence`
+heartbeat. Each rank chooses for itself; saving is collective and due when any rank says so.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
-from worker import runtime
+from supervisor.protocol import ENV_FAILURES, ENV_RUN_SECONDS
+from worker import cadence, runtime
 from worker.schedule import SaveSchedule
+
+LOSS_WINDOW = 256  # recent (step, loss) pairs the loss trend is read from
 
 
 class SaveClock:
     def __init__(self, schedule: SaveSchedule,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 bounds: cadence.CadenceBounds | None = None) -> None:
         self.schedule = schedule
         self.clock = clock
         self.last_step: int | None = None  # saved (or resumed from) last
         self.last_time = clock()  # when the last save began, or the start
         self.requested = False  # save at the next step whatever the schedule says
+        self.bounds = bounds  # None: a fixed schedule
+        self.cadence: cadence.Cadence | None = None  # the last choice (auto only)
         self._samples = 0  # samples seen at the last heartbeat
+        self._since: tuple[int, float] | None = None  # first step timed since the last save
+        self._step_time: float | None = None  # measured up to the last save begun
+        self._losses: deque[tuple[int, float]] = deque(maxlen=LOSS_WINDOW)
 
     def tick(self, step: int, *, loss: float | None, samples: int | None,
              epoch_end: bool) -> bool:
         """Send this step's heartbeat; whether a save is due at it."""
         now = self.clock()
+        if self.bounds is not None:
+            if self._since is None:
+                self._since = (step, now)
+            if loss is not None:
+                self._losses.append((step, loss))
         n = self.schedule.every_steps
         runtime.heartbeat(step=step, loss=loss,
                           samples=None if samples is None else samples - self._samples,
@@ -37,11 +59,38 @@ class SaveClock:
             step, last_step=self.last_step, now=now, last_time=self.last_time,
             epoch_end=epoch_end)
 
-    def save_begins(self) -> None:
+    def save_begins(self, step: int | None = None) -> None:
         """A save starts: a request is served, and timed saves count from now."""
         self.requested = False
         self.last_time = self.clock()
+        if self._since is not None and step is not None and step > self._since[0]:
+            # Steps between saves only: the stall is measured on its own.
+            self._step_time = (self.last_time - self._since[1]) / (step - self._since[0])
+        self._since = None
+
+    def save_ended(self, step: int, stall_s: float) -> None:
+        """A save committed (or went to the background) after blocking training `stall_s`:
+        under "auto", choose the next interval from it."""
+        if self.bounds is None or self._step_time is None:
+            return  # no step timed yet (a save at the first step): keep the schedule
+        failures = _env_number(ENV_FAILURES)
+        self.cadence = cadence.interval(
+            save_stall_s=stall_s, step_time_s=self._step_time,
+            mtbf=cadence.mtbf(None if failures is None else int(failures),
+                              _env_number(ENV_RUN_SECONDS)),
+            loss_per_step=cadence.loss_trend(self._losses), bounds=self.bounds)
+        self.schedule = replace(self.schedule, every_steps=self.cadence.every_steps,
+                                every_seconds=self.bounds.max_seconds)
+        runtime.heartbeat(step=step, event="cadence", cadence=self.cadence.fields())
 
     def resumed(self, step: int, samples: int | None) -> None:
         self.last_step = step
         self._samples = samples or 0
+        self._since = None  # the first step after a restore is timed from, not the restore
+
+
+def _env_number(name: str) -> float | None:
+    try:
+        return float(os.environ[name])
+    except (KeyError, ValueError):
+        return None

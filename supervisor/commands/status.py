@@ -21,7 +21,7 @@ from supervisor.ckpt.foreign import select_resume_any_format
 from supervisor.ckpt.verify import Level, Status
 from supervisor.commands.statusline import human_bytes, human_duration, human_rate
 from supervisor.errors import UsageError
-from supervisor.event_schema import Kind
+from supervisor.event_schema import KINDS, Kind
 from supervisor.pids import pid_alive
 from supervisor.records.lock import LOCK_NAME
 from supervisor.records.runstate import STATE_FILE, load_state
@@ -81,6 +81,12 @@ class RunSummary:
     was saved again)."""
     failure_rate: str | None = None
     """The last failure_rate alarm (too many failures in an hour), if any."""
+    cadence: dict[str, Any] | None = None
+    """Under every_steps="auto": the last interval chosen (the `cadence` event): attempt,
+    step, every_steps, reason, save_stall_s, step_time_s, mtbf_s, mtbf_source, loss_factor,
+    expected_loss_s."""
+    restart_s: float | None = None
+    """Seconds from the last failed attempt's exit to the next launch (the restart cost)."""
     mirror: dict[str, Any] | None = None
     """With a mirror: uploaded_step, uploaded_age_s, behind_steps (newest local checkpoint
     minus the newest uploaded), failing (the last failure since an upload), final (made_it,
@@ -211,7 +217,33 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
                             "backoff_s")
     if timeline.mirror is not None:
         s.mirror = _mirror(timeline.mirror, s.checkpoint_step, now)
+    cadence = timeline.last(Kind.CADENCE)
+    if cadence is not None:
+        s.cadence = {k: cadence.get(k) for k in KINDS[Kind.CADENCE].fields}
+        s.restart_s = _restart_s(timeline)
     return s
+
+
+def _restart_s(timeline: Timeline) -> float | None:
+    """From the newest exit to the launch after it: what a relaunch took last time."""
+    for number in sorted(timeline.attempts, reverse=True):
+        record = timeline.attempts[number]
+        before = timeline.attempts.get(number - 1)
+        if before is not None and before.exit is not None:
+            gap = record.launch.get("time", 0) - before.exit.get("time", 0)
+            return gap if finite(gap) and gap >= 0 else None
+    return None
+
+
+def _cadence_rows(c: dict[str, Any], restart_s: float | None) -> list[tuple[str, str]]:
+    rows = [("save cadence", str(c.get("reason") or "-"))]
+    lost, step_time = c.get("expected_loss_s"), c.get("step_time_s")
+    if finite(lost) and finite(step_time) and step_time > 0:
+        restart = (f" + {human_duration(restart_s)} restart" if restart_s is not None
+                   else " + the restart")
+        rows.append(("", f"expected work lost per failure: {lost / step_time:,.0f} steps "
+                         f"({human_duration(lost)}){restart}"))
+    return rows
 
 
 def _mirror(m: Any, local_step: int | None, now: float) -> dict[str, Any]:
@@ -279,6 +311,8 @@ def render_text(s: RunSummary) -> str:
            if s.checkpoint_age_s is not None else "")
     rows.append(("checkpoint", f"{s.checkpoint.name} (verified quick){age}" if s.checkpoint
                  else f"none verified in {s.ckpt_dir}"))
+    if s.cadence is not None:
+        rows += _cadence_rows(s.cadence, s.restart_s)
     if s.mirror is not None:
         rows += _mirror_rows(s.mirror)
     if s.last_skipped:

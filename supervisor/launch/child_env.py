@@ -1,6 +1,7 @@
 """What an attempt is started with: its argv (knob templates filled in, `--resume-arg`s when it
 resumes) and its environment (contract 1: where to write, what to resume from, where to send
-heartbeats, the checkpoint generation that fences off writers of earlier attempts)."""
+heartbeats, the checkpoint generation that fences off writers of earlier attempts, the run's
+failure record that the worker's save cadence follows)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ class AttemptPlan:
     run_dir: Path
     ckpt_dir: Path
     attempt_dir: Path
+    failures: int | None = None
+    """The run's failures so far that lost work (None: unknown, the log could not be read)."""
+    run_s: float | None = None
+    """Seconds the run's attempts have run so far."""
 
 
 def argv(command: list[str], resume_args: tuple[str, ...], plan: AttemptPlan) -> list[str]:
@@ -54,6 +59,12 @@ def environment(plan: AttemptPlan, *, stop_signal: str, heartbeat_addr: str, dum
         filemode.ENV_FILE_MODE: f"{file_mode:04o}",
         "PYTHONUNBUFFERED": "1",  # output reaches the tee (and hang detection) at once
     })
+    for name, value in ((protocol.ENV_FAILURES, plan.failures),
+                        (protocol.ENV_RUN_SECONDS, plan.run_s)):
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = str(round(value, 1) if isinstance(value, float) else value)
     if plan.resume_from:
         env[protocol.ENV_RESUME_FROM] = plan.resume_from
     else:

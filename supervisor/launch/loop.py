@@ -53,9 +53,10 @@ from supervisor.proc.signals import SignalCatcher
 from supervisor.proc.spawn import ChildSpec
 from supervisor.proc.watch import Sample, WatchConfig
 from supervisor.proc.watch_outcome import Outcome
-from supervisor.records.events import EventLog
+from supervisor.records.events import EventLog, EventLogError
 from supervisor.records.lock import RunLock
 from supervisor.records.runstate import RunStatus
+from supervisor.records.timeline import read_timeline
 
 __all__ = ["LaunchSpec", "Seams", "child_command", "launch"]
 
@@ -185,10 +186,12 @@ class Loop:
 
     def _attempt(self, attempt: int, settings: dict[str, Any], chosen: Verdict | None,
                  signals: SignalCatcher) -> tuple[Outcome, float]:
+        failures, run_s = self._failure_record()
         plan = AttemptPlan(attempt=attempt, settings=settings,
                            resume_from=str(chosen.path.resolve()) if chosen else None,
                            run_dir=self.run_dir, ckpt_dir=self.ckpt_dir,
-                           attempt_dir=self.run_dir / "attempts" / str(attempt))
+                           attempt_dir=self.run_dir / "attempts" / str(attempt),
+                           failures=failures, run_s=run_s)
         if plan.attempt_dir.exists():  # state.json was lost or reset: keep the old logs aside
             move_aside(plan.attempt_dir, self.seams.wall())
         argv = child_env.argv(self.spec.command, self.spec.resume_args, plan)
@@ -221,6 +224,15 @@ class Loop:
         child.close()
         self.procs.update([])  # swept
         return outcome, self.seams.monotonic() - t0
+
+    def _failure_record(self) -> tuple[int | None, float | None]:
+        """The run's work-losing failures and seconds run so far, from events.jsonl (read
+        again at each attempt: relaunches are rare and the log holds earlier launches too)."""
+        try:
+            timeline = read_timeline(self.events.path)
+        except EventLogError:
+            return None, None  # the worker falls back to its prior
+        return timeline.work_lost, timeline.run_s
 
     def _helper_pids(self) -> list[int]:
         """rtrain's own helpers (hooks, the uploader): not the attempt's processes."""

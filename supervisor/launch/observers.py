@@ -12,6 +12,7 @@ from typing import Any
 from supervisor import protocol
 from supervisor.commands.statusline import StatusLine
 from supervisor.config import Config
+from supervisor.event_schema import KINDS, Kind
 from supervisor.proc.console import BestEffortWriter
 from supervisor.proc.watch import Sample
 from supervisor.records.events import EventLog, read_events
@@ -91,6 +92,12 @@ class Observers:
             self.skipped.append(self.events.emit("save_skipped", attempt=attempt, step=hb.step,
                                                  rank=hb.rank, reason=hb.reason))
             self.say(f"checkpoint at step {hb.step} not saved: {hb.reason}")
+        if hb.event == "cadence" and hb.rank == 0 and isinstance(hb.cadence, dict):
+            # Rank 0's choice stands for the run (each rank chooses alike from its own timing).
+            known = KINDS[Kind.CADENCE].fields
+            self.events.emit(Kind.CADENCE, attempt=attempt, step=hb.step,
+                             **{k: hb.cadence.get(k) for k in known if k not in ("attempt",
+                                                                                "step")})
         if self.line is not None and hb.step is not None:
             self.line.update(step=hb.step, loss=hb.loss, samples_per_s=hb.samples_per_s,
                              next_save_step=hb.next_save_step)

@@ -12,16 +12,20 @@ Rules the readers share:
 - the rung in force is the `level` and `settings` of the last launch / decision / degrade;
 - the newest step is that of the last `heartbeat_summary` or `exit` that names one;
 - skipped saves are counted over the whole log; a `final_state_unsaved` warning holds until
-  the next launch (which may have saved since).
+  the next launch (which may have saved since);
+- the failure record the worker's save cadence reads (`run_s`, `work_lost`) counts from the
+  last launch of attempt 0 (a `--fresh` run starts its own record).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.decide.failures import FailureKind
 from supervisor.event_schema import Kind
 from supervisor.records.events import read_events
 from supervisor.records.saves import SkippedSaves
@@ -34,6 +38,12 @@ _RUNG_KINDS = (Kind.LAUNCH, Kind.DECISION, Kind.DEGRADE)  # events that name the
 def failure_kind(classification: Event) -> str:
     """The failure kind a `classification` event names (`kind` names the event itself)."""
     return str(classification.get("failure") or "unnamed")
+
+
+# Endings that lose no training work: a preemption saved first, a startup failure ran no step,
+# a bad checkpoint failed at load. Every other failure loses the steps since the last save.
+NO_WORK_LOST = frozenset({FailureKind.PREEMPTED.value, FailureKind.STARTUP.value,
+                          FailureKind.BAD_CHECKPOINT.value})
 
 
 def _int(value: Any) -> int | None:
@@ -131,6 +141,10 @@ class Timeline:
     mirror: MirrorRecord | None = None
     """Set once the log has a `mirror_*` event."""
     skipped_saves: int = 0
+    run_s: float = 0.0
+    """Seconds the run's attempts ran (their `exit.duration_s`)."""
+    work_lost: int = 0
+    """The run's failures that lost the work since the last save (all but NO_WORK_LOST)."""
     _last_skipped: Event | None = None
     _unsaved: str | None = None
     _current: int | None = None  # the attempt named by the newest event that names one
@@ -152,8 +166,15 @@ class Timeline:
             self._unsaved = None
             if number is not None:
                 record = self.attempts[number] = AttemptRecord(number=number, launch=event)
+            if number == 0:
+                self.run_s, self.work_lost = 0.0, 0
         elif kind == Kind.CLASSIFICATION:
             self.failures[failure_kind(event)] += 1
+            self.work_lost += failure_kind(event) not in NO_WORK_LOST
+        elif kind == Kind.EXIT:
+            duration = event.get("duration_s")
+            if isinstance(duration, (int, float)) and math.isfinite(duration) and duration > 0:
+                self.run_s += duration
         elif kind == Kind.SAVE_SKIPPED:
             self.skipped_saves += 1
             self._last_skipped = event
