@@ -11,6 +11,7 @@ import pytest
 from scripted_loop import Script, run
 from test_watch import _watch
 
+from supervisor.commands.status import render_text, summarize, to_json
 from supervisor.config import SlurmConfig
 from supervisor.decide.failures import Evidence
 from supervisor.decide.wall_clock import Margin, Observed, learn_margin, plan_stop
@@ -22,6 +23,7 @@ from supervisor.proc.slurm import JobTimes, parse_job_times
 from supervisor.proc.stop import StopResult
 from supervisor.proc.watch_outcome import HeartbeatSummary, Outcome
 from supervisor.protocol import Heartbeat
+from supervisor.records.events import EventLog
 
 # `scontrol show job --oneliner` of a job submitted with --time=2 on the one-node test cluster
 # (Slurm 22.05; with or without --signal, it prints the same fields).
@@ -206,3 +208,20 @@ def test_watch_stops_the_child_at_the_deadline_as_on_a_signal(tmp_path):
     assert not ev.killed_after_grace and outcome.heartbeats.last_event == "stop"
     assert outcome.stop_s is not None and 0 <= outcome.stop_s < 5
     assert time.monotonic() - t0 >= 1.0
+
+
+def test_status_shows_the_time_limit_and_the_planned_stop(tmp_path, utc):
+    run_dir = tmp_path / "run"
+    end = calendar.timegm((2026, 11, 30, 22, 0, 0))
+    job = {"job_id": "77", "restart_count": 1, "array": None, "end_time": end,
+           "stop_at": end - 90.0, "margin_s": 90.0}
+    with EventLog(run_dir / "events.jsonl", clock=lambda: end - 600) as log:
+        log.emit("launch", attempt=0, argv=["python", "train.py"], settings={}, level=0,
+                 resume_from=None, pid=100, ckpt_dir=str(run_dir / "checkpoints"), slurm=job)
+    s = summarize(run_dir, now=end - 500)
+    assert s.slurm == {k: job[k] for k in ("job_id", "restart_count", "end_time", "stop_at",
+                                           "margin_s")}
+    row = next(ln for ln in render_text(s).splitlines() if ln.strip().startswith("slurm"))
+    assert row.endswith("job 77 (requeued 1 times); time limit at 2026-11-30 22:00:00, saving "
+                        "and stopping at 2026-11-30 21:58:30 (90 s before)")
+    assert to_json(s)["slurm"]["stop_at"] == end - 90.0
