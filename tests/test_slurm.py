@@ -217,9 +217,13 @@ def test_preempted_job_requeues_and_resumes_with_zero_lost_steps(slurm_cluster, 
     assert by_kind["decision"][1]["action"] == "finished"
 
     # The job id and SLURM_RESTART_COUNT are recorded by rtrain and echoed by the batch script.
-    assert [e["slurm"] for e in by_kind["launch"]] == [
+    assert [{k: e["slurm"][k] for k in ("job_id", "restart_count", "array")}
+            for e in by_kind["launch"]] == [
         {"job_id": job, "restart_count": 0, "array": None},
         {"job_id": job, "restart_count": 1, "array": None}]
+    # The stop before the time limit was armed too (ten minutes, less the margin); the
+    # --signal warning came first.
+    assert all(e["slurm"]["stop_at"] < e["slurm"]["end_time"] for e in by_kind["launch"])
     text = slurm_log.read_text()
     assert "SLURM_RESTART_COUNT=0" in text and "SLURM_RESTART_COUNT=1" in text, text
     assert "requeued Slurm job" in text, text  # both runs appended to one log

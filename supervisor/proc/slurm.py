@@ -66,10 +66,11 @@ def _local_time(shown: str, name: str) -> float | None:
 
 
 def job_times(env: Mapping[str, str] | None = None,
-              timeout_s: float = 30.0) -> tuple[JobTimes | None, str]:
+              timeout_s: float = 10.0) -> tuple[JobTimes | None, str]:
     """The job's start and end from the scheduler (`scontrol show job`; where slurmctld does
     not answer, SLURM_JOB_START_TIME / SLURM_JOB_END_TIME, which newer Slurm sets). Returns
-    (times, what happened); times None outside Slurm or when neither source says. Never raises."""
+    (times, what happened); times None outside Slurm or when neither source says. Never raises;
+    asked before every attempt, so a slurmctld that does not answer costs `timeout_s` at most."""
     env = os.environ if env is None else env
     jid = env.get("SLURM_JOB_ID")
     if not jid:

@@ -1,7 +1,8 @@
 """Watch one attempt until it ends: a single-threaded `selectors` loop.
 
 Woken by: the child's pidfd (its exit, at once), its stdout/stderr (teed), heartbeat datagrams,
-the signal wakeup fd, and timers (sampling, the hang deadline, the end of a stop's grace). Nothing
+the signal wakeup fd, and timers (sampling, the hang deadline, `stop_at`: a stop the caller
+planned, before the Slurm time limit; the end of a stop's grace). Nothing
 here decides what the ending means; it gathers `Evidence` for classify and returns it finished:
 this module, with proc/watch_outcome.py for what the exit leaves behind, is the only writer of
 an attempt's Evidence (including the health gate's verdict on the devices after a failure), and
@@ -166,9 +167,10 @@ class _Watch:
                 now = self.clock()
                 if exited:
                     self.exited_at = now
-                elif now >= stop_at:
+                    continue
+                if now >= stop_at and not self.stop.active:  # a signal may have come first
                     self._deadline(now)
-                elif now >= hang_at or now >= self.stop.deadline():
+                if now >= hang_at or now >= self.stop.deadline():
                     self._timers(now)
             c.popen.wait()  # reap: it has exited, this returns at once
         except BaseException:
