@@ -53,7 +53,8 @@ def learn_margin(observed: Iterable[Observed], *, floor_s: float, factor: float)
     need, what = max(needs)
     learned = factor * need
     if learned <= floor_s:
-        return Margin(floor_s, f"the floor {floor_s:g} s ({factor:g} x the longest need: {what})")
+        return Margin(floor_s, f"the floor {floor_s:g} s, above {factor:g} x the longest need: "
+                               f"{what}")
     return Margin(learned, f"{factor:g} x the longest need: {what}")
 
 
