@@ -194,6 +194,27 @@ class HangConfig:
                               f"({self.ceiling_s:g}): lower floor_s or raise ceiling_s")
 
 
+@dataclass(kw_only=True, slots=True)
+class SlurmConfig:
+    """`[slurm]`: saving before the job's time limit (supervisor/decide/wall_clock.py)."""
+
+    stop_before_limit: bool = True
+    """Under Slurm, stop the attempt before the job's time limit (as on a preemption signal:
+    the child saves and exits 75; with `requeue` the job goes back to the queue). The limit's
+    end is the scheduler's EndTime."""
+    margin_s: float = 60.0
+    """The least time before the limit at which the stop is sent; also the margin until a stop
+    or a save has been measured."""
+    margin_factor: float = 2.0
+    """The margin is at least this many times the longest need measured in the run: a stop
+    signal to the child's exit, or a save plus a step."""
+
+    def __post_init__(self) -> None:
+        _bool("[slurm] stop_before_limit", self.stop_before_limit)
+        _number("[slurm] margin_s", self.margin_s)
+        _number("[slurm] margin_factor", self.margin_factor, low=1.0)
+
+
 def _check_json(where: str, value: Any) -> None:
     """Settings travel as JSON (`RTRAIN_SETTINGS`): TOML dates and times cannot."""
     if isinstance(value, dict):
@@ -245,6 +266,8 @@ class Config:
     """`[backoff]` table."""
     hang: HangConfig = field(default_factory=HangConfig)
     """`[hang]` table."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """`[slurm]` table."""
     settings: dict[str, Any] = field(default_factory=dict)
     """`[settings]`: initial knob values given to the child, e.g. batch_size = 64."""
     ladder: tuple[Rung, ...] = DEFAULT_LADDER
@@ -318,7 +341,7 @@ class Config:
 
 
 _SECTIONS: dict[str, type] = {"restart": RestartConfig, "backoff": BackoffConfig,
-                              "hang": HangConfig}
+                              "hang": HangConfig, "slurm": SlurmConfig}
 _TOP = [f.name for f in fields(Config)]
 
 

@@ -27,6 +27,7 @@ class Kind(str, Enum):
     DEVICE_FAILED = "device_failed"
     EXCLUDE_NODE = "exclude_node"
     REQUEUE = "requeue"
+    WALL_CLOCK_STOP = "wall_clock_stop"
     FINISHED = "finished"
     GPU_NOT_RELEASED = "gpu_not_released"
     LOCK_TAKEOVER = "lock_takeover"
@@ -76,7 +77,7 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.EXIT: KindSpec(
         fields=("attempt", "returncode", "signal", "duration_s", "last_step", "peak_rss_bytes",
                 "gpu_used_peak", "gpu_total", "leftovers"),
-        meaning="an attempt ended"),
+        optional=("stop_s", "save_s", "step_s"), meaning="an attempt ended"),
     Kind.CLASSIFICATION: KindSpec(fields=("attempt", "failure", "reason"),
                                   meaning="what a failed attempt's failure was"),
     Kind.DECISION: KindSpec(
@@ -97,6 +98,9 @@ KINDS: dict[Kind, KindSpec] = {
                                 meaning="the node was excluded from the Slurm job"),
     Kind.REQUEUE: KindSpec(fields=("done", "detail"), durable=True,
                            meaning="the Slurm job was requeued"),
+    Kind.WALL_CLOCK_STOP: KindSpec(
+        fields=("attempt", "end_time", "stop_at", "margin_s", "reason"),
+        meaning="the attempt was stopped before the Slurm job's time limit"),
     Kind.FINISHED: KindSpec(fields=("reason",), durable=True, meaning="the run finished"),
     Kind.GPU_NOT_RELEASED: KindSpec(fields=("pids",),
                                     meaning="GPU memory still held when relaunching"),

@@ -14,7 +14,14 @@ import typer
 from typer.testing import CliRunner
 
 from supervisor import cli
-from supervisor.config import DEFAULT_BUDGETS, BackoffConfig, Config, HangConfig, RestartConfig
+from supervisor.config import (
+    DEFAULT_BUDGETS,
+    BackoffConfig,
+    Config,
+    HangConfig,
+    RestartConfig,
+    SlurmConfig,
+)
 from supervisor.decide.ladder import DEFAULT_LADDER
 from supervisor.filemode import parse_mode
 from supervisor.proc.heartbeat import HangPolicy
@@ -27,7 +34,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
-SECTIONS = {"restart": RestartConfig, "backoff": BackoffConfig, "hang": HangConfig}
+SECTIONS = {"restart": RestartConfig, "backoff": BackoffConfig, "hang": HangConfig,
+            "slurm": SlurmConfig}
 TABLES = ("settings", "ladder", "hooks")  # tables of the user's own, shown by example
 # None by default; design.md shows what they stand for
 UNSET = ("ckpt_dir", "metrics_file", "mirror")

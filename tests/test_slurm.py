@@ -129,7 +129,8 @@ def test_requeue_only_a_job_slurm_is_not_already_ending(tmp_path, monkeypatch, s
 class Job:
     """`scripts/slurm/train.sbatch` submitted as a user would, its run dir under `tmp`."""
 
-    def __init__(self, tmp: Path, *train_args: str) -> None:
+    def __init__(self, tmp: Path, *train_args: str, script: Path = SBATCH,
+                 time_limit: str = "00:10:00") -> None:
         self.run, logs, bin_dir = tmp / "run", tmp / "logs", tmp / "bin"
         logs.mkdir()
         bin_dir.mkdir()
@@ -142,8 +143,9 @@ class Job:
                and (not k.startswith("SLURM_") or k == "SLURM_CONF")}
         env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", RUN_DIR=str(self.run),
                    OMP_NUM_THREADS="1")  # one thread: a busy CI machine slows it the least
-        r = subprocess.run(["sbatch", "--parsable", "--job-name=rtrain-test", "--time=00:10:00",
-                            f"--output={logs}/slurm-%j.log", f"--chdir={REPO}", str(SBATCH),
+        r = subprocess.run(["sbatch", "--parsable", "--job-name=rtrain-test",
+                            f"--time={time_limit}", f"--output={logs}/slurm-%j.log",
+                            f"--chdir={REPO}", str(script),
                             *train_args], env=env, capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, f"sbatch failed: {r.stderr}"
         self.id = r.stdout.strip().split(";")[0]
@@ -215,9 +217,13 @@ def test_preempted_job_requeues_and_resumes_with_zero_lost_steps(slurm_cluster, 
     assert by_kind["decision"][1]["action"] == "finished"
 
     # The job id and SLURM_RESTART_COUNT are recorded by rtrain and echoed by the batch script.
-    assert [e["slurm"] for e in by_kind["launch"]] == [
+    assert [{k: e["slurm"][k] for k in ("job_id", "restart_count", "array")}
+            for e in by_kind["launch"]] == [
         {"job_id": job, "restart_count": 0, "array": None},
         {"job_id": job, "restart_count": 1, "array": None}]
+    # The stop before the time limit was armed too (ten minutes, less the margin); the
+    # --signal warning came first.
+    assert all(e["slurm"]["stop_at"] < e["slurm"]["end_time"] for e in by_kind["launch"])
     text = slurm_log.read_text()
     assert "SLURM_RESTART_COUNT=0" in text and "SLURM_RESTART_COUNT=1" in text, text
     assert "requeued Slurm job" in text, text  # both runs appended to one log
@@ -259,3 +265,76 @@ def test_cancelled_job_saves_and_is_not_requeued(slurm_cluster, tmp_path):
     assert exit_event["returncode"] == 75 and exit_event["last_step"] == last
     assert (j.run / "checkpoints" / f"checkpoint-{last}").is_dir()
     assert load_state(j.run).status.value == "preempted"
+
+
+# A batch script like train.sbatch without `--signal`: nothing warns before the time limit.
+NO_SIGNAL = """#!/bin/bash
+#SBATCH --open-mode=append
+#SBATCH --requeue
+set -euo pipefail
+echo "job ${SLURM_JOB_ID}: SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-0}"
+exec rtrain launch examples/vision/train.py --config "$WALL_TEST_CONFIG" --run-dir "$RUN_DIR" \\
+    --resume auto --requeue "$@"
+"""
+WALL_MARGIN_S = 25.0  # a one-minute job stops 35 s after the job started
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the Slurm test needs Linux")
+def test_time_limit_without_signal_saves_requeues_and_loses_no_step(slurm_cluster, tmp_path,
+                                                                    monkeypatch):
+    """`--time=1` and no `--signal`: rtrain reads the job's EndTime from Slurm, stops the
+    training script WALL_MARGIN_S before it (save, exit 75), requeues the job, and the next run
+    resumes at the step after the last one executed."""
+    config = tmp_path / "rtrain.toml"
+    config.write_text((REPO / "examples" / "vision" / "rtrain.toml").read_text()
+                      + f"\n[slurm]\nmargin_s = {WALL_MARGIN_S}\n")
+    script = tmp_path / "no-signal.sbatch"
+    script.write_text(NO_SIGNAL)
+    monkeypatch.setenv("WALL_TEST_CONFIG", str(config))
+    train = ["--set", "steps=1000000", "--set", "batch_size=8", "--set", "resolution=16",
+             "--set", "log_every=1", "--set", "save_every=1000000", "-q"]
+    j = Job(tmp_path, *train, script=script, time_limit="1")
+    first, second = j.stdout(0), j.stdout(1)
+    try:
+        j.wait("stopped before the time limit and requeued",
+               lambda: any(e["kind"] == "requeue" for e in _events(j.run))
+               and j.state() == "PENDING", 120)
+        assert _job_field(j.id, "Restarts") == "1"
+        time.sleep(2.0)  # not in the second of the requeue (see the preemption test)
+        _slurm("scontrol", "update", f"JobId={j.id}", "StartTime=now")
+        j.wait("the requeued run stepping", lambda: len(_steps(second)) >= 5, 90)
+    finally:
+        j.cancel()
+    j.wait("the job ended", lambda: j.state() not in ("PENDING", "RUNNING", "COMPLETING"), 60)
+
+    events = _events(j.run)
+    kinds = [e["kind"] for e in events if e["kind"] not in ("heartbeat_summary", "lock_takeover")]
+    assert kinds[:7] == ["launch", "wall_clock_stop", "exit", "classification", "decision",
+                         "requeue", "launch"], j.diagnose()
+    launch, stop = events[kinds.index("launch")], next(e for e in events
+                                                         if e["kind"] == "wall_clock_stop")
+    # The end is the scheduler's (the job's real start + one minute), the stop came before it.
+    job = launch["slurm"]
+    assert job["end_time"] is not None and job["margin_s"] == WALL_MARGIN_S
+    assert job["stop_at"] == pytest.approx(job["end_time"] - WALL_MARGIN_S)
+    assert stop["end_time"] == job["end_time"] and stop["margin_s"] == WALL_MARGIN_S
+    exit_event = next(e for e in events if e["kind"] == "exit")
+    assert exit_event["returncode"] == 75 and exit_event["time"] < job["end_time"]
+    assert 0 <= exit_event["stop_s"] < WALL_MARGIN_S
+    assert next(e for e in events if e["kind"] == "classification")["failure"] == "preempted"
+    assert next(e for e in events if e["kind"] == "decision")["action"] == "requeue"
+    assert next(e for e in events if e["kind"] == "requeue")["done"] is True
+
+    # Zero lost steps: the checkpoint written on the stop holds the last step executed, and the
+    # requeued run goes on from the next one; no step runs twice.
+    before, after = _steps(first), _steps(second)
+    last = before[-1]
+    assert before == list(range(1, last + 1)) and exit_event["last_step"] == last
+    relaunch = [e for e in events if e["kind"] == "launch"][1]
+    assert relaunch["resume_from"].endswith(f"checkpoint-{last}")
+    assert relaunch["slurm"]["restart_count"] == 1
+    assert after == list(range(last + 1, last + 1 + len(after)))
+    print(f"time-limit stop: job {j.id}, last step {last} before the stop, stop took "
+          f"{exit_event['stop_s']} s, exit {job['end_time'] - exit_event['time']:.1f} s "
+          "before the limit")

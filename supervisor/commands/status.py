@@ -91,6 +91,9 @@ class RunSummary:
     """With a mirror: uploaded_step, uploaded_age_s, behind_steps (newest local checkpoint
     minus the newest uploaded), failing (the last failure since an upload), final (made_it,
     step, reason at the run's end), downloaded_step (a resume came from it)."""
+    slurm: dict[str, Any] | None = None
+    """Under Slurm, from the newest launch: job_id, restart_count, end_time (the job's time
+    limit ends, unix time), stop_at (rtrain stops the attempt then; null: not armed), margin_s."""
 
 
 def finite(value: Any) -> bool:
@@ -221,6 +224,10 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
     if cadence is not None:
         s.cadence = {k: cadence.get(k) for k in KINDS[Kind.CADENCE].fields}
         s.restart_s = _restart_s(timeline)
+    job = launch.get("slurm") if launch else None
+    if isinstance(job, dict):
+        s.slurm = {k: job.get(k) for k in ("job_id", "restart_count", "end_time", "stop_at",
+                                           "margin_s")}
     return s
 
 
@@ -315,6 +322,8 @@ def render_text(s: RunSummary) -> str:
         rows += _cadence_rows(s.cadence, s.restart_s)
     if s.mirror is not None:
         rows += _mirror_rows(s.mirror)
+    if s.slurm is not None:
+        rows.append(("slurm", _slurm_row(s.slurm, running=s.status == "running")))
     if s.last_skipped:
         rows.append(("saves", f"{s.skipped_saves} skipped; the last at step "
                               f"{s.last_skipped['step']}: {s.last_skipped['reason']}"))
@@ -340,6 +349,21 @@ def render_text(s: RunSummary) -> str:
     # Reasons and settings quote checkpoint, script and log content: escaped (`safe`).
     return "\n".join([head] + [f"  {label + (':' if label else ''):<{width + 1}} {safe(text)}"
                                 for label, text in rows])
+
+
+def _slurm_row(job: dict[str, Any], *, running: bool) -> str:
+    """The job, and while the run runs, its time limit and the stop planned before it."""
+    text = f"job {job.get('job_id')} (requeued {job.get('restart_count') or 0} times)"
+    end, stop, margin = job.get("end_time"), job.get("stop_at"), job.get("margin_s")
+    if running and finite(end):
+        text += f"; time limit at {_clock(end)}"
+        text += (f", saving and stopping at {_clock(stop)} ({margin:g} s before)"
+                 if finite(stop) and finite(margin) else ", no stop planned before it")
+    return text
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 def _mirror_rows(m: dict[str, Any]) -> list[tuple[str, str]]:

@@ -46,7 +46,9 @@ class Evidence:
     hang: bool = False  # the watcher stopped it for silence
     hang_detail: str = ""
     hang_at: float | None = None  # unix time the hang was detected (before stacks are dumped)
-    stop_requested: str | None = None  # signal name that reached the supervisor, if any
+    # the signal name that reached the supervisor, or the deadline's name ("the job's time
+    # limit": the watch's stop_at), if any
+    stop_requested: str | None = None
     stop_confirmed: bool = False  # the worker said "checkpoint committed, stopping" (heartbeat)
     killed_after_grace: bool = False
     duration_s: float = 0.0

@@ -7,7 +7,8 @@ mutated), which the loop persists in state.json.
 
 Rules, in order:
   child exited 0                          -> FINISHED (exit 0)
-  the supervisor was asked to stop        -> REQUEUE (config.requeue) or EXIT_PREEMPTED (exit 75)
+  the supervisor was asked to stop (a     -> REQUEUE (config.requeue) or EXIT_PREEMPTED (exit 75)
+    signal, or the Slurm time limit near)
   startup failure                         -> GIVE_UP (exit 3): retrying a broken import loops
   preempted on its own (exit 75)          -> RELAUNCH, same rung, no budget, no backoff
   bad_checkpoint (the worker could not    -> RELAUNCH from the next older checkpoint (the launch

@@ -35,14 +35,23 @@ from supervisor.decide.policy import (
     decide,
     note_progress,
 )
+from supervisor.decide.wall_clock import WallPlan
 from supervisor.errors import ExitCode, UsageError
 from supervisor.launch import act, child_env, mirroring
 from supervisor.launch.child_env import AttemptPlan
 from supervisor.launch.observers import Observers
-from supervisor.launch.recording import record_decision, record_exit, record_failure, slurm_field
+from supervisor.launch.recording import (
+    record_decision,
+    record_exit,
+    record_failure,
+    record_wall_clock_stop,
+    slurm_field,
+)
 from supervisor.launch.resume import Checkpoints, encryption_key, resumed_from
 from supervisor.launch.rundir import RunRecord, move_aside, prepare_dirs, refuse_ended
 from supervisor.launch.spec import LaunchSpec, Seams, child_command
+from supervisor.launch.wallclock import WHY as WALL_CLOCK
+from supervisor.launch.wallclock import WallClock, measured
 from supervisor.proc import slurm
 from supervisor.proc.console import best_effort_console
 from supervisor.proc.gpu import NvmlReader
@@ -124,6 +133,8 @@ class Loop:
             self.cfg, run_dir, self.ckpt_dir, self.events, self.say,
             new_run=self.record.new_run)
         self.checkpoints.remote = self.mirroring
+        self.wall_clock = WallClock(self.cfg.slurm, run_dir / "events.jsonl")
+        self._wall_said: str | None = None  # the plan last told the terminal
         self._last_step: int | None = None  # of the attempt that just ended
 
     def close(self) -> None:
@@ -202,6 +213,7 @@ class Loop:
         child_env.fence_earlier_writers(env, self.ckpt_dir, self.say)
         self.hb.drain()  # stale heartbeats of the previous attempt
         level = self.record.state.history.level
+        wall = self.wall_clock.plan(self.seams.wall())  # the scheduler's times: before the spawn
         self.observers.attempt_started(attempt, plan.attempt_dir, level)
         line = self.observers.line
         child = self.seams.spawn(ChildSpec(
@@ -214,14 +226,19 @@ class Loop:
                  f"{json.dumps(settings)}")
         self.events.emit("launch", attempt=attempt, argv=argv, settings=settings, level=level,
                          resume_from=plan.resume_from, pid=child.pid,
-                         ckpt_dir=str(self.ckpt_dir), **slurm_field())
+                         ckpt_dir=str(self.ckpt_dir), **slurm_field(wall))
+        self._say_wall(wall)
         t0 = self.seams.monotonic()
+        stop_at = None if wall is None or wall.stop_at is None else (
+            t0 + wall.stop_at - self.seams.wall())  # the watch runs on the monotonic clock
         outcome = self.seams.watch(
             child, self.watch_cfg, heartbeats=self.hb, gpu=self.gpu, signals=signals,
             tree=ProcTree(exclude=self._helper_pids),
             on_heartbeat=lambda hb: self.observers.heartbeat(attempt, hb),
-            on_sample=self._on_sample)
+            on_sample=self._on_sample, stop_at=stop_at, stop_why=WALL_CLOCK)
         child.close()
+        record_wall_clock_stop(self.events, self.say, attempt, wall, outcome)
+        self.wall_clock.note(measured(outcome))
         self.procs.update([])  # swept
         return outcome, self.seams.monotonic() - t0
 
@@ -233,6 +250,20 @@ class Loop:
         except EventLogError:
             return None, None  # the worker falls back to its prior
         return timeline.work_lost, timeline.run_s
+
+    def _say_wall(self, wall: WallPlan | None) -> None:
+        """Tell the terminal when the attempt will stop before the time limit (or why not),
+        when that changed since the last attempt."""
+        if wall is None:
+            return
+        if wall.stop_at is None:
+            line = f"not stopping before the job's time limit: {wall.why}"
+        else:
+            at = time.strftime("%H:%M:%S", time.localtime(wall.stop_at))
+            line = f"will save and stop at {at}, {wall.why}"
+        if line != self._wall_said:
+            self._wall_said = line
+            self.say(line)
 
     def _helper_pids(self) -> list[int]:
         """rtrain's own helpers (hooks, the uploader): not the attempt's processes."""

@@ -1,8 +1,8 @@
 """The events (and terminal lines) that record how an attempt ended and what was decided, in the
 order a reader of events.jsonl expects them:
 
-    signal* exit heartbeat_summary? device_failed? classification? skipped_checkpoint?
-    failure_rate? quarantine? decision degrade?
+    wall_clock_stop? signal* exit heartbeat_summary? device_failed? classification?
+    skipped_checkpoint? failure_rate? quarantine? decision degrade?
 """
 
 from __future__ import annotations
@@ -14,15 +14,32 @@ from typing import Any
 from supervisor.config import Config
 from supervisor.decide.failures import Failure
 from supervisor.decide.policy import Decision
+from supervisor.decide.wall_clock import WallPlan
+from supervisor.launch import wallclock
 from supervisor.proc import slurm
 from supervisor.proc.gpu_health import describe
 from supervisor.proc.watch_outcome import Outcome
 from supervisor.records.events import EventLog
 
 
-def slurm_field() -> dict[str, Any]:
+def slurm_field(plan: WallPlan | None = None) -> dict[str, Any]:
+    """The `slurm` field of an event under Slurm; with the attempt's plan (the launch event),
+    also the job's end, the planned stop (null: not armed) and the margin."""
     info = slurm.job_info()
+    if info and plan is not None:
+        info |= {"end_time": plan.end, "stop_at": plan.stop_at,
+                 "margin_s": round(plan.margin_s, 3)}
     return {"slurm": info} if info else {}
+
+
+def record_wall_clock_stop(events: EventLog, say: Callable[[str], None], attempt: int,
+                           plan: WallPlan | None, outcome: Outcome) -> None:
+    """The attempt was stopped before the job's time limit (not by a signal that came first)."""
+    if plan is None or plan.stop_at is None or outcome.evidence.stop_requested != wallclock.WHY:
+        return
+    events.emit("wall_clock_stop", attempt=attempt, end_time=plan.end, stop_at=plan.stop_at,
+                margin_s=round(plan.margin_s, 3), reason=plan.why)
+    say(f"attempt {attempt}: stopped {plan.why}")
 
 
 def record_exit(events: EventLog, attempt: int, outcome: Outcome, duration_s: float) -> None:
@@ -32,7 +49,8 @@ def record_exit(events: EventLog, attempt: int, outcome: Outcome, duration_s: fl
     events.emit("exit", attempt=attempt, returncode=ev.returncode, signal=ev.signal,
                 duration_s=round(duration_s, 3), last_step=ev.last_step,
                 peak_rss_bytes=ev.peak_rss_bytes, gpu_used_peak=ev.gpu_mem_used_peak,
-                gpu_total=ev.gpu_mem_total, leftovers=outcome.stop.leftovers)
+                gpu_total=ev.gpu_mem_total, leftovers=outcome.stop.leftovers,
+                **wallclock.measured(outcome))
     if hs.last_step is not None:
         events.emit("heartbeat_summary", attempt=attempt, step=hs.last_step,
                     loss=hs.last_loss, samples_per_s=hs.samples_per_s,

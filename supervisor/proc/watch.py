@@ -1,7 +1,8 @@
 """Watch one attempt until it ends: a single-threaded `selectors` loop.
 
 Woken by: the child's pidfd (its exit, at once), its stdout/stderr (teed), heartbeat datagrams,
-the signal wakeup fd, and timers (sampling, the hang deadline, the end of a stop's grace). Nothing
+the signal wakeup fd, and timers (sampling, the hang deadline, `stop_at`: a stop the caller
+planned, before the Slurm time limit; the end of a stop's grace). Nothing
 here decides what the ending means; it gathers `Evidence` for classify and returns it finished:
 this module, with proc/watch_outcome.py for what the exit leaves behind, is the only writer of
 an attempt's Evidence (including the health gate's verdict on the devices after a failure), and
@@ -105,12 +106,16 @@ def watch(
     clock: Callable[[], float] = time.monotonic,
     on_heartbeat: Callable[[Heartbeat], None] | None = None,
     on_sample: Callable[[Sample], None] | None = None,
+    stop_at: float | None = None,
+    stop_why: str = "a deadline",
 ) -> Outcome:
     """Watch `child` until it has exited and its descendants are swept; never raises for what the
     child does. Pass `signals` to keep one catcher across attempts (the launch loop); without it
-    one is installed for this call (main thread only)."""
+    one is installed for this call (main thread only). At `stop_at` (on `clock`) the child is
+    stopped as on a stop signal, `stop_why` naming the stop (the job's time limit)."""
     w = _Watch(child, config, heartbeats, gpu or NullReader(), tree or ProcTree(), clock)
     w.on_heartbeat, w.on_sample = on_heartbeat, on_sample
+    w.stop_at, w.stop_why = (math.inf if stop_at is None else stop_at), stop_why
     if signals is not None:
         return w.run(signals)
     with SignalCatcher(STOP_SIGNALS) as own:
@@ -128,6 +133,8 @@ class _Watch:
         self.t0 = clock()
         self.hang = HangClock(config.hang, self.t0)
         self.stop = Stopping(child, config.stop_signal)
+        self.stop_at, self.stop_why = math.inf, ""  # a deadline's stop (watch's stop_at)
+        self.exited_at: float | None = None
         self.stack_files: list[Path] = []
         self.oom = OomCounter.start(child)
 
@@ -145,7 +152,8 @@ class _Watch:
                     self._sample(now)
                     next_sample = now + self.config.sample_interval_s
                 hang_at = math.inf if self.stop.active else self.hang.deadline()
-                wake = min(next_sample, hang_at, self.stop.deadline())
+                stop_at = math.inf if self.stop.active else self.stop_at
+                wake = min(next_sample, hang_at, stop_at, self.stop.deadline())
                 timeout = max(0.0, wake - now)
                 if c.pidfd is None:
                     timeout = min(timeout, _POLL_S)
@@ -157,7 +165,12 @@ class _Watch:
                 if c.pidfd is None:
                     exited = c.returncode is not None
                 now = self.clock()
-                if not exited and (now >= hang_at or now >= self.stop.deadline()):
+                if exited:
+                    self.exited_at = now
+                    continue
+                if now >= stop_at and not self.stop.active:  # a signal may have come first
+                    self._deadline(now)
+                if now >= hang_at or now >= self.stop.deadline():
                     self._timers(now)
             c.popen.wait()  # reap: it has exited, this returns at once
         except BaseException:
@@ -213,6 +226,13 @@ class _Watch:
             self.ev.stop_requested = name
             self.stop.begin(now, self.config.grace_s)
 
+    def _deadline(self, now: float) -> None:
+        """The deadline passed: stop exactly as on a stop signal (save, exit 75, the grace)."""
+        log.warning("stopping the training process: %s", self.stop_why)
+        if self.ev.stop_requested is None:
+            self.ev.stop_requested = self.stop_why
+        self.stop.begin(now, self.config.grace_s)
+
     def _timers(self, now: float) -> None:
         self.stop.kill_if_due(now)
         if not self.stop.active:
@@ -260,6 +280,7 @@ class _Watch:
             evidence=ev,
             heartbeats=self.summary,
             stop=self.stop.result(swept, leftovers, duration_s=self.clock() - now),
+            stop_s=self.stop.took(self.exited_at if self.exited_at is not None else now),
             signals=self.stop.signals_seen,
             hard_stop=self.stop.hard_stop,
             pids_seen=sorted(self.tree.seen),

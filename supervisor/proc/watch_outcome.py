@@ -33,10 +33,17 @@ class HeartbeatSummary:
     samples_per_s: float | None = None
     max_step_interval: float | None = None
     settings: dict | None = None  # as last reported by the worker
+    longest_save_s: float | None = None  # save_begin to save_end, by the worker's clock
+    _save_began: dict[int, float] = field(default_factory=dict)  # rank -> its save_begin
 
     def add(self, hb: Heartbeat) -> None:
         self.count += 1
         self.last_event = hb.event
+        if hb.event == "save_begin":
+            self._save_began[hb.rank] = hb.time
+        elif hb.event == "save_end" and hb.rank in self._save_began:
+            took = max(0.0, hb.time - self._save_began.pop(hb.rank))
+            self.longest_save_s = max(took, self.longest_save_s or 0.0)
         if hb.step is not None:
             self.last_step = hb.step
         for name in ("loss", "samples_per_s", "max_step_interval", "settings"):
@@ -55,6 +62,7 @@ class Outcome:
     pids_seen: list[int] = field(default_factory=list)  # for wait_gpu_released
     stack_files: list[Path] = field(default_factory=list)
     failed_devices: tuple[DeviceHealth, ...] = ()  # the health gate's failed readings
+    stop_s: float | None = None  # from the stop signal to the child's exit, when stopped
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ class Stopping:
     def __init__(self, child: Child, stop_signal: int) -> None:
         self.child, self.stop_signal = child, stop_signal
         self.active = False
+        self.began_at: float | None = None  # when the stop signal was sent
         self.kill_at: float | None = None  # end of the running stop's grace
         self.killed_after_grace = False
         self.signal_sent: str | None = None
@@ -52,10 +53,14 @@ class Stopping:
         deadline)."""
         if self.active:
             return
-        self.active = True
+        self.active, self.began_at = True, now
         if signal_group(self.child, self.stop_signal):
             self.signal_sent = signal.Signals(self.stop_signal).name
         self.kill_at = now + grace_s
+
+    def took(self, exited_at: float) -> float | None:
+        """Seconds from the stop signal to the child's exit; None without a stop."""
+        return None if self.began_at is None else max(0.0, exited_at - self.began_at)
 
     def deadline(self) -> float:
         return math.inf if self.kill_at is None else self.kill_at
