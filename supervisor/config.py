@@ -194,6 +194,41 @@ class HangConfig:
                               f"({self.ceiling_s:g}): lower floor_s or raise ceiling_s")
 
 
+@dataclass(kw_only=True, slots=True)
+class PressureConfig:
+    """`[pressure]`: degrade before the OOM. While an attempt runs, memory above a threshold
+    for `sustain_s` first asks the child to relieve it in-process (RTRAIN_RELIEVE_SIGNAL: free
+    caches, step the micro-batch down); still above after another `sustain_s`, the child is
+    asked to save and exit, and the next attempt runs one rung down the ladder with no step
+    lost (failure kind `memory_pressure`, charged to the oom budget)."""
+
+    enabled: bool = True
+    """Watch memory while an attempt runs and act on pressure."""
+    fraction: float = 0.9
+    """Host memory counts as under pressure at this share of its limit: the run's memory cgroup
+    limit (working set: usage minus inactive file cache) where it has one, else the machine's
+    memory (total minus available)."""
+    gpu_fraction: float = 0.98
+    """A GPU counts as under pressure at this share of its memory (NVML, which counts the
+    caching allocator's reserve: a healthy run reads high, hence the higher default; 0: GPUs
+    are not watched)."""
+    sustain_s: float = 5.0
+    """How long pressure must last before relief is asked, and again before the stop."""
+    climb_headroom: float = 0.1
+    """restore_after_steps climbs back only when the rung above, as measured, peaked at least
+    this share of the limit below the threshold."""
+
+    def __post_init__(self) -> None:
+        _bool("[pressure] enabled", self.enabled)
+        _number("[pressure] fraction", self.fraction, above=True)
+        _number("[pressure] gpu_fraction", self.gpu_fraction)
+        _number("[pressure] sustain_s", self.sustain_s)
+        _number("[pressure] climb_headroom", self.climb_headroom)
+        if self.fraction > 1 or self.gpu_fraction > 1 or self.climb_headroom >= 1:
+            raise ConfigError("[pressure] fraction and gpu_fraction must be at most 1, "
+                              "climb_headroom below 1")
+
+
 def _check_json(where: str, value: Any) -> None:
     """Settings travel as JSON (`RTRAIN_SETTINGS`): TOML dates and times cannot."""
     if isinstance(value, dict):
@@ -235,8 +270,10 @@ class Config:
     """Before a relaunch, how long to wait for the old child's GPU memory to be freed."""
     memory_pressure_fraction: float = 0.9
     """A SIGKILL counts as a host OOM when memory use reached this fraction of the total."""
-    restore_after_steps: int = 0
-    """After this many healthy steps on a degraded rung, climb back one rung (0: never)."""
+    restore_after_steps: int = 500
+    """After this many healthy steps on a degraded rung, climb back one rung at the next
+    relaunch, when the rung above fits by its recorded memory peak ([pressure]
+    climb_headroom; 0: never climb)."""
     lr_factor_on_nonfinite: float = 0.5
     """After a non-finite loss, multiply the `lr` knob (or `lr_scale`) by this factor."""
     restart: RestartConfig = field(default_factory=RestartConfig)
@@ -245,6 +282,8 @@ class Config:
     """`[backoff]` table."""
     hang: HangConfig = field(default_factory=HangConfig)
     """`[hang]` table."""
+    pressure: PressureConfig = field(default_factory=PressureConfig)
+    """`[pressure]` table."""
     settings: dict[str, Any] = field(default_factory=dict)
     """`[settings]`: initial knob values given to the child, e.g. batch_size = 64."""
     ladder: tuple[Rung, ...] = DEFAULT_LADDER
@@ -318,7 +357,7 @@ class Config:
 
 
 _SECTIONS: dict[str, type] = {"restart": RestartConfig, "backoff": BackoffConfig,
-                              "hang": HangConfig}
+                              "hang": HangConfig, "pressure": PressureConfig}
 _TOP = [f.name for f in fields(Config)]
 
 

@@ -26,8 +26,14 @@ ENV_STOP_SIGNAL = "RTRAIN_STOP_SIGNAL"
 ENV_HEARTBEAT = "RTRAIN_HEARTBEAT"
 ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
 ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's checkpoint generation (ckpt/generation.py)
+ENV_RELIEVE_SIGNAL = "RTRAIN_RELIEVE_SIGNAL"
 
 DUMP_SIGNAL = "SIGUSR2"  # RTRAIN_DUMP_SIGNAL: on it the worker writes its stacks (faulthandler)
+# RTRAIN_RELIEVE_SIGNAL: memory pressure, free what you can at the next step boundary. SIGURG
+# because its default action is to ignore it: a plain script, a DataLoader worker or a launcher
+# in the group that does not handle it is left alone (SIGUSR1/2 and real-time signals would
+# kill them), and the stop signals (SIGTERM, SIGUSR1) and the dump signal stay free.
+RELIEVE_SIGNAL = "SIGURG"
 # `Heartbeat.max_step_interval` leaves out the worker's first this-many step intervals (compile,
 # autotune). The worker's own measure, fixed by the protocol; [hang] warmup_steps is separate:
 # the step heartbeats the supervisor sees before it uses any interval.
@@ -47,7 +53,9 @@ def exit_record_name(rank: int) -> str:
 @dataclass
 class Heartbeat:
     """One heartbeat datagram. `event` is `start`, `step`, `save_begin`, `save_end`,
-    `save_skipped` (with `reason`: a checkpoint was not written, training goes on) or `stop`."""
+    `save_skipped` (with `reason`: a checkpoint was not written, training goes on), `backoff`
+    (with `settings`), `relieved` (after a relieve request: `reason` says what was freed,
+    `settings` what the worker now uses) or `stop`."""
 
     pid: int
     rank: int

@@ -14,7 +14,14 @@ import typer
 from typer.testing import CliRunner
 
 from supervisor import cli
-from supervisor.config import DEFAULT_BUDGETS, BackoffConfig, Config, HangConfig, RestartConfig
+from supervisor.config import (
+    DEFAULT_BUDGETS,
+    BackoffConfig,
+    Config,
+    HangConfig,
+    PressureConfig,
+    RestartConfig,
+)
 from supervisor.decide.ladder import DEFAULT_LADDER
 from supervisor.filemode import parse_mode
 from supervisor.proc.heartbeat import HangPolicy
@@ -27,7 +34,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
-SECTIONS = {"restart": RestartConfig, "backoff": BackoffConfig, "hang": HangConfig}
+SECTIONS = {"restart": RestartConfig, "backoff": BackoffConfig, "hang": HangConfig,
+            "pressure": PressureConfig}
 TABLES = ("settings", "ladder", "hooks")  # tables of the user's own, shown by example
 # None by default; design.md shows what they stand for
 UNSET = ("ckpt_dir", "metrics_file", "mirror")
@@ -208,7 +216,8 @@ def test_launch_option_sets_its_config_key(option, monkeypatch, tmp_path):
 # ------------------------------------------------------------------ runtime objects
 
 def test_runtime_objects_have_no_defaults_for_settings():
-    for cls, names in ((WatchConfig, ("stop_signal", "grace_s", "sample_interval_s", "hang")),
+    for cls, names in ((WatchConfig, ("stop_signal", "grace_s", "sample_interval_s", "hang",
+                                      "pressure")),
                        (HangPolicy, [f.name for f in dataclasses.fields(HangPolicy)])):
         for f in dataclasses.fields(cls):
             if f.name in names:

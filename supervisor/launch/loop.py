@@ -195,6 +195,7 @@ class Loop:
         env = child_env.environment(plan, stop_signal=self.cfg.stop_signal,
                                     heartbeat_addr=self.hb.name,
                                     dump_signal=self.watch_cfg.dump_signal,
+                                    relieve_signal=self.watch_cfg.relieve_signal,
                                     file_mode=self.cfg.file_mode)
         child_env.fence_earlier_writers(env, self.ckpt_dir, self.say)
         self.hb.drain()  # stale heartbeats of the previous attempt
@@ -217,7 +218,8 @@ class Loop:
             child, self.watch_cfg, heartbeats=self.hb, gpu=self.gpu, signals=signals,
             tree=ProcTree(exclude=self._helper_pids),
             on_heartbeat=lambda hb: self.observers.heartbeat(attempt, hb),
-            on_sample=self._on_sample)
+            on_sample=self._on_sample,
+            on_pressure=lambda note: self.observers.pressure(attempt, note))
         child.close()
         self.procs.update([])  # swept
         return outcome, self.seams.monotonic() - t0
