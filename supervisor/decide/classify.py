@@ -2,7 +2,8 @@
 
 Rules, first match wins (`_RULES`, one small function each; why each sits where it does is
 noted at the rule):
-exit record > stop for memory pressure (no kernel OOM kill) > exit 75 > stop killed after grace > hang > lost device > CUDA OOM in stderr >
+exit record > stop for memory pressure (no kernel OOM kill) > exit 75 > stop killed after
+grace > hang > lost device > CUDA OOM in stderr >
 kernel OOM evidence > host OOM in stderr > stop requested > SIGKILL without memory pressure >
 failed before the first step (startup) > crash.
 """
@@ -31,8 +32,9 @@ HOST_OOM = re.compile(r"\bMemoryError\b|std::bad_alloc|Cannot allocate memory")
 # A checkpoint that cannot be loaded comes first: whatever else the ranks report (a collective
 # broken by the rank that gave up) follows from it.
 _RECORD_PRIORITY = [FailureKind.BAD_CHECKPOINT, FailureKind.OOM_GPU, FailureKind.OOM_HOST,
-                    FailureKind.MEMORY_PRESSURE, FailureKind.NONFINITE, FailureKind.DATA, FailureKind.LOST_DEVICE,
-                    FailureKind.STARTUP, FailureKind.PREEMPTED, FailureKind.CRASH]
+                    FailureKind.MEMORY_PRESSURE, FailureKind.NONFINITE, FailureKind.DATA,
+                    FailureKind.LOST_DEVICE, FailureKind.STARTUP, FailureKind.PREEMPTED,
+                    FailureKind.CRASH]
 
 
 def describe_exit(ev: Evidence) -> str:
@@ -253,7 +255,8 @@ def _then(sentence: str, last_line: str) -> str:
 # The rules after the exit records, in the module docstring's order: the first that applies
 # names the failure; none applies: a crash.
 _RULES: tuple[Callable[[_Case], _Found], ...] = (
-    _pressure_stop, _exit_75, _stop_confirmed, _stop_killed_after_grace, _hang, _lost_device, _gpu_oom_in_stderr,
+    _pressure_stop, _exit_75, _stop_confirmed, _stop_killed_after_grace, _hang, _lost_device,
+    _gpu_oom_in_stderr,
     _cgroup_oom_kill, _sigkill_under_pressure, _host_oom_in_stderr, _stop_unconfirmed, _sigkill,
     _before_first_step,
 )
