@@ -193,7 +193,9 @@ def relieve_pressure(step: int | None = None, settings: dict[str, Any] | None = 
         try:
             said = fn()
         except Exception as e:  # relief is best effort: a failing callback must not end training
-            log.warning("memory-pressure callback %r failed: %s", fn, e)
+            # Only the text: a logged exception's traceback would keep this frame, and with it
+            # the next callback's object, alive.
+            log.warning("memory-pressure callback %r failed: %s", fn, str(e))
             continue
         if said:
             done.append(said)

@@ -6,7 +6,9 @@ reading to `advance`. Above its threshold for `sustain_s`: RELIEVE (the worker f
 steps its micro-batch down); still above `sustain_s` after that: DEGRADE (the child is asked to
 save and exit, and the next attempt runs one rung down the ladder) — a degradation with no
 lost steps instead of a kernel OOM kill that loses everything since the last checkpoint.
-Dropping below the threshold at any point starts over.
+Dropping below the threshold at any point starts over. The second window restarts when the
+worker answers the request (`answered`): whether relief helped is judged after it happened,
+not while the step that will run it is still going.
 
 Climbing back (`climb_fits`): each rung's peak footprint is recorded (`rung_peak`) and a
 degraded run climbs only when the rung above, as measured, fits under its threshold with
@@ -80,6 +82,13 @@ def advance(state: PressureState, reading: MemoryReading | None, now: float,
     if now - state.relieved_at >= sustain_s:
         return replace(state, degraded=True), Act.DEGRADE
     return state, Act.NONE
+
+
+def answered(state: PressureState, now: float) -> PressureState:
+    """The worker says it relieved what it could (a `relieved` heartbeat) at `now`."""
+    if state.relieved_at is None or state.degraded:
+        return state
+    return replace(state, relieved_at=now)
 
 
 # ------------------------------------------------------------------ climbing back

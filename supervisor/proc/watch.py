@@ -218,6 +218,8 @@ class _Watch:
             if hb.step is not None:
                 self.ev.first_step_seen = True
                 self.ev.last_step = hb.step
+            if hb.event == "relieved":
+                self.pressure.answered(now)
             if self.on_heartbeat is not None:
                 self.on_heartbeat(hb)
 

@@ -15,7 +15,14 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from supervisor.decide.pressure import Act, MemoryReading, PressureState, advance, worst
+from supervisor.decide.pressure import (
+    Act,
+    MemoryReading,
+    PressureState,
+    advance,
+    answered,
+    worst,
+)
 from supervisor.proc.cgroup import MemoryCgroup
 from supervisor.proc.gpu import GpuReading
 from supervisor.proc.proctree import TreeSample
@@ -65,6 +72,10 @@ class PressureWatch:
         self.relieve_signal = relieve_signal
         self.state = PressureState()
         self.host_limit: int | None = None  # the host limit of the newest sample
+
+    def answered(self, now: float) -> None:
+        """The worker relieved what it could: the second window starts now."""
+        self.state = answered(self.state, now)
 
     def sample(self, now: float, tree: TreeSample, gpu: GpuReading) -> PressureNote | None:
         """A note when relief was asked or the stop for a rung down is due; None otherwise."""

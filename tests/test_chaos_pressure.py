@@ -1,0 +1,118 @@
+"""Degrade before the OOM, for real: rtrain and its child run in a cgroup-v1 memory group with a
+hard limit, and the child's memory grows every step. Sustained pressure first asks the child to
+relieve it; a child that frees nothing is then stopped at a step boundary (it saves) and
+relaunched one rung down, before the kernel's OOM killer fires: no kill, no step run twice. A
+child that frees its cache on the request trains on at its batch size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from chaos_util import write_config
+from harness import CHILDREN, child_env, events, rtrain_cmd
+
+LIMIT = 1 << 30
+# The child (torch) and rtrain start near 400 MiB together; at batch_size 16 the child keeps
+# 4 MiB more per step, so the 0.75 line (768 MiB) is crossed within ~100 of its 200 steps, and
+# the 256 MiB between that line and the limit take it several seconds to fill: enough for two
+# 0.5 s windows and a save. At batch_size 8 (2 MiB a step) a whole run stays under the line.
+SETTINGS = {"batch_size": 16, "grad_accum": 1, "steps": 200, "grow_kb": 256,
+            "step_sleep": 0.05, "save_every": 50}
+PRESSURE = {"fraction": 0.75, "sustain_s": 0.5}
+
+
+@pytest.fixture
+def memory_cgroup():
+    cg = Path("/sys/fs/cgroup/memory") / f"rtrain-pressure-{os.getpid()}-{time.time_ns()}"
+    try:
+        cg.mkdir()
+        (cg / "memory.limit_in_bytes").write_text(str(LIMIT))
+    except OSError as e:
+        print(f"skipping: cannot create a cgroup v1 memory group here: {e}")
+        pytest.skip(f"cannot create a cgroup v1 memory group here: {e}")
+    for name, value in (("memory.memsw.limit_in_bytes", LIMIT), ("memory.swappiness", 0)):
+        try:
+            (cg / name).write_text(str(value))
+        except OSError:
+            pass  # no swap accounting: the memory limit alone holds without swap
+    yield cg
+    for _ in range(100):
+        try:
+            cg.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+def _oom_kills(cg: Path) -> int:
+    for line in (cg / "memory.oom_control").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    raise AssertionError("no oom_kill counter in memory.oom_control")
+
+
+def _launch_in(cg: Path, tmp_path: Path, settings: dict) -> tuple[Path, list[dict]]:
+    write_config(tmp_path / "rtrain.toml", settings, sample_interval_s=0.1, pressure=PRESSURE)
+    run = tmp_path / "run"
+    argv = rtrain_cmd("launch", "--run-dir", str(run), "-q", str(CHILDREN / "leak_train.py"),
+                      "{run_dir}")
+    cmd = " ".join(f"'{a}'" for a in argv)
+    r = subprocess.run(["sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec {cmd}"],
+                       env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(ln) for ln in (run / "steps.jsonl").read_text().splitlines()]
+    return run, lines
+
+
+@pytest.mark.slow
+def test_a_child_that_frees_nothing_is_stopped_and_degraded_before_the_kill(tmp_path,
+                                                                            memory_cgroup):
+    run, lines = _launch_in(memory_cgroup, tmp_path, SETTINGS)
+
+    assert _oom_kills(memory_cgroup) == 0, "the kernel OOM killer fired"
+    exits = events(run, "exit")
+    assert all(e["signal"] is None for e in exits), exits
+    assert exits[0]["returncode"] == 75  # saved at a step boundary, then exited
+    pressure = events(run, "memory_pressure")
+    assert [p["action"] for p in pressure[:2]] == ["relieve", "degrade"], pressure
+    assert pressure[0]["source"] == "cgroup" and pressure[0]["limit"] == LIMIT
+    assert pressure[0]["used"] >= 0.75 * LIMIT
+    relieved = events(run, "pressure_relieved")
+    assert relieved and relieved[0]["attempt"] == 0 and "gc collected" in relieved[0]["detail"]
+
+    [first, *_] = events(run, "classification")
+    assert first["failure"] == "memory_pressure", first
+    assert "no step lost" in first["reason"]
+    launches = events(run, "launch")
+    sizes = [(e["settings"]["batch_size"], e["settings"]["grad_accum"]) for e in launches]
+    assert sizes[:2] == [(16, 1), (8, 2)], sizes
+    assert events(run, "degrade")[0]["change"].startswith("batch_size 16 -> 8")
+
+    steps = [ln["step"] for ln in lines if "step" in ln]
+    assert steps == list(range(1, SETTINGS["steps"] + 1)), "a step ran twice or never"
+    last0 = max(ln["step"] for ln in lines if ln.get("a") == 0 and "step" in ln)
+    # The stop's own checkpoint: attempt 1 resumed from the last step attempt 0 ran.
+    assert launches[1]["resume_from"].endswith(f"checkpoint-{last0}")
+    assert last0 % SETTINGS["save_every"] != 0  # not a scheduled save: the stop's
+    starts = [ln for ln in lines if "start" in ln]
+    assert starts[1]["start"] == last0 and starts[1]["settings"]["batch_size"] == 8
+
+
+@pytest.mark.slow
+def test_a_child_that_frees_its_cache_trains_on_at_its_batch_size(tmp_path, memory_cgroup):
+    run, lines = _launch_in(memory_cgroup, tmp_path, {**SETTINGS, "free_on_relieve": True})
+
+    assert _oom_kills(memory_cgroup) == 0
+    pressure = events(run, "memory_pressure")
+    assert pressure and {p["action"] for p in pressure} == {"relieve"}, pressure
+    relieved = events(run, "pressure_relieved")
+    assert relieved and "cache of" in relieved[0]["detail"]
+    assert len(events(run, "launch")) == 1 and events(run, "classification") == []
+    assert events(run, "exit")[0]["returncode"] == 0
+    assert {ln["bs"] for ln in lines if "step" in ln} == {16}
