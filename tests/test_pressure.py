@@ -10,6 +10,7 @@ import gc
 
 import pytest
 
+from supervisor.config import PressureConfig
 from supervisor.decide.classify import classify
 from supervisor.decide.failures import Evidence, FailureKind
 from supervisor.decide.pressure import (
@@ -26,7 +27,6 @@ from supervisor.proc.cgroup import MemoryCgroup
 from supervisor.proc.gpu import DeviceMemory, GpuReading
 from supervisor.proc.proctree import TreeSample
 from supervisor.proc.watch_pressure import host_reading, readings
-from supervisor.config import PressureConfig
 from worker import runtime
 
 MIB, GIB = 1 << 20, 1 << 30
