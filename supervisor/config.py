@@ -26,7 +26,8 @@ from supervisor.errors import ConfigError, did_you_mean
 from supervisor.filemode import DEFAULT_FILE_MODE, parse_mode
 from supervisor.hookspec import HookSpec, parse_hooks
 
-# Budget names: oom_gpu and oom_host share "oom" (each spent unit is one ladder step).
+# Budget names: oom_gpu, oom_host and memory_pressure share "oom" (each spent unit is one
+# ladder step).
 # Preemption never spends budget and startup failures are never retried, so neither has one.
 DEFAULT_BUDGETS = {"crash": 3, "oom": 6, "hang": 3, "nonfinite": 2, "lost_device": 2, "data": 1}
 # A handler cannot be installed for these: the child could never save before it dies.
@@ -77,8 +78,9 @@ class RestartConfig:
     crash_loop_k: int = 3
     """Give up when K consecutive attempts end without a newer verified checkpoint (0: never)."""
     budgets: dict[str, int] = field(default_factory=dict)
-    """Relaunches per failure kind without progress in between: crash, oom (= ladder steps),
-    hang, nonfinite, lost_device, data. Keys left out keep their default (or max_restarts)."""
+    """Relaunches per failure kind without progress in between: crash, oom (= ladder steps:
+    oom_gpu, oom_host, memory_pressure), hang, nonfinite, lost_device, data. Keys left out
+    keep their default (or max_restarts)."""
     forgive_after_steps: int = 20
     """Progress that forgives earlier failures: a newer verified checkpoint and this many steps
     trained since the last failure (or forgive_after_s, whichever comes first)."""

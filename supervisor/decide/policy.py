@@ -18,7 +18,7 @@ Rules, in order:
                                              forgives earlier charges first (budgets.py)
   quarantine_after attempts resumed from one checkpoint failed the same way before committing
   a newer one                             -> quarantine it, RELAUNCH from the one before it
-  oom_gpu / oom_host                      -> RELAUNCH one rung down; at the floor GIVE_UP
+  oom_gpu / oom_host / memory_pressure    -> RELAUNCH one rung down; at the floor GIVE_UP
   lost_device under Slurm with requeue    -> REQUEUE with this node excluded
   K attempts without a newer checkpoint   -> GIVE_UP (crash loop)
   nonfinite                               -> RELAUNCH from the checkpoint before the newest, lr cut
