@@ -31,7 +31,8 @@ _LAZY = {"Checkpointer": "worker.checkpointer", "ResumableSampler": "worker.samp
 __all__ = ["Checkpointer", "DataError", "DistributedResumableSampler", "NonFiniteGuard",
            "OOMBackoff", "ResumableSampler", "Settings", "SkipBadSamples", "__version__",
            "heartbeat", "install_excepthook", "on_pressure", "relieve_pressure", "request_stop",
-           "sample_generator", "sample_seed", "seeded", "settings", "should_stop", "skip_none_collate", "write_exit_record"]
+           "sample_generator", "sample_seed", "seeded", "settings", "should_stop",
+           "skip_none_collate", "write_exit_record"]
 
 
 def __getattr__(name: str) -> Any:
