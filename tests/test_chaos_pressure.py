@@ -57,17 +57,35 @@ def _oom_kills(cg: Path) -> int:
     raise AssertionError("no oom_kill counter in memory.oom_control")
 
 
-def _launch_in(cg: Path, tmp_path: Path, settings: dict) -> tuple[Path, list[dict]]:
-    write_config(tmp_path / "rtrain.toml", settings, sample_interval_s=0.1, pressure=PRESSURE)
+def _start_in(cg: Path, tmp_path: Path, settings: dict, faults: str = "",
+              **config) -> tuple[Path, subprocess.Popen]:
+    write_config(tmp_path / "rtrain.toml", settings, sample_interval_s=0.1, pressure=PRESSURE,
+                 **config)
     run = tmp_path / "run"
     argv = rtrain_cmd("launch", "--run-dir", str(run), "-q", str(CHILDREN / "leak_train.py"),
                       "{run_dir}")
     cmd = " ".join(f"'{a}'" for a in argv)
-    r = subprocess.run(["sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec {cmd}"],
-                       env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = [json.loads(ln) for ln in (run / "steps.jsonl").read_text().splitlines()]
-    return run, lines
+    proc = subprocess.Popen(["sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec {cmd}"],
+                            env=child_env(RTRAIN_FAULTS=faults), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return run, proc
+
+
+def _finish(run: Path, proc: subprocess.Popen) -> list[dict]:
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return _steps(run)
+
+
+def _steps(run: Path) -> list[dict]:
+    path = run / "steps.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(ln) for ln in text.splitlines() if ln.endswith("}")]
+
+
+def _launch_in(cg: Path, tmp_path: Path, settings: dict) -> tuple[Path, list[dict]]:
+    run, proc = _start_in(cg, tmp_path, settings)
+    return run, _finish(run, proc)
 
 
 @pytest.mark.slow
@@ -116,3 +134,39 @@ def test_a_child_that_frees_its_cache_trains_on_at_its_batch_size(tmp_path, memo
     assert len(events(run, "launch")) == 1 and events(run, "classification") == []
     assert events(run, "exit")[0]["returncode"] == 0
     assert {ln["bs"] for ln in lines if "step" in ln} == {16}
+
+
+@pytest.mark.slow
+def test_the_climb_back_waits_for_room_then_climbs(tmp_path, memory_cgroup):
+    # Degraded by pressure near step 140 (batch 16 -> 8). Attempt 1 crashes at step 200, over
+    # restore_after_steps (40) healthy steps on rung 1: rung 0 peaked near the 1 GiB limit, so
+    # it stays. While attempt 2 runs the limit grows to 4 GiB; it crashes at step 240 (from the
+    # checkpoint at 150 or later): now rung 0's recorded peak fits, and attempt 3 runs at 16.
+    run, proc = _start_in(memory_cgroup, tmp_path, {**SETTINGS, "steps": 300},
+                          faults="crash@step=200,attempt=1; crash@step=240,attempt=2",
+                          restore_after_steps=40)
+    deadline = time.monotonic() + 240
+    while not any(ln.get("a") == 2 for ln in _steps(run)):
+        assert proc.poll() is None and time.monotonic() < deadline, "attempt 2 never started"
+        time.sleep(0.1)
+    for name in ("memory.memsw.limit_in_bytes", "memory.limit_in_bytes"):  # memsw >= memory
+        try:
+            (memory_cgroup / name).write_text(str(4 * LIMIT))
+        except OSError:
+            assert name.startswith("memory.memsw"), name
+    lines = _finish(run, proc)
+
+    starts = [ln for ln in lines if "start" in ln]
+    assert starts[1]["start"] <= 160, "degraded too late for the healthy-step count"
+    assert _oom_kills(memory_cgroup) == 0
+    assert [e["failure"] for e in events(run, "classification")] == [
+        "memory_pressure", "crash", "crash"]
+    assert [e["level"] for e in events(run, "launch")] == [0, 1, 1, 0]
+    reasons = [e["reason"] for e in events(run, "decision")]
+    assert "staying on this rung after 40 healthy steps: the rung above does not fit" \
+        in reasons[1]
+    assert "climbing back one rung after 40 healthy steps" in reasons[2]
+    assert "of 4096 MiB fit with 10% headroom" in reasons[2]
+    assert [ln["settings"]["batch_size"] for ln in starts] == [16, 8, 8, 16]
+    peaks = json.loads((run / "state.json").read_text())["history"]["rung_peaks"]
+    assert peaks["0"]["host"] > 0.65 * LIMIT and peaks["1"]["host"] < peaks["0"]["host"]
