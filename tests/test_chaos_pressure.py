@@ -18,12 +18,12 @@ from harness import CHILDREN, child_env, events, rtrain_cmd
 
 LIMIT = 1 << 30
 # The child (torch) and rtrain start near 400 MiB together; at batch_size 16 the child keeps
-# 4 MiB more per step, so the 0.75 line (768 MiB) is crossed within ~100 of its 200 steps, and
-# the 256 MiB between that line and the limit take it several seconds to fill: enough for two
+# 4 MiB more per step, so the 0.7 line (717 MiB) is crossed within ~100 of its 200 steps, and
+# the 300 MiB between that line and the limit take it several seconds to fill: enough for two
 # 0.5 s windows and a save. At batch_size 8 (2 MiB a step) a whole run stays under the line.
 SETTINGS = {"batch_size": 16, "grad_accum": 1, "steps": 200, "grow_kb": 256,
             "step_sleep": 0.05, "save_every": 50}
-PRESSURE = {"fraction": 0.75, "sustain_s": 0.5}
+PRESSURE = {"fraction": 0.7, "sustain_s": 0.5}
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def test_a_child_that_frees_nothing_is_stopped_and_degraded_before_the_kill(tmp_
     pressure = events(run, "memory_pressure")
     assert [p["action"] for p in pressure[:2]] == ["relieve", "degrade"], pressure
     assert pressure[0]["source"] == "cgroup" and pressure[0]["limit"] == LIMIT
-    assert pressure[0]["used"] >= 0.75 * LIMIT
+    assert pressure[0]["used"] >= 0.7 * LIMIT
     relieved = events(run, "pressure_relieved")
     assert relieved and relieved[0]["attempt"] == 0 and "gc collected" in relieved[0]["detail"]
 
@@ -169,4 +169,4 @@ def test_the_climb_back_waits_for_room_then_climbs(tmp_path, memory_cgroup):
     assert "of 4096 MiB fit with 10% headroom" in reasons[2]
     assert [ln["settings"]["batch_size"] for ln in starts] == [16, 8, 8, 16]
     peaks = json.loads((run / "state.json").read_text())["history"]["rung_peaks"]
-    assert peaks["0"]["host"] > 0.65 * LIMIT and peaks["1"]["host"] < peaks["0"]["host"]
+    assert peaks["0"]["host"] > 0.6 * LIMIT and peaks["1"]["host"] < peaks["0"]["host"]
