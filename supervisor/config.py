@@ -26,7 +26,8 @@ from supervisor.errors import ConfigError, did_you_mean
 from supervisor.filemode import DEFAULT_FILE_MODE, parse_mode
 from supervisor.hookspec import HookSpec, parse_hooks
 
-# Budget names: oom_gpu and oom_host share "oom" (each spent unit is one ladder step).
+# Budget names: oom_gpu, oom_host and memory_pressure share "oom" (each spent unit is one
+# ladder step).
 # Preemption never spends budget and startup failures are never retried, so neither has one.
 DEFAULT_BUDGETS = {"crash": 3, "oom": 6, "hang": 3, "nonfinite": 2, "lost_device": 2, "data": 1}
 # A handler cannot be installed for these: the child could never save before it dies.
@@ -77,8 +78,9 @@ class RestartConfig:
     crash_loop_k: int = 3
     """Give up when K consecutive attempts end without a newer verified checkpoint (0: never)."""
     budgets: dict[str, int] = field(default_factory=dict)
-    """Relaunches per failure kind without progress in between: crash, oom (= ladder steps),
-    hang, nonfinite, lost_device, data. Keys left out keep their default (or max_restarts)."""
+    """Relaunches per failure kind without progress in between: crash, oom (= ladder steps:
+    oom_gpu, oom_host, memory_pressure), hang, nonfinite, lost_device, data. Keys left out
+    keep their default (or max_restarts)."""
     forgive_after_steps: int = 20
     """Progress that forgives earlier failures: a newer verified checkpoint and this many steps
     trained since the last failure (or forgive_after_s, whichever comes first)."""
@@ -215,6 +217,41 @@ class SlurmConfig:
         _number("[slurm] margin_factor", self.margin_factor, low=1.0)
 
 
+@dataclass(kw_only=True, slots=True)
+class PressureConfig:
+    """`[pressure]`: degrade before the OOM. While an attempt runs, memory above a threshold
+    for `sustain_s` first asks the child to relieve it in-process (RTRAIN_RELIEVE_SIGNAL: free
+    caches, step the micro-batch down); still above after another `sustain_s`, the child is
+    asked to save and exit, and the next attempt runs one rung down the ladder with no step
+    lost (failure kind `memory_pressure`, charged to the oom budget)."""
+
+    enabled: bool = True
+    """Watch memory while an attempt runs and act on pressure."""
+    fraction: float = 0.9
+    """Host memory counts as under pressure at this share of its limit: the run's memory cgroup
+    limit (working set: usage minus inactive file cache) where it has one, else the machine's
+    memory (total minus available)."""
+    gpu_fraction: float = 0.98
+    """A GPU counts as under pressure at this share of its memory (NVML, which counts the
+    caching allocator's reserve: a healthy run reads high, hence the higher default; 0: GPUs
+    are not watched)."""
+    sustain_s: float = 5.0
+    """How long pressure must last before relief is asked, and again before the stop."""
+    climb_headroom: float = 0.1
+    """restore_after_steps climbs back only when the rung above, as measured, peaked at least
+    this share of the limit below the threshold."""
+
+    def __post_init__(self) -> None:
+        _bool("[pressure] enabled", self.enabled)
+        _number("[pressure] fraction", self.fraction, above=True)
+        _number("[pressure] gpu_fraction", self.gpu_fraction)
+        _number("[pressure] sustain_s", self.sustain_s)
+        _number("[pressure] climb_headroom", self.climb_headroom)
+        if self.fraction > 1 or self.gpu_fraction > 1 or self.climb_headroom >= 1:
+            raise ConfigError("[pressure] fraction and gpu_fraction must be at most 1, "
+                              "climb_headroom below 1")
+
+
 def _check_json(where: str, value: Any) -> None:
     """Settings travel as JSON (`RTRAIN_SETTINGS`): TOML dates and times cannot."""
     if isinstance(value, dict):
@@ -256,8 +293,10 @@ class Config:
     """Before a relaunch, how long to wait for the old child's GPU memory to be freed."""
     memory_pressure_fraction: float = 0.9
     """A SIGKILL counts as a host OOM when memory use reached this fraction of the total."""
-    restore_after_steps: int = 0
-    """After this many healthy steps on a degraded rung, climb back one rung (0: never)."""
+    restore_after_steps: int = 500
+    """After this many healthy steps on a degraded rung, climb back one rung at the next
+    relaunch, when the rung above fits by its recorded memory peak ([pressure]
+    climb_headroom; 0: never climb)."""
     lr_factor_on_nonfinite: float = 0.5
     """After a non-finite loss, multiply the `lr` knob (or `lr_scale`) by this factor."""
     restart: RestartConfig = field(default_factory=RestartConfig)
@@ -268,6 +307,8 @@ class Config:
     """`[hang]` table."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """`[slurm]` table."""
+    pressure: PressureConfig = field(default_factory=PressureConfig)
+    """`[pressure]` table."""
     settings: dict[str, Any] = field(default_factory=dict)
     """`[settings]`: initial knob values given to the child, e.g. batch_size = 64."""
     ladder: tuple[Rung, ...] = DEFAULT_LADDER
@@ -341,7 +382,8 @@ class Config:
 
 
 _SECTIONS: dict[str, type] = {"restart": RestartConfig, "backoff": BackoffConfig,
-                              "hang": HangConfig, "slurm": SlurmConfig}
+                              "hang": HangConfig, "slurm": SlurmConfig,
+                              "pressure": PressureConfig}
 _TOP = [f.name for f in fields(Config)]
 
 

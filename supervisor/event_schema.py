@@ -43,6 +43,8 @@ class Kind(str, Enum):
     MIRROR_PRUNED = "mirror_pruned"
     MIRROR_FINAL = "mirror_final"
     MIRROR_DOWNLOADED = "mirror_downloaded"
+    MEMORY_PRESSURE = "memory_pressure"
+    PRESSURE_RELIEVED = "pressure_relieved"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,6 +139,13 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.MIRROR_DOWNLOADED: KindSpec(
         fields=("step", "bytes", "seconds", "cached_bytes"), durable=True,
         meaning="resume downloaded a checkpoint from the mirror (verified)"),
+    Kind.MEMORY_PRESSURE: KindSpec(
+        fields=("attempt", "action", "source", "used", "limit", "fraction"),
+        meaning="memory above its threshold for [pressure] sustain_s: relief asked, or the "
+                "attempt stopped for a rung down"),
+    Kind.PRESSURE_RELIEVED: KindSpec(
+        fields=("attempt", "step", "rank", "detail", "settings"),
+        meaning="the worker answered a relieve request: what it freed, the settings it uses"),
 }
 DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
 HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)

@@ -30,8 +30,14 @@ ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's checkpoint generation (ckp
 # that lost work, and the seconds its attempts ran.
 ENV_FAILURES = "RTRAIN_FAILURES"
 ENV_RUN_SECONDS = "RTRAIN_RUN_SECONDS"
+ENV_RELIEVE_SIGNAL = "RTRAIN_RELIEVE_SIGNAL"
 
 DUMP_SIGNAL = "SIGUSR2"  # RTRAIN_DUMP_SIGNAL: on it the worker writes its stacks (faulthandler)
+# RTRAIN_RELIEVE_SIGNAL: memory pressure, free what you can at the next step boundary. SIGURG
+# because its default action is to ignore it: a plain script, a DataLoader worker or a launcher
+# in the group that does not handle it is left alone (SIGUSR1/2 and real-time signals would
+# kill them), and the stop signals (SIGTERM, SIGUSR1) and the dump signal stay free.
+RELIEVE_SIGNAL = "SIGURG"
 # `Heartbeat.max_step_interval` leaves out the worker's first this-many step intervals (compile,
 # autotune). The worker's own measure, fixed by the protocol; [hang] warmup_steps is separate:
 # the step heartbeats the supervisor sees before it uses any interval.
@@ -52,8 +58,9 @@ def exit_record_name(rank: int) -> str:
 class Heartbeat:
     """One heartbeat datagram. `event` is `start`, `step`, `save_begin`, `save_end`,
     `save_skipped` (with `reason`: a checkpoint was not written, training goes on), `cadence`
-    (with `cadence`: the save interval `every_steps="auto"` chose, worker/cadence.py) or
-    `stop`."""
+    (with `cadence`: the save interval `every_steps="auto"` chose, worker/cadence.py),
+    `backoff` (with `settings`), `relieved` (after a relieve request: `reason` says what was
+    freed, `settings` what the worker now uses) or `stop`."""
 
     pid: int
     rank: int

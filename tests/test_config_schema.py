@@ -19,6 +19,7 @@ from supervisor.config import (
     BackoffConfig,
     Config,
     HangConfig,
+    PressureConfig,
     RestartConfig,
     SlurmConfig,
 )
@@ -35,7 +36,7 @@ else:  # pragma: no cover
 
 DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
 SECTIONS = {"restart": RestartConfig, "backoff": BackoffConfig, "hang": HangConfig,
-            "slurm": SlurmConfig}
+            "slurm": SlurmConfig, "pressure": PressureConfig}
 TABLES = ("settings", "ladder", "hooks")  # tables of the user's own, shown by example
 # None by default; design.md shows what they stand for
 UNSET = ("ckpt_dir", "metrics_file", "mirror")
@@ -216,7 +217,8 @@ def test_launch_option_sets_its_config_key(option, monkeypatch, tmp_path):
 # ------------------------------------------------------------------ runtime objects
 
 def test_runtime_objects_have_no_defaults_for_settings():
-    for cls, names in ((WatchConfig, ("stop_signal", "grace_s", "sample_interval_s", "hang")),
+    for cls, names in ((WatchConfig, ("stop_signal", "grace_s", "sample_interval_s", "hang",
+                                      "pressure")),
                        (HangPolicy, [f.name for f in dataclasses.fields(HangPolicy)])):
         for f in dataclasses.fields(cls):
             if f.name in names:

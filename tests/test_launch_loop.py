@@ -9,6 +9,7 @@ import signal
 
 from scripted_loop import PID0, Script, crash, run, success
 
+from supervisor.decide.failures import Evidence
 from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
 from supervisor.records.runstate import RunStatus, load_state
 
@@ -110,3 +111,45 @@ def test_a_finished_run_is_not_relaunched(tmp_path):
     code, _ = run(tmp_path, again)
     assert code == 0 and again.spawned == []
     assert any("already finished" in line for line in again.said)
+
+
+GIB = 1 << 30
+
+
+def test_a_pressure_stop_relaunches_one_rung_down_and_records_the_rungs_peak(tmp_path):
+    why = "the run's cgroup at 900 MiB of 1024 MiB (88%, threshold 75%)"
+    stopped = Evidence(returncode=75, stop_confirmed=True, first_step_seen=True, last_step=140,
+                       pressure_stop=why, peak_rss_bytes=950 << 20, host_mem_limit=GIB)
+    script = Script([stopped, success()])
+    code, events = run(tmp_path, script, settings={"batch_size": 16, "grad_accum": 1})
+    assert code == 0
+    [cls] = [e for e in events if e["kind"] == "classification"]
+    assert cls["failure"] == "memory_pressure" and "no step lost" in cls["reason"]
+    assert [c.spec.env["RTRAIN_SETTINGS"] for c in script.spawned] == [
+        '{"batch_size": 16, "grad_accum": 1}', '{"batch_size": 8, "grad_accum": 2}']
+    assert script.spawned[0].spec.env["RTRAIN_RELIEVE_SIGNAL"] == "SIGURG"
+    history = load_state(tmp_path / "run").history
+    assert history.budgets_used == {"oom": 1}
+    assert history.rung_peaks["0"] == {"host": 950 << 20, "host_limit": GIB}
+
+
+def test_the_climb_back_waits_until_the_rung_above_fits(tmp_path):
+    def attempt(ev_kind, gpu_total):
+        ev = crash() if ev_kind == "crash" else Evidence(
+            returncode=1, stderr_tail="torch.OutOfMemoryError: CUDA out of memory\n",
+            first_step_seen=True)
+        ev.last_step, ev.peak_rss_bytes, ev.host_mem_limit = 600, GIB, 16 * GIB
+        ev.gpu_mem_used_peak, ev.gpu_mem_total = 79 * GIB, gpu_total
+        return ev
+
+    # rung 0 ran out of an 80 GiB GPU; rung 1 trains 600 healthy steps, crashes: the 79 GiB
+    # rung 0 does not fit 80 GiB; after 600 more it runs on a 160 GiB GPU: it fits, climb.
+    script = Script([attempt("oom", 80 * GIB), attempt("crash", 80 * GIB),
+                     attempt("crash", 160 * GIB), success()])
+    code, events = run(tmp_path, script, settings={"batch_size": 16, "grad_accum": 1})
+    assert code == 0
+    levels = [e["level"] for e in events if e["kind"] == "launch"]
+    assert levels == [0, 1, 1, 0]
+    reasons = [e["reason"] for e in events if e["kind"] == "decision"]
+    assert "the rung above does not fit (GPU peak 80896 MiB of 81920 MiB" in reasons[1]
+    assert "climbing back one rung after 500 healthy steps" in reasons[2]

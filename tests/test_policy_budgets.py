@@ -39,8 +39,10 @@ class Sim:
         last = resumed + steps
         self.step = max(self.step, last // self.save_every * self.save_every)
         self.t += hours * 3600 + seconds
-        h = note_progress(self.history, Evidence(last_step=last), resumed_step=resumed,
-                          duration_s=seconds)
+        # The watch measures every attempt: a small footprint, so a climb back always fits.
+        h = note_progress(self.history, Evidence(last_step=last, peak_rss_bytes=1 << 30,
+                                                 host_mem_limit=16 << 30),
+                          resumed_step=resumed, duration_s=seconds)
         f = fail(kind, stop_requested="SIGUSR1" if stop else None)
         d = decide(f, h, self.config, rand=0.0, newest_step=self.step or None, now=self.t)
         self.history = d.history

@@ -182,23 +182,58 @@ def test_plain_failures_keep_the_rung(kind):
     assert d.settings == d0.settings and d.level == 1 and d.ladder_change is None
 
 
-def test_step_up_after_healthy_steps():
+GIB = 1 << 30
+
+
+def test_step_up_after_healthy_steps_when_the_rung_above_fits():
     config = cfg(restore_after_steps=100)
-    d0 = decide(fail(K.OOM_GPU), History(), config, rand=0)
+    # Rung 0 peaked at 6 of 10 GiB (a GPU OOM there, not the host): it fits under 0.9 - 0.1.
+    h = note_progress(History(), Evidence(last_step=100, peak_rss_bytes=6 * GIB,
+                                          host_mem_limit=10 * GIB), resumed_step=0)
+    assert h.rung_peaks == {"0": {"host": 6 * GIB, "host_limit": 10 * GIB}}
+    d0 = decide(fail(K.OOM_GPU), h, config, rand=0)
     h = note_progress(d0.history, Evidence(last_step=150), resumed_step=100)
     d = decide(fail(K.CRASH), h, config, rand=0)
     assert d.level == 1  # only 50 healthy steps
     h = note_progress(d.history, Evidence(last_step=260), resumed_step=150)
-    d = decide(fail(K.CRASH), h, config, rand=0)
+    d = decide(fail(K.CRASH, host_mem_limit=10 * GIB), h, config, rand=0)
     assert d.level == 0 and d.settings == SETTINGS and d.history.healthy_steps == 0
     assert "climbing back one rung" in d.reason and d.history.undo == ()
+    assert "6144 MiB of 10240 MiB fit with 10% headroom" in d.reason
+
+
+@pytest.mark.parametrize(("peak", "limit_now", "climbs"), [
+    (None, 10 * GIB, False),  # never measured: nothing says it fits
+    ({"host": 9 * GIB, "host_limit": 10 * GIB}, 10 * GIB, False),  # it hit the pressure line
+    ({"host": 8 * GIB, "host_limit": 10 * GIB}, 10 * GIB, True),  # at 0.9 - 0.1 exactly
+    ({"host": 9 * GIB, "host_limit": 10 * GIB}, 16 * GIB, True),  # requeued onto a bigger node
+    ({"host": 5 * GIB, "host_limit": 10 * GIB}, None, True),  # limit unknown now: the record's
+    ({"host": GIB, "gpu": 79 * GIB, "gpu_limit": 80 * GIB}, 10 * GIB, False),  # the GPU's full
+])
+def test_climb_back_only_when_the_recorded_peak_fits(peak, limit_now, climbs):
+    h = History(level=1, settings={"batch_size": 32, "grad_accum": 2, "lr": 0.1},
+                undo=({"set": {"batch_size": 64, "grad_accum": 1}, "description": "x"},),
+                healthy_steps=600, rung_peaks={"0": peak} if peak else {})
+    d = decide(fail(K.CRASH, host_mem_limit=limit_now), h, cfg(), rand=0)  # default: 500
+    assert d.level == (0 if climbs else 1)
+    assert d.history.healthy_steps == 0  # either way: asked again after 500 more
+    if not climbs:
+        assert "the rung above does not fit" in d.reason and d.history.undo == h.undo
+
+
+def test_memory_pressure_goes_one_rung_down_on_the_oom_budget():
+    d = decide(fail(K.MEMORY_PRESSURE, returncode=75, last_step=40), History(), cfg(), rand=0,
+               newest_step=40)
+    assert d.action is Action.RELAUNCH and d.level == 1
+    assert d.settings["batch_size"] == 32 and d.settings["grad_accum"] == 2
+    assert d.history.budgets_used == {"oom": 1} and d.ladder_change
 
 
 def test_no_step_up_when_off_or_on_oom():
     h = History(level=1, settings={"batch_size": 32, "grad_accum": 2, "lr": 0.1},
                 undo=({"set": {"batch_size": 64, "grad_accum": 1}, "description": "x"},),
-                healthy_steps=10_000)
-    assert decide(fail(K.CRASH), h, cfg(), rand=0).level == 1
+                healthy_steps=10_000, rung_peaks={"0": {"host": 1, "host_limit": 10 * GIB}})
+    assert decide(fail(K.CRASH), h, cfg(restore_after_steps=0), rand=0).level == 1
     assert decide(fail(K.OOM_GPU), h, cfg(restore_after_steps=10), rand=0).level == 2
 
 

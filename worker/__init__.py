@@ -11,7 +11,14 @@ torch-bound parts (`Checkpointer`, the samplers, `sample_generator`) load on fir
 from typing import Any
 
 from supervisor import __version__
-from worker.runtime import heartbeat, request_stop, should_stop, write_exit_record
+from worker.runtime import (
+    heartbeat,
+    on_pressure,
+    relieve_pressure,
+    request_stop,
+    should_stop,
+    write_exit_record,
+)
 from worker.settings import Settings, settings
 
 _GUARDS = ("NonFiniteGuard", "OOMBackoff", "SkipBadSamples", "DataError", "skip_none_collate",
@@ -24,9 +31,9 @@ _LAZY = {"Checkpointer": "worker.checkpointer", "CadenceBounds": "worker.cadence
 
 __all__ = ["CadenceBounds", "Checkpointer", "DataError", "DistributedResumableSampler",
            "NonFiniteGuard", "OOMBackoff", "ResumableSampler", "Settings", "SkipBadSamples",
-           "__version__", "heartbeat", "install_excepthook", "request_stop", "sample_generator",
-           "sample_seed", "seeded", "settings", "should_stop", "skip_none_collate",
-           "write_exit_record"]
+           "__version__", "heartbeat", "install_excepthook", "on_pressure", "relieve_pressure",
+           "request_stop", "sample_generator", "sample_seed", "seeded", "settings",
+           "should_stop", "skip_none_collate", "write_exit_record"]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +22,7 @@ from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level
 from supervisor.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
-from worker import data, dist, dist_ckpt, faults, restore, runtime
+from worker import data, dist, dist_ckpt, faults, guards, restore, runtime
 from worker.async_write import BackgroundSave
 from worker.cadence import FIRST_SAVE_S, CadenceBounds
 from worker.capture import Components, FrozenBase, capture, environment, number
@@ -53,6 +54,11 @@ class Checkpointer:
     With RTRAIN_ENCRYPTION_KEY / _FILE (or `encryption_key=`: an EncryptionKey, 32 bytes, or
     a string: 64 hex digits, else a passphrase) every checkpoint file is written encrypted and
     read back only with that key (docs/design.md, "Encryption at rest").
+
+    Under memory pressure (a relieve request from rtrain) `maybe_save` frees memory at the step
+    boundary: Python garbage, the CUDA allocator's cache, an OOMBackoff's micro-batch, and
+    whatever `on_pressure()` frees (shrink your own caches there; return a few words saying
+    what, or None). See worker/runtime.py.
     """
 
     def __init__(self, *, model: torch.nn.Module | None = None,
@@ -70,7 +76,8 @@ class Checkpointer:
                  fsync: bool = True, signing_key: bytes | str | None = None,
                  sharded: bool | None = None, allow_resize: bool = False,
                  allow_pickle: bool = False, loader: Any = None,
-                 encryption_key: crypt.EncryptionKey | bytes | str | None = None) -> None:
+                 encryption_key: crypt.EncryptionKey | bytes | str | None = None,
+                 on_pressure: Callable[[], str | None] | None = None) -> None:
         ckpt_dir = ckpt_dir or os.environ.get(ENV_CKPT_DIR) or "checkpoints"
         self.ckpt_dir = Path(ckpt_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -115,6 +122,9 @@ class Checkpointer:
                                   encryption=self.encryption)
         self._bg = BackgroundSave(async_mode, self._write, self._target, self._child_saved)
         runtime.install()
+        runtime.on_pressure(_empty_cuda_cache)
+        if on_pressure is not None:
+            runtime.on_pressure(on_pressure)
 
     @property
     def skipped_saves(self) -> int:
@@ -170,6 +180,8 @@ class Checkpointer:
         Also sends the step's heartbeat to the supervisor.
         """
         faults.step_hook(step, self.ckpt_dir)  # a no-op unless RTRAIN_FAULTS arms one
+        if runtime.pressure_requested():
+            runtime.relieve_pressure(step, settings=guards.effective_settings())
         stop = runtime.should_stop()
         samples = self.data.samples_seen if self.data is not None else None
         due = self._clock.tick(step, loss=number((metrics or {}).get("loss")), samples=samples,
@@ -285,6 +297,15 @@ def _first_auto_schedule(bounds: CadenceBounds, total_steps: int | None,
         first = min(first, bounds.max_steps)
     return SaveSchedule(every_steps=max(first, bounds.min_steps), every_seconds=seconds,
                         on_epoch_end=on_epoch_end)
+
+
+def _empty_cuda_cache() -> str | None:
+    """A relieve request's first answer: the CUDA allocator's cached blocks back to the driver."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    before = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    return f"CUDA cache emptied ({(before - torch.cuda.memory_reserved()) / 2**20:.0f} MiB)"
 
 
 def _encryption_key(given: crypt.EncryptionKey | bytes | str | None

@@ -152,6 +152,8 @@ class OOMBackoff:
     freed, and the samples not yet done are run at the new size; the size sticks for later
     batches and is reported (heartbeat `settings`, exit record) as `knob` with `accum_knob`
     multiplied to keep the effective batch. At micro-batch 1 the error is re-raised.
+    A relieve request from rtrain (memory pressure, worker/runtime.py) halves the micro-batch
+    the same way before an error happens.
 
     An error raised in the middle of a backward pass may leave part of that micro-batch's
     gradient accumulated; the usual out-of-memory errors come in the forward or at the start of
@@ -164,10 +166,21 @@ class OOMBackoff:
         self.knob, self.accum_knob = knob, accum_knob
         self.micro: int | None = None  # None: whole batches
         self.backoffs = 0
+        self._last_n: int | None = None  # size of the last batch run
+        runtime.on_pressure(self.relieve)
+
+    def relieve(self) -> str | None:
+        """Memory pressure: halve the micro-batch now (what an out-of-memory error would do)."""
+        size = self.micro or self._last_n or self.settings.get(self.knob)
+        if not isinstance(size, int) or size <= 1:
+            return None
+        self._shrink(size, "under memory pressure")
+        return f"micro-batch {size} -> {self.micro}"
 
     def run(self, loss_fn: Callable[[Any], torch.Tensor], batch: Any,
             backward: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
         n = _batch_len(batch)
+        self._last_n = n
         done, total = 0, None
         while done < n:
             size = min(self.micro or n, n - done)
@@ -189,11 +202,11 @@ class OOMBackoff:
             # Outside the except block: the traceback (and the graph its frames hold) is gone.
             if oom:
                 loss = scaled = None
-                self._shrink(size)
+                self._shrink(size, "out of GPU memory")
         assert total is not None
         return total
 
-    def _shrink(self, size: int) -> None:
+    def _shrink(self, size: int, why: str) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.micro = max(1, size // 2)
@@ -205,8 +218,8 @@ class OOMBackoff:
             if isinstance(accum, int) and accum > 0:
                 changed[self.accum_knob] = accum * math.ceil(base / self.micro)
         _overrides.update(changed)
-        log.warning("out of GPU memory at micro-batch %d: retrying as micro-batches of %d "
-                    "with gradient accumulation (now %s)", size, self.micro, changed)
+        log.warning("%s at micro-batch %d: going on as micro-batches of %d with gradient "
+                    "accumulation (now %s)", why, size, self.micro, changed)
         runtime.heartbeat(event="backoff", settings=effective_settings(self.settings))
 
 

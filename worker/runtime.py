@@ -7,6 +7,13 @@ supervisor is there to translate them. SIGINT is never taken: Ctrl-C still inter
 Handlers only set a flag; the training loop checks `should_stop()` at a step boundary, saves and
 exits 75. `install()` replaces any handler already set for those signals.
 
+Memory pressure. Under rtrain, RTRAIN_RELIEVE_SIGNAL (default SIGURG, `protocol.RELIEVE_SIGNAL`)
+asks the process to free memory: the handler only sets a flag, and at the next step boundary
+(`Checkpointer.maybe_save`, or the script's own `relieve_pressure(step)`) the callbacks given to
+`on_pressure` run (the Checkpointer's: gc and the CUDA cache; OOMBackoff's: a smaller
+micro-batch; the script's own: shrink its caches) and a `relieved` heartbeat says what they
+did. If the pressure stays, the supervisor then sends the stop signal for a rung down.
+
 Stacks. Under rtrain, faulthandler writes all threads' stacks to $RTRAIN_STATUS/stacks-<pid>.txt
 on RTRAIN_DUMP_SIGNAL (default SIGUSR2, `protocol.DUMP_SIGNAL`); the supervisor sends it before
 stopping a hung child.
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -23,6 +31,8 @@ import socket
 import threading
 import time
 import traceback
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +43,11 @@ from supervisor.protocol import (
     ENV_ATTEMPT,
     ENV_DUMP_SIGNAL,
     ENV_HEARTBEAT,
+    ENV_RELIEVE_SIGNAL,
     ENV_STATUS,
     ENV_STOP_SIGNAL,
     MAX_INTERVAL_WARMUP_STEPS,
+    RELIEVE_SIGNAL,
     ExitRecord,
     Heartbeat,
     exit_record_name,
@@ -65,6 +77,8 @@ class _State:
         self.samples_since: float | None = None
         self.rate: float | None = None
         self.held: tuple[int | None, float | None, dict[str, Any]] | None = None  # throttled step
+        self.relieve = threading.Event()  # a relieve request waits for the next step boundary
+        self.on_pressure: list[Callable[[], Callable[[], str | None] | None]] = []  # weak refs
 
 
 _state = _State()
@@ -100,6 +114,10 @@ def _on_stop_signal(signum: int, frame: object) -> None:
     _state.stop.set()
 
 
+def _on_relieve_signal(signum: int, frame: object) -> None:
+    _state.relieve.set()
+
+
 def install() -> None:
     """Set up stop signals, the stack dump and the heartbeat socket; safe to call repeatedly.
 
@@ -112,6 +130,9 @@ def install() -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in stop_signals():
             signal.signal(sig, _on_stop_signal)
+        if supervised():
+            relieve = _signal(os.environ.get(ENV_RELIEVE_SIGNAL) or RELIEVE_SIGNAL)
+            signal.signal(relieve, _on_relieve_signal)
     else:
         log.warning("rtrain worker installed off the main thread: stop signals not handled")
     status = os.environ.get(ENV_STATUS)
@@ -135,6 +156,55 @@ def should_stop() -> bool:
 
 def request_stop() -> None:
     _state.stop.set()
+
+
+def on_pressure(callback: Callable[[], str | None]) -> None:
+    """Run `callback` at the step boundary after a relieve request (memory pressure). It frees
+    what it can and returns a few words saying what (or None). Held weakly: a bound method
+    goes away with its object."""
+    if any(ref() == callback for ref in _state.on_pressure):
+        return  # registered already (e.g. by an earlier Checkpointer)
+    ref: Any = (weakref.WeakMethod(callback) if hasattr(callback, "__self__")
+                else (lambda: callback))
+    _state.on_pressure.append(ref)
+
+
+def pressure_requested() -> bool:
+    """True while a relieve request waits for `relieve_pressure`."""
+    return _state.relieve.is_set()
+
+
+def relieve_pressure(step: int | None = None, settings: dict[str, Any] | None = None
+                     ) -> list[str] | None:
+    """At a step boundary: if relief was requested, run the `on_pressure` callbacks, collect
+    garbage, tell the supervisor (`relieved` heartbeat, with `settings` when given) and return
+    what was done; None (and nothing run) without a request."""
+    s = _state
+    if not s.relieve.is_set():
+        return None
+    s.relieve.clear()
+    done = []
+    alive = []
+    for ref in s.on_pressure:
+        fn = ref()
+        if fn is None:
+            continue
+        alive.append(ref)
+        try:
+            said = fn()
+        except Exception as e:  # relief is best effort: a failing callback must not end training
+            # Only the text: a logged exception's traceback would keep this frame, and with it
+            # the next callback's object, alive.
+            log.warning("memory-pressure callback %r failed: %s", fn, str(e))
+            continue
+        if said:
+            done.append(said)
+    s.on_pressure[:] = alive
+    freed = gc.collect()
+    done.append(f"gc collected {freed} objects")
+    log.warning("memory pressure: %s", "; ".join(done))
+    heartbeat(step=step, event="relieved", reason="; ".join(done), settings=settings)
+    return done
 
 
 def heartbeat(

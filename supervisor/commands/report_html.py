@@ -27,6 +27,7 @@ KIND_COLORS = {
     "crash": "#d62728", "oom_gpu": "#ff7f0e", "oom_host": "#8c564b", "hang": "#9467bd",
     "nonfinite": "#e377c2", "preempted": "#7f7f7f", "startup": "#17202a",
     "lost_device": "#17becf", "data": "#bcbd22", "bad_checkpoint": "#2ca02c",
+    "memory_pressure": "#c49c94",
 }
 OTHER_COLOR = "#555555"
 

@@ -2,7 +2,8 @@
 
 Rules, first match wins (`_RULES`, one small function each; why each sits where it does is
 noted at the rule):
-exit record > exit 75 > stop killed after grace > hang > lost device > CUDA OOM in stderr >
+exit record > stop for memory pressure (no kernel OOM kill) > exit 75 > stop killed after
+grace > hang > lost device > CUDA OOM in stderr >
 kernel OOM evidence > host OOM in stderr > stop requested > SIGKILL without memory pressure >
 failed before the first step (startup) > crash.
 """
@@ -31,8 +32,9 @@ HOST_OOM = re.compile(r"\bMemoryError\b|std::bad_alloc|Cannot allocate memory")
 # A checkpoint that cannot be loaded comes first: whatever else the ranks report (a collective
 # broken by the rank that gave up) follows from it.
 _RECORD_PRIORITY = [FailureKind.BAD_CHECKPOINT, FailureKind.OOM_GPU, FailureKind.OOM_HOST,
-                    FailureKind.NONFINITE, FailureKind.DATA, FailureKind.LOST_DEVICE,
-                    FailureKind.STARTUP, FailureKind.PREEMPTED, FailureKind.CRASH]
+                    FailureKind.MEMORY_PRESSURE, FailureKind.NONFINITE, FailureKind.DATA,
+                    FailureKind.LOST_DEVICE, FailureKind.STARTUP, FailureKind.PREEMPTED,
+                    FailureKind.CRASH]
 
 
 def describe_exit(ev: Evidence) -> str:
@@ -127,6 +129,24 @@ class _Case:
 
 
 _Found = tuple[FailureKind, str] | None  # a rule's kind and reason, None when it does not apply
+
+
+def _pressure_stop(c: _Case) -> _Found:
+    # rtrain's own stop under memory pressure: a rung down, whether the child saved (exit 75,
+    # no step lost) or not. Before exit 75, which would read it as a preemption; unless the
+    # kernel OOM killer struck first, which the cgroup rule names.
+    ev = c.ev
+    if ev.pressure_stop is None or ev.cgroup_oom_kills > 0:
+        return None
+    if ev.returncode == ExitCode.PREEMPTED or (ev.stop_confirmed and not ev.killed_after_grace):
+        at = f" at step {ev.last_step}" if ev.last_step is not None else ""
+        how = f"it committed a checkpoint{at} and exited (no step lost)"
+    elif ev.killed_after_grace:
+        how = f"it did not save within the grace and was killed ({c.how})"
+    else:
+        how = f"{c.how} without confirming a checkpoint"
+    return FailureKind.MEMORY_PRESSURE, (f"stopped by rtrain under memory pressure "
+                                         f"({ev.pressure_stop}); {how}")
 
 
 def _exit_75(c: _Case) -> _Found:
@@ -235,7 +255,8 @@ def _then(sentence: str, last_line: str) -> str:
 # The rules after the exit records, in the module docstring's order: the first that applies
 # names the failure; none applies: a crash.
 _RULES: tuple[Callable[[_Case], _Found], ...] = (
-    _exit_75, _stop_confirmed, _stop_killed_after_grace, _hang, _lost_device, _gpu_oom_in_stderr,
+    _pressure_stop, _exit_75, _stop_confirmed, _stop_killed_after_grace, _hang, _lost_device,
+    _gpu_oom_in_stderr,
     _cgroup_oom_kill, _sigkill_under_pressure, _host_oom_in_stderr, _stop_unconfirmed, _sigkill,
     _before_first_step,
 )

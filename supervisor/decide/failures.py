@@ -18,10 +18,13 @@ class FailureKind(str, enum.Enum):
     CRASH = "crash"  # anything else
     LOST_DEVICE = "lost_device"  # NVML reports the GPU gone / Xid
     BAD_CHECKPOINT = "bad_checkpoint"  # the worker could not load the checkpoint it was given
+    # rtrain stopped the child under sustained memory pressure, before an OOM (it saved)
+    MEMORY_PRESSURE = "memory_pressure"
 
 
-# The kinds the degradation ladder answers, and that share the "oom" restart budget.
-OUT_OF_MEMORY = (FailureKind.OOM_GPU, FailureKind.OOM_HOST)
+# The kinds the degradation ladder answers, and that share the "oom" restart budget: a stop for
+# memory pressure is one more ladder step, so the budget still bounds how far the ladder goes.
+OUT_OF_MEMORY = (FailureKind.OOM_GPU, FailureKind.OOM_HOST, FailureKind.MEMORY_PRESSURE)
 
 
 @dataclass
@@ -39,8 +42,10 @@ class Evidence:
     host_mem_available_min: int | None = None  # lowest MemAvailable seen
     host_mem_total: int | None = None
     cgroup_oom_kills: int = 0  # increase of the oom_kill counter during the attempt
+    host_mem_limit: int | None = None  # what host pressure is measured against: cgroup or machine
     gpu_mem_used_peak: int | None = None
     gpu_mem_total: int | None = None
+    pressure_stop: str | None = None  # why rtrain stopped the child under memory pressure
     gpu_lost: bool = False
     gpu_detail: str = ""
     hang: bool = False  # the watcher stopped it for silence

@@ -56,6 +56,10 @@ class History:
     bad_checkpoints: tuple[str, ...] = ()
     """Checkpoints a worker could not load (`bad_checkpoint`), as "<path>|<manifest created>":
     never offered again in this run; a checkpoint saved later at the same path is another."""
+    rung_peaks: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per ladder level (the level as a string): the largest memory footprint measured on it,
+    {"host": process-tree RSS, "host_limit", "gpu": NVML used, "gpu_limit"} in bytes; a
+    climb back needs the rung above to fit by it (decide/pressure.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

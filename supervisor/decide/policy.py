@@ -19,13 +19,16 @@ Rules, in order:
                                              forgives earlier charges first (budgets.py)
   quarantine_after attempts resumed from one checkpoint failed the same way before committing
   a newer one                             -> quarantine it, RELAUNCH from the one before it
-  oom_gpu / oom_host                      -> RELAUNCH one rung down; at the floor GIVE_UP
+  oom_gpu / oom_host / memory_pressure    -> RELAUNCH one rung down; at the floor GIVE_UP
   lost_device under Slurm with requeue    -> REQUEUE with this node excluded
   K attempts without a newer checkpoint   -> GIVE_UP (crash loop)
   nonfinite                               -> RELAUNCH from the checkpoint before the newest, lr cut
   crash / hang / lost_device / data       -> RELAUNCH on the same rung (or one up, see below)
 A relaunch that is not a memory failure climbs back one rung after `restore_after_steps`
-healthy steps, when that is on.
+healthy steps, when that is on and the rung above fits by its recorded memory peak
+(decide/pressure.py `climb_fits`); a rung that does not fit is tried again after as many
+healthy steps more. memory_pressure (rtrain stopped the child before an OOM) is a memory
+failure like oom_gpu / oom_host: one rung down, charged to the oom budget.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from supervisor.decide import budgets
 from supervisor.decide.failures import OUT_OF_MEMORY, Evidence, Failure, FailureKind
 from supervisor.decide.history import History
 from supervisor.decide.ladder import Floor, step_down, step_up
+from supervisor.decide.pressure import climb_fits, rung_peak
 from supervisor.decide.streak import Resumed, own_failure_step, quarantine_streak
 from supervisor.errors import ExitCode
 
@@ -250,11 +254,18 @@ def _relaunch(failure: Failure, before: History, nxt: History, config: Config,
     level = nxt.level
     if (config.restore_after_steps and nxt.undo
             and nxt.healthy_steps >= config.restore_after_steps):
-        settings, change = step_up(settings, nxt.undo[-1]), f"undo {nxt.undo[-1]['description']}"
-        level -= 1
-        nxt = replace(nxt, undo=nxt.undo[:-1], level=level, healthy_steps=0)
-        notes.append(f"climbing back one rung after {config.restore_after_steps} healthy "
-                     f"steps ({change})")
+        fits, why = _rung_above_fits(nxt, config, failure.evidence)
+        if fits:
+            settings = step_up(settings, nxt.undo[-1])
+            change = f"undo {nxt.undo[-1]['description']}"
+            level -= 1
+            nxt = replace(nxt, undo=nxt.undo[:-1], level=level, healthy_steps=0)
+            notes.append(f"climbing back one rung after {config.restore_after_steps} healthy "
+                         f"steps ({change}; {why})")
+        else:
+            nxt = replace(nxt, healthy_steps=0)  # asked again after as many healthy steps
+            notes.append(f"staying on this rung after {config.restore_after_steps} healthy "
+                         f"steps: the rung above does not fit ({why})")
     nxt = replace(nxt, settings=settings)
     wait = backoff_s(config, max(len(stalled) - 1, 0), rand) if backoff else 0.0
     if failure.kind is FailureKind.BAD_CHECKPOINT:
@@ -263,6 +274,16 @@ def _relaunch(failure: Failure, before: History, nxt: History, config: Config,
     return Decision(action=Action.RELAUNCH, reason=f"{failure.reason}; {what}", history=nxt,
                     settings=settings, level=level, resume=resume, backoff_s=wait,
                     ladder_change=change)
+
+
+def _rung_above_fits(history: History, config: Config,
+                     ev: Evidence | None) -> tuple[bool, str]:
+    p = config.pressure
+    return climb_fits(history.rung_peaks.get(str(history.level - 1)),
+                      host_limit=ev.host_mem_limit if ev else None,
+                      gpu_limit=ev.gpu_mem_total if ev else None,
+                      fraction=p.fraction, gpu_fraction=p.gpu_fraction,
+                      headroom=p.climb_headroom)
 
 
 def _cut_lr(settings: dict[str, Any], factor: float) -> tuple[dict[str, Any], str]:
@@ -279,9 +300,21 @@ def _cut_lr(settings: dict[str, Any], factor: float) -> tuple[dict[str, Any], st
 def note_progress(history: History, evidence: Evidence, *, resumed_step: int | None,
                   duration_s: float = 0.0) -> History:
     """Count the steps an attempt made (from `resumed_step`, or 0 on a fresh start) as healthy,
-    and, with its duration, as progress since the last charged failure."""
+    and, with its duration, as progress since the last charged failure; record its memory
+    peak as its rung's."""
+    history = _record_peak(history, evidence)
     if evidence.last_step is None:
         return history
     made = max(evidence.last_step - (resumed_step or 0), 0)
     history = budgets.count_progress(history, made, duration_s)
     return replace(history, healthy_steps=history.healthy_steps + made)
+
+
+def _record_peak(history: History, ev: Evidence) -> History:
+    key = str(history.level)
+    peak = rung_peak(history.rung_peaks.get(key), host=ev.peak_rss_bytes,
+                     host_limit=ev.host_mem_limit or ev.host_mem_total,
+                     gpu=ev.gpu_mem_used_peak, gpu_limit=ev.gpu_mem_total)
+    if peak is None or peak == history.rung_peaks.get(key):
+        return history
+    return replace(history, rung_peaks={**history.rung_peaks, key: peak})

@@ -45,7 +45,8 @@ def argv(command: list[str], resume_args: tuple[str, ...], plan: AttemptPlan) ->
 
 
 def environment(plan: AttemptPlan, *, stop_signal: str, heartbeat_addr: str, dump_signal: int,
-                file_mode: int, base: dict[str, str] | None = None) -> dict[str, str]:
+                relieve_signal: int, file_mode: int,
+                base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env.update({
         protocol.ENV_RUN_DIR: str(plan.run_dir.resolve()),
@@ -56,6 +57,7 @@ def environment(plan: AttemptPlan, *, stop_signal: str, heartbeat_addr: str, dum
         protocol.ENV_STOP_SIGNAL: stop_signal,
         protocol.ENV_HEARTBEAT: heartbeat_addr,
         protocol.ENV_DUMP_SIGNAL: signal.Signals(dump_signal).name,
+        protocol.ENV_RELIEVE_SIGNAL: signal.Signals(relieve_signal).name,
         filemode.ENV_FILE_MODE: f"{file_mode:04o}",
         "PYTHONUNBUFFERED": "1",  # output reaches the tee (and hang detection) at once
     })

@@ -209,6 +209,7 @@ class Loop:
         env = child_env.environment(plan, stop_signal=self.cfg.stop_signal,
                                     heartbeat_addr=self.hb.name,
                                     dump_signal=self.watch_cfg.dump_signal,
+                                    relieve_signal=self.watch_cfg.relieve_signal,
                                     file_mode=self.cfg.file_mode)
         child_env.fence_earlier_writers(env, self.ckpt_dir, self.say)
         self.hb.drain()  # stale heartbeats of the previous attempt
@@ -235,7 +236,8 @@ class Loop:
             child, self.watch_cfg, heartbeats=self.hb, gpu=self.gpu, signals=signals,
             tree=ProcTree(exclude=self._helper_pids),
             on_heartbeat=lambda hb: self.observers.heartbeat(attempt, hb),
-            on_sample=self._on_sample, stop_at=stop_at, stop_why=WALL_CLOCK)
+            on_sample=self._on_sample, stop_at=stop_at, stop_why=WALL_CLOCK,
+            on_pressure=lambda note: self.observers.pressure(attempt, note))
         child.close()
         record_wall_clock_stop(self.events, self.say, attempt, wall, outcome)
         self.wall_clock.note(measured(outcome))

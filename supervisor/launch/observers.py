@@ -15,6 +15,7 @@ from supervisor.config import Config
 from supervisor.event_schema import KINDS, Kind
 from supervisor.proc.console import BestEffortWriter
 from supervisor.proc.watch import Sample
+from supervisor.proc.watch_pressure import PressureNote
 from supervisor.records.events import EventLog, read_events
 from supervisor.records.hooks import HookRunner
 from supervisor.records.metrics import MetricsFile
@@ -98,6 +99,9 @@ class Observers:
             self.events.emit(Kind.CADENCE, attempt=attempt, step=hb.step,
                              **{k: hb.cadence.get(k) for k in known if k not in ("attempt",
                                                                                 "step")})
+        if hb.event == "relieved":
+            self.events.emit("pressure_relieved", attempt=attempt, step=hb.step, rank=hb.rank,
+                             detail=hb.reason, settings=hb.settings)
         if self.line is not None and hb.step is not None:
             self.line.update(step=hb.step, loss=hb.loss, samples_per_s=hb.samples_per_s,
                              next_save_step=hb.next_save_step)
@@ -106,6 +110,16 @@ class Observers:
             self._last_summary = now
             self.events.emit("heartbeat_summary", attempt=attempt, step=hb.step, loss=hb.loss,
                              samples_per_s=hb.samples_per_s)
+
+    def pressure(self, attempt: int, note: PressureNote) -> None:
+        """The watch asked for relief, or stops the child for a rung down."""
+        assert self.events is not None
+        r = note.reading
+        self.events.emit("memory_pressure", attempt=attempt, action=note.action,
+                         source=r.source, used=r.used, limit=r.limit, fraction=r.fraction)
+        what = ("asking the training process to free memory" if note.action == "relieve"
+                else "it persists: stopping the attempt at its next step to go one rung down")
+        self.say(f"memory pressure: {r.describe()}; {what}")
 
     def close(self) -> None:
         if self.line is not None:

@@ -1,8 +1,13 @@
-"""The kernel's OOM-kill counter of a process's memory cgroup: evidence for `oom_host`.
+"""A process's memory cgroup: its OOM-kill counter (evidence for `oom_host`), and its limit
+and working set (what memory pressure is measured against, proc/watch_pressure.py).
 
-cgroup v1 keeps it as `oom_kill N` in memory.oom_control, v2 in memory.events. A process in a
-shared group (the usual case without a limit of our own) counts every OOM kill in that group, so
-the watcher uses the counter's increase during an attempt as evidence, not as proof.
+cgroup v1 keeps the counter as `oom_kill N` in memory.oom_control, v2 in memory.events. A process
+in a shared group (the usual case without a limit of our own) counts every OOM kill in that
+group, so the watcher uses the counter's increase during an attempt as evidence, not as proof.
+
+The working set is usage minus the inactive file cache (memory.stat), as container runtimes
+count it: the kernel reclaims that cache before it kills anyone, so a run that reads a lot of
+data is not under pressure for its page cache alone.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 V1_ROOT = Path("/sys/fs/cgroup/memory")
+_UNLIMITED = 1 << 62  # v1's "no limit" is PAGE_COUNTER_MAX pages in bytes, near 2**63
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,33 @@ class MemoryCgroup:
             if key == "oom_kill":
                 return int(value)
         return None
+
+    def limit(self) -> int | None:
+        """The group's hard memory limit in bytes; None when it has none (v1 writes a number
+        near 2**63 for "unlimited", v2 `max`) or it cannot be read."""
+        name = "memory.limit_in_bytes" if self.version == 1 else "memory.max"
+        try:
+            text = (self.path / name).read_text().strip()
+        except OSError:
+            return None
+        if not text.isdigit() or int(text) >= _UNLIMITED:
+            return None
+        return int(text)
+
+    def working_set(self) -> int | None:
+        """Usage minus inactive file cache, in bytes; None when unreadable."""
+        name = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
+        stat_key = "total_inactive_file" if self.version == 1 else "inactive_file"
+        try:
+            usage = int((self.path / name).read_text())
+            stat = (self.path / "memory.stat").read_text()
+        except (OSError, ValueError):
+            return None
+        for line in stat.splitlines():
+            key, _, value = line.partition(" ")
+            if key == stat_key:
+                return max(0, usage - int(value))
+        return usage
 
 
 def _mounts() -> list[tuple[str, str, str, str]]:

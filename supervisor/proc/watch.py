@@ -8,6 +8,9 @@ this module, with proc/watch_outcome.py for what the exit leaves behind, is the 
 an attempt's Evidence (including the health gate's verdict on the devices after a failure), and
 everyone after it only reads.
 
+Memory pressure (proc/watch_pressure.py) is judged at each sample: a relieve request to the
+group first, then the ordinary stop, recorded as `pressure_stop` for a rung down.
+
 Stopping never blocks the loop (proc/watch_stop.py): the stop signal goes to the group, output
 keeps being drained (a child saving a checkpoint must not block on a full pipe), and at the
 grace's end the group gets SIGKILL. After the exit every remaining descendant is swept
@@ -41,11 +44,12 @@ from supervisor.proc.watch_outcome import (
     health_gate,
     record_exit,
 )
+from supervisor.proc.watch_pressure import PressureNote, PressureWatch
 from supervisor.proc.watch_stop import Stopping, drain_pipes
-from supervisor.protocol import DUMP_SIGNAL, Heartbeat
+from supervisor.protocol import DUMP_SIGNAL, RELIEVE_SIGNAL, Heartbeat
 
 if TYPE_CHECKING:
-    from supervisor.config import Config
+    from supervisor.config import Config, PressureConfig
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +70,14 @@ class WatchConfig:
     """Process tree, host memory and GPU sampling period."""
     hang: HangPolicy
     """When silence means the child is stuck (`[hang]`)."""
+    pressure: PressureConfig
+    """When memory pressure asks for relief, then for a stop and a rung down (`[pressure]`)."""
     hang_grace_s: float = 15.0
     """From the stop signal to SIGKILL for a hung child or a lost GPU (it will not save)."""
     dump_signal: int = signal.Signals[DUMP_SIGNAL]
     """RTRAIN_DUMP_SIGNAL: the worker's faulthandler writes its stacks on it."""
+    relieve_signal: int = signal.Signals[RELIEVE_SIGNAL]
+    """RTRAIN_RELIEVE_SIGNAL: memory pressure, the worker frees what it can."""
     dump_timeout_s: float = 10.0
     """Bound on collecting stacks of a hung child."""
     sweep_confirm_s: float = 2.0
@@ -83,10 +91,11 @@ class WatchConfig:
 
     @classmethod
     def from_config(cls, config: Config) -> WatchConfig:
-        """What `rtrain launch` watches with: the stop signal, grace, sampling and `[hang]`."""
+        """What `rtrain launch` watches with: the stop signal, grace, sampling, `[hang]` and
+        `[pressure]`."""
         return cls(stop_signal=signal.Signals[config.stop_signal], grace_s=config.grace_s,
                    sample_interval_s=config.sample_interval_s,
-                   hang=HangPolicy.from_config(config.hang))
+                   hang=HangPolicy.from_config(config.hang), pressure=config.pressure)
 
 
 @dataclass(frozen=True)
@@ -108,13 +117,16 @@ def watch(
     on_sample: Callable[[Sample], None] | None = None,
     stop_at: float | None = None,
     stop_why: str = "a deadline",
+    on_pressure: Callable[[PressureNote], None] | None = None,
 ) -> Outcome:
     """Watch `child` until it has exited and its descendants are swept; never raises for what the
     child does. Pass `signals` to keep one catcher across attempts (the launch loop); without it
     one is installed for this call (main thread only). At `stop_at` (on `clock`) the child is
-    stopped as on a stop signal, `stop_why` naming the stop (the job's time limit)."""
+    stopped as on a stop signal, `stop_why` naming the stop (the job's time limit).
+    `on_pressure` hears each relieve request and the stop for a rung down
+    (proc/watch_pressure.py)."""
     w = _Watch(child, config, heartbeats, gpu or NullReader(), tree or ProcTree(), clock)
-    w.on_heartbeat, w.on_sample = on_heartbeat, on_sample
+    w.on_heartbeat, w.on_sample, w.on_pressure = on_heartbeat, on_sample, on_pressure
     w.stop_at, w.stop_why = (math.inf if stop_at is None else stop_at), stop_why
     if signals is not None:
         return w.run(signals)
@@ -128,6 +140,7 @@ class _Watch:
         self.gpu, self.tree, self.clock = gpu, tree, clock
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None
         self.on_sample: Callable[[Sample], None] | None = None
+        self.on_pressure: Callable[[PressureNote], None] | None = None
         self.ev = Evidence(pid=child.pid)
         self.summary = HeartbeatSummary()
         self.t0 = clock()
@@ -137,6 +150,8 @@ class _Watch:
         self.exited_at: float | None = None
         self.stack_files: list[Path] = []
         self.oom = OomCounter.start(child)
+        self.pressure = PressureWatch(child, config.pressure, self.oom.group,
+                                      config.relieve_signal)
 
     def run(self, signals: SignalCatcher) -> Outcome:
         sel = self._selector(signals)
@@ -217,6 +232,8 @@ class _Watch:
             if hb.step is not None:
                 self.ev.first_step_seen = True
                 self.ev.last_step = hb.step
+            if hb.event == "relieved":
+                self.pressure.answered(now)
             if self.on_heartbeat is not None:
                 self.on_heartbeat(hb)
 
@@ -261,8 +278,23 @@ class _Watch:
             log.warning("GPU lost: %s", reading.detail)
             self.ev.gpu_lost, self.ev.gpu_detail = True, reading.detail
             self.stop.begin(now, self.config.hang_grace_s)
+        self._pressure(now, tree, reading)
         if self.on_sample is not None:
             self.on_sample(Sample(tree, reading))
+
+    def _pressure(self, now: float, tree: TreeSample, reading: GpuReading) -> None:
+        note = self.pressure.sample(now, tree, reading)
+        if note is None:
+            return
+        if note.action == "degrade":
+            if self.stop.active:  # stopping anyway (a signal, a hang): that reason stands
+                return
+            # The ordinary stop: the worker saves at its next step boundary and exits 75;
+            # pressure_stop makes that ending a memory failure, one rung down.
+            self.ev.pressure_stop = note.reading.describe()
+            self.stop.begin(now, self.config.grace_s)
+        if self.on_pressure is not None:
+            self.on_pressure(note)
 
     def _finish(self) -> Outcome:
         c, now = self.child, self.clock()
@@ -275,6 +307,7 @@ class _Watch:
         ev = self.ev
         record_exit(ev, child=c, tree=self.tree, oom=self.oom, summary=self.summary,
                     killed_after_grace=self.stop.killed_after_grace, duration_s=now - self.t0)
+        ev.host_mem_limit = self.pressure.host_limit or ev.host_mem_total
         failed = health_gate(self.gpu, ev) if c.returncode != 0 and not ev.stop_requested else ()
         return Outcome(
             evidence=ev,

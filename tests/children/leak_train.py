@@ -1,0 +1,64 @@
+"""A training loop whose host memory grows every step: it keeps a cache of `batch_size x
+grow_kb` KiB per step (touched), as a script that caches activations or samples would.
+
+usage: leak_train.py OUT_DIR
+
+Knobs (worker.settings): batch_size, grad_accum, steps, grow_kb, step_sleep, save_every, and
+free_on_relieve: whether a relieve request (memory pressure) drops the cache
+(`Checkpointer(on_pressure=...)`), or frees nothing.
+
+Writes OUT_DIR/steps.jsonl: {"a": attempt, "step", "bs", "accum"} per executed step (flushed
+before the step's maybe_save) and {"a", "start": step, "settings"} per start.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import worker
+
+out = Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+s = worker.settings(batch_size=16, grad_accum=1, steps=200, grow_kb=256, step_sleep=0.05,
+                    save_every=50, free_on_relieve=False)
+attempt = worker.runtime.attempt()
+log = open(out / "steps.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the whole run
+cache: list[bytearray] = []
+
+
+def on_pressure() -> str | None:
+    if not s.free_on_relieve:
+        return None
+    freed = sum(len(c) for c in cache)
+    cache.clear()
+    return f"cache of {freed >> 20} MiB dropped"
+
+
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+ckpt = worker.Checkpointer(model=model, optimizer=opt, every_steps=s.save_every, keep=2,
+                           on_pressure=on_pressure)
+start = ckpt.restore()
+log.write(json.dumps({"a": attempt, "start": start, "settings": dict(s)}) + "\n")
+print(f"attempt {attempt}: start at step {start}, batch_size {s.batch_size}", flush=True)
+for step in range(start + 1, s.steps + 1):
+    for _ in range(s.grad_accum):
+        x = torch.randn(s.batch_size, 16)
+        (model(x).square().mean() / s.grad_accum).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    cache.append(bytearray(s.batch_size * s.grow_kb << 10))  # zero-filled: every page touched
+    time.sleep(s.step_sleep)
+    log.write(json.dumps({"a": attempt, "step": step, "bs": s.batch_size,
+                          "accum": s.grad_accum}) + "\n")
+    ckpt.maybe_save(step)
+if start < s.steps:
+    ckpt.save(s.steps)
+ckpt.close()
+print(f"attempt {attempt}: done at step {s.steps}", flush=True)
