@@ -199,12 +199,12 @@ def test_the_child_is_given_the_failure_record(tmp_path):
                                  ckpt_dir=tmp_path / "c", attempt_dir=tmp_path / "a",
                                  failures=2, run_s=7200.04)
     env = child_env.environment(plan, stop_signal="SIGTERM", heartbeat_addr="@x",
-                                dump_signal=12, file_mode=0o600, base={})
+                                dump_signal=12, relieve_signal=23, file_mode=0o600, base={})
     assert (env[protocol.ENV_FAILURES], env[protocol.ENV_RUN_SECONDS]) == ("2", "7200.0")
     unknown = child_env.AttemptPlan(attempt=3, settings={}, resume_from=None, run_dir=tmp_path,
                                     ckpt_dir=tmp_path / "c", attempt_dir=tmp_path / "a")
     env = child_env.environment(unknown, stop_signal="SIGTERM", heartbeat_addr="@x",
-                                dump_signal=12, file_mode=0o600,
+                                dump_signal=12, relieve_signal=23, file_mode=0o600,
                                 base={protocol.ENV_FAILURES: "9"})  # from an outer run
     assert protocol.ENV_FAILURES not in env and protocol.ENV_RUN_SECONDS not in env
 
