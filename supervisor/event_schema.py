@@ -34,6 +34,7 @@ class Kind(str, Enum):
     EVENTS_LOST = "events_lost"
     HOOK_FAILED = "hook_failed"
     SAVE_SKIPPED = "save_skipped"
+    CHECKPOINT_AT_FAILURE = "checkpoint_at_failure"
     FINAL_STATE_UNSAVED = "final_state_unsaved"
     MIRROR_UPLOADED = "mirror_uploaded"
     MIRROR_FAILED = "mirror_failed"
@@ -110,6 +111,9 @@ KINDS: dict[Kind, KindSpec] = {
                                meaning="a hook failed, timed out or could not start"),
     Kind.SAVE_SKIPPED: KindSpec(fields=("attempt", "step", "rank", "reason"),
                                 meaning="the worker could not write a checkpoint"),
+    Kind.CHECKPOINT_AT_FAILURE: KindSpec(
+        fields=("attempt", "step", "rank", "exception"),
+        meaning="an exception ended the worker and it saved its last completed step first"),
     Kind.FINAL_STATE_UNSAVED: KindSpec(
         fields=("last_step", "checkpoint_step", "skipped_saves", "reason"), durable=True,
         meaning="the run stops with its last steps in no checkpoint"),

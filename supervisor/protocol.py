@@ -47,7 +47,9 @@ def exit_record_name(rank: int) -> str:
 @dataclass
 class Heartbeat:
     """One heartbeat datagram. `event` is `start`, `step`, `save_begin`, `save_end`,
-    `save_skipped` (with `reason`: a checkpoint was not written, training goes on) or `stop`."""
+    `save_skipped` (with `reason`: a checkpoint was not written, training goes on),
+    `saved_at_failure` (with `reason`: the exception's type; the checkpoint of `step` was
+    committed as an exception ended the process) or `stop`."""
 
     pid: int
     rank: int
@@ -59,7 +61,7 @@ class Heartbeat:
     max_step_interval: float | None = None  # longest, after MAX_INTERVAL_WARMUP_STEPS
     next_save_step: int | None = None
     settings: dict[str, Any] | None = None  # settings the worker actually uses (after back-off)
-    reason: str | None = None  # save_skipped: why that checkpoint was not written
+    reason: str | None = None  # save_skipped: why not written; saved_at_failure: exception type
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:

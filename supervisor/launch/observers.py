@@ -91,6 +91,10 @@ class Observers:
             self.skipped.append(self.events.emit("save_skipped", attempt=attempt, step=hb.step,
                                                  rank=hb.rank, reason=hb.reason))
             self.say(f"checkpoint at step {hb.step} not saved: {hb.reason}")
+        elif hb.event == "saved_at_failure":
+            self.events.emit("checkpoint_at_failure", attempt=attempt, step=hb.step,
+                             rank=hb.rank, exception=hb.reason)
+            self.say(f"checkpoint at step {hb.step} saved as the worker failed ({hb.reason})")
         if self.line is not None and hb.step is not None:
             self.line.update(step=hb.step, loss=hb.loss, samples_per_s=hb.samples_per_s,
                              next_save_step=hb.next_save_step)
