@@ -120,7 +120,7 @@ def test_an_exception_in_the_forward_commits_the_last_completed_step(tmp_path):
 
 
 def test_an_exception_inside_optimizer_step_commits_nothing(tmp_path):
-    model, opt, sched, batches, ckpt = _setup(tmp_path, opt_cls=HalfStep)
+    model, opt, _, batches, ckpt = _setup(tmp_path, opt_cls=HalfStep)
     model.eval()
     for step in (1, 2):
         _forward(model, batches).backward()
@@ -135,7 +135,7 @@ def test_an_exception_inside_optimizer_step_commits_nothing(tmp_path):
 
 @pytest.mark.parametrize("change", ["sched", "buffer", "param", "scaler"])
 def test_a_change_after_the_boundary_commits_nothing(tmp_path, change):
-    model, opt, sched, batches, ckpt = _setup(tmp_path)
+    model, opt, sched, _, ckpt = _setup(tmp_path)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(torch.tensor(1.0))  # the scale exists from the first scale()
     ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, scaler=scaler,
@@ -158,7 +158,7 @@ def test_a_change_after_the_boundary_commits_nothing(tmp_path, change):
 
 
 def test_nothing_when_the_boundary_is_committed_or_the_exit_was_asked_for(tmp_path):
-    model, opt, sched, batches, ckpt = _setup(tmp_path)
+    *_, ckpt = _setup(tmp_path)
     assert ckpt.save_on_failure(RuntimeError("before any step")) is None
     ckpt.maybe_save(1)
     assert ckpt.save_on_failure(KeyboardInterrupt()) is None
@@ -168,14 +168,14 @@ def test_nothing_when_the_boundary_is_committed_or_the_exit_was_asked_for(tmp_pa
 
 
 def test_off_when_asked(tmp_path):
-    model, opt, sched, batches, ckpt = _setup(tmp_path, save_on_failure=False)
+    *_, ckpt = _setup(tmp_path, save_on_failure=False)
     ckpt.maybe_save(1)
     assert ckpt.save_on_failure(RuntimeError("x")) is None
     assert list_checkpoints(tmp_path / "ck") == []
 
 
 def test_a_failing_or_hanging_save_never_raises(tmp_path, monkeypatch, caplog):
-    model, opt, sched, batches, ckpt = _setup(tmp_path)
+    *_, ckpt = _setup(tmp_path)
     ckpt.maybe_save(1)
 
     def broken(cap):
@@ -194,16 +194,14 @@ def test_a_failing_or_hanging_save_never_raises(tmp_path, monkeypatch, caplog):
 
 
 def test_waits_for_a_save_in_flight_then_saves_a_newer_boundary(tmp_path):
-    model, opt, sched, batches, ckpt = _setup(tmp_path, every=3, async_save=True,
-                                              async_mode="thread")
+    *_, ckpt = _setup(tmp_path, every=3, async_save=True, async_mode="thread")
     for step in range(1, 5):
         ckpt.maybe_save(step)  # step 3 starts a background save
     path = ckpt.save_on_failure(RuntimeError("x"))
     assert path is not None and path.name == "checkpoint-4"
     assert [s for s, _ in list_checkpoints(tmp_path / "ck")] == [4, 3]
     # The failure came with the boundary's own save in flight: that one is waited for.
-    model, opt, sched, batches, ckpt = _setup(tmp_path / "b", every=3, async_save=True,
-                                              async_mode="thread")
+    *_, ckpt = _setup(tmp_path / "b", every=3, async_save=True, async_mode="thread")
     for step in range(1, 4):
         ckpt.maybe_save(step)
     assert ckpt.save_on_failure(RuntimeError("x")) is None
