@@ -255,7 +255,9 @@ def analyse(ep: Episode, run: Path, ref: Path, ckpt_bytes: int) -> None:
     # count each failing checkpoint once, and only those no corrupt_newest fault damaged.
     corrupted = {m for c in classes_all for m in re.findall(r"corrupting (checkpoint-\d+)",
                                                              c["reason"])}
-    failing = {Path(s["path"]).name for s in events(run, "skipped_checkpoint")}
+    # Quarantined checkpoints verified: rtrain set them aside, it did not find them damaged.
+    failing = {Path(s["path"]).name for s in events(run, "skipped_checkpoint")
+               if not s["reason"].startswith("quarantined")}
     ep.committed_lost = len(failing - corrupted) * ckpt_bytes
     saves = [s for ss in ran.values() for s in ss if s % SETTINGS["save_every"] == 0]
     ep.bytes_rewritten = (len(saves) - len(set(saves))) * ckpt_bytes

@@ -18,8 +18,10 @@ Kinds:
     crash           raise RuntimeError("injected crash at step N") from the step hook, after
                     the step's optimizer step: the state has moved past the last boundary
     crash_forward   raise RuntimeError from `in_step(step=n)`, which a script calls inside its
-                    forward, at the first step n >= N: the optimizer has not stepped, so a
-                    save at the failure keeps every completed step
+                    forward, at the first step n >= N that is not the first step the process
+                    runs (like `crash`, which ends the first step after a resume past N): the
+                    optimizer has not stepped, so a save at the failure keeps every completed
+                    step
     oom_forward     the same with a CUDA-style out-of-memory error (torch.OutOfMemoryError)
     oom             raise a CUDA-style out-of-memory error (torch.OutOfMemoryError) from the
                     step hook while KNOB > V (read from RTRAIN_SETTINGS and in-process back-off):
@@ -196,11 +198,16 @@ def _step_hook(step: int, ckpt_dir: str | os.PathLike | None = None) -> None:
 
 
 def _in_step(step: int | None = None, **sizes: Any) -> None:
+    global _first_step
+    if _first_step is None:
+        _first_step = step
     for f in _armed:
         if f.kind == "oom_step" and f.knob in sizes and _exceeds(f, sizes[f.knob]):
             raise _oom_error(f"CUDA out of memory. Tried to allocate 2.00 GiB "
                              f"({f.knob}={sizes[f.knob]}) (injected)")
-        if step is None or step < f.step:
+        # Never in the process's first step: a fault that fires before any step completes
+        # after every resume makes good checkpoints look poisoned (rtrain quarantines those).
+        if step is None or step < f.step or step == _first_step:
             continue
         if f.kind == "crash_forward":
             raise RuntimeError(f"injected crash in the forward of step {step}")
@@ -228,6 +235,7 @@ def _arm(spec: str | None, attempt: int, rank: int = 0) -> list[Fault]:
             if f.in_attempt(attempt) and (f.ranks is None or rank in f.ranks)]
 
 
+_first_step: int | None = None  # the first step in_step saw in this process
 _armed = _arm(os.environ.get(ENV_FAULTS), int(os.environ.get(ENV_ATTEMPT) or 0),
               int(os.environ.get("RANK") or 0))
 _env_settings = current_settings() if _armed else {}
