@@ -193,15 +193,16 @@ def test_a_failing_or_hanging_save_never_raises(tmp_path, monkeypatch, caplog):
     assert "did not finish in" in caplog.text
 
 
-def test_waits_for_a_save_in_flight_then_saves_a_newer_boundary(tmp_path):
-    *_, ckpt = _setup(tmp_path, every=3, async_save=True, async_mode="thread")
+@pytest.mark.parametrize("mode", ["thread", pytest.param("fork", marks=pytest.mark.slow)])
+def test_waits_for_a_save_in_flight_then_saves_a_newer_boundary(tmp_path, mode):
+    *_, ckpt = _setup(tmp_path, every=3, async_save=True, async_mode=mode)
     for step in range(1, 5):
         ckpt.maybe_save(step)  # step 3 starts a background save
     path = ckpt.save_on_failure(RuntimeError("x"))
     assert path is not None and path.name == "checkpoint-4"
     assert [s for s, _ in list_checkpoints(tmp_path / "ck")] == [4, 3]
     # The failure came with the boundary's own save in flight: that one is waited for.
-    *_, ckpt = _setup(tmp_path / "b", every=3, async_save=True, async_mode="thread")
+    *_, ckpt = _setup(tmp_path / "b", every=3, async_save=True, async_mode=mode)
     for step in range(1, 4):
         ckpt.maybe_save(step)
     assert ckpt.save_on_failure(RuntimeError("x")) is None

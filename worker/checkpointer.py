@@ -244,7 +244,7 @@ class Checkpointer:
             return None
         try:
             exc._rtrain_failure_handled = True  # once, however many hooks see it
-        except AttributeError:
+        except AttributeError:  # an exception type with __slots__: it may be seen twice
             pass
         finished, result = failsave.run_bounded(lambda: self._save_at_failure(exc),
                                                 self.failure_save_timeout_s)
@@ -302,6 +302,7 @@ class Checkpointer:
             return None
         runtime.heartbeat(step=b.step, event="save_begin")
         path = self._write(cap)
+        runtime.heartbeat(step=b.step, event="save_end")
         if path is not None:
             log.warning("checkpoint of step %d committed at the failure (%s): nothing had "
                         "changed the model or optimizer since that step", b.step,

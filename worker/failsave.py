@@ -190,7 +190,8 @@ def watch(ckpt: Any) -> None:
     previous = sys.excepthook
 
     def hook(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
-        for c in list(_watched):
+        # Ctrl-C means now: not even a save in flight is waited for (decide says the same).
+        for c in list(_watched) if isinstance(exc, Exception) else []:
             try:
                 c.save_on_failure(exc)
             except BaseException as e:  # never mask the exception that is ending the script
