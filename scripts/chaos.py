@@ -1,6 +1,6 @@
 """Inject faults at random into real supervised training runs for N minutes; print a summary.
 
-    python scripts/chaos.py --minutes 15 [--seed S] [--jobs J] [--dir DIR]
+    python scripts/chaos.py --minutes 15 [--seed S] [--jobs J] [--dir DIR] [--kinds K,K]
 
 Each episode is one supervised run of tests/children/chaos_train.py (a small deterministic
 training loop that logs every step it executes) from a fresh run directory, with a random plan
@@ -8,8 +8,13 @@ of faults, one per attempt, then a clean attempt that finishes. Kinds:
 
     kill            SIGKILL the training child at a random moment (start-up or training)
     kill_in_save    SIGKILL it between two files of a checkpoint save (RTRAIN_FAULTS)
-    crash           an uncaught exception at a random step (RTRAIN_FAULTS)
-    oom             a CUDA-style out-of-memory error (RTRAIN_FAULTS): rtrain degrades
+    crash           an uncaught exception at a random step, after its optimizer step
+                    (RTRAIN_FAULTS)
+    crash_forward   an uncaught exception in the forward of a random step, before its optimizer
+                    step: the worker saves the last completed step at the failure
+    oom             a CUDA-style out-of-memory error after the optimizer step (RTRAIN_FAULTS):
+                    rtrain degrades
+    oom_forward     the same in the forward, before the optimizer step (saved at the failure)
     hang            the step loop stops; rtrain detects it, dumps stacks, relaunches
     nonfinite       NaN losses until the guard ends the attempt: rollback with the lr cut
     corrupt_newest  flip a byte of the newest checkpoint, then crash
@@ -67,14 +72,17 @@ from harness import child_env, events  # noqa: E402
 
 from supervisor.records.runstate import load_state  # noqa: E402
 
-KINDS = ("kill", "kill_in_save", "crash", "oom", "hang", "nonfinite", "corrupt_newest",
-         "preempt", "supervisor_kill")
+KINDS = ("kill", "kill_in_save", "crash", "crash_forward", "oom", "oom_forward", "hang",
+         "nonfinite", "corrupt_newest", "preempt", "supervisor_kill")
 # hang costs the timeout plus rtrain's 15 s grace for a hung child: drawn less often.
-WEIGHTS = {"kill": 4, "kill_in_save": 3, "crash": 2, "oom": 1, "hang": 0.6, "nonfinite": 1,
-           "corrupt_newest": 2, "preempt": 2, "supervisor_kill": 2}
-ENV_FAULT = {"kill_in_save", "crash", "oom", "hang", "nonfinite", "corrupt_newest"}
+WEIGHTS = {"kill": 4, "kill_in_save": 3, "crash": 2, "crash_forward": 2, "oom": 1,
+           "oom_forward": 1, "hang": 0.6, "nonfinite": 1, "corrupt_newest": 2, "preempt": 2,
+           "supervisor_kill": 2}
+OOMS = {"oom", "oom_forward"}  # each halves the batch: at most two per episode (8 -> 2)
+ENV_FAULT = {"kill_in_save", "crash", "crash_forward", "oom", "oom_forward", "hang", "nonfinite",
+             "corrupt_newest"}
 EXTERNAL = {"kill", "preempt", "supervisor_kill"}
-NOT_BITWISE = {"oom", "nonfinite"}  # they change the batch split or the lr on purpose
+NOT_BITWISE = {"oom", "oom_forward", "nonfinite"}  # change the batch split or the lr on purpose
 SETTINGS = {"steps": 100, "save_every": 4, "step_sleep": 0.01, "samples": 64, "batch_size": 8,
             "grad_accum": 1, "lr": 0.01}
 HANG_S = 3.0
@@ -82,8 +90,9 @@ HANG_S = 3.0
 # the start-up allowance ([hang] timeout_s, 30 min by default), shortened here.
 STARTUP_HANG_S = 20.0
 EPISODE_LIMIT_S = 900.0
-EXPECT = {"kill": "crash", "kill_in_save": "crash", "crash": "crash", "oom": "oom_gpu",
-          "hang": "hang", "nonfinite": "nonfinite", "corrupt_newest": "crash"}
+EXPECT = {"kill": "crash", "kill_in_save": "crash", "crash": "crash", "crash_forward": "crash",
+          "oom": "oom_gpu", "oom_forward": "oom_gpu", "hang": "hang", "nonfinite": "nonfinite",
+          "corrupt_newest": "crash"}
 
 
 @dataclass
@@ -246,7 +255,9 @@ def analyse(ep: Episode, run: Path, ref: Path, ckpt_bytes: int) -> None:
     # count each failing checkpoint once, and only those no corrupt_newest fault damaged.
     corrupted = {m for c in classes_all for m in re.findall(r"corrupting (checkpoint-\d+)",
                                                              c["reason"])}
-    failing = {Path(s["path"]).name for s in events(run, "skipped_checkpoint")}
+    # Quarantined checkpoints verified: rtrain set them aside, it did not find them damaged.
+    failing = {Path(s["path"]).name for s in events(run, "skipped_checkpoint")
+               if not s["reason"].startswith("quarantined")}
     ep.committed_lost = len(failing - corrupted) * ckpt_bytes
     saves = [s for ss in ran.values() for s in ss if s % SETTINGS["save_every"] == 0]
     ep.bytes_rewritten = (len(saves) - len(set(saves))) * ckpt_bytes
@@ -274,13 +285,16 @@ def checkpoint_bytes(ref: Path) -> int:
 
 
 def episode(n: int, base: Path, ref: Path, ckpt_bytes: int, rng: random.Random,
-            plan: list[str] | None = None) -> Episode:
+            plan: list[str] | None = None, kinds: tuple[str, ...] = KINDS) -> Episode:
     if plan is None:
         plan = []
         for _ in range(rng.randint(4, 10)):
-            kind = rng.choices(KINDS, [WEIGHTS[k] for k in KINDS])[0]
-            if kind == "oom" and plan.count("oom") >= 2:  # batch 8 -> 2; the floor is 1
-                kind = "kill"
+            kind = rng.choices(kinds, [WEIGHTS[k] for k in kinds])[0]
+            if kind in OOMS and sum(k in OOMS for k in plan) >= 2:  # the floor is batch 1
+                others = [k for k in kinds if k not in OOMS]
+                if not others:
+                    continue
+                kind = rng.choices(others, [WEIGHTS[k] for k in others])[0]
             plan.append(kind)
     ep = Episode(n, plan)
     work = base / f"episode-{n}"
@@ -353,10 +367,15 @@ def main() -> int:
     p.add_argument("--dir", type=Path, default=None, help="work dir (default: a temp dir)")
     p.add_argument("--plan", default=None,
                    help="one episode with these faults in order, e.g. hang,oom,preempt")
+    p.add_argument("--kinds", default=None,
+                   help="draw only these kinds, e.g. crash,crash_forward,oom,oom_forward")
     args = p.parse_args()
     plan = args.plan.split(",") if args.plan else None
     if plan and not set(plan) <= set(KINDS):
         p.error(f"--plan: known kinds are {', '.join(KINDS)}")
+    kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
+    if not set(kinds) <= set(KINDS):
+        p.error(f"--kinds: known kinds are {', '.join(KINDS)}")
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     base = args.dir or Path(tempfile.mkdtemp(prefix="rtrain-chaos-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -374,7 +393,7 @@ def main() -> int:
         while time.monotonic() < end or (plan and not eps):
             with lock:
                 n = next(counter)
-            ep = episode(n, base, ref, ckpt_bytes, rng, plan)
+            ep = episode(n, base, ref, ckpt_bytes, rng, plan, kinds)
             with lock:
                 eps.append(ep)
                 total = sum(sum(e.injected.values()) for e in eps)

@@ -36,6 +36,7 @@ class Kind(str, Enum):
     HOOK_FAILED = "hook_failed"
     SAVE_SKIPPED = "save_skipped"
     CADENCE = "cadence"
+    CHECKPOINT_AT_FAILURE = "checkpoint_at_failure"
     FINAL_STATE_UNSAVED = "final_state_unsaved"
     MIRROR_UPLOADED = "mirror_uploaded"
     MIRROR_FAILED = "mirror_failed"
@@ -121,6 +122,9 @@ KINDS: dict[Kind, KindSpec] = {
         fields=("attempt", "step", "every_steps", "reason", "save_stall_s", "step_time_s",
                 "mtbf_s", "mtbf_source", "loss_factor", "expected_loss_s"),
         hookable=False, meaning="every_steps=\"auto\" chose the save interval (after a save)"),
+    Kind.CHECKPOINT_AT_FAILURE: KindSpec(
+        fields=("attempt", "step", "rank", "exception"),
+        meaning="an exception ended the worker and it saved its last completed step first"),
     Kind.FINAL_STATE_UNSAVED: KindSpec(
         fields=("last_step", "checkpoint_step", "skipped_saves", "reason"), durable=True,
         meaning="the run stops with its last steps in no checkpoint"),

@@ -57,10 +57,12 @@ def exit_record_name(rank: int) -> str:
 @dataclass
 class Heartbeat:
     """One heartbeat datagram. `event` is `start`, `step`, `save_begin`, `save_end`,
-    `save_skipped` (with `reason`: a checkpoint was not written, training goes on), `cadence`
-    (with `cadence`: the save interval `every_steps="auto"` chose, worker/cadence.py),
-    `backoff` (with `settings`), `relieved` (after a relieve request: `reason` says what was
-    freed, `settings` what the worker now uses) or `stop`."""
+    `save_skipped` (with `reason`: a checkpoint was not written, training goes on),
+    `saved_at_failure` (with `reason`: the exception's type; the checkpoint of `step` was
+    committed as an exception ended the process), `cadence` (with `cadence`: the save interval
+    `every_steps="auto"` chose, worker/cadence.py), `backoff` (with `settings`), `relieved`
+    (after a relieve request: `reason` says what was freed, `settings` what the worker now
+    uses) or `stop`."""
 
     pid: int
     rank: int
@@ -72,7 +74,7 @@ class Heartbeat:
     max_step_interval: float | None = None  # longest, after MAX_INTERVAL_WARMUP_STEPS
     next_save_step: int | None = None
     settings: dict[str, Any] | None = None  # settings the worker actually uses (after back-off)
-    reason: str | None = None  # save_skipped: why that checkpoint was not written
+    reason: str | None = None  # save_skipped: why not written; saved_at_failure: exception type
     cadence: dict[str, Any] | None = None  # cadence: `Cadence.fields()`
     v: int = PROTOCOL_VERSION
 

@@ -99,6 +99,22 @@ def test_oom_step_inside_the_forward(arm):
         f.in_step(batch_size=9)
 
 
+@pytest.mark.parametrize("kind, error", [("crash_forward", RuntimeError),
+                                         ("oom_forward", torch.OutOfMemoryError)])
+def test_forward_faults_raise_from_in_step_at_their_step(arm, kind, error):
+    f = arm(f"{kind}@step=3")
+    assert f.step_hook is f.noop  # not from maybe_save: before the optimizer step
+    f.in_step(step=2, batch_size=8)
+    f.in_step(batch_size=8)  # a script that does not say the step is never hit
+    with pytest.raises(error, match="forward of step 3"):
+        f.in_step(step=3, batch_size=8)
+    f = arm(f"{kind}@step=3")  # a process resumed past step 3: its first step completes
+    f.in_step(step=7, batch_size=8)
+    f.in_step(step=7, batch_size=8)  # the step's second micro-batch
+    with pytest.raises(error, match="forward of step 8"):
+        f.in_step(step=8, batch_size=8)
+
+
 def test_nonfinite_for_count_steps(arm):
     f = arm("nonfinite@step=4,count=2")
     loss = torch.tensor(1.0, requires_grad=True)

@@ -4,6 +4,10 @@ into a `Capture` of CPU tensors, state.json and manifest fields.
 One process writes everything. Under torch.distributed, replicated state (DDP: identical on
 every rank) is taken on rank 0 only; sharded state (FSDP/DTensor) is left to DCP; every rank
 adds its own RNG state.
+
+`Moving` is the part of a capture that changes inside a step while the model and optimizer do
+not (RNG states, data position): kept at each step boundary so that a save at a failure can
+write the boundary's step from the live, untouched model (worker/failsave.py).
 """
 
 from __future__ import annotations
@@ -56,12 +60,36 @@ class Components:
         return self.data.samples_seen if self.data is not None else None
 
 
+@dataclass(frozen=True)
+class Moving:
+    """What moves during a step besides the model and optimizer, as it stood at a boundary:
+    the generators' raw states (`state.rng_raw`) and the data position (its state.json part,
+    its tensors, the samples consumed). Kilobytes; encoded only if it is ever saved."""
+
+    rng: tuple[dict[str, torch.Tensor], Any, Any]
+    data: dict[str, Any] | None
+    data_tensors: dict[str, torch.Tensor]
+    samples: int | None
+
+
+def moving(parts: Components) -> Moving:
+    """Take the moving parts now (at a step boundary)."""
+    data_tensors: dict[str, torch.Tensor] = {}
+    data = parts.data.state_dict(data_tensors) if parts.data is not None else None
+    return Moving(state.rng_raw(), data, data_tensors, parts.samples())
+
+
 def capture(parts: Components, step: int, epoch: int, lr_scale: float,
-            metrics: dict[str, Any], extra: dict[str, Any]) -> Capture:
+            metrics: dict[str, Any], extra: dict[str, Any],
+            taken: Moving | None = None) -> Capture:
+    """The save of `step`. With `taken`, the RNG states and data position are those it kept
+    (a single process's save at a failure), not the live ones."""
     w = dist.world()
     if w is not None:
+        if taken is not None:
+            raise ValueError("a save from kept moving parts is for a single process only")
         return _capture_dist(parts, w, step, epoch, lr_scale, metrics, extra)
-    return _capture_local(parts, step, epoch, lr_scale, metrics, extra)
+    return _capture_local(parts, step, epoch, lr_scale, metrics, extra, taken=taken)
 
 
 def _capture_dist(parts: Components, w: dist.World, step: int, epoch: int, lr_scale: float,
@@ -87,7 +115,7 @@ def _capture_dist(parts: Components, w: dist.World, step: int, epoch: int, lr_sc
 
 def _capture_local(parts: Components, step: int, epoch: int, lr_scale: float,
                    metrics: dict[str, Any], extra: dict[str, Any], rng: bool = True,
-                   components: bool = True) -> Capture:
+                   components: bool = True, taken: Moving | None = None) -> Capture:
     tensors: dict[str, dict[str, torch.Tensor]] = {stem: {} for stem in FILES}
     st: dict[str, Any] = {"step": step, "epoch": epoch, "lr_scale": lr_scale}
     info: dict[str, Any] = {"trainable_only": parts.trainable_only, "world_size": 1}
@@ -105,11 +133,12 @@ def _capture_local(parts: Components, step: int, epoch: int, lr_scale: float,
             opt_tensors = {k: v for k, v in opt_tensors.items()
                            if k.startswith("@") or k.rpartition("/")[0] in keep}
         tensors["optimizer"] = opt_tensors
-    _capture_rest(parts, st, tensors["extra"], extra, rng)
+    _capture_rest(parts, st, tensors["extra"], extra, rng, taken)
     for stem in FILES:
         tensors[stem] = {k: cpu_contiguous(v) for k, v in tensors[stem].items()}
     fields = {
-        "epoch": epoch, "samples_seen": parts.samples() or 0, "fingerprint": fingerprint,
+        "epoch": epoch, "fingerprint": fingerprint,
+        "samples_seen": (taken.samples if taken is not None else parts.samples()) or 0,
         "environment": environment(model), "settings": current_settings(),
         "metrics": {k: number(v) for k, v in metrics.items()}, "info": info,
     }
@@ -117,17 +146,21 @@ def _capture_local(parts: Components, step: int, epoch: int, lr_scale: float,
 
 
 def _capture_rest(parts: Components, st: dict[str, Any], ex: dict[str, torch.Tensor],
-                  extra: dict[str, Any], rng: bool) -> None:
+                  extra: dict[str, Any], rng: bool, taken: Moving | None) -> None:
     """Scheduler, scaler, data position, RNG and the user's extras: into state.json (`st`),
-    their tensors into extra.safetensors (`ex`)."""
+    their tensors into extra.safetensors (`ex`); data position and RNG from `taken` if given."""
     if parts.scheduler is not None:
         st["scheduler"] = encode(parts.scheduler.state_dict(), ex, "scheduler")
     if parts.scaler is not None:
         st["scaler"] = encode(parts.scaler.state_dict(), ex, "scaler")
-    if parts.data is not None:
+    if taken is not None:
+        st.update(taken.data or {})
+        ex.update(taken.data_tensors)
+    elif parts.data is not None:
         st.update(parts.data.state_dict(ex))
     if rng:
-        rng_tensors, st["rng"] = state.rng_state()
+        rng_tensors, st["rng"] = state.rng_encode(taken.rng if taken is not None
+                                                  else state.rng_raw())
         ex.update(rng_tensors)
     st["extra"] = encode(extra, ex, "extra")
 

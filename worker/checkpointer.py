@@ -3,7 +3,7 @@
 The Checkpointer holds the settings and the schedule; the work is done by one unit each:
 `capture` (the state taken at a step boundary), `save_target` (one process's commit) and
 `dist_ckpt` (several ranks'), `async_write` (saving in the background), `retention` (pruning,
-making room), `restore` (picking, reading verified, applying).
+making room), `restore` (picking, reading verified, applying), `failsave` (saving at a failure).
 """
 
 from __future__ import annotations
@@ -11,21 +11,22 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from supervisor.ckpt import crypt, hashing
+from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level
 from supervisor.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
-from worker import data, dist, dist_ckpt, faults, guards, restore, runtime
+from worker import data, dist, dist_ckpt, failsave, faults, guards, restore, runtime
 from worker.async_write import BackgroundSave
 from worker.cadence import FIRST_SAVE_S, CadenceBounds
-from worker.capture import Components, FrozenBase, capture, environment, number
+from worker.capture import Components, FrozenBase, Moving, capture, environment, moving, number
 from worker.retention import Retention
 from worker.sampler import ResumableSampler
 from worker.save_clock import SaveClock
@@ -59,6 +60,14 @@ class Checkpointer:
     boundary: Python garbage, the CUDA allocator's cache, an OOMBackoff's micro-batch, and
     whatever `on_pressure()` frees (shrink your own caches there; return a few words saying
     what, or None). See worker/runtime.py.
+
+    Save at failure (`save_on_failure=True`, the default): each `maybe_save` keeps the RNG states
+    and data position (microseconds); when an exception ends the script (or the script calls
+    `save_on_failure()` in its own `except`) before any optimizer step, scheduler step, scaler
+    update or in-place write to the model since that boundary, the boundary's step is committed
+    as a normal checkpoint marked `info.saved_at_failure` in its manifest, then the exception
+    ends the process as before. Single process only; bounded by `failure_save_timeout_s`
+    (docs/design.md, "Save at failure").
     """
 
     def __init__(self, *, model: torch.nn.Module | None = None,
@@ -77,7 +86,9 @@ class Checkpointer:
                  sharded: bool | None = None, allow_resize: bool = False,
                  allow_pickle: bool = False, loader: Any = None,
                  encryption_key: crypt.EncryptionKey | bytes | str | None = None,
-                 on_pressure: Callable[[], str | None] | None = None) -> None:
+                 on_pressure: Callable[[], str | None] | None = None,
+                 save_on_failure: bool = True,
+                 failure_save_timeout_s: float = failsave.TIMEOUT_S) -> None:
         ckpt_dir = ckpt_dir or os.environ.get(ENV_CKPT_DIR) or "checkpoints"
         self.ckpt_dir = Path(ckpt_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -121,10 +132,16 @@ class Checkpointer:
         self._target = SaveTarget(self.ckpt_dir, fsync, self.key, self._retention.make_room,
                                   encryption=self.encryption)
         self._bg = BackgroundSave(async_mode, self._write, self._target, self._child_saved)
+        self._watch = (failsave.Watch(model, optimizer, scheduler, scaler) if save_on_failure
+                       else None)
+        self.failure_save_timeout_s = failure_save_timeout_s
+        self._boundary: _Boundary | None = None
         runtime.install()
         runtime.on_pressure(_empty_cuda_cache)
         if on_pressure is not None:
             runtime.on_pressure(on_pressure)
+        if self._watch is not None:
+            failsave.watch(self)
 
     @property
     def skipped_saves(self) -> int:
@@ -146,6 +163,7 @@ class Checkpointer:
         either.
         """
         from_supervisor = path is None and bool(os.environ.get(ENV_RESUME_FROM))
+        self._boundary = None  # the state is replaced: what was kept no longer describes it
         parts = self._parts()
         source = restore.Source(self.ckpt_dir, self.verify_level, self.key, self.allow_resize,
                                 self.map_location, self.encryption)
@@ -182,6 +200,9 @@ class Checkpointer:
         faults.step_hook(step, self.ckpt_dir)  # a no-op unless RTRAIN_FAULTS arms one
         if runtime.pressure_requested():
             runtime.relieve_pressure(step, settings=guards.effective_settings())
+        if self._watch is not None:
+            self._boundary = _Boundary(step, self._epoch_now(), moving(self._parts()),
+                                       self._watch.marks(), metrics or {}, extra or {})
         stop = runtime.should_stop()
         samples = self.data.samples_seen if self.data is not None else None
         due = self._clock.tick(step, loss=number((metrics or {}).get("loss")), samples=samples,
@@ -215,10 +236,7 @@ class Checkpointer:
         if self._clock.last_step == step and self.last_saved is not None:
             return self.last_saved  # already saved at this step (e.g. on schedule, then on stop)
         self._clock.save_begins(step)
-        if epoch is not None:
-            self.epoch = epoch
-        elif self.data is not None and self.data.samples_seen is not None:
-            self.epoch = self.data.epoch
+        self.epoch = epoch if epoch is not None else self._epoch_now()
         cap = capture(self._parts(), step, self.epoch, self._lr_scale, metrics or {}, extra or {})
         if cap.world is None:  # under torch.distributed, rank 0 makes room inside the collective
             short = self._retention.make_room(cap.nbytes)
@@ -238,15 +256,83 @@ class Checkpointer:
         self._clock.save_ended(step, self._clock.clock() - began)
         return self.ckpt_dir / f"checkpoint-{step}"
 
+    def save_on_failure(self, exc: BaseException) -> Path | None:
+        """Commit the last step boundary's checkpoint if nothing changed the training state
+        since (docs/design.md, "Save at failure"); the committed path, else None.
+
+        An uncaught exception calls this by itself; a script that catches the exception
+        calls it in its `except` before ending. Never raises: a save that fails or outlasts
+        `failure_save_timeout_s` is logged, and the caller goes on failing as it would have.
+        """
+        if self._watch is None or getattr(exc, "_rtrain_failure_handled", False):
+            return None
+        try:
+            exc._rtrain_failure_handled = True  # once, however many hooks see it
+        except AttributeError:  # an exception type with __slots__: it may be seen twice
+            pass
+        finished, result = failsave.run_bounded(lambda: self._save_at_failure(exc),
+                                                self.failure_save_timeout_s)
+        if not finished:
+            log.error("the save at the failure did not finish in %.0f s: given up",
+                      self.failure_save_timeout_s)
+            return None
+        if isinstance(result, BaseException):
+            log.error("the save at the failure failed: %s: %s", type(result).__name__, result)
+            return None
+        return result
+
     def close(self) -> None:
         """Wait for a save in flight; raise its error if it failed."""
         self._bg.wait()
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _epoch_now(self) -> int:
+        if self.data is not None and self.data.samples_seen is not None:
+            return self.data.epoch
+        return self.epoch
+
+    def _save_at_failure(self, exc: BaseException) -> Path | None:
+        """Runs in failsave.run_bounded's thread: decide, then commit the boundary's step."""
+        b, watch = self._boundary, self._watch
+        assert watch is not None
+        try:
+            self._bg.wait()  # a background save in flight commits (or fails) first
+        except CheckpointError as e:
+            log.warning("%s", e)
+        newest = next(iter(list_checkpoints(self.ckpt_dir)), (None, None))[0]
+        verdict = failsave.decide(exc, boundary=b and b.step, at_boundary=b and b.marks,
+                                  now=watch.marks(), newest_committed=newest,
+                                  distributed=failsave.distributed())
+        if verdict is not failsave.Verdict.SAVE:
+            if verdict is not failsave.Verdict.NOT_A_CRASH and b is not None:
+                log.warning("no checkpoint at the failure: %s since step %d",
+                            failsave.WHY[verdict], b.step)
+            return None
+        assert b is not None
+        cap = capture(self._parts(), b.step, b.epoch, self._lr_scale, b.metrics, b.extra,
+                      taken=b.moving)
+        cap.fields["info"].update(saved_at_failure=True, failure=type(exc).__name__)
+        short = self._retention.make_room(cap.nbytes)
+        if short is not None:
+            self._target.skip(b.step, short)
+            return None
+        runtime.heartbeat(step=b.step, event="save_begin")
+        path = self._write(cap)
+        runtime.heartbeat(step=b.step, event="save_end")
+        if path is not None:
+            log.warning("checkpoint of step %d committed at the failure (%s): nothing had "
+                        "changed the model or optimizer since that step", b.step,
+                        type(exc).__name__)
+            runtime.heartbeat(step=b.step, event="saved_at_failure", reason=type(exc).__name__)
+        return path
 
     def _parts(self) -> Components:
         return Components(self.model, self.optimizer, self.scheduler, self.scaler, self.data,
@@ -306,6 +392,19 @@ def _empty_cuda_cache() -> str | None:
     before = torch.cuda.memory_reserved()
     torch.cuda.empty_cache()
     return f"CUDA cache emptied ({(before - torch.cuda.memory_reserved()) / 2**20:.0f} MiB)"
+
+
+@dataclass(frozen=True)
+class _Boundary:
+    """What a save at a failure writes besides the live model and optimizer: kept at the last
+    `maybe_save`, with the marks that tell whether those are still that step's."""
+
+    step: int
+    epoch: int
+    moving: Moving
+    marks: failsave.Marks
+    metrics: dict[str, float]
+    extra: dict[str, Any]
 
 
 def _encryption_key(given: crypt.EncryptionKey | bytes | str | None

@@ -5,7 +5,8 @@
 One fault per `;`-separated item: `KIND@COND,COND,...` (`KIND` alone is `KIND@step=0`).
 Conditions:
 
-    step=N        at the first hook call whose step is >= N (the step given to maybe_save)
+    step=N        at the first hook call whose step is >= N (the step given to maybe_save,
+                  or to in_step for crash_forward / oom_forward)
     attempt=N     only in attempt N (RTRAIN_ATTEMPT); `attempt=0|2` several, `attempt=*` all.
                   Default: attempt 0 only, so the relaunch recovers
     rank=R        only in rank R (RANK, under torchrun); `rank=1|3` several. Default: all
@@ -14,7 +15,14 @@ Conditions:
 
 Kinds:
 
-    crash           raise RuntimeError("injected crash at step N")
+    crash           raise RuntimeError("injected crash at step N") from the step hook, after
+                    the step's optimizer step: the state has moved past the last boundary
+    crash_forward   raise RuntimeError from `in_step(step=n)`, which a script calls inside its
+                    forward, at the first step n >= N that is not the first step the process
+                    runs (like `crash`, which ends the first step after a resume past N): the
+                    optimizer has not stepped, so a save at the failure keeps every completed
+                    step
+    oom_forward     the same with a CUDA-style out-of-memory error (torch.OutOfMemoryError)
     oom             raise a CUDA-style out-of-memory error (torch.OutOfMemoryError) from the
                     step hook while KNOB > V (read from RTRAIN_SETTINGS and in-process back-off):
                     the process dies and the supervisor degrades
@@ -45,7 +53,8 @@ from supervisor.protocol import ENV_ATTEMPT
 from worker.settings import current as current_settings
 
 ENV_FAULTS = "RTRAIN_FAULTS"
-KINDS = ("crash", "oom", "oom_step", "hang", "nonfinite", "kill_in_save", "corrupt_newest")
+KINDS = ("crash", "crash_forward", "oom", "oom_forward", "oom_step", "hang", "nonfinite",
+         "kill_in_save", "corrupt_newest")
 _KNOB_RE = re.compile(r"^([A-Za-z_]\w*)\s*>\s*(-?\d+(?:\.\d+)?)$")
 _PID = os.getpid()  # the training process; a forked checkpoint writer kills it, not only itself
 
@@ -188,11 +197,23 @@ def _step_hook(step: int, ckpt_dir: str | os.PathLike | None = None) -> None:
                 raise RuntimeError(f"injected crash after corrupting {path.name}")
 
 
-def _in_step(**sizes: Any) -> None:
+def _in_step(step: int | None = None, **sizes: Any) -> None:
+    global _first_step
+    if _first_step is None:
+        _first_step = step
     for f in _armed:
         if f.kind == "oom_step" and f.knob in sizes and _exceeds(f, sizes[f.knob]):
             raise _oom_error(f"CUDA out of memory. Tried to allocate 2.00 GiB "
                              f"({f.knob}={sizes[f.knob]}) (injected)")
+        # Never in the process's first step: a fault that fires before any step completes
+        # after every resume makes good checkpoints look poisoned (rtrain quarantines those).
+        if step is None or step < f.step or step == _first_step:
+            continue
+        if f.kind == "crash_forward":
+            raise RuntimeError(f"injected crash in the forward of step {step}")
+        if f.kind == "oom_forward":
+            raise _oom_error(f"CUDA out of memory. Tried to allocate 2.00 GiB in the forward of "
+                             f"step {step} (injected)")
 
 
 def _poison_loss(loss: Any, step: int) -> Any:
@@ -214,6 +235,7 @@ def _arm(spec: str | None, attempt: int, rank: int = 0) -> list[Fault]:
             if f.in_attempt(attempt) and (f.ranks is None or rank in f.ranks)]
 
 
+_first_step: int | None = None  # the first step in_step saw in this process
 _armed = _arm(os.environ.get(ENV_FAULTS), int(os.environ.get(ENV_ATTEMPT) or 0),
               int(os.environ.get("RANK") or 0))
 _env_settings = current_settings() if _armed else {}
@@ -221,8 +243,9 @@ _kinds = {f.kind for f in _armed}
 
 step_hook = _step_hook if _kinds & {"crash", "hang", "oom", "corrupt_newest"} else noop
 """Called by Checkpointer.maybe_save(step) with its checkpoint dir, once per step."""
-in_step = _in_step if "oom_step" in _kinds else noop
-"""Call inside the forward with the micro-batch size: `faults.in_step(batch_size=len(x))`."""
+in_step = _in_step if _kinds & {"oom_step", "crash_forward", "oom_forward"} else noop
+"""Call inside the forward with the step and micro-batch size:
+`faults.in_step(step=step, batch_size=len(x))`."""
 poison_loss = _poison_loss if "nonfinite" in _kinds else identity
 """`loss = faults.poison_loss(loss, step)`: NaN where a nonfinite fault says so."""
 on_save_write = _on_save_write if "kill_in_save" in _kinds else noop

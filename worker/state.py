@@ -267,17 +267,29 @@ def _fmt(v: Any) -> str:
 # ---------------------------------------------------------------- RNG
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    return rng_encode(rng_raw())
+
+
+def rng_raw() -> tuple[dict[str, torch.Tensor], Any, Any]:
+    """Every generator's state as its library hands it out (copies): the part of `rng_state`
+    cheap enough to take at every step (save at failure keeps it per step boundary)."""
     tensors = {"rng/torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng/cuda/{i}"] = s
-    np_state = np.random.get_state(legacy=True)
+    return tensors, random.getstate(), np.random.get_state(legacy=True)
+
+
+def rng_encode(raw: tuple[dict[str, torch.Tensor], Any, Any]
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """`rng_raw`'s states as a checkpoint holds them: tensors, and JSON for python and numpy."""
+    tensors, python_state, np_state = raw
     plain = {
-        "python": encode(random.getstate(), {}, "rng.python"),
+        "python": encode(python_state, {}, "rng.python"),
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]),
                   float(np_state[4])],
     }
-    return tensors, plain
+    return dict(tensors), plain
 
 
 def load_rng(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:

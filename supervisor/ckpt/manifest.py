@@ -20,7 +20,9 @@ Schema (version 1), a JSON object:
     environment   {"python", "torch", "cuda", "device", "rtrain", "host"}
     settings      {knob: value} in force (RTRAIN_SETTINGS)
     metrics       {name: number}
-    info          {free-form facts: trainable_only, frozen_fingerprint, world_size, ...}
+    info          {free-form facts: trainable_only, frozen_fingerprint, world_size, ...;
+                  saved_at_failure: true and failure: the exception's type when the worker
+                  committed it as an exception ended the process (worker/failsave.py)}
     signature     optional {"alg": "blake3-keyed", "value": hex} over the canonical rest
 """
 

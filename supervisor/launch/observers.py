@@ -102,6 +102,10 @@ class Observers:
         if hb.event == "relieved":
             self.events.emit("pressure_relieved", attempt=attempt, step=hb.step, rank=hb.rank,
                              detail=hb.reason, settings=hb.settings)
+        if hb.event == "saved_at_failure":
+            self.events.emit("checkpoint_at_failure", attempt=attempt, step=hb.step,
+                             rank=hb.rank, exception=hb.reason)
+            self.say(f"checkpoint at step {hb.step} saved as the worker failed ({hb.reason})")
         if self.line is not None and hb.step is not None:
             self.line.update(step=hb.step, loss=hb.loss, samples_per_s=hb.samples_per_s,
                              next_save_step=hb.next_save_step)

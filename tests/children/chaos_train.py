@@ -113,7 +113,9 @@ for step in range(start + 1, s.steps + 1):
             activations = torch.ones(len(idx) * s.mem_mb << 20, dtype=torch.uint8)
             del activations
         noise = 1e-3 * (random.random() + float(np.random.rand()))
-        loss = nn.functional.cross_entropy(model(x + noise), y) / s.grad_accum
+        logits = model(x + noise)  # the batch, the RNG draws and dropout are spent before a fault
+        faults.in_step(step=step, batch_size=len(idx))
+        loss = nn.functional.cross_entropy(logits, y) / s.grad_accum
         loss = faults.poison_loss(loss, step)
         loss.backward()
         total += loss.item()
