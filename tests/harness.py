@@ -194,3 +194,32 @@ def read_metrics_text(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]],
             rest = rest[i + 1:].lstrip(",")
         out[(name, frozenset(labels))] = float(value)
     return out
+
+
+@contextlib.contextmanager
+def memory_cgroup(name: str, limit: int):
+    """A real cgroup v1 memory group limited to `limit` bytes (swap too where it is accounted,
+    swappiness 0), removed once its processes are gone; skips the test where one cannot be
+    made (/sys/fs/cgroup/memory missing or read-only)."""
+    cg = Path("/sys/fs/cgroup/memory") / f"{name}-{os.getpid()}-{time.time_ns()}"
+    try:
+        cg.mkdir()
+        (cg / "memory.limit_in_bytes").write_text(str(limit))
+    except OSError as e:
+        print(f"skipping: cannot create a cgroup v1 memory group here: {e}")
+        pytest.skip(f"cannot create a cgroup v1 memory group here: {e}")
+    for knob, value in (("memory.memsw.limit_in_bytes", limit), ("memory.swappiness", 0)):
+        try:
+            (cg / knob).write_text(str(value))
+        except OSError:
+            pass  # no swap accounting: the memory limit alone holds without swap
+    try:
+        yield cg
+    finally:
+        for _ in range(100):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+

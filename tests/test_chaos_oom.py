@@ -6,11 +6,9 @@ once, with the effective batch unchanged."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import time
-from pathlib import Path
 
+import harness
 import pytest
 from chaos_util import (
     check_exactly_once,
@@ -33,23 +31,8 @@ LIMIT = 560 << 20
 
 @pytest.fixture
 def memory_cgroup():
-    cg = Path("/sys/fs/cgroup/memory") / f"rtrain-chaos-{os.getpid()}"
-    try:
-        cg.mkdir()
-        (cg / "memory.limit_in_bytes").write_text(str(LIMIT))
-    except OSError as e:
-        pytest.skip(f"cannot create a cgroup v1 memory group here: {e}")
-    try:
-        (cg / "memory.memsw.limit_in_bytes").write_text(str(LIMIT))
-    except OSError:
-        pass  # no swap accounting: the memory limit alone holds without swap
-    yield cg
-    for _ in range(100):
-        try:
-            cg.rmdir()
-            return
-        except OSError:
-            time.sleep(0.1)
+    with harness.memory_cgroup("rtrain-chaos", LIMIT) as cg:
+        yield cg
 
 
 @pytest.mark.slow

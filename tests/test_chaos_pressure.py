@@ -7,11 +7,11 @@ child that frees its cache on the request trains on at its batch size."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
 
+import harness
 import pytest
 from chaos_util import write_config
 from harness import CHILDREN, child_env, events, rtrain_cmd
@@ -28,25 +28,8 @@ PRESSURE = {"fraction": 0.7, "sustain_s": 0.5}
 
 @pytest.fixture
 def memory_cgroup():
-    cg = Path("/sys/fs/cgroup/memory") / f"rtrain-pressure-{os.getpid()}-{time.time_ns()}"
-    try:
-        cg.mkdir()
-        (cg / "memory.limit_in_bytes").write_text(str(LIMIT))
-    except OSError as e:
-        print(f"skipping: cannot create a cgroup v1 memory group here: {e}")
-        pytest.skip(f"cannot create a cgroup v1 memory group here: {e}")
-    for name, value in (("memory.memsw.limit_in_bytes", LIMIT), ("memory.swappiness", 0)):
-        try:
-            (cg / name).write_text(str(value))
-        except OSError:
-            pass  # no swap accounting: the memory limit alone holds without swap
-    yield cg
-    for _ in range(100):
-        try:
-            cg.rmdir()
-            return
-        except OSError:
-            time.sleep(0.1)
+    with harness.memory_cgroup("rtrain-pressure", LIMIT) as cg:
+        yield cg
 
 
 def _oom_kills(cg: Path) -> int:
