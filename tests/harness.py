@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from supervisor.proc.spawn import ChildSpec
-from supervisor.records.events import read_events
+from supervisor.records.events import EventLog, read_events
 
 REPO = Path(__file__).resolve().parent.parent
 CHILDREN = REPO / "tests" / "children"  # the small scripts tests run as children
@@ -222,4 +222,15 @@ def memory_cgroup(name: str, limit: int):
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+T0 = 1_700_000_000.0  # the clock of write_events: T0, T0 + 1, ...
+
+
+def write_events(run_dir: Path, events: list[tuple[str, dict[str, Any]]]) -> None:
+    """Append (kind, fields) events to RUN_DIR/events.jsonl at times T0, T0 + 1, ..."""
+    clock = iter(T0 + i for i in range(1000))
+    with EventLog(run_dir / "events.jsonl", clock=lambda: next(clock)) as log:
+        for kind, fields in events:
+            log.emit(kind, **fields)
 

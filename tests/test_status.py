@@ -7,26 +7,16 @@ import json
 import os
 
 import pytest
-from harness import run_rtrain
+from harness import T0, run_rtrain, write_events
 
 from supervisor.commands.status import render_text, summarize, to_json
 from supervisor.decide.policy import History
 from supervisor.errors import ConfigError, UsageError
-from supervisor.records.events import EventLog
 from supervisor.records.lock import LOCK_NAME
 from supervisor.records.paths import default_ckpt_dir, default_run_dir
 from supervisor.records.runstate import RunState, save_state
 
-T0 = 1_700_000_000.0
 GIB = 1024**3
-
-
-def write_events(run_dir, events):
-    clock = iter(T0 + i for i in range(1000))
-    with EventLog(run_dir / "events.jsonl", clock=lambda: next(clock)) as log:
-        for kind, fields in events:
-            log.emit(kind, **fields)
-
 
 @pytest.fixture
 def run(tmp_path, make_ckpt):

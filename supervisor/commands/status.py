@@ -56,6 +56,10 @@ class RunSummary:
     """Seconds since that checkpoint was committed (its manifest's `created`)."""
     skipped_saves: int = 0
     """Saves the worker skipped (full disk, storage errors): `save_skipped` events."""
+    failure_saves: int = 0
+    """Checkpoints committed as an exception ended the worker (`checkpoint_at_failure`)."""
+    last_failure_save: dict[str, Any] | None = None
+    """The last of them: attempt, step, exception."""
     last_skipped: dict[str, Any] | None = None
     """The last skipped save: step, reason."""
     unsaved: str | None = None
@@ -195,6 +199,8 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
         created = (selection.chosen.manifest or selection.chosen.info or {}).get("created")
         if finite(created):
             s.checkpoint_age_s = max(0.0, now - created)
+    s.failure_saves = timeline.failure_saves
+    s.last_failure_save = _pick(timeline.last_failure_save, "attempt", "step", "exception")
     skipped = timeline.saves
     s.skipped_saves, s.unsaved = skipped.count, skipped.unsaved
     if skipped.count:
@@ -324,6 +330,10 @@ def render_text(s: RunSummary) -> str:
         rows += _mirror_rows(s.mirror)
     if s.slurm is not None:
         rows.append(("slurm", _slurm_row(s.slurm, running=s.status == "running")))
+    if f := s.last_failure_save:
+        rows.append(("at failure", f"{s.failure_saves} checkpoint(s) saved as the worker failed; "
+                                   f"the last of step {f['step']} (attempt {f['attempt']}, "
+                                   f"{f['exception']})"))
     if s.last_skipped:
         rows.append(("saves", f"{s.skipped_saves} skipped; the last at step "
                               f"{s.last_skipped['step']}: {s.last_skipped['reason']}"))

@@ -14,6 +14,7 @@ file: no fsync (a lost write is replaced seconds later).
     rtrain_seconds_since_heartbeat{run_dir}        since the last heartbeat from the child
     rtrain_last_checkpoint_age_seconds{run_dir}    since the newest checkpoint's commit
     rtrain_skipped_saves_total{run_dir}            checkpoints the worker could not write
+    rtrain_failure_saves_total{run_dir}            checkpoints committed as an exception ended it
     rtrain_mirror_uploaded_step{run_dir}           newest checkpoint step on the mirror
     rtrain_mirror_lag_steps{run_dir}               newest local checkpoint's step minus that
     rtrain_mirror_seconds_since_upload{run_dir}    since the last upload finished
@@ -51,6 +52,8 @@ _HELP = {
     "rtrain_seconds_since_heartbeat": ("gauge", "Seconds since the child's last heartbeat"),
     "rtrain_last_checkpoint_age_seconds": ("gauge",
                                            "Seconds since the newest checkpoint was committed"),
+    "rtrain_failure_saves_total": ("counter",
+                                   "Checkpoints the worker committed as an exception ended it"),
     "rtrain_skipped_saves_total": ("counter",
                                    "Checkpoints not written (full disk, storage errors)"),
     "rtrain_mirror_uploaded_step": ("gauge", "Step of the newest checkpoint on the mirror"),
@@ -157,6 +160,7 @@ class MetricsFile:
         values["rtrain_last_checkpoint_age_seconds"] = (
             [(run, round(max(0.0, now - newest[1]), 3))] if newest is not None else [])
         values["rtrain_skipped_saves_total"] = [(run, self.timeline.skipped_saves)]
+        values["rtrain_failure_saves_total"] = [(run, self.timeline.failure_saves)]
         if (m := self.timeline.mirror) is not None:
             up = m.uploaded_step
             values["rtrain_mirror_uploaded_step"] = [(run, up)] if up is not None else []

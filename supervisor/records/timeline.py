@@ -141,6 +141,9 @@ class Timeline:
     mirror: MirrorRecord | None = None
     """Set once the log has a `mirror_*` event."""
     skipped_saves: int = 0
+    failure_saves: int = 0
+    """Checkpoints a worker committed as an exception ended it (`checkpoint_at_failure`)."""
+    last_failure_save: Event | None = None
     run_s: float = 0.0
     """Seconds the run's attempts ran (their `exit.duration_s`)."""
     work_lost: int = 0
@@ -175,6 +178,9 @@ class Timeline:
             duration = event.get("duration_s")
             if isinstance(duration, (int, float)) and math.isfinite(duration) and duration > 0:
                 self.run_s += duration
+        elif kind == Kind.CHECKPOINT_AT_FAILURE:
+            self.failure_saves += 1
+            self.last_failure_save = event
         elif kind == Kind.SAVE_SKIPPED:
             self.skipped_saves += 1
             self._last_skipped = event

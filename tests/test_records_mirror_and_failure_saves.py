@@ -1,10 +1,10 @@
-"""The mirror in the run's records: `rtrain status`, the metrics file and the timeline fold
-read the `mirror_*` events (supervisor/records/timeline.py)."""
+"""The mirror and the checkpoints saved at a failure in the run's records: `rtrain status`, the
+report, the metrics file and the timeline fold read the `mirror_*` and `checkpoint_at_failure`
+events (supervisor/records/timeline.py)."""
 
 from __future__ import annotations
 
-from harness import read_metrics_text
-from test_status import T0, write_events
+from harness import T0, read_metrics_text, write_events
 
 from supervisor.commands.status import render_text, summarize, to_json
 from supervisor.records.metrics import MetricsFile
@@ -91,3 +91,21 @@ def test_the_report_shows_the_mirror(tmp_path, make_ckpt):
     assert rep.to_json()["mirror"]["behind_steps"] == 10
     assert ('mirror <b class="mirror">step 20, 10 behind; the final step 30 did not make it'
             in render(rep))
+
+
+def test_status_and_metrics_count_checkpoints_saved_at_a_failure(tmp_path, make_ckpt):
+    run_dir = _run(tmp_path, make_ckpt, [
+        ("checkpoint_at_failure", {"attempt": 0, "step": 12, "rank": 0,
+                                   "exception": "RuntimeError"}),
+    ])
+    s = summarize(run_dir, now=T0 + 100)
+    assert s.failure_saves == 1 and s.last_failure_save["step"] == 12
+    assert ("1 checkpoint(s) saved as the worker failed; the last of step 12 (attempt 0, "
+            "RuntimeError)") in render_text(s)
+    m = MetricsFile(tmp_path / "m.prom", run_dir=run_dir, ckpt_dir=run_dir / "checkpoints",
+                    wall=lambda: T0 + 100)
+    m({"kind": "checkpoint_at_failure", "time": T0 + 99, "attempt": 1, "step": 20, "rank": 0,
+       "exception": "OutOfMemoryError"})
+    values = {name: v for (name, _), v in
+              read_metrics_text((tmp_path / "m.prom").read_text()).items()}
+    assert values["rtrain_failure_saves_total"] == 1
