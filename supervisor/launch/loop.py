@@ -65,7 +65,7 @@ from supervisor.proc.watch_outcome import Outcome
 from supervisor.records.events import EventLog, EventLogError
 from supervisor.records.lock import RunLock
 from supervisor.records.runstate import RunStatus
-from supervisor.records.timeline import read_timeline
+from supervisor.records.timeline import Timeline, read_timeline
 
 __all__ = ["LaunchSpec", "Seams", "child_command", "launch"]
 
@@ -102,6 +102,13 @@ def _end_leftovers(run_dir: Path, events: EventLog, say: Callable[[str], None]) 
             + ", ".join(f"pid {p.pid} ({p.command[:60]})" for p in ended))
 
 
+def _read_timeline(path: Path) -> Timeline | None:
+    try:
+        return read_timeline(path)
+    except EventLogError:
+        return None
+
+
 def _ckpt_dir(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.ckpt_dir or run_dir / "checkpoints")
 
@@ -116,8 +123,13 @@ class Loop:
         self.observers = Observers(self.cfg, run_dir, self.ckpt_dir, cwd=spec.cwd,
                                    echo=spec.echo, wall=seams.wall, monotonic=seams.monotonic,
                                    say=seams.say)
+        # The run so far, read once and kept current by each event this launch writes: a
+        # relaunch must not re-read a log that grows by a summary every few seconds for weeks.
+        self.timeline = _read_timeline(run_dir / "events.jsonl")
+        follow = [self.timeline.add] if self.timeline is not None else []
         self.events = EventLog(run_dir / "events.jsonl", clock=seams.wall,
-                               listeners=self.observers.listeners, mode=self.cfg.file_mode)
+                               listeners=[*self.observers.listeners, *follow],
+                               mode=self.cfg.file_mode)
         self.observers.attach(self.events)
         self.say = self.observers.say
         self.record = RunRecord(run_dir, self.cfg.file_mode, self.events, wall=seams.wall,
@@ -245,13 +257,11 @@ class Loop:
         return outcome, self.seams.monotonic() - t0
 
     def _failure_record(self) -> tuple[int | None, float | None]:
-        """The run's work-losing failures and seconds run so far, from events.jsonl (read
-        again at each attempt: relaunches are rare and the log holds earlier launches too)."""
-        try:
-            timeline = read_timeline(self.events.path)
-        except EventLogError:
-            return None, None  # the worker falls back to its prior
-        return timeline.work_lost, timeline.run_s
+        """The run's work-losing failures and seconds run so far (earlier launches included);
+        unknown when the log could not be read (the worker falls back to its prior)."""
+        if self.timeline is None:
+            return None, None
+        return self.timeline.work_lost, self.timeline.run_s
 
     def _say_wall(self, wall: WallPlan | None) -> None:
         """Tell the terminal when the attempt will stop before the time limit (or why not),
