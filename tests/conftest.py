@@ -204,10 +204,11 @@ def pytest_runtest_teardown(item):
     yield from _no_process_starts(item)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def s3_server():
-    """One moto S3 server for the whole session (s3server.py): starting it costs ~1 s, paid
-    once. Tests that use it are slow (it is a process); each works under its own prefix."""
+    """One moto S3 server per test module (s3server.py): starting it costs ~1 s. Not one per
+    session: tests that run a watch in this process sweep every descendant of it, the server
+    included. Tests that use it are slow (it is a process); each works under its own prefix."""
     from s3server import S3Server
 
     server = S3Server().start()
@@ -217,12 +218,12 @@ def s3_server():
 
 @pytest.fixture
 def s3_mirror(s3_server, monkeypatch, request):
-    """`(url, env)`: an empty prefix of the session's S3 server, with the server's credentials
+    """`(url, env)`: an empty prefix of the module's S3 server, with the server's credentials
     and endpoint in os.environ for this test (restored after) and in `env` for children."""
     for k, v in s3_server.env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
-    if s3_server.proc is None:  # a test stopped it and failed before restarting it
-        s3_server.start()
+    if s3_server.proc is None or s3_server.proc.poll() is not None:
+        s3_server.start()  # a test stopped it and failed before restarting it, or it died
     prefix = f"{request.node.name}-{os.urandom(4).hex()}".replace("[", "-").replace("]", "")
     return f"s3://{s3_server.bucket}/{prefix}", s3_server.env
