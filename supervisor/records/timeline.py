@@ -96,10 +96,11 @@ class MirrorRecord:
     """The last `mirror_downloaded` (a resume from the mirror)."""
 
     def add(self, kind: Any, event: Event) -> None:
-        if kind == Kind.MIRROR_UPLOADED:
+        if kind in (Kind.MIRROR_UPLOADED, Kind.MIRROR_DOWNLOADED):  # both: the step is there
             step = _int(event.get("step"))
             if step is not None and (self.uploaded_step is None or step > self.uploaded_step):
                 self.uploaded_step, self.uploaded_at = step, event.get("time")
+        if kind == Kind.MIRROR_UPLOADED:
             self.uploads += 1
             self.failing = None
         elif kind == Kind.MIRROR_FAILED:
@@ -109,9 +110,6 @@ class MirrorRecord:
             self.final = event
         elif kind == Kind.MIRROR_DOWNLOADED:
             self.downloaded = event
-            step = _int(event.get("step"))
-            if step is not None and (self.uploaded_step is None or step > self.uploaded_step):
-                self.uploaded_step, self.uploaded_at = step, event.get("time")
 
 
 _MIRROR_KINDS = (Kind.MIRROR_UPLOADED, Kind.MIRROR_FAILED, Kind.MIRROR_FINAL,
