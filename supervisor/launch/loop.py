@@ -141,10 +141,7 @@ class Loop:
         self.hb = HeartbeatReceiver()
         self.watch_cfg = WatchConfig.from_config(self.cfg)
         self.procs = ProcRecord(run_dir)  # the attempt's processes, for the next launch
-        self.mirroring = mirroring.open_for(  # probed: bad credentials stop us here
-            self.cfg, run_dir, self.ckpt_dir, self.events, self.say,
-            new_run=self.record.new_run)
-        self.checkpoints.remote = self.mirroring
+        self.mirroring: mirroring.Mirroring | None = None  # opened by run(), when it trains
         self.wall_clock = WallClock(self.cfg.slurm, run_dir / "events.jsonl")
         self._wall_said: str | None = None  # the plan last told the terminal
         self._last_step: int | None = None  # of the attempt that just ended
@@ -165,6 +162,11 @@ class Loop:
                                say=self.say)
         if refused is not None:
             return refused
+        # Probed only now: a finished run relaunched from cron pays no store round trip, and
+        # bad credentials still stop the launch before any attempt.
+        self.mirroring = mirroring.open_for(self.cfg, self.run_dir, self.ckpt_dir, self.events,
+                                            self.say, new_run=self.record.new_run)
+        self.checkpoints.remote = self.mirroring
         history = self._first_history()
         resume, first = ResumeMode.LATEST, self.record.new_run
         if self.mirroring is not None:
