@@ -5,8 +5,11 @@ tests/test_mirror_launch.py runs it under rtrain launch against S3."""
 from __future__ import annotations
 
 import json
+import queue
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +23,9 @@ pytestmark = pytest.mark.slow
 
 
 class Uploader:
+    """The uploader as a child process, its JSON lines read by a thread so that a wait for a
+    message that never comes fails at its timeout instead of blocking on the pipe."""
+
     def __init__(self, ckpt_dir: Path, mirror: Path, **kw) -> None:
         spec = Spec(ckpt_dir=ckpt_dir, url=str(mirror), keep_remote=kw.get("keep_remote", 3),
                     milestone_every=kw.get("milestone_every", 0), parallel=2)
@@ -27,11 +33,21 @@ class Uploader:
             [sys.executable, "-m", "supervisor.remote.uploader", spec.dumps()], cwd=REPO,
             env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.seen: list[dict] = []
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")  # the pipe closed: the uploader exited
 
     def until(self, kind: str, timeout: float = 20) -> dict:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                break
             if not line:
                 break
             self.seen.append(json.loads(line))
@@ -56,8 +72,14 @@ def test_newest_first_the_overtaken_skipped_and_the_final_made_it(tmp_path):
         up.until("started")
         sent = [up.until("uploaded")["step"] for _ in range(3)]
         assert sent == [30, 20, 10]  # newest first, then the milestones
-        build_checkpoint(ck, 35)
-        build_checkpoint(ck, 45)
+        # Both land while the uploader is stopped, so it sees them in one look, as it would
+        # two commits made during one long upload.
+        up.proc.send_signal(signal.SIGSTOP)
+        try:
+            build_checkpoint(ck, 35)
+            build_checkpoint(ck, 45)
+        finally:
+            up.proc.send_signal(signal.SIGCONT)
         assert up.until("superseded")["steps"] == [35]
         assert up.until("uploaded")["step"] == 45
         assert up.finish() == {"kind": "final", "step": 45, "made_it": True}
