@@ -30,6 +30,9 @@ ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's checkpoint generation (ckp
 # that lost work, and the seconds its attempts ran.
 ENV_FAILURES = "RTRAIN_FAILURES"
 ENV_RUN_SECONDS = "RTRAIN_RUN_SECONDS"
+# The save cost the run last measured (JSON {"save_stall_s", "step_time_s"}, from the newest
+# `cadence` event): a relaunch chooses its first interval from it instead of guessing.
+ENV_SAVE_COST = "RTRAIN_SAVE_COST"
 ENV_RELIEVE_SIGNAL = "RTRAIN_RELIEVE_SIGNAL"
 
 DUMP_SIGNAL = "SIGUSR2"  # RTRAIN_DUMP_SIGNAL: on it the worker writes its stacks (faulthandler)

@@ -3,6 +3,7 @@ it, the supervisor's failure record (timeline, child env) and what `rtrain statu
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -29,7 +30,8 @@ DAY = 86400.0
     (0, 2.5 * DAY, 2.5 * DAY, "none in 2.5 d", False),  # went longer than the prior
     (2, 6 * 3600.0, 3 * 3600.0, "2 failures in 6 h", True),
     (1, 40 * 60.0, 40 * 60.0, "1 failure in 40 min", True),  # the prior is not blended in
-    (1, 10.0, cadence.MIN_MTBF_S, "1 failure in 10 s", True),  # a crash loop: floored
+    (1, 4.0, cadence.MIN_MTBF_S, "1 failure in 4 s", True),  # mostly start-up: floored
+    (1, 30.0, 30.0, "1 failure in 30 s", True),
     (3, None, cadence.MIN_MTBF_S, "3 failures in 0 s", True),
 ])
 def test_mtbf(failures, run_s, seconds, source, observed):
@@ -77,7 +79,7 @@ CASES = [
     (0.05, 0.1, PRIOR, None, CadenceBounds(max_steps=500), 500,
      "every 500 steps: save stall 0.05 s, MTBF 24 h (prior); capped at max_steps 500"),
     (0.001, 1.0, cadence.mtbf(5, 10.0), None, CadenceBounds(min_steps=10), 10,
-     "every 10 steps: save stall 0.001 s, MTBF 1 min (5 failures in 10 s); raised to "
+     "every 10 steps: save stall 0.001 s, MTBF 10 s (5 failures in 10 s); raised to "
      "min_steps 10"),
     # a 4 % fall over 929 steps: half as long
     (0.05, 0.1, PRIOR, 0.04 / 929.5, CadenceBounds(), 464,
@@ -165,6 +167,37 @@ def test_save_clock_chooses_after_each_save_and_follows_the_failures(monkeypatch
     assert c.schedule.every_steps in (379, 380)
 
 
+def test_a_relaunch_chooses_its_first_interval_from_the_runs_measured_cost(monkeypatch):
+    beats = []
+    monkeypatch.setattr(save_clock.runtime, "heartbeat", lambda **kw: beats.append(kw))
+    monkeypatch.setenv(protocol.ENV_FAILURES, "1")
+    monkeypatch.setenv(protocol.ENV_RUN_SECONDS, "3600")
+    monkeypatch.setenv(protocol.ENV_SAVE_COST, '{"save_stall_s": 0.05, "step_time_s": 0.1}')
+    t = FakeClock()
+    first_guess = SaveSchedule(every_steps=5000, every_seconds=1800.0)
+    c = save_clock.SaveClock(first_guess, clock=t, bounds=CadenceBounds())
+    # sqrt(2 * 0.05 * 3600) = 18.97 s = 189 steps of 0.1 s, no loss trend yet: chosen at once
+    assert c.schedule.every_steps == 189 and c.cadence.mtbf_source == "1 failure in 1 h"
+    assert beats == []  # reported with the first step, which the supervisor records it at
+    c.tick(701, loss=None, samples=None, epoch_end=False)
+    assert beats[0]["event"] == "cadence" and beats[0]["step"] == 701
+    assert beats[0]["cadence"]["every_steps"] == 189
+    c.tick(702, loss=None, samples=None, epoch_end=False)
+    assert [b.get("event") for b in beats] == ["cadence", None, None]
+
+
+@pytest.mark.parametrize("value", ["", "{}", "[1, 2]", '{"save_stall_s": 0.1}',
+                                   '{"save_stall_s": "x", "step_time_s": 0.1}',
+                                   '{"save_stall_s": 0.1, "step_time_s": 0}',
+                                   '{"save_stall_s": NaN, "step_time_s": 0.1}'])
+def test_a_cost_that_does_not_parse_keeps_the_first_guess(monkeypatch, value):
+    monkeypatch.setattr(save_clock.runtime, "heartbeat", lambda **kw: None)
+    monkeypatch.setenv(protocol.ENV_SAVE_COST, value)
+    c = save_clock.SaveClock(SaveSchedule(every_steps=50), clock=FakeClock(),
+                             bounds=CadenceBounds())
+    assert c.schedule.every_steps == 50 and c.cadence is None
+
+
 def test_save_clock_keeps_a_fixed_schedule(monkeypatch):
     monkeypatch.setattr(save_clock.runtime, "heartbeat", lambda **kw: None)
     t = FakeClock()
@@ -194,6 +227,23 @@ def test_timeline_counts_the_runs_work_losing_failures_and_time():
     assert (tl.work_lost, tl.run_s) == (0, 0.0)
 
 
+def test_timeline_keeps_the_newest_measured_save_cost_of_the_current_run():
+    tl = Timeline()
+    tl.add({"kind": "launch", "attempt": 0})
+    assert tl.save_cost is None
+    for stall in (0.2, 0.05):
+        tl.add({"kind": "cadence", "attempt": 0, "step": 10, "save_stall_s": stall,
+                "step_time_s": 0.1, "every_steps": 40})
+    assert tl.save_cost == {"save_stall_s": 0.05, "step_time_s": 0.1}
+    tl.add({"kind": "cadence", "attempt": 0, "step": 20, "save_stall_s": None,
+            "step_time_s": 0.1})
+    assert tl.save_cost is None  # a damaged event is no measurement
+    tl.add({"kind": "cadence", "attempt": 0, "step": 30, "save_stall_s": 0.05,
+            "step_time_s": 0.1})
+    tl.add({"kind": "launch", "attempt": 0})  # --fresh: the new run measures its own
+    assert tl.save_cost is None
+
+
 def test_the_child_is_given_the_failure_record(tmp_path):
     plan = child_env.AttemptPlan(attempt=3, settings={}, resume_from=None, run_dir=tmp_path,
                                  ckpt_dir=tmp_path / "c", attempt_dir=tmp_path / "a",
@@ -201,6 +251,13 @@ def test_the_child_is_given_the_failure_record(tmp_path):
     env = child_env.environment(plan, stop_signal="SIGTERM", heartbeat_addr="@x",
                                 dump_signal=12, relieve_signal=23, file_mode=0o600, base={})
     assert (env[protocol.ENV_FAILURES], env[protocol.ENV_RUN_SECONDS]) == ("2", "7200.0")
+    assert protocol.ENV_SAVE_COST not in env
+    costed = child_env.AttemptPlan(attempt=3, settings={}, resume_from=None, run_dir=tmp_path,
+                                   ckpt_dir=tmp_path / "c", attempt_dir=tmp_path / "a",
+                                   save_cost={"save_stall_s": 0.05, "step_time_s": 0.1})
+    env = child_env.environment(costed, stop_signal="SIGTERM", heartbeat_addr="@x",
+                                dump_signal=12, relieve_signal=23, file_mode=0o600, base={})
+    assert json.loads(env[protocol.ENV_SAVE_COST]) == {"save_stall_s": 0.05, "step_time_s": 0.1}
     unknown = child_env.AttemptPlan(attempt=3, settings={}, resume_from=None, run_dir=tmp_path,
                                     ckpt_dir=tmp_path / "c", attempt_dir=tmp_path / "a")
     env = child_env.environment(unknown, stop_signal="SIGTERM", heartbeat_addr="@x",
@@ -233,8 +290,9 @@ def test_status_shows_the_cadence_and_the_work_a_failure_loses(tmp_path: Path):
 @pytest.mark.slow
 def test_the_interval_shrinks_after_failures_under_rtrain(tmp_path):
     """A run that crashes in attempts 0 and 1: attempt 0 chose from the 24 h prior, the later
-    ones from the observed failures (the floor of 60 s here, seconds into the run), so their
-    interval is much shorter; `rtrain status` shows the last one and the work it risks."""
+    ones from the observed failures (seconds into the run), so their interval is much shorter,
+    and chosen at their first step from the cost attempt 0 measured, not guessed again until
+    their first save; `rtrain status` shows the last one and the work it risks."""
     from harness import CHILDREN, events, launch, run_rtrain
 
     run_dir = tmp_path / "run"
@@ -249,7 +307,11 @@ def test_the_interval_shrinks_after_failures_under_rtrain(tmp_path):
     assert chosen[0]["mtbf_source"] == "prior" and chosen[0]["mtbf_s"] == cadence.PRIOR_MTBF_S
     assert chosen[1]["mtbf_source"].startswith("1 failure in ")
     assert chosen[2]["mtbf_source"].startswith("2 failures in ")
-    assert chosen[2]["mtbf_s"] == cadence.MIN_MTBF_S
+    assert chosen[2]["mtbf_s"] < 60  # a few seconds a failure, or the floor
+    for launched in events(run_dir, "launch")[1:]:
+        # chosen at the relaunch's first step, from the cost attempt 0 measured
+        resumed = int(Path(launched["resume_from"]).name.split("-")[1])
+        assert chosen[launched["attempt"]]["step"] == resumed + 1
     # sqrt(86400 / 60) = 38 times shorter for the same stall; the stall may vary a few times
     assert chosen[1]["every_steps"] * 4 < chosen[0]["every_steps"]
     assert chosen[2]["every_steps"] * 4 < chosen[0]["every_steps"]

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 PRIOR_MTBF_S = 24 * 3600.0
-MIN_MTBF_S = 60.0  # failures faster than this are a crash loop, which the supervisor handles
+MIN_MTBF_S = 10.0  # below this an attempt is mostly its own start-up, not a failure rate
 FIRST_SAVE_S = 600.0  # before a save is measured and with no total_steps: the first save's time
 MAX_SECONDS = 1800.0
 LOSS_FALL_REF = 0.01

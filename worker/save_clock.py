@@ -8,17 +8,22 @@ Under `every_steps="auto"` (`bounds` given) it also measures what worker/cadence
 from: the step time between saves, each save's stall and the recent losses; after every save it
 replaces the schedule's `every_steps` with the new choice and reports it in a `cadence`
 heartbeat. Each rank chooses for itself; saving is collective and due when any rank says so.
+A relaunch does not start from the guess of a first run: the supervisor hands it the save stall
+and step time the run last measured (RTRAIN_SAVE_COST), and the first interval is chosen from
+them and the failure record that now includes the failure just recovered from.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from supervisor.protocol import ENV_FAILURES, ENV_RUN_SECONDS
+from supervisor.protocol import ENV_FAILURES, ENV_RUN_SECONDS, ENV_SAVE_COST
 from worker import cadence, runtime
 from worker.schedule import SaveSchedule
 
@@ -40,6 +45,11 @@ class SaveClock:
         self._since: tuple[int, float] | None = None  # first step timed since the last save
         self._step_time: float | None = None  # measured up to the last save begun
         self._losses: deque[tuple[int, float]] = deque(maxlen=LOSS_WINDOW)
+        self._announce = False  # a choice made before any step: reported at the first tick
+        carried = _carried_cost() if bounds is not None else None
+        if carried is not None:
+            self._choose(*carried)
+            self._announce = True
 
     def tick(self, step: int, *, loss: float | None, samples: int | None,
              epoch_end: bool) -> bool:
@@ -50,6 +60,9 @@ class SaveClock:
                 self._since = (step, now)
             if loss is not None:
                 self._losses.append((step, loss))
+        if self._announce and self.cadence is not None:
+            self._announce = False
+            runtime.heartbeat(step=step, event="cadence", cadence=self.cadence.fields())
         n = self.schedule.every_steps
         runtime.heartbeat(step=step, loss=loss,
                           samples=None if samples is None else samples - self._samples,
@@ -73,20 +86,37 @@ class SaveClock:
         under "auto", choose the next interval from it."""
         if self.bounds is None or self._step_time is None:
             return  # no step timed yet (a save at the first step): keep the schedule
+        self._choose(stall_s, self._step_time)
+        self._announce = False
+        runtime.heartbeat(step=step, event="cadence", cadence=self.cadence.fields())
+
+    def _choose(self, stall_s: float, step_time_s: float) -> None:
+        assert self.bounds is not None
         failures = _env_number(ENV_FAILURES)
         self.cadence = cadence.interval(
-            save_stall_s=stall_s, step_time_s=self._step_time,
+            save_stall_s=stall_s, step_time_s=step_time_s,
             mtbf=cadence.mtbf(None if failures is None else int(failures),
                               _env_number(ENV_RUN_SECONDS)),
             loss_per_step=cadence.loss_trend(self._losses), bounds=self.bounds)
         self.schedule = replace(self.schedule, every_steps=self.cadence.every_steps,
                                 every_seconds=self.bounds.max_seconds)
-        runtime.heartbeat(step=step, event="cadence", cadence=self.cadence.fields())
 
     def resumed(self, step: int, samples: int | None) -> None:
         self.last_step = step
         self._samples = samples or 0
         self._since = None  # the first step after a restore is timed from, not the restore
+
+
+def _carried_cost() -> tuple[float, float] | None:
+    """(save stall, step time) the run measured before this attempt, if the supervisor said."""
+    try:
+        cost = json.loads(os.environ[ENV_SAVE_COST])
+        stall, step = float(cost["save_stall_s"]), float(cost["step_time_s"])
+    except (KeyError, ValueError, TypeError):
+        return None
+    if not (math.isfinite(stall) and math.isfinite(step)) or stall < 0 or step <= 0:
+        return None
+    return stall, step
 
 
 def _env_number(name: str) -> float | None:

@@ -33,6 +33,8 @@ class AttemptPlan:
     """The run's failures so far that lost work (None: unknown, the log could not be read)."""
     run_s: float | None = None
     """Seconds the run's attempts have run so far."""
+    save_cost: dict[str, float] | None = None
+    """The save stall and step time the newest `cadence` event measured (None: none yet)."""
 
 
 def argv(command: list[str], resume_args: tuple[str, ...], plan: AttemptPlan) -> list[str]:
@@ -67,6 +69,10 @@ def environment(plan: AttemptPlan, *, stop_signal: str, heartbeat_addr: str, dum
             env.pop(name, None)
         else:
             env[name] = str(round(value, 1) if isinstance(value, float) else value)
+    if plan.save_cost:
+        env[protocol.ENV_SAVE_COST] = json.dumps(plan.save_cost)
+    else:
+        env.pop(protocol.ENV_SAVE_COST, None)
     if plan.resume_from:
         env[protocol.ENV_RESUME_FROM] = plan.resume_from
     else:

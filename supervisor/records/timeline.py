@@ -151,6 +151,20 @@ class Timeline:
     _current: int | None = None  # the attempt named by the newest event that names one
     _last: dict[str, tuple[int, Event]] = field(default_factory=dict)
     _count: int = 0
+    _record_start: int = 0  # the count at the last launch of attempt 0
+
+    @property
+    def save_cost(self) -> dict[str, float] | None:
+        """The save stall and step time of the newest `cadence` event of the current record
+        (since the last launch of attempt 0), for the next attempt's first choice."""
+        last = self._last.get(Kind.CADENCE)
+        if last is None or last[0] < self._record_start:
+            return None
+        out = {k: last[1].get(k) for k in ("save_stall_s", "step_time_s")}
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+                   for v in out.values()) or not out["step_time_s"]:
+            return None
+        return out
 
     def add(self, event: Event) -> None:
         kind = event.get("kind")
@@ -169,6 +183,7 @@ class Timeline:
                 record = self.attempts[number] = AttemptRecord(number=number, launch=event)
             if number == 0:
                 self.run_s, self.work_lost = 0.0, 0
+                self._record_start = self._count
         elif kind == Kind.CLASSIFICATION:
             self.failures[failure_kind(event)] += 1
             self.work_lost += failure_kind(event) not in NO_WORK_LOST
