@@ -1,10 +1,13 @@
 """Inject faults at random into real supervised training runs for N minutes; print a summary.
 
     python scripts/chaos.py --minutes 15 [--seed S] [--jobs J] [--dir DIR] [--kinds K,K]
+                            [--cadence auto|N]
 
 Each episode is one supervised run of tests/children/chaos_train.py (a small deterministic
 training loop that logs every step it executes) from a fresh run directory, with a random plan
-of faults, one per attempt, then a clean attempt that finishes. Kinds:
+of faults, one per attempt, then a clean attempt that finishes. It saves every 4 steps, or with
+`--cadence auto` at the interval worker/cadence.py chooses from the measured save stall and the
+run's failures. Kinds:
 
     kill            SIGKILL the training child at a random moment (start-up or training)
     kill_in_save    SIGKILL it between two files of a checkpoint save (RTRAIN_FAULTS)
@@ -107,6 +110,7 @@ class Episode:
     once_ok: bool | None = None
     bad_loads: int = 0
     bytes_rewritten: int = 0
+    intervals: list[int] = field(default_factory=list)  # every_steps chosen under auto
     committed_lost: int = 0
     leftovers: int = 0
     problems: list[str] = field(default_factory=list)
@@ -259,8 +263,10 @@ def analyse(ep: Episode, run: Path, ref: Path, ckpt_bytes: int) -> None:
     failing = {Path(s["path"]).name for s in events(run, "skipped_checkpoint")
                if not s["reason"].startswith("quarantined")}
     ep.committed_lost = len(failing - corrupted) * ckpt_bytes
-    saves = [s for ss in ran.values() for s in ss if s % SETTINGS["save_every"] == 0]
-    ep.bytes_rewritten = (len(saves) - len(set(saves))) * ckpt_bytes
+    ep.intervals = [e["every_steps"] for e in events(run, "cadence")]
+    if SETTINGS["save_every"]:  # under "auto" the saved steps are not known from the steps
+        saves = [s for ss in ran.values() for s in ss if s % SETTINGS["save_every"] == 0]
+        ep.bytes_rewritten = (len(saves) - len(set(saves))) * ckpt_bytes
     if not ep.finished:
         return
     if set(kind_of.values()) & NOT_BITWISE:
@@ -318,18 +324,29 @@ def episode(n: int, base: Path, ref: Path, ckpt_bytes: int, rng: random.Random,
     return ep
 
 
+def cadence_line(eps: list[Episode]) -> str:
+    if SETTINGS["save_every"]:
+        return f"every {SETTINGS['save_every']} steps"
+    chosen = sorted(n for ep in eps for n in ep.intervals)
+    if not chosen:
+        return "auto (no interval chosen)"
+    return (f"auto: {len(chosen)} choices, every {chosen[0]} to {chosen[-1]} steps, median "
+            f"{chosen[len(chosen) // 2]}")
+
+
 def table(eps: list[Episode], minutes: float, seed: int, wall: float) -> str:
     injected, recovered, lost = Counter(), Counter(), Counter()
     for ep in eps:
         injected.update(ep.injected)
         recovered.update(ep.recovered)
         lost.update(ep.steps_lost)
-    rows = ["| fault | injected | recovered | steps lost (re-executed) |",
-            "|---|---:|---:|---:|"]
+    rows = ["| fault | injected | recovered | steps lost (re-executed) | per fault |",
+            "|---|---:|---:|---:|---:|"]
     for k in KINDS:
-        rows.append(f"| {k} | {injected[k]} | {recovered[k]} | {lost[k]} |")
+        per = f"{lost[k] / injected[k]:.2f}" if injected[k] else "-"
+        rows.append(f"| {k} | {injected[k]} | {recovered[k]} | {lost[k]} | {per} |")
     rows.append(f"| **all** | **{sum(injected.values())}** | **{sum(recovered.values())}** | "
-                f"**{sum(lost.values())}** |")
+                f"**{sum(lost.values())}** | |")
     bit = [ep for ep in eps if ep.bitwise is not None]
     once = [ep for ep in eps if ep.once_ok is not None]
     runs = len(eps)
@@ -339,6 +356,7 @@ def table(eps: list[Episode], minutes: float, seed: int, wall: float) -> str:
         "| check | result |", "|---|---|",
         f"| supervised runs (episodes) | {runs}, {finished} finished (exit 0) |",
         f"| wall time | {wall / 60:.1f} min (asked {minutes:g}), seed {seed} |",
+        f"| save cadence | {cadence_line(eps)} |",
         f"| final weights + optimizer bitwise-identical to the uninterrupted run | "
         f"{sum(ep.bitwise for ep in bit)} of {len(bit)} runs |",
         f"| runs with oom/nonfinite (batch split or lr changed on purpose): every sample of "
@@ -346,8 +364,9 @@ def table(eps: list[Episode], minutes: float, seed: int, wall: float) -> str:
         f"{len(once)} runs |",
         f"| checkpoints loaded that had not verified at `full` | "
         f"{sum(ep.bad_loads for ep in eps)} |",
-        f"| checkpoint bytes rewritten (steps saved again after a resume) | "
-        f"{sum(ep.bytes_rewritten for ep in eps):,} |",
+        "| checkpoint bytes rewritten (steps saved again after a resume) | "
+        + (f"{sum(ep.bytes_rewritten for ep in eps):,} |" if SETTINGS["save_every"]
+           else "not counted under auto |"),
         f"| committed checkpoint bytes lost (failed verification, not injected) | "
         f"{sum(ep.committed_lost for ep in eps):,} |",
         f"| leftover processes | {sum(ep.leftovers for ep in eps)} |",
@@ -369,7 +388,15 @@ def main() -> int:
                    help="one episode with these faults in order, e.g. hang,oom,preempt")
     p.add_argument("--kinds", default=None,
                    help="draw only these kinds, e.g. crash,crash_forward,oom,oom_forward")
+    p.add_argument("--cadence", default=str(SETTINGS["save_every"]),
+                   help="save every N steps, or auto (every_steps=\"auto\")")
     args = p.parse_args()
+    if args.cadence == "auto":
+        SETTINGS["save_every"] = 0
+    elif args.cadence.isdigit() and int(args.cadence) > 0:
+        SETTINGS["save_every"] = int(args.cadence)
+    else:
+        p.error("--cadence: a positive number of steps, or auto")
     plan = args.plan.split(",") if args.plan else None
     if plan and not set(plan) <= set(KINDS):
         p.error(f"--plan: known kinds are {', '.join(KINDS)}")
