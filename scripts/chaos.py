@@ -18,7 +18,10 @@ run's failures. Kinds:
     oom             a CUDA-style out-of-memory error after the optimizer step (RTRAIN_FAULTS):
                     rtrain degrades
     oom_forward     the same in the forward, before the optimizer step (saved at the failure)
-    hang            the step loop stops; rtrain detects it, dumps stacks, relaunches
+    hang            the step loop stops after a step's optimizer step; rtrain detects it,
+                    dumps stacks, relaunches
+    hang_forward    the step loop stops in the forward, before the optimizer step: rtrain asks
+                    the hung process to save the last completed step, then relaunches from it
     nonfinite       NaN losses until the guard ends the attempt: rollback with the lr cut
     corrupt_newest  flip a byte of the newest checkpoint, then crash
     preempt         SIGTERM to rtrain: it must exit 75; then the same command again
@@ -76,14 +79,14 @@ from harness import child_env, events  # noqa: E402
 from supervisor.records.runstate import load_state  # noqa: E402
 
 KINDS = ("kill", "kill_in_save", "crash", "crash_forward", "oom", "oom_forward", "hang",
-         "nonfinite", "corrupt_newest", "preempt", "supervisor_kill")
+         "hang_forward", "nonfinite", "corrupt_newest", "preempt", "supervisor_kill")
 # hang costs the timeout plus rtrain's 15 s grace for a hung child: drawn less often.
 WEIGHTS = {"kill": 4, "kill_in_save": 3, "crash": 2, "crash_forward": 2, "oom": 1,
-           "oom_forward": 1, "hang": 0.6, "nonfinite": 1, "corrupt_newest": 2, "preempt": 2,
-           "supervisor_kill": 2}
+           "oom_forward": 1, "hang": 0.6, "hang_forward": 0.6, "nonfinite": 1,
+           "corrupt_newest": 2, "preempt": 2, "supervisor_kill": 2}
 OOMS = {"oom", "oom_forward"}  # each halves the batch: at most two per episode (8 -> 2)
-ENV_FAULT = {"kill_in_save", "crash", "crash_forward", "oom", "oom_forward", "hang", "nonfinite",
-             "corrupt_newest"}
+ENV_FAULT = {"kill_in_save", "crash", "crash_forward", "oom", "oom_forward", "hang",
+             "hang_forward", "nonfinite", "corrupt_newest"}
 EXTERNAL = {"kill", "preempt", "supervisor_kill"}
 NOT_BITWISE = {"oom", "oom_forward", "nonfinite"}  # change the batch split or the lr on purpose
 SETTINGS = {"steps": 100, "save_every": 4, "step_sleep": 0.01, "samples": 64, "batch_size": 8,
@@ -94,7 +97,8 @@ HANG_S = 3.0
 STARTUP_HANG_S = 20.0
 EPISODE_LIMIT_S = 900.0
 EXPECT = {"kill": "crash", "kill_in_save": "crash", "crash": "crash", "crash_forward": "crash",
-          "oom": "oom_gpu", "oom_forward": "oom_gpu", "hang": "hang", "nonfinite": "nonfinite",
+          "oom": "oom_gpu", "oom_forward": "oom_gpu", "hang": "hang", "hang_forward": "hang",
+          "nonfinite": "nonfinite",
           "corrupt_newest": "crash"}
 
 

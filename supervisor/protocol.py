@@ -34,6 +34,10 @@ ENV_RUN_SECONDS = "RTRAIN_RUN_SECONDS"
 # `cadence` event): a relaunch chooses its first interval from it instead of guessing.
 ENV_SAVE_COST = "RTRAIN_SAVE_COST"
 ENV_RELIEVE_SIGNAL = "RTRAIN_RELIEVE_SIGNAL"
+# A FIFO the worker creates in its status dir (RTRAIN_STATUS) and reads from a thread of its
+# own: requests that must be served while the training thread is stuck (worker/hang_save.py).
+CONTROL_FIFO = "control"
+CONTROL_FAILSAVE = "failsave"  # save the last step boundary if nothing changed since
 
 DUMP_SIGNAL = "SIGUSR2"  # RTRAIN_DUMP_SIGNAL: on it the worker writes its stacks (faulthandler)
 # RTRAIN_RELIEVE_SIGNAL: memory pressure, free what you can at the next step boundary. SIGURG
@@ -62,7 +66,9 @@ class Heartbeat:
     """One heartbeat datagram. `event` is `start`, `step`, `save_begin`, `save_end`,
     `save_skipped` (with `reason`: a checkpoint was not written, training goes on),
     `saved_at_failure` (with `reason`: the exception's type; the checkpoint of `step` was
-    committed as an exception ended the process), `cadence` (with `cadence`: the save interval
+    committed as an exception ended the process), `hang_save_done` (the save at a hang that
+    rtrain asked for through the control FIFO is over, `reason` says how many were saved),
+    `cadence` (with `cadence`: the save interval
     `every_steps="auto"` chose, worker/cadence.py), `backoff` (with `settings`), `relieved`
     (after a relieve request: `reason` says what was freed, `settings` what the worker now
     uses) or `stop`."""

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from worker import hang_save
+
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = 300.0  # the longest a failing process waits for its save at the failure
@@ -123,6 +125,8 @@ class Watch:
 
     def _step_begins(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps_begun += 1
+        with hang_save.hold_steps:  # a save at a hang in flight ends before a step writes
+            pass
 
     def marks(self) -> Marks:
         if self._tensors is None:
@@ -184,6 +188,7 @@ def watch(ckpt: Any) -> None:
     excepthook (which prints the traceback, and writes the exit record if one is installed)."""
     global _installed
     _watched.add(ckpt)
+    hang_save.start(lambda: list(_watched))
     if _installed:
         return
     _installed = True

@@ -29,6 +29,9 @@ Kinds:
     oom_step        the same from `in_step(batch_size=n)`, which a script calls inside its
                     forward: the in-process back-off (worker.OOMBackoff) can catch it
     hang            sleep forever in the step hook; heartbeats stop
+    hang_forward    sleep forever in `in_step(step=n)` (the forward), at the step crash_forward
+                    would fail: the optimizer has not stepped, so a save at the hang keeps every
+                    completed step
     nonfinite       `poison_loss(loss, step)` returns NaN for `count` steps
     kill_in_save    SIGKILL the training process between two files of the first checkpoint
                     written at or after step N
@@ -53,8 +56,8 @@ from supervisor.protocol import ENV_ATTEMPT
 from worker.settings import current as current_settings
 
 ENV_FAULTS = "RTRAIN_FAULTS"
-KINDS = ("crash", "crash_forward", "oom", "oom_forward", "oom_step", "hang", "nonfinite",
-         "kill_in_save", "corrupt_newest")
+KINDS = ("crash", "crash_forward", "oom", "oom_forward", "oom_step", "hang", "hang_forward",
+         "nonfinite", "kill_in_save", "corrupt_newest")
 _KNOB_RE = re.compile(r"^([A-Za-z_]\w*)\s*>\s*(-?\d+(?:\.\d+)?)$")
 _PID = os.getpid()  # the training process; a forked checkpoint writer kills it, not only itself
 
@@ -214,6 +217,9 @@ def _in_step(step: int | None = None, **sizes: Any) -> None:
         if f.kind == "oom_forward":
             raise _oom_error(f"CUDA out of memory. Tried to allocate 2.00 GiB in the forward of "
                              f"step {step} (injected)")
+        if f.kind == "hang_forward":
+            print(f"rtrain faults: injected hang in the forward of step {step}", flush=True)
+            _sleep_forever()
 
 
 def _poison_loss(loss: Any, step: int) -> Any:
@@ -243,7 +249,8 @@ _kinds = {f.kind for f in _armed}
 
 step_hook = _step_hook if _kinds & {"crash", "hang", "oom", "corrupt_newest"} else noop
 """Called by Checkpointer.maybe_save(step) with its checkpoint dir, once per step."""
-in_step = _in_step if _kinds & {"oom_step", "crash_forward", "oom_forward"} else noop
+in_step = (_in_step if _kinds & {"oom_step", "crash_forward", "oom_forward", "hang_forward"}
+           else noop)
 """Call inside the forward with the step and micro-batch size:
 `faults.in_step(step=step, batch_size=len(x))`."""
 poison_loss = _poison_loss if "nonfinite" in _kinds else identity

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from supervisor.decide.failures import Evidence
+from supervisor.proc.control import ask_failure_save
 from supervisor.proc.gpu import GpuReader, GpuReading, NullReader
 from supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
 from supervisor.proc.proctree import ProcTree, TreeSample
@@ -234,6 +235,8 @@ class _Watch:
                 self.ev.last_step = hb.step
             if hb.event == "relieved":
                 self.pressure.answered(now)
+            if hb.event == "hang_save_done" and self.ev.hang and self.stop.active:
+                self.stop.kill_now(now)  # its save at the hang is done: nothing to wait for
             if self.on_heartbeat is not None:
                 self.on_heartbeat(hb)
 
@@ -264,6 +267,10 @@ class _Watch:
         self.stack_files = dump_stacks(
             pids, self.child.spec.attempt_dir, self.config.dump_signal, self.config.dump_timeout_s
         )
+        # Stuck before its optimizer step, the worker still holds the last completed step: a
+        # thread of its own saves it within the grace (worker/hang_save.py).
+        if ask_failure_save(self.child.spec.attempt_dir):
+            log.warning("asked the hung process to save its last completed step")
         self.stop.begin(self.clock(), self.config.hang_grace_s)
 
     def _sample(self, now: float) -> None:

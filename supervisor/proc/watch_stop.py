@@ -62,6 +62,11 @@ class Stopping:
         """Seconds from the stop signal to the child's exit; None without a stop."""
         return None if self.began_at is None else max(0.0, exited_at - self.began_at)
 
+    def kill_now(self, now: float) -> None:
+        """End the running stop's grace now (the group is killed at the next timer)."""
+        if self.kill_at is not None:
+            self.kill_at = min(self.kill_at, now)
+
     def deadline(self) -> float:
         return math.inf if self.kill_at is None else self.kill_at
 
