@@ -47,7 +47,7 @@ def test_several_nodes_name_the_rendezvous(launched):
     assert r.exit_code == 0, r.output
     assert launched["argv"][3:] == ["--nproc-per-node=8", "--max-restarts=0", "--nnodes=2",
                                     "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400",
-                                    "--rdzv-id=rtrain-{attempt}", "-m", "pkg.train"]
+                                    "--rdzv-id=rtrain", "-m", "pkg.train"]
 
 
 def test_several_nodes_without_endpoint_is_refused(launched):
