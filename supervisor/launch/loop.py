@@ -267,8 +267,8 @@ class Loop:
         if size is not None and chosen is not None:
             self.events.emit("world_size_changed", attempt=attempt, world_size=size,
                              saved_world_size=sizes.saved, checkpoint=chosen.path.name)
-            self.say(f"attempt {attempt}: {size} ranks resume {chosen.path.name}, written by "
-                     f"{sizes.saved}")
+            self.say(f"attempt {attempt}: the group has {size} rank{'s' * (size != 1)}; "
+                     f"{chosen.path.name} was written by {sizes.saved}")
 
     def _failure_record(self) -> tuple[int | None, float | None]:
         """The run's work-losing failures and seconds run so far (earlier launches included);

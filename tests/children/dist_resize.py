@@ -1,6 +1,6 @@
 """Training at any world size with one effective batch, for the world-size change tests.
 
-usage: dist_resize.py OUT_PREFIX TOTAL_STEPS EVERY [--fsdp]
+usage: dist_resize.py OUT_PREFIX TOTAL_STEPS EVERY [--fsdp] [--sleep S]
 One global ResumableSampler (its position counts samples of one global order, the same at any
 world size) and a global batch of 8 samples per step: rank r of R takes its 8/R, in
 micro-batches of 2, so fewer ranks accumulate more (accum = 8 / (2 R)); each micro-batch's loss
@@ -12,6 +12,7 @@ every checkpointed step and after the last step.
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ p.add_argument("out")
 p.add_argument("total", type=int)
 p.add_argument("every", type=int)
 p.add_argument("--fsdp", action="store_true")
+p.add_argument("--sleep", type=float, default=0.0)  # after each step: a node can be lost mid-run
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -80,6 +82,7 @@ while step < args.total:
             loss.backward()
         opt.step()
         step += 1
+        time.sleep(args.sleep)
         ckpt.maybe_save(step)
         if step % args.every == 0 or step == args.total:
             dump(f"step{step}", step)
