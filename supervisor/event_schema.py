@@ -152,7 +152,7 @@ KINDS: dict[Kind, KindSpec] = {
         fields=("attempt", "step", "rank", "detail", "settings"),
         meaning="the worker answered a relieve request: what it freed, the settings it uses"),
     Kind.WORLD_SIZE_CHANGED: KindSpec(
-        fields=("attempt", "world_size", "saved_world_size", "checkpoint"), durable=True,
+        fields=("attempt", "world_size", "saved_world_size", "checkpoint"),
         meaning="the attempt's group has another number of ranks than the one that wrote the "
                 "checkpoint it resumed (a node lost, or one added)"),
 }
