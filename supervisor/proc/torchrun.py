@@ -6,9 +6,10 @@ group from the newest verified checkpoint). One node uses `--standalone`: a c10d
 localhost:0, so each attempt gets a free port and no two runs on a machine collide. Several
 nodes name the rendezvous endpoint and one fixed id (`RDZV_ID`), the same on every node: each
 node's supervisor counts its own attempts (a replacement node starts again at 0), so nothing
-per node may enter the id. A stale rendezvous cannot be joined: the c10d store lives in the
-torchrun that hosts it, and an attempt ends only when every node's torchrun has ended (one
-failed rank fails the collectives of all), so each new group meets in a fresh store.
+per node may enter the id. A failed group's rendezvous is not met again: the c10d store lives
+in the torchrun that hosts it, and one failed rank fails the collectives of every other, so
+every torchrun of the group ends and the next group meets in a fresh store (a relaunch that
+still finds the old one finds it closed, fails at once and is relaunched).
 """
 
 from __future__ import annotations
