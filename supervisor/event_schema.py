@@ -46,6 +46,7 @@ class Kind(str, Enum):
     MIRROR_DOWNLOADED = "mirror_downloaded"
     MEMORY_PRESSURE = "memory_pressure"
     PRESSURE_RELIEVED = "pressure_relieved"
+    WORLD_SIZE_CHANGED = "world_size_changed"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,6 +151,10 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.PRESSURE_RELIEVED: KindSpec(
         fields=("attempt", "step", "rank", "detail", "settings"),
         meaning="the worker answered a relieve request: what it freed, the settings it uses"),
+    Kind.WORLD_SIZE_CHANGED: KindSpec(
+        fields=("attempt", "world_size", "saved_world_size", "checkpoint"),
+        meaning="the attempt's group has another number of ranks than the one that wrote the "
+                "checkpoint it resumed (a node lost, or one added)"),
 }
 DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
 HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)

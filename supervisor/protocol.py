@@ -85,6 +85,7 @@ class Heartbeat:
     settings: dict[str, Any] | None = None  # settings the worker actually uses (after back-off)
     reason: str | None = None  # save_skipped: why not written; saved_at_failure: exception type
     cadence: dict[str, Any] | None = None  # cadence: `Cadence.fields()`
+    world: int | None = None  # ranks in the group (torchrun's WORLD_SIZE), when under torchrun
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:

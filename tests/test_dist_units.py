@@ -9,10 +9,12 @@ import pytest
 from typer.testing import CliRunner
 
 from supervisor import cli
+from supervisor.ckpt import generation
 from supervisor.config import Config
 from supervisor.decide.classify import classify
 from supervisor.decide.failures import Evidence
 from supervisor.errors import StateMismatch
+from supervisor.launch import world
 
 
 @pytest.fixture
@@ -47,7 +49,7 @@ def test_several_nodes_name_the_rendezvous(launched):
     assert r.exit_code == 0, r.output
     assert launched["argv"][3:] == ["--nproc-per-node=8", "--max-restarts=0", "--nnodes=2",
                                     "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400",
-                                    "--rdzv-id=rtrain-{attempt}", "-m", "pkg.train"]
+                                    "--rdzv-id=rtrain", "-m", "pkg.train"]
 
 
 def test_several_nodes_without_endpoint_is_refused(launched):
@@ -95,3 +97,56 @@ def test_torchrun_root_cause_names_a_rank_without_exit_record():
     f = classify(Evidence(returncode=1, stderr_tail=tail, first_step_seen=True, last_step=20),
                  memory_pressure_fraction=Config().memory_pressure_fraction)
     assert "rank 1 failed first: Signal 9 (SIGKILL) received by PID 8026" in f.reason
+
+
+@pytest.mark.parametrize("manifest, saved", [
+    ({"info": {"world_size": 2, "layout": "replicated"}}, 2),
+    ({"info": {"world_size": 1}}, 1),
+    ({"info": {}}, None),
+    ({"info": {"world_size": True}}, None),  # not a size
+    ({"info": {"world_size": 0}}, None),
+    ({"info": "x"}, None),
+    ({}, None),
+    (None, None),
+])
+def test_saved_world_size_from_the_manifest(manifest, saved):
+    assert world.saved_world_size(manifest) == saved
+
+
+@pytest.mark.parametrize("saved, heard, new", [
+    (2, 1, 1),        # a node lost, the survivor alone
+    (2, 4, 4),        # more nodes than wrote the checkpoint
+    (2, 2, None),     # the same group
+    (None, 1, None),  # a fresh start or a checkpoint without a size: nothing to compare
+    (2, None, None),  # a heartbeat outside torchrun says nothing
+])
+def test_world_watch_reports_a_changed_size_once(saved, heard, new):
+    w = world.WorldWatch(saved)
+    assert w.heard(heard) == new
+    assert (w.heard(heard) is None and w.heard(7) is None) or heard is None
+
+
+def test_world_watch_waits_for_a_heartbeat_that_carries_a_size():
+    w = world.WorldWatch(2)
+    assert w.heard(None) is None
+    assert w.heard(1) == 1
+
+
+@pytest.mark.parametrize("tokens, current, commits", [
+    ("a" * 32, "a" * 32, True),
+    ("a" * 32, "b" * 32, False),
+    (["a" * 32, "b" * 32], "b" * 32, True),   # the group's tokens: any node's is the current
+    (["a" * 32, "b" * 32], "c" * 32, False),  # a newer attempt of some node fenced the group
+    ([], "c" * 32, True),                     # no supervisor gave a token: unchecked
+    (None, "c" * 32, True),
+])
+def test_a_group_commits_while_the_generation_is_one_of_its_nodes(tmp_path, tokens, current,
+                                                                   commits):
+    generation.advance(tmp_path, current)
+    if commits:
+        with generation.committing(tmp_path, tokens, "checkpoint-3"):
+            pass
+    else:
+        with (pytest.raises(generation.StaleWriter, match="checkpoint-3 not committed"),
+              generation.committing(tmp_path, tokens, "checkpoint-3")):
+            pass

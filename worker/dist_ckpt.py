@@ -97,7 +97,9 @@ def write(target: SaveTarget, cap: Capture) -> Path | None:
         _skipped(target, w, cap.step, os.strerror(error.errno) if isinstance(error, OSError)
                  else "another rank could not write its part")
         return None
-    parts = dist.gather((pending.files, pending.tensors))
+    # Each rank's generation token too: the nodes' supervisors each advanced the shared dir's
+    # generation, and the commit is the group's while the current token is any of them.
+    parts = dist.gather((pending.files, pending.tensors, pending.generation))
     committed = None
     if w.leader:
         assert parts is not None
@@ -168,9 +170,10 @@ def _write_part(pending: PendingCheckpoint, cap: Capture, fsync: bool) -> None:
 
 def _commit(target: SaveTarget, pending: PendingCheckpoint, cap: Capture,
             parts: list[Any]) -> str:
-    for files, tensors in parts[1:]:
+    for files, tensors, _ in parts[1:]:
         for n, entry in files.items():
             pending.add_file(n, entry["size"], entry["hash"], tensors.get(n))
+    pending.generation = [token for _, _, token in parts if token]
     # The manifest covers every file in the temp dir, whoever wrote it.
     for root, _, names in os.walk(pending.tmp):
         for n in names:

@@ -93,6 +93,12 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def world_size() -> int | None:
+    """The group's size under torchrun (each node's supervisor hears only its own ranks)."""
+    size = os.environ.get("WORLD_SIZE")
+    return int(size) if size and size.isdigit() else None
+
+
 def attempt() -> int:
     return int(os.environ.get(ENV_ATTEMPT, "0"))
 
@@ -261,6 +267,7 @@ def _send(event: str, step: int | None, loss: float | None, fields: dict[str, An
         loss=None if loss is None else float(loss),
         samples_per_s=s.rate,
         max_step_interval=s.max_interval,
+        world=world_size(),
         **fields,
     )
     try:

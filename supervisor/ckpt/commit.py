@@ -63,7 +63,7 @@ class PendingCheckpoint:
         self.tmp = self.ckpt_dir / tmp_name(step)
         os.mkdir(self.tmp, 0o700)  # nobody else looks in while it is written
         # The attempt this checkpoint belongs to; a forked writer keeps its parent's.
-        self.generation = os.environ.get(ENV_GENERATION) or None
+        self.generation: str | list[str] | None = os.environ.get(ENV_GENERATION) or None
         self.files: dict[str, dict[str, Any]] = {}
         self.tensors: dict[str, dict[str, list]] = {}
 

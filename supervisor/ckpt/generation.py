@@ -21,7 +21,7 @@ import fcntl
 import logging
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from supervisor.errors import CheckpointError
@@ -70,10 +70,15 @@ def current(ckpt_dir: Path) -> str | None:
 
 
 @contextlib.contextmanager
-def committing(ckpt_dir: Path, token: str | None, what: str) -> Iterator[None]:
+def committing(ckpt_dir: Path, token: str | Collection[str] | None,
+               what: str) -> Iterator[None]:
     """Hold the generation lock around a commit's rename; raise StaleWriter (before the block
-    runs) when `token` is no longer the current generation."""
-    if not token:
+    runs) when `token` is no longer the current generation. A distributed save passes the
+    tokens of every rank of its group: nodes each run their own supervisor, each advancing the
+    shared dir's generation before its attempt, and the group may commit while the current
+    token is any of theirs (a newer attempt of any node fences the whole group off)."""
+    tokens = {token} if isinstance(token, str) else {t for t in token or () if t}
+    if not tokens or "" in tokens:
         yield
         return
     try:
@@ -84,9 +89,10 @@ def committing(ckpt_dir: Path, token: str | None, what: str) -> Iterator[None]:
     try:
         with _locked(fd):
             now = os.pread(fd, 256, 0).decode(errors="replace").strip()
-            if now and now != token:
+            if now and now not in tokens:
+                mine = ", ".join(sorted(t[:8] for t in tokens))
                 raise StaleWriter(f"{what} not committed: its run has moved on (a newer attempt "
-                                  f"started since this writer began; generation {token[:8]}, "
+                                  f"started since this writer began; generation {mine}, "
                                   f"now {now[:8]})")
             yield
     finally:

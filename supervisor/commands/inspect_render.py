@@ -124,6 +124,16 @@ def _encrypted(entry: Any) -> str:
     return f"yes ({entry.get('scheme')}, key fingerprint {entry.get('key_fingerprint')})"
 
 
+def _world(info: Any) -> list[tuple[str, str]]:
+    """How many ranks wrote the checkpoint, and how (a resume at another size reads this)."""
+    size = info.get("world_size") if isinstance(info, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool):
+        return []
+    layout = info.get("layout")
+    return [("world size", f"{size} rank{'s' * (size != 1)}"
+             + (f", {layout}" if isinstance(layout, str) else ""))]
+
+
 def render_one(d: Detail) -> str:
     v = d.verdict
     sig = d.meta("signature")
@@ -138,6 +148,7 @@ def render_one(d: Detail) -> str:
         ("created", local_time(d.meta("created"))),
         ("size", f"{human_size(d.size)} in {len(d.files)} files"
                  + (" (+ manifest)" if v.format == "rtrain" else "")),
+        *_world(d.meta("info")),
         ("fingerprint", str(d.meta("fingerprint", "-"))),
         ("signed", f"yes ({sig.get('alg')})" if isinstance(sig, dict) else "no"),
         *([("encrypted", _encrypted(d.meta("encryption")))] if v.format == "rtrain" else []),

@@ -37,7 +37,7 @@ from supervisor.decide.policy import (
 )
 from supervisor.decide.wall_clock import WallPlan
 from supervisor.errors import ExitCode, UsageError
-from supervisor.launch import act, child_env, mirroring
+from supervisor.launch import act, child_env, mirroring, world
 from supervisor.launch.child_env import AttemptPlan
 from supervisor.launch.observers import Observers
 from supervisor.launch.recording import (
@@ -62,6 +62,7 @@ from supervisor.proc.signals import SignalCatcher
 from supervisor.proc.spawn import ChildSpec
 from supervisor.proc.watch import Sample, WatchConfig
 from supervisor.proc.watch_outcome import Outcome
+from supervisor.protocol import Heartbeat
 from supervisor.records.events import EventLog, EventLogError
 from supervisor.records.lock import RunLock
 from supervisor.records.runstate import RunStatus
@@ -244,13 +245,14 @@ class Loop:
                          resume_from=plan.resume_from, pid=child.pid,
                          ckpt_dir=str(self.ckpt_dir), **slurm_field(wall))
         self._say_wall(wall)
+        sizes = world.WorldWatch(world.saved_world_size(chosen.manifest if chosen else None))
         t0 = self.seams.monotonic()
         stop_at = None if wall is None or wall.stop_at is None else (
             t0 + wall.stop_at - self.seams.wall())  # the watch runs on the monotonic clock
         outcome = self.seams.watch(
             child, self.watch_cfg, heartbeats=self.hb, gpu=self.gpu, signals=signals,
             tree=ProcTree(exclude=self._helper_pids),
-            on_heartbeat=lambda hb: self.observers.heartbeat(attempt, hb),
+            on_heartbeat=lambda hb: self._heartbeat(attempt, hb, sizes, chosen),
             on_sample=self._on_sample, stop_at=stop_at, stop_why=WALL_CLOCK,
             on_pressure=lambda note: self.observers.pressure(attempt, note))
         child.close()
@@ -258,6 +260,16 @@ class Loop:
         self.wall_clock.note(measured(outcome))
         self.procs.update([])  # swept
         return outcome, self.seams.monotonic() - t0
+
+    def _heartbeat(self, attempt: int, hb: Heartbeat, sizes: world.WorldWatch,
+                   chosen: Verdict | None) -> None:
+        self.observers.heartbeat(attempt, hb)
+        size = sizes.heard(hb.world)
+        if size is not None and chosen is not None:
+            self.events.emit("world_size_changed", attempt=attempt, world_size=size,
+                             saved_world_size=sizes.saved, checkpoint=chosen.path.name)
+            self.say(f"attempt {attempt}: the group has {size} rank{'s' * (size != 1)}; "
+                     f"{chosen.path.name} was written by {sizes.saved}")
 
     def _failure_record(self) -> tuple[int | None, float | None]:
         """The run's work-losing failures and seconds run so far (earlier launches included);

@@ -4,8 +4,12 @@ torchrun (torch.distributed.elastic) starts and rendezvous the ranks; rtrain kee
 restarts (`--max-restarts=0`: a failed rank ends the attempt, and rtrain relaunches the whole
 group from the newest verified checkpoint). One node uses `--standalone`: a c10d rendezvous on
 localhost:0, so each attempt gets a free port and no two runs on a machine collide. Several
-nodes name the rendezvous endpoint; the id carries the attempt number, so a relaunch never
-joins the previous attempt's closed rendezvous.
+nodes name the rendezvous endpoint and one fixed id (`RDZV_ID`), the same on every node: each
+node's supervisor counts its own attempts (a replacement node starts again at 0), so nothing
+per node may enter the id. A failed group's rendezvous is not met again: the c10d store lives
+in the torchrun that hosts it, and one failed rank fails the collectives of every other, so
+every torchrun of the group ends and the next group meets in a fresh store (a relaunch that
+still finds the old one finds it closed, fails at once and is relaunched).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import sys
 from dataclasses import dataclass
 
 from supervisor.errors import UsageError
+
+RDZV_ID = "rtrain"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +58,7 @@ def torchrun_command(spec: TorchrunSpec, script: str | None, module: str | None,
         argv += [f"--nnodes={spec.nnodes or 1}",
                  f"--rdzv-backend={spec.rdzv_backend or 'c10d'}",
                  f"--rdzv-endpoint={spec.rdzv_endpoint}",
-                 "--rdzv-id=rtrain-{attempt}"]  # a template: filled in per attempt
+                 f"--rdzv-id={RDZV_ID}"]
     if module is not None:
         return [*argv, "-m", module, *args]
     return [*argv, script, *args]
