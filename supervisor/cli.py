@@ -297,9 +297,12 @@ def launch(
             command = torchrun_command(spec, script, module, list(ctx.args), python)
         else:
             command = child_command(script, module, list(ctx.args), python)
+        # Several nodes share the checkpoint dir: one node's generation token is not the others'.
+        fence = nnodes in (None, "1", "1:1")
         raise typer.Exit(run_launch(LaunchSpec(command=command, config=cfg, fresh=fresh,
                                                retry=retry, echo=not quiet, cwd=cwd,
-                                               resume_args=_split_resume_args(resume_arg))))
+                                               resume_args=_split_resume_args(resume_arg),
+                                               fence=fence)))
 
 
 def _split_resume_args(items: list[str] | None) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from supervisor import protocol
 from supervisor.ckpt.hashing import load_signing_key
 from supervisor.ckpt.verify import Selection, Verdict
 from supervisor.config import Config
@@ -225,7 +226,10 @@ class Loop:
                                     dump_signal=self.watch_cfg.dump_signal,
                                     relieve_signal=self.watch_cfg.relieve_signal,
                                     file_mode=self.cfg.file_mode)
-        child_env.fence_earlier_writers(env, self.ckpt_dir, self.say)
+        if self.spec.fence:
+            child_env.fence_earlier_writers(env, self.ckpt_dir, self.say)
+        else:
+            env.pop(protocol.ENV_GENERATION, None)
         self.hb.drain()  # stale heartbeats of the previous attempt
         level = self.record.state.history.level
         wall = self.wall_clock.plan(self.seams.wall())  # the scheduler's times: before the spawn

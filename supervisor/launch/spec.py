@@ -38,6 +38,10 @@ class LaunchSpec:
     resume_args: tuple[str, ...] = ()
     """Appended to the child's argv, templates filled in, only when resuming from a checkpoint
     (`--resume-arg "--resume_from_checkpoint {checkpoint}"`, shell-split)."""
+    fence: bool = True
+    """Fence off earlier attempts' writers with the checkpoint dir's generation token. Off when
+    several nodes' supervisors share the checkpoint dir: each would advance the token for its
+    own attempt, and rank 0's commit would be refused whenever another node started last."""
 
 
 def interrupted_wait(seconds: float, signals: SignalCatcher) -> bool:
