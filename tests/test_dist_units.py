@@ -22,6 +22,7 @@ def launched(monkeypatch, tmp_path):
 
     def fake(spec, seams=None):
         seen["argv"] = spec.command
+        seen["fence"] = spec.fence
         return 0
 
     monkeypatch.setattr(launch_mod, "launch", fake)
@@ -48,6 +49,18 @@ def test_several_nodes_name_the_rendezvous(launched):
     assert launched["argv"][3:] == ["--nproc-per-node=8", "--max-restarts=0", "--nnodes=2",
                                     "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400",
                                     "--rdzv-id=rtrain-{attempt}", "-m", "pkg.train"]
+
+
+@pytest.mark.parametrize("nodes, fence", [((), True), (("--nnodes", "1"), True),
+                                          (("--nnodes", "1:1"), True), (("--nnodes", "2"), False),
+                                          (("--nnodes", "1:2"), False)])
+def test_several_nodes_share_the_checkpoint_dir_without_the_generation_fence(launched, nodes,
+                                                                            fence):
+    # Each node's supervisor would advance the token for its own attempt, refusing rank 0's
+    # commit whenever another node spawned last (tests/test_dist_nodes_preempt.py, for real).
+    r = invoke("--nproc-per-node", "2", *nodes, "--rdzv-endpoint", "h0:29400", "train.py")
+    assert r.exit_code == 0, r.output
+    assert launched["fence"] is fence
 
 
 def test_several_nodes_without_endpoint_is_refused(launched):
