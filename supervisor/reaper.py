@@ -42,23 +42,52 @@ def reap_orphans() -> list[int]:
     """Wait for each exited child of ours that no registered Popen is waiting for; the pids."""
     if not _enabled:
         return []
-    import psutil  # here: `rtrain --help` and the reading commands start without it
-
     mine = {p.pid for p in list(_own) if p.returncode is None}
     reaped = []
-    try:
-        children = psutil.Process().children()
-    except psutil.Error:
-        return []
-    for child in children:
-        if child.pid in mine:
+    for pid in _zombie_children():
+        if pid in mine:
             continue
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                continue
-            pid, _ = os.waitpid(child.pid, os.WNOHANG)
-        except (psutil.Error, ChildProcessError):
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
             continue
-        if pid:
-            reaped.append(pid)
+        if done:
+            reaped.append(done)
     return reaped
+
+
+def _zombie_children() -> list[int]:
+    """Our children that have exited and wait to be reaped."""
+    return [pid for pid in _children() if _state(pid) == "Z"]
+
+
+def _children() -> list[int]:
+    # /proc/self/task/*/children lists just our children (no scan of every process on a large
+    # host, once a second); kernels without CONFIG_PROC_CHILDREN get psutil's full scan.
+    try:
+        tasks = os.listdir("/proc/self/task")
+        out: list[int] = []
+        for tid in tasks:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                out += [int(pid) for pid in f.read().split()]
+        return out
+    except FileNotFoundError:
+        import psutil  # here: `rtrain --help` and the reading commands start without it
+
+        try:
+            return [p.pid for p in psutil.Process().children()]
+        except psutil.Error:
+            return []
+    except OSError:
+        return []
+
+
+def _state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat (Z: zombie); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The name in parentheses may hold spaces and parentheses: the state follows the last ")".
+    return stat[stat.rfind(b")") + 2:][:1].decode() or None

@@ -13,8 +13,9 @@
 #   scripts/slurm/local-cluster.sh status   which daemons run, and sinfo
 #
 # Idempotent: `start` on a running cluster only waits for the node; `stop` on a stopped one does
-# nothing. A `start` with another NODES than the running cluster's restarts slurmctld and slurmd. Needs root. It writes /etc/slurm/slurm.conf only when that file is absent or was
-# written by this script (it carries the marker line below), so a real cluster's config is never
+# nothing; a `start` with another NODES than the running cluster's restarts slurmctld and slurmd.
+# Needs root. It writes /etc/slurm/slurm.conf only when that file is absent or was written by
+# this script (it carries the marker line below), so a real cluster's config is never
 # overwritten.
 #
 # Exit codes: 0 done; 2 usage; 3 this machine cannot run the cluster (not root, no apt-get to
