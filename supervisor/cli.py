@@ -20,7 +20,7 @@ from typing import Annotated, Any
 
 import typer
 
-from supervisor import __version__
+from supervisor import __version__, reaper
 from supervisor.commands.fast_typer import FastTyper
 from supervisor.errors import RtrainError
 
@@ -369,6 +369,7 @@ def report(
 
 
 def main() -> None:
+    reaper.enable()  # rtrain is its own process: orphans adopted below it are its to reap
     app(prog_name="rtrain")
 
 

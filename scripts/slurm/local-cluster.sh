@@ -4,12 +4,18 @@
 #   scripts/slurm/local-cluster.sh start    install slurm-wlm + munge if missing (apt), write the
 #                                           config for this host, start munged, slurmctld, slurmd,
 #                                           wait until the node is idle
+#   NODES=2 scripts/slurm/local-cluster.sh start
+#                                           the same with two nodes, <host>-1 and <host>-2: one
+#                                           slurmd per node on this host (`slurmd -N`), each on
+#                                           its own port, with a share of the CPUs and memory;
+#                                           for train-multinode.sbatch
 #   scripts/slurm/local-cluster.sh stop     stop the daemons this script started (pid files)
 #   scripts/slurm/local-cluster.sh status   which daemons run, and sinfo
 #
 # Idempotent: `start` on a running cluster only waits for the node; `stop` on a stopped one does
-# nothing. Needs root. It writes /etc/slurm/slurm.conf only when that file is absent or was
-# written by this script (it carries the marker line below), so a real cluster's config is never
+# nothing; a `start` with another NODES than the running cluster's restarts slurmctld and slurmd.
+# Needs root. It writes /etc/slurm/slurm.conf only when that file is absent or was written by
+# this script (it carries the marker line below), so a real cluster's config is never
 # overwritten.
 #
 # Exit codes: 0 done; 2 usage; 3 this machine cannot run the cluster (not root, no apt-get to
@@ -25,6 +31,9 @@ CTLD_PID=/run/slurmctld.pid
 SLURMD_PID=/run/slurmd.pid
 LOG_DIR=/var/log/slurm
 READY_TIMEOUT_S=${READY_TIMEOUT_S:-60}
+NODES=${NODES:-1}
+case "$NODES" in ''|*[!0-9]*|0) echo "NODES=$NODES: give a number of nodes, 1 or more" >&2; exit 2 ;; esac
+NODE_PORT_BASE=6830  # node i's slurmd listens on NODE_PORT_BASE + i (several nodes only)
 
 say() { echo "local-cluster: $*" >&2; }
 cannot() { say "cannot start: $*"; exit 3; }
@@ -51,6 +60,17 @@ install_packages() {
   rm -f "$log"
 }
 
+node_names() {  # the cluster's node names, one a line
+  local host i
+  host=$(hostname -s)
+  if [ "$NODES" = 1 ]; then echo "$host"; return; fi
+  for i in $(seq "$NODES"); do echo "$host-$i"; done
+}
+
+slurmd_pidfile() {  # slurmd_pidfile NODE
+  if [ "$NODES" = 1 ]; then echo "$SLURMD_PID"; else echo "/run/slurmd-$1.pid"; fi
+}
+
 write_config() {
   local host cpus mem
   host=$(hostname -s)
@@ -64,7 +84,19 @@ write_config() {
     cannot "$CONF exists and was not written by this script; not overwriting a real cluster's config"
   fi
   mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd "$LOG_DIR"
-  local tmp="$CONF.tmp.$$"
+  local tmp="$CONF.tmp.$$" nodes spool=/var/spool/slurmd pidfile=$SLURMD_PID
+  local slurmd_log=$LOG_DIR/slurmd.log
+  if [ "$NODES" = 1 ]; then
+    nodes="NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN"
+  else
+    # Several slurmd on one host: each its own port, spool dir, pid file and log (%n: the node).
+    spool=/var/spool/slurmd/%n pidfile=/run/slurmd-%n.pid slurmd_log=$LOG_DIR/slurmd-%n.log
+    cpus=$(( cpus / NODES > 0 ? cpus / NODES : 1 ))
+    mem=$(( mem / NODES ))
+    nodes=$(for i in $(seq "$NODES"); do
+      echo "NodeName=$host-$i NodeHostname=$host NodeAddr=127.0.0.1 Port=$((NODE_PORT_BASE + i)) CPUs=$cpus RealMemory=$mem State=UNKNOWN"
+    done)
+  fi
   cat >"$tmp" <<CONF
 $MARKER
 ClusterName=local
@@ -76,17 +108,22 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 SlurmUser=root
 StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
+SlurmdSpoolDir=$spool
 SlurmctldPidFile=$CTLD_PID
-SlurmdPidFile=$SLURMD_PID
+SlurmdPidFile=$pidfile
 SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
+SlurmdLogFile=$slurmd_log
 ReturnToService=2
 JobRequeue=1
 MpiDefault=none
-NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
+$nodes
+PartitionName=debug Nodes=$(node_names | paste -sd, -) Default=YES MaxTime=INFINITE State=UP
 CONF
+  if [ -e "$CONF" ] && ! cmp -s "$tmp" "$CONF" && running "$CTLD_PID"; then
+    say "the node set changed: restarting slurmctld and slurmd"
+    stop_slurmds
+    stop_pidfile slurmctld "$CTLD_PID"
+  fi
   mv "$tmp" "$CONF"
 }
 
@@ -114,9 +151,36 @@ start_daemon() {  # start_daemon NAME PIDFILE LOG
   "$name" || { tail -n 5 "$log" >&2 2>/dev/null || true; cannot "$name would not start"; }
 }
 
+start_slurmds() {
+  local node pidfile
+  if [ "$NODES" = 1 ]; then
+    start_daemon slurmd "$SLURMD_PID" "$LOG_DIR/slurmd.log"
+    return
+  fi
+  for node in $(node_names); do
+    pidfile=$(slurmd_pidfile "$node")
+    running "$pidfile" && continue
+    mkdir -p "/var/spool/slurmd/$node"
+    slurmd -N "$node" || { tail -n 5 "$LOG_DIR/slurmd-$node.log" >&2 2>/dev/null || true
+                            cannot "slurmd -N $node would not start"; }
+  done
+}
+
+stop_slurmds() {  # every slurmd this script may have started, one node or several
+  local pidfile
+  for pidfile in "$SLURMD_PID" /run/slurmd-*.pid; do
+    [ -e "$pidfile" ] && stop_pidfile "slurmd ($(basename "$pidfile" .pid))" "$pidfile"
+  done
+  return 0
+}
+
 wait_idle() {
-  local host deadline state
-  host=$(hostname -s)
+  local host
+  for host in $(node_names); do wait_node_idle "$host"; done
+}
+
+wait_node_idle() {  # wait_node_idle NODE
+  local host=$1 deadline state
   deadline=$((SECONDS + READY_TIMEOUT_S))
   while :; do
     state=$(sinfo -h -n "$host" -o %t 2>/dev/null | head -n 1 || true)
@@ -126,7 +190,7 @@ wait_idle() {
         scontrol update NodeName="$host" State=RESUME >/dev/null 2>&1 || true ;;
     esac
     if [ "$SECONDS" -ge "$deadline" ]; then
-      tail -n 5 "$LOG_DIR/slurmd.log" "$LOG_DIR/slurmctld.log" >&2 2>/dev/null || true
+      tail -n 5 "$LOG_DIR"/slurmd*.log "$LOG_DIR/slurmctld.log" >&2 2>/dev/null || true
       cannot "node $host not idle after ${READY_TIMEOUT_S} s (state: ${state:-none})"
     fi
     sleep 0.5
@@ -154,11 +218,11 @@ case "${1:-}" in
     write_config
     start_munge
     start_daemon slurmctld "$CTLD_PID" "$LOG_DIR/slurmctld.log"
-    start_daemon slurmd "$SLURMD_PID" "$LOG_DIR/slurmd.log"
+    start_slurmds
     wait_idle
     ;;
   stop)
-    stop_pidfile slurmd "$SLURMD_PID"
+    stop_slurmds
     stop_pidfile slurmctld "$CTLD_PID"
     stop_pidfile munged "$MUNGE_PID"
     ;;
@@ -167,10 +231,16 @@ case "${1:-}" in
       if running "${d#*:}"; then echo "${d%%:*}: running (pid $(cat "${d#*:}"))"
       else echo "${d%%:*}: stopped"; fi
     done
+    for f in /run/slurmd-*.pid; do  # the nodes of a NODES=N cluster
+      [ -e "$f" ] || continue
+      node=${f#/run/slurmd-}
+      if running "$f"; then echo "slurmd -N ${node%.pid}: running (pid $(cat "$f"))"
+      else echo "slurmd -N ${node%.pid}: stopped"; fi
+    done
     if running "$CTLD_PID"; then sinfo; fi
     ;;
   *)
-    echo "usage: $0 start|stop|status" >&2
+    echo "usage: [NODES=N] $0 start|stop|status" >&2
     exit 2
     ;;
 esac

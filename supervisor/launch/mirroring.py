@@ -24,6 +24,7 @@ from typing import IO, Any
 from supervisor.config import Config
 from supervisor.errors import UsageError
 from supervisor.proc.spawn import pdeathsig_preexec
+from supervisor.reaper import own
 from supervisor.records.events import EventLog
 from supervisor.remote.uploader import Spec
 
@@ -74,6 +75,7 @@ class Mirroring:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 # Its own session: a Ctrl-C at the terminal reaches rtrain, which decides.
                 start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))
+            own(self.proc)
         threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True,
                          name="rtrain-mirror-reader").start()
 

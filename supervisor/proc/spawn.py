@@ -22,6 +22,7 @@ from typing import BinaryIO
 
 from supervisor.fsio import STORAGE_ERRNOS
 from supervisor.proc.logcap import CappedLog
+from supervisor.reaper import own
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,7 @@ def spawn(spec: ChildSpec) -> Child:
             start_new_session=True,
             preexec_fn=_preexec(os.getpid(), cgroup_procs),
         )
+        own(popen)
     except BaseException:
         for fd in (out_r, err_r):
             os.close(fd)

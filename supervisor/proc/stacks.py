@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from supervisor.reaper import own
+
 
 def find_pyspy() -> str | None:
     found = shutil.which("py-spy")
@@ -75,7 +77,8 @@ def dump_stacks(
         argv = [pyspy, "dump", "--pid", str(pid)] + (["--nonblocking"] if stopped else [])
         path = attempt_dir / f"stacks-pyspy-{pid}.txt"
         with open(path, "wb") as out:
-            running.append((subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT), path))
+            running.append((own(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)),
+                            path))
     deadline = time.monotonic() + timeout_s
     for proc, _ in running:
         try:

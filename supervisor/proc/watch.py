@@ -48,6 +48,7 @@ from supervisor.proc.watch_outcome import (
 from supervisor.proc.watch_pressure import PressureNote, PressureWatch
 from supervisor.proc.watch_stop import Stopping, drain_pipes
 from supervisor.protocol import DUMP_SIGNAL, RELIEVE_SIGNAL, Heartbeat
+from supervisor.reaper import reap_orphans
 
 if TYPE_CHECKING:
     from supervisor.config import Config, PressureConfig
@@ -274,6 +275,7 @@ class _Watch:
         self.stop.begin(self.clock(), self.config.hang_grace_s)
 
     def _sample(self, now: float) -> None:
+        reap_orphans()  # adopted orphans that exited since the last sample (PID 1 in a container)
         tree = self.tree.sample(now)
         if tree.cpu_progress:
             self.hang.activity(now)

@@ -34,6 +34,7 @@ from typing import IO, Any
 from supervisor.ckpt.hashing import SECRET_ENV
 from supervisor.event_schema import Kind
 from supervisor.hookspec import HookSpec
+from supervisor.reaper import own
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class HookRunner:
                 proc = subprocess.Popen(list(hook.command), stdin=stdin,
                                         stdout=subprocess.DEVNULL, stderr=stderr, cwd=self.cwd,
                                         env=env, start_new_session=True)
+                own(proc)
             except OSError as err:
                 stderr.close()
                 self._failed(hook, event, f"cannot run {hook.command[0]!r}: "

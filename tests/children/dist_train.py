@@ -1,12 +1,14 @@
 """A 2-rank (gloo, CPU) training loop the way people write one, for the distributed tests.
 
 usage: dist_train.py OUT_PREFIX TOTAL_STEPS [--fsdp] [--every N] [--die-at S --die-rank R]
-                     [--workers W] [--sleep S]
+                     [--workers W] [--step-sleep S]
 Writes OUT_PREFIX-rank<R>.pt (the rank's local model/optimizer state and RNG) at the end.
 --die-at: in attempt 0, rank R writes an exit record and SIGKILLs itself after step S.
 --workers: each rank loads its share through a DistributedResumableSampler and a DataLoader with
 W worker processes handed to the Checkpointer (default: one global loader, sliced per rank).
---sleep: seconds of sleep after each step (a node can be lost mid-run).
+--step-sleep (or --sleep): sleep S seconds per step (a run long enough to be stopped from outside,
+or to lose a node mid-run), and append each executed step to OUT_PREFIX-rank<R>.steps (what a
+stop test counts lost steps with).
 """
 
 import argparse
@@ -32,7 +34,7 @@ p.add_argument("--die-at", type=int, default=0)
 p.add_argument("--die-rank", type=int, default=1)
 p.add_argument("--width", type=int, default=32)
 p.add_argument("--workers", type=int, default=-1)
-p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--step-sleep", "--sleep", dest="step_sleep", type=float, default=0.0)
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -80,7 +82,10 @@ while step < args.total:
         opt.step()
         sched.step()
         step += 1
-        time.sleep(args.sleep)
+        if args.step_sleep:
+            with open(f"{args.out}-rank{rank}.steps", "a") as f:
+                f.write(f"{attempt} {step}\n")
+            time.sleep(args.step_sleep)
         ckpt.maybe_save(step, metrics={"loss": loss.item()})
         if step == args.die_at and rank == args.die_rank and attempt == 0:
             worker.write_exit_record("crash", f"injected kill of rank {rank}", step=step)

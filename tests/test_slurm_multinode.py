@@ -1,0 +1,117 @@
+"""`scripts/slurm/train-multinode.sbatch` on a real two-node Slurm: two slurmd daemons on this
+host (`NODES=2 scripts/slurm/local-cluster.sh start`, `slurmd -N <node>`), one rtrain per node
+started by srun, the two ranks meeting at the rendezvous on the first node's address.
+
+The job is preempted with `scancel --signal=TERM` (the signal `--signal=TERM@120` sends before
+the time limit, to every process of the step on every node): both ranks save at one step,
+the first node's rtrain requeues the job, and the requeued job resumes both ranks at the next
+step. Skipped, with the reason, where the cluster cannot start; RTRAIN_REQUIRE_SLURM=1 makes
+that a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import CHILDREN, REPO
+from test_slurm import CANNOT_START, CLUSTER, Job, _events, _job_field, _slurm, _wait
+
+MULTI = REPO / "scripts" / "slurm" / "train-multinode.sbatch"
+TOTAL = 40
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(sys.platform != "linux", reason="the Slurm test needs Linux")]
+
+
+def _cluster(action: str, timeout: float, nodes: int) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER), action], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "NODES": str(nodes)})
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[None]:
+    """A running two-node cluster on this host; stopped afterwards unless it ran before."""
+    before = _cluster("status", 30, 2).stdout
+    was_running = before.count(": running") >= 4  # munged, slurmctld, two slurmd -N
+    r = _cluster("start", 300, 2)
+    if r.returncode == CANNOT_START:
+        reason = f"no local two-node Slurm cluster: {r.stderr.strip().splitlines()[-1]}"
+        if os.environ.get("RTRAIN_REQUIRE_SLURM") == "1":
+            pytest.fail(f"{reason}\n{r.stderr}")
+        pytest.skip(reason)
+    try:
+        assert r.returncode == 0, f"NODES=2 local-cluster.sh start failed:\n{r.stderr}"
+        yield
+    finally:
+        if not was_running:
+            _cluster("stop", 60, 2)
+
+
+def _steps(out: Path, rank: int) -> list[tuple[int, int]]:
+    """(attempt, step) of each step rank `rank` executed (dist_train.py --step-sleep)."""
+    path = Path(f"{out}-rank{rank}.steps")
+    text = path.read_text() if path.exists() else ""
+    return [tuple(map(int, line.split())) for line in text.splitlines() if line]
+
+
+def test_two_node_job_preempted_saves_on_both_nodes_requeues_once_and_resumes(two_nodes,
+                                                                               tmp_path):
+    out = tmp_path / "out"
+    j = Job(tmp_path, str(CHILDREN / "dist_train.py"), str(out), str(TOTAL), "--step-sleep",
+            "0.3", script=MULTI)
+    nodes = [j.run / "node-0", j.run / "node-1"]
+
+    def diagnose() -> str:
+        parts = [j.diagnose()]
+        for node in nodes:
+            for p in (node / "events.jsonl", *sorted(node.glob("attempts/*/stderr.log"))):
+                parts.append(f"--- {p}:\n{p.read_text()[-3000:] if p.exists() else '(missing)'}")
+        return "\n".join(parts)
+
+    try:
+        _wait("both nodes stepping (step 5)",
+              lambda: all(any(s >= 5 for _, s in _steps(out, r)) for r in (0, 1)), 120, diagnose)
+        # What --signal=TERM@120 does before the time limit: every process of the step, on
+        # every node, gets SIGTERM (not the batch shell).
+        _slurm("scancel", "--signal=TERM", j.id)
+        _wait("saved, requeued by the first node's rtrain",
+              lambda: any(e["kind"] == "requeue" for e in _events(nodes[0]))
+              and _job_field(j.id, "JobState") == "PENDING", 90, diagnose)
+        assert _job_field(j.id, "Restarts") == "1"
+        last = {r: _steps(out, r)[-1] for r in (0, 1)}
+        assert last[0] == last[1], f"the ranks stopped at different steps: {last}"
+        stopped_at = last[0][1]
+        assert stopped_at < TOTAL
+        for node in nodes:
+            (cls,) = [e for e in _events(node) if e["kind"] == "classification"]
+            assert cls["failure"] == "preempted", diagnose()
+        assert not [e for e in _events(nodes[1]) if e["kind"] == "requeue"], \
+            "only the first node's rtrain requeues the job"
+        ckpts = j.run / "checkpoints"
+        assert (ckpts / f"checkpoint-{stopped_at}" / "manifest.json").exists(), diagnose()
+
+        time.sleep(2.0)  # not in the second of the requeue (see test_slurm.py)
+        _slurm("scontrol", "update", f"JobId={j.id}", "StartTime=now")
+        _wait("the requeued job finished",
+              lambda: _job_field(j.id, "JobState") not in ("PENDING", "RUNNING", "CONFIGURING",
+                                                           "COMPLETING"), 180, diagnose)
+    finally:
+        j.cancel()
+
+    text = j.log.read_text()
+    assert "SLURM_RESTART_COUNT=0" in text and "SLURM_RESTART_COUNT=1" in text, text
+    for node in nodes:
+        launches = [e for e in _events(node) if e["kind"] == "launch"]
+        assert [e["slurm"]["restart_count"] for e in launches] == [0, 1], diagnose()
+        assert launches[1]["resume_from"].endswith(f"checkpoint-{stopped_at}")
+        assert [e for e in _events(node) if e["kind"] == "finished"], diagnose()
+    for rank in (0, 1):
+        steps = _steps(out, rank)
+        assert next(s for a, s in steps if a == 1) == stopped_at + 1, steps
+        assert [s for _, s in steps] == list(range(1, TOTAL + 1)), "a step lost or repeated"
