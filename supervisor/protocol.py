@@ -62,7 +62,9 @@ class Heartbeat:
     committed as an exception ended the process), `cadence` (with `cadence`: the save interval
     `every_steps="auto"` chose, worker/cadence.py), `backoff` (with `settings`), `relieved`
     (after a relieve request: `reason` says what was freed, `settings` what the worker now
-    uses) or `stop`."""
+    uses) or `stop`. The first `start` (the worker installed) carries `started`, the unix time
+    the script began in this process; the one `Checkpointer.restore` sends carries `restore_s`,
+    the seconds the checkpoint load took (the cost of a failure, records/recovery.py)."""
 
     pid: int
     rank: int
@@ -76,6 +78,8 @@ class Heartbeat:
     settings: dict[str, Any] | None = None  # settings the worker actually uses (after back-off)
     reason: str | None = None  # save_skipped: why not written; saved_at_failure: exception type
     cadence: dict[str, Any] | None = None  # cadence: `Cadence.fields()`
+    started: float | None = None  # first start: unix time the script began in this process
+    restore_s: float | None = None  # restore's start: seconds the checkpoint load took
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:

@@ -62,8 +62,11 @@ from supervisor.proc.signals import SignalCatcher
 from supervisor.proc.spawn import ChildSpec
 from supervisor.proc.watch import Sample, WatchConfig
 from supervisor.proc.watch_outcome import Outcome
+from supervisor.protocol import Heartbeat
+from supervisor.records import recovery
 from supervisor.records.events import EventLog, EventLogError
 from supervisor.records.lock import RunLock
+from supervisor.records.recovery import RecoveryTracker
 from supervisor.records.runstate import RunStatus
 from supervisor.records.timeline import Timeline, read_timeline
 
@@ -127,8 +130,9 @@ class Loop:
         # relaunch must not re-read a log that grows by a summary every few seconds for weeks.
         self.timeline = _read_timeline(run_dir / "events.jsonl")
         follow = [self.timeline.add] if self.timeline is not None else []
+        self.recovery = RecoveryTracker()  # what each failure costs; emitted by _recoveries
         self.events = EventLog(run_dir / "events.jsonl", clock=seams.wall,
-                               listeners=[*self.observers.listeners, *follow],
+                               listeners=[*self.observers.listeners, *follow, self.recovery],
                                mode=self.cfg.file_mode)
         self.observers.attach(self.events)
         self.say = self.observers.say
@@ -207,6 +211,7 @@ class Loop:
         outcome, duration_s = self._attempt(history.attempt, settings, chosen, signals)
         committed = self.checkpoints.committed_since(started, resumed)
         decision = self._decide(outcome, history, resumed, duration_s, committed, chosen)
+        self._recoveries()  # an attempt that ended before its first step ends its recovery
         return decision, outcome.pids_seen
 
     def _attempt(self, attempt: int, settings: dict[str, Any], chosen: Verdict | None,
@@ -231,6 +236,7 @@ class Loop:
         wall = self.wall_clock.plan(self.seams.wall())  # the scheduler's times: before the spawn
         self.observers.attempt_started(attempt, plan.attempt_dir, level)
         line = self.observers.line
+        spawn_at = self.seams.wall()  # a failure's cost: from here the new child is starting
         child = self.seams.spawn(ChildSpec(
             argv=argv, env=env, cwd=self.spec.cwd, attempt_dir=plan.attempt_dir,
             echo=self.spec.echo, log_cap_bytes=int(self.cfg.log_cap_mb * 2**20),
@@ -241,7 +247,8 @@ class Loop:
                  f"{json.dumps(settings)}")
         self.events.emit("launch", attempt=attempt, argv=argv, settings=settings, level=level,
                          resume_from=plan.resume_from, pid=child.pid,
-                         ckpt_dir=str(self.ckpt_dir), **slurm_field(wall))
+                         ckpt_dir=str(self.ckpt_dir), spawn_at=round(spawn_at, 6),
+                         **slurm_field(wall))
         self._say_wall(wall)
         t0 = self.seams.monotonic()
         stop_at = None if wall is None or wall.stop_at is None else (
@@ -249,7 +256,7 @@ class Loop:
         outcome = self.seams.watch(
             child, self.watch_cfg, heartbeats=self.hb, gpu=self.gpu, signals=signals,
             tree=ProcTree(exclude=self._helper_pids),
-            on_heartbeat=lambda hb: self.observers.heartbeat(attempt, hb),
+            on_heartbeat=lambda hb: self._heartbeat(attempt, hb),
             on_sample=self._on_sample, stop_at=stop_at, stop_why=WALL_CLOCK,
             on_pressure=lambda note: self.observers.pressure(attempt, note))
         child.close()
@@ -257,6 +264,17 @@ class Loop:
         self.wall_clock.note(measured(outcome))
         self.procs.update([])  # swept
         return outcome, self.seams.monotonic() - t0
+
+    def _heartbeat(self, attempt: int, hb: Heartbeat) -> None:
+        self.observers.heartbeat(attempt, hb)
+        self.recovery.heartbeat(attempt, hb)
+        self._recoveries()
+
+    def _recoveries(self) -> None:
+        """Record what the failures whose recovery just ended cost."""
+        for r in self.recovery.take():
+            self.events.emit("recovery", **r)
+            self.say(f"cost of the {recovery.describe(r)}")
 
     def _failure_record(self) -> tuple[int | None, float | None]:
         """The run's work-losing failures and seconds run so far (earlier launches included);

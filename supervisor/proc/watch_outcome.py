@@ -63,6 +63,7 @@ class Outcome:
     stack_files: list[Path] = field(default_factory=list)
     failed_devices: tuple[DeviceHealth, ...] = ()  # the health gate's failed readings
     stop_s: float | None = None  # from the stop signal to the child's exit, when stopped
+    exited_at: float | None = None  # unix time the watch saw the child end
 
 
 @dataclass(frozen=True)
