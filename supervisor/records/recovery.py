@@ -21,9 +21,13 @@ and the supervisor read the same host clock):
 - first step: rank 0's first `step` heartbeat.
 
 An unknown phase's time goes to the next known one, so the phases known always add up to
-`total_s`. Work lost: the failed attempt's last step minus the step the relaunch resumed from
-(the restore's, else the launch's checkpoint), times the run's step time (the mean interval
-between step heartbeats of the latest attempt that had two). `lost_s` = `total_s` + that.
+`total_s`. A relaunched attempt that ends before its first step ends its recovery there
+(`complete` false); one that sent no heartbeat at all (a script without the worker library)
+gives nothing to measure and records none.
+
+Work lost: the failed attempt's last step minus the step the relaunch resumed from (the
+restore's, else the launch's checkpoint), times the run's step time (the mean interval between
+step heartbeats of the latest attempt that had two). `lost_s` = `total_s` + that.
 
 `RecoveryTracker` follows the events (an EventLog listener) and rank 0's heartbeats and holds
 the finished records for the caller to emit (`take`): listeners never emit. `breakdown` and
@@ -184,10 +188,13 @@ class RecoveryTracker:
             mean = steps.mean_s() if steps is not None else None
             self._step_time = mean if mean is not None else self._step_time
             if p is not None and p.attempt is not None and p.attempt == attempt:
-                # Ended before its first step: the cost so far, up to this ending.
-                ended = self._marks_of_exit(Marks(failure="", failed_attempt=-1), event)
-                p.ended_at = ended.failed_at() or _num(event.get("time"))
-                self._finish()
+                self._pending = None
+                if p.first_report_at is not None:
+                    # It ended before its first step: the cost up to this ending. (Without a
+                    # heartbeat at all the script does not report steps: nothing to measure.)
+                    ended = self._marks_of_exit(Marks(failure="", failed_attempt=-1), event)
+                    p.ended_at = ended.failed_at() or _num(event.get("time"))
+                    self._ready.append(breakdown(p))
         elif kind == Kind.CLASSIFICATION and self._exit is not None \
                 and _int(self._exit.get("attempt")) == attempt and attempt is not None:
             m = Marks(failure=str(event.get("failure") or "unnamed"), failed_attempt=attempt,
@@ -231,12 +238,8 @@ class RecoveryTracker:
             p.restored_step = _int(hb.step) if hb.step is not None else 0
         if hb.event == "step" and hb.step is not None:
             p.first_step_at = at
-            self._finish()
-
-    def _finish(self) -> None:
-        assert self._pending is not None
-        self._ready.append(breakdown(self._pending))
-        self._pending = None
+            self._ready.append(breakdown(p))
+            self._pending = None
 
     def take(self) -> list[Event]:
         """The recovery records finished since the last call, oldest first."""
