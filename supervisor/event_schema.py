@@ -69,7 +69,7 @@ class KindSpec:
 KINDS: dict[Kind, KindSpec] = {
     Kind.LAUNCH: KindSpec(
         fields=("attempt", "argv", "settings", "level", "resume_from", "pid", "ckpt_dir"),
-        optional=("slurm", "spawn_at"), durable=True, meaning="an attempt was started"),
+        optional=("slurm", "spawn_at", "spawn_s"), durable=True, meaning="an attempt was started"),
     Kind.SKIPPED_CHECKPOINT: KindSpec(
         fields=("path", "reason"),
         meaning="resume selection passed over a checkpoint, or a worker could not load it"),

@@ -241,6 +241,7 @@ class Loop:
             argv=argv, env=env, cwd=self.spec.cwd, attempt_dir=plan.attempt_dir,
             echo=self.spec.echo, log_cap_bytes=int(self.cfg.log_cap_mb * 2**20),
             echo_through=line.write_through if line else None))
+        spawn_s = self.seams.wall() - spawn_at  # returns once the child exec'd
         self.procs.update([child.pid])
         how = f"from {chosen.path.name}" if chosen else "fresh"
         self.say(f"attempt {attempt}: launched pid {child.pid} ({how}), settings "
@@ -248,7 +249,7 @@ class Loop:
         self.events.emit("launch", attempt=attempt, argv=argv, settings=settings, level=level,
                          resume_from=plan.resume_from, pid=child.pid,
                          ckpt_dir=str(self.ckpt_dir), spawn_at=round(spawn_at, 6),
-                         **slurm_field(wall))
+                         spawn_s=round(spawn_s, 6), **slurm_field(wall))
         self._say_wall(wall)
         t0 = self.seams.monotonic()
         stop_at = None if wall is None or wall.stop_at is None else (

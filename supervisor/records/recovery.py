@@ -14,8 +14,9 @@ and the supervisor read the same host clock):
 - spawning: the supervisor starts the next child (`launch.spawn_at`); in between, the decision,
   state.json, the checkpoint pick and the GPU release wait (`decision`) and the backoff the
   policy chose (`backoff`, its own column: a choice, not overhead);
-- script running: the worker's `started` (the process's start, or `runtime.mark_script_start`
-  where an interpreter started earlier runs the script), else the `launch` event;
+- script running: the later of the process's exec (`launch.spawn_at` + `spawn_s`) and the
+  worker's `started` (the process's start, to the clock tick, or `runtime.mark_script_start`
+  where an interpreter started earlier runs the script); else the `launch` event;
 - restore begins / restored: the `restore_s` heartbeat `Checkpointer.restore` sends; without
   one, `imports` ends at the worker's first heartbeat and `restore` is unknown;
 - first step: rank 0's first `step` heartbeat.
@@ -79,6 +80,8 @@ class Marks:
     attempt: int | None = None
     """The relaunched attempt."""
     spawn_at: float | None = None
+    spawn_s: float | None = None
+    """The supervisor's spawn call, up to the exec (or the hand-over to a waiting process)."""
     launched_at: float | None = None
     resume_step: int | None = None
     """The step of the checkpoint the launch named (0: fresh; None: a name without a step)."""
@@ -109,8 +112,12 @@ def breakdown(m: Marks) -> Event:
     """The `recovery` event's fields for `m`: the phases (module docstring), the steps and the
     seconds lost."""
     start = m.failed_at()
-    running = m.launched_at if m.started_at is None else (
-        m.started_at if m.spawn_at is None else max(m.spawn_at, m.started_at))
+    # The script runs once the process is exec'd (the supervisor's spawn returned) and the
+    # worker says it started (a process's start is known to the clock tick only; an
+    # interpreter started ahead marks its hand-over itself): the later of the two.
+    spawned = (m.spawn_at + m.spawn_s if m.spawn_at is not None and m.spawn_s is not None
+               else m.spawn_at if m.started_at is not None else m.launched_at)
+    running = max((t for t in (spawned, m.started_at) if t is not None), default=None)
     restore_begins = (None if m.restored_at is None or m.restore_s is None
                       else m.restored_at - m.restore_s)
     # Each phase ends at a moment; None: not seen, its time goes to the next phase seen.
@@ -209,6 +216,7 @@ class RecoveryTracker:
         elif kind == Kind.LAUNCH and p is not None and p.attempt is None \
                 and attempt is not None and attempt != p.failed_attempt:
             p.attempt, p.spawn_at = attempt, _num(event.get("spawn_at"))
+            p.spawn_s = _num(event.get("spawn_s"))
             p.launched_at = _num(event.get("time"))
             p.resume_step = _resume_step(event.get("resume_from"))
 
