@@ -245,3 +245,24 @@ def test_metrics_file_has_seconds_lost_per_kind_and_the_last_phases(recovered):
     assert f'rtrain_failure_seconds_lost_total{{run_dir="{run}",kind="crash"}} 3.5' in text
     assert f'rtrain_last_recovery_seconds{{run_dir="{run}",phase="imports"}} 1.245' in text
     assert f'rtrain_last_recovery_seconds{{run_dir="{run}",phase="total"}} 3.3' in text
+
+
+def test_restore_tells_the_supervisor_how_long_the_load_took(tmp_path, monkeypatch):
+    import torch
+
+    import worker
+    from supervisor.proc.heartbeat import HeartbeatReceiver
+
+    with HeartbeatReceiver() as receiver:
+        monkeypatch.setenv("RTRAIN_HEARTBEAT", receiver.name)
+        first = worker.Checkpointer(model=torch.nn.Linear(4, 4), ckpt_dir=tmp_path, keep=None)
+        assert first.restore() == 0  # fresh: no step, which would say training started
+        first.save(3)
+        first.close()
+        second = worker.Checkpointer(model=torch.nn.Linear(4, 4), ckpt_dir=tmp_path)
+        assert second.restore() == 3
+        got = receiver.drain()
+    assert [(hb.event, hb.step) for hb in got if hb.restore_s is not None] == [
+        ("start", None), ("start", 3)]
+    assert all(0 < hb.restore_s < 30 for hb in got if hb.restore_s is not None)
+    assert got[0].event == "start" and got[0].started is not None  # the install's, first
