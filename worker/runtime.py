@@ -79,7 +79,7 @@ class _State:
         self.held: tuple[int | None, float | None, dict[str, Any]] | None = None  # throttled step
         self.relieve = threading.Event()  # a relieve request waits for the next step boundary
         self.on_pressure: list[Callable[[], Callable[[], str | None] | None]] = []  # weak refs
-        self.script_start: float | None = None  # set by mark_script_start (a standby)
+        self.script_start: float | None = None  # mark_script_start: a process started ahead
 
 
 _state = _State()
