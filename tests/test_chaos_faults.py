@@ -56,8 +56,8 @@ def test_hang_is_detected_within_the_timeout_stacks_dumped_and_relaunched(tmp_pa
 
     # What the hang cost, from rtrain's verdict on: the stack dump and the stop are its
     # teardown. The last step is the last heartbeat's (a killed process sends no held one).
-    [cost] = events(run, "recovery")
-    assert (cost["failure"], cost["complete"]) == ("hang", True)
+    cost = events(run, "recovery")[0]
+    assert (cost["failure"], cost["failed_attempt"], cost["complete"]) == ("hang", 0, True)
     assert events(run, "exit")[0]["hang_at"] == pytest.approx(detected_at, abs=1.0)
     assert all(cost[f"{p}_s"] is not None for p in PHASES) and cost["teardown_s"] > 0
     last = max(rec["step"] for rec in step_log(run) if rec.get("a") == 0 and "step" in rec)
