@@ -52,6 +52,10 @@ def test_each_phase_is_measured_in_order_and_they_add_up_to_what_the_script_saw(
                launch1["spawn_at"], launch1["spawn_at"] + launch1["spawn_s"], resumed["time"],
                first["time"]]
     assert moments == sorted(moments), moments
+    # The failure's moment is the worker's `exception` heartbeat, sent as the excepthook began,
+    # before the exit record it then wrote.
+    record = json.loads((run / "attempts" / "0" / "exit-rank0.json").read_text())
+    assert crash["time"] <= exit0["reported_at"] <= record["time"]
 
     # From the crash to the first resumed step, by the script's own clock and log.
     seen = first["time"] - crash["time"]

@@ -64,11 +64,13 @@ def record_exit(events: EventLog, attempt: int, outcome: Outcome, duration_s: fl
 
 def _ending_times(outcome: Outcome) -> dict[str, float]:
     """When the attempt ended, for the cost of a failure (records/recovery.py): the exit seen,
-    the hang declared, the first exit record a rank wrote (its failure, by its own clock)."""
+    the hang declared, and the failure as a rank reported it by its own clock (the first exit
+    record or `exception` heartbeat)."""
     ev = outcome.evidence
+    reports = [r.get("time") for r in ev.exit_records] + [outcome.heartbeats.exception_at]
     times = {"exited_at": outcome.exited_at, "hang_at": ev.hang_at,
-             "reported_at": min((r["time"] for r in ev.exit_records
-                                 if isinstance(r.get("time"), (int, float))), default=None)}
+             "reported_at": min((t for t in reports if isinstance(t, (int, float))),
+                                default=None)}
     return {k: round(v, 6) for k, v in times.items() if v is not None}
 
 
