@@ -7,9 +7,10 @@ and the supervisor read the same host clock):
     failed ─teardown─ exited ─detection─ classified ─decision, backoff─ spawning
       ─spawn─ script running ─imports─ restore begins ─restore─ restored ─first_step─ first step
 
-- failed: a hang declared by the watch, else the first exit record a rank wrote (its own
-  clock, as the exception ended it), else the exit; `teardown` (the failing process's way out:
-  interpreter shutdown, or the stack dump and stop of a hung one) is unknown without either;
+- failed: a hang declared by the watch, else the failure as a rank reported it by its own
+  clock (`exit.reported_at`: its `exception` heartbeat or exit record), else the exit;
+  `teardown` (the failing process's way out: a save at the failure and the interpreter's
+  shutdown, or the stack dump and stop of a hung one) is unknown without either;
 - exited: the watch saw the process end (`exit.exited_at`); classified: the `classification`;
 - spawning: the supervisor starts the next child (`launch.spawn_at`); in between, the decision,
   state.json, the checkpoint pick and the GPU release wait (`decision`) and the backoff the
