@@ -47,6 +47,7 @@ class Kind(str, Enum):
     MEMORY_PRESSURE = "memory_pressure"
     PRESSURE_RELIEVED = "pressure_relieved"
     WORLD_SIZE_CHANGED = "world_size_changed"
+    RECOVERY = "recovery"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,7 +70,7 @@ class KindSpec:
 KINDS: dict[Kind, KindSpec] = {
     Kind.LAUNCH: KindSpec(
         fields=("attempt", "argv", "settings", "level", "resume_from", "pid", "ckpt_dir"),
-        optional=("slurm",), durable=True, meaning="an attempt was started"),
+        optional=("slurm", "spawn_at", "spawn_s"), durable=True, meaning="an attempt was started"),
     Kind.SKIPPED_CHECKPOINT: KindSpec(
         fields=("path", "reason"),
         meaning="resume selection passed over a checkpoint, or a worker could not load it"),
@@ -81,7 +82,8 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.EXIT: KindSpec(
         fields=("attempt", "returncode", "signal", "duration_s", "last_step", "peak_rss_bytes",
                 "gpu_used_peak", "gpu_total", "leftovers"),
-        optional=("stop_s", "save_s", "step_s"), meaning="an attempt ended"),
+        optional=("stop_s", "save_s", "step_s", "exited_at", "hang_at", "reported_at"),
+        meaning="an attempt ended"),
     Kind.CLASSIFICATION: KindSpec(fields=("attempt", "failure", "reason"),
                                   meaning="what a failed attempt's failure was"),
     Kind.DECISION: KindSpec(
@@ -155,6 +157,13 @@ KINDS: dict[Kind, KindSpec] = {
         fields=("attempt", "world_size", "saved_world_size", "checkpoint"),
         meaning="the attempt's group has another number of ranks than the one that wrote the "
                 "checkpoint it resumed (a node lost, or one added)"),
+    Kind.RECOVERY: KindSpec(
+        fields=("attempt", "failed_attempt", "failure", "complete", "teardown_s", "detection_s",
+                "decision_s", "backoff_s", "spawn_s", "imports_s", "restore_s", "first_step_s",
+                "total_s", "last_step", "resumed_step", "steps_lost", "step_time_s",
+                "work_lost_s", "lost_s"),
+        meaning="what a failure cost: its phases up to the relaunched attempt's first step, "
+                "and the steps run again"),
 }
 DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
 HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)

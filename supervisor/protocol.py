@@ -71,7 +71,11 @@ class Heartbeat:
     `cadence` (with `cadence`: the save interval
     `every_steps="auto"` chose, worker/cadence.py), `backoff` (with `settings`), `relieved`
     (after a relieve request: `reason` says what was freed, `settings` what the worker now
-    uses) or `stop`."""
+    uses), `exception` (with `reason`: the type of the uncaught exception ending the process,
+    sent as it begins its way out) or `stop`. The first `start` (the worker installed) carries
+    `started`, the unix time the script began in this process; the one `Checkpointer.restore`
+    sends carries `restore_s`, the seconds the checkpoint load took (the cost of a failure,
+    records/recovery.py)."""
 
     pid: int
     rank: int
@@ -86,6 +90,8 @@ class Heartbeat:
     reason: str | None = None  # save_skipped: why not written; saved_at_failure: exception type
     cadence: dict[str, Any] | None = None  # cadence: `Cadence.fields()`
     world: int | None = None  # ranks in the group (torchrun's WORLD_SIZE), when under torchrun
+    started: float | None = None  # first start: unix time the script began in this process
+    restore_s: float | None = None  # restore's start: seconds the checkpoint load took
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:

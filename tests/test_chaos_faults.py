@@ -18,6 +18,7 @@ from chaos_util import (
 from harness import events
 
 from supervisor.ckpt.verify import Level, verify
+from supervisor.records.recovery import PHASES
 
 HANG_TIMEOUT_S = 3.0
 
@@ -52,6 +53,16 @@ def test_hang_is_detected_within_the_timeout_stacks_dumped_and_relaunched(tmp_pa
     assert events(run, "launch")[1]["resume_from"].endswith("/checkpoint-65")
     assert final_state_diff(run, ref) is None
     assert wait_gone(str(run)) == []
+
+    # What the hang cost, from rtrain's verdict on: the stack dump and the stop are its
+    # teardown. The last step is the last heartbeat's (a killed process sends no held one).
+    cost = events(run, "recovery")[0]
+    assert (cost["failure"], cost["failed_attempt"], cost["complete"]) == ("hang", 0, True)
+    assert events(run, "exit")[0]["hang_at"] == pytest.approx(detected_at, abs=1.0)
+    assert all(cost[f"{p}_s"] is not None for p in PHASES) and cost["teardown_s"] > 0
+    last = max(rec["step"] for rec in step_log(run) if rec.get("a") == 0 and "step" in rec)
+    assert cost["resumed_step"] == 65 and 65 < cost["last_step"] <= last
+    assert cost["steps_lost"] == cost["last_step"] - 65
 
 
 @pytest.mark.slow

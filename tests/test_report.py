@@ -54,6 +54,13 @@ def test_gather_reads_attempts_failures_degrade_and_checkpoints(demo_run):
     ckpts = sorted(m.step for m in rep.markers if m.kind == "checkpoint")
     assert ckpts == [20, 40, 60, 80, 100, 120]
     assert all(m.time for m in rep.markers if m.kind == "checkpoint")
+    # Each failure's cost: a script without Checkpointer.restore measures no restore; the
+    # steps since checkpoint-40 and checkpoint-80 were run again.
+    costs = {c.kind: c for c in rep.failure_costs}
+    assert sorted(costs) == ["crash", "oom_gpu"] and all(c.count == 1 for c in costs.values())
+    for c, failed_at in ((costs["crash"], failures[0][1]), (costs["oom_gpu"], failures[1][1])):
+        assert c.phases["restore"] is None and c.phases["imports"][0] > 0
+        assert c.steps_lost == failed_at - failed_at // 20 * 20 and c.lost_s > 0
     for attempt in (0, 1, 2):
         pts = [p for p in rep.points if p.attempt == attempt]
         assert len(pts) >= 2, attempt
@@ -104,7 +111,10 @@ def test_report_renders_curves_and_markers_in_chromium(demo_run, tmp_path):
                                                           "oom_gpu"]
     assert len(dom.find("g", "marker-degrade")) == 2
     assert len(dom.find("g", "marker-checkpoint")) == 12
-    assert len([t for t, a in dom.tags if t == "tr"]) == 1 + 3  # header + attempts
+    # Attempts: header + 3; time lost to failures: header + one row per kind.
+    costs = [a["data-failure"] for t, a in dom.tags if t == "tr" and "data-failure" in a]
+    assert sorted(costs) == ["crash", "oom_gpu"]
+    assert len([t for t, a in dom.tags if t == "tr"]) == 1 + 3 + 1 + 2
 
     png = tmp_path / "report.png"
     r = _chromium(page, tmp_path, f"--screenshot={png}", "--window-size=1200,900")

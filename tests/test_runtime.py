@@ -78,6 +78,25 @@ def test_install_is_idempotent_and_says_start(receiver):
     assert [hb.event for hb in receiver.drain()] == ["start"]
 
 
+def test_start_says_when_the_script_began(receiver):
+    import time
+
+    import psutil
+
+    # This process's start, from /proc/self/stat: psutil reads the same clock-tick count.
+    assert runtime.script_started() == pytest.approx(psutil.Process().create_time(), abs=1.5)
+    assert runtime.script_started() < time.time()
+    runtime.install()
+    [start] = receiver.drain()
+    assert start.started == pytest.approx(runtime.script_started(), abs=0.02)
+
+
+def test_a_process_that_runs_the_script_later_marks_its_start(receiver):
+    runtime.mark_script_start(1_800_000_000.5)  # e.g. an interpreter started ahead, handed it
+    runtime.install()
+    assert [hb.started for hb in receiver.drain()] == [1_800_000_000.5]
+
+
 def test_step_heartbeats_are_throttled_events_are_not(receiver, monkeypatch):
     now = [100.0]
     monkeypatch.setattr(runtime, "_clock", lambda: now[0])

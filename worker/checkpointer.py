@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -163,6 +164,7 @@ class Checkpointer:
         either.
         """
         from_supervisor = path is None and bool(os.environ.get(ENV_RESUME_FROM))
+        began = time.monotonic()  # the load's cost goes to the supervisor (restore_s)
         self._boundary = None  # the state is replaced: what was kept no longer describes it
         parts = self._parts()
         source = restore.Source(self.ckpt_dir, self.verify_level, self.key, self.allow_resize,
@@ -179,6 +181,8 @@ class Checkpointer:
             raise
         if loaded is None:
             log.info("no checkpoint to resume from in %s: starting fresh", self.ckpt_dir)
+            # No step: a step would tell the supervisor that training started (startup rule).
+            runtime.heartbeat(event="start", restore_s=time.monotonic() - began)
             return 0
         m = loaded.manifest
         for w in restore.environment_changes(m.get("environment", {}), environment(self.model)):
@@ -187,7 +191,7 @@ class Checkpointer:
         self.extra = loaded.extra
         self._clock.resumed(self.step, parts.samples())
         log.info("resumed from %s (step %d, epoch %d)", loaded.path, self.step, self.epoch)
-        runtime.heartbeat(step=self.step, event="start")
+        runtime.heartbeat(step=self.step, event="start", restore_s=time.monotonic() - began)
         return self.step
 
     def maybe_save(self, step: int, *, metrics: dict[str, float] | None = None,

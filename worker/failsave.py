@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from worker import hang_save
+from worker import hang_save, runtime
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,9 @@ def watch(ckpt: Any) -> None:
     previous = sys.excepthook
 
     def hook(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
+        # When the failure happened, for its cost: the way out (this save, the interpreter's
+        # shutdown) is part of it.
+        runtime.heartbeat(event="exception", reason=tp.__name__)
         # Ctrl-C means now: not even a save in flight is waited for (decide says the same).
         for c in list(_watched) if isinstance(exc, Exception) else []:
             try:

@@ -79,6 +79,7 @@ class _State:
         self.held: tuple[int | None, float | None, dict[str, Any]] | None = None  # throttled step
         self.relieve = threading.Event()  # a relieve request waits for the next step boundary
         self.on_pressure: list[Callable[[], Callable[[], str | None] | None]] = []  # weak refs
+        self.script_start: float | None = None  # mark_script_start: a process started ahead
 
 
 _state = _State()
@@ -152,7 +153,31 @@ def install() -> None:
         sock.setblocking(False)
         _state.sock, _state.addr = sock, socket_address(address)
         atexit.register(_send_held)
-    heartbeat(event="start")
+    heartbeat(event="start", started=script_started())
+
+
+def mark_script_start(at: float | None = None) -> None:
+    """Say that the training script starts now (unix time `at`) in this process. For a process
+    that runs the script later than its own start, such as an interpreter started ahead and
+    handed the attempt: call it just before the script runs. Without it the process's start
+    counts (`script_started`)."""
+    _state.script_start = time.time() if at is None else at
+
+
+def script_started() -> float | None:
+    """Unix time the training script began in this process: `mark_script_start`'s, else the
+    process's start (/proc/self/stat, to the clock tick); None where neither is known."""
+    if _state.script_start is not None:
+        return _state.script_start
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        # Field 22, starttime, in clock ticks since boot; the name in field 2 may hold spaces.
+        ticks = int(stat.rsplit(b")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - max(0.0, age)
 
 
 def should_stop() -> bool:

@@ -11,6 +11,8 @@ writes nothing but the report; safe beside a live supervisor. Sources:
 - checkpoints: committed `checkpoint-<step>` dirs now on disk (step and the manifest's commit
   time), plus `skipped_checkpoint` events and dirs whose manifest does not load (bad ones);
 - attempts: `launch` / `exit` / `classification` / `decision` events per attempt number;
+- time lost to failures: `recovery` events per failure kind (count, each phase's total and
+  mean, steps run again, seconds lost);
 - saves: the count of `save_skipped` events, the newest checkpoint's age, and the warning of
   a run that ended with its final state unsaved (`final_state_unsaved`).
 """
@@ -26,6 +28,7 @@ from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.layout import list_checkpoints, parse_step
 from supervisor.commands.status import finite, json_safe, summarize
 from supervisor.event_schema import Kind
+from supervisor.records.recovery import KindCost, costs_by_kind
 from supervisor.records.timeline import AttemptRecord, failure_kind, read_timeline
 
 
@@ -88,6 +91,8 @@ class Report:
     """Why the run's final state is in no checkpoint, when its last ending said so."""
     mirror: dict[str, Any] | None = None
     """With a mirror: what `rtrain status` says of it (uploaded step, lag, final upload)."""
+    failure_costs: list[KindCost] = field(default_factory=list)
+    """Time lost to failures, per kind: the `recovery` events folded (records/recovery.py)."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -145,6 +150,7 @@ def gather(run_dir: Path, *, key: bytes | None = None, now: float | None = None)
                  failures=dict(summary.failures), skipped_saves=summary.skipped_saves,
                  checkpoint_age_s=summary.checkpoint_age_s, warning=summary.unsaved or "",
                  mirror=summary.mirror)
+    rep.failure_costs = costs_by_kind(timeline.recoveries)
     rows = {n: _row(a) for n, a in timeline.attempts.items()}
     for e in timeline.points:
         attempt = e.get("attempt")

@@ -21,6 +21,7 @@ from supervisor.commands.report import AttemptRow, Report, gather
 from supervisor.commands.statusline import human_duration
 from supervisor.errors import UsageError
 from supervisor.fsio import write_atomic
+from supervisor.records.recovery import PHASES, seconds
 
 # One colour per failure kind (FailureKind values), shared by markers, chips and the table.
 KIND_COLORS = {
@@ -58,6 +59,30 @@ def _row(a: AttemptRow) -> str:
     return ("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells)
             + f"<td>{_chip(a.outcome)}</td><td>{_esc(a.reason or '-')}</td>"
             + f"<td>{_esc(a.decision or '-')}</td></tr>")
+
+
+def _costs(rep: Report) -> str:
+    """The "time lost to failures" table: per kind, each phase's total (mean per failure)."""
+    if not rep.failure_costs:
+        return ""
+    head = "".join(f"<th>{_esc(p.replace('_', ' '))}</th>" for p in PHASES)
+    rows = []
+    for c in rep.failure_costs:
+        cells = []
+        for p in (*PHASES, "total"):
+            v = c.phases.get(p)
+            cells.append("-" if v is None else f"{seconds(v[0])} ({seconds(v[1])})")
+        rows.append(f'<tr data-failure="{_esc(c.kind)}"><td>{_chip(c.kind)}</td>'
+                    f"<td>{c.count}</td><td><b>{_esc(seconds(c.lost_s))}</b></td>"
+                    f"<td>{c.steps_lost:,}</td>"
+                    + "".join(f"<td>{_esc(x)}</td>" for x in cells) + "</tr>")
+    return ('\n  <section><h2>Time lost to failures</h2>\n'
+            '  <p class="muted">Per failure kind: from the failure to the relaunched attempt\'s '
+            "first step, phase by phase, as total (mean per failure); time lost adds the steps "
+            "run again at the run's step time.</p>\n"
+            '  <table class="costs"><thead><tr><th>kind</th><th>failures</th><th>time lost</th>'
+            f"<th>steps run again</th>{head}<th>to first step</th></tr></thead>\n  <tbody>\n"
+            + "\n".join(rows) + "\n  </tbody></table></section>")
 
 
 def _data_json(rep: Report) -> str:
@@ -99,7 +124,7 @@ def render(rep: Report) -> str:
         else f"{human_duration(rep.checkpoint_age_s)} old",
         warning=f'\n  <div class="warning">warning: {_esc(rep.warning)}</div>' if rep.warning
         else "",
-        data=_data_json(rep))
+        data=_data_json(rep), costs=_costs(rep))
 
 
 def _mirror(m: dict[str, Any] | None) -> str:
@@ -154,7 +179,7 @@ _PAGE = """<!DOCTYPE html>
   <th>decision</th></tr></thead>
   <tbody>
 {rows}
-  </tbody></table></section>
+  </tbody></table></section>{costs}
 </main>
 <div id="tip" hidden></div>
 <script type="application/json" id="rtrain-data">{data}</script>

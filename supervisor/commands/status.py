@@ -23,6 +23,7 @@ from supervisor.commands.statusline import human_bytes, human_duration, human_ra
 from supervisor.errors import UsageError
 from supervisor.event_schema import KINDS, Kind
 from supervisor.pids import pid_alive
+from supervisor.records import recovery
 from supervisor.records.lock import LOCK_NAME
 from supervisor.records.runstate import STATE_FILE, load_state
 from supervisor.records.timeline import Timeline, failure_kind, read_timeline
@@ -89,6 +90,11 @@ class RunSummary:
     """Under every_steps="auto": the last interval chosen (the `cadence` event): attempt,
     step, every_steps, reason, save_stall_s, step_time_s, mtbf_s, mtbf_source, loss_factor,
     expected_loss_s."""
+    recovery: dict[str, Any] | None = None
+    """The last `recovery` event's fields: what the last relaunched failure cost, phase by
+    phase (records/recovery.py)."""
+    time_lost_s: float = 0.0
+    """What the run's failures cost in all: the sum of their recoveries' `lost_s`."""
     restart_s: float | None = None
     """Seconds from the last failed attempt's exit to the next launch (the restart cost)."""
     mirror: dict[str, Any] | None = None
@@ -226,6 +232,10 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
                             "backoff_s")
     if timeline.mirror is not None:
         s.mirror = _mirror(timeline.mirror, s.checkpoint_step, now)
+    if timeline.recoveries:
+        last = timeline.recoveries[-1]
+        s.recovery = {k: last.get(k) for k in KINDS[Kind.RECOVERY].fields}
+        s.time_lost_s = sum(c.lost_s for c in recovery.costs_by_kind(timeline.recoveries))
     cadence = timeline.last(Kind.CADENCE)
     if cadence is not None:
         s.cadence = {k: cadence.get(k) for k in KINDS[Kind.CADENCE].fields}
@@ -348,6 +358,10 @@ def render_text(s: RunSummary) -> str:
                   + ("" if q["in_force"] else " (since saved again)")) for q in s.quarantined]
     if s.failure_rate:
         rows.append(("failure rate", f"WARNING: {s.failure_rate}"))
+    if r := s.recovery:
+        more = (f"; failures cost {recovery.seconds(s.time_lost_s)} in all"
+                if s.failures and sum(s.failures.values()) > 1 else "")
+        rows.append(("last recovery", recovery.describe(r) + more))
     if f := s.last_failure:
         rows.append(("last failure", f"attempt {f['attempt']}: {f['kind']}: {f['reason']}"))
     if d := s.last_decision:

@@ -63,8 +63,10 @@ from supervisor.proc.spawn import ChildSpec
 from supervisor.proc.watch import Sample, WatchConfig
 from supervisor.proc.watch_outcome import Outcome
 from supervisor.protocol import Heartbeat
+from supervisor.records import recovery
 from supervisor.records.events import EventLog, EventLogError
 from supervisor.records.lock import RunLock
+from supervisor.records.recovery import RecoveryTracker
 from supervisor.records.runstate import RunStatus
 from supervisor.records.timeline import Timeline, read_timeline
 
@@ -128,8 +130,9 @@ class Loop:
         # relaunch must not re-read a log that grows by a summary every few seconds for weeks.
         self.timeline = _read_timeline(run_dir / "events.jsonl")
         follow = [self.timeline.add] if self.timeline is not None else []
+        self.recovery = RecoveryTracker()  # what each failure costs; emitted by _recoveries
         self.events = EventLog(run_dir / "events.jsonl", clock=seams.wall,
-                               listeners=[*self.observers.listeners, *follow],
+                               listeners=[*self.observers.listeners, *follow, self.recovery],
                                mode=self.cfg.file_mode)
         self.observers.attach(self.events)
         self.say = self.observers.say
@@ -208,6 +211,7 @@ class Loop:
         outcome, duration_s = self._attempt(history.attempt, settings, chosen, signals)
         committed = self.checkpoints.committed_since(started, resumed)
         decision = self._decide(outcome, history, resumed, duration_s, committed, chosen)
+        self._recoveries()  # an attempt that ended before its first step ends its recovery
         return decision, outcome.pids_seen
 
     def _attempt(self, attempt: int, settings: dict[str, Any], chosen: Verdict | None,
@@ -233,17 +237,20 @@ class Loop:
         wall = self.wall_clock.plan(self.seams.wall())  # the scheduler's times: before the spawn
         self.observers.attempt_started(attempt, plan.attempt_dir, level)
         line = self.observers.line
+        spawn_at = self.seams.wall()  # a failure's cost: from here the new child is starting
         child = self.seams.spawn(ChildSpec(
             argv=argv, env=env, cwd=self.spec.cwd, attempt_dir=plan.attempt_dir,
             echo=self.spec.echo, log_cap_bytes=int(self.cfg.log_cap_mb * 2**20),
             echo_through=line.write_through if line else None))
+        spawn_s = self.seams.wall() - spawn_at  # returns once the child exec'd
         self.procs.update([child.pid])
         how = f"from {chosen.path.name}" if chosen else "fresh"
         self.say(f"attempt {attempt}: launched pid {child.pid} ({how}), settings "
                  f"{json.dumps(settings)}")
         self.events.emit("launch", attempt=attempt, argv=argv, settings=settings, level=level,
                          resume_from=plan.resume_from, pid=child.pid,
-                         ckpt_dir=str(self.ckpt_dir), **slurm_field(wall))
+                         ckpt_dir=str(self.ckpt_dir), spawn_at=round(spawn_at, 6),
+                         spawn_s=round(spawn_s, 6), **slurm_field(wall))
         self._say_wall(wall)
         sizes = world.WorldWatch(world.saved_world_size(chosen.manifest if chosen else None))
         t0 = self.seams.monotonic()
@@ -264,12 +271,20 @@ class Loop:
     def _heartbeat(self, attempt: int, hb: Heartbeat, sizes: world.WorldWatch,
                    chosen: Verdict | None) -> None:
         self.observers.heartbeat(attempt, hb)
+        self.recovery.heartbeat(attempt, hb)
+        self._recoveries()
         size = sizes.heard(hb.world)
         if size is not None and chosen is not None:
             self.events.emit("world_size_changed", attempt=attempt, world_size=size,
                              saved_world_size=sizes.saved, checkpoint=chosen.path.name)
             self.say(f"attempt {attempt}: the group has {size} rank{'s' * (size != 1)}; "
                      f"{chosen.path.name} was written by {sizes.saved}")
+
+    def _recoveries(self) -> None:
+        """Record what the failures whose recovery just ended cost."""
+        for r in self.recovery.take():
+            self.events.emit("recovery", **r)
+            self.say(f"cost of the {recovery.describe(r)}")
 
     def _failure_record(self) -> tuple[int | None, float | None]:
         """The run's work-losing failures and seconds run so far (earlier launches included);

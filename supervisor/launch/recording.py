@@ -50,7 +50,7 @@ def record_exit(events: EventLog, attempt: int, outcome: Outcome, duration_s: fl
                 duration_s=round(duration_s, 3), last_step=ev.last_step,
                 peak_rss_bytes=ev.peak_rss_bytes, gpu_used_peak=ev.gpu_mem_used_peak,
                 gpu_total=ev.gpu_mem_total, leftovers=outcome.stop.leftovers,
-                **wallclock.measured(outcome))
+                **wallclock.measured(outcome), **_ending_times(outcome))
     if hs.last_step is not None:
         events.emit("heartbeat_summary", attempt=attempt, step=hs.last_step,
                     loss=hs.last_loss, samples_per_s=hs.samples_per_s,
@@ -60,6 +60,18 @@ def record_exit(events: EventLog, attempt: int, outcome: Outcome, duration_s: fl
         failed = list(outcome.failed_devices)
         events.emit("device_failed", attempt=attempt, detail=describe(failed),
                     devices=[h.to_dict() for h in failed], **slurm_field())
+
+
+def _ending_times(outcome: Outcome) -> dict[str, float]:
+    """When the attempt ended, for the cost of a failure (records/recovery.py): the exit seen,
+    the hang declared, and the failure as a rank reported it by its own clock (the first exit
+    record or `exception` heartbeat)."""
+    ev = outcome.evidence
+    reports = [r.get("time") for r in ev.exit_records] + [outcome.heartbeats.exception_at]
+    times = {"exited_at": outcome.exited_at, "hang_at": ev.hang_at,
+             "reported_at": min((t for t in reports if isinstance(t, (int, float))),
+                                default=None)}
+    return {k: round(v, 6) for k, v in times.items() if v is not None}
 
 
 def record_failure(events: EventLog, say: Callable[[str], None], attempt: int,

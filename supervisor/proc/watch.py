@@ -150,6 +150,7 @@ class _Watch:
         self.stop = Stopping(child, config.stop_signal)
         self.stop_at, self.stop_why = math.inf, ""  # a deadline's stop (watch's stop_at)
         self.exited_at: float | None = None
+        self.exited_wall: float | None = None  # unix time: compared with the worker's clock
         self.stack_files: list[Path] = []
         self.oom = OomCounter.start(child)
         self.pressure = PressureWatch(child, config.pressure, self.oom.group,
@@ -183,7 +184,7 @@ class _Watch:
                     exited = c.returncode is not None
                 now = self.clock()
                 if exited:
-                    self.exited_at = now
+                    self.exited_at, self.exited_wall = now, time.time()
                     continue
                 if now >= stop_at and not self.stop.active:  # a signal may have come first
                     self._deadline(now)
@@ -328,4 +329,5 @@ class _Watch:
             pids_seen=sorted(self.tree.seen),
             stack_files=self.stack_files,
             failed_devices=failed,
+            exited_at=self.exited_wall if self.exited_wall is not None else time.time(),
         )

@@ -34,6 +34,7 @@ class HeartbeatSummary:
     max_step_interval: float | None = None
     settings: dict | None = None  # as last reported by the worker
     longest_save_s: float | None = None  # save_begin to save_end, by the worker's clock
+    exception_at: float | None = None  # the first `exception` heartbeat's time (worker's clock)
     _save_began: dict[int, float] = field(default_factory=dict)  # rank -> its save_begin
 
     def add(self, hb: Heartbeat) -> None:
@@ -44,6 +45,8 @@ class HeartbeatSummary:
         elif hb.event == "save_end" and hb.rank in self._save_began:
             took = max(0.0, hb.time - self._save_began.pop(hb.rank))
             self.longest_save_s = max(took, self.longest_save_s or 0.0)
+        elif hb.event == "exception" and self.exception_at is None:
+            self.exception_at = hb.time
         if hb.step is not None:
             self.last_step = hb.step
         for name in ("loss", "samples_per_s", "max_step_interval", "settings"):
@@ -63,6 +66,7 @@ class Outcome:
     stack_files: list[Path] = field(default_factory=list)
     failed_devices: tuple[DeviceHealth, ...] = ()  # the health gate's failed readings
     stop_s: float | None = None  # from the stop signal to the child's exit, when stopped
+    exited_at: float | None = None  # unix time the watch saw the child end
 
 
 @dataclass(frozen=True)

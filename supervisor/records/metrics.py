@@ -15,6 +15,8 @@ file: no fsync (a lost write is replaced seconds later).
     rtrain_last_checkpoint_age_seconds{run_dir}    since the newest checkpoint's commit
     rtrain_skipped_saves_total{run_dir}            checkpoints the worker could not write
     rtrain_failure_saves_total{run_dir}            checkpoints committed as an exception ended it
+    rtrain_failure_seconds_lost_total{run_dir,kind} what failures cost (recovery events' lost_s)
+    rtrain_last_recovery_seconds{run_dir,phase}    the last recovery's phases, and its total
     rtrain_mirror_uploaded_step{run_dir}           newest checkpoint step on the mirror
     rtrain_mirror_lag_steps{run_dir}               newest local checkpoint's step minus that
     rtrain_mirror_seconds_since_upload{run_dir}    since the last upload finished
@@ -39,6 +41,7 @@ from supervisor.ckpt import manifest
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.event_schema import Kind
 from supervisor.fsio import write_atomic
+from supervisor.records import recovery
 from supervisor.records.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,11 @@ _HELP = {
                                    "Checkpoints the worker committed as an exception ended it"),
     "rtrain_skipped_saves_total": ("counter",
                                    "Checkpoints not written (full disk, storage errors)"),
+    "rtrain_failure_seconds_lost_total": (
+        "counter", "Seconds failures cost, by kind: failure to first resumed step, plus the "
+                   "steps run again"),
+    "rtrain_last_recovery_seconds": ("gauge",
+                                     "The last relaunched failure's cost, phase by phase"),
     "rtrain_mirror_uploaded_step": ("gauge", "Step of the newest checkpoint on the mirror"),
     "rtrain_mirror_lag_steps": ("gauge",
                                 "Newest local checkpoint's step minus the newest on the mirror"),
@@ -161,6 +169,15 @@ class MetricsFile:
             [(run, round(max(0.0, now - newest[1]), 3))] if newest is not None else [])
         values["rtrain_skipped_saves_total"] = [(run, self.timeline.skipped_saves)]
         values["rtrain_failure_saves_total"] = [(run, self.timeline.failure_saves)]
+        if self.timeline.recoveries:
+            values["rtrain_failure_seconds_lost_total"] = [
+                (f'{run},kind="{escape_label(c.kind)}"', round(c.lost_s, 3))
+                for c in sorted(recovery.costs_by_kind(self.timeline.recoveries),
+                                key=lambda c: c.kind)]
+            last = self.timeline.recoveries[-1]
+            values["rtrain_last_recovery_seconds"] = [
+                (f'{run},phase="{p}"', last[f"{p}_s"]) for p in (*recovery.PHASES, "total")
+                if isinstance(last.get(f"{p}_s"), (int, float))]
         if (m := self.timeline.mirror) is not None:
             up = m.uploaded_step
             values["rtrain_mirror_uploaded_step"] = [(run, up)] if up is not None else []

@@ -13,6 +13,7 @@ Rules the readers share:
 - the newest step is that of the last `heartbeat_summary` or `exit` that names one;
 - skipped saves are counted over the whole log; a `final_state_unsaved` warning holds until
   the next launch (which may have saved since);
+- what failures cost: every `recovery` event, kept in order (records/recovery.py folds them);
 - the failure record the worker's save cadence reads (`run_s`, `work_lost`) counts from the
   last launch of attempt 0 (a `--fresh` run starts its own record).
 """
@@ -146,6 +147,8 @@ class Timeline:
     """Seconds the run's attempts ran (their `exit.duration_s`)."""
     work_lost: int = 0
     """The run's failures that lost the work since the last save (all but NO_WORK_LOST)."""
+    recoveries: list[Event] = field(default_factory=list)
+    """Every `recovery` event (what each failure cost), in order: one per relaunch."""
     _last_skipped: Event | None = None
     _unsaved: str | None = None
     _current: int | None = None  # the attempt named by the newest event that names one
@@ -191,6 +194,8 @@ class Timeline:
             duration = event.get("duration_s")
             if isinstance(duration, (int, float)) and math.isfinite(duration) and duration > 0:
                 self.run_s += duration
+        elif kind == Kind.RECOVERY:
+            self.recoveries.append(event)
         elif kind == Kind.CHECKPOINT_AT_FAILURE:
             self.failure_saves += 1
             self.last_failure_save = event
