@@ -69,6 +69,17 @@ def test_worker_reported_interval_counts_after_warmup():
     assert c.max_interval == 8.0
 
 
+def test_an_exiting_interpreter_gets_the_start_up_allowance():
+    c = HangClock(P, start=0)
+    for step in range(1, 7):
+        c.heartbeat(hb(step=step), step)  # learned: 10 s (floor)
+    assert c.deadline() == 16
+    c.heartbeat(hb("exiting"), 7)  # atexit: torch's teardown sends nothing for seconds
+    assert c.deadline() == 107
+    assert c.check(106.9) is None
+    assert "has not exited 100.0 s after it began to" in c.check(107)
+
+
 def test_save_in_progress_gets_its_own_allowance():
     c = HangClock(P, start=0)
     for step in range(1, 7):

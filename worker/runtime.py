@@ -77,6 +77,7 @@ class _State:
         self.samples_since: float | None = None
         self.rate: float | None = None
         self.held: tuple[int | None, float | None, dict[str, Any]] | None = None  # throttled step
+        self.said_stop = False  # a "stop" went out: the last word, nothing follows it
         self.relieve = threading.Event()  # a relieve request waits for the next step boundary
         self.on_pressure: list[Callable[[], Callable[[], str | None] | None]] = []  # weak refs
         self.script_start: float | None = None  # mark_script_start: a process started ahead
@@ -276,6 +277,7 @@ def heartbeat(
         s.samples, s.samples_since = 0.0, now
     if event == "stop":
         s.held = None  # "stop" carries the step and must stay the last word
+        s.said_stop = True
     _send(event, step, loss, fields)
     if event == "step":
         s.last_step_send, s.held = now, None
@@ -302,12 +304,15 @@ def _send(event: str, step: int | None, loss: float | None, fields: dict[str, An
 
 
 def _send_held() -> None:
-    """At exit: the last step the throttle held back, so the supervisor knows where it ended."""
+    """At exit: the last step the throttle held back, so the supervisor knows where it ended;
+    then `exiting`, so that the interpreter's teardown is not taken for a hang."""
     s = _state
     if s.sock is not None and s.held is not None:
         step, loss, fields = s.held
         s.held = None
         _send("step", step, loss, fields)
+    if s.sock is not None and not s.said_stop:
+        _send("exiting", None, None, {})
 
 
 def write_exit_record(

@@ -10,12 +10,15 @@ the attempt counts as hung. Rules, in order:
 - after warm-up: hung after clamp(`multiple` × longest step interval, `floor_s`, `ceiling_s`)
   without a heartbeat;
 - while a checkpoint save runs (between `save_begin` and `save_end`), at least
-  `save_allowance_s` from the save's start is allowed.
+  `save_allowance_s` from the save's start is allowed;
+- once the worker said its interpreter is exiting (`exiting`, from its atexit hook), the
+  start-up allowance again: tearing torch down sends no heartbeat either, and takes seconds on
+  a loaded machine, after every step is done.
 
 Several ranks (torchrun): the last heartbeat is kept per rank, and the reference time is the
 *oldest* of them, so one rank that goes silent while the others wait for it in a collective (or
 keep sending) counts as a hang. A rank is tracked from its first heartbeat on; a rank that sent
-`stop` (exiting on purpose) is no longer waited for.
+`stop` or `exiting` (leaving on purpose) is no longer waited for.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class HangClock:
         self.steps = 0  # step heartbeats received
         self.max_interval: float | None = None  # longest step interval after warm-up
         self.save_started: float | None = None
+        self.exiting_at: float | None = None  # the worker's atexit hook ran
         self.rank: int | None = None  # the lowest rank heard from: the one intervals come from
         self.rank_last: dict[int, float] = {}  # every rank heard from -> its last heartbeat
 
@@ -90,12 +94,14 @@ class HangClock:
         self.last_activity = max(self.last_activity, now)
 
     def heartbeat(self, hb: Heartbeat, now: float) -> None:
-        if hb.event == "stop":
+        if hb.event in ("stop", "exiting"):  # leaving on purpose: not waited for any more
             self.rank_last.pop(hb.rank, None)
         else:
             self.rank_last[hb.rank] = now
         # The silence that counts is the longest one: the rank heard from least recently.
         self.last_heartbeat = min(self.rank_last.values(), default=now)
+        if hb.event == "exiting":
+            self.exiting_at = now
         if hb.event == "save_begin":
             self.save_started = now
         elif hb.event == "save_end":
@@ -138,6 +144,8 @@ class HangClock:
         deadline = ref + allowed
         if self.save_started is not None:
             deadline = max(deadline, self.save_started + self.policy.save_allowance_s)
+        if self.exiting_at is not None:
+            deadline = max(deadline, self.exiting_at + self.policy.startup_s)
         return deadline
 
     def check(self, now: float) -> str | None:
@@ -146,6 +154,8 @@ class HangClock:
         if now < deadline:
             return None
         allowed, why = self.timeout()
+        if self.exiting_at is not None and deadline > (self.last_heartbeat or 0) + allowed:
+            return f"the process has not exited {now - self.exiting_at:.1f} s after it began to"
         if self.save_started is not None and deadline > (self.last_heartbeat or 0) + allowed:
             return f"checkpoint save still running after {now - self.save_started:.1f} s"
         ref = self.last_activity if self.last_heartbeat is None else self.last_heartbeat
