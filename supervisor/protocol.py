@@ -63,15 +63,15 @@ def exit_record_name(rank: int) -> str:
 
 @dataclass
 class Heartbeat:
-    """One heartbeat datagram. `event` is `start`, `step`, `save_begin`, `save_end`,
-    `save_skipped` (with `reason`: a checkpoint was not written, training goes on),
-    `saved_at_failure` (with `reason`: the exception's type; the checkpoint of `step` was
-    committed as an exception ended the process), `exiting` (the worker's atexit hook: the
-    interpreter is ending), `hang_save_done` (the save at a hang that rtrain asked for through
-    the control FIFO is over, `reason` says how many were saved), `cadence` (with `cadence`:
-    the save interval `every_steps="auto"` chose, worker/cadence.py), `backoff` (with
-    `settings`), `relieved` (after a relieve request: `reason` says what was freed,
-    `settings` what the worker now uses), `exception` (with `reason`: the type of the uncaught exception ending the process,
+    """One heartbeat datagram. `event` is `start`, `step`, `save_begin`, `save_end`, `save_skipped`
+    (with `reason`: a checkpoint was not written, training goes on), `saved_at_failure` (with
+    `reason`: the exception's type; the checkpoint of `step` was committed as an exception ended
+    the process), `exiting` (the worker's atexit hook: the interpreter is ending),
+    `hang_save_done` (the save at a hang that rtrain asked for through the control FIFO is over,
+    `reason` says how many were saved), `cadence` (with `cadence`: the save interval
+    `every_steps="auto"` chose, worker/cadence.py), `backoff` (with `settings`), `relieved`
+    (after a relieve request: `reason` says what was freed, `settings` what the worker now
+    uses), `exception` (with `reason`: the type of the uncaught exception ending the process,
     sent as it begins its way out) or `stop`. The first `start` (the worker installed) carries
     `started`, the unix time the script began in this process; the one `Checkpointer.restore`
     sends carries `restore_s`, the seconds the checkpoint load took (the cost of a failure,
