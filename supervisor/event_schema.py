@@ -46,6 +46,9 @@ class Kind(str, Enum):
     MIRROR_DOWNLOADED = "mirror_downloaded"
     MEMORY_PRESSURE = "memory_pressure"
     PRESSURE_RELIEVED = "pressure_relieved"
+    STANDBY_READY = "standby_ready"
+    STANDBY_DISCARDED = "standby_discarded"
+    STANDBY_FAILED = "standby_failed"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,8 +70,11 @@ class KindSpec:
 # `decision`, on disk before state.json records the same decision; the ends of a run.
 KINDS: dict[Kind, KindSpec] = {
     Kind.LAUNCH: KindSpec(
-        fields=("attempt", "argv", "settings", "level", "resume_from", "pid", "ckpt_dir"),
-        optional=("slurm",), durable=True, meaning="an attempt was started"),
+        fields=("attempt", "argv", "settings", "level", "resume_from", "pid", "ckpt_dir",
+                "standby", "start_s"),
+        optional=("slurm",), durable=True,
+        meaning="an attempt was started: in the warm standby (`standby` true) or a new "
+                "process; `start_s` from the spawn or the hand-off until it was running"),
     Kind.SKIPPED_CHECKPOINT: KindSpec(
         fields=("path", "reason"),
         meaning="resume selection passed over a checkpoint, or a worker could not load it"),
@@ -150,6 +156,17 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.PRESSURE_RELIEVED: KindSpec(
         fields=("attempt", "step", "rank", "detail", "settings"),
         meaning="the worker answered a relieve request: what it freed, the settings it uses"),
+    Kind.STANDBY_READY: KindSpec(
+        fields=("attempt", "pid", "rss_bytes", "modules", "import_s"),
+        meaning="a warm standby finished its imports and waits for the next attempt"),
+    Kind.STANDBY_DISCARDED: KindSpec(
+        fields=("attempt", "pid", "reason"),
+        meaning="a standby was ended unused (import-time environment or a preloaded file "
+                "changed, host memory tight, the run ended); the attempt starts cold"),
+    Kind.STANDBY_FAILED: KindSpec(
+        fields=("attempt", "pid", "reason", "output"),
+        meaning="a standby died, failed an import, initialised CUDA or did not answer; the "
+                "attempt starts cold"),
 }
 DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
 HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)

@@ -50,6 +50,7 @@ from supervisor.launch.recording import (
 from supervisor.launch.resume import Checkpoints, encryption_key, resumed_from
 from supervisor.launch.rundir import RunRecord, move_aside, prepare_dirs, refuse_ended
 from supervisor.launch.spec import LaunchSpec, Seams, child_command
+from supervisor.launch.standby import Keeper
 from supervisor.launch.wallclock import WHY as WALL_CLOCK
 from supervisor.launch.wallclock import WallClock, measured
 from supervisor.proc import slurm
@@ -59,7 +60,7 @@ from supervisor.proc.heartbeat import HeartbeatReceiver
 from supervisor.proc.leftovers import ProcRecord, end_leftovers
 from supervisor.proc.proctree import ProcTree
 from supervisor.proc.signals import SignalCatcher
-from supervisor.proc.spawn import ChildSpec
+from supervisor.proc.spawn import ChildSpec, spawn
 from supervisor.proc.watch import Sample, WatchConfig
 from supervisor.proc.watch_outcome import Outcome
 from supervisor.records.events import EventLog, EventLogError
@@ -145,8 +146,12 @@ class Loop:
         self.wall_clock = WallClock(self.cfg.slurm, run_dir / "events.jsonl")
         self._wall_said: str | None = None  # the plan last told the terminal
         self._last_step: int | None = None  # of the attempt that just ended
+        # A scripted spawner (tests) has no interpreter to keep warm.
+        keep = self.cfg if seams.spawn is spawn else replace(self.cfg, standby=False)
+        self.standby = Keeper(keep, spec.command, spec.cwd, run_dir, self.events, self.say)
 
     def close(self) -> None:
+        self.standby.close()
         if self.mirroring is not None:
             self.mirroring.close()
         self.record.record_final()
@@ -231,17 +236,25 @@ class Loop:
         wall = self.wall_clock.plan(self.seams.wall())  # the scheduler's times: before the spawn
         self.observers.attempt_started(attempt, plan.attempt_dir, level)
         line = self.observers.line
-        child = self.seams.spawn(ChildSpec(
+        child_spec = ChildSpec(
             argv=argv, env=env, cwd=self.spec.cwd, attempt_dir=plan.attempt_dir,
             echo=self.spec.echo, log_cap_bytes=int(self.cfg.log_cap_mb * 2**20),
-            echo_through=line.write_through if line else None))
+            echo_through=line.write_through if line else None)
+        child, start_s = self.standby.start(child_spec, attempt)
+        warm = child is not None
+        if child is None:
+            t_spawn = self.seams.monotonic()
+            child = self.seams.spawn(child_spec)
+            start_s = self.seams.monotonic() - t_spawn
         self.procs.update([child.pid])
         how = f"from {chosen.path.name}" if chosen else "fresh"
-        self.say(f"attempt {attempt}: launched pid {child.pid} ({how}), settings "
+        where = " in the warm standby" if warm else ""
+        self.say(f"attempt {attempt}: launched pid {child.pid}{where} ({how}), settings "
                  f"{json.dumps(settings)}")
         self.events.emit("launch", attempt=attempt, argv=argv, settings=settings, level=level,
                          resume_from=plan.resume_from, pid=child.pid,
-                         ckpt_dir=str(self.ckpt_dir), **slurm_field(wall))
+                         ckpt_dir=str(self.ckpt_dir), standby=warm,
+                         start_s=round(start_s, 4), **slurm_field(wall))
         self._say_wall(wall)
         t0 = self.seams.monotonic()
         stop_at = None if wall is None or wall.stop_at is None else (
@@ -249,7 +262,7 @@ class Loop:
         outcome = self.seams.watch(
             child, self.watch_cfg, heartbeats=self.hb, gpu=self.gpu, signals=signals,
             tree=ProcTree(exclude=self._helper_pids),
-            on_heartbeat=lambda hb: self.observers.heartbeat(attempt, hb),
+            on_heartbeat=lambda hb: self._on_heartbeat(attempt, hb),
             on_sample=self._on_sample, stop_at=stop_at, stop_why=WALL_CLOCK,
             on_pressure=lambda note: self.observers.pressure(attempt, note))
         child.close()
@@ -280,12 +293,19 @@ class Loop:
             self.say(line)
 
     def _helper_pids(self) -> list[int]:
-        """rtrain's own helpers (hooks, the uploader): not the attempt's processes."""
+        """rtrain's own helpers (hooks, the uploader, the warm standby): not the attempt's
+        processes."""
         hooks = self.observers.hooks
         return [*(hooks.pids() if hooks is not None else []),
-                *(self.mirroring.pids() if self.mirroring is not None else [])]
+                *(self.mirroring.pids() if self.mirroring is not None else []),
+                *self.standby.pids()]
+
+    def _on_heartbeat(self, attempt: int, hb: Any) -> None:
+        self.standby.heartbeat()
+        self.observers.heartbeat(attempt, hb)
 
     def _on_sample(self, sample: Sample) -> None:
+        self.standby.tick(sample.tree)
         if self.mirroring is not None:
             self.mirroring.poll()
         self.observers.sample(sample)
@@ -316,6 +336,8 @@ class Loop:
 
     def _act(self, decision: Decision, signals: SignalCatcher, pids: list[int]) -> int | None:
         history, reason = decision.history, decision.reason
+        if decision.action is not Action.RELAUNCH:
+            self.standby.close()  # its memory back before the run's last waits
         if decision.action is not Action.RELAUNCH and self.mirroring is not None:
             # The run ends here: the newest checkpoint goes to the mirror before rtrain exits
             # (under preemption, within what the grace leaves; see mirror_final_wait_s).

@@ -1,0 +1,206 @@
+"""The warm standby's own program: import the heavy modules, wait, then become the attempt.
+
+Run by path (`python .../standby_child.py FD MODE TARGET PATH0 PRELOAD`), never imported by the
+supervisor: it uses the standard library only, so it starts in any interpreter the run uses, and
+it imports torch (and the rest of the preload) by name, as the training script would. It is the
+training interpreter, so imports here are exactly what the script would have paid for.
+
+Protocol on the Unix socket FD (one JSON object per line):
+  standby -> rtrain  {"ready": ..., "modules": [...], "files": [...], "import_s", "cuda"}
+                     or {"failed": "why"} (then it exits 1)
+  rtrain -> standby  {"argv", "env", "cwd"} with two file descriptors (stdout, stderr)
+  standby -> rtrain  {"started": pid} just before the script's first line, or {"failed": why}
+EOF from rtrain before the hand-off: exit 0 quietly (discarded).
+
+Before the script runs, everything a cold start would set is set as a cold start sets it: the
+environment (cleared, then the attempt's), the working directory, sys.argv and sys.orig_argv,
+sys.path[0], a fresh `__main__`, fds 1 and 2 (the attempt's log pipes), signal dispositions and
+the blocked mask as the interpreter had them at its start. The session, process group,
+PDEATHSIG and cgroup were given at spawn, as for a cold child (proc/spawn.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+# rtrain's own packages read the attempt's RTRAIN_* variables at import (worker.faults arms
+# the faults of one attempt): importing them before the hand-off would bind the wrong attempt.
+NEVER_PRELOAD = ("supervisor", "worker")
+
+
+def _dispositions() -> dict[int, object]:
+    out = {}
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if handler is not None:  # None: set outside Python, left alone
+            out[sig] = handler
+    return out
+
+
+def top_imports(script: str, path0: str) -> list[str]:
+    """Top-level names the script imports at module level that live outside its own directory
+    and the standard library, in the order written (found without importing them)."""
+    try:
+        with open(script, "rb") as f:
+            tree = ast.parse(f.read(), filename=script)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module.split(".")[0])
+    out = []
+    std = getattr(sys, "stdlib_module_names", frozenset())
+    for name in dict.fromkeys(names):
+        if name in std or name in sys.builtin_module_names or name in NEVER_PRELOAD:
+            continue
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        origin = (spec.origin or "") if spec is not None else ""
+        where = spec.submodule_search_locations if spec is not None else None
+        places = [origin, *(where or [])]
+        if spec is None or any(p and os.path.realpath(p).startswith(path0 + os.sep)
+                               for p in places):
+            continue  # not found, or the script's own module
+        out.append(name)
+    return out
+
+
+def _module_file(name: str) -> str | None:
+    mod = sys.modules.get(name)
+    path = getattr(mod, "__file__", None)
+    return os.path.realpath(path) if isinstance(path, str) else None
+
+
+def _send(sock: socket.socket, msg: dict) -> None:
+    sock.sendall(json.dumps(msg).encode() + b"\n")
+
+
+def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    """The hand-off: one JSON line and the fds sent with its first bytes; None at EOF."""
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+    if not data:
+        return None, list(fds)
+    buf = bytearray(data)
+    while not buf.endswith(b"\n"):
+        more = sock.recv(1 << 20)
+        if not more:
+            return None, list(fds)
+        buf += more
+    return json.loads(buf), list(fds)
+
+
+def _run_script(path: str) -> None:
+    """As `python path` runs it: a fresh `__main__`, the traceback of an uncaught exception
+    printed from the script's own frames, exit status 1."""
+    import builtins
+    import importlib.machinery
+    import types
+
+    with open(path, "rb") as f:
+        source = f.read()
+    code = compile(source, path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:
+        tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
+        sys.excepthook(type(e), e.with_traceback(tb), tb)  # the hook prints e's own traceback
+        sys.exit(1)
+
+
+def main(argv: list[str]) -> None:
+    # First, before any import can change them: what a cold interpreter starts with.
+    dispositions = _dispositions()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    fd, mode, target, path0, preload_json = argv[1:6]
+    sys.path[0] = path0  # not this file's directory: the script's, or the cwd for -m
+    sock = socket.socket(fileno=int(fd))
+    keep = sys.modules["__main__"]  # this module, while its code runs  # noqa: F841
+    t0 = time.monotonic()
+    preload = json.loads(preload_json)
+    if preload is None:
+        torch_here = importlib.util.find_spec("torch") is not None
+        preload = [*(["torch"] if torch_here else []),
+                   *(top_imports(target, path0) if mode == "script" else [])]
+    modules = []
+    for name in dict.fromkeys(preload):
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # any import error (SystemExit too) fails the standby
+            _send(sock, {"failed": f"preload of {name} failed: {type(e).__name__}: {e}"})
+            sys.exit(1)
+        modules.append(name)
+    torch = sys.modules.get("torch")
+    cuda = bool(torch is not None and torch.cuda.is_initialized())
+    files = [f for f in map(_module_file, modules) if f]
+    if mode == "script":
+        files.append(os.path.realpath(target))
+    _send(sock, {"ready": os.getpid(), "modules": modules, "files": files,
+                 "import_s": round(time.monotonic() - t0, 3), "cuda": cuda})
+    if cuda:
+        sys.exit(1)  # rtrain refuses it; never hand a CUDA context to a new attempt
+    try:
+        msg, fds = _receive(sock)
+    except (OSError, ValueError):
+        msg, fds = None, []
+    if msg is None or len(fds) != 2:
+        sys.exit(0)  # discarded
+    try:
+        os.chdir(msg["cwd"])
+        os.environ.clear()
+        os.environ.update(msg["env"])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for f in fds:
+            os.close(f)
+        child_argv = msg["argv"]
+        sys.orig_argv = list(child_argv)
+        for sig, handler in dispositions.items():
+            if signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        _send(sock, {"started": os.getpid()})
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        try:
+            _send(sock, {"failed": f"hand-off failed: {e}"})
+        except OSError:
+            pass
+        sys.exit(1)
+    sock.close()
+    if mode == "script":
+        sys.argv = list(child_argv[1:])
+        _run_script(os.path.abspath(target))
+    else:
+        import runpy
+
+        sys.argv = ["-m", *child_argv[3:]]
+        runpy._run_module_as_main(target, alter_argv=True)  # what `python -m` calls
+
+
+if __name__ == "__main__":
+    main(sys.argv)
