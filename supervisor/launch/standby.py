@@ -148,6 +148,8 @@ class Keeper:
         self._next_stale_check = time.monotonic() + policy.STALE_CHECK_S
 
     def _end(self, warm: WarmChild, kind: str, reason: str, attempt: int) -> None:
+        if self.warm is warm:
+            self.warm = None
         warm.kill()
         if kind == "standby_failed":
             self.failures += 1

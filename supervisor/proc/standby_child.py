@@ -119,6 +119,7 @@ def _run_script(path: str) -> None:
     code = compile(source, path, "exec", dont_inherit=True)
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins,
+                         __annotations__={},
                          __loader__=importlib.machinery.SourceFileLoader("__main__", path))
     sys.modules["__main__"] = main
     try:
