@@ -31,6 +31,9 @@ import socket
 import sys
 import time
 
+# Imported by torch on first use rather than with torch: torch.optim's first optimizer imports
+# torch._dynamo (hundreds of modules, seconds), so every script with an optimizer pays for it.
+TORCH_LAZY = ("torch._dynamo",)
 # rtrain's own packages read the attempt's RTRAIN_* variables at import (worker.faults arms
 # the faults of one attempt): importing them before the hand-off would bind the wrong attempt.
 NEVER_PRELOAD = ("supervisor", "worker")
@@ -144,7 +147,7 @@ def main(argv: list[str]) -> None:
     preload = json.loads(preload_json)
     if preload is None:
         torch_here = importlib.util.find_spec("torch") is not None
-        preload = [*(["torch"] if torch_here else []),
+        preload = [*(["torch", *TORCH_LAZY] if torch_here else []),
                    *(top_imports(target, path0) if mode == "script" else [])]
     modules = []
     for name in dict.fromkeys(preload):
