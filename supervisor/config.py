@@ -357,9 +357,9 @@ class Config:
     trains; the next attempt starts in it (`--no-standby`). Only for `python SCRIPT` and
     `-m MODULE` launches, never under torchrun (--nproc-per-node)."""
     preload: list[str] | None = None
-    """Modules the standby imports, e.g. ["torch", "transformers"]. None: torch (with
-    torch._dynamo, which torch's first optimizer imports) and the script's top-level imports
-    from outside its directory and the standard library."""
+    """Modules the standby imports, e.g. ["torch", "transformers"]. None: the script's
+    module-level imports (and its own modules') from outside its directory and the standard
+    library, plus torch._dynamo when they import torch (its first optimizer would)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.resume, str) or not self.resume:

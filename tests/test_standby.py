@@ -237,3 +237,14 @@ def test_launch_resumes_in_the_standby_and_leaves_nothing_behind(tmp_path):
     assert ready["rss_bytes"] > 0
     assert (run / "attempts" / "1" / "stdout.log").read_text() == "attempt 1 ['x']\n"
     assert not Path(f"/proc/{starts[1]['pid']}").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroups")
+def test_the_standby_imports_at_the_lowest_priority_and_trains_at_a_cold_childs(tmp_path):
+    target = target_of([sys.executable, PROBE], CHILDREN)
+    warm = WarmChild.spawn(target, strip_attempt_vars(_attempt_env(0)), CHILDREN, tmp_path,
+                           ["json"])
+    try:
+        assert Path(f"/proc/{warm.pid}/autogroup").read_text().split()[-1] == "19"
+    finally:
+        warm.kill()

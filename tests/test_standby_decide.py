@@ -138,3 +138,19 @@ def test_no_standby_and_torchrun_turn_it_off(rtrain, tmp_path):
     res = rtrain("launch", "x.py", cwd=tmp_path)
     assert res.returncode == 2 and "preload must be a list" in res.stderr
     assert res.stderr.count("\n") == 1
+
+
+def test_the_default_preload_is_found_in_the_script_and_its_own_modules(tmp_path):
+    from supervisor.proc.standby_child import top_imports
+
+    (tmp_path / "model.py").write_text("import numpy\nfrom . import x\nimport helpers\n")
+    (tmp_path / "helpers.py").write_text("import yaml\nimport model\n")  # a cycle is fine
+    (tmp_path / "train.py").write_text(
+        "import os, sys\nimport json\nfrom pathlib import Path\nimport model\n"
+        "import worker\nfrom supervisor import cli\nimport pytest\nimport no_such_module_x\n"
+        "def f():\n    import psutil\n"
+        "try:\n    import typer\nexcept ImportError:\n    pass\n")
+    found = top_imports(str(tmp_path / "train.py"), str(tmp_path.resolve()))
+    # numpy and yaml through the script's own modules; stdlib, rtrain's packages, missing
+    # modules and imports inside functions or try blocks are not preloaded
+    assert found == ["numpy", "yaml", "pytest"]

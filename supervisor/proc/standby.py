@@ -44,6 +44,20 @@ HANDOFF_TIMEOUT_S = 10.0
 """From the hand-off to the standby's answer: it only sets a few things, so a longer silence
 is a broken standby (then a cold start)."""
 LOG_NAME = "standby.log"
+IMPORT_NICE = 19
+"""The standby imports at this autogroup nice, so it takes CPU only that training leaves idle;
+set back to the cold child's 0 before the hand-off (a session's autogroup nice may be raised
+and lowered again without privileges, unlike a process's nice value)."""
+
+
+def set_autogroup_nice(pid: int, nice: int) -> bool:
+    """Best effort (kernels without autogroups scheduling: no effect); False when it failed."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+        return True
+    except OSError:
+        return False
 
 
 class StandbyFailed(Exception):
@@ -127,6 +141,7 @@ class WarmChild:
             for fd in (out_w, err_w):
                 os.close(fd)
         ours.setblocking(False)
+        set_autogroup_nice(popen.pid, IMPORT_NICE)  # its own session: its own autogroup
         log = run_dir / LOG_NAME
         outputs = [OutputPipe(fd, log, None, STDERR_TAIL_BYTES, None, 1 << 20)
                    for fd in (out_r, err_r)]
@@ -169,7 +184,9 @@ class WarmChild:
         return msg if isinstance(msg, dict) else {"failed": "sent a message that is no object"}
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until the standby is ready or failed, at most `timeout_s`."""
+        """Block until the standby is ready or failed, at most `timeout_s`. An attempt waits
+        for it: it imports at full speed from now on."""
+        set_autogroup_nice(self.pid, 0)
         deadline = time.monotonic() + timeout_s
         self.poll()
         while self.ready is None and self.failed is None:
@@ -207,6 +224,9 @@ class WarmChild:
         """Hand the attempt `spec` to the ready standby; raises StandbyFailed."""
         if self.ready is None:
             raise StandbyFailed(self.failed or "not ready")
+        if not set_autogroup_nice(self.pid, 0) and Path(f"/proc/{self.pid}/autogroup").exists():
+            self.kill()
+            raise StandbyFailed("cannot set its scheduling priority back to a cold child's")
         try:
             spec.attempt_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.util
+import importlib.machinery
 import json
 import os
 import signal
@@ -53,12 +53,10 @@ def _dispositions() -> dict[int, object]:
     return out
 
 
-def top_imports(script: str, path0: str) -> list[str]:
-    """Top-level names the script imports at module level that live outside its own directory
-    and the standard library, in the order written (found without importing them)."""
+def _module_level_imports(path: str) -> list[str]:
     try:
-        with open(script, "rb") as f:
-            tree = ast.parse(f.read(), filename=script)
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
     except (OSError, SyntaxError, ValueError):
         return []
     names: list[str] = []
@@ -67,22 +65,51 @@ def top_imports(script: str, path0: str) -> list[str]:
             names += [a.name.split(".")[0] for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.append(node.module.split(".")[0])
-    out = []
-    std = getattr(sys, "stdlib_module_names", frozenset())
-    for name in dict.fromkeys(names):
-        if name in std or name in sys.builtin_module_names or name in NEVER_PRELOAD:
-            continue
+    return names
+
+
+def _find(dotted: str, path: list[str] | None):
+    """The spec of `dotted` without running any package's __init__ (importlib.util.find_spec
+    imports the parents of a dotted name)."""
+    spec = None
+    for part in dotted.split("."):
         try:
-            spec = importlib.util.find_spec(name)
+            spec = importlib.machinery.PathFinder.find_spec(part, path)
         except (ImportError, ValueError):
-            continue
-        origin = (spec.origin or "") if spec is not None else ""
-        where = spec.submodule_search_locations if spec is not None else None
-        places = [origin, *(where or [])]
-        if spec is None or any(p and os.path.realpath(p).startswith(path0 + os.sep)
-                               for p in places):
-            continue  # not found, or the script's own module
-        out.append(name)
+            return None
+        if spec is None:
+            return None
+        path = list(spec.submodule_search_locations or [])
+    return spec
+
+
+def top_imports(script: str, path0: str, depth: int = 3) -> list[str]:
+    """Top-level names imported at module level by the script, and by its own modules (those in
+    its directory) `depth` levels down, that live outside its directory and the standard
+    library, in the order written. Found without importing anything."""
+    std = getattr(sys, "stdlib_module_names", frozenset())
+    out: list[str] = []
+    seen_files: set[str] = set()
+    search = [path0, *(p for p in sys.path if p != path0)]  # as the script's sys.path
+
+    def scan(path: str, left: int) -> None:
+        seen_files.add(path)
+        for name in dict.fromkeys(_module_level_imports(path)):
+            if (name in std or name in sys.builtin_module_names or name in NEVER_PRELOAD
+                    or name in out):
+                continue
+            spec = _find(name, search)
+            if spec is None:
+                continue
+            places = [spec.origin or "", *(spec.submodule_search_locations or [])]
+            if any(p and os.path.realpath(p).startswith(path0 + os.sep) for p in places):
+                origin = spec.origin or ""
+                if left > 0 and origin.endswith(".py") and origin not in seen_files:
+                    scan(origin, left - 1)  # the script's own module: what it imports
+                continue
+            out.append(name)
+
+    scan(script, depth)
     return out
 
 
@@ -146,9 +173,9 @@ def main(argv: list[str]) -> None:
     t0 = time.monotonic()
     preload = json.loads(preload_json)
     if preload is None:
-        torch_here = importlib.util.find_spec("torch") is not None
-        preload = [*(["torch", *TORCH_LAZY] if torch_here else []),
-                   *(top_imports(target, path0) if mode == "script" else [])]
+        spec = _find(target, sys.path) if mode == "module" else None
+        main_file = target if mode == "script" else (spec.origin if spec else None)
+        preload = top_imports(main_file, path0) if main_file else []
     modules = []
     for name in dict.fromkeys(preload):
         try:
@@ -158,6 +185,14 @@ def main(argv: list[str]) -> None:
             sys.exit(1)
         modules.append(name)
     torch = sys.modules.get("torch")
+    if torch is not None and preload_json == "null":
+        for name in TORCH_LAZY:  # what torch would import on first use anyway
+            try:
+                importlib.import_module(name)
+            except BaseException as e:  # the script would fail the same way when it uses it
+                _send(sock, {"failed": f"preload of {name} failed: {type(e).__name__}: {e}"})
+                sys.exit(1)
+            modules.append(name)
     cuda = bool(torch is not None and torch.cuda.is_initialized())
     files = [f for f in map(_module_file, modules) if f]
     if mode == "script":

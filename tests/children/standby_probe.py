@@ -70,6 +70,9 @@ record = {
     "cuda_initialized": torch.cuda.is_initialized(),
     "uid": os.getuid(),
     "umask": os.umask(0o022),
+    "nice": os.nice(0),
+    "autogroup_nice": Path("/proc/self/autogroup").read_text().split()[-1]
+    if Path("/proc/self/autogroup").exists() else None,
 }
 with open(sys.argv[1], "w") as f:
     json.dump(record, f, indent=1, sort_keys=True)
