@@ -38,9 +38,10 @@ def _run_to_end(child) -> int:
     return code
 
 
-def _spec(tmp: Path, name: str, *args: str, env: dict[str, str]) -> ChildSpec:
-    return ChildSpec(argv=[sys.executable, PROBE, str(tmp / f"{name}.json"), *args], env=env,
-                     cwd=CHILDREN, attempt_dir=tmp / name)
+def _spec(tmp: Path, name: str, *args: str, env: dict[str, str],
+          program: tuple[str, ...] = (PROBE,)) -> ChildSpec:
+    return ChildSpec(argv=[sys.executable, *program, str(tmp / f"{name}.json"), *args],
+                     env=env, cwd=CHILDREN, attempt_dir=tmp / name)
 
 
 def _attempt_env(attempt: int) -> dict[str, str]:
@@ -48,8 +49,9 @@ def _attempt_env(attempt: int) -> dict[str, str]:
                      PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
 
 
-def _warm(tmp: Path, env: dict[str, str], preload=None) -> WarmChild:
-    target = target_of([sys.executable, PROBE], CHILDREN)
+def _warm(tmp: Path, env: dict[str, str], preload=None,
+          program: tuple[str, ...] = (PROBE,)) -> WarmChild:
+    target = target_of([sys.executable, *program], CHILDREN)
     assert target is not None
     warm = WarmChild.spawn(target, strip_attempt_vars(env), CHILDREN, tmp, preload)
     warm.wait_ready(120)
@@ -57,26 +59,33 @@ def _warm(tmp: Path, env: dict[str, str], preload=None) -> WarmChild:
     return warm
 
 
+@pytest.mark.parametrize("program", [(PROBE,), ("-m", PROBE[:-3])], ids=["script", "module"])
 @pytest.mark.parametrize("args", [(), ("raise",)])
-def test_a_script_cannot_tell_the_standby_from_a_cold_start(tmp_path, args):
+def test_a_script_cannot_tell_the_standby_from_a_cold_start(tmp_path, args, program):
     # An ignored signal is inherited by both, as a supervisor started under nohup passes it on.
     old = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
-        warm = _warm(tmp_path, _attempt_env(0))
-        cold = spawn(_spec(tmp_path, "cold", *args, env=_attempt_env(1)))
+        warm = _warm(tmp_path, _attempt_env(0), program=program)
+        cold = spawn(_spec(tmp_path, "cold", *args, env=_attempt_env(1), program=program))
         cold_code = _run_to_end(cold)
-        child = warm.activate(_spec(tmp_path, "warm", *args, env=_attempt_env(1)))
+        child = warm.activate(_spec(tmp_path, "warm", *args, env=_attempt_env(1),
+                                    program=program))
         assert child.pid == warm.pid
         warm_code = _run_to_end(child)
     finally:
         signal.signal(signal.SIGUSR2, old)
-    cold_rec = json.loads((tmp_path / "cold.json").read_text())
-    warm_rec = json.loads((tmp_path / "warm.json").read_text())
-    cold_rec["argv"][1] = warm_rec["argv"][1] = "OUT"  # the two records' own paths
-    cold_rec["orig_argv"][2] = warm_rec["orig_argv"][2] = "OUT"
+    recs = []
+    for name in ("cold", "warm"):
+        rec = json.loads((tmp_path / f"{name}.json").read_text())
+        own = str(tmp_path / f"{name}.json")  # each record's own output path
+        rec["argv"] = ["OUT" if a == own else a for a in rec["argv"]]
+        rec["orig_argv"] = ["OUT" if a == own else a for a in rec["orig_argv"]]
+        recs.append(rec)
+    cold_rec, warm_rec = recs
     assert warm_rec == cold_rec
     # Spot checks that the comparison compares what it should.
-    assert warm_rec["argv"][0] == PROBE and warm_rec["name"] == "__main__"
+    assert warm_rec["argv"][0] == (PROBE if len(program) == 1 else str(CHILDREN / PROBE))
+    assert warm_rec["name"] == "__main__"
     assert warm_rec["environ"]["RTRAIN_ATTEMPT"] == "1"
     assert warm_rec["pdeathsig"] == signal.SIGKILL
     assert warm_rec["pgid_is_pid"] and warm_rec["sid_is_pid"]
@@ -88,7 +97,7 @@ def test_a_script_cannot_tell_the_standby_from_a_cold_start(tmp_path, args):
     for name in ("stdout.log", "stderr.log"):
         assert (tmp_path / "warm" / name).read_text() == (tmp_path / "cold" / name).read_text()
     assert "probe out" in (tmp_path / "warm" / "stdout.log").read_text()
-    if args:  # the traceback starts at the script, as a cold start prints it
+    if args:  # the traceback starts where a cold start's does
         err = (tmp_path / "warm" / "stderr.log").read_text()
         assert "ValueError: probe failure" in err and "standby_child" not in err
 

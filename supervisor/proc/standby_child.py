@@ -152,8 +152,14 @@ def _run_script(path: str) -> None:
                          __annotations__={},
                          __loader__=importlib.machinery.SourceFileLoader("__main__", path))
     sys.modules["__main__"] = main
+    _as_main(exec, code, main.__dict__)
+
+
+def _as_main(run, *args) -> None:
+    """Call `run(*args)`; an uncaught exception is printed with its traceback starting below
+    this frame, as the interpreter prints a script's, and ends the process with status 1."""
     try:
-        exec(code, main.__dict__)
+        run(*args)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:
@@ -238,7 +244,7 @@ def main(argv: list[str]) -> None:
         import runpy
 
         sys.argv = ["-m", *child_argv[3:]]
-        runpy._run_module_as_main(target, alter_argv=True)  # what `python -m` calls
+        _as_main(runpy._run_module_as_main, target, True)  # what `python -m` calls
 
 
 if __name__ == "__main__":

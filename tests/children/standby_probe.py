@@ -46,7 +46,7 @@ record = {
     "main_is_this": main.__dict__ is globals(),
     "main_attrs": sorted(k for k in vars(main) if k.startswith("__")),
     "main_loader": type(main.__loader__).__name__,
-    "main_spec": main.__spec__,
+    "main_spec": [getattr(main.__spec__, "name", None), getattr(main.__spec__, "origin", None)],
     "main_cached": main.__cached__,
     "path0": sys.path[0],
     "cwd": os.getcwd(),
