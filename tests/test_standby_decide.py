@@ -154,3 +154,21 @@ def test_the_default_preload_is_found_in_the_script_and_its_own_modules(tmp_path
     # numpy and yaml through the script's own modules; stdlib, rtrain's packages, missing
     # modules and imports inside functions or try blocks are not preloaded
     assert found == ["numpy", "yaml", "pytest"]
+
+
+def test_a_script_that_imports_no_library_gets_no_standby(tmp_path):
+    import sys
+
+    from supervisor.proc.standby import worth_keeping
+
+    (tmp_path / "plain.py").write_text("import os, json\nimport helper\n")
+    (tmp_path / "helper.py").write_text("import sys\n")
+    (tmp_path / "uses_numpy.py").write_text("import helper2\n")
+    (tmp_path / "helper2.py").write_text("import numpy as np\n")
+    plain = target_of([sys.executable, "plain.py"], tmp_path)
+    assert not worth_keeping(plain, None)
+    assert worth_keeping(plain, ["numpy"])
+    assert not worth_keeping(plain, [])
+    assert worth_keeping(target_of([sys.executable, "uses_numpy.py"], tmp_path), None)
+    assert worth_keeping(target_of([sys.executable, "-m", "uses_numpy"], tmp_path), None)
+    assert not worth_keeping(target_of([sys.executable, "-m", "plain"], tmp_path), None)

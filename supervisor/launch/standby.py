@@ -25,6 +25,7 @@ from supervisor.proc.standby import (
     same_target,
     strip_attempt_vars,
     target_of,
+    worth_keeping,
 )
 from supervisor.proc.watch_pressure import host_reading
 from supervisor.records.events import EventLog
@@ -40,7 +41,9 @@ class Keeper:
     def __init__(self, cfg: Config, command: list[str], cwd: Path, run_dir: Path,
                  events: EventLog, say: Callable[[str], None]) -> None:
         self.cfg, self.cwd, self.run_dir, self.events, self.say = cfg, cwd, run_dir, events, say
-        self.target: Target | None = target_of(command, cwd) if cfg.standby else None
+        target = target_of(command, cwd) if cfg.standby else None
+        self.target: Target | None = (target if target is not None
+                                      and worth_keeping(target, cfg.preload) else None)
         self.warm: WarmChild | None = None
         self.failures = 0
         self.rss: int | None = None  # the last standby's, measured when it was ready

@@ -89,6 +89,20 @@ def target_of(command: Sequence[str], cwd: Path) -> Target | None:
     return Target(command[0], "script", script, os.path.dirname(os.path.realpath(script)))
 
 
+def worth_keeping(target: Target, preload: Sequence[str] | None) -> bool:
+    """False when the default preload would import nothing: a standby would then save only the
+    interpreter's start (tens of ms). Judged here for rtrain's own interpreter; another one
+    (`--python`) is given the benefit of the doubt, as its path differs from ours."""
+    if preload is not None:
+        return bool(preload)
+    if os.path.realpath(target.python) != os.path.realpath(sys.executable):
+        return True
+    from supervisor.proc.standby_child import find_main_file, top_imports
+
+    main = find_main_file(target.mode, target.target, target.path0)
+    return bool(main and top_imports(main, target.path0))
+
+
 def same_target(target: Target, argv: Sequence[str], cwd: Path) -> bool:
     """Whether an attempt's rendered argv runs what the standby preloaded for."""
     return target_of(argv, cwd) == target

@@ -113,6 +113,15 @@ def top_imports(script: str, path0: str, depth: int = 3) -> list[str]:
     return out
 
 
+def find_main_file(mode: str, target: str, path0: str) -> str | None:
+    """The file that runs as `__main__`: the script, or the module's source (not imported)."""
+    if mode == "script":
+        return target
+    spec = _find(target, [path0, *(p for p in sys.path if p != path0)])
+    origin = spec.origin if spec is not None else None
+    return origin if origin and origin.endswith(".py") else None
+
+
 def _module_file(name: str) -> str | None:
     mod = sys.modules.get(name)
     path = getattr(mod, "__file__", None)
@@ -179,8 +188,7 @@ def main(argv: list[str]) -> None:
     t0 = time.monotonic()
     preload = json.loads(preload_json)
     if preload is None:
-        spec = _find(target, sys.path) if mode == "module" else None
-        main_file = target if mode == "script" else (spec.origin if spec else None)
+        main_file = find_main_file(mode, target, path0)
         preload = top_imports(main_file, path0) if main_file else []
     modules = []
     for name in dict.fromkeys(preload):
