@@ -79,13 +79,15 @@ def test_a_script_cannot_tell_the_standby_from_a_cold_start(tmp_path, args, prog
         rec = json.loads((tmp_path / f"{name}.json").read_text())
         own = str(tmp_path / f"{name}.json")  # each record's own output path
         rec["argv"] = ["OUT" if a == own else a for a in rec["argv"]]
-        rec["orig_argv"] = ["OUT" if a == own else a for a in rec["orig_argv"]]
+        for key in ("orig_argv", "cmdline"):
+            rec[key] = ["OUT" if a == own else a for a in rec[key]]
         recs.append(rec)
     cold_rec, warm_rec = recs
     assert warm_rec == cold_rec
     # Spot checks that the comparison compares what it should.
     assert warm_rec["argv"][0] == (PROBE if len(program) == 1 else str(CHILDREN / PROBE))
     assert warm_rec["name"] == "__main__"
+    assert warm_rec["cmdline"] == [sys.executable, *program, "OUT", *args]  # ps, pgrep -f
     assert warm_rec["environ"]["RTRAIN_ATTEMPT"] == "1"
     assert warm_rec["pdeathsig"] == signal.SIGKILL
     assert warm_rec["pgid_is_pid"] and warm_rec["sid_is_pid"]

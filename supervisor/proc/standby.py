@@ -44,6 +44,8 @@ HANDOFF_TIMEOUT_S = 10.0
 """From the hand-off to the standby's answer: it only sets a few things, so a longer silence
 is a broken standby (then a cold start)."""
 LOG_NAME = "standby.log"
+CMDLINE_ROOM = 8192
+"""Bytes of argument area kept for the attempt's command line (standby_child.set_cmdline)."""
 IMPORT_NICE = 19
 """The standby imports at this autogroup nice, so it takes CPU only that training leaves idle;
 set back to the cold child's 0 before the hand-off (a session's autogroup nice may be raised
@@ -139,7 +141,8 @@ class WarmChild:
         started_wall = time.time()
         argv = [target.python, str(CHILD_PROGRAM), str(theirs.fileno()), target.mode,
                 target.target, target.path0, json.dumps(None if preload is None
-                                                        else list(preload))]
+                                                        else list(preload)),
+                " " * CMDLINE_ROOM]  # room for the attempt's argv in /proc/<pid>/cmdline
         try:
             popen = subprocess.Popen(argv, env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
                                      stdout=out_w, stderr=err_w, start_new_session=True,

@@ -128,6 +128,25 @@ def _module_file(name: str) -> str | None:
     return os.path.realpath(path) if isinstance(path, str) else None
 
 
+def set_cmdline(argv: list[str]) -> None:
+    """Show the attempt's argv in /proc/<pid>/cmdline (ps, pgrep -f, psutil), as setproctitle
+    does: the argument area is overwritten in place (rtrain padded it at spawn), the words
+    joined by spaces; a title longer than the area is cut. Best effort."""
+    try:
+        import ctypes
+
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rfind(b")") + 2:].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48, 49)
+        room = end - start
+        title = " ".join(argv).encode()[: room - 1]
+        # Non-NUL last byte: the kernel reads the title up to its NUL (the setproctitle rule).
+        ctypes.memmove(start, title + b"\0" + b" " * (room - len(title) - 1), room)
+    except (OSError, ValueError, IndexError):
+        pass
+
+
 def _send(sock: socket.socket, msg: dict) -> None:
     sock.sendall(json.dumps(msg).encode() + b"\n")
 
@@ -181,7 +200,7 @@ def main(argv: list[str]) -> None:
     # First, before any import can change them: what a cold interpreter starts with.
     dispositions = _dispositions()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    fd, mode, target, path0, preload_json = argv[1:6]
+    fd, mode, target, path0, preload_json = argv[1:6]  # argv[6]: room for set_cmdline
     sys.path[0] = path0  # not this file's directory: the script's, or the cwd for -m
     sock = socket.socket(fileno=int(fd))
     keep = sys.modules["__main__"]  # this module, while its code runs  # noqa: F841
@@ -237,6 +256,7 @@ def main(argv: list[str]) -> None:
             if signal.getsignal(sig) is not handler:
                 signal.signal(sig, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        set_cmdline(child_argv)
         _send(sock, {"started": os.getpid()})
     except (OSError, KeyError, TypeError, ValueError) as e:
         try:

@@ -38,7 +38,10 @@ def fd_kind(fd):
 
 with open(f"/proc/{os.getpid()}/status") as f:
     status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+import psutil  # noqa: E402
+
 record = {
+    "cmdline": psutil.Process().cmdline(),
     "argv": sys.argv,
     "orig_argv": sys.orig_argv,
     "name": __name__,
