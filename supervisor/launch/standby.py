@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from supervisor.config import Config
 from supervisor.decide import standby as policy
 from supervisor.proc.cgroup import MemoryCgroup, memory_cgroup
@@ -98,7 +100,12 @@ class Keeper:
     # ------------------------------------------------------------ while it trains
 
     def heartbeat(self) -> None:
-        self._heartbeat = True
+        """The attempt trains: its first heartbeat starts the standby at once, not at the next
+        sample (an attempt that fails a moment later still finds one on its way)."""
+        first, self._heartbeat = not self._heartbeat, True
+        if first and self.warm is None:
+            vm = psutil.virtual_memory()
+            self.tick(TreeSample(time.monotonic(), (), 0, 0.0, False, vm.available, vm.total))
 
     def tick(self, tree: TreeSample) -> None:
         """Once per sample of the running attempt: spawn, notice ready, recycle."""
