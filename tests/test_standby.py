@@ -259,3 +259,20 @@ def test_the_standby_imports_at_the_lowest_priority_and_trains_at_a_cold_childs(
         assert Path(f"/proc/{warm.pid}/autogroup").read_text().split()[-1] == "19"
     finally:
         warm.kill()
+
+
+def test_a_stop_signal_is_not_delayed_by_a_standby_still_importing(tmp_path):
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(60)\n")
+    env = _attempt_env(0)
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+    keeper, log = _keeper(tmp_path, preload=["slow_import"])
+    keeper.start(_spec(tmp_path, "a0", env=env), 0)
+    keeper.heartbeat()  # spawns it
+    assert keeper.warm is not None
+    t0 = time.monotonic()
+    child, _ = keeper.start(_spec(tmp_path, "a1", env={**env, "RTRAIN_ATTEMPT": "1"}), 1,
+                            interrupted=lambda: time.monotonic() - t0 > 0.5)
+    assert child is None and time.monotonic() - t0 < 5
+    log.close()
+    assert [e["reason"] for e in events(tmp_path, "standby_discarded")] == [
+        "a stop signal came while it imported"]

@@ -240,7 +240,8 @@ class Loop:
             argv=argv, env=env, cwd=self.spec.cwd, attempt_dir=plan.attempt_dir,
             echo=self.spec.echo, log_cap_bytes=int(self.cfg.log_cap_mb * 2**20),
             echo_through=line.write_through if line else None)
-        child, start_s = self.standby.start(child_spec, attempt)
+        child, start_s = self.standby.start(child_spec, attempt,
+                                            interrupted=lambda: bool(signals.pending))
         warm = child is not None
         if child is None:
             t_spawn = self.seams.monotonic()

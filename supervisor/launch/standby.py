@@ -65,9 +65,11 @@ class Keeper:
 
     # ------------------------------------------------------------ an attempt starts
 
-    def start(self, spec: ChildSpec, attempt: int) -> tuple[Child | None, float]:
+    def start(self, spec: ChildSpec, attempt: int,
+              interrupted: Callable[[], bool] = lambda: False) -> tuple[Child | None, float]:
         """The attempt's child started in the standby, with the seconds the hand-off took;
-        (None, 0) when there is none or it cannot be used (recorded): start it cold."""
+        (None, 0) when there is none or it cannot be used (recorded): start it cold.
+        `interrupted()`: a stop signal arrived (a standby still importing is not waited for)."""
         self._attempt, self._attempt_t0, self._heartbeat = attempt, time.monotonic(), False
         self._env = strip_attempt_vars(spec.env)
         warm, self.warm = self.warm, None
@@ -75,7 +77,11 @@ class Keeper:
             return None, 0.0
         was_ready = warm.ready is not None
         if warm.ready is None and warm.failed is None:
-            warm.wait_ready(READY_WAIT_S)
+            warm.wait_ready(READY_WAIT_S, interrupted)
+            if warm.ready is None and warm.failed is None:
+                self._end(warm, "standby_discarded", "a stop signal came while it imported",
+                          attempt - 1)
+                return None, 0.0
         else:
             warm.poll()
         if warm.ready is not None and not was_ready:

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,13 +200,15 @@ class WarmChild:
             return {"failed": "sent a message that is not JSON"}
         return msg if isinstance(msg, dict) else {"failed": "sent a message that is no object"}
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Block until the standby is ready or failed, at most `timeout_s`. An attempt waits
-        for it: it imports at full speed from now on."""
+    def wait_ready(self, timeout_s: float,
+                   interrupted: Callable[[], bool] = lambda: False) -> None:
+        """Block until the standby is ready or failed, at most `timeout_s`, or until
+        `interrupted()` (a stop signal: the wait must not delay it). An attempt waits for it:
+        it imports at full speed from now on."""
         set_autogroup_nice(self.pid, 0)
         deadline = time.monotonic() + timeout_s
         self.poll()
-        while self.ready is None and self.failed is None:
+        while self.ready is None and self.failed is None and not interrupted():
             left = deadline - time.monotonic()
             if left <= 0:
                 self.failed = f"not ready after {timeout_s:g} s"
