@@ -250,6 +250,10 @@ def launch(
     keep_remote: Annotated[int | None, typer.Option(
         "--keep-remote", metavar="N",
         help="The mirror keeps the newest N checkpoints, 0 all (default 3).")] = None,
+    no_standby: Annotated[bool, typer.Option(
+        "--no-standby", help="Start every attempt in a new interpreter: keep no warm "
+                             "standby interpreter. Without it one is kept, except under "
+                             "--nproc-per-node.")] = False,
     nproc_per_node: Annotated[int | None, typer.Option(
         "--nproc-per-node", metavar="N",
         help="Run SCRIPT under torchrun with N ranks on this node (rtrain owns restarts).")
@@ -279,7 +283,9 @@ def launch(
                      "settings": _parse_sets(sets or []) or None,
                      "backoff.enabled": False if no_backoff else None,
                      "metrics_file": metrics_file, "mirror": mirror,
-                     "keep_remote": keep_remote}
+                     "keep_remote": keep_remote,
+                     # Under torchrun the ranks are its children, not ours to keep warm.
+                     "standby": False if no_standby or nproc_per_node is not None else None}
         cfg = load_config(overrides, config, cwd)
         if retry and fresh:
             from supervisor.errors import UsageError

@@ -252,6 +252,18 @@ class PressureConfig:
                               "climb_headroom below 1")
 
 
+def _check_preload(value: Any) -> None:
+    if not isinstance(value, list):
+        raise ConfigError(f"preload must be a list of module names, e.g. [\"torch\"] "
+                          f"(got {value!r})")
+    for name in value:
+        if not isinstance(name, str) or not all(p.isidentifier() for p in name.split(".")):
+            raise ConfigError(f"preload: {name!r} is not a module name")
+        if name.split(".")[0] in ("supervisor", "worker"):
+            raise ConfigError(f"preload: {name!r} reads the attempt's RTRAIN_* variables when "
+                              "imported, so it cannot be imported before the attempt; remove it")
+
+
 def _check_json(where: str, value: Any) -> None:
     """Settings travel as JSON (`RTRAIN_SETTINGS`): TOML dates and times cannot."""
     if isinstance(value, dict):
@@ -340,6 +352,14 @@ class Config:
     """When the run ends (finished, stopped, gave up), how long rtrain waits for the newest
     checkpoint to reach the mirror before it exits. Under preemption keep it below the
     platform's grace minus the save time."""
+    standby: bool = True
+    """Keep a warm standby interpreter with the heavy modules imported while an attempt
+    trains; the next attempt starts in it (`--no-standby`). Only for `python SCRIPT` and
+    `-m MODULE` launches, never under torchrun (--nproc-per-node)."""
+    preload: list[str] | None = None
+    """Modules the standby imports, e.g. ["torch", "transformers"]. None: the script's
+    module-level imports (and its own modules') from outside its directory and the standard
+    library, plus torch._dynamo when they import torch (its first optimizer would)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.resume, str) or not self.resume:
@@ -362,6 +382,9 @@ class Config:
         _number("milestone_every", self.milestone_every, integer=True)
         _number("mirror_parallel", self.mirror_parallel, low=1, integer=True)
         _number("mirror_final_wait_s", self.mirror_final_wait_s)
+        _bool("standby", self.standby)
+        if self.preload is not None:
+            _check_preload(self.preload)
         if self.memory_pressure_fraction > 1 or self.lr_factor_on_nonfinite > 1:
             raise ConfigError("memory_pressure_fraction and lr_factor_on_nonfinite must be at "
                               "most 1")

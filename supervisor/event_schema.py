@@ -48,6 +48,9 @@ class Kind(str, Enum):
     PRESSURE_RELIEVED = "pressure_relieved"
     WORLD_SIZE_CHANGED = "world_size_changed"
     RECOVERY = "recovery"
+    STANDBY_READY = "standby_ready"
+    STANDBY_DISCARDED = "standby_discarded"
+    STANDBY_FAILED = "standby_failed"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,8 +72,11 @@ class KindSpec:
 # `decision`, on disk before state.json records the same decision; the ends of a run.
 KINDS: dict[Kind, KindSpec] = {
     Kind.LAUNCH: KindSpec(
-        fields=("attempt", "argv", "settings", "level", "resume_from", "pid", "ckpt_dir"),
-        optional=("slurm", "spawn_at", "spawn_s"), durable=True, meaning="an attempt was started"),
+        fields=("attempt", "argv", "settings", "level", "resume_from", "pid", "ckpt_dir",
+                "standby", "start_s"),
+        optional=("slurm", "spawn_at", "spawn_s"), durable=True,
+        meaning="an attempt was started: in the warm standby (`standby` true) or a new "
+                "process; `start_s` from the spawn or the hand-off until it was running"),
     Kind.SKIPPED_CHECKPOINT: KindSpec(
         fields=("path", "reason"),
         meaning="resume selection passed over a checkpoint, or a worker could not load it"),
@@ -164,6 +170,17 @@ KINDS: dict[Kind, KindSpec] = {
                 "work_lost_s", "lost_s"),
         meaning="what a failure cost: its phases up to the relaunched attempt's first step, "
                 "and the steps run again"),
+    Kind.STANDBY_READY: KindSpec(
+        fields=("attempt", "pid", "rss_bytes", "modules", "import_s"),
+        meaning="a warm standby finished its imports and waits for the next attempt"),
+    Kind.STANDBY_DISCARDED: KindSpec(
+        fields=("attempt", "pid", "reason"),
+        meaning="a standby was ended unused (import-time environment or a preloaded file "
+                "changed, host memory tight, the run ended); the attempt starts cold"),
+    Kind.STANDBY_FAILED: KindSpec(
+        fields=("attempt", "pid", "reason", "output"),
+        meaning="a standby died, failed an import, initialised CUDA or did not answer; the "
+                "attempt starts cold"),
 }
 DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
 HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)

@@ -39,7 +39,7 @@ SECTIONS = {"restart": RestartConfig, "backoff": BackoffConfig, "hang": HangConf
             "slurm": SlurmConfig, "pressure": PressureConfig}
 TABLES = ("settings", "ladder", "hooks")  # tables of the user's own, shown by example
 # None by default; design.md shows what they stand for
-UNSET = ("ckpt_dir", "metrics_file", "mirror")
+UNSET = ("ckpt_dir", "metrics_file", "mirror", "preload")
 
 # `rtrain launch` options that set a config key (dotted: in its table); the rest set none.
 CONFIG_OPTIONS = {
@@ -47,7 +47,7 @@ CONFIG_OPTIONS = {
     "--max-restarts": "restart.max_restarts", "--grace": "grace_s",
     "--stop-signal": "stop_signal", "--hang-timeout": "hang.timeout_s", "--set": "settings",
     "--requeue": "requeue", "--no-backoff": "backoff.enabled", "--metrics-file": "metrics_file",
-    "--mirror": "mirror", "--keep-remote": "keep_remote",
+    "--mirror": "mirror", "--keep-remote": "keep_remote", "--no-standby": "standby",
 }
 OTHER_OPTIONS = {"script", "--module", "--resume-arg", "--config", "--fresh",
                  "--retry", "--quiet", "--python", "--nproc-per-node", "--nnodes",
@@ -59,6 +59,7 @@ EXAMPLES = {
     "--hang-timeout": ("99", 99.0), "--set": ("batch_size=8", {"batch_size": 8}),
     "--requeue": (None, True), "--no-backoff": (None, False), "--metrics-file": ("m", "m"),
     "--mirror": ("s3://b/p", "s3://b/p"), "--keep-remote": ("5", 5),
+    "--no-standby": (None, False),
 }
 
 

@@ -174,3 +174,26 @@ def test_default_run_dir_lookup(tmp_path):
     (tmp_path / "rtrain.toml").write_text("run_dir = 3\n")
     with pytest.raises(ConfigError, match=r"rtrain\.toml: run_dir must be a non-empty string"):
         default_run_dir(tmp_path)
+
+
+def test_status_shows_the_standby_and_its_memory(tmp_path):
+    run_dir = tmp_path / "run"
+    launch = {"argv": ["python", "train.py"], "resume_from": None, "settings": {}, "level": 0}
+    write_events(run_dir, [
+        ("launch", {**launch, "attempt": 0, "pid": 100, "standby": False}),
+        ("standby_ready", {"attempt": 0, "pid": 101, "rss_bytes": 300 * 2**20,
+                           "modules": ["torch", "torch._dynamo"], "import_s": 3.1}),
+        ("launch", {**launch, "attempt": 1, "pid": 101, "standby": True}),
+        ("standby_ready", {"attempt": 1, "pid": 102, "rss_bytes": 310 * 2**20,
+                           "modules": ["torch"], "import_s": 3.0}),
+    ])
+    s = summarize(run_dir, now=T0 + 10)
+    assert s.standby == {"state": "ready", "warm_starts": 1, "pid": 102,
+                         "rss_bytes": 310 * 2**20, "modules": ["torch"]}
+    [row] = [line for line in render_text(s).splitlines() if "standby:" in line]
+    assert row.split(None, 1)[1] == ("ready (pid 102, rss 310.0 MiB; imported torch); "
+                                     "1 attempt(s) started warm")
+    write_events(run_dir, [("standby_discarded", {"attempt": 1, "pid": 102,
+                                                  "reason": "host memory is tight"})])
+    text = render_text(summarize(run_dir, now=T0 + 10))
+    assert "discarded: host memory is tight; 1 attempt(s) started warm" in text

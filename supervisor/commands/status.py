@@ -101,6 +101,10 @@ class RunSummary:
     """With a mirror: uploaded_step, uploaded_age_s, behind_steps (newest local checkpoint
     minus the newest uploaded), failing (the last failure since an upload), final (made_it,
     step, reason at the run's end), downloaded_step (a resume came from it)."""
+    standby: dict[str, Any] | None = None
+    """The warm standby, from its newest event (none: no standby event in the run): state
+    (ready, discarded, failed, used), pid, rss_bytes, modules, reason; warm_starts: attempts
+    started in a standby."""
     slurm: dict[str, Any] | None = None
     """Under Slurm, from the newest launch: job_id, restart_count, end_time (the job's time
     limit ends, unix time), stop_at (rtrain stops the attempt then; null: not armed), margin_s."""
@@ -240,11 +244,40 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
     if cadence is not None:
         s.cadence = {k: cadence.get(k) for k in KINDS[Kind.CADENCE].fields}
         s.restart_s = _restart_s(timeline)
+    s.standby = _standby(timeline, launch)
     job = launch.get("slurm") if launch else None
     if isinstance(job, dict):
         s.slurm = {k: job.get(k) for k in ("job_id", "restart_count", "end_time", "stop_at",
                                            "margin_s")}
     return s
+
+
+def _standby(timeline: Timeline, launch: dict[str, Any] | None) -> dict[str, Any] | None:
+    last = timeline.last(Kind.STANDBY_READY, Kind.STANDBY_DISCARDED, Kind.STANDBY_FAILED)
+    if last is None:
+        return None
+    warm = sum(1 for a in timeline.attempts.values()
+               if a.launch is not None and a.launch.get("standby") is True)
+    state = {Kind.STANDBY_READY.value: "ready", Kind.STANDBY_DISCARDED.value: "discarded",
+             Kind.STANDBY_FAILED.value: "failed"}[last["kind"]]
+    if state == "ready" and launch is not None and launch.get("pid") == last.get("pid"):
+        state = "used"  # the newest attempt runs in it; the next one is not ready yet
+    out = {"state": state, "warm_starts": warm,
+           **{k: last.get(k) for k in ("pid", "rss_bytes", "modules", "reason")}}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _standby_row(sb: dict[str, Any], *, running: bool) -> str:
+    started = f"{sb['warm_starts']} attempt(s) started warm"
+    state = sb["state"]
+    if state == "ready" and running:
+        rss = sb.get("rss_bytes")
+        mem = f", rss {human_bytes(rss)}" if finite(rss) else ""
+        mods = ", ".join(str(m) for m in sb.get("modules") or []) or "nothing"
+        return f"ready (pid {sb.get('pid')}{mem}; imported {mods}); {started}"
+    if state in ("discarded", "failed"):
+        return f"{state}: {sb.get('reason', '')}; {started}"
+    return started
 
 
 def _restart_s(timeline: Timeline) -> float | None:
@@ -338,6 +371,8 @@ def render_text(s: RunSummary) -> str:
         rows += _cadence_rows(s.cadence, s.restart_s)
     if s.mirror is not None:
         rows += _mirror_rows(s.mirror)
+    if s.standby is not None:
+        rows.append(("standby", _standby_row(s.standby, running=s.status == "running")))
     if s.slurm is not None:
         rows.append(("slurm", _slurm_row(s.slurm, running=s.status == "running")))
     if f := s.last_failure_save:

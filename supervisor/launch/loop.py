@@ -50,6 +50,7 @@ from supervisor.launch.recording import (
 from supervisor.launch.resume import Checkpoints, encryption_key, resumed_from
 from supervisor.launch.rundir import RunRecord, move_aside, prepare_dirs, refuse_ended
 from supervisor.launch.spec import LaunchSpec, Seams, child_command
+from supervisor.launch.standby import Keeper
 from supervisor.launch.wallclock import WHY as WALL_CLOCK
 from supervisor.launch.wallclock import WallClock, measured
 from supervisor.proc import slurm
@@ -59,7 +60,7 @@ from supervisor.proc.heartbeat import HeartbeatReceiver
 from supervisor.proc.leftovers import ProcRecord, end_leftovers
 from supervisor.proc.proctree import ProcTree
 from supervisor.proc.signals import SignalCatcher
-from supervisor.proc.spawn import ChildSpec
+from supervisor.proc.spawn import ChildSpec, spawn
 from supervisor.proc.watch import Sample, WatchConfig
 from supervisor.proc.watch_outcome import Outcome
 from supervisor.protocol import Heartbeat
@@ -149,8 +150,12 @@ class Loop:
         self.wall_clock = WallClock(self.cfg.slurm, run_dir / "events.jsonl")
         self._wall_said: str | None = None  # the plan last told the terminal
         self._last_step: int | None = None  # of the attempt that just ended
+        # A scripted spawner (tests) has no interpreter to keep warm.
+        keep = self.cfg if seams.spawn is spawn else replace(self.cfg, standby=False)
+        self.standby = Keeper(keep, spec.command, spec.cwd, run_dir, self.events, self.say)
 
     def close(self) -> None:
+        self.standby.close()
         if self.mirroring is not None:
             self.mirroring.close()
         self.record.record_final()
@@ -237,19 +242,28 @@ class Loop:
         wall = self.wall_clock.plan(self.seams.wall())  # the scheduler's times: before the spawn
         self.observers.attempt_started(attempt, plan.attempt_dir, level)
         line = self.observers.line
-        spawn_at = self.seams.wall()  # a failure's cost: from here the new child is starting
-        child = self.seams.spawn(ChildSpec(
+        child_spec = ChildSpec(
             argv=argv, env=env, cwd=self.spec.cwd, attempt_dir=plan.attempt_dir,
             echo=self.spec.echo, log_cap_bytes=int(self.cfg.log_cap_mb * 2**20),
-            echo_through=line.write_through if line else None))
-        spawn_s = self.seams.wall() - spawn_at  # returns once the child exec'd
+            echo_through=line.write_through if line else None)
+        spawn_at = self.seams.wall()  # a failure's cost: from here the new child is starting
+        child, start_s = self.standby.start(child_spec, attempt,
+                                            interrupted=lambda: bool(signals.pending))
+        warm = child is not None
+        if child is None:
+            t_spawn = self.seams.monotonic()
+            child = self.seams.spawn(child_spec)
+            start_s = self.seams.monotonic() - t_spawn
+        spawn_s = self.seams.wall() - spawn_at  # returns once the child exec'd or took over
         self.procs.update([child.pid])
         how = f"from {chosen.path.name}" if chosen else "fresh"
-        self.say(f"attempt {attempt}: launched pid {child.pid} ({how}), settings "
+        where = " in the warm standby" if warm else ""
+        self.say(f"attempt {attempt}: launched pid {child.pid}{where} ({how}), settings "
                  f"{json.dumps(settings)}")
         self.events.emit("launch", attempt=attempt, argv=argv, settings=settings, level=level,
                          resume_from=plan.resume_from, pid=child.pid,
-                         ckpt_dir=str(self.ckpt_dir), spawn_at=round(spawn_at, 6),
+                         ckpt_dir=str(self.ckpt_dir), standby=warm,
+                         start_s=round(start_s, 4), spawn_at=round(spawn_at, 6),
                          spawn_s=round(spawn_s, 6), **slurm_field(wall))
         self._say_wall(wall)
         sizes = world.WorldWatch(world.saved_world_size(chosen.manifest if chosen else None))
@@ -270,6 +284,7 @@ class Loop:
 
     def _heartbeat(self, attempt: int, hb: Heartbeat, sizes: world.WorldWatch,
                    chosen: Verdict | None) -> None:
+        self.standby.heartbeat()
         self.observers.heartbeat(attempt, hb)
         self.recovery.heartbeat(attempt, hb)
         self._recoveries()
@@ -308,12 +323,15 @@ class Loop:
             self.say(line)
 
     def _helper_pids(self) -> list[int]:
-        """rtrain's own helpers (hooks, the uploader): not the attempt's processes."""
+        """rtrain's own helpers (hooks, the uploader, the warm standby): not the attempt's
+        processes."""
         hooks = self.observers.hooks
         return [*(hooks.pids() if hooks is not None else []),
-                *(self.mirroring.pids() if self.mirroring is not None else [])]
+                *(self.mirroring.pids() if self.mirroring is not None else []),
+                *self.standby.pids()]
 
     def _on_sample(self, sample: Sample) -> None:
+        self.standby.tick(sample.tree)
         if self.mirroring is not None:
             self.mirroring.poll()
         self.observers.sample(sample)
@@ -344,6 +362,8 @@ class Loop:
 
     def _act(self, decision: Decision, signals: SignalCatcher, pids: list[int]) -> int | None:
         history, reason = decision.history, decision.reason
+        if decision.action is not Action.RELAUNCH:
+            self.standby.close()  # its memory back before the run's last waits
         if decision.action is not Action.RELAUNCH and self.mirroring is not None:
             # The run ends here: the newest checkpoint goes to the mirror before rtrain exits
             # (under preemption, within what the grace leaves; see mirror_final_wait_s).

@@ -1,0 +1,278 @@
+"""The warm standby for real: a script started in it sees what a cold start shows it (argv,
+__main__, environment, signals, PDEATHSIG, session, cgroup, faulthandler, fds, logs), CUDA is
+never initialised in it, and a standby that no longer fits the attempt, or fails, gives way to
+a cold start with an event saying why."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness import CHILDREN, child_env, events, launch
+
+from supervisor.config import Config
+from supervisor.launch.standby import Keeper
+from supervisor.proc.proctree import TreeSample
+from supervisor.proc.spawn import ChildSpec, spawn
+from supervisor.proc.standby import WarmChild, strip_attempt_vars, target_of
+from supervisor.records.events import EventLog
+
+pytestmark = pytest.mark.slow
+
+PROBE = "standby_probe.py"
+
+
+def _run_to_end(child) -> int:
+    pipes = [child.stdout, child.stderr]
+    while pipes:
+        select.select([p.fd for p in pipes], [], [], 5)
+        pipes = [p for p in pipes if p.pump()]
+    code = child.popen.wait(30)
+    child.close()
+    return code
+
+
+def _spec(tmp: Path, name: str, *args: str, env: dict[str, str],
+          program: tuple[str, ...] = (PROBE,)) -> ChildSpec:
+    return ChildSpec(argv=[sys.executable, *program, str(tmp / f"{name}.json"), *args],
+                     env=env, cwd=CHILDREN, attempt_dir=tmp / name)
+
+
+def _attempt_env(attempt: int) -> dict[str, str]:
+    return child_env(RTRAIN_ATTEMPT=str(attempt), RTRAIN_SETTINGS='{"lr": 0.1}',
+                     PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+
+
+def _warm(tmp: Path, env: dict[str, str], preload=None,
+          program: tuple[str, ...] = (PROBE,)) -> WarmChild:
+    target = target_of([sys.executable, *program], CHILDREN)
+    assert target is not None
+    warm = WarmChild.spawn(target, strip_attempt_vars(env), CHILDREN, tmp, preload)
+    warm.wait_ready(120)
+    assert warm.failed is None, warm.failed + warm.output_tail()
+    return warm
+
+
+@pytest.mark.parametrize("program", [(PROBE,), ("-m", PROBE[:-3])], ids=["script", "module"])
+@pytest.mark.parametrize("args", [(), ("raise",)])
+def test_a_script_cannot_tell_the_standby_from_a_cold_start(tmp_path, args, program):
+    # An ignored signal is inherited by both, as a supervisor started under nohup passes it on.
+    old = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        warm = _warm(tmp_path, _attempt_env(0), program=program)
+        cold = spawn(_spec(tmp_path, "cold", *args, env=_attempt_env(1), program=program))
+        cold_code = _run_to_end(cold)
+        child = warm.activate(_spec(tmp_path, "warm", *args, env=_attempt_env(1),
+                                    program=program))
+        assert child.pid == warm.pid
+        warm_code = _run_to_end(child)
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+    recs = []
+    for name in ("cold", "warm"):
+        rec = json.loads((tmp_path / f"{name}.json").read_text())
+        own = str(tmp_path / f"{name}.json")  # each record's own output path
+        rec["argv"] = ["OUT" if a == own else a for a in rec["argv"]]
+        for key in ("orig_argv", "cmdline"):
+            rec[key] = ["OUT" if a == own else a for a in rec[key]]
+        recs.append(rec)
+    cold_rec, warm_rec = recs
+    assert warm_rec == cold_rec
+    # Spot checks that the comparison compares what it should.
+    assert warm_rec["argv"][0] == (PROBE if len(program) == 1 else str(CHILDREN / PROBE))
+    assert warm_rec["name"] == "__main__"
+    assert warm_rec["cmdline"] == [sys.executable, *program, "OUT", *args]  # ps, pgrep -f
+    assert warm_rec["environ"]["RTRAIN_ATTEMPT"] == "1"
+    assert warm_rec["pdeathsig"] == signal.SIGKILL
+    assert warm_rec["pgid_is_pid"] and warm_rec["sid_is_pid"]
+    assert warm_rec["signals"]["SIGUSR2"] == "SIG_IGN"
+    assert warm_rec["faulthandler"] is True
+    assert warm_rec["fds"] == {"0": "chr:/dev/null", "1": "fifo:", "2": "fifo:"}
+    assert warm_rec["cuda_initialized"] is False
+    assert warm_code == cold_code == (1 if args else 0)
+    for name in ("stdout.log", "stderr.log"):
+        assert (tmp_path / "warm" / name).read_text() == (tmp_path / "cold" / name).read_text()
+    assert "probe out" in (tmp_path / "warm" / "stdout.log").read_text()
+    if args:  # the traceback starts where a cold start's does
+        err = (tmp_path / "warm" / "stderr.log").read_text()
+        assert "ValueError: probe failure" in err and "standby_child" not in err
+
+
+def test_cuda_initialised_while_preloading_fails_the_standby(tmp_path):
+    # The module marks CUDA initialised the way torch.cuda.init() would leave it: on a machine
+    # without a GPU this is how a preload that touches CUDA is seen.
+    (tmp_path / "touches_cuda.py").write_text(
+        "import torch\ntorch.cuda._initialized = True\n")
+    env = _attempt_env(0)
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+    warm = _warm(tmp_path, env, preload=["torch", "touches_cuda"])
+    assert warm.ready["cuda"] is True
+    assert warm.popen.wait(10) == 1  # it leaves by itself; never handed an attempt
+    warm.kill()
+
+
+def _sample() -> TreeSample:
+    return TreeSample(time.monotonic(), (), 0, 0.0, False, 8 * 2**30, 16 * 2**30)
+
+
+def _keeper(tmp: Path, **cfg) -> tuple[Keeper, EventLog]:
+    log = EventLog(tmp / "events.jsonl")
+    keeper = Keeper(Config(run_dir=tmp, **cfg), [sys.executable, PROBE], CHILDREN, tmp, log,
+                    say=lambda line: None)
+    return keeper, log
+
+
+def _kept(keeper: Keeper, tmp: Path, env: dict[str, str]) -> None:
+    """Attempt 0 starts cold and trains; its standby gets ready."""
+    child, _ = keeper.start(_spec(tmp, "a0", env=env), 0)
+    assert child is None
+    keeper.heartbeat()
+    keeper.tick(_sample())
+    assert keeper.warm is not None
+    _tick_until_settled(keeper)
+
+
+def _tick_until_settled(keeper: Keeper) -> None:
+    """Samples until the standby is ready (or gone), as the watch feeds them."""
+    deadline = time.monotonic() + 60
+    while keeper.warm is not None and keeper.warm.ready is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+        keeper.tick(_sample())
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"OMP_NUM_THREADS": "7"}, "import-time environment changed: OMP_NUM_THREADS"),
+    ({"CUDA_VISIBLE_DEVICES": "1"}, "import-time environment changed: CUDA_VISIBLE_DEVICES"),
+])
+def test_a_changed_import_time_variable_discards_the_standby(tmp_path, change, why):
+    keeper, log = _keeper(tmp_path, preload=["json"])
+    _kept(keeper, tmp_path, _attempt_env(0))
+    pid = keeper.warm.pid
+    child, _ = keeper.start(_spec(tmp_path, "a1", env={**_attempt_env(1), **change}), 1)
+    assert child is None
+    log.close()
+    assert [e["reason"] for e in events(tmp_path, "standby_discarded")] == [why]
+    assert events(tmp_path, "standby_ready")[0]["pid"] == pid
+    assert not Path(f"/proc/{pid}").exists() or _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+
+
+def test_a_changed_script_recycles_the_standby(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    log = EventLog(tmp_path / "events.jsonl")
+    keeper = Keeper(Config(run_dir=tmp_path, preload=["json"]), [sys.executable, "train.py"],
+                    tmp_path, tmp_path, log, say=lambda line: None)
+    env = _attempt_env(0)
+    keeper.start(ChildSpec(argv=[sys.executable, "train.py"], env=env, cwd=tmp_path,
+                           attempt_dir=tmp_path / "a0"), 0)
+    keeper.heartbeat()
+    keeper.tick(_sample())
+    _tick_until_settled(keeper)
+    first = keeper.warm.pid
+    time.sleep(0.05)
+    script.write_text("print('changed')\n")
+    keeper._next_stale_check = 0.0  # the periodic check is due
+    keeper.tick(_sample())
+    assert keeper.warm is None
+    keeper.tick(_sample())  # a new one replaces it
+    assert keeper.warm is not None and keeper.warm.pid != first
+    keeper.close()
+    log.close()
+    [discarded] = events(tmp_path, "standby_discarded")
+    assert discarded["pid"] == first and "train.py" in discarded["reason"]
+
+
+def test_a_tight_host_keeps_no_standby(tmp_path):
+    keeper, log = _keeper(tmp_path, preload=["json"])
+    _kept(keeper, tmp_path, _attempt_env(0))
+    tight = TreeSample(time.monotonic(), (), 0, 0.0, False, 2**30, 16 * 2**30)  # 94 % used
+    keeper.tick(tight)
+    assert keeper.warm is None
+    keeper.tick(tight)
+    assert keeper.warm is None  # none spawned while it stays tight
+    log.close()
+    assert [e["reason"] for e in events(tmp_path, "standby_discarded")] == [
+        "host memory is tight"]
+
+
+def test_a_failing_preload_falls_back_to_a_cold_start(tmp_path):
+    keeper, log = _keeper(tmp_path, preload=["no_such_module_here"])
+    _kept(keeper, tmp_path, _attempt_env(0))
+    assert keeper.warm is None  # the tick saw it fail
+    child, _ = keeper.start(_spec(tmp_path, "a1", env=_attempt_env(1)), 1)
+    assert child is None
+    log.close()
+    [failed] = events(tmp_path, "standby_failed")
+    assert "no_such_module_here" in failed["reason"]
+
+
+def test_a_standby_killed_while_waiting_falls_back_to_a_cold_start(tmp_path):
+    keeper, log = _keeper(tmp_path, preload=["json"])
+    _kept(keeper, tmp_path, _attempt_env(0))
+    os.kill(keeper.warm.pid, signal.SIGKILL)
+    keeper.warm.popen.wait(5)
+    child, _ = keeper.start(_spec(tmp_path, "a1", env=_attempt_env(1)), 1)
+    assert child is None
+    log.close()
+    assert len(events(tmp_path, "standby_failed")) == 1
+
+
+def test_launch_resumes_in_the_standby_and_leaves_nothing_behind(tmp_path):
+    """A real crash under `rtrain launch`: the next attempt starts in the standby (its pid is
+    the standby's), its logs are the attempt's, and no process of the run outlives it."""
+    run = tmp_path / "run"
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys, time\nimport torch\n"
+        "attempt = int(os.environ['RTRAIN_ATTEMPT'])\n"
+        "print('attempt', attempt, sys.argv[1:], flush=True)\n"
+        "time.sleep(7 if attempt == 0 else 0)\n"
+        "if attempt == 0:\n    raise RuntimeError('boom')\n")
+    res = launch(run, str(script), "x", cwd=tmp_path, timeout=180)
+    assert res.returncode == 0, res.stderr
+    starts = events(run, "launch")
+    assert [e["standby"] for e in starts] == [False, True]
+    [ready] = events(run, "standby_ready")
+    assert ready["pid"] == starts[1]["pid"] and "torch" in ready["modules"]
+    assert ready["rss_bytes"] > 0
+    assert (run / "attempts" / "1" / "stdout.log").read_text() == "attempt 1 ['x']\n"
+    assert not Path(f"/proc/{starts[1]['pid']}").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroups")
+def test_the_standby_imports_at_the_lowest_priority_and_trains_at_a_cold_childs(tmp_path):
+    target = target_of([sys.executable, PROBE], CHILDREN)
+    warm = WarmChild.spawn(target, strip_attempt_vars(_attempt_env(0)), CHILDREN, tmp_path,
+                           ["json"])
+    try:
+        assert Path(f"/proc/{warm.pid}/autogroup").read_text().split()[-1] == "19"
+    finally:
+        warm.kill()
+
+
+def test_a_stop_signal_is_not_delayed_by_a_standby_still_importing(tmp_path):
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(60)\n")
+    env = _attempt_env(0)
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+    keeper, log = _keeper(tmp_path, preload=["slow_import"])
+    keeper.start(_spec(tmp_path, "a0", env=env), 0)
+    keeper.heartbeat()  # spawns it
+    assert keeper.warm is not None
+    t0 = time.monotonic()
+    child, _ = keeper.start(_spec(tmp_path, "a1", env={**env, "RTRAIN_ATTEMPT": "1"}), 1,
+                            interrupted=lambda: time.monotonic() - t0 > 0.5)
+    assert child is None and time.monotonic() - t0 < 5
+    log.close()
+    assert [e["reason"] for e in events(tmp_path, "standby_discarded")] == [
+        "a stop signal came while it imported"]

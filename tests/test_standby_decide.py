@@ -1,0 +1,174 @@
+"""decide/standby.py by table: when a standby is started, dropped, or used by the next attempt;
+and the configuration keys that turn it off or choose what it imports."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import Config
+from supervisor.decide import standby as sb
+from supervisor.errors import ConfigError
+from supervisor.proc.standby import Target, same_target, strip_attempt_vars, target_of
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("before, after, changed", [
+    ({"A": "1"}, {"A": "1"}, []),
+    ({"A": "1", "RTRAIN_ATTEMPT": "0"}, {"A": "1", "RTRAIN_ATTEMPT": "1"}, []),
+    ({"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2"}, ["OMP_NUM_THREADS"]),
+    ({}, {"CUDA_VISIBLE_DEVICES": "0"}, ["CUDA_VISIBLE_DEVICES"]),
+    ({"LD_PRELOAD": "x"}, {}, ["LD_PRELOAD"]),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "a", "TORCH_LOGS": "b"},
+     {"PYTORCH_CUDA_ALLOC_CONF": "c", "TORCH_LOGS": "d"},
+     ["PYTORCH_CUDA_ALLOC_CONF", "TORCH_LOGS"]),
+])
+def test_import_time_env_changes(before, after, changed):
+    assert sb.import_time_env_changes(before, after) == changed
+
+
+SPAWN = sb.SpawnFacts(enabled=True, failures=0, running_s=10.0, heartbeat_seen=False,
+                      host_used=4 * GIB, host_limit=16 * GIB, fraction=0.9, standby_rss=None)
+
+
+@pytest.mark.parametrize("change, go, why", [
+    ({}, True, ""),
+    ({"enabled": False}, False, "off"),
+    ({"failures": sb.MAX_FAILURES}, False, "2 standbys failed in this launch"),
+    ({"running_s": 1.0}, False, "the attempt is starting"),
+    ({"running_s": 1.0, "heartbeat_seen": True}, True, ""),
+    ({"host_used": 14 * GIB}, False, "host memory is tight"),  # 14 + 0.5 assumed >= 14.4
+    ({"host_used": 13 * GIB}, True, ""),
+    ({"host_used": 13 * GIB, "standby_rss": 2 * GIB}, False, "host memory is tight"),
+])
+def test_should_spawn(change, go, why):
+    assert sb.should_spawn(replace(SPAWN, **change)) == (go, why)
+
+
+USE = sb.UseFacts(ready=True, failed=None, cuda=False, env_changes=(), stale=(),
+                  same_target=True)
+
+
+@pytest.mark.parametrize("change, use, event, reason", [
+    ({}, True, "", ""),
+    ({"failed": "exited with status 1 while importing"}, False, "standby_failed",
+     "exited with status 1 while importing"),
+    ({"cuda": True}, False, "standby_failed", "CUDA was initialised while preloading"),
+    ({"ready": False}, False, "standby_failed", "not ready"),
+    ({"same_target": False}, False, "standby_discarded", "the attempt runs another program"),
+    ({"env_changes": ("OMP_NUM_THREADS",)}, False, "standby_discarded",
+     "import-time environment changed: OMP_NUM_THREADS"),
+    ({"env_changes": tuple("ABCDEFG")}, False, "standby_discarded",
+     "import-time environment changed: A, B, C, D, E ..."),
+    ({"stale": ("/x/train.py",)}, False, "standby_discarded",
+     "changed since it was imported: /x/train.py"),
+    # a failure outranks a discard: the event says what went wrong first
+    ({"failed": "gone", "env_changes": ("A",)}, False, "standby_failed", "gone"),
+])
+def test_at_launch(change, use, event, reason):
+    assert sb.at_launch(replace(USE, **change)) == sb.Use(use, event, reason)
+
+
+@pytest.mark.parametrize("stale, tight, why", [
+    ((), False, None),
+    (("/x/torch/__init__.py",), False, "changed since it was imported: /x/torch/__init__.py"),
+    ((), True, "host memory is tight"),
+])
+def test_while_waiting(stale, tight, why):
+    assert sb.while_waiting(stale=stale, tight=tight) == why
+
+
+@pytest.mark.parametrize("used, limit, extra, tight", [
+    (8, 10, 0, False), (9, 10, 0, True), (8, 10, 1, True), (0, 0, 5, False)])
+def test_host_tight(used, limit, extra, tight):
+    assert sb.host_tight(used, limit, 0.9, extra) is tight
+
+
+CWD = Path("/runs/a")
+
+
+@pytest.mark.parametrize("command, target", [
+    (["/v/bin/python", "train.py", "--lr", "1"],
+     Target("/v/bin/python", "script", "/runs/a/train.py", "/runs/a")),
+    (["/v/bin/python3.11", "-m", "pkg.train"],
+     Target("/v/bin/python3.11", "module", "pkg.train", "/runs/a")),
+    (["/v/bin/python", "-m", "torch.distributed.run", "--nproc-per-node=2", "train.py"], None),
+    (["/v/bin/torchrun", "train.py"], None),
+    (["/v/bin/python", "-u", "train.py"], None),
+    (["/v/bin/python", "train.sh"], None),
+    (["bash", "run.sh"], None),
+    (["/v/bin/python"], None),
+])
+def test_target_of(command, target):
+    assert target_of(command, CWD) == target
+
+
+def test_same_target_compares_the_program_not_its_arguments():
+    t = target_of(["/v/bin/python", "train.py", "--bs", "8"], CWD)
+    assert same_target(t, ["/v/bin/python", "train.py", "--bs", "4"], CWD)
+    assert not same_target(t, ["/v/bin/python", "other.py"], CWD)
+    assert not same_target(t, ["/w/bin/python", "train.py"], CWD)
+
+
+def test_strip_attempt_vars():
+    assert strip_attempt_vars({"RTRAIN_ATTEMPT": "1", "PATH": "/bin"}) == {"PATH": "/bin"}
+
+
+def test_standby_is_on_by_default_and_preload_is_checked():
+    assert Config().standby is True and Config().preload is None
+    assert Config(preload=["torch", "transformers.models"]).preload == [
+        "torch", "transformers.models"]
+    for bad, says in [("torch", "must be a list"), (["a b"], "not a module name"),
+                      ([3], "not a module name"), (["worker"], "cannot be imported before"),
+                      (["supervisor.cli"], "cannot be imported before")]:
+        with pytest.raises(ConfigError, match=says):
+            Config(preload=bad)
+    with pytest.raises(ConfigError, match="standby must be true or false"):
+        Config(standby="yes")
+
+
+def test_no_standby_and_torchrun_turn_it_off(rtrain, tmp_path):
+    from supervisor.config import load_config
+
+    assert load_config({"standby": False}, None, tmp_path).standby is False
+    (tmp_path / "rtrain.toml").write_text('preload = "torch"\n')
+    res = rtrain("launch", "x.py", cwd=tmp_path)
+    assert res.returncode == 2 and "preload must be a list" in res.stderr
+    assert res.stderr.count("\n") == 1
+
+
+def test_the_default_preload_is_found_in_the_script_and_its_own_modules(tmp_path):
+    from supervisor.proc.standby_child import top_imports
+
+    (tmp_path / "model.py").write_text("import numpy\nfrom . import x\nimport helpers\n")
+    (tmp_path / "helpers.py").write_text("import yaml\nimport model\n")  # a cycle is fine
+    (tmp_path / "train.py").write_text(
+        "import os, sys\nimport json\nfrom pathlib import Path\nimport model\n"
+        "import worker\nfrom supervisor import cli\nimport pytest\nimport no_such_module_x\n"
+        "def f():\n    import psutil\n"
+        "try:\n    import typer\nexcept ImportError:\n    pass\n")
+    found = top_imports(str(tmp_path / "train.py"), str(tmp_path.resolve()))
+    # numpy and yaml through the script's own modules; stdlib, rtrain's packages, missing
+    # modules and imports inside functions or try blocks are not preloaded
+    assert found == ["numpy", "yaml", "pytest"]
+
+
+def test_a_script_that_imports_no_library_gets_no_standby(tmp_path):
+    import sys
+
+    from supervisor.proc.standby import worth_keeping
+
+    (tmp_path / "plain.py").write_text("import os, json\nimport helper\n")
+    (tmp_path / "helper.py").write_text("import sys\n")
+    (tmp_path / "uses_numpy.py").write_text("import helper2\n")
+    (tmp_path / "helper2.py").write_text("import numpy as np\n")
+    plain = target_of([sys.executable, "plain.py"], tmp_path)
+    assert not worth_keeping(plain, None)
+    assert worth_keeping(plain, ["numpy"])
+    assert not worth_keeping(plain, [])
+    assert worth_keeping(target_of([sys.executable, "uses_numpy.py"], tmp_path), None)
+    assert worth_keeping(target_of([sys.executable, "-m", "uses_numpy"], tmp_path), None)
+    assert not worth_keeping(target_of([sys.executable, "-m", "plain"], tmp_path), None)
