@@ -24,23 +24,28 @@ from worker.failsave import Marks, Verdict, decide
 M = Marks(optimizer_steps=3, versions=(1, 2), scheduler=(3, 0.1), scaler=7)
 
 
-@pytest.mark.parametrize("exc, boundary, now, newest, dist, verdict", [
-    (RuntimeError("x"), 5, M, 4, False, Verdict.SAVE),
-    (torch.OutOfMemoryError("x"), 5, M, None, False, Verdict.SAVE),
-    (KeyboardInterrupt(), 5, M, 4, False, Verdict.NOT_A_CRASH),
-    (SystemExit(1), 5, M, 4, False, Verdict.NOT_A_CRASH),
-    (RuntimeError("x"), 5, M, 4, True, Verdict.DISTRIBUTED),
-    (RuntimeError("x"), None, M, 4, False, Verdict.NO_BOUNDARY),
-    (RuntimeError("x"), 5, M, 5, False, Verdict.ALREADY_SAVED),
-    (RuntimeError("x"), 5, Marks(4, (1, 2), (3, 0.1), 7), 4, False, Verdict.OPTIMIZER_STEPPED),
-    (RuntimeError("x"), 5, Marks(3, (1, 3), (3, 0.1), 7), 4, False, Verdict.MODEL_CHANGED),
-    (RuntimeError("x"), 5, Marks(3, (1, 2), (4, 0.1), 7), 4, False, Verdict.SCHEDULER_STEPPED),
-    (RuntimeError("x"), 5, Marks(3, (1, 2), (3, 0.05), 7), 4, False, Verdict.SCHEDULER_STEPPED),
-    (RuntimeError("x"), 5, Marks(3, (1, 2), (3, 0.1), 8), 4, False, Verdict.SCALER_UPDATED),
+@pytest.mark.parametrize("exc, boundary, now, committed, dist, verdict", [
+    (RuntimeError("x"), 5, M, {4}, False, Verdict.SAVE),
+    (torch.OutOfMemoryError("x"), 5, M, set(), False, Verdict.SAVE),
+    # A newer checkpoint of an attempt this one did not resume from (damaged or set aside):
+    # the boundary is what the relaunch needs.
+    (RuntimeError("x"), 5, M, {4, 8}, False, Verdict.SAVE),
+    (KeyboardInterrupt(), 5, M, {4}, False, Verdict.NOT_A_CRASH),
+    (SystemExit(1), 5, M, {4}, False, Verdict.NOT_A_CRASH),
+    (RuntimeError("x"), 5, M, {4}, True, Verdict.DISTRIBUTED),
+    (RuntimeError("x"), None, M, {4}, False, Verdict.NO_BOUNDARY),
+    (RuntimeError("x"), 5, M, {4, 5}, False, Verdict.ALREADY_SAVED),
+    (RuntimeError("x"), 5, Marks(4, (1, 2), (3, 0.1), 7), {4}, False, Verdict.OPTIMIZER_STEPPED),
+    (RuntimeError("x"), 5, Marks(3, (1, 3), (3, 0.1), 7), {4}, False, Verdict.MODEL_CHANGED),
+    (RuntimeError("x"), 5, Marks(3, (1, 2), (4, 0.1), 7), {4}, False,
+     Verdict.SCHEDULER_STEPPED),
+    (RuntimeError("x"), 5, Marks(3, (1, 2), (3, 0.05), 7), {4}, False,
+     Verdict.SCHEDULER_STEPPED),
+    (RuntimeError("x"), 5, Marks(3, (1, 2), (3, 0.1), 8), {4}, False, Verdict.SCALER_UPDATED),
 ])
-def test_decide(exc, boundary, now, newest, dist, verdict):
+def test_decide(exc, boundary, now, committed, dist, verdict):
     assert decide(exc, boundary=boundary, at_boundary=M if boundary else None, now=now,
-                  newest_committed=newest, distributed=dist) is verdict
+                  committed=committed, distributed=dist) is verdict
 
 
 class HalfStep(torch.optim.SGD):

@@ -311,9 +311,9 @@ class Checkpointer:
             self._bg.wait()  # a background save in flight commits (or fails) first
         except CheckpointError as e:
             log.warning("%s", e)
-        newest = next(iter(list_checkpoints(self.ckpt_dir)), (None, None))[0]
+        committed = {step for step, _ in list_checkpoints(self.ckpt_dir)}
         verdict = failsave.decide(exc, boundary=b and b.step, at_boundary=b and b.marks,
-                                  now=watch.marks(), newest_committed=newest,
+                                  now=watch.marks(), committed=committed,
                                   distributed=failsave.distributed())
         if verdict is not failsave.Verdict.SAVE:
             if verdict is not failsave.Verdict.NOT_A_CRASH and b is not None:

@@ -36,7 +36,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -87,7 +87,7 @@ class Marks:
 
 
 def decide(exc: BaseException, *, boundary: int | None, at_boundary: Marks | None, now: Marks,
-           newest_committed: int | None, distributed: bool) -> Verdict:
+           committed: Collection[int], distributed: bool) -> Verdict:
     """Whether the failure `exc` may commit the boundary step, and if not, why not."""
     if not isinstance(exc, Exception):
         return Verdict.NOT_A_CRASH
@@ -95,7 +95,10 @@ def decide(exc: BaseException, *, boundary: int | None, at_boundary: Marks | Non
         return Verdict.DISTRIBUTED
     if boundary is None or at_boundary is None:
         return Verdict.NO_BOUNDARY
-    if newest_committed is not None and newest_committed >= boundary:
+    # Only the boundary's own checkpoint makes the save redundant. A newer one can exist: an
+    # earlier attempt's that this one did not resume from (damaged, or set aside by rtrain),
+    # and the boundary is then exactly what the relaunch needs.
+    if boundary in committed:
         return Verdict.ALREADY_SAVED
     if now.optimizer_steps != at_boundary.optimizer_steps:
         return Verdict.OPTIMIZER_STEPPED
