@@ -93,7 +93,10 @@ def test_rtrain_as_pid_1_reaps_orphans_and_stops_on_sigterm_with_a_checkpoint(tm
         # The orphans were adopted by PID 1 (the sleeping one is still its child) and exited
         # about 1 s ago; rtrain waits for them at its next sample (every second).
         script = str(CHILDREN / "orphans_then_train.py")
-        adopted = [p for p in rtrain.children() if script in _cmdline(p)]
+        # The warm standby for the next attempt names the script too: not one of these.
+        adopted = [p for p in rtrain.children()
+                   if script in _cmdline(p)
+                   and not any(a.endswith("standby_child.py") for a in _cmdline(p))]
         assert len(adopted) == 2, "want the training process and the sleeping orphan"
         settle = time.monotonic() + 5
         while (zombies := _zombies(rtrain)) and time.monotonic() < settle:

@@ -40,6 +40,10 @@ STEPS = 200
 
 
 
+# Events beside the sequence these tests check: progress, the warm standby, a failure's cost.
+BESIDE = ("heartbeat_summary", "lock_takeover", "standby_ready", "standby_discarded",
+          "standby_failed", "recovery", "cadence")
+
 def _cluster(action: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(CLUSTER), action], capture_output=True, text=True,
                           timeout=timeout)
@@ -206,7 +210,7 @@ def test_preempted_job_requeues_and_resumes_with_zero_lost_steps(slurm_cluster, 
     print(f"Slurm timings (s): {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
 
     events = _events(run)
-    kinds = [e["kind"] for e in events if e["kind"] not in ("heartbeat_summary", "lock_takeover")]
+    kinds = [e["kind"] for e in events if e["kind"] not in BESIDE]
     assert kinds == ["launch", "signal", "exit", "classification", "decision", "requeue",
                      "launch", "exit", "decision", "finished"], diagnose()
     by_kind = {k: [e for e in events if e["kind"] == k] for k in set(kinds)}
@@ -309,7 +313,7 @@ def test_time_limit_without_signal_saves_requeues_and_loses_no_step(slurm_cluste
     j.wait("the job ended", lambda: j.state() not in ("PENDING", "RUNNING", "COMPLETING"), 60)
 
     events = _events(j.run)
-    kinds = [e["kind"] for e in events if e["kind"] not in ("heartbeat_summary", "lock_takeover")]
+    kinds = [e["kind"] for e in events if e["kind"] not in BESIDE]
     assert kinds[:7] == ["launch", "wall_clock_stop", "exit", "classification", "decision",
                          "requeue", "launch"], j.diagnose()
     launch, stop = events[kinds.index("launch")], next(e for e in events
