@@ -61,7 +61,8 @@ def test_hang_is_detected_within_the_timeout_stacks_dumped_and_relaunched(tmp_pa
     assert events(run, "exit")[0]["hang_at"] == pytest.approx(detected_at, abs=1.0)
     assert all(cost[f"{p}_s"] is not None for p in PHASES) and cost["teardown_s"] > 0
     last = max(rec["step"] for rec in step_log(run) if rec.get("a") == 0 and "step" in rec)
-    assert cost["resumed_step"] == 65 and 65 < cost["last_step"] <= last
+    # Step heartbeats go out at most every 0.2 s (10 steps here): the last may be the save's.
+    assert cost["resumed_step"] == 65 and 65 <= cost["last_step"] <= last
     assert cost["steps_lost"] == cost["last_step"] - 65
 
 
