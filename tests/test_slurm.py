@@ -44,28 +44,36 @@ STEPS = 200
 BESIDE = ("heartbeat_summary", "lock_takeover", "standby_ready", "standby_discarded",
           "standby_failed", "recovery", "cadence")
 
-def _cluster(action: str, timeout: float) -> subprocess.CompletedProcess:
+def _cluster(action: str, timeout: float, nodes: int = 1) -> subprocess.CompletedProcess:
+    env = None if nodes == 1 else {**os.environ, "NODES": str(nodes)}
     return subprocess.run(["bash", str(CLUSTER), action], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
+
+
+def running_cluster(nodes: int = 1) -> Iterator[None]:
+    """A running local cluster of `nodes` slurmd daemons (the body of a module fixture);
+    stopped afterwards if this started it. Skips where the machine cannot run one."""
+    before = _cluster("status", 30, nodes).stdout
+    was_running = before.count(": running") >= 2 + nodes  # munged, slurmctld, each slurmd
+    r = _cluster("start", 300, nodes)  # the first start installs slurm-wlm and munge (~15 s)
+    if r.returncode == CANNOT_START:
+        reason = (f"no local {nodes}-node Slurm cluster: "
+                  f"{r.stderr.strip().splitlines()[-1]}")
+        if os.environ.get("RTRAIN_REQUIRE_SLURM") == "1":
+            pytest.fail(f"{reason}\n{r.stderr}")
+        pytest.skip(reason)
+    try:
+        assert r.returncode == 0, f"NODES={nodes} local-cluster.sh start failed:\n{r.stderr}"
+        yield
+    finally:
+        if not was_running:
+            _cluster("stop", 60, nodes)
 
 
 @pytest.fixture(scope="module")
 def slurm_cluster() -> Iterator[None]:
     """A running one-node cluster; stopped afterwards if this fixture started it."""
-    before = _cluster("status", 30).stdout
-    was_running = all(f"{d}: running" in before for d in ("munged", "slurmctld", "slurmd"))
-    r = _cluster("start", 300)  # the first start installs slurm-wlm and munge (~15 s)
-    if r.returncode == CANNOT_START:
-        reason = f"no local Slurm cluster: {r.stderr.strip().splitlines()[-1]}"
-        if os.environ.get("RTRAIN_REQUIRE_SLURM") == "1":
-            pytest.fail(f"{reason}\n{r.stderr}")
-        pytest.skip(reason)
-    try:
-        assert r.returncode == 0, f"local-cluster.sh start failed:\n{r.stderr}"
-        yield
-    finally:
-        if not was_running:
-            _cluster("stop", 60)
+    yield from running_cluster(1)
 
 
 def _slurm(*argv: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -11,8 +11,6 @@ that a failure.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from harness import CHILDREN, REPO
-from test_slurm import CANNOT_START, CLUSTER, Job, _events, _job_field, _slurm, _wait
+from test_slurm import Job, _events, _job_field, _slurm, _wait, running_cluster
 
 MULTI = REPO / "scripts" / "slurm" / "train-multinode.sbatch"
 TOTAL = 40
@@ -29,28 +27,10 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(sys.platform != "linux", reason="the Slurm test needs Linux")]
 
 
-def _cluster(action: str, timeout: float, nodes: int) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(CLUSTER), action], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "NODES": str(nodes)})
-
-
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[None]:
     """A running two-node cluster on this host; stopped afterwards unless it ran before."""
-    before = _cluster("status", 30, 2).stdout
-    was_running = before.count(": running") >= 4  # munged, slurmctld, two slurmd -N
-    r = _cluster("start", 300, 2)
-    if r.returncode == CANNOT_START:
-        reason = f"no local two-node Slurm cluster: {r.stderr.strip().splitlines()[-1]}"
-        if os.environ.get("RTRAIN_REQUIRE_SLURM") == "1":
-            pytest.fail(f"{reason}\n{r.stderr}")
-        pytest.skip(reason)
-    try:
-        assert r.returncode == 0, f"NODES=2 local-cluster.sh start failed:\n{r.stderr}"
-        yield
-    finally:
-        if not was_running:
-            _cluster("stop", 60, 2)
+    yield from running_cluster(2)
 
 
 def _steps(out: Path, rank: int) -> list[tuple[int, int]]:
