@@ -7,7 +7,6 @@ final model and optimizer state, and compares that with an uninterrupted run of 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from typing import Any
 import psutil
 from bitwise import bitwise_diff
 from harness import CHILDREN, child_env
+from references import cached
 
 SCRIPT = CHILDREN / "chaos_train.py"
 
@@ -168,28 +168,22 @@ def check_exactly_once(traj: dict[int, dict[str, Any]], samples: int, steps: int
 # ------------------------------------------------------------------ the reference run
 
 
-_references: dict[str, Path] = {}  # settings key -> OUT_DIR, for this process's lifetime
-
-
 def reference(base: Path, settings: dict[str, Any]) -> Path:
-    """OUT_DIR of an uninterrupted run without rtrain, made under `base` once per set of values:
-    runs whose settings differ only in `step_sleep` (a pause that changes no value) or in
-    spelling out the default `workers = 0` share one, and it runs without the pause."""
+    """OUT_DIR of an uninterrupted run without rtrain, made once per set of values and code
+    (references.cached): runs whose settings differ only in `step_sleep` (a pause that changes
+    no value) or in spelling out the default `workers = 0` share one, and it runs without the
+    pause. `base` is unused: the run lives in the suite's reference cache."""
     values = {k: v for k, v in settings.items()
               if k != "step_sleep" and not (k == "workers" and v == 0)}
-    key = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
-    made = _references.get(key)
-    if made is not None and (made / "final.pt").exists():
-        return made
-    out = base / f"reference-{key}"
-    if not (out / "final.pt").exists():
-        r = subprocess.run([sys.executable, str(SCRIPT), str(out)], cwd=base,
-                           capture_output=True, text=True, timeout=300,
+
+    def make(out: Path) -> None:
+        r = subprocess.run([sys.executable, str(SCRIPT), str(out)], cwd=out,
+                           capture_output=True, text=True, timeout=120,
                            env=child_env(RTRAIN_SETTINGS=json.dumps(values),
                                          RTRAIN_CKPT_DIR=str(out / "checkpoints")))
         assert r.returncode == 0, r.stderr
-    _references[key] = out
-    return out
+
+    return cached("chaos", values, make)
 
 
 def final_state_diff(out: Path, ref: Path) -> str | None:

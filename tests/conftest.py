@@ -20,6 +20,9 @@ from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.ckpt.hashing import alg_for
 from supervisor.ckpt.safetensors_io import TensorBlob
 
+# The soak tier and --soak (tiers.py); stacks of a hung test's processes, no leftovers (hangs.py).
+pytest_plugins = ["tiers", "hangs"]
+
 NUMPY_TO_ST = {np.dtype("float32"): "F32", np.dtype("float64"): "F64",
                np.dtype("int64"): "I64", np.dtype("int32"): "I32", np.dtype("uint8"): "U8",
                np.dtype("float16"): "F16", np.dtype("bool"): "BOOL"}
@@ -68,16 +71,22 @@ def make_ckpt():
 
 
 @pytest.fixture
-def gloo_group(tmp_path, monkeypatch):
+def unsupervised(monkeypatch):
+    """No RTRAIN_* in this process's environment for the test: an in-process Checkpointer
+    behaves as in a script run without rtrain (no run dir, resume target, settings, keys), even
+    when the suite itself runs under a supervisor."""
+    for k in [k for k in os.environ if k.startswith("RTRAIN_")]:
+        monkeypatch.delenv(k)
+
+
+@pytest.fixture
+def gloo_group(tmp_path, unsupervised):
     """A real process group in this process (gloo, world size 1), with no RTRAIN_* of the run
     that could steer a restore; destroyed after the test."""
     import torch.distributed
 
     from worker import dist
 
-    for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_STATUS", "RTRAIN_SIGNING_KEY",
-              "RTRAIN_ENCRYPTION_KEY", "RTRAIN_ENCRYPTION_KEY_FILE"):
-        monkeypatch.delenv(k, raising=False)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
                                          world_size=1)
     try:

@@ -1,8 +1,9 @@
 """Run children/train_data.py uninterrupted and split into processes; compare bitwise.
 
 Each run is a fresh Python process, and starting one (torch's imports) costs far more than its
-31 steps: tests that compare several split runs with the same uninterrupted one run that one
-once (`whole`) and hand it in.
+steps: the uninterrupted run of each set of arguments is made once for the whole suite
+(`whole`, kept in the reference cache) and tests that compare several configurations with one
+reference hand it in.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from pathlib import Path
 import torch
 from bitwise import bitwise_diff
 from harness import CHILDREN, child_env
+from references import cached
 
 SCRIPT = CHILDREN / "train_data.py"
-TOTAL = 31  # 44 samples, batches of 8: six steps an epoch, the sixth of 4 samples
+# 44 samples, batches of 8: six steps an epoch, the sixth of 4 samples. The shortest run that
+# still crosses an epoch's end after the last resume (at step 12, the second epoch's end): 19.
+TOTAL = 19
 
 
 def run(ckpt_dir: Path, out: Path, total: int, die_at: int, *args: str,
@@ -26,12 +30,14 @@ def run(ckpt_dir: Path, out: Path, total: int, die_at: int, *args: str,
                           capture_output=True, text=True, timeout=300)
 
 
-def whole(tmp: Path, args: list[str]) -> Path:
-    """The final state of an uninterrupted run with `args` (a file in `tmp`)."""
-    out = tmp / "ref.pt"
-    r = run(tmp / "ref", out, TOTAL, 0, *args)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+def whole(args: list[str]) -> Path:
+    """The final state of an uninterrupted run with `args` (a file in the suite's reference
+    cache, made once per set of arguments and code: references.cached)."""
+    def make(out: Path) -> None:
+        r = run(out / "ref", out / "ref.pt", TOTAL, 0, *args)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return cached("data", {"args": args, "total": TOTAL}, make) / "ref.pt"
 
 
 def split_vs_whole(tmp: Path, args: list[str], deaths: tuple[int, ...] = (5, 13),
@@ -40,7 +46,7 @@ def split_vs_whole(tmp: Path, args: list[str], deaths: tuple[int, ...] = (5, 13)
     checkpoint, saved every 3 steps) ends bitwise-identical to an uninterrupted one, else
     where the two differ. The default resumes at step 3 (mid-epoch) and at 12 (an epoch's end).
     `reference`: the uninterrupted run's final state when already run (see `whole`)."""
-    ref = reference or whole(tmp, args)
+    ref = reference or whole(args)
     for die_at in deaths:
         r = run(tmp / "split", tmp / "split.pt", TOTAL, die_at, *args)
         assert r.returncode == 9, r.stderr[-3000:]

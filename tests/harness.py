@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
+from supervisor.ckpt.layout import list_checkpoints
 from supervisor.proc.spawn import ChildSpec
 from supervisor.records.events import EventLog, read_events
 
@@ -113,6 +114,19 @@ def child_spec(tmp_path: Path, script: str, *args: str, **kw: Any) -> ChildSpec:
         attempt_dir=tmp_path / "attempts" / "0",
         **kw,
     )
+
+
+def checkpoint_steps(ckpt_dir: str | os.PathLike) -> list[int]:
+    """The steps of the checkpoints in `ckpt_dir`, ascending."""
+    return sorted(step for step, _ in list_checkpoints(ckpt_dir))
+
+
+def rank_steps(out: str | os.PathLike, rank: int) -> list[tuple[int, int]]:
+    """(attempt, step) of every step rank `rank` executed, in order: the `OUT-rankR.steps` file
+    of children/dist_train.py (empty before the rank's first step)."""
+    path = Path(f"{out}-rank{rank}.steps")
+    text = path.read_text() if path.exists() else ""
+    return [tuple(map(int, line.split())) for line in text.splitlines() if line]
 
 
 def gone(pid: int, timeout: float = 5.0) -> bool:

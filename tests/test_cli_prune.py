@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from harness import checkpoint_steps
 
-from supervisor.ckpt.layout import host_name, list_checkpoints
+from supervisor.ckpt.layout import host_name
 from supervisor.records.paths import default_ckpt_dir
-
-
-def steps(ckpt_dir) -> list[int]:
-    return sorted(s for s, _ in list_checkpoints(ckpt_dir))
 
 
 @pytest.fixture
@@ -24,7 +21,7 @@ def ckpts(tmp_path, make_ckpt):
 def test_keep_newest(rtrain, ckpts):
     r = rtrain("prune", str(ckpts), "--keep", "2")
     assert r.returncode == 0, r.stderr
-    assert steps(ckpts) == [400, 500]
+    assert checkpoint_steps(ckpts) == [400, 500]
     lines = r.stdout.splitlines()
     assert [ln.split()[:2] for ln in lines[:4]] == [["removed", f"checkpoint-{s}"]
                                                     for s in (300, 200, 100)] + [
@@ -39,31 +36,31 @@ def test_keep_best(rtrain, ckpts, mode, best):
     r = rtrain("prune", str(ckpts), "--keep", "1", "--keep-best", "1", "--metric", "loss",
                "--mode", mode)
     assert r.returncode == 0, r.stderr
-    assert steps(ckpts) == sorted({best, 500})
+    assert checkpoint_steps(ckpts) == sorted({best, 500})
 
 
 def test_milestones(rtrain, ckpts):
     assert rtrain("prune", str(ckpts), "--keep", "1", "--milestone-every", "200").returncode == 0
-    assert steps(ckpts) == [200, 400, 500]
+    assert checkpoint_steps(ckpts) == [200, 400, 500]
 
 
 def test_dry_run_removes_nothing(rtrain, ckpts):
     r = rtrain("prune", str(ckpts), "--keep", "1", "--dry-run")
     assert r.returncode == 0
-    assert steps(ckpts) == [100, 200, 300, 400, 500]
+    assert checkpoint_steps(ckpts) == [100, 200, 300, 400, 500]
     assert r.stdout.count("would remove") == 5 and "would free" in r.stdout
 
 
 def test_no_dir_uses_the_run_in_the_current_directory(rtrain, ckpts):
     r = rtrain("prune", "--keep", "3", cwd=ckpts.parent)
     assert r.returncode == 0, r.stderr
-    assert steps(ckpts) == [300, 400, 500]
+    assert checkpoint_steps(ckpts) == [300, 400, 500]
 
 
 def test_corrupt_older_checkpoint_is_removed_with_its_reason(rtrain, ckpts):
     (ckpts / "checkpoint-100" / "state.json").unlink()
     r = rtrain("prune", str(ckpts), "--keep", "5")
-    assert steps(ckpts) == [200, 300, 400, 500]
+    assert checkpoint_steps(ckpts) == [200, 300, 400, 500]
     assert "failed verification and a newer checkpoint verifies (corrupt: file 'state.json' " \
            "is missing)" in r.stdout
 
@@ -79,7 +76,7 @@ def test_bad_combinations_are_one_line_exit_2(rtrain, ckpts, args, words):
     assert r.returncode == 2
     assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("rtrain: error: ")
     assert words in r.stderr
-    assert steps(ckpts) == [100, 200, 300, 400, 500]
+    assert checkpoint_steps(ckpts) == [100, 200, 300, 400, 500]
 
 
 def test_missing_dir_and_checkpoint_given_as_dir(rtrain, ckpts):
@@ -137,4 +134,4 @@ def test_option_values_are_checked_and_enums_ignore_case(rtrain, ckpts):
     r = rtrain("prune", str(ckpts), "--keep", "1", "--keep-best", "1", "--metric", "acc",
                "--mode", "MAX")
     assert r.returncode == 0, r.stderr
-    assert steps(ckpts) == [200, 500]
+    assert checkpoint_steps(ckpts) == [200, 500]

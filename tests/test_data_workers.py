@@ -19,15 +19,10 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def whole_without_workers(tmp_path_factory):
-    return whole(tmp_path_factory.mktemp("whole"), ["--workers", "0"])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_split_run_with_workers_is_bitwise_identical(tmp_path, name, whole_without_workers):
-    assert split_vs_whole(tmp_path, CONFIGS[name], reference=whole_without_workers) is None
+def test_split_run_with_workers_is_bitwise_identical(tmp_path, name):
+    assert split_vs_whole(tmp_path, CONFIGS[name], reference=whole(["--workers", "0"])) is None
 
 
 @pytest.mark.slow

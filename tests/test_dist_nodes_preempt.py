@@ -10,10 +10,9 @@ import signal
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
-from harness import CHILDREN, child_env, events, launch_cmd
+from harness import CHILDREN, child_env, events, launch_cmd, rank_steps
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +23,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _steps(out: Path, rank: int) -> list[tuple[int, int]]:
-    path = Path(f"{out}-rank{rank}.steps")
-    text = path.read_text() if path.exists() else ""
-    return [tuple(map(int, line.split())) for line in text.splitlines() if line]
 
 
 def test_two_supervisors_sharing_a_checkpoint_dir_stop_on_sigterm_and_resume_together(tmp_path):
@@ -46,7 +39,7 @@ def test_two_supervisors_sharing_a_checkpoint_dir_stop_on_sigterm_and_resume_tog
                               stderr=subprocess.PIPE, text=True) for n in (0, 1)]
     try:
         deadline = time.monotonic() + 240
-        while not all(any(s >= 4 for _, s in _steps(out, r)) for r in (0, 1)):
+        while not all(any(s >= 4 for _, s in rank_steps(out, r)) for r in (0, 1)):
             assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:]
                                                           for p in procs]
             assert time.monotonic() < deadline, "the two ranks never reached step 4"
@@ -60,7 +53,7 @@ def test_two_supervisors_sharing_a_checkpoint_dir_stop_on_sigterm_and_resume_tog
                 p.kill()
                 p.wait()
     assert [p.returncode for p in procs] == [75, 75], [e[-3000:] for e in errs]
-    last = {r: _steps(out, r)[-1] for r in (0, 1)}
+    last = {r: rank_steps(out, r)[-1] for r in (0, 1)}
     assert last[0] == last[1], f"the ranks stopped at different steps: {last}"
     stopped_at = last[0][1]
     assert stopped_at < TOTAL
@@ -84,6 +77,6 @@ def test_two_supervisors_sharing_a_checkpoint_dir_stop_on_sigterm_and_resume_tog
         launches = events(tmp_path / f"node-{n}", "launch")
         assert launches[-1]["resume_from"].endswith(f"checkpoint-{stopped_at}")
     for rank in (0, 1):
-        steps = _steps(out, rank)
+        steps = rank_steps(out, rank)
         assert next(s for a, s in steps if a == 1) == stopped_at + 1, steps
         assert [s for _, s in steps] == list(range(1, TOTAL + 1)), "a step lost or repeated"

@@ -8,25 +8,16 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from bitwise import assert_bitwise_equal
-from harness import CHILDREN, child_env, events, launch_2_ranks, launch_cmd
+from harness import CHILDREN, child_env, events, launch_2_ranks, launch_cmd, rank_steps
 
 from supervisor.records.runstate import load_state
 
 TOTAL = "12"
 GRACE_S = 60.0  # torchrun, two torch imports and a save on a shared machine
-
-
-def _steps(out: Path, rank: int) -> list[tuple[int, int]]:
-    """(attempt, step) of every step rank `rank` executed, in order."""
-    path = Path(f"{out}-rank{rank}.steps")
-    if not path.exists():
-        return []
-    return [tuple(map(int, line.split())) for line in path.read_text().splitlines() if line]
 
 
 @pytest.mark.slow
@@ -42,7 +33,7 @@ def test_sigterm_under_torchrun_saves_on_every_rank_exits_75_and_resumes_with_no
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     # Step 4: past the scheduled save at 3, so the stop's own checkpoint is the newest.
-    while not any(s >= 4 for _, s in _steps(out, 0)):
+    while not any(s >= 4 for _, s in rank_steps(out, 0)):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the ranks never reached step 4"
         time.sleep(0.05)
@@ -50,7 +41,7 @@ def test_sigterm_under_torchrun_saves_on_every_rank_exits_75_and_resumes_with_no
     _, err = proc.communicate(timeout=GRACE_S + 60)
     assert proc.returncode == 75, err[-3000:]
 
-    last = {rank: _steps(out, rank)[-1] for rank in (0, 1)}
+    last = {rank: rank_steps(out, rank)[-1] for rank in (0, 1)}
     assert last[0] == last[1], f"the ranks stopped at different steps: {last}"
     stopped_at = last[0][1]
     assert stopped_at < int(TOTAL), "the run ended before the stop reached it"
@@ -73,7 +64,7 @@ def test_sigterm_under_torchrun_saves_on_every_rank_exits_75_and_resumes_with_no
     assert len(launches) == 2
     assert launches[1]["resume_from"].endswith(f"checkpoint-{stopped_at}")
     for rank in (0, 1):
-        steps = _steps(out, rank)
+        steps = rank_steps(out, rank)
         resumed = [s for a, s in steps if a == 1]
         assert resumed[0] == stopped_at + 1, f"rank {rank}: lost or repeated steps: {steps}"
         assert [s for _, s in steps] == list(range(1, int(TOTAL) + 1)), steps

@@ -8,9 +8,7 @@ import sys
 
 import pytest
 import torch
-from harness import REPO, child_env
-
-from supervisor.ckpt.layout import list_checkpoints
+from harness import REPO, checkpoint_steps, child_env
 
 EXAMPLES = REPO / "examples"
 
@@ -29,9 +27,6 @@ def losses(out):
     return [float(x) for x in re.findall(r"^step \d+\S* loss (\S+)", out, re.MULTILINE)]
 
 
-def steps(ckpt_dir):
-    return sorted(s for s, _ in list_checkpoints(ckpt_dir))
-
 
 @pytest.mark.slow
 def test_vision_backs_off_crashes_and_resumes(tmp_path):
@@ -43,14 +38,14 @@ def test_vision_backs_off_crashes_and_resumes(tmp_path):
     assert r.returncode == 1, r.stderr
     assert "injected crash at step 7" in r.stderr
     assert "step 1 loss" in r.stdout and "batch 4x2" in r.stdout
-    assert steps(tmp_path / "ckpt") == [3, 6]
+    assert checkpoint_steps(tmp_path / "ckpt") == [3, 6]
     # Attempt 1 is not armed: it resumes after the newest checkpoint and finishes.
     r = run("vision/train.py", cwd=tmp_path, settings=knobs, faults="crash@step=7", attempt=1)
     assert r.returncode == 0, r.stderr
     assert "resumed at step 6" in r.stdout and "step 7 loss" in r.stdout
     assert "done: 8 steps" in r.stdout and "batch 8x1" in r.stdout
     assert all(math.isfinite(x) for x in losses(r.stdout))
-    assert steps(tmp_path / "ckpt") == [3, 6, 8]
+    assert checkpoint_steps(tmp_path / "ckpt") == [3, 6, 8]
 
 
 @pytest.mark.slow
@@ -61,7 +56,7 @@ def test_charlm_trains_with_autocast_and_resumes(tmp_path):
     assert r.returncode == 0, r.stderr
     first = losses(r.stdout)
     assert len(first) == 4 and all(math.isfinite(x) for x in first)
-    assert steps(tmp_path / "ckpt") == [2, 4]
+    assert checkpoint_steps(tmp_path / "ckpt") == [2, 4]
     state = json.loads((tmp_path / "ckpt" / "checkpoint-4" / "state.json").read_text())
     assert "scaler" in state and state["sampler"]["samples_seen"] == 32
     r = run("charlm/train.py", cwd=tmp_path, settings={**knobs, "steps": 6})

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from harness import checkpoint_steps
 
 from supervisor.ckpt import commit
 from supervisor.ckpt import prune as prune_mod
@@ -77,9 +78,6 @@ def test_bad_policies_are_refused(kwargs):
 # --- prune on disk ------------------------------------------------------------------------
 
 
-def steps(ckpt_dir) -> list[int]:
-    return sorted(s for s, _ in list_checkpoints(ckpt_dir))
-
 
 def test_prune_removes_by_renaming_out_of_the_way(tmp_path, make_ckpt, monkeypatch):
     for s in (1, 2, 3):
@@ -89,12 +87,12 @@ def test_prune_removes_by_renaming_out_of_the_way(tmp_path, make_ckpt, monkeypat
 
     def spy_rmtree(path, *a, **kw):
         # At the moment the bytes are deleted, no checkpoint-N dir is half there.
-        seen_during_delete.append((os.path.basename(path), steps(tmp_path)))
+        seen_during_delete.append((os.path.basename(path), checkpoint_steps(tmp_path)))
         return real_rmtree(path, *a, **kw)
 
     monkeypatch.setattr(commit.shutil, "rmtree", spy_rmtree)
     report = prune_mod.prune(tmp_path, RetentionPolicy(keep=1))
-    assert steps(tmp_path) == [3]
+    assert checkpoint_steps(tmp_path) == [3]
     assert [r.path.name for r in report.removed] == ["checkpoint-2", "checkpoint-1"]
     assert all(r.bytes > 0 for r in report.removed)
     assert [name.startswith(".trash-checkpoint-") for name, _ in seen_during_delete] == [True] * 2
@@ -134,7 +132,7 @@ def test_prune_removes_abandoned_temp_dir_but_not_a_live_writers(tmp_path, make_
         dead.name: "abandoned temp dir of a save that died",
         trash.name: "interrupted deletion"}
     assert live.exists() and remote.exists() and not dead.exists() and not trash.exists()
-    assert steps(tmp_path) == [1]
+    assert checkpoint_steps(tmp_path) == [1]
 
 
 def test_zero_padded_names_are_not_checkpoints(tmp_path, make_ckpt):

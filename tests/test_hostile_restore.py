@@ -29,13 +29,7 @@ import worker.restore as restore_module
 from supervisor.ckpt.verify import Level, verify
 from supervisor.errors import CorruptCheckpoint, ExitCode, StateMismatch
 
-
-@pytest.fixture(autouse=True)
-def unsupervised(monkeypatch):
-    for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_CKPT_DIR", "RTRAIN_SETTINGS",
-              "RTRAIN_SIGNING_KEY", "RTRAIN_SIGNING_KEY_FILE", "RTRAIN_STATUS",
-              "RTRAIN_ALLOW_XXH3_SIGNED"):
-        monkeypatch.delenv(k, raising=False)
+pytestmark = pytest.mark.usefixtures("unsupervised")
 
 
 def two_checkpoints(ckpt_dir):

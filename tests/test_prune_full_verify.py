@@ -11,16 +11,12 @@ import re
 import time
 
 import pytest
+from harness import checkpoint_steps
 
 from supervisor.ckpt import prune as prune_mod
-from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.manifest import dumps
 from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level, verify
-
-
-def steps(ckpt_dir) -> list[int]:
-    return sorted(s for s, _ in list_checkpoints(ckpt_dir))
 
 
 def flip_a_byte(ckpt) -> None:
@@ -46,7 +42,7 @@ def test_cli_prune_keeps_the_newest_that_verifies_fully(rtrain, four):
     flip_a_byte(four / "checkpoint-400")
     r = rtrain("prune", str(four), "--keep", "1")
     assert r.returncode == 0, r.stderr
-    assert steps(four) == [300, 400]
+    assert checkpoint_steps(four) == [300, 400]
     kept = {ln.split()[1]: ln for ln in r.stdout.splitlines() if ln.startswith("kept ")}
     assert "the newest that verifies (verified full)" in kept["checkpoint-300"]
     assert "content hash does not match" in kept["checkpoint-400"]
@@ -64,14 +60,14 @@ def test_cli_prune_walks_past_several_bad_ones(rtrain, four):
     assert r.returncode == 0, r.stderr
     assert re.search(r"would keep +checkpoint-200 .* the newest that verifies", r.stdout)
     assert rtrain("prune", str(four), "--keep", "1").returncode == 0
-    assert steps(four) == [200, 300, 400]
+    assert checkpoint_steps(four) == [200, 300, 400]
 
 
 def test_best_by_metric_is_verified_fully_before_the_others_go(four):
     flip_a_byte(four / "checkpoint-100")  # the best loss, but damaged
     report = prune_mod.prune(four, RetentionPolicy(keep=1, keep_best=1, metric="loss"))
     # The next best takes its place; the damaged one is older than a good one: removed.
-    assert steps(four) == [200, 400]
+    assert checkpoint_steps(four) == [200, 400]
     assert [v.path.name for v in report.failed_full] == ["checkpoint-100"]
     assert "among the best 1 by loss (min) (verified full)" in report.why[four / "checkpoint-200"]
 
@@ -103,7 +99,7 @@ def test_in_process_retention_verifies_fully(tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="worker"):
         ck.save(3)
     # checkpoint-2 passed the quick check but not the full one: it is not one of the two kept.
-    assert steps(tmp_path) == [1, 3]
+    assert checkpoint_steps(tmp_path) == [1, 3]
     text = caplog.text
     assert "checkpoint-2 passes the quick check but fails full verification" in text
     assert "retention: kept checkpoint-3: the newest that verifies" in text
@@ -116,4 +112,4 @@ def test_a_metric_too_large_for_a_float_does_not_stop_prune(four):
     m["metrics"] = {"loss": 10**400}  # valid JSON, 401 digits: no float holds it
     path.write_bytes(dumps(m))
     prune_mod.prune(four, RetentionPolicy(keep=1, keep_best=1, metric="loss"))
-    assert steps(four) == [100, 400]
+    assert checkpoint_steps(four) == [100, 400]

@@ -20,11 +20,7 @@ from supervisor.errors import CorruptCheckpoint
 BIG = _PARALLEL_FROM + (5 << 20) + 123  # over the threshold, not a whole number of chunks
 
 
-@pytest.fixture(autouse=True)
-def unsupervised(monkeypatch):
-    for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_CKPT_DIR", "RTRAIN_SETTINGS",
-              "RTRAIN_SIGNING_KEY", "RTRAIN_SIGNING_KEY_FILE"):
-        monkeypatch.delenv(k, raising=False)
+pytestmark = pytest.mark.usefixtures("unsupervised")
 
 
 def listed(tmp_path: Path, alg: str) -> tuple[Path, dict, bytes]:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from harness import CHILDREN, REPO
+from harness import CHILDREN, REPO, rank_steps
 from test_slurm import Job, _events, _job_field, _slurm, _wait, running_cluster
 
 MULTI = REPO / "scripts" / "slurm" / "train-multinode.sbatch"
@@ -31,13 +30,6 @@ pytestmark = [pytest.mark.slow,
 def two_nodes() -> Iterator[None]:
     """A running two-node cluster on this host; stopped afterwards unless it ran before."""
     yield from running_cluster(2)
-
-
-def _steps(out: Path, rank: int) -> list[tuple[int, int]]:
-    """(attempt, step) of each step rank `rank` executed (dist_train.py --step-sleep)."""
-    path = Path(f"{out}-rank{rank}.steps")
-    text = path.read_text() if path.exists() else ""
-    return [tuple(map(int, line.split())) for line in text.splitlines() if line]
 
 
 def test_two_node_job_preempted_saves_on_both_nodes_requeues_once_and_resumes(two_nodes,
@@ -56,7 +48,8 @@ def test_two_node_job_preempted_saves_on_both_nodes_requeues_once_and_resumes(tw
 
     try:
         _wait("both nodes stepping (step 5)",
-              lambda: all(any(s >= 5 for _, s in _steps(out, r)) for r in (0, 1)), 120, diagnose)
+              lambda: all(any(s >= 5 for _, s in rank_steps(out, r)) for r in (0, 1)), 120,
+              diagnose)
         # What --signal=TERM@120 does before the time limit: every process of the step, on
         # every node, gets SIGTERM (not the batch shell).
         _slurm("scancel", "--signal=TERM", j.id)
@@ -64,7 +57,7 @@ def test_two_node_job_preempted_saves_on_both_nodes_requeues_once_and_resumes(tw
               lambda: any(e["kind"] == "requeue" for e in _events(nodes[0]))
               and _job_field(j.id, "JobState") == "PENDING", 90, diagnose)
         assert _job_field(j.id, "Restarts") == "1"
-        last = {r: _steps(out, r)[-1] for r in (0, 1)}
+        last = {r: rank_steps(out, r)[-1] for r in (0, 1)}
         assert last[0] == last[1], f"the ranks stopped at different steps: {last}"
         stopped_at = last[0][1]
         assert stopped_at < TOTAL
@@ -92,6 +85,6 @@ def test_two_node_job_preempted_saves_on_both_nodes_requeues_once_and_resumes(tw
         assert launches[1]["resume_from"].endswith(f"checkpoint-{stopped_at}")
         assert [e for e in _events(node) if e["kind"] == "finished"], diagnose()
     for rank in (0, 1):
-        steps = _steps(out, rank)
+        steps = rank_steps(out, rank)
         assert next(s for a, s in steps if a == 1) == stopped_at + 1, steps
         assert [s for _, s in steps] == list(range(1, TOTAL + 1)), "a step lost or repeated"

@@ -28,11 +28,7 @@ def train_steps(model, opt, n):
         opt.step()
 
 
-@pytest.fixture(autouse=True)
-def unsupervised(monkeypatch):
-    for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_CKPT_DIR", "RTRAIN_SETTINGS",
-              "RTRAIN_SIGNING_KEY", "RTRAIN_SIGNING_KEY_FILE"):
-        monkeypatch.delenv(k, raising=False)
+pytestmark = pytest.mark.usefixtures("unsupervised")
 
 
 def test_fresh_start_returns_zero(tmp_path):

@@ -30,12 +30,7 @@ def make(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-@pytest.fixture(autouse=True)
-def unsupervised(monkeypatch):
-    for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_CKPT_DIR", "RTRAIN_SETTINGS",
-              "RTRAIN_SIGNING_KEY", "RTRAIN_SIGNING_KEY_FILE", "RTRAIN_ENCRYPTION_KEY",
-              "RTRAIN_ENCRYPTION_KEY_FILE", "RTRAIN_ENCRYPT_METADATA"):
-        monkeypatch.delenv(k, raising=False)
+pytestmark = pytest.mark.usefixtures("unsupervised")
 
 
 def _same(a: nn.Module, b: nn.Module) -> bool:

@@ -1,0 +1,65 @@
+"""Uninterrupted reference runs, made once and kept on disk keyed by everything they depend on.
+
+Many end-to-end tests compare a run split by failures with the same uninterrupted run. Making
+that run costs a fresh interpreter and torch's imports, far more than its steps. `cached` makes
+it once for all tests and all pytest-xdist workers of a session (a file lock: the second worker
+waits for the first's result), and keeps it for later sessions under .pytest_cache: the key
+covers the run's own inputs and a digest of the code it runs (worker/, supervisor/, the child
+scripts, the torch version), so a change to any of them makes a new one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harness import REPO
+
+CACHE = REPO / ".pytest_cache" / "rtrain-references"
+DONE = ".complete"  # written last: a directory without it is a run that did not finish
+
+
+@functools.cache
+def code_digest() -> str:
+    """A digest of the code a reference run executes: the worker and supervisor packages, the
+    test children and the installed torch."""
+    import torch
+
+    h = hashlib.sha256(torch.__version__.encode())
+    for folder in ("worker", "supervisor", "tests/children"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            h.update(str(path.relative_to(REPO)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cached(name: str, inputs: dict[str, Any], make: Callable[[Path], None]) -> Path:
+    """The directory of the reference run `name` with `inputs` (JSON values), made by
+    `make(dir)` the first time and reused afterwards while the code it runs is unchanged. `make`
+    fills an empty directory; one that raises leaves nothing behind."""
+    blob = json.dumps({"name": name, "inputs": inputs, "code": code_digest()}, sort_keys=True)
+    out = CACHE / f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / DONE).exists():
+            return out
+        work = out.with_name(out.name + f".{os.getpid()}.tmp")
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        try:
+            make(work)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        (work / DONE).write_text(blob)
+        os.rename(work, out)
+    return out

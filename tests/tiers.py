@@ -1,0 +1,33 @@
+"""A pytest plugin (tests/conftest.py loads it): the suite's two tiers.
+
+The default tier is every fast test and at least one end-to-end test of every behaviour
+(docs/test-coverage.md says which). The soak tier (`@pytest.mark.soak`, `pytest --soak`,
+`scripts/test.sh --soak`) is the long matrices and loops: every configuration of a split run,
+chaos with many kills, every Slurm and multi-node sequence. `--soak` runs that tier alone, with
+a longer timeout per test; without it, soak tests are deselected.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+SOAK_TIMEOUT_S = 900  # a soak test's own limit, where it sets none: a matrix may take minutes
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true",
+                     help="run the soak tier (tests marked soak) instead of the default tier")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    soak = config.getoption("soak")
+    keep, drop = [], []
+    for item in items:
+        if item.get_closest_marker("soak") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)  # a soak test starts processes
+        (keep if bool(item.get_closest_marker("soak")) == soak else drop).append(item)
+        if soak and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SOAK_TIMEOUT_S))
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
