@@ -1,19 +1,42 @@
 #!/usr/bin/env bash
-# Install rtrain with its test dependencies into .venv and run the whole suite (lint + tests).
-# Usage: scripts/test.sh [pytest args...]
+# Install rtrain with its test dependencies into .venv, lint, and run a tier of the suite.
+#
+# Usage: scripts/test.sh [--soak] [pytest args...]
+#   (default)  every fast test and one end-to-end test of every behaviour (docs/test-coverage.md)
+#   --soak     the long matrices and chaos loops (tests marked soak; docs/soak-results.md)
+# Tests run in parallel (pytest-xdist): RTRAIN_TEST_WORKERS sets how many (default 4; most of a
+# test's time is spent waiting on the processes it starts, so more workers than cores pays off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+tier=()
+if [ "${1:-}" = "--soak" ]; then
+  tier=(--soak)
+  shift
+fi
+# Debian packages, installed beside pip's work rather than after it: headless Chromium for the
+# report test, Slurm and munge for the local cluster of the Slurm tests (scripts/slurm/
+# local-cluster.sh would install them on its first start, holding a test worker meanwhile).
+# Each test that needs one skips, saying why, where it is missing.
+debs=()
+[ -x /usr/bin/chromium ] || debs+=(chromium)
+command -v slurmctld >/dev/null || debs+=(slurm-wlm munge)
+apt_pid=
+if [ ${#debs[@]} -gt 0 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${debs[@]}") \
+    >/dev/null 2>&1 &
+  apt_pid=$!
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 # The CPU build of torch, pinned: an open range could pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check --config-settings editable_mode=compat -e '.[dev]'
-# The report test opens a page in headless Chromium (Debian's package); it skips without one.
-if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
-    >/dev/null 2>&1 || echo "note: could not install chromium; the report test will skip" >&2
+if [ -n "$apt_pid" ] && ! wait "$apt_pid"; then
+  echo "note: could not install ${debs[*]}; the tests that need them will skip" >&2
 fi
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -q "$@"
+# loadgroup: tests that share one resource of the machine (the local Slurm cluster) carry an
+# xdist_group mark and run on one worker, one after the other.
+exec .venv/bin/python -m pytest -q -n "${RTRAIN_TEST_WORKERS:-4}" --dist loadgroup "${tier[@]}" "$@"

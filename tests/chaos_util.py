@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 from bitwise import bitwise_diff
-from harness import CHILDREN, child_env
+from harness import CHILDREN, child_env, run_child
 from references import cached
 
 SCRIPT = CHILDREN / "chaos_train.py"
@@ -72,15 +72,14 @@ def rtrain_cmd(run_dir: Path, *args: str) -> list[str]:
             *args, str(SCRIPT), "{run_dir}"]
 
 
-def launch_chaos(run_dir: Path, *args: str, faults: str = "", timeout: float = 300,
-           cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(rtrain_cmd(run_dir, *args), env=child_env(RTRAIN_FAULTS=faults),
-                          cwd=cwd or run_dir.parent, capture_output=True, text=True,
-                          timeout=timeout)
+def launch_chaos(run_dir: Path, *args: str, faults: str = "", timeout: float = 150,
+                 cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return run_child(rtrain_cmd(run_dir, *args), env=child_env(RTRAIN_FAULTS=faults),
+                     cwd=cwd or run_dir.parent, timeout=timeout)
 
 
 def start_chaos(run_dir: Path, *args: str, faults: str = "", cwd: Path | None = None,
-          **kw: Any) -> subprocess.Popen:
+                **kw: Any) -> subprocess.Popen:
     return subprocess.Popen(rtrain_cmd(run_dir, *args), env=child_env(RTRAIN_FAULTS=faults),
                             cwd=cwd or run_dir.parent, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, **kw)
@@ -177,10 +176,9 @@ def reference(base: Path, settings: dict[str, Any]) -> Path:
               if k != "step_sleep" and not (k == "workers" and v == 0)}
 
     def make(out: Path) -> None:
-        r = subprocess.run([sys.executable, str(SCRIPT), str(out)], cwd=out,
-                           capture_output=True, text=True, timeout=120,
-                           env=child_env(RTRAIN_SETTINGS=json.dumps(values),
-                                         RTRAIN_CKPT_DIR=str(out / "checkpoints")))
+        r = run_child([sys.executable, str(SCRIPT), str(out)], cwd=out, timeout=120,
+                      env=child_env(RTRAIN_SETTINGS=json.dumps(values),
+                                    RTRAIN_CKPT_DIR=str(out / "checkpoints")))
         assert r.returncode == 0, r.stderr
 
     return cached("chaos", values, make)

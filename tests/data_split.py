@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from bitwise import bitwise_diff
-from harness import CHILDREN, child_env
+from harness import CHILDREN, child_env, run_child
 from references import cached
 
 SCRIPT = CHILDREN / "train_data.py"
@@ -25,9 +25,9 @@ TOTAL = 19
 
 def run(ckpt_dir: Path, out: Path, total: int, die_at: int, *args: str,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), str(ckpt_dir), str(out), str(total),
-                           str(die_at), *args], env=child_env(**(env or {})),
-                          capture_output=True, text=True, timeout=300)
+    # One run takes a few seconds; a minute is a hang (run_child shows where).
+    return run_child([sys.executable, str(SCRIPT), str(ckpt_dir), str(out), str(total),
+                      str(die_at), *args], env=child_env(**(env or {})), timeout=60)
 
 
 def whole(args: list[str]) -> Path:

@@ -11,22 +11,15 @@ too, so a hung child cannot hold a pipe, a lock or a core for the tests after it
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import psutil
 import pytest
+from harness import process_stacks
 
 STACKS_LEAD_S = 20.0  # how long before its timeout a test's processes have their stacks dumped
-
-
-def _py_spy() -> str | None:
-    here = Path(sys.executable).parent / "py-spy"
-    return str(here) if here.exists() else shutil.which("py-spy")
 
 
 def timeout_of(item: pytest.Item) -> float | None:
@@ -52,28 +45,6 @@ def _identity(p: psutil.Process) -> tuple[int, float] | None:
         return p.pid, p.create_time()
     except psutil.Error:
         return None
-
-
-def process_stacks(procs: list[psutil.Process]) -> str:
-    """Every process's command line, state, kernel wait channel and (for Python) stacks."""
-    spy = _py_spy()
-    out: list[str] = []
-    for p in procs:
-        try:
-            with p.oneshot():
-                head = f"--- pid {p.pid} ({p.status()}): {' '.join(p.cmdline())[:300]}"
-            wchan = Path(f"/proc/{p.pid}/wchan").read_text().strip()
-        except (psutil.Error, OSError):
-            continue
-        out.append(f"{head}\n    kernel wait channel: {wchan or '-'}")
-        if spy is not None and "python" in Path(p.exe() if p.is_running() else "").name:
-            try:
-                r = subprocess.run([spy, "dump", "--pid", str(p.pid)], capture_output=True,
-                                   text=True, timeout=20)
-                out.append((r.stdout or r.stderr).rstrip())
-            except (subprocess.TimeoutExpired, OSError) as e:
-                out.append(f"    py-spy: {e}")
-    return "\n".join(out)
 
 
 def _dump_before_timeout(item: pytest.Item) -> threading.Timer | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -38,6 +39,55 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _py_spy() -> str | None:
+    here = Path(sys.executable).parent / "py-spy"
+    return str(here) if here.exists() else shutil.which("py-spy")
+
+
+def process_stacks(procs: list[psutil.Process]) -> str:
+    """Every process's command line, state, kernel wait channel and (for Python) stacks."""
+    spy = _py_spy()
+    out: list[str] = []
+    for p in procs:
+        try:
+            with p.oneshot():
+                head = f"--- pid {p.pid} ({p.status()}): {' '.join(p.cmdline())[:300]}"
+            wchan = Path(f"/proc/{p.pid}/wchan").read_text().strip()
+        except (psutil.Error, OSError):
+            continue
+        out.append(f"{head}\n    kernel wait channel: {wchan or '-'}")
+        if spy is not None and "python" in Path(p.exe() if p.is_running() else "").name:
+            try:
+                r = subprocess.run([spy, "dump", "--pid", str(p.pid)], capture_output=True,
+                                   text=True, timeout=20)
+                out.append((r.stdout or r.stderr).rstrip())
+            except (subprocess.TimeoutExpired, OSError) as e:
+                out.append(f"    py-spy: {e}")
+    return "\n".join(out)
+
+
+def run_child(argv: list[str], *, timeout: float, **kw: Any) -> subprocess.CompletedProcess:
+    """`subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)`, except
+    that a child still running at `timeout` fails the test with the stacks of its whole process
+    tree (process_stacks) and the tail of its stderr, where subprocess.run would kill it
+    and raise a bare TimeoutExpired: a hang says where it hung."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          **kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            stacks = process_stacks(tree)
+            for p in tree:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"{' '.join(map(str, argv))[:300]}\nstill running after {timeout:.0f} s;"
+                        f" stderr ends:\n{err[-2000:]}\nits processes:\n{stacks}",
+                        pytrace=False)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def rtrain_cmd(*args: str) -> list[str]:
     """`rtrain ARGS` as an argv: this interpreter running `-m supervisor`."""
     return [sys.executable, "-m", "supervisor", *args]
@@ -54,8 +104,8 @@ def run_rtrain(*args: str, cwd: str | os.PathLike | None = None,
                timeout: float = 60) -> subprocess.CompletedProcess:
     """`rtrain ARGS` in a subprocess, as a user would run it (cwd: the repository by default);
     `env` adds to child_env()."""
-    return subprocess.run(rtrain_cmd(*args), cwd=cwd or REPO, env=child_env(**(env or {})),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_child(rtrain_cmd(*args), cwd=cwd or REPO, env=child_env(**(env or {})),
+                     timeout=timeout)
 
 
 def invoke_rtrain(*args: str, cwd: str | os.PathLike | None = None,
@@ -85,9 +135,8 @@ def launch(run_dir: Path, *args: str, env: dict[str, str] | None = None,
            timeout: float = 60) -> subprocess.CompletedProcess:
     """`rtrain launch --run-dir RUN_DIR -q --no-backoff ARGS`, run to its end in RUN_DIR's
     parent (or `cwd`)."""
-    return subprocess.run(launch_cmd(run_dir, *args), cwd=cwd or run_dir.parent,
-                          env=child_env(**(env or {})), capture_output=True, text=True,
-                          timeout=timeout)
+    return run_child(launch_cmd(run_dir, *args), cwd=cwd or run_dir.parent,
+                     env=child_env(**(env or {})), timeout=timeout)
 
 
 def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
@@ -178,9 +227,9 @@ def fill_disk(disk: Path) -> Path:
 def launch_2_ranks(run_dir: Path, *args: str, extra_env: dict[str, str] | None = None,
                    launch_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`rtrain launch --nproc-per-node 2` of children/dist_train.py with its `args` (two gloo
-    ranks on CPU; generous timeout: torchrun and two torch imports on a shared machine)."""
+    ranks on CPU; a longer timeout: torchrun and two torch imports on a shared machine)."""
     return launch(run_dir, "--nproc-per-node", "2", *launch_args,
-                  str(CHILDREN / "dist_train.py"), *args, env=extra_env, timeout=300)
+                  str(CHILDREN / "dist_train.py"), *args, env=extra_env, timeout=150)
 
 
 def read_metrics_text(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

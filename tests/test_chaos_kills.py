@@ -78,6 +78,7 @@ class Killer(threading.Thread):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a loop of random kills
 def test_random_kills_end_bitwise_identical(tmp_path):
     ref = reference(tmp_path, SETTINGS)
     write_config(tmp_path / "rtrain.toml", SETTINGS)

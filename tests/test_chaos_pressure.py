@@ -120,6 +120,7 @@ def test_a_child_that_frees_its_cache_trains_on_at_its_batch_size(tmp_path, memo
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # the two pressure cases above are the default tier's
 def test_the_climb_back_waits_for_room_then_climbs(tmp_path, memory_cgroup):
     # Degraded by pressure near step 140 (batch 16 -> 8). Attempt 1 crashes at step 200, over
     # restore_after_steps (40) healthy steps on rung 1: rung 0 peaked near the 1 GiB limit, so

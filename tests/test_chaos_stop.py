@@ -29,7 +29,8 @@ GRACE_S = 20.0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 2], ids=["no-workers", "loader-workers"])
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.soak), 2],
+                         ids=["no-workers", "loader-workers"])
 def test_preemption_exits_75_in_the_grace_and_resumes_with_no_lost_step(tmp_path, workers):
     # With DataLoader workers, the stop signal sent to the process group reaches them too: they
     # must leave it to the training process (which saves at the step boundary), not die of it.

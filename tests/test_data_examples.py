@@ -29,8 +29,8 @@ def final_state(ckpt, step):
 @pytest.mark.parametrize(("script", "knobs"), [
     ("vision/train.py", {"steps": 12, "save_every": 3, "samples": 72, "batch_size": 8,
                          "resolution": 16, "workers": 2}),
-    ("charlm/train.py", {"steps": 10, "save_every": 3, "seq_len": 16, "batch_size": 8,
-                         "workers": 2}),
+    pytest.param("charlm/train.py", {"steps": 10, "save_every": 3, "seq_len": 16,
+                                     "batch_size": 8, "workers": 2}, marks=pytest.mark.soak),
 ])
 def test_example_with_workers_resumes_mid_epoch_exactly(tmp_path, script, knobs):
     whole = tmp_path / "whole" / "ckpt"

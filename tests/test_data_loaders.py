@@ -10,7 +10,7 @@ pytest.importorskip("torchdata.stateful_dataloader")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", ["0", "2"])
+@pytest.mark.parametrize("workers", [pytest.param("0", marks=pytest.mark.soak), "2"])
 def test_stateful_dataloader_map_style(tmp_path, workers):
     # One uninterrupted run for both map-style cases: the worker count changes no value.
     reference = whole(["--loader", "stateful", "--workers", "0"])
@@ -24,6 +24,7 @@ def test_stateful_dataloader_map_style(tmp_path, workers):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # the loader matrix
 def test_stateful_dataloader_iterable_with_own_state_and_sharding(tmp_path):
     args = ["--loader", "stateful", "--data", "stream", "--workers", "2"]
     assert split_vs_whole(tmp_path, args, (5, 13)) is None

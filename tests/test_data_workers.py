@@ -11,27 +11,31 @@ processes). Other cases, and the claims that a split run is *not* exact, keep th
 import pytest
 from data_split import split_vs_whole, whole
 
+SOAK = pytest.mark.soak  # the worker matrix; its densest configuration is the default tier's
 CONFIGS = {
-    "W0": ["--workers", "0"],
-    "W2": ["--workers", "2"],
-    "W2-persistent-pin-prefetch3": ["--workers", "2", "--persistent", "--pin", "--prefetch", "3"],
-    "W4-persistent-prefetch1": ["--workers", "4", "--persistent", "--prefetch", "1"],
+    "W0": (["--workers", "0"], SOAK),
+    "W2": (["--workers", "2"], SOAK),
+    "W2-persistent-pin-prefetch3": (["--workers", "2", "--persistent", "--pin", "--prefetch",
+                                     "3"], ()),
+    "W4-persistent-prefetch1": (["--workers", "4", "--persistent", "--prefetch", "1"], SOAK),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_split_run_with_workers_is_bitwise_identical(tmp_path, name):
-    assert split_vs_whole(tmp_path, CONFIGS[name], reference=whole(["--workers", "0"])) is None
+@pytest.mark.parametrize("args", [pytest.param(a, marks=m, id=k) for k, (a, m) in CONFIGS.items()])
+def test_split_run_with_workers_is_bitwise_identical(tmp_path, args):
+    assert split_vs_whole(tmp_path, args, reference=whole(["--workers", "0"])) is None
 
 
 @pytest.mark.slow
+@SOAK
 def test_split_run_with_workers_and_an_odd_batch_is_bitwise_identical(tmp_path):
     # Batches of 5: epochs end on a partial batch at a different step than batches of 8.
     assert split_vs_whole(tmp_path, ["--workers", "4", "--pin", "--batch", "5"]) is None
 
 
 @pytest.mark.slow
+@SOAK
 def test_sampler_only_idiom_stays_exact_without_workers(tmp_path):
     # The idiom from before loader= existed: Checkpointer(sampler=...), num_workers=0. Compared
     # with its own uninterrupted run, which does not match the loader= one bit for bit.
@@ -39,6 +43,7 @@ def test_sampler_only_idiom_stays_exact_without_workers(tmp_path):
 
 
 @pytest.mark.slow
+@SOAK
 def test_sampler_only_idiom_with_workers_is_not_exact(tmp_path):
     # Why loader= is needed: the sampler alone counts prefetched samples as consumed, so the
     # first resume mid-epoch (at step 3) already skips samples.
@@ -46,6 +51,7 @@ def test_sampler_only_idiom_with_workers_is_not_exact(tmp_path):
 
 
 @pytest.mark.slow
+@SOAK
 def test_worker_global_rng_is_not_reproducible_mid_epoch(tmp_path):
     # What the README says is not reproducible: augmentation drawn from the worker's own
     # generator (torch seeds workers per iterator, and each advanced per sample it processed).

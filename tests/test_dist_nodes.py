@@ -93,6 +93,7 @@ def test_a_lost_node_replaced_by_a_new_one_resumes_with_the_survivor(tmp_path):
         assert_bitwise_equal(want, got, f"rank{rank}")
 
 
+@pytest.mark.soak  # waits out torchrun's last call; the replaced node is the default's
 def test_a_node_that_never_comes_back_leaves_the_survivor_alone(tmp_path):
     port = free_port()
     resize = str(CHILDREN / "dist_resize.py")

@@ -44,7 +44,7 @@ def _run(tmp: Path, name: str, ranks: int, ckpt_dir: Path, *flags: str):
     return r
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+@pytest.mark.parametrize("layout", [pytest.param("ddp", marks=pytest.mark.soak), "fsdp"])
 def test_checkpoint_of_2_ranks_resumes_at_1_and_at_4(tmp_path, layout):
     flags = ()
     if layout == "fsdp":

@@ -55,6 +55,7 @@ def test_ddp_kill_of_one_rank_resumes_bitwise(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # the DDP kill is the default tier's
 def test_fsdp_kill_of_one_rank_resumes_bitwise(tmp_path):
     why = _fsdp_available()
     if why:

@@ -93,6 +93,7 @@ def test_tampered_and_keyless_resumes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # encrypted one-process resumes are the default tier's
 def test_fsdp_two_ranks_resume_bitwise_from_encrypted_shards(tmp_path):
     from test_dist_resume import _fsdp_available
 

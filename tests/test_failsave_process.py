@@ -51,6 +51,7 @@ def test_a_crash_in_the_forward_under_rtrain_loses_no_step(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # the crash under rtrain is the default tier's
 def test_a_cuda_oom_in_the_forward_without_rtrain_resumes_bitwise(tmp_path):
     ref = reference(tmp_path, SETTINGS)
     out = tmp_path / "out"

@@ -127,6 +127,7 @@ def _lightning_missing() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a foreign format; the Trainer run is the default tier's
 @pytest.mark.skipif(_lightning_missing(),
                     reason="lightning / pytorch-lightning not installed (pip install -e '.[dev]')")
 def test_lightning_killed_and_oom_resumes_and_finishes(tmp_path):

@@ -96,6 +96,7 @@ def test_a_hang_in_the_forward_loses_no_step_and_ends_before_the_grace(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # the hang in the forward is the default tier's
 def test_a_hang_after_the_optimizer_step_saves_nothing(tmp_path):
     ref = reference(tmp_path, SETTINGS)
     write_chaos_config(tmp_path / "rtrain.toml", SETTINGS, hang=HANG)

@@ -17,6 +17,7 @@ import pytest
 
 from tests.bitwise import assert_bitwise_equal
 from tests.harness import CHILDREN, child_env, events, launch, launch_cmd, run_rtrain
+from tests.references import cached
 from tests.s3server import BUCKET, S3Server
 
 pytestmark = pytest.mark.slow
@@ -46,7 +47,7 @@ class Mirror:
         return sorted(c.step for c in self.open().list() if c.committed)
 
 
-@pytest.fixture(params=["s3", "dir"])
+@pytest.fixture(params=["s3", pytest.param("dir", marks=pytest.mark.soak)])
 def mirror(request, tmp_path, monkeypatch):
     # Each test its own content cache: a blob another test downloaded would stand in for a
     # file this one corrupts on the mirror (the same training writes the same bytes).
@@ -61,13 +62,15 @@ def mirror(request, tmp_path, monkeypatch):
 
 
 def reference(tmp_path: Path, steps: int) -> dict:
+    """The final state of an uninterrupted run of TRAIN (made once: references.cached)."""
     import torch
 
-    out = tmp_path / "reference.pt"
-    subprocess.run([sys.executable, TRAIN,
-                    str(tmp_path / "ref-ckpt"), str(out), str(steps), "0"],
-                   env=child_env(), check=True, capture_output=True, timeout=120)
-    return torch.load(out)
+    def make(out: Path) -> None:
+        subprocess.run([sys.executable, TRAIN, str(out / "ckpt"), str(out / "final.pt"),
+                        str(steps), "0"], env=child_env(), check=True, capture_output=True,
+                       timeout=120)
+
+    return torch.load(cached("train_bitwise", {"steps": steps}, make) / "final.pt")
 
 
 def test_a_fresh_machine_resumes_from_the_mirror_bitwise(tmp_path, mirror):
@@ -98,6 +101,7 @@ def test_a_fresh_machine_resumes_from_the_mirror_bitwise(tmp_path, mirror):
     assert_bitwise_equal(torch.load(tmp_path / "b.pt"), reference(tmp_path, 12))
 
 
+@pytest.mark.soak  # the mirror's failure cases; a fresh machine's resume is the default's
 def test_a_corrupt_file_on_the_mirror_is_skipped_for_the_one_before(tmp_path, mirror):
     run = tmp_path / "a" / "run"
     run.parent.mkdir()
@@ -153,6 +157,7 @@ def _wait_event(run: Path, kind: str, timeout: float, pred=lambda e: True) -> di
     raise AssertionError(f"no {kind} event within {timeout} s: {[e['kind'] for e in events(run)]}")
 
 
+@pytest.mark.soak  # the mirror's failure cases; a fresh machine's resume is the default's
 def test_preemption_uploads_the_final_checkpoint_and_status_says_so(tmp_path, s3, monkeypatch):
     for k, v in s3.env.items():
         monkeypatch.setenv(k, v)
@@ -188,6 +193,7 @@ def _remote_state(m, step: int) -> tuple[bool, int]:
     return "manifest.json" in names, len([n for n in names if n != "manifest.json"])
 
 
+@pytest.mark.soak  # the mirror's failure cases; a fresh machine's resume is the default's
 def test_sigkill_of_rtrain_mid_upload_leaves_no_manifest_without_its_files(tmp_path, s3,
                                                                              monkeypatch):
     for k, v in s3.env.items():
@@ -237,6 +243,7 @@ def test_sigkill_of_rtrain_mid_upload_leaves_no_manifest_without_its_files(tmp_p
     assert verify_remote(m, rc, "full", None).ok
 
 
+@pytest.mark.soak  # the mirror's failure cases; a fresh machine's resume is the default's
 def test_an_outage_of_the_store_never_slows_training_and_is_caught_up(tmp_path, s3, monkeypatch):
     for k, v in s3.env.items():
         monkeypatch.setenv(k, v)
@@ -283,6 +290,7 @@ def test_an_outage_of_the_store_never_slows_training_and_is_caught_up(tmp_path, 
     assert events(run, "mirror_final")[-1]["made_it"] is True
 
 
+@pytest.mark.soak  # the mirror's failure cases; a fresh machine's resume is the default's
 def test_a_store_down_at_a_relaunch_does_not_stop_training_but_stops_a_new_run(tmp_path):
     server = S3Server().start()
     url = f"s3://{BUCKET}/down"
@@ -316,6 +324,7 @@ def test_a_store_down_at_a_relaunch_does_not_stop_training_but_stops_a_new_run(t
     assert events(run, "mirror_final")[-1]["made_it"] is False
 
 
+@pytest.mark.soak  # the mirror's failure cases; a fresh machine's resume is the default's
 def test_encrypted_checkpoints_travel_encrypted_and_resume_bitwise(tmp_path):
     import torch
 
@@ -342,6 +351,7 @@ def test_encrypted_checkpoints_travel_encrypted_and_resume_bitwise(tmp_path):
     assert_bitwise_equal(torch.load(tmp_path / "b.pt"), reference(tmp_path, 12))
 
 
+@pytest.mark.soak  # the mirror's failure cases; a fresh machine's resume is the default's
 def test_an_upload_outlives_the_child_killed_during_it(tmp_path, s3, monkeypatch):
     for k, v in s3.env.items():
         monkeypatch.setenv(k, v)

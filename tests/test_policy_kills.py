@@ -84,6 +84,7 @@ def supervise(tmp_path: Path, after: int | None, planned: int) -> tuple[Path, in
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # six kills in a row; one is the default tier's
 def test_six_kills_after_progress_finish_bitwise_identical(tmp_path):
     ref = reference(tmp_path, SETTINGS)
     run, code, killer = supervise(tmp_path, PROGRESS, KILLS)

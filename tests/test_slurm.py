@@ -27,6 +27,10 @@ from supervisor.proc import slurm
 from supervisor.records.events import read_events
 from supervisor.records.runstate import load_state
 
+# One cluster per machine (its daemons, /etc/slurm): every test that starts one runs on one
+# pytest-xdist worker (scripts/test.sh runs --dist loadgroup), one module after the other.
+pytestmark = pytest.mark.xdist_group("slurm")
+
 CLUSTER = REPO / "scripts" / "slurm" / "local-cluster.sh"
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 CANNOT_START = 3  # local-cluster.sh: this machine cannot run the cluster
@@ -258,6 +262,7 @@ def test_preempted_job_requeues_and_resumes_with_zero_lost_steps(slurm_cluster, 
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a preempted job is the default tier's Slurm run
 @pytest.mark.skipif(sys.platform != "linux", reason="the Slurm test needs Linux")
 def test_cancelled_job_saves_and_is_not_requeued(slurm_cluster, tmp_path):
     j = Job(tmp_path, *TRAIN_ARGS)
@@ -292,6 +297,7 @@ WALL_MARGIN_S = 25.0  # a one-minute job stops 35 s after the job started
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a preempted job is the default tier's Slurm run
 @pytest.mark.skipif(sys.platform != "linux", reason="the Slurm test needs Linux")
 def test_time_limit_without_signal_saves_requeues_and_loses_no_step(slurm_cluster, tmp_path,
                                                                     monkeypatch):

@@ -22,7 +22,7 @@ from test_slurm import Job, _events, _job_field, _slurm, _wait, running_cluster
 MULTI = REPO / "scripts" / "slurm" / "train-multinode.sbatch"
 TOTAL = 40
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.xdist_group("slurm"),
               pytest.mark.skipif(sys.platform != "linux", reason="the Slurm test needs Linux")]
 
 
