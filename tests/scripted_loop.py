@@ -67,6 +67,7 @@ class Script:
         return False
 
     def spawn(self, spec: ChildSpec) -> FakeChild:
+        spec.attempt_dir.mkdir(parents=True, exist_ok=True)  # as the real spawn makes it
         child = FakeChild(spec, PID0 + len(self.spawned))
         self.spawned.append(child)
         return child
@@ -86,9 +87,12 @@ class Script:
                      spawn=self.spawn, watch=self.watch, say=self.said.append)
 
 
-def run(tmp_path: Path, script: Script, gpu=None, **cfg) -> tuple[int, list[dict]]:
+def run(tmp_path: Path, script: Script, gpu=None, *, fresh: bool = False, retry: bool = False,
+        **cfg) -> tuple[int, list[dict]]:
+    """`rtrain launch [--fresh] [--retry]` of the scripted child with config keys `cfg`: the exit
+    code and the run's events so far."""
     config = load_config({"run_dir": tmp_path / "run", **cfg}, None, tmp_path)
     spec = LaunchSpec(command=["train.py", "--attempt", "{attempt}"], config=config,
-                      echo=False, cwd=tmp_path)
+                      echo=False, cwd=tmp_path, fresh=fresh, retry=retry)
     code = launch(spec, script.seams(gpu))
     return code, read_events(tmp_path / "run" / "events.jsonl")

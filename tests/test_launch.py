@@ -34,19 +34,6 @@ def test_crash_once_then_succeed(tmp_path):
 
 
 @pytest.mark.slow
-def test_budget_spent_gives_up_with_exit_1(tmp_path):
-    (tmp_path / "rtrain.toml").write_text("[restart.budgets]\ncrash = 2\n")
-    run = tmp_path / "run"
-    r = launch(run, str(CHILDREN / "fail_first_attempts.py"), "99", "5", "0")
-    assert r.returncode == 1
-    assert len(events(run, "launch")) == 3
-    give_up = events(run, "give_up")[0]
-    assert "crash budget is spent (2 of 2" in give_up["reason"]
-    assert "giving up" in r.stderr
-    assert load_state(run).status.value == "gave_up"
-
-
-@pytest.mark.slow
 def test_startup_failure_is_not_retried(tmp_path):
     run = tmp_path / "run"
     r = launch(run, str(CHILDREN / "import_fails.py"))
@@ -188,18 +175,6 @@ def test_second_supervisor_on_the_same_run_refuses_with_exit_4(tmp_path):
 
 
 @pytest.mark.slow
-def test_finished_run_is_not_relaunched_unless_fresh(tmp_path):
-    run = tmp_path / "run"
-    assert launch(run, str(CHILDREN / "fail_first_attempts.py"), "0", "1").returncode == 0
-    r = launch(run, str(CHILDREN / "fail_first_attempts.py"), "0", "1")
-    assert r.returncode == 0 and "already finished" in r.stderr
-    assert len(events(run, "launch")) == 1
-    r = launch(run, "--fresh", str(CHILDREN / "fail_first_attempts.py"), "0", "1")
-    assert r.returncode == 0
-    assert len(events(run, "launch")) == 2
-
-
-@pytest.mark.slow
 def test_supervisor_killed_takes_the_child_with_it(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(launch_cmd(run, str(CHILDREN / "heartbeat_steps.py"), "100000"),
@@ -215,8 +190,12 @@ def test_supervisor_killed_takes_the_child_with_it(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.slow
-def test_usage_errors_are_one_line_with_exit_2(tmp_path):
+def test_usage_errors_are_one_line_with_exit_2(tmp_path, rtrain):
+    # Refused before anything starts: the CLI in this process (no interpreter start to test).
+    def launch(run_dir, *args):
+        return rtrain("launch", "--run-dir", str(run_dir), "-q", "--no-backoff", *args,
+                      cwd=tmp_path)
+
     r = launch(tmp_path / "run", "--set", "batch_size=8", str(CHILDREN / "fail_first_attempts.py"),
                "--bs", "{batchsize}")
     assert r.returncode == 2
@@ -232,6 +211,8 @@ def test_usage_errors_are_one_line_with_exit_2(tmp_path):
     (tmp_path / "rtrain.toml").unlink()
     r = launch(tmp_path / "run", "no_such_train.py")
     assert r.returncode == 2 and "no such script 'no_such_train.py'" in r.stderr
+    r = launch(tmp_path / "run", "--retry", "--fresh", str(CHILDREN / "fail_first_attempts.py"))
+    assert r.returncode == 2 and "pass one" in r.stderr
     assert not (tmp_path / "run" / "attempts").exists()
 
 

@@ -70,6 +70,8 @@ def test_the_crash_budget_gives_up_and_names_the_budget(tmp_path):
     assert load_state(tmp_path / "run").history.budgets_used == {"crash": 2}
     [give_up] = [e for e in events if e["kind"] == "give_up"]
     assert "the crash budget is spent (2 of 2" in give_up["reason"]
+    assert load_state(tmp_path / "run").status.value == "gave_up"
+    assert any("giving up" in line for line in script.said)
 
 
 def test_a_stop_during_the_backoff_ends_the_run_without_another_attempt(tmp_path):
@@ -104,13 +106,17 @@ def test_gpu_memory_still_held_is_waited_for_on_the_injected_clock(tmp_path):
     assert kinds(events).index("gpu_not_released") < kinds(events).index("launch", 1)
 
 
-def test_a_finished_run_is_not_relaunched(tmp_path):
+def test_a_finished_run_is_not_relaunched_unless_fresh(tmp_path):
     script = Script([success()])
     assert run(tmp_path, script)[0] == 0
     again = Script([success()])
     code, _ = run(tmp_path, again)
     assert code == 0 and again.spawned == []
     assert any("already finished" in line for line in again.said)
+    fresh = Script([success()])
+    code, events = run(tmp_path, fresh, fresh=True)
+    assert code == 0 and len(fresh.spawned) == 1
+    assert [e["attempt"] for e in events if e["kind"] == "launch"] == [0, 0]
 
 
 GIB = 1 << 30
