@@ -32,6 +32,7 @@ _START_TIMEOUT_S = 30.0
 
 
 def free_port() -> int:
+    """A TCP port of 127.0.0.1 that the OS says is free now (tests never hard-code one)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

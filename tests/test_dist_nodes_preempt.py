@@ -7,27 +7,21 @@ both supervisors exit 75; the same two commands again resume both ranks at the n
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 
 import pytest
 from harness import CHILDREN, child_env, events, launch_cmd, rank_steps
+from s3server import free_port
 
 pytestmark = pytest.mark.slow
 
 TOTAL = 14
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_supervisors_sharing_a_checkpoint_dir_stop_on_sigterm_and_resume_together(tmp_path):
     out, ckpts = tmp_path / "out", tmp_path / "shared-checkpoints"
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
 
     def node(n: int) -> list[str]:
         return launch_cmd(tmp_path / f"node-{n}", "--ckpt-dir", str(ckpts), "--grace", "60",
