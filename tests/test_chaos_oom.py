@@ -41,7 +41,7 @@ def test_kernel_oom_kill_degrades_and_every_sample_is_seen_once(tmp_path, memory
     run = tmp_path / "run"
     cmd = " ".join(f"'{a}'" for a in rtrain_cmd(run))
     r = subprocess.run(["sh", "-c", f"echo $$ > {memory_cgroup}/cgroup.procs && exec {cmd}"],
-                       env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                       env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
 
     cls = events(run, "classification")

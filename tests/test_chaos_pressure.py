@@ -55,7 +55,7 @@ def _start_in(cg: Path, tmp_path: Path, settings: dict, faults: str = "",
 
 
 def _finish(run: Path, proc: subprocess.Popen) -> list[dict]:
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=150)
     assert proc.returncode == 0, err[-3000:]
     return _steps(run)
 

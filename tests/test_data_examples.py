@@ -17,7 +17,7 @@ def run(script, ckpt, knobs, faults=None):
     if faults:
         env["RTRAIN_FAULTS"] = faults
     return subprocess.run([sys.executable, str(REPO / "examples" / script)], cwd=ckpt.parent,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=150)
 
 
 def final_state(ckpt, step):

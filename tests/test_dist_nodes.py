@@ -59,7 +59,7 @@ def _finish(sup: subprocess.Popen, tmp: Path, name: str, timeout: float = 300) -
 
 def test_a_lost_node_replaced_by_a_new_one_resumes_with_the_survivor(tmp_path):
     ref = launch(tmp_path / "ref", "--nproc-per-node", "2", TRAIN, str(tmp_path / "ref"), "18",
-                 timeout=300)
+                 timeout=150)
     assert ref.returncode == 0, ref.stderr[-3000:]
     port = free_port()
     a = _node(tmp_path, "a", port, "2", TRAIN, str(tmp_path / "out-a"), "18", "--sleep", "0.4")

@@ -60,7 +60,7 @@ def test_two_supervisors_sharing_a_checkpoint_dir_stop_on_sigterm_and_resume_tog
     again = [subprocess.Popen(node(n), cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for n in (0, 1)]
     try:
-        errs = [p.communicate(timeout=300)[1] for p in again]
+        errs = [p.communicate(timeout=150)[1] for p in again]
     finally:
         for p in again:
             if p.poll() is None:

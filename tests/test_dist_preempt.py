@@ -58,7 +58,7 @@ def test_sigterm_under_torchrun_saves_on_every_rank_exits_75_and_resumes_with_no
     assert load_state(run).status.value == "preempted"
 
     r = subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-                       timeout=300)  # the same command again
+                       timeout=150)  # the same command again
     assert r.returncode == 0, r.stderr[-3000:]
     launches = events(run, "launch")
     assert len(launches) == 2

@@ -58,14 +58,14 @@ def test_a_cuda_oom_in_the_forward_without_rtrain_resumes_bitwise(tmp_path):
     env = {"RTRAIN_SETTINGS": json.dumps(SETTINGS), "RTRAIN_CKPT_DIR": str(out / "checkpoints"),
            "RTRAIN_FAULTS": "oom_forward@step=21"}
     first = subprocess.run([sys.executable, str(SCRIPT), str(out)], env=child_env(**env),
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=150)
     assert first.returncode == 1 and "OutOfMemoryError" in first.stderr, first.stderr[-3000:]
     assert "checkpoint of step 20 committed at the failure" in first.stderr
     assert [s for s, _ in list_checkpoints(out / "checkpoints")][:2] == [20, 16]
     assert _info(out / "checkpoints", 20)["failure"] == "OutOfMemoryError"
     again = subprocess.run([sys.executable, str(SCRIPT), str(out)],
                            env=child_env(**env, RTRAIN_ATTEMPT="1"), capture_output=True,
-                           text=True, timeout=300)
+                           text=True, timeout=150)
     assert again.returncode == 0, again.stderr[-3000:]
     assert replayed_steps(step_log(out)) == 0
     assert final_state_diff(out, ref) is None

@@ -79,7 +79,7 @@ def run_with_kill_and_oom(tmp_path: Path, script: str, knob_args: list[str],
     r = launch_in(tmp_path, "--ckpt-dir", str(out), "--set", "batch_size=4", "--set",
                "grad_accum=1", "--resume-arg", resume_arg, str(CHILDREN / script), "--",
                *knob_args, "--kill_at", "6", "--oom_above", "2", "--oom_from", "10",
-               timeout=400)
+               timeout=150)
     run = tmp_path / "run"
     assert r.returncode == 0, r.stderr[-3000:]
     assert [e["failure"] for e in events(run, "classification")] == ["crash", "oom_gpu"]

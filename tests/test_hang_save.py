@@ -81,7 +81,7 @@ def test_a_hang_in_the_forward_loses_no_step_and_ends_before_the_grace(tmp_path)
     # A grace far longer than the test: the kill must come from the save's end.
     write_chaos_config(tmp_path / "rtrain.toml", SETTINGS, hang=HANG)
     run = tmp_path / "run"
-    r = launch_chaos(run, faults="hang_forward@step=13", timeout=300)
+    r = launch_chaos(run, faults="hang_forward@step=13", timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [c["failure"] for c in events(run, "classification")] == ["hang"]
     saved = events(run, "checkpoint_at_failure")
@@ -101,7 +101,7 @@ def test_a_hang_after_the_optimizer_step_saves_nothing(tmp_path):
     ref = reference(tmp_path, SETTINGS)
     write_chaos_config(tmp_path / "rtrain.toml", SETTINGS, hang=HANG)
     run = tmp_path / "run"
-    r = launch_chaos(run, faults="hang@step=13", timeout=300)
+    r = launch_chaos(run, faults="hang@step=13", timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [c["failure"] for c in events(run, "classification")] == ["hang"]
     assert events(run, "checkpoint_at_failure") == []

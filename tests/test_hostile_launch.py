@@ -36,7 +36,7 @@ def good_checkpoints(ckpt_dir: Path) -> None:
 def launch_child(run_dir: Path, *child_args: str) -> subprocess.CompletedProcess:
     """`rtrain launch --resume auto` of the child for 8 steps (its resumes go to resumed.jsonl)."""
     return launch(run_dir, "--resume", "auto", str(CHILD), "8", str(run_dir / "resumed.jsonl"),
-                  *child_args, timeout=300)
+                  *child_args, timeout=150)
 
 
 def assert_resumed_from_the_previous_one(run_dir: Path, r: subprocess.CompletedProcess,

@@ -34,7 +34,7 @@ def test_a_chatty_child_log_is_capped_keeping_head_and_tail(tmp_path, stream):
     run = tmp_path / "run"
     steps, width = 30000, 200  # 6 MB of output, 24 times the cap
     r = subprocess.run(launch_cmd(run, str(CHATTY), str(steps), str(width), "0", stream),
-                       env=child_env(), cwd=tmp_path, capture_output=True, timeout=300)
+                       env=child_env(), cwd=tmp_path, capture_output=True, timeout=150)
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     log = (run / "attempts" / "0" / f"std{stream}.log").read_bytes()
     _check_capped(log, 2**18, steps * width + len(b"done\n"),

@@ -144,7 +144,7 @@ def test_distributed_skipped_saves_are_reported_once_by_rank_0(tmp_path, read_on
     """Two ranks (gloo) saving collectively into a read-only dir: one event per save."""
     run = tmp_path / "run"
     r = launch(run, "--nproc-per-node", "2", "--ckpt-dir", str(read_only_dir),
-                       str(CHILDREN / "dist_train.py"), str(tmp_path / "out"), "6", timeout=300)
+                       str(CHILDREN / "dist_train.py"), str(tmp_path / "out"), "6", timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
     skipped = events(run, "save_skipped")
     assert [(e["step"], e["rank"]) for e in skipped] == [(3, 0), (6, 0)], skipped

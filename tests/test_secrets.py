@@ -102,7 +102,7 @@ def _launch_chaos(tmp_path: Path, ckpts: Path | None = None, **config) -> Path:
     run = tmp_path / "run"
     args = ["--ckpt-dir", str(ckpts)] if ckpts else []
     r = subprocess.run(rtrain_cmd(run, *args), env=child_env(), cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300,
+                       capture_output=True, text=True, timeout=150,
                        umask=0o022)  # a permissive umask, as often
     assert r.returncode == 0, r.stderr[-3000:]
     return run
