@@ -9,7 +9,7 @@ processes). Other cases, and the claims that a split run is *not* exact, keep th
 """
 
 import pytest
-from data_split import split_vs_whole, whole
+from data_split import TOTAL, run, split_vs_whole, whole
 
 SOAK = pytest.mark.soak  # the worker matrix; its densest configuration is the default tier's
 CONFIGS = {
@@ -56,3 +56,15 @@ def test_worker_global_rng_is_not_reproducible_mid_epoch(tmp_path):
     # What the README says is not reproducible: augmentation drawn from the worker's own
     # generator (torch seeds workers per iterator, and each advanced per sample it processed).
     assert split_vs_whole(tmp_path, ["--workers", "2", "--aug", "global"], (5,)) is not None
+
+
+@pytest.mark.slow
+def test_worker_still_starting_when_the_training_process_dies_exits(tmp_path):
+    # Killed after step 1, the first batch of a fresh iterator, which worker 0 delivered while
+    # worker 1 was still in its worker_init_fn: torch's watchdog, started after that, took init
+    # for worker 1's parent and it waited for work forever, holding the child's stdout and
+    # stderr, so this run never returned (a test run under load hung this way). Now it ends
+    # within the worker's next look at its parent (ORPHAN_CHECK_S) after its init.
+    r = run(tmp_path / "ckpt", tmp_path / "out.pt", TOTAL, 1, "--data", "iterable",
+            "--workers", "2", "--slow-worker", "3")
+    assert r.returncode == 9, r.stderr[-3000:]

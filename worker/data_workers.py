@@ -5,10 +5,17 @@ Ctrl-C, Slurm's --signal, a container's SIGTERM). torch's worker dies of a SIGTE
 did not send, and the loader then raises "DataLoader worker is killed" in the training loop
 instead of the step boundary saving. A watched loader's `worker_init_fn` is wrapped with
 `worker_init` (worker/data_iter.py) so that its workers leave such stops to the training process.
+
+The same thread ends a worker whose training process is gone. torch's own watchdog notes the
+worker's parent only after `worker_init_fn` returns: a worker still starting when the training
+process died (killed right after the first batch of a fresh iterator, which the other worker
+delivered) takes init's new parent for it and waits for work forever, holding what it inherited
+open (the training process's stdout and stderr: whoever reads them to EOF waits with it).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -16,6 +23,9 @@ from typing import Any
 
 # Signals that ask the training process to save and stop (worker/runtime.py).
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# How often a worker looks whether its training process is gone: twice torch's own interval, so
+# that its watchdog, which exits cleanly (removing the worker's temp dir), usually goes first.
+ORPHAN_CHECK_S = 10.0
 
 
 def _ignore(signum: int, frame: Any) -> None:
@@ -30,7 +40,7 @@ def worker_init(user_init: Any, worker_id: int) -> None:
     terminate at exit) still ends the worker at once, as torch's handler does; one from anyone
     else is left to the training process. Python handlers do not see the sender, so SIGTERM is
     blocked and taken by a thread."""
-    parent = os.getppid()
+    parent = _parent()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     threading.Thread(target=_sigterm_from_parent_only, args=(parent,), daemon=True,
                      name="rtrain-worker-sigterm").start()
@@ -40,8 +50,24 @@ def worker_init(user_init: Any, worker_id: int) -> None:
         user_init(worker_id)
 
 
+def _parent() -> int:
+    """The pid of this worker's parent while the training process lives: the training process,
+    which forked or spawned it, noted before it started (`os.getppid()` is already init's when the
+    training process died first); under forkserver the server, this worker's parent from the
+    start."""
+    made_by = multiprocessing.parent_process()
+    method = (getattr(multiprocessing.current_process(), "_start_method", None)
+              or multiprocessing.get_start_method(allow_none=True))
+    if made_by is None or made_by.pid is None or method == "forkserver":
+        return os.getppid()
+    return made_by.pid
+
+
 def _sigterm_from_parent_only(parent: int) -> None:
     while True:
-        info = signal.sigwaitinfo({signal.SIGTERM})
-        if info.si_pid == parent or os.getppid() != parent:
+        # First at once: the parent may have died before this worker began (see the module's doc).
+        if os.getppid() != parent:
+            os._exit(0)
+        info = signal.sigtimedwait({signal.SIGTERM}, ORPHAN_CHECK_S)
+        if info is not None and info.si_pid == parent:
             os._exit(0)

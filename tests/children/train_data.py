@@ -2,13 +2,14 @@
 
 usage: train_data.py CKPT_DIR OUT TOTAL_STEPS DIE_AT [--workers W] [--persistent] [--pin]
        [--prefetch P] [--batch B] [--loader torch|stateful|none] [--data map|iterable|stream]
-       [--aug sample|global] [--every N] [--log FILE]
+       [--aug sample|global] [--every N] [--log FILE] [--slow-worker S]
 
 Exits abruptly (os._exit, no save) after step DIE_AT, like a killed process; DIE_AT=0 never.
 `--loader none` is the sampler-only idiom (no loader= given to the Checkpointer). `--log` appends
 "step index index ..." per step, the samples the step trained on.
 `--data iterable` is an IterableDataset sharded by worker; `stream` the same with its own
-state_dict()/load_state_dict().
+state_dict()/load_state_dict(). `--slow-worker S`: the last worker's `worker_init_fn` sleeps S
+seconds, as a worker descheduled on a loaded machine starts late.
 """
 
 import argparse
@@ -37,6 +38,7 @@ p.add_argument("--data", default="map", choices=["map", "iterable", "stream"])
 p.add_argument("--aug", default="sample", choices=["sample", "global", "none"])
 p.add_argument("--every", type=int, default=3)
 p.add_argument("--log", default=None)
+p.add_argument("--slow-worker", type=float, default=0)
 args = p.parse_args()
 
 N = 44
@@ -95,6 +97,14 @@ kw = dict(batch_size=args.batch, num_workers=args.workers, pin_memory=args.pin,
           persistent_workers=args.persistent)
 if args.prefetch is not None:
     kw["prefetch_factor"] = args.prefetch
+if args.slow_worker:
+    import time
+
+    def slow_start(worker_id):
+        if worker_id == args.workers - 1:
+            time.sleep(args.slow_worker)
+
+    kw["worker_init_fn"] = slow_start
 sampler = None
 if args.data == "map":
     sampler = worker.ResumableSampler(N, seed=7, shuffle=True)
