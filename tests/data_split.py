@@ -41,17 +41,20 @@ def whole(args: list[str]) -> Path:
 
 
 def split_vs_whole(tmp: Path, args: list[str], deaths: tuple[int, ...] = (5, 13),
-                   reference: Path | None = None) -> str | None:
+                   reference: Path | None = None,
+                   runs: list[subprocess.CompletedProcess] | None = None) -> str | None:
     """None when a run killed after each step in `deaths` (each resume from the newest
     checkpoint, saved every 3 steps) ends bitwise-identical to an uninterrupted one, else
     where the two differ. The default resumes at step 3 (mid-epoch) and at 12 (an epoch's end).
-    `reference`: the uninterrupted run's final state when already run (see `whole`)."""
+    `reference`: the uninterrupted run's final state when already run (see `whole`). `runs`
+    collects the split run's processes, for what they said."""
     ref = reference or whole(args)
+    done = [] if runs is None else runs
     for die_at in deaths:
-        r = run(tmp / "split", tmp / "split.pt", TOTAL, die_at, *args)
-        assert r.returncode == 9, r.stderr[-3000:]
-    r = run(tmp / "split", tmp / "split.pt", TOTAL, 0, *args)
-    assert r.returncode == 0, r.stderr[-3000:]
+        done.append(run(tmp / "split", tmp / "split.pt", TOTAL, die_at, *args))
+        assert done[-1].returncode == 9, done[-1].stderr[-3000:]
+    done.append(run(tmp / "split", tmp / "split.pt", TOTAL, 0, *args))
+    assert done[-1].returncode == 0, done[-1].stderr[-3000:]
     a, b = torch.load(ref), torch.load(tmp / "split.pt")
     assert a["step"] == b["step"] == TOTAL
     return bitwise_diff(a["model"], b["model"], "model") or bitwise_diff(a["opt"], b["opt"],

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import REPO
+from harness import REPO, launch_2_ranks
 
 CACHE = REPO / ".pytest_cache" / "rtrain-references"
 DONE = ".complete"  # written last: a directory without it is a run that did not finish
@@ -63,3 +63,22 @@ def cached(name: str, inputs: dict[str, Any], make: Callable[[Path], None]) -> P
         (work / DONE).write_text(blob)
         os.rename(work, out)
     return out
+
+
+def two_ranks(*args: str) -> Path:
+    """OUT of an uninterrupted `rtrain launch --nproc-per-node 2` of children/dist_train.py
+    with `args` (steps first): its final states are `OUT-rank0.pt` and `OUT-rank1.pt`. Made
+    once per set of arguments and code (`cached`): a torchrun of two ranks costs tens of seconds
+    on two cores, and several tests compare with the same run."""
+    def make(out: Path) -> None:
+        r = launch_2_ranks(out / "run", str(out / "ref"), *args)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return cached("dist_train", {"args": list(args)}, make) / "ref"
+
+
+def rank_state(out: Path | str, rank: int) -> dict:
+    """The final state children/dist_train.py wrote for `rank` of the run whose OUT is `out`."""
+    import torch
+
+    return torch.load(f"{out}-rank{rank}.pt", weights_only=False)

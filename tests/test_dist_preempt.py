@@ -10,9 +10,9 @@ import subprocess
 import time
 
 import pytest
-import torch
 from bitwise import assert_bitwise_equal
-from harness import CHILDREN, child_env, events, launch_2_ranks, launch_cmd, rank_steps
+from harness import CHILDREN, child_env, events, launch_cmd, rank_steps
+from references import rank_state, two_ranks
 
 from supervisor.records.runstate import load_state
 
@@ -23,8 +23,7 @@ GRACE_S = 60.0  # torchrun, two torch imports and a save on a shared machine
 @pytest.mark.slow
 def test_sigterm_under_torchrun_saves_on_every_rank_exits_75_and_resumes_with_no_lost_step(
         tmp_path):
-    ref = launch_2_ranks(tmp_path / "ref", str(tmp_path / "ref"), TOTAL)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref = two_ranks(TOTAL)
 
     run, out = tmp_path / "run", tmp_path / "out"
     cmd = launch_cmd(run, "--grace", str(GRACE_S), "--nproc-per-node", "2",
@@ -68,7 +67,6 @@ def test_sigterm_under_torchrun_saves_on_every_rank_exits_75_and_resumes_with_no
         resumed = [s for a, s in steps if a == 1]
         assert resumed[0] == stopped_at + 1, f"rank {rank}: lost or repeated steps: {steps}"
         assert [s for _, s in steps] == list(range(1, int(TOTAL) + 1)), steps
-        a = torch.load(tmp_path / f"ref-rank{rank}.pt", weights_only=False)
-        b = torch.load(tmp_path / f"out-rank{rank}.pt", weights_only=False)
+        a, b = rank_state(ref, rank), rank_state(out, rank)
         assert a["step"] == b["step"] == int(TOTAL)
         assert_bitwise_equal(a, b, f"rank{rank}")

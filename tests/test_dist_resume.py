@@ -13,6 +13,7 @@ import pytest
 import torch
 from bitwise import assert_bitwise_equal
 from harness import events, launch_2_ranks
+from references import rank_state, two_ranks
 
 
 def _fsdp_available() -> str | None:
@@ -28,11 +29,10 @@ def _fsdp_available() -> str | None:
 
 
 def _kill_one_rank_and_compare(tmp_path: Path, *flags: str) -> None:
-    ref = launch_2_ranks(tmp_path / "ref", str(tmp_path / "ref"), "10", *flags)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref = two_ranks("12", *flags)  # the run test_dist_preempt compares with, too
     run = tmp_path / "split"
     # Rank 1 dies by SIGKILL after step 7; checkpoints at 3 and 6; the group resumes at 6.
-    r = launch_2_ranks(run, str(tmp_path / "split"), "10", "--die-at", "7", "--die-rank", "1",
+    r = launch_2_ranks(run, str(tmp_path / "split"), "12", "--die-at", "7", "--die-rank", "1",
                        *flags)
     assert r.returncode == 0, r.stderr[-3000:]
     launches = events(run, "launch")
@@ -41,9 +41,8 @@ def _kill_one_rank_and_compare(tmp_path: Path, *flags: str) -> None:
     (cls,) = events(run, "classification")
     assert "rank 1" in cls["reason"] and "injected kill" in cls["reason"], cls
     for rank in (0, 1):
-        a = torch.load(tmp_path / f"ref-rank{rank}.pt", weights_only=False)
-        b = torch.load(tmp_path / f"split-rank{rank}.pt", weights_only=False)
-        assert a["step"] == b["step"] == 10
+        a, b = rank_state(ref, rank), rank_state(tmp_path / "split", rank)
+        assert a["step"] == b["step"] == 12
         assert_bitwise_equal(a, b, f"rank{rank}")
     manifest = (run / "checkpoints" / "checkpoint-9" / "manifest.json").read_text()
     assert "rng-rank1.safetensors" in manifest and '"world_size": 2' in manifest
