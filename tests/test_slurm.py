@@ -10,12 +10,14 @@ start (not root, no apt-get, no network); RTRAIN_REQUIRE_SLURM=1 turns that skip
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -56,7 +58,15 @@ def _cluster(action: str, timeout: float, nodes: int = 1) -> subprocess.Complete
 
 def running_cluster(nodes: int = 1) -> Iterator[None]:
     """A running local cluster of `nodes` slurmd daemons (the body of a module fixture);
-    stopped afterwards if this started it. Skips where the machine cannot run one."""
+    stopped afterwards if this started it. Skips where the machine cannot run one. The machine
+    has one cluster: a lock file held meanwhile makes any other pytest session (or worker) that
+    wants one wait for this one to end."""
+    with open(Path(tempfile.gettempdir()) / "rtrain-test-slurm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield from _running_cluster(nodes)
+
+
+def _running_cluster(nodes: int) -> Iterator[None]:
     before = _cluster("status", 30, nodes).stdout
     was_running = before.count(": running") >= 2 + nodes  # munged, slurmctld, each slurmd
     r = _cluster("start", 300, nodes)  # the first start installs slurm-wlm and munge (~15 s)
