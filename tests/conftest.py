@@ -233,6 +233,8 @@ def s3_mirror(s3_server, monkeypatch, request):
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     if s3_server.proc is None or s3_server.proc.poll() is not None:
-        s3_server.start()  # a test stopped it and failed before restarting it, or it died
+        # A test stopped it and failed before restarting it, or restarted it: the server it
+        # started was its own process, killed when it ended (tests/hangs.py).
+        s3_server.start()
     prefix = f"{request.node.name}-{os.urandom(4).hex()}".replace("[", "-").replace("]", "")
     return f"s3://{s3_server.bucket}/{prefix}", s3_server.env

@@ -25,11 +25,13 @@ TRAIN = str(CHILDREN / "train_bitwise.py")
 BIG = str(CHILDREN / "commit_big.py")
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server().start()
-    yield server
-    server.stop()
+@pytest.fixture
+def s3(s3_server):
+    """The module's S3 server (conftest.py), running: a test that restarted it leaves a process
+    of its own, which ends with that test (tests/hangs.py)."""
+    if s3_server.proc is None or s3_server.proc.poll() is not None:
+        s3_server.start()
+    return s3_server
 
 
 class Mirror:
