@@ -4,8 +4,9 @@
 # Usage: scripts/test.sh [--soak] [pytest args...]
 #   (default)  every fast test and one end-to-end test of every behaviour (docs/test-coverage.md)
 #   --soak     the long matrices and chaos loops (tests marked soak; docs/soak-results.md)
-# Tests run in parallel (pytest-xdist): RTRAIN_TEST_WORKERS sets how many (default 4; most of a
-# test's time is spent waiting on the processes it starts, so more workers than cores pays off).
+# Tests run in parallel (pytest-xdist): RTRAIN_TEST_WORKERS sets how many. 3 by default: on 2
+# cores the default tier took 9:09 with 2 workers, 8:29 with 3, 8:28 with 4 and 8:41 with 6
+# (README): the suite is CPU-bound once 3 run, and fewer at once keeps each test shorter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -39,4 +40,4 @@ fi
 .venv/bin/ruff check .
 # loadgroup: tests that share one resource of the machine (the local Slurm cluster) carry an
 # xdist_group mark and run on one worker, one after the other.
-exec .venv/bin/python -m pytest -q -n "${RTRAIN_TEST_WORKERS:-4}" --dist loadgroup "${tier[@]}" "$@"
+exec .venv/bin/python -m pytest -q -n "${RTRAIN_TEST_WORKERS:-3}" --dist loadgroup "${tier[@]}" "$@"

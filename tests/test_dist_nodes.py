@@ -58,6 +58,7 @@ def _finish(sup: subprocess.Popen, tmp: Path, name: str, timeout: float = 300) -
     assert rc == 0, (tmp / f"{name}.err").read_text()[-3000:]
 
 
+@pytest.mark.soak  # a minute of two nodes and a third; two nodes are test_dist_nodes_preempt's
 def test_a_lost_node_replaced_by_a_new_one_resumes_with_the_survivor(tmp_path):
     ref = two_ranks("18")
     port = free_port()
@@ -92,7 +93,7 @@ def test_a_lost_node_replaced_by_a_new_one_resumes_with_the_survivor(tmp_path):
         assert_bitwise_equal(want, got, f"rank{rank}")
 
 
-@pytest.mark.soak  # waits out torchrun's last call; the replaced node is the default's
+@pytest.mark.soak  # waits out torchrun's last call
 def test_a_node_that_never_comes_back_leaves_the_survivor_alone(tmp_path):
     port = free_port()
     resize = str(CHILDREN / "dist_resize.py")

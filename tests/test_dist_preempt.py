@@ -21,6 +21,7 @@ GRACE_S = 60.0  # torchrun, two torch imports and a save on a shared machine
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # torchrun's preemption is test_dist_nodes_preempt's too, in the default tier
 def test_sigterm_under_torchrun_saves_on_every_rank_exits_75_and_resumes_with_no_lost_step(
         tmp_path):
     ref = two_ranks(TOTAL)
