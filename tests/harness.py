@@ -66,6 +66,26 @@ def process_stacks(procs: list[psutil.Process]) -> str:
     return "\n".join(out)
 
 
+def _tree_and_pipe_holders(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The child, its descendants, and every other process holding its stdout or stderr open: a
+    child that exited can leave an orphan (reparented away from it) that keeps the pipes open,
+    and a reader waiting for their end waits on that orphan."""
+    found: dict[int, psutil.Process] = {}
+    with contextlib.suppress(psutil.Error):
+        child = psutil.Process(proc.pid)
+        for p in (child, *child.children(recursive=True)):
+            found[p.pid] = p
+    pipes = {f"pipe:[{os.fstat(f.fileno()).st_ino}]" for f in (proc.stdout, proc.stderr) if f}
+    for p in psutil.process_iter():
+        if p.pid == os.getpid() or p.pid in found:
+            continue
+        fd_dir = f"/proc/{p.pid}/fd"
+        with contextlib.suppress(OSError):
+            if any(os.readlink(f"{fd_dir}/{fd}") in pipes for fd in os.listdir(fd_dir)):
+                found[p.pid] = p
+    return list(found.values())
+
+
 def run_child(argv: list[str], *, timeout: float, **kw: Any) -> subprocess.CompletedProcess:
     """`subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)`, except
     that a child still running at `timeout` fails the test with the stacks of its whole process
@@ -76,7 +96,7 @@ def run_child(argv: list[str], *, timeout: float, **kw: Any) -> subprocess.Compl
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            tree = _tree_and_pipe_holders(proc)
             stacks = process_stacks(tree)
             for p in tree:
                 with contextlib.suppress(psutil.Error):

@@ -1,16 +1,20 @@
-"""The suite's own rule: a test not marked slow starts no process (so `pytest -m "not slow"`
+"""The suite's own rules: a test not marked slow starts no process (so `pytest -m "not slow"`
 is a fast loop), and a test that breaks the rule fails even where the code under test caught
-the refusal."""
+the refusal; a child that outlives its timeout fails the test with the stacks of every process
+that keeps it from ending, and those are killed."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 from conftest import ProcessStart, _no_process_starts
+from harness import gone, run_child
 
 
 class Outcome:
@@ -56,3 +60,21 @@ def test_slow_tests_may_start_processes():
     assert (os.fork, subprocess._fork_exec) == before  # nothing patched
     with pytest.raises(StopIteration):
         guard.send(Outcome())
+
+
+@pytest.mark.slow
+def test_a_child_past_its_timeout_fails_with_the_stacks_of_whoever_holds_its_output(tmp_path):
+    # The child exits at once; the process it forked keeps the child's stdout open, as a
+    # DataLoader worker orphaned by a killed training process did: a reader waits for it.
+    code = ("import os, time\n"
+            "if os.fork() == 0:\n"
+            "    def orphaned_and_holding_stdout():\n"
+            "        time.sleep(100)\n"
+            "    orphaned_and_holding_stdout()\n")
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_child([sys.executable, "-c", code], timeout=3)
+    said = str(failed.value)
+    assert "still running after 3 s" in said
+    assert "orphaned_and_holding_stdout" in said  # its Python stack, by py-spy
+    pid = int(re.search(r"--- pid (\d+)", said).group(1))
+    assert gone(pid), "the orphan was not killed"
