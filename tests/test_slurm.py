@@ -30,8 +30,10 @@ from supervisor.records.events import read_events
 from supervisor.records.runstate import load_state
 
 # One cluster per machine (its daemons, /etc/slurm): every test that starts one runs on one
-# pytest-xdist worker (scripts/test.sh runs --dist loadgroup), one module after the other.
-pytestmark = pytest.mark.xdist_group("slurm")
+# pytest-xdist worker (scripts/test.sh runs --dist loadgroup), one module after the other, and
+# waits for a cluster another pytest session holds (`running_cluster`): minutes, which the
+# timeout allows for.
+pytestmark = [pytest.mark.xdist_group("slurm"), pytest.mark.timeout(600)]
 
 CLUSTER = REPO / "scripts" / "slurm" / "local-cluster.sh"
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"

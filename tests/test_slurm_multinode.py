@@ -23,6 +23,7 @@ MULTI = REPO / "scripts" / "slurm" / "train-multinode.sbatch"
 TOTAL = 40
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.xdist_group("slurm"),
+              pytest.mark.timeout(900),
               pytest.mark.skipif(sys.platform != "linux", reason="the Slurm test needs Linux")]
 
 
