@@ -271,8 +271,11 @@ def test_an_outage_of_the_store_never_slows_training_and_is_caught_up(tmp_path, 
         proc.kill()
     assert proc.returncode == 75, err
     failed = [e for e in events(run, "mirror_failed") if down_at <= e["time"] <= up_at + 1]
-    assert failed, "the outage was not reported"
-    assert all(e["retry_in_s"] <= 30 for e in failed)
+    # An upload that failed is retried within 30 s. A prune that failed (the store went down
+    # right after an upload) waits for the next upload's prune instead: it has no retry of its own.
+    uploads = [e for e in failed if not e["reason"].startswith("retention: ")]
+    assert uploads, "the outage was not reported"
+    assert all(e["retry_in_s"] <= 30 for e in uploads), uploads
     # Training went on: commits kept their pace (one every ~0.5 s) through the outage.
     assert not [e for e in events(run, "classification") if e["failure"] != "preempted"]
     # Compared with the pace before the outage, in the same run (the machine is shared).
