@@ -185,10 +185,14 @@ class HangConfig:
     save_allowance_s: float = 600.0
     """While the worker says a checkpoint is being saved, at least this long from the save's
     start counts as alive."""
+    grace_s: float = 15.0
+    """A hung child (or one whose GPU was lost): from the stop signal to SIGKILL. A save at the
+    hang that has begun gets `save_allowance_s` instead."""
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "floor_s", "ceiling_s", "save_allowance_s"):
-            _number(f"[hang] {name}", getattr(self, name), above=name != "save_allowance_s")
+        for name in ("timeout_s", "floor_s", "ceiling_s", "save_allowance_s", "grace_s"):
+            _number(f"[hang] {name}", getattr(self, name),
+                    above=name not in ("save_allowance_s", "grace_s"))
         _number("[hang] multiple", self.multiple, low=1.0)
         _number("[hang] warmup_steps", self.warmup_steps, integer=True)
         if self.floor_s > self.ceiling_s:

@@ -12,14 +12,30 @@ DOC = REPO / "docs" / "test-coverage.md"
 NAMED = re.compile(r"`(tests/test_\w+\.py)::(test_\w+)`")
 
 
-def _marks(decorators: list[ast.expr]) -> set[str]:
+def _mark(node: ast.expr) -> str | None:
+    """X for `pytest.mark.X` or `pytest.mark.X(...)`."""
+    node = node.func if isinstance(node, ast.Call) else node
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+            and node.value.attr == "mark":
+        return node.attr
+    return None
+
+
+def _aliases(tree: ast.Module) -> dict[str, str]:
+    """Module-level names bound to a mark (`SOAK = pytest.mark.soak`) -> the mark."""
+    return {t.id: mark for node in tree.body if isinstance(node, ast.Assign)
+            and (mark := _mark(node.value)) for t in node.targets if isinstance(t, ast.Name)}
+
+
+def _marks(decorators: list[ast.expr], aliases: dict[str, str] | None = None) -> set[str]:
     """The names of the pytest marks among `decorators` (or a pytestmark value's elements)."""
     out = set()
     for d in decorators:
-        node = d.func if isinstance(d, ast.Call) else d
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
-                and node.value.attr == "mark":
-            out.add(node.attr)
+        mark = _mark(d)
+        if mark is None and isinstance(d, ast.Name):
+            mark = (aliases or {}).get(d.id)
+        if mark is not None:
+            out.add(mark)
     return out
 
 
@@ -41,7 +57,7 @@ def test_every_test_the_coverage_doc_names_exists_in_the_default_tier():
         defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
         if name not in defs:
             problems.append(f"{path}::{name}: no such test")
-        elif "soak" in _marks(defs[name].decorator_list) | _module_marks(tree):
+        elif "soak" in _marks(defs[name].decorator_list, _aliases(tree)) | _module_marks(tree):
             problems.append(f"{path}::{name}: in the soak tier")
     assert not problems, "\n".join(problems)
 
@@ -51,4 +67,7 @@ def test_the_check_sees_a_soak_mark():
                      "pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('x')]\n")
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef))
     assert _marks(fn.decorator_list) == {"slow", "soak"}
+    aliased = ast.parse("import pytest\nSOAK = pytest.mark.soak\n@SOAK\ndef test_a(): pass\n")
+    fn = next(n for n in aliased.body if isinstance(n, ast.FunctionDef))
+    assert _marks(fn.decorator_list, _aliases(aliased)) == {"soak"}
     assert _module_marks(tree) == {"slow", "xdist_group"}

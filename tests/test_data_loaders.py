@@ -10,12 +10,16 @@ pytest.importorskip("torchdata.stateful_dataloader")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [pytest.param("0", marks=pytest.mark.soak), "2"])
-def test_stateful_dataloader_map_style(tmp_path, workers):
-    # One uninterrupted run for both map-style cases: the worker count changes no value.
+@pytest.mark.parametrize(("workers", "deaths"), [
+    pytest.param("0", (5, 13), marks=pytest.mark.soak, id="0"),
+    pytest.param("2", (5, 13), marks=pytest.mark.soak, id="2"),
+    pytest.param("2", (5,), id="2-mid-epoch"),  # the default tier's: one resume, mid-epoch
+])
+def test_stateful_dataloader_map_style(tmp_path, workers, deaths):
+    # One uninterrupted run for every map-style case: the worker count changes no value.
     reference = whole(["--loader", "stateful", "--workers", "0"])
     assert split_vs_whole(tmp_path, ["--loader", "stateful", "--workers", workers],
-                          (5, 13), reference=reference) is None
+                          deaths, reference=reference) is None
     # Its state is in state.json (tensors, if any, in extra.safetensors): nothing pickled.
     (ckpt,) = sorted((tmp_path / "split").glob("checkpoint-*"))[-1:]
     state = json.loads((ckpt / "state.json").read_text())
@@ -40,8 +44,8 @@ def test_iterable_with_own_state_no_workers(tmp_path):
 @pytest.mark.slow
 def test_iterable_fast_forward_with_sharding_warns(tmp_path):
     runs = []
-    assert split_vs_whole(tmp_path, ["--data", "iterable", "--workers", "2"], (5, 13),
+    assert split_vs_whole(tmp_path, ["--data", "iterable", "--workers", "2"], (5,),
                           runs=runs) is None
-    # The second process resumed from checkpoint-3: three batches read again and dropped, and
-    # said so.
+    # The second process resumed from checkpoint-3 (mid-epoch): three batches read again and
+    # dropped, and said so; three epoch ends followed in it.
     assert "skipped the 3 batches consumed before the checkpoint" in runs[1].stderr

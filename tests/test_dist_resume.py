@@ -69,13 +69,17 @@ def test_fsdp_kill_of_one_rank_resumes_bitwise(tmp_path):
 @pytest.mark.slow
 def test_hung_rank_is_detected_and_the_group_relaunched(tmp_path):
     run = tmp_path / "run"
+    # Neither rank can act on the stop signal (one sleeps, one waits in the collective), so
+    # the grace is only waited out: a short one.
+    (tmp_path / "rtrain.toml").write_text("[hang]\ntimeout_s = 8.0\ngrace_s = 2.0\n")
     # Rank 1 sleeps forever in step 4; rank 0 waits for it in a collective.
     r = launch_2_ranks(run, str(tmp_path / "out"), "6",
-                       extra_env={"RTRAIN_FAULTS": "hang@step=4,rank=1"},
-                       launch_args=("--hang-timeout", "8"))
+                       extra_env={"RTRAIN_FAULTS": "hang@step=4,rank=1"})
     assert r.returncode == 0, r.stderr[-3000:]
     (cls,) = events(run, "classification")
     assert cls["failure"] == "hang", cls
+    (ended,) = [e for e in events(run, "exit") if e["attempt"] == 0]
+    assert ended["exited_at"] - ended["hang_at"] < 12  # stacks, then the 2 s grace
     assert len(events(run, "launch")) == 2
     assert events(run, "finished")
 

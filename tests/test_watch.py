@@ -180,6 +180,23 @@ def test_learned_timeout_catches_silent_worker(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_save_at_the_hang_that_has_begun_outlives_the_grace(tmp_path):
+    # The save takes 2 s, four times the hung child's grace: its save_begin moves the SIGKILL
+    # to the save allowance, and its hang_save_done ends the wait.
+    hang = {"startup_s": 20, "warmup_steps": 2, "multiple": 4, "floor_s": 0.5, "ceiling_s": 3,
+            "save_allowance_s": 30}
+    config = watch_config(sample_interval_s=0.1, hang_grace_s=0.5, hang=hang)
+    with HeartbeatReceiver() as receiver:
+        outcome, child = _watch(tmp_path, "runtime_heartbeats.py", "slow_hang_save", "2",
+                                config=config, heartbeats=receiver)
+    ev = outcome.evidence
+    assert ev.hang and ev.signal == "SIGKILL"
+    assert (child.spec.attempt_dir / "saved").read_text() == "step 20"
+    assert outcome.heartbeats.last_event == "hang_save_done"
+    assert 2 <= outcome.stop_s < 20  # killed at the save's end, not the grace's or the allowance's
+
+
+@pytest.mark.slow
 def test_gpu_filling_up_then_lost(tmp_path):
     readings = [GpuReading((DeviceMemory(0, used * GiB, 80 * GiB),)) for used in (10, 40, 79)]
     readings.append(

@@ -7,8 +7,10 @@ py-spy, which reads the process from outside and also covers scripts without the
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +20,10 @@ from pathlib import Path
 import psutil
 
 from supervisor.reaper import own
+
+log = logging.getLogger(__name__)
+
+_RESUME_CHECK_S = 0.1  # after the dumps, how long a SIGSTOP left by py-spy may take to land
 
 
 def find_pyspy() -> str | None:
@@ -65,6 +71,7 @@ def dump_stacks(
     if pyspy is None:
         return []
     running: list[tuple[subprocess.Popen[bytes], Path]] = []
+    paused: list[int] = []  # running processes py-spy pauses (ptrace) while it reads them
     for pid in pids:
         try:
             proc = psutil.Process(pid)
@@ -73,6 +80,8 @@ def dump_stacks(
             continue
         if not _is_python(proc):
             continue
+        if not stopped:
+            paused.append(pid)
         # py-spy cannot suspend an already stopped process; reading it without pausing works.
         argv = [pyspy, "dump", "--pid", str(pid)] + (["--nonblocking"] if stopped else [])
         path = attempt_dir / f"stacks-pyspy-{pid}.txt"
@@ -86,4 +95,32 @@ def dump_stacks(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    resume(paused)
     return [path for _, path in running]
+
+
+def resume(pids: list[int]) -> None:
+    """Undo a pause py-spy left behind. A py-spy killed at the timeout while attached (and, at
+    times, one that exits normally) leaves its target in a job-control stop: the SIGSTOP of its
+    ptrace attach lands once it is gone. A stopped process cannot run its save at a hang, so
+    the grace would pass with nothing saved. SIGCONT also discards a SIGSTOP still pending."""
+    for pid in pids:
+        _cont(pid)
+    if not pids:
+        return
+    time.sleep(_RESUME_CHECK_S)  # a stop being delivered as the tracer went lands by now
+    for pid in pids:
+        try:
+            status = psutil.Process(pid).status()
+        except psutil.NoSuchProcess:
+            continue
+        if status == psutil.STATUS_STOPPED:
+            log.warning("PID %d was left stopped by py-spy; resumed it", pid)
+            _cont(pid)
+
+
+def _cont(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass

@@ -74,8 +74,8 @@ class WatchConfig:
     """When silence means the child is stuck (`[hang]`)."""
     pressure: PressureConfig
     """When memory pressure asks for relief, then for a stop and a rung down (`[pressure]`)."""
-    hang_grace_s: float = 15.0
-    """From the stop signal to SIGKILL for a hung child or a lost GPU (it will not save)."""
+    hang_grace_s: float
+    """From the stop signal to SIGKILL for a hung child or a lost GPU (`[hang] grace_s`)."""
     dump_signal: int = signal.Signals[DUMP_SIGNAL]
     """RTRAIN_DUMP_SIGNAL: the worker's faulthandler writes its stacks on it."""
     relieve_signal: int = signal.Signals[RELIEVE_SIGNAL]
@@ -96,7 +96,7 @@ class WatchConfig:
         """What `rtrain launch` watches with: the stop signal, grace, sampling, `[hang]` and
         `[pressure]`."""
         return cls(stop_signal=signal.Signals[config.stop_signal], grace_s=config.grace_s,
-                   sample_interval_s=config.sample_interval_s,
+                   hang_grace_s=config.hang.grace_s, sample_interval_s=config.sample_interval_s,
                    hang=HangPolicy.from_config(config.hang), pressure=config.pressure)
 
 
@@ -152,6 +152,7 @@ class _Watch:
         self.exited_at: float | None = None
         self.exited_wall: float | None = None  # unix time: compared with the worker's clock
         self.stack_files: list[Path] = []
+        self.hang_save_asked = False  # a reader took the request to save at the hang
         self.oom = OomCounter.start(child)
         self.pressure = PressureWatch(child, config.pressure, self.oom.group,
                                       config.relieve_signal)
@@ -237,6 +238,10 @@ class _Watch:
                 self.ev.last_step = hb.step
             if hb.event == "relieved":
                 self.pressure.answered(now)
+            if hb.event == "save_begin" and self.hang_save_asked and self.stop.active:
+                # The save at the hang has begun: it gets the time any save gets (a large
+                # model, a slow disk), not the hung child's grace; it is bounded in the worker.
+                self.stop.extend(now + self.config.hang.save_allowance_s)
             if hb.event == "hang_save_done" and self.ev.hang and self.stop.active:
                 self.stop.kill_now(now)  # its save at the hang is done: nothing to wait for
             if self.on_heartbeat is not None:
@@ -271,7 +276,8 @@ class _Watch:
         )
         # Stuck before its optimizer step, the worker still holds the last completed step: a
         # thread of its own saves it within the grace (worker/hang_save.py).
-        if ask_failure_save(self.child.spec.attempt_dir):
+        self.hang_save_asked = ask_failure_save(self.child.spec.attempt_dir)
+        if self.hang_save_asked:
             log.warning("asked the hung process to save its last completed step")
         self.stop.begin(self.clock(), self.config.hang_grace_s)
 

@@ -67,6 +67,11 @@ class Stopping:
         if self.kill_at is not None:
             self.kill_at = min(self.kill_at, now)
 
+    def extend(self, until: float) -> None:
+        """Move the running stop's SIGKILL to `until` if that is later."""
+        if self.kill_at is not None and not self.hard_stop:
+            self.kill_at = max(self.kill_at, until)
+
     def deadline(self) -> float:
         return math.inf if self.kill_at is None else self.kill_at
 
