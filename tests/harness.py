@@ -51,11 +51,16 @@ def process_stacks(procs: list[psutil.Process]) -> str:
     for p in procs:
         try:
             with p.oneshot():
-                head = f"--- pid {p.pid} ({p.status()}): {' '.join(p.cmdline())[:300]}"
+                status = p.status()
+                cmd = ("(exited, not reaped)" if status == psutil.STATUS_ZOMBIE
+                       else " ".join(p.cmdline())[:300])
             wchan = Path(f"/proc/{p.pid}/wchan").read_text().strip()
         except (psutil.Error, OSError):
             continue
-        out.append(f"{head}\n    kernel wait channel: {wchan or '-'}")
+        out.append(f"--- pid {p.pid} ({status}): {cmd}\n    kernel wait channel: {wchan or '-'}")
+        if status == psutil.STATUS_ZOMBIE:  # a dead leader whose threads have not all gone
+            out.append(_threads(p.pid))
+            continue
         if spy is not None and "python" in Path(p.exe() if p.is_running() else "").name:
             try:
                 r = subprocess.run([spy, "dump", "--pid", str(p.pid)], capture_output=True,
@@ -66,6 +71,18 @@ def process_stacks(procs: list[psutil.Process]) -> str:
     return "\n".join(out)
 
 
+def _threads(pid: int) -> str:
+    """Each thread's state and kernel wait channel."""
+    lines = []
+    with contextlib.suppress(OSError):
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            with contextlib.suppress(OSError):
+                task = f"/proc/{pid}/task/{tid}"
+                state = Path(f"{task}/stat").read_text().rpartition(")")[2].split()[0]
+                lines.append(f"    thread {tid}: {state} {Path(f'{task}/wchan').read_text()}")
+    return "\n".join(lines) or "    no threads left"
+
+
 def _tree_and_pipe_holders(proc: subprocess.Popen) -> list[psutil.Process]:
     """The child, its descendants, and every other process holding its stdout or stderr open: a
     child that exited can leave an orphan (reparented away from it) that keeps the pipes open,
@@ -73,7 +90,8 @@ def _tree_and_pipe_holders(proc: subprocess.Popen) -> list[psutil.Process]:
     found: dict[int, psutil.Process] = {}
     with contextlib.suppress(psutil.Error):
         child = psutil.Process(proc.pid)
-        for p in (child, *child.children(recursive=True)):
+        found[child.pid] = child  # even a zombie: what is left of it is shown
+        for p in child.children(recursive=True):
             found[p.pid] = p
     pipes = {f"pipe:[{os.fstat(f.fileno()).st_ino}]" for f in (proc.stdout, proc.stderr) if f}
     for p in psutil.process_iter():

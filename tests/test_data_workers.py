@@ -8,8 +8,15 @@ without workers (a stronger claim than one uninterrupted run per configuration, 
 processes). Other cases, and the claims that a split run is *not* exact, keep their own.
 """
 
+import os
+import subprocess
+import time
+from pathlib import Path
+
 import pytest
 from data_split import TOTAL, run, split_vs_whole, whole
+
+from worker import data_workers
 
 SOAK = pytest.mark.soak  # the worker matrix; its densest configuration is the default tier's
 DENSEST = ["--workers", "2", "--persistent", "--pin", "--prefetch", "3"]
@@ -77,3 +84,23 @@ def test_worker_still_starting_when_the_training_process_dies_exits(tmp_path):
     r = run(tmp_path / "ckpt", tmp_path / "out.pt", TOTAL, 1, "--data", "iterable",
             "--workers", "2", "--slow-worker", "3")
     assert r.returncode == 9, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_parent_that_is_a_zombie_counts_as_gone(monkeypatch):
+    # A dead training process whose last thread is still leaving stays the worker's parent
+    # until it has gone too: its state (Z) already says it is dead.
+    live = subprocess.Popen(["sleep", "30"])
+    dead = subprocess.Popen(["true"])
+    try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{dead.pid}/stat").read_bytes().rpartition(b")")[2].split()[0] != b"Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for pid, gone in ((live.pid, False), (dead.pid, True)):
+            monkeypatch.setattr(os, "getppid", lambda pid=pid: pid)
+            assert data_workers._gone(pid) is gone
+    finally:
+        live.kill()
+        live.wait()
+        dead.wait()

@@ -63,10 +63,24 @@ def _parent() -> int:
     return made_by.pid
 
 
+def _gone(parent: int) -> bool:
+    """Whether the training process is gone: this worker was reparented, or the parent is dead
+    but not yet fully exited (a zombie leader whose last thread is still leaving; its children
+    are reparented only when that thread has gone too)."""
+    if os.getppid() != parent:
+        return True
+    try:
+        with open(f"/proc/{parent}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False  # no /proc: the reparenting alone tells
+    return state in (b"Z", b"X")
+
+
 def _sigterm_from_parent_only(parent: int) -> None:
     while True:
         # First at once: the parent may have died before this worker began (see the module's doc).
-        if os.getppid() != parent:
+        if _gone(parent):
             os._exit(0)
         info = signal.sigtimedwait({signal.SIGTERM}, ORPHAN_CHECK_S)
         if info is not None and info.si_pid == parent:
