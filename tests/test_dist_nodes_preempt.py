@@ -16,7 +16,7 @@ from s3server import free_port
 
 pytestmark = pytest.mark.slow
 
-TOTAL = 14
+TOTAL = 10
 
 
 def test_two_supervisors_sharing_a_checkpoint_dir_stop_on_sigterm_and_resume_together(tmp_path):
