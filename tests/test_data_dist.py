@@ -24,6 +24,10 @@ def test_rank_kill_mid_epoch_with_workers_resumes_bitwise(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     launches = events(run, "launch")
     assert len(launches) == 2 and launches[1]["resume_from"].endswith("checkpoint-9")
+    (cls,) = events(run, "classification")
+    assert "rank 1" in cls["reason"] and "injected kill" in cls["reason"], cls
+    manifest = (run / "checkpoints" / "checkpoint-12" / "manifest.json").read_text()
+    assert "rng-rank1.safetensors" in manifest and '"world_size": 2' in manifest
     for rank in (0, 1):
         a, b = rank_state(ref, rank), rank_state(tmp_path / "split", rank)
         assert a["step"] == b["step"] == 14

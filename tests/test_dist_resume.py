@@ -49,12 +49,13 @@ def _kill_one_rank_and_compare(tmp_path: Path, *flags: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a rank killed, bitwise, is test_data_dist's in the default tier
 def test_ddp_kill_of_one_rank_resumes_bitwise(tmp_path):
     _kill_one_rank_and_compare(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.soak  # the DDP kill is the default tier's
+@pytest.mark.soak
 def test_fsdp_kill_of_one_rank_resumes_bitwise(tmp_path):
     why = _fsdp_available()
     if why:
