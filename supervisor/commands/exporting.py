@@ -125,8 +125,8 @@ def export_checkpoint(*, checkpoint: Path, out: Path, fmt: str | None, optimizer
                       force: bool, key: bytes | None) -> Exported:
     """Verify `checkpoint` (or pick the newest that verifies in a directory of them), then
     write its export to `out`, atomically."""
-    fmt = format_of(out, fmt)
     _check_out_place(out, force)
+    fmt = format_of(out, fmt)
     verdict, selection = resolve(checkpoint, key)
     _check_out_apart(out, verdict.path)
     weights = _hf_weights(verdict) if verdict.format == foreign.Format.HF_TRAINER.value else None
