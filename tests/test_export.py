@@ -88,6 +88,21 @@ def test_rtrain_checkpoint_to_safetensors_is_bitwise_the_model_and_optimizer(rtr
     assert leftovers(tmp_path) == []
 
 
+def test_an_encrypted_checkpoint_exports_with_its_key_only(rtrain, tmp_path, monkeypatch):
+    pytest.importorskip("cryptography")
+    key = "ab" * 32
+    monkeypatch.setenv("RTRAIN_ENCRYPTION_KEY", key)
+    model, _, path = trained(tmp_path)
+    monkeypatch.delenv("RTRAIN_ENCRYPTION_KEY")
+    out = tmp_path / "w.safetensors"
+    r = rtrain("export", str(path), str(out))
+    assert r.returncode == 1 and "encrypted with the key of fingerprint" in r.stderr
+    assert not out.exists() and leftovers(tmp_path) == []
+    r = rtrain("export", str(path), str(out), env={"RTRAIN_ENCRYPTION_KEY": key})
+    assert r.returncode == 0, r.stderr
+    same_state_dict(load_file(str(out)), model.state_dict())
+
+
 def test_a_directory_exports_the_newest_checkpoint_that_verifies(rtrain, tmp_path, make_ckpt):
     ckpt = tmp_path / "ckpt"
     make_ckpt(ckpt, 100)
@@ -241,6 +256,21 @@ def test_a_malicious_pickle_is_refused_and_never_run(tmp_path):
                                 "nothing in it was run: Trying to load unsupported GLOBAL "
                                 "os.system whose module os is blocked.")
         assert not marker.exists() and not (tmp_path / "out.pt").exists()
+
+
+def test_rtrain_format_to_torch_in_process_is_the_optimizers_own_state_dict(tmp_path):
+    model, opt, path = trained(tmp_path)
+    out = tmp_path / "out.pt"
+    assert wexport.export(request(path, out, source="rtrain", optimizer=True))["tensors"] == 16
+    got = torch.load(out, weights_only=True)
+    same_state_dict(got["model"], model.state_dict())
+    want = opt.state_dict()
+    assert got["optimizer"]["param_groups"] == want["param_groups"]
+    assert got["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.95)
+    for i, st in want["state"].items():
+        assert list(got["optimizer"]["state"][i]) == list(st)
+        for key, t in st.items():
+            assert bitwise(got["optimizer"]["state"][i][key], t), (i, key)
 
 
 def test_lightning_and_torch_save_layouts_in_process(tmp_path):

@@ -80,8 +80,12 @@ def _from_rtrain(path: Path, optimizer: bool
     from worker.restore import read_state
 
     try:
+        # Read again (the caller verified it a moment ago): signature and hashes are checked
+        # against what this process reads, so a checkpoint swapped in between is caught.
         m = manifest.load(path)
-        alg = hashing.manifest_alg(m, load_signing_key())
+        key = load_signing_key()
+        manifest.check_signature(m, key)
+        alg = hashing.manifest_alg(m, key)
         enc = crypt.load_encryption_key()
         problem = crypt.key_problem(m, enc)
         if problem is not None:

@@ -79,10 +79,11 @@ def format_of(out: Path, fmt: str | None) -> str:
     return found
 
 
-def plan(verdict: Verdict, fmt: str, optimizer: bool, weight_files: list[str] | None = None
-         ) -> Plan:
-    """The way to export `verdict`'s checkpoint (pure: from the verdict, the request and, for
-    a Trainer dir, its weight files). Raises CheckpointError when it holds nothing to export."""
+def plan(verdict: Verdict, fmt: str, optimizer: bool, weight_files: list[str] | None = None,
+         has_optimizer_pt: bool = False) -> Plan:
+    """The way to export `verdict`'s checkpoint: pure, from the verdict, the request and, for a
+    Trainer dir, what the caller found in it (its weight files, whether it has optimizer.pt).
+    Raises CheckpointError when it holds nothing to export."""
     name = safe(verdict.path.name)
     if verdict.format == foreign.Format.RTRAIN.value:
         m = verdict.manifest or {}
@@ -110,7 +111,7 @@ def plan(verdict: Verdict, fmt: str, optimizer: bool, weight_files: list[str] | 
         if not files:
             note = (verdict.info or {}).get("note") or "no weights file"
             raise CheckpointError(f"{name}: no model weights found that rtrain reads ({note})")
-        if optimizer and not (verdict.path / "optimizer.pt").is_file():
+        if optimizer and not has_optimizer_pt:
             raise CheckpointError(f"{name}: holds no optimizer state to export (no "
                                   "optimizer.pt): leave out --optimizer")
         if fmt == "safetensors" and not optimizer and all(f.endswith(".safetensors")
@@ -130,7 +131,7 @@ def export_checkpoint(*, checkpoint: Path, out: Path, fmt: str | None, optimizer
     verdict, selection = resolve(checkpoint, key)
     _check_out_apart(out, verdict.path)
     weights = _hf_weights(verdict) if verdict.format == foreign.Format.HF_TRAINER.value else None
-    how = plan(verdict, fmt, optimizer, weights)
+    how = plan(verdict, fmt, optimizer, weights, (verdict.path / "optimizer.pt").is_file())
     tmp = out.parent / f".{out.name}.rtrain-export-{os.getpid()}-{os.urandom(4).hex()}.tmp"
     try:
         if how.how == "copy":
