@@ -103,6 +103,26 @@ def test_an_encrypted_checkpoint_exports_with_its_key_only(rtrain, tmp_path, mon
     same_state_dict(load_file(str(out)), model.state_dict())
 
 
+def test_bytes_changed_after_verification_are_caught_while_copied(tmp_path, make_ckpt):
+    """The copy hashes what it copies: a file changed between the verification and the copy
+    (here: before the copy, the manifest already read) fails, and nothing is published."""
+    from supervisor.ckpt import manifest, st_concat
+    from supervisor.ckpt.verified_read import open_listed
+
+    path = make_ckpt(tmp_path / "ckpt", 100)
+    m = manifest.load(path)
+    flip(path / "model.safetensors", -3)
+    part = st_concat.Part("model", lambda: open_listed(path, "model.safetensors", m,
+                                                       "xxh3-128"))
+    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(ValueError, match=r"model: model\.safetensors: content hash does "
+                                             r"not match the manifest"):
+            st_concat.concat([part], fd)
+    finally:
+        os.close(fd)
+
+
 def test_a_directory_exports_the_newest_checkpoint_that_verifies(rtrain, tmp_path, make_ckpt):
     ckpt = tmp_path / "ckpt"
     make_ckpt(ckpt, 100)
