@@ -20,6 +20,7 @@ it for a checkpoint (inside the checkpoint, or a checkpoint-like name beside it)
 
 from __future__ import annotations
 
+import enum
 import errno
 import json
 import os
@@ -42,13 +43,18 @@ OPTIMIZER_PREFIX = "optimizer/"
 METADATA = {"format": "pt"}
 
 
+class Way(str, enum.Enum):
+    COPY = "copy"  # torch-free, in this process: safetensors from safetensors
+    TORCH = "torch"  # in `python -m worker.export`
+
+
 @dataclass(frozen=True)
 class Plan:
     """How one export is made. `copy`: the checkpoint's safetensors `files` (name, tensor
     prefix) concatenated here, with state.json's optimizer entry in the metadata when
     `optimizer_meta`. `torch`: `request` for worker.export."""
 
-    how: str  # "copy" or "torch"
+    how: Way
     files: tuple[tuple[str, str], ...] = ()
     optimizer_meta: bool = False
     request: dict[str, Any] = field(default_factory=dict)
@@ -104,8 +110,8 @@ def plan(verdict: Verdict, fmt: str, optimizer: bool, weight_files: list[str] | 
             parts = (("model.safetensors", ""),)
             if optimizer:
                 parts += (("optimizer.safetensors", OPTIMIZER_PREFIX),)
-            return Plan("copy", parts, optimizer_meta=optimizer)
-        return Plan("torch", request={"source": "rtrain"})
+            return Plan(Way.COPY, parts, optimizer_meta=optimizer)
+        return Plan(Way.TORCH, request={"source": "rtrain"})
     if verdict.format == foreign.Format.HF_TRAINER.value:
         files = weight_files or []
         if not files:
@@ -116,10 +122,10 @@ def plan(verdict: Verdict, fmt: str, optimizer: bool, weight_files: list[str] | 
                                   "optimizer.pt): leave out --optimizer")
         if fmt == "safetensors" and not optimizer and all(f.endswith(".safetensors")
                                                           for f in files):
-            return Plan("copy", tuple((f, "") for f in files))
-        return Plan("torch", request={"source": "hf", "files": files,
+            return Plan(Way.COPY, tuple((f, "") for f in files))
+        return Plan(Way.TORCH, request={"source": "hf", "files": files,
                                       "optimizer_file": "optimizer.pt" if optimizer else None})
-    return Plan("torch", request={"source": "pickle"})
+    return Plan(Way.TORCH, request={"source": "pickle"})
 
 
 def export_checkpoint(*, checkpoint: Path, out: Path, fmt: str | None, optimizer: bool,
@@ -134,7 +140,7 @@ def export_checkpoint(*, checkpoint: Path, out: Path, fmt: str | None, optimizer
     how = plan(verdict, fmt, optimizer, weights, (verdict.path / "optimizer.pt").is_file())
     tmp = out.parent / f".{out.name}.rtrain-export-{os.getpid()}-{os.urandom(4).hex()}.tmp"
     try:
-        if how.how == "copy":
+        if how.how is Way.COPY:
             count, notes = _copy(verdict, how, tmp, key), ()
         else:
             request = {**how.request, "path": str(verdict.path), "out": str(tmp),
