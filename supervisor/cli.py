@@ -374,6 +374,38 @@ def report(
         typer.echo(f"wrote {written}")
 
 
+class ExportFormat(str, enum.Enum):
+    safetensors = "safetensors"
+    torch = "torch"
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[Path, typer.Argument(
+        metavar="CHECKPOINT", show_default=False,
+        help="One checkpoint (rtrain's checkpoint-N dir, a Trainer's checkpoint-N dir, a "
+             "Lightning .ckpt, a torch.save file), or a dir of them: the newest that "
+             "verifies.")],
+    out: Annotated[Path, typer.Argument(
+        metavar="OUT", show_default=False,
+        help="The file to write: .safetensors, or .pt/.pth/.bin for a torch.save state dict.")],
+    fmt: Annotated[ExportFormat | None, typer.Option(
+        "--format", case_sensitive=False, show_default=False,
+        help="safetensors or torch (default: from OUT's suffix).")] = None,
+    optimizer: Annotated[bool, typer.Option(
+        "--optimizer", help="Also export the optimizer state.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
+) -> None:
+    """Write a checkpoint's model weights as safetensors or a torch.save state dict."""
+    with reported():
+        from supervisor.commands import exporting
+
+        done = exporting.export_checkpoint(checkpoint=checkpoint, out=out,
+                                           fmt=fmt and fmt.value, optimizer=optimizer,
+                                           force=force, key=_signing_key())
+        typer.echo(exporting.render(done))
+
+
 def main() -> None:
     reaper.enable()  # rtrain is its own process: orphans adopted below it are its to reap
     app(prog_name="rtrain")

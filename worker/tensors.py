@@ -69,6 +69,14 @@ def _make(buffer: torch.Tensor, name: str, info: dict[str, Any]) -> torch.Tensor
     return raw.view(dtype).reshape(info["shape"])
 
 
+def read_any(f: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file read through `f`: any reader with
+    `verified_read.ListedFile`'s interface (`st_concat.PlainFile` for a file without a
+    manifest). Raises ValueError naming what is wrong."""
+    tensors, _ = read_tensors(f, _alloc, _make)
+    return tensors
+
+
 def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str, enc: Any = None
                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors of the safetensors file `name` of a checkpoint, and its `__metadata__`.

@@ -224,3 +224,20 @@ def check(path: str | os.PathLike, *, full: bool, dir_step: int | None = None) -
     if not has_opt and not _engine_dirs(root):
         report.info["note"] = "model only (no optimizer.pt): optimizer state starts fresh"
     return report
+
+
+def weight_files(path: str | os.PathLike) -> list[str]:
+    """The files that hold a (checked) Trainer checkpoint's model weights, as `check` chose
+    them: the shards a sharded index names, else the single weights file, safetensors first.
+    Empty when there are none (DeepSpeed or FSDP layouts). Raises ValueError or OSError for an
+    index that cannot be read."""
+    root = Path(path)
+    for index in (SAFE_INDEX, BIN_INDEX):
+        if (root / index).exists():
+            obj = safeio.parse_json(safeio.read_limited(check_member_name(root, index),
+                                                        MAX_JSON, follow_symlinks=True))
+            weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map")
+            return sorted(set(map(str, weight_map.values())))
+    return [n for n in (*SAFE_WEIGHTS, *BIN_WEIGHTS) if (root / n).is_file()][:1]

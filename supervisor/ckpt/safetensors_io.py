@@ -209,6 +209,26 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
     return header
 
 
+def read_checked_header(f: Any) -> tuple[dict[str, Any], dict[str, str], int]:
+    """Read the header at the start of `f` (a `verified_read.ListedFile` or any reader with
+    `size` and `read`) and check it against `f.size`, leaving `f` at the data section.
+    Returns (the tensor entries, the `__metadata__` map, the data section's length). Raises
+    ValueError naming what is wrong."""
+    (n,) = struct.unpack("<Q", f.read(8)) if f.size >= 8 else (None,)
+    if n is None:
+        raise ValueError("shorter than a safetensors header")
+    if n > MAX_HEADER or 8 + n > f.size:
+        raise ValueError(f"header length {n} does not fit in a file of {f.size} bytes")
+    header = safeio.parse_object(f.read(n), "header")
+    end = _check_entries(header)
+    if 8 + n + end != f.size:
+        raise ValueError(f"header describes {8 + n + end} bytes but the file has {f.size}")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("header __metadata__ is not a map of strings")
+    return header, meta, end
+
+
 def read_tensors(f: Any, alloc: Callable[[dict[str, Any], int], tuple[Any, memoryview]],
                  make: Callable[[Any, str, dict[str, Any]], Any]
                  ) -> tuple[dict[str, Any], dict[str, str]]:
@@ -222,18 +242,7 @@ def read_tensors(f: Any, alloc: Callable[[dict[str, Any], int], tuple[Any, memor
     file order. Returns ({name: made}, the header's `__metadata__`). Raises ValueError naming
     what is wrong.
     """
-    (n,) = struct.unpack("<Q", f.read(8)) if f.size >= 8 else (None,)
-    if n is None:
-        raise ValueError("shorter than a safetensors header")
-    if n > MAX_HEADER or 8 + n > f.size:
-        raise ValueError(f"header length {n} does not fit in a file of {f.size} bytes")
-    header = safeio.parse_object(f.read(n), "header")
-    end = _check_entries(header)
-    if 8 + n + end != f.size:
-        raise ValueError(f"header describes {8 + n + end} bytes but the file has {f.size}")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise ValueError("header __metadata__ is not a map of strings")
+    header, meta, end = read_checked_header(f)
     buffer, view = alloc(header, end)
     if end:
         f.readinto(view)
