@@ -22,7 +22,6 @@ writes nothing; it gets the warning (whose values then agree with what it trains
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,10 +100,8 @@ class Pending:
     """The verdict on one restore's changes, taken at the start of the optimizer's
     `VERDICT_AT_STEP`-th step after it (a step pre-hook), or at `settle()`."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, changes: list[Change],
-                 report: Callable[[str, str], None] | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, changes: list[Change]) -> None:
         self.optimizer, self.changes = optimizer, changes
-        self.report = report or _log
         self.restored = _values(optimizer, changes)  # after the whole restore (lr_scale too)
         self.steps = 0
         self._handle: Any = optimizer.register_step_pre_hook(self._step)
@@ -129,16 +126,11 @@ class Pending:
                                   _values(self.optimizer, self.changes))
         n = len(self.optimizer.param_groups)
         if standing:
-            self.report("warning", "optimizer hyper-parameters differ from the script's and the "
-                                   "checkpoint's values are used: " + describe(standing, n))
+            log.warning("optimizer hyper-parameters differ from the script's and the "
+                        "checkpoint's values are used: %s", describe(standing, n))
         if managed:
-            self.report("info", "optimizer hyper-parameters the script sets itself after the "
-                                "restore (the checkpoint's values were replaced): "
-                        + describe(managed, n))
-
-
-def _log(level: str, line: str) -> None:
-    (log.warning if level == "warning" else log.info)("%s", line)
+            log.info("optimizer hyper-parameters the script sets itself after the restore "
+                     "(the checkpoint's values were replaced): %s", describe(managed, n))
 
 
 def _values(optimizer: torch.optim.Optimizer, changes: list[Change]
