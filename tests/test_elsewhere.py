@@ -10,10 +10,14 @@ from pathlib import Path
 
 import pytest
 from harness import events, launch, run_rtrain, write_events
+from scripted_loop import Script, crash, success
 
 from supervisor.commands.status import render_text, summarize
+from supervisor.config import load_config
 from supervisor.decide.elsewhere import Seen, Written, judge
 from supervisor.launch.elsewhere import ElsewhereWatch, scan, shown_path
+from supervisor.launch.loop import LaunchSpec
+from supervisor.launch.loop import launch as launch_loop
 from supervisor.records.events import EventLog
 
 CHILDREN = Path(__file__).resolve().parent / "children"
@@ -199,6 +203,37 @@ def test_status_shows_the_warning_while_the_dir_is_empty(tmp_path, make_ckpt):
     s = summarize(run_dir)
     assert s.checkpoint is not None and s.checkpoints_elsewhere is None
     assert "still empty" not in render_text(s)
+
+
+class WritesElsewhere(Script):
+    """Each scripted attempt writes out/ckpt.pt, as the script would, and runs 30 s."""
+
+    def watch(self, child, config, **kw):
+        _touch(Path(child.spec.cwd) / "out" / "ckpt.pt")
+        return super().watch(child, config, **kw)
+
+
+@pytest.mark.parametrize("resume_args, warned", [(("--resume", "{checkpoint}"), True),
+                                                 ((), False)])
+def test_the_loop_warns_and_says_it_again_at_the_next_launch(tmp_path, resume_args, warned):
+    script = WritesElsewhere([crash(), success()])
+    config = load_config({"run_dir": tmp_path / "run", "checkpoints_elsewhere_after_s": 20.0,
+                          "backoff.enabled": False}, None, tmp_path)
+    spec = LaunchSpec(command=["train.py"], config=config, echo=False, cwd=tmp_path,
+                      resume_args=resume_args)
+    assert launch_loop(spec, script.seams()) == 0
+    found = events(tmp_path / "run", "checkpoints_elsewhere")
+    launches = [line for line in script.said if "launched pid" in line]
+    if not warned:
+        assert found == [] and not any("warning: rtrain watches" in x for x in script.said)
+        return
+    (e,) = found
+    assert e["attempt"] == 0 and e["files"] == ["out/ckpt.pt"] and e["suggest"] == "out"
+    assert [x for x in script.said if x.startswith("warning: rtrain watches ./run/checkpoints, "
+                                                   "which is still empty after 30 s")]
+    assert "(fresh)" in launches[0]
+    assert ("(fresh: nothing to resume from: the script writes out/ckpt.pt; pass --ckpt-dir "
+            "out)") in launches[1]
 
 
 @pytest.mark.slow
