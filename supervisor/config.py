@@ -360,6 +360,11 @@ class Config:
     """Keep a warm standby interpreter with the heavy modules imported while an attempt
     trains; the next attempt starts in it (`--no-standby`). Only for `python SCRIPT` and
     `-m MODULE` launches, never under torchrun (--nproc-per-node)."""
+    checkpoints_elsewhere_after_s: float = 600.0
+    """With `--resume-arg` (or `{checkpoint}` in the command): when the checkpoint dir still
+    holds no checkpoint after this many seconds of training while the script wrote
+    checkpoint-like files elsewhere under its working dir, say so once, naming them and the
+    `--ckpt-dir` to pass (a `checkpoints_elsewhere` event, `rtrain status`; 0: never)."""
     preload: list[str] | None = None
     """Modules the standby imports, e.g. ["torch", "transformers"]. None: the script's
     module-level imports (and its own modules') from outside its directory and the standard
@@ -387,6 +392,7 @@ class Config:
         _number("mirror_parallel", self.mirror_parallel, low=1, integer=True)
         _number("mirror_final_wait_s", self.mirror_final_wait_s)
         _bool("standby", self.standby)
+        _number("checkpoints_elsewhere_after_s", self.checkpoints_elsewhere_after_s)
         if self.preload is not None:
             _check_preload(self.preload)
         if self.memory_pressure_fraction > 1 or self.lr_factor_on_nonfinite > 1:

@@ -51,6 +51,7 @@ class Kind(str, Enum):
     STANDBY_READY = "standby_ready"
     STANDBY_DISCARDED = "standby_discarded"
     STANDBY_FAILED = "standby_failed"
+    CHECKPOINTS_ELSEWHERE = "checkpoints_elsewhere"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,6 +182,10 @@ KINDS: dict[Kind, KindSpec] = {
         fields=("attempt", "pid", "reason", "output"),
         meaning="a standby died, failed an import, initialised CUDA or did not answer; the "
                 "attempt starts cold"),
+    Kind.CHECKPOINTS_ELSEWHERE: KindSpec(
+        fields=("attempt", "ckpt_dir", "files", "suggest", "trained_s", "message"),
+        meaning="the watched checkpoint dir is still empty after checkpoints_elsewhere_after_s "
+                "of training while the script wrote checkpoint-like files elsewhere"),
 }
 DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
 HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)

@@ -83,17 +83,6 @@ def test_missing_and_unexpected_keys_are_listed(tmp_path):
     assert "missing from the checkpoint" in msg and "unexpected in the checkpoint" in msg
 
 
-def test_hyperparameter_change_warns(tmp_path, caplog):
-    model, opt = make()
-    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).save(1)
-    model2, _ = make()
-    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3, weight_decay=0.1)
-    with caplog.at_level(logging.WARNING):
-        worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path).restore()
-    assert "hyper-parameter 'weight_decay' of group 0 changed: script 0.1, checkpoint 0" \
-        in caplog.text
-
-
 def test_corrupt_newest_falls_back_with_reason(tmp_path, caplog):
     model, opt = make()
     ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, keep=5)

@@ -24,7 +24,7 @@ from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level
 from supervisor.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
-from worker import data, dist, dist_ckpt, failsave, faults, guards, restore, runtime
+from worker import data, dist, dist_ckpt, failsave, faults, guards, hyperparams, restore, runtime
 from worker.async_write import BackgroundSave
 from worker.cadence import FIRST_SAVE_S, CadenceBounds
 from worker.capture import Components, FrozenBase, Moving, capture, environment, moving, number
@@ -137,6 +137,7 @@ class Checkpointer:
                        else None)
         self.failure_save_timeout_s = failure_save_timeout_s
         self._boundary: _Boundary | None = None
+        self._hyper: hyperparams.Pending | None = None  # the last restore's, until judged
         runtime.install()
         runtime.on_pressure(_empty_cuda_cache)
         if on_pressure is not None:
@@ -172,9 +173,10 @@ class Checkpointer:
         try:
             loaded = source.find(path, dist.world(), parts)
             if loaded is not None:
-                restore.apply(loaded, parts, self.allow_pickle)
+                changes = restore.apply(loaded, parts, self.allow_pickle)
                 self._lr_scale = restore.apply_lr_scale(loaded, parts, self._lr_scale)
                 restore.apply_rng(loaded, parts)
+                self._judge_hyperparams(changes)
         except CorruptCheckpoint as e:
             if from_supervisor:
                 restore.report_bad_checkpoint(os.environ[ENV_RESUME_FROM], e.reason)
@@ -287,6 +289,9 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for a save in flight; raise its error if it failed."""
+        if self._hyper is not None:
+            self._hyper.settle()  # the script stopped before its verdict's step
+            self._hyper = None
         self._bg.wait()
         if self._watch is not None:
             self._watch.close()
@@ -297,6 +302,14 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _judge_hyperparams(self, changes: list[hyperparams.Change]) -> None:
+        """Hyper-parameters the checkpoint replaced: judged once the script has run an
+        iteration (worker/hyperparams.py), so a value it sets every step is no warning."""
+        if self._hyper is not None:
+            self._hyper.cancel()  # an earlier restore's: this one replaced what it judged
+        self._hyper = (hyperparams.Pending(self.optimizer, changes)
+                       if changes and self.optimizer is not None else None)
 
     def _epoch_now(self) -> int:
         if self.data is not None and self.data.samples_seen is not None:

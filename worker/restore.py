@@ -29,7 +29,7 @@ from supervisor.ckpt.verify import Level, Verdict, select_rtrain_resume, verify
 from supervisor.decide.failures import FailureKind
 from supervisor.errors import CorruptCheckpoint, ExitCode, KeyMismatch, StateMismatch
 from supervisor.protocol import ENV_RESUME_FROM, ENV_RUN_DIR
-from worker import dist, dist_ckpt, runtime, state
+from worker import dist, dist_ckpt, hyperparams, runtime, state
 from worker.capture import Components
 from worker.save_target import FILES
 from worker.settings import current as current_settings
@@ -181,9 +181,12 @@ def read_state(path: Path, m: dict[str, Any], alg: str,
     return st
 
 
-def apply(loaded: Loaded, parts: Components, allow_pickle: bool) -> None:
-    """Load `loaded` into the training objects; `apply_lr_scale`, then `apply_rng`, follow."""
+def apply(loaded: Loaded, parts: Components, allow_pickle: bool) -> list[hyperparams.Change]:
+    """Load `loaded` into the training objects; `apply_lr_scale`, then `apply_rng`, follow.
+    Returns the optimizer hyper-parameters the checkpoint replaced (judged later:
+    worker/hyperparams.py)."""
     st, tensors = loaded.state, loaded.tensors
+    changes: list[hyperparams.Change] = []
     if loaded.layout == "sharded":
         try:
             dist_ckpt.load_sharded(loaded.path, loaded.manifest, loaded.alg, parts.model,
@@ -196,15 +199,15 @@ def apply(loaded: Loaded, parts: Components, allow_pickle: bool) -> None:
         if "optimizer" not in st:
             raise StateMismatch("the checkpoint holds no optimizer state but an optimizer "
                                 "was given: pass optimizer=None to load weights only")
-        for w in state.load_optimizer(parts.optimizer, parts.model, tensors["optimizer"],
-                                      st["optimizer"]):
-            log.warning("%s", w)
+        changes = state.load_optimizer(parts.optimizer, parts.model, tensors["optimizer"],
+                                       st["optimizer"])
     if parts.scheduler is not None and "scheduler" in st:
         parts.scheduler.load_state_dict(decode(st["scheduler"], tensors["extra"]))
     if parts.scaler is not None and st.get("scaler"):
         parts.scaler.load_state_dict(decode(st["scaler"], tensors["extra"]))
     if parts.data is not None:
         parts.data.load_state_dict(st, tensors["extra"])
+    return changes
 
 
 def apply_rng(loaded: Loaded, parts: Components) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from supervisor.errors import StateMismatch
+from worker import hyperparams
 from worker.tensors import decode, encode
 
 log = logging.getLogger(__name__)
@@ -201,8 +202,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | N
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
-                   tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> list[str]:
-    """Load the state by parameter name. Returns warnings (hyper-parameter changes)."""
+                   tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+                   ) -> list[hyperparams.Change]:
+    """Load the state by parameter name. Returns the hyper-parameters the checkpoint replaced
+    (worker/hyperparams.py judges them after the restore)."""
     names = _param_names(optimizer, model)
     index = {n: i for i, n in enumerate(names)}
     hp_tensors = {k[1:]: v for k, v in tensors.items() if k.startswith("@")}
@@ -224,19 +227,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | No
         if unexpected:
             parts.append(f"saved state for unknown parameters: {_some(unexpected)}")
         raise StateMismatch("optimizer state does not fit: " + "; ".join(parts))
-    warnings = []
-    for gi, (saved_g, cur_g) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
-        for k, v in saved_g.items():
-            if k in ("params", "initial_lr") or k not in cur_g:
-                continue
-            cur = cur_g[k]
-            if k == "lr" and "initial_lr" in saved_g and "initial_lr" in cur_g:
-                # A scheduler moves lr; what the script chose is the initial lr.
-                k, v, cur = "initial_lr", saved_g["initial_lr"], cur_g["initial_lr"]
-            if _differs(cur, v):
-                warnings.append(f"optimizer hyper-parameter '{k}' of group {gi} changed: "
-                                f"script {_fmt(cur)}, checkpoint {_fmt(v)} "
-                                "(the checkpoint's value is used)")
+    changes = hyperparams.differences(groups, optimizer.param_groups)
     check_optimizer(optimizer, model, tensors)
     state: dict[int, dict[str, Any]] = {}
     for key, t in tensors.items():
@@ -249,19 +240,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | No
     sd = {"state": state,
           "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups]}
     optimizer.load_state_dict(sd)
-    return warnings
-
-
-def _differs(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return not torch.equal(torch.as_tensor(a), torch.as_tensor(b))
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return list(a) != list(b)
-    return a != b
-
-
-def _fmt(v: Any) -> str:
-    return str(v.tolist()) if isinstance(v, torch.Tensor) else repr(v)
+    return changes
 
 
 # ---------------------------------------------------------------- RNG

@@ -105,6 +105,9 @@ class RunSummary:
     """The warm standby, from its newest event (none: no standby event in the run): state
     (ready, discarded, failed, used), pid, rss_bytes, modules, reason; warm_starts: attempts
     started in a standby."""
+    checkpoints_elsewhere: dict[str, Any] | None = None
+    """While the watched dir holds no checkpoint: the last `checkpoints_elsewhere` warning
+    (files, suggest, message) of the checkpoint dir the newest launch watches."""
     slurm: dict[str, Any] | None = None
     """Under Slurm, from the newest launch: job_id, restart_count, end_time (the job's time
     limit ends, unix time), stop_at (rtrain stops the attempt then; null: not armed), margin_s."""
@@ -245,11 +248,23 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
         s.cadence = {k: cadence.get(k) for k in KINDS[Kind.CADENCE].fields}
         s.restart_s = _restart_s(timeline)
     s.standby = _standby(timeline, launch)
+    s.checkpoints_elsewhere = _elsewhere(timeline, launch, s.checkpoint)
     job = launch.get("slurm") if launch else None
     if isinstance(job, dict):
         s.slurm = {k: job.get(k) for k in ("job_id", "restart_count", "end_time", "stop_at",
                                            "margin_s")}
     return s
+
+
+def _elsewhere(timeline: Timeline, launch: dict[str, Any] | None,
+               checkpoint: Path | None) -> dict[str, Any] | None:
+    """The warning stands while the dir it was about is the one watched and is still empty."""
+    last = timeline.last(Kind.CHECKPOINTS_ELSEWHERE)
+    if last is None or checkpoint is not None:
+        return None
+    if launch is not None and launch.get("ckpt_dir") != last.get("ckpt_dir"):
+        return None  # relaunched with another --ckpt-dir
+    return {k: last.get(k) for k in ("files", "suggest", "message")}
 
 
 def _standby(timeline: Timeline, launch: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -345,6 +360,8 @@ def render_text(s: RunSummary) -> str:
         rows.append(("warning", stale))
     if s.unsaved:
         rows.append(("warning", s.unsaved))
+    if s.checkpoints_elsewhere:
+        rows.append(("warning", str(s.checkpoints_elsewhere.get("message") or "")))
     if s.reason:
         rows.append(("reason", s.reason))
     progress = [f"step {s.step:,}"] if s.step is not None else []

@@ -39,6 +39,7 @@ from supervisor.decide.wall_clock import WallPlan
 from supervisor.errors import ExitCode, UsageError
 from supervisor.launch import act, child_env, mirroring, world
 from supervisor.launch.child_env import AttemptPlan
+from supervisor.launch.elsewhere import ElsewhereWatch
 from supervisor.launch.observers import Observers
 from supervisor.launch.recording import (
     record_decision,
@@ -113,6 +114,12 @@ def _read_timeline(path: Path) -> Timeline | None:
         return None
 
 
+def _hands_checkpoint(spec: LaunchSpec) -> bool:
+    """The script is told which checkpoint to resume from, so it needs them in the watched
+    dir: `--resume-arg`, or `{checkpoint}` in its command."""
+    return bool(spec.resume_args) or any("{checkpoint}" in a for a in spec.command)
+
+
 def _ckpt_dir(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.ckpt_dir or run_dir / "checkpoints")
 
@@ -153,6 +160,10 @@ class Loop:
         # A scripted spawner (tests) has no interpreter to keep warm.
         keep = self.cfg if seams.spawn is spawn else replace(self.cfg, standby=False)
         self.standby = Keeper(keep, spec.command, spec.cwd, run_dir, self.events, self.say)
+        self.elsewhere = ElsewhereWatch(
+            after_s=self.cfg.checkpoints_elsewhere_after_s, expects=_hands_checkpoint(spec),
+            cwd=spec.cwd, ckpt_dir=self.ckpt_dir, run_dir=run_dir, events=self.events,
+            say=self.say, monotonic=seams.monotonic)
 
     def close(self) -> None:
         self.standby.close()
@@ -257,6 +268,8 @@ class Loop:
         spawn_s = self.seams.wall() - spawn_at  # returns once the child exec'd or took over
         self.procs.update([child.pid])
         how = f"from {chosen.path.name}" if chosen else "fresh"
+        if chosen is None and (note := self.elsewhere.launch_note()):
+            how += f": {note}"
         where = " in the warm standby" if warm else ""
         self.say(f"attempt {attempt}: launched pid {child.pid}{where} ({how}), settings "
                  f"{json.dumps(settings)}")
@@ -266,6 +279,7 @@ class Loop:
                          start_s=round(start_s, 4), spawn_at=round(spawn_at, 6),
                          spawn_s=round(spawn_s, 6), **slurm_field(wall))
         self._say_wall(wall)
+        self.elsewhere.attempt_started(attempt)
         sizes = world.WorldWatch(world.saved_world_size(chosen.manifest if chosen else None))
         t0 = self.seams.monotonic()
         stop_at = None if wall is None or wall.stop_at is None else (
@@ -277,6 +291,7 @@ class Loop:
             on_sample=self._on_sample, stop_at=stop_at, stop_why=WALL_CLOCK,
             on_pressure=lambda note: self.observers.pressure(attempt, note))
         child.close()
+        self.elsewhere.attempt_ended()
         record_wall_clock_stop(self.events, self.say, attempt, wall, outcome)
         self.wall_clock.note(measured(outcome))
         self.procs.update([])  # swept
@@ -335,6 +350,7 @@ class Loop:
         if self.mirroring is not None:
             self.mirroring.poll()
         self.observers.sample(sample)
+        self.elsewhere.poll()
         self.record.retry_held()  # held while the disk was full
         self.procs.update(sample.tree.pids)
 
