@@ -87,7 +87,7 @@ KINDS: dict[Kind, KindSpec] = {
         meaning="rtrain copied the new verified content of a foreign checkpoint the script "
                 "rewrites in place into the run dir (ckpt/keepcopy.py)"),
     Kind.FOREIGN_RESTORED: KindSpec(
-        fields=("path", "reason", "step", "verified_at"), durable=True,
+        fields=("path", "reason", "step", "verified_at"),
         meaning="a foreign checkpoint failed verification at a relaunch and rtrain put its "
                 "copy of the last verified content back"),
     Kind.HEARTBEAT_SUMMARY: KindSpec(
