@@ -296,6 +296,11 @@ class Config:
     """auto (newest checkpoint that verifies), never, or a checkpoint path that must verify."""
     verify: str = "full"
     """Verification level for resume selection: quick (sizes) or full (content hashes)."""
+    keep_foreign_copy: bool = True
+    """Keep a copy of the newest verified content of a foreign checkpoint file that the script
+    rewrites in place (`ckpt.pt`, `last.ckpt`: no step in its name) in <run_dir>/foreign-copy,
+    and restore it when the file is found torn at a relaunch. Costs one such file's size on
+    disk (less where a reflink shares its blocks); false: no copy, a torn file is skipped."""
     requeue: bool = False
     """On a preemption signal, requeue the Slurm job instead of exiting 75."""
     grace_s: float = 30.0
@@ -377,6 +382,7 @@ class Config:
         if self.verify not in ("quick", "full"):
             raise ConfigError(f"verify must be 'quick' or 'full' (got {self.verify!r})")
         _bool("requeue", self.requeue)
+        _bool("keep_foreign_copy", self.keep_foreign_copy)
         _number("grace_s", self.grace_s)
         _number("sample_interval_s", self.sample_interval_s, above=True)
         _number("gpu_release_wait_s", self.gpu_release_wait_s)

@@ -15,6 +15,8 @@ class Kind(str, Enum):
 
     LAUNCH = "launch"
     SKIPPED_CHECKPOINT = "skipped_checkpoint"
+    FOREIGN_COPY_KEPT = "foreign_copy_kept"
+    FOREIGN_RESTORED = "foreign_restored"
     HEARTBEAT_SUMMARY = "heartbeat_summary"
     SIGNAL = "signal"
     EXIT = "exit"
@@ -81,6 +83,14 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.SKIPPED_CHECKPOINT: KindSpec(
         fields=("path", "reason"),
         meaning="resume selection passed over a checkpoint, or a worker could not load it"),
+    Kind.FOREIGN_COPY_KEPT: KindSpec(
+        fields=("path", "step", "bytes", "how"), hookable=False,
+        meaning="rtrain copied the new verified content of a foreign checkpoint the script "
+                "rewrites in place into the run dir (ckpt/keepcopy.py)"),
+    Kind.FOREIGN_RESTORED: KindSpec(
+        fields=("path", "reason", "step", "verified_at"),
+        meaning="a foreign checkpoint failed verification at a relaunch and rtrain put its "
+                "copy of the last verified content back"),
     Kind.HEARTBEAT_SUMMARY: KindSpec(
         fields=("attempt", "step", "loss", "samples_per_s"),
         optional=("rss_bytes", "gpu_used", "gpu_total"),

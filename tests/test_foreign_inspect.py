@@ -40,7 +40,7 @@ def test_lightning_files_listing_and_one_file(rtrain, tmp_path):
     r = rtrain("inspect", str(tmp_path), "--json")
     listing = json.loads(r.stdout)
     assert [(c["name"], c["format"], c["step"]) for c in listing["checkpoints"]] == [
-        ("last.ckpt", "lightning", -1), ("epoch=0-step=4.ckpt", "lightning", 4)]
+        ("last.ckpt", "lightning", 4), ("epoch=0-step=4.ckpt", "lightning", 4)]  # read inside
     text = rtrain("inspect", str(tmp_path)).stdout
     assert "ok (lightning)  last.ckpt" in text
     one = rtrain("inspect", str(tmp_path / "epoch=0-step=4.ckpt"), "--verify", "full")

@@ -253,7 +253,9 @@ def test_plain_files_without_steps_go_by_mtime(tmp_path):
     names = [c.path.name for c in foreign.list_candidates(tmp_path)]
     assert names == ["plain.pt", "older.pth"]
     chosen = foreign.select_resume_any_format(tmp_path, "quick").chosen
-    assert chosen.path.name == "plain.pt" and chosen.step == -1 and chosen.format == "torch"
+    # The step comes from the pickle's "step" key (0 here): it is shown, never the order here.
+    assert chosen.path.name == "plain.pt" and chosen.step == 0 and chosen.format == "torch"
+    assert chosen.info["step_from"] == "step in the pickle"
 
 
 def test_loose_files_do_not_count_beside_checkpoint_dirs(tmp_path):

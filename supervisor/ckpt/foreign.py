@@ -13,7 +13,11 @@ the final `pytorch_model.bin` / `training_args.bin`, which are no place to resum
 Order, newest first: a directory by the step in its name; a file by the step in its name
 (`step=400`, `step_400`, `checkpoint-400.pt`, `ckpt400.pth`); a file without one sits just after
 the newest step-named file not newer than it on disk (so `last.ckpt` written with
-`epoch=3-step=400.ckpt` ranks above it), and among stepless files the newer mtime wins.
+`epoch=3-step=400.ckpt` ranks above it), and among stepless files the higher step read from the
+pickle (`pickle_scan.STEP_KEYS`: `iter_num`, `global_step`, ...), then the newer mtime, wins.
+A step read from the pickle is the candidate's step (shown, and compared for progress), but it
+never moves a file past step-named ones: `epoch` in one file and `step_400` in another's name
+count different things.
 
 rtrain's own checkpoints take the unchanged path (`verify.verify`); only a directory that turns
 out to have no manifest is looked at again as a Trainer dir.
@@ -70,9 +74,9 @@ def step_from_name(name: str) -> int | None:
 @dataclass(frozen=True)
 class Candidate:
     path: Path
-    step: int | None
+    step: int | None  # from the name, else from the pickle (a stepless file)
     is_dir: bool
-    order: tuple[int, int, float]  # larger is newer
+    order: tuple[int, int, int, float]  # larger is newer
 
 
 def list_candidates(ckpt_dir: str | os.PathLike) -> list[Candidate]:
@@ -88,7 +92,7 @@ def list_candidates(ckpt_dir: str | os.PathLike) -> list[Candidate]:
             step = parse_step(entry.name)
             if step is not None:
                 # Also a link or a file with a checkpoint dir's name: verification reports it.
-                dirs.append(Candidate(root / entry.name, step, True, (step, 0, 0.0)))
+                dirs.append(Candidate(root / entry.name, step, True, (step, 0, 0, 0.0)))
             elif (entry.name.endswith(FILE_SUFFIXES) and not entry.name.startswith(".")
                   and entry.name not in _NOT_CHECKPOINTS and not entry.is_dir()):
                 # Not only regular files: a FIFO or a link leading out is listed, and refused
@@ -101,12 +105,26 @@ def list_candidates(ckpt_dir: str | os.PathLike) -> list[Candidate]:
     out = []
     for name, step, mtime in files:
         if step is not None:
-            out.append(Candidate(root / name, step, False, (step, 0, mtime)))
+            out.append(Candidate(root / name, step, False, (step, 0, 0, mtime)))
         else:
             before = [s for t, s in stepped if t <= mtime]
-            out.append(Candidate(root / name, None, False, (max(before, default=-1), 1, mtime)))
+            inner = content_step(root / name)
+            out.append(Candidate(root / name, inner, False,
+                                 (max(before, default=-1), 1, -1 if inner is None else inner,
+                                  mtime)))
     out.sort(key=lambda c: c.order, reverse=True)
     return out
+
+
+def content_step(path: Path) -> int | None:
+    """The step a stepless file's pickle holds; None when it holds none or does not verify
+    (verification says why, later)."""
+    try:
+        if path.is_symlink() or not path.is_file():
+            return None  # a link is resolved, and a FIFO refused, by verification only
+        return torchzip.inspect(path, full=False).step
+    except (OSError, ValueError):
+        return None
 
 
 def _mtime(entry: os.DirEntry) -> float:
@@ -123,7 +141,11 @@ def _verify_file(path: Path, level: Level, step: int | None) -> Verdict:
         # A link is followed only inside the directory (Lightning's `last.ckpt` may be one).
         member = rverify.check_member_name(path.parent, path.name)
         info["created"] = os.stat(member).st_mtime
-        note = torchzip.check(member, full=level is Level.FULL)
+        checked = torchzip.inspect(member, full=level is Level.FULL)
+        note = checked.note
+        if step is None and checked.step is not None:
+            step = checked.step
+            info.update(step=step, step_from=f"{checked.step_key} in the pickle")
     except FileNotFoundError:
         return Verdict(path, -1 if step is None else step, Status.INCOMPLETE, "file is gone",
                        format=fmt.value, info=info)
@@ -171,7 +193,8 @@ def verify_path(path: str | os.PathLike, level: Level | str = Level.FULL,
 def verify_candidate(c: Candidate, level: Level | str, key: bytes | None = None) -> Verdict:
     if c.is_dir:
         return verify_path(c.path, level, key)
-    return _verify_file(c.path, Level(level), c.step)
+    # The name's step, not c.step: one read from the pickle is read again with the verdict.
+    return _verify_file(c.path, Level(level), step_from_name(c.path.name))
 
 
 def verify_all(ckpt_dir: str | os.PathLike, level: Level | str = Level.QUICK,

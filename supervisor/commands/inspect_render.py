@@ -138,6 +138,8 @@ def render_one(d: Detail) -> str:
     v = d.verdict
     sig = d.meta("signature")
     step = d.meta("step", v.step) if v.format == "rtrain" else _step(v)
+    if v.format != "rtrain" and (v.info or {}).get("step_from"):
+        step = f"{step} ({v.info['step_from']})"  # the name states none: said where it came from
     fields = [
         ("status", f"{v.status.value} (verified {d.level.value})"
                    + (f": {v.reason}" if v.reason else "")),

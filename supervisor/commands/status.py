@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import quarantine
+from supervisor.ckpt import keepcopy, quarantine
 from supervisor.ckpt.foreign import select_resume_any_format
 from supervisor.ckpt.verify import Level, Status
 from supervisor.commands.statusline import human_bytes, human_duration, human_rate
@@ -108,6 +108,12 @@ class RunSummary:
     checkpoints_elsewhere: dict[str, Any] | None = None
     """While the watched dir holds no checkpoint: the last `checkpoints_elsewhere` warning
     (files, suggest, message) of the checkpoint dir the newest launch watches."""
+    foreign_copy: dict[str, Any] | None = None
+    """rtrain's copy of a foreign file the script rewrites in place (ckpt/keepcopy.py): source,
+    step, verified_at (unix time), bytes (its disk cost), how (reflink, copy_file_range, copy)."""
+    restored: dict[str, Any] | None = None
+    """The last time that copy was put back (`foreign_restored`): path, reason, step,
+    verified_at, time."""
     slurm: dict[str, Any] | None = None
     """Under Slurm, from the newest launch: job_id, restart_count, end_time (the job's time
     limit ends, unix time), stop_at (rtrain stops the attempt then; null: not armed), margin_s."""
@@ -249,6 +255,10 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
         s.restart_s = _restart_s(timeline)
     s.standby = _standby(timeline, launch)
     s.checkpoints_elsewhere = _elsewhere(timeline, launch, s.checkpoint)
+    kept = keepcopy.load(run_dir)
+    s.foreign_copy = asdict(kept) if kept is not None else None
+    s.restored = _pick(timeline.last(Kind.FOREIGN_RESTORED), "path", "reason", "step",
+                       "verified_at", "time")
     job = launch.get("slurm") if launch else None
     if isinstance(job, dict):
         s.slurm = {k: job.get(k) for k in ("job_id", "restart_count", "end_time", "stop_at",
@@ -382,8 +392,20 @@ def render_text(s: RunSummary) -> str:
     rows.append(("rung", f"{s.level} ({_pairs(s.settings)})"))
     age = (f", committed {human_duration(s.checkpoint_age_s)} ago"
            if s.checkpoint_age_s is not None else "")
-    rows.append(("checkpoint", f"{s.checkpoint.name} (verified quick){age}" if s.checkpoint
-                 else f"none verified in {s.ckpt_dir}"))
+    # A step the name does not state (ckpt.pt: read from its pickle) is said.
+    step = (f"step {s.checkpoint_step}, " if s.checkpoint is not None
+            and s.checkpoint_step is not None and str(s.checkpoint_step) not in
+            s.checkpoint.name else "")
+    rows.append(("checkpoint", f"{s.checkpoint.name} ({step}verified quick){age}"
+                 if s.checkpoint else f"none verified in {s.ckpt_dir}"))
+    if s.foreign_copy is not None:
+        rows.append(("kept copy", keepcopy.describe(keepcopy.Kept(**s.foreign_copy))))
+    if r := s.restored:
+        rows.append(("restored", f"{Path(r['path']).name} at {_clock(r['time'])}: it was "
+                                 f"{r['reason']}; rtrain's copy"
+                                 + (f" of step {r['step']}" if r.get("step") is not None
+                                    else "") + " went back"
+                     if isinstance(r.get("time"), (int, float)) else r["reason"]))
     if s.cadence is not None:
         rows += _cadence_rows(s.cadence, s.restart_s)
     if s.mirror is not None:

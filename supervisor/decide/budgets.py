@@ -6,6 +6,9 @@ progress since the last one: a verified checkpoint newer than the newest at that
 `forgive_after_steps` steps (or `forgive_after_s` seconds) of training. So a limit counts the
 failures without progress in between: a week-long run whose node flakes every few days never
 runs out, and one that fails without advancing still stops (the crash-loop rule stops it first).
+A script that reports no steps (it does not use the worker library: no heartbeats) shows its
+training only by its checkpoints: new verified content in a foreign checkpoint since the last
+charge (`progressed`, ckpt/progress.py) is both the newer checkpoint and the training.
 
 The rate guard counts charged failures in the last hour, progress or not: above
 `max_failures_per_hour` it raises an alarm (and gives up when `give_up_on_rate` is set).
@@ -21,19 +24,24 @@ from supervisor.decide.history import History
 HOUR_S = 3600.0
 
 
-def made_progress(history: History, config: Config, newest_step: int | None) -> bool:
-    """Has the run made progress since its last charged failure (see the module docstring)?"""
-    newer = newest_step is not None and (history.charge_step is None
-                                         or newest_step > history.charge_step)
+def made_progress(history: History, config: Config, newest_step: int | None,
+                  progressed: bool = False) -> bool:
+    """Has the run made progress since its last charged failure (see the module docstring)?
+    `progressed`: the attempt that just ended left new verified foreign content."""
+    newer = progressed or (newest_step is not None and (history.charge_step is None
+                                                        or newest_step > history.charge_step))
     r = config.restart
     trained = (history.progress_steps >= r.forgive_after_steps
-               or (r.forgive_after_s > 0 and history.progress_s >= r.forgive_after_s))
+               or (r.forgive_after_s > 0 and history.progress_s >= r.forgive_after_s)
+               or (progressed and history.progress_steps == 0))  # no steps reported
     return newer and trained
 
 
-def forgive(history: History, config: Config, newest_step: int | None) -> History:
+def forgive(history: History, config: Config, newest_step: int | None,
+            progressed: bool = False) -> History:
     """Clear the charges when the run made progress since the last one."""
-    if not history.total_restarts or not made_progress(history, config, newest_step):
+    if not history.total_restarts or not made_progress(history, config, newest_step,
+                                                       progressed):
         return history
     return replace(history, budgets_used={}, total_restarts=0,
                    forgiven=history.forgiven + history.total_restarts)

@@ -2,8 +2,11 @@
 
 It never sleeps, spawns or reads the clock: the jitter's random number comes in as `rand`, the
 time as `now`, the newest verified checkpoint step as `newest_step`, the checkpoint the attempt
-resumed from as `resumed`. It returns a `Decision` holding a new `History` (the old one is never
-mutated), which the loop persists in state.json.
+resumed from as `resumed`, and as `progressed` whether the attempt left a foreign checkpoint
+whose content is new and verifies (`ckpt/progress.py`: a `ckpt.pt` rewritten in place).
+Progress is a newer step or such content; it resets the crash-loop count, forgives budgets
+and ends a quarantine streak alike. It returns a `Decision` holding a new `History` (the old one
+is never mutated), which the loop persists in state.json.
 
 Rules, in order:
   child exited 0                          -> FINISHED (exit 0)
@@ -105,10 +108,11 @@ def _worker_settings(settings: dict[str, Any], ev: Evidence | None) -> dict[str,
 def decide(failure: Failure | None, history: History, config: Config, *, rand: float,
            newest_step: int | None = None, now: float = 0.0,
            resumed: Resumed | None = None, committed: bool | None = None,
-           on_slurm: bool = False) -> Decision:
+           on_slurm: bool = False, progressed: bool = False) -> Decision:
     """The next action. `failure` None means the child exited 0; `rand` is in [0, 1);
     `committed`: the attempt committed a checkpoint newer than `resumed` (None: judged from
-    `newest_step`); `on_slurm`: we run in a Slurm job, which can be requeued elsewhere."""
+    `newest_step`); `on_slurm`: we run in a Slurm job, which can be requeued elsewhere;
+    `progressed`: new verified content in a foreign checkpoint (see the module docstring)."""
     settings = dict(config.settings if history.settings is None else history.settings)
     if failure is None:
         return Decision(action=Action.FINISHED, reason="training finished (exit 0)",
@@ -118,13 +122,14 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
     if ended is not None:
         return ended
     kind = failure.kind
-    nxt = _count_attempt(history, newest_step)
+    nxt = _count_attempt(history, newest_step, progressed)
     if kind is FailureKind.PREEMPTED:  # exit 75 without a stop from us: relaunch, spend nothing
         return _relaunch(failure, history, nxt, config, settings, rand, backoff=False)
     if kind is FailureKind.BAD_CHECKPOINT:
         return _skip_checkpoint(failure, history, nxt, config, settings, rand)
 
-    nxt, alarm = budgets.rate(budgets.forgive(nxt, config, newest_step), config, now)
+    nxt, alarm = budgets.rate(budgets.forgive(nxt, config, newest_step, progressed), config,
+                              now)
     spent = _out_of_budget(failure, history, nxt, config, settings, alarm)
     if spent is not None:
         return spent
@@ -132,6 +137,7 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
     if committed is None:
         committed = newest_step is not None and (resumed is None or resumed.step is None
                                                  or newest_step > resumed.step)
+    committed = committed or progressed
     nxt, quarantined = quarantine_streak(nxt, config, kind, resumed, committed,
                                          own_failure_step(failure.evidence))
     if kind is FailureKind.LOST_DEVICE and on_slurm and config.requeue:
@@ -165,11 +171,13 @@ def _stopped_or_startup(failure: Failure, history: History, config: Config,
     return None
 
 
-def _count_attempt(history: History, newest_step: int | None) -> History:
-    """One more attempt; the newest step any launch reached, or one more stalled attempt."""
+def _count_attempt(history: History, newest_step: int | None,
+                   progressed: bool = False) -> History:
+    """One more attempt; the newest step any launch reached, or one more stalled attempt (an
+    attempt that left new foreign content progressed, whatever the step says)."""
     high = history.launch_step
     advanced = newest_step is not None and (high is None or newest_step > high)
-    stalled = () if advanced else (*history.stalled, newest_step)
+    stalled = () if advanced or progressed else (*history.stalled, newest_step)
     return replace(history, attempt=history.attempt + 1,
                    launch_step=newest_step if advanced else high, stalled=stalled)
 

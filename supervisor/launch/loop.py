@@ -148,7 +148,7 @@ class Loop:
                                 monotonic=seams.monotonic, sleep=seams.sleep, say=self.say)
         self.record.load(spec.command, spec.cwd, fresh=spec.fresh, retry=spec.retry)
         self.checkpoints = Checkpoints(self.ckpt_dir, self.cfg, load_signing_key(), self.events,
-                                       self.say, enc=encryption_key())
+                                       self.say, enc=encryption_key(), run_dir=run_dir)
         self.gpu = seams.gpu if seams.gpu is not None else NvmlReader()
         self.hb = HeartbeatReceiver()
         self.watch_cfg = WatchConfig.from_config(self.cfg)
@@ -224,9 +224,12 @@ class Loop:
         if history is not state.history or state.status is not RunStatus.RUNNING:
             self.record.save(RunStatus.RUNNING, "running", history)  # a relaunch saved already
         started = time.time()  # compared with checkpoint mtimes: the real clock, not a seam
+        before = self.checkpoints.snapshot()
         outcome, duration_s = self._attempt(history.attempt, settings, chosen, signals)
         committed = self.checkpoints.committed_since(started, resumed)
-        decision = self._decide(outcome, history, resumed, duration_s, committed, chosen)
+        progressed = self.checkpoints.progressed(before) is not None
+        decision = self._decide(outcome, history, resumed, duration_s, committed, chosen,
+                                progressed)
         self._recoveries()  # an attempt that ended before its first step ends its recovery
         return decision, outcome.pids_seen
 
@@ -270,6 +273,8 @@ class Loop:
         how = f"from {chosen.path.name}" if chosen else "fresh"
         if chosen is None and (note := self.elsewhere.launch_note()):
             how += f": {note}"
+        if chosen is not None and self.checkpoints.restored:
+            how += ", restored from rtrain's copy"
         where = " in the warm standby" if warm else ""
         self.say(f"attempt {attempt}: launched pid {child.pid}{where} ({how}), settings "
                  f"{json.dumps(settings)}")
@@ -347,6 +352,7 @@ class Loop:
 
     def _on_sample(self, sample: Sample) -> None:
         self.standby.tick(sample.tree)
+        self.checkpoints.watch_keep()
         if self.mirroring is not None:
             self.mirroring.poll()
         self.observers.sample(sample)
@@ -357,7 +363,8 @@ class Loop:
     # ------------------------------------------------------------ decide and act
 
     def _decide(self, outcome: Outcome, history: History, resumed: Resumed | None,
-                duration_s: float, committed: bool, chosen: Verdict | None) -> Decision:
+                duration_s: float, committed: bool, chosen: Verdict | None,
+                progressed: bool = False) -> Decision:
         ev, attempt = outcome.evidence, history.attempt  # finished by the watcher: read only
         self._last_step = ev.last_step
         record_exit(self.events, attempt, outcome, duration_s)
@@ -371,8 +378,8 @@ class Loop:
                                 duration_s=duration_s)
         decision = decide(failure, history, self.cfg, rand=self.seams.rand(),
                           newest_step=self.checkpoints.newest_step(), now=self.seams.wall(),
-                          resumed=resumed, committed=committed,
-                          on_slurm=slurm.job_info() is not None)
+                          resumed=resumed, committed=committed or progressed,
+                          on_slurm=slurm.job_info() is not None, progressed=progressed)
         record_decision(self.events, self.say, attempt, decision, self.cfg)
         return decision
 

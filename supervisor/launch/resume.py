@@ -1,17 +1,20 @@
 """The run's checkpoint dir as the loop sees it: which checkpoint an attempt resumes from
 (`foreign.select_resume_any_format`, the same selection `rtrain status` shows) and whether the
-child's encryption key can open it, the newest good step, whether an attempt committed one, and
-the quarantine copy other readers of the dir see.
+child's encryption key can open it, the newest good step, whether an attempt committed one (by
+step, or by new content in a foreign file: `ckpt/progress.py`), the quarantine copy other
+readers of the dir see, and rtrain's copy of a foreign file the script rewrites in place
+(`ckpt/keepcopy.py`): kept when a relaunch picks new content, put back when the file is torn.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from supervisor.ckpt import crypt, foreign, quarantine
+from supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine
 from supervisor.ckpt.verify import Level, Selection, Verdict, mark_quarantined
 from supervisor.config import Config
 from supervisor.decide.policy import History, Resumed, ResumeMode
@@ -25,9 +28,14 @@ if TYPE_CHECKING:
 
 class Checkpoints:
     def __init__(self, ckpt_dir: Path, config: Config, key: bytes | None, events: EventLog,
-                 say: Callable[[str], None], enc: crypt.EncryptionKey | None = None) -> None:
+                 say: Callable[[str], None], enc: crypt.EncryptionKey | None = None,
+                 run_dir: Path | None = None) -> None:
         self.dir, self.cfg, self.key, self.events, self.say = ckpt_dir, config, key, events, say
         self.enc = enc  # RTRAIN_ENCRYPTION_KEY(_FILE), which the child inherits
+        self.run_dir = run_dir  # where rtrain's copy of an in-place foreign file lives
+        self.restored: str | None = None  # the last pick put the copy back: for the launch line
+        self._seen: tuple | None = None  # (path, size, mtime_ns) at the last sample
+        self._tried: tuple | None = None  # the last one a copy was attempted of
         self.remote: Mirroring | None = None  # the run's mirror, when it has one
         self._looked_remote = False
 
@@ -44,6 +52,7 @@ class Checkpoints:
                                  "pick another checkpoint or use --resume auto")
             return self._openable(Selection(v, []))
         # Any format: rtrain's own, a Trainer's checkpoint-N dirs, Lightning / torch.save files.
+        self.restored = self._restore_torn(level)
         sel = self._select(level, history, skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
         if self.remote is not None and not self._looked_remote and resume is ResumeMode.LATEST:
             # Once per launch: only a fresh machine (or a lost local dir) can have a newer
@@ -56,7 +65,103 @@ class Checkpoints:
             self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
         if resume is ResumeMode.ROLLBACK and sel.chosen is None:
             sel = self._select(level, history)  # nothing older: newest
+        self._keep(sel.chosen)
         return self._openable(sel)
+
+    def _keep(self, chosen: Verdict | None) -> None:
+        """Copy the chosen checkpoint into the run dir when it is a foreign file the script
+        will rewrite in place and its content is new: the next kill mid-write can only cost
+        the attempt's own progress. A full disk costs the copy (said), never the launch."""
+        if self.run_dir is None or not self.cfg.keep_foreign_copy or not (
+                keepcopy.wants_copy(chosen)):
+            return
+        assert chosen is not None
+        try:
+            kept = keepcopy.keep(self.run_dir, chosen, mode=self.cfg.file_mode)
+        except OSError as e:
+            self.say(f"cannot keep a copy of {safe(chosen.path.name)} "
+                     f"({e.strerror or e}): a kill while the script rewrites it may lose it")
+            return
+        if kept is not None:
+            self.events.emit("foreign_copy_kept", path=kept.source, step=kept.step,
+                             bytes=kept.bytes, how=kept.how)
+
+    def watch_keep(self) -> None:
+        """At each sample while an attempt runs: once the newest in-place foreign file has
+        settled (the same size and mtime two samples running) with new content that verifies,
+        copy it, so a kill during the script's next rewrite costs only the steps since."""
+        if self.run_dir is None or not self.cfg.keep_foreign_copy:
+            return
+        c = next((c for c in foreign.list_candidates(self.dir) if not c.is_dir), None)
+        if c is None or foreign.step_from_name(c.path.name) is not None:
+            return
+        try:
+            st = c.path.stat()
+        except OSError:
+            return
+        seen = (str(c.path), st.st_size, st.st_mtime_ns)
+        if seen != self._seen:  # still being written, or just written: look again next time
+            self._seen = seen
+            return
+        if seen == self._tried:
+            return
+        self._tried = seen
+        self._keep(foreign.verify_candidate(c, Level.QUICK, self.key))
+
+    def _restore_torn(self, level: Level) -> str | None:
+        """Put rtrain's copy back when the file it was taken from fails verification (torn by
+        a kill mid-write, or replaced by something refused); the sentence said, or None."""
+        if self.run_dir is None or not self.cfg.keep_foreign_copy:
+            return None
+        kept = keepcopy.load(self.run_dir)
+        if kept is None or Path(kept.source).parent != self.dir.resolve():
+            return None
+        live = Path(kept.source)
+        why = keepcopy.torn(live, level)
+        if why is None:
+            return None
+        name, at = safe(live.name), time.strftime("%Y-%m-%d %H:%M:%S",
+                                                   time.localtime(kept.verified_at))
+        copy = foreign.verify_path(kept.copy_path(self.run_dir), Level.FULL)
+        if not copy.ok:
+            self.say(f"{name} was torn ({safe(why)}); rtrain's copy of it does not verify "
+                     f"either ({safe(copy.describe())})")
+            return None
+        try:
+            keepcopy.restore(self.run_dir, kept, mode=self.cfg.file_mode)
+        except OSError as e:
+            self.say(f"{name} was torn ({safe(why)}); cannot restore rtrain's copy "
+                     f"({e.strerror or e})")
+            return None
+        # A kill mid-write tears a file; a directory or an unsafe pickle there was put there.
+        verb = "was refused" if why.startswith("a directory") or "pickle calls" in why \
+            else "was torn"
+        line = f"{name} {verb} ({safe(why)}); restored rtrain's copy of the content verified " \
+               f"at {at}"
+        self.say(line)
+        self.events.emit("foreign_restored", path=kept.source, reason=why, step=kept.step,
+                         verified_at=kept.verified_at)
+        return line
+
+    def snapshot(self) -> dict[str, progress.Mark]:
+        """Each foreign file candidate's content when an attempt starts (`ckpt/progress.py`)."""
+        return {str(c.path): progress.Mark(str(c.path), progress.fingerprint(c.path), c.step)
+                for c in foreign.list_candidates(self.dir) if not c.is_dir}
+
+    def progressed(self, before: dict[str, progress.Mark]) -> progress.Mark | None:
+        """The foreign file whose new content, verified, shows the attempt made progress."""
+        after = []
+        for c in foreign.list_candidates(self.dir):
+            if c.is_dir:
+                continue
+            fp = progress.fingerprint(c.path)
+            old = before.get(str(c.path))
+            if fp is None or (old is not None and old.fingerprint == fp):
+                continue  # unchanged: no need to verify it
+            v = foreign.verify_candidate(c, Level.QUICK, self.key)
+            after.append(progress.Mark(str(c.path), fp, v.step if v.step >= 0 else None,
+                                       v.ok))
+        return progress.advanced(before, after)
 
     def _openable(self, sel: Selection) -> Selection:
         """`sel`, unless its checkpoint is encrypted and the child's key cannot open it: then a
