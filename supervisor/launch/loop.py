@@ -167,6 +167,7 @@ class Loop:
 
     def close(self) -> None:
         self.standby.close()
+        self.checkpoints.settle_copy()  # a copy in flight is the next launch's safety net
         if self.mirroring is not None:
             self.mirroring.close()
         self.record.record_final()

@@ -8,6 +8,7 @@ readers of the dir see, and rtrain's copy of a foreign file the script rewrites 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -36,6 +37,10 @@ class Checkpoints:
         self.restored: str | None = None  # the last pick put the copy back: for the launch line
         self._seen: tuple | None = None  # (path, size, mtime_ns) at the last sample
         self._tried: tuple | None = None  # the last one a copy was attempted of
+        # The copy taken while an attempt runs reads and verifies the whole file: a thread of
+        # its own, so the watch loop goes on draining output and heartbeats meanwhile.
+        self._copying: threading.Thread | None = None
+        self._copied: list[tuple[Path, keepcopy.Kept | OSError | None]] = []
         self.remote: Mirroring | None = None  # the run's mirror, when it has one
         self._looked_remote = False
 
@@ -43,6 +48,7 @@ class Checkpoints:
         """The checkpoint the next attempt resumes from; None when an explicit --resume PATH
         does not verify. `first`: the first attempt of a new run (--resume applies)."""
         level = Level(self.cfg.verify)
+        self.settle_copy()  # one writer of rtrain's copy at a time
         if first and self.cfg.resume == "never":
             return Selection(None, [])
         if first and self.cfg.resume != "auto":
@@ -79,18 +85,36 @@ class Checkpoints:
         try:
             kept = keepcopy.keep(self.run_dir, chosen, mode=self.cfg.file_mode)
         except OSError as e:
-            self.say(f"cannot keep a copy of {safe(chosen.path.name)} "
-                     f"({e.strerror or e}): a kill while the script rewrites it may lose it")
-            return
-        if kept is not None:
+            kept = e
+        self._report_copy(chosen.path, kept)
+
+    def _report_copy(self, path: Path, kept: keepcopy.Kept | OSError | None) -> None:
+        if isinstance(kept, OSError):
+            self.say(f"cannot keep a copy of {safe(path.name)} ({kept.strerror or kept}): a "
+                     "kill while the script rewrites it may lose it")
+        elif kept is not None:
             self.events.emit("foreign_copy_kept", path=kept.source, step=kept.step,
                              bytes=kept.bytes, how=kept.how)
+
+    def settle_copy(self) -> None:
+        """Wait for a copy in flight, and report the copies taken since the last look."""
+        if self._copying is not None:
+            self._copying.join()
+            self._copying = None
+        self._collect_copies()
+
+    def _collect_copies(self) -> None:
+        while self._copied:
+            self._report_copy(*self._copied.pop(0))
 
     def watch_keep(self) -> None:
         """At each sample while an attempt runs: once the newest in-place foreign file has
         settled (the same size and mtime two samples running) with new content that verifies,
         copy it, so a kill during the script's next rewrite costs only the steps since."""
         if self.run_dir is None or not self.cfg.keep_foreign_copy:
+            return
+        self._collect_copies()
+        if self._copying is not None and self._copying.is_alive():
             return
         c = next((c for c in foreign.list_candidates(self.dir) if not c.is_dir), None)
         if c is None or foreign.step_from_name(c.path.name) is not None:
@@ -106,7 +130,21 @@ class Checkpoints:
         if seen == self._tried:
             return
         self._tried = seen
-        self._keep(foreign.verify_candidate(c, Level.QUICK, self.key))
+        self._copying = threading.Thread(target=self._keep_in_background, args=(c,),
+                                         name="rtrain-foreign-copy", daemon=True)
+        self._copying.start()
+
+    def _keep_in_background(self, c: foreign.Candidate) -> None:
+        """The copy thread: verify, copy, verify the copy; the result for the loop to report
+        (events are written by the loop's thread only)."""
+        assert self.run_dir is not None
+        try:
+            v = foreign.verify_candidate(c, Level.QUICK, self.key)
+            kept = (keepcopy.keep(self.run_dir, v, mode=self.cfg.file_mode)
+                    if keepcopy.wants_copy(v) else None)
+        except OSError as e:
+            kept = e
+        self._copied.append((c.path, kept))
 
     def _restore_torn(self, level: Level) -> str | None:
         """Put rtrain's copy back when the file it was taken from fails verification (torn by
