@@ -320,6 +320,7 @@ class Probe:
         if self.finished or self.stopped:
             return
         self.finished = True
+        atexit.unregister(self._at_exit)
         if self._handle is not None:
             self._handle.remove()
         if self.last_step is not None:

@@ -170,7 +170,7 @@ def tensor_difference(a: Tensor, b: Tensor) -> str | None:
         count = int(np.count_nonzero(~((x == y) | (np.isnan(x) & np.isnan(y)))))
         if not count:
             return "same values, other bytes (NaN payloads or signed zeros)"
-        if a.dtype[0] in "IUB":
+        if a.dtype[0] in "IU" or a.dtype == "BOOL":
             return f"{count} of {x.size} elements differ, max abs diff {np.nanmax(d):.0f}"
         norm = float(np.linalg.norm(np.nan_to_num(x)))
         rel = float(np.linalg.norm(np.nan_to_num(x - y))) / norm if norm else float("inf")
