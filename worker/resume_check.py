@@ -95,10 +95,11 @@ def _digest(t: torch.Tensor) -> bytes:
 
 def fingerprint(samples_seen: int | None) -> dict[str, Any]:
     """Every global generator's state and the data position, small enough to keep per step."""
-    _, keys, pos, *_ = np.random.get_state(legacy=True)
+    _, keys, *rest = np.random.get_state(legacy=True)
     fp: dict[str, Any] = {"torch": _digest(torch.get_rng_state()),
                           "python": hash(random.getstate()),
-                          "numpy": (hashlib.blake2b(keys.tobytes(), digest_size=8).digest(), pos),
+                          "numpy": (hashlib.blake2b(keys.tobytes(), digest_size=8).digest(),
+                                    *rest),
                           "data": samples_seen}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         fp["cuda"] = tuple(_digest(s.cpu()) for s in torch.cuda.get_rng_state_all())
