@@ -217,6 +217,27 @@ def test_usage_errors_exit_2_in_one_line(tmp_path):
     assert r.returncode == 2 and "--at 0" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_the_cli_hands_over_the_script_its_arguments_and_the_settings(tmp_path, monkeypatch):
+    from supervisor.checkresume import check as cr
+
+    seen = []
+
+    def fake(opts, say):
+        seen.append(opts)
+        return cr.Report(opts.script, 10, (), None, (), tmp_path, False)
+
+    monkeypatch.setattr(cr, "check_resume", fake)
+    (tmp_path / "rtrain.toml").write_text("[settings]\nbatch_size = 8\nsteps = 100\n")
+    r = invoke_rtrain("check-resume", "train.py", "--at", "4", "--stop", "signal", "--set",
+                      "steps=10", "--", "--lr", "0.1", "--out", "{ckpt_dir}", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout == "check-resume train.py: uninterrupted to step 10\n" \
+        "resumes exactly\n"
+    [o] = seen
+    assert (o.script, o.args, o.at, o.stops) == ("train.py", ("--lr", "0.1", "--out",
+                                                             "{ckpt_dir}"), 4, ("signal",))
+    assert o.settings == {"batch_size": 8, "steps": 10} and o.cwd == tmp_path
+
+
 # ------------------------------------------------------------------ the command, real runs
 
 
