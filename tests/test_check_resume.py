@@ -4,6 +4,7 @@ process), and the command on real scripts (slow: each run is a process that impo
 from __future__ import annotations
 
 import json
+import random
 import struct
 
 import numpy as np
@@ -19,7 +20,7 @@ from supervisor.checkresume.compare import Contents, Tensor, compare, read, tens
 from supervisor.ckpt import manifest
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.protocol import ENV_CHECK_RESUME, ENV_CKPT_DIR
-from worker import resume_check
+from worker import check_order
 
 # ------------------------------------------------------------------ the comparison
 
@@ -143,11 +144,51 @@ def test_merge_takes_the_union_and_ignores_what_it_does_not_understand():
 
 @pytest.mark.parametrize("value", ['{"stop_at": 3}', '{"stop": "kill"}', "[1]",
                                    '{"stop_at": -1, "stop": "kill"}',
-                                   '{"stop_at": 2, "stop": "nap"}'])
+                                   '{"stop_at": 2, "stop": "nap"}', '{"entropy": -1}',
+                                   '{"entropy": "7"}'])
 def test_a_bad_order_is_refused(monkeypatch, value):
     monkeypatch.setenv(ENV_CHECK_RESUME, value)
     with pytest.raises(ValueError, match=ENV_CHECK_RESUME):
-        resume_check.plan()
+        check_order.plan()
+
+
+def test_the_original_runs_share_their_entropy_and_a_resumed_run_draws_its_own(tmp_path):
+    from supervisor.checkresume.check import Options, command
+
+    opts = Options("train.py", args=("--out", "{ckpt_dir}"), settings={"steps": 8},
+                   python="py")
+    caller = {"PATH": "/bin", "RTRAIN_FAULTS": "kill@3", "RTRAIN_SIGNING_KEY": "k"}
+    orders = {}
+    for run, order, resume_from in [("straight", None, None),
+                                    ("kill", {"stop_at": 4, "stop": "kill"}, None),
+                                    ("resumed", None, tmp_path / "kill" / "checkpoint-4")]:
+        argv, env = command(opts, tmp_path / run, caller, order=order, resume_from=resume_from)
+        assert argv == ["py", "train.py", "--out", str(tmp_path / run / "checkpoints")]
+        assert "RTRAIN_FAULTS" not in env and env["RTRAIN_SIGNING_KEY"] == "k"
+        orders[run] = (json.loads(env[ENV_CHECK_RESUME]), env.get("PYTHONHASHSEED"))
+    (straight, seed), (kill, kill_seed), (resumed, resumed_seed) = orders.values()
+    assert straight["entropy"] == kill["entropy"] and seed == kill_seed == str(kill["entropy"])
+    assert kill["stop_at"] == 4 and kill["stop"] == "kill"
+    assert resumed == {} and resumed_seed is None
+    # The caller's own hash seed holds for every run.
+    _, env = command(opts, tmp_path / "straight", {**caller, "PYTHONHASHSEED": "0"})
+    assert env["PYTHONHASHSEED"] == "0"
+
+
+def test_the_entropy_seeds_python_and_numpy_and_nothing_without_it(monkeypatch):
+    saved = random.getstate(), np.random.get_state()
+    try:
+        py, npy = random.Random(11), np.random.RandomState(11)
+        monkeypatch.setenv(ENV_CHECK_RESUME, '{"entropy": 11}')
+        check_order.seed_entropy()
+        assert (random.random(), np.random.random()) == (py.random(), npy.random())
+        for value in ("{}", '{"entropy": "bad"}'):  # no entropy: the generators go on
+            monkeypatch.setenv(ENV_CHECK_RESUME, value)
+            check_order.seed_entropy()
+            assert (random.random(), np.random.random()) == (py.random(), npy.random())
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
 
 
 def _train(ckpt_dir, steps, *, prefetch, start_seed=None):

@@ -24,7 +24,18 @@ from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level
 from supervisor.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
-from worker import data, dist, dist_ckpt, failsave, faults, guards, restore, resume_check, runtime
+from worker import (
+    check_order,
+    data,
+    dist,
+    dist_ckpt,
+    failsave,
+    faults,
+    guards,
+    restore,
+    resume_check,
+    runtime,
+)
 from worker.async_write import BackgroundSave
 from worker.cadence import FIRST_SAVE_S, CadenceBounds
 from worker.capture import Components, FrozenBase, Moving, capture, environment, moving, number
@@ -144,7 +155,7 @@ class Checkpointer:
         if self._watch is not None:
             failsave.watch(self)
         # Under `rtrain check-resume` only: evidence for its report, its stop, the final save.
-        order = resume_check.plan()
+        order = check_order.plan()
         self._check = resume_check.Probe(self, order) if order is not None else None
 
     @property

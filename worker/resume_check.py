@@ -20,7 +20,8 @@ probe writes into every manifest (`info.check_resume`, schema below):
 - the model's RNG-consuming modules in training mode (dropout, RReLU, attention dropout).
 - the device, and whether deterministic algorithms are on (CUDA kernels may not reproduce).
 
-Orders from the command: `stop_at` N with `stop` "kill" (at the first boundary at or past N:
+Orders from the command (parsed in worker/check_order.py, torch-free, with the entropy a
+process starts from): `stop_at` N with `stop` "kill" (at the first boundary at or past N:
 save, then SIGKILL the process group, as a lost node) or "signal" (send the stop signal,
 SIGTERM, to the process group: the Checkpointer saves at that boundary and exits 75, the
 preemption path). Without a stop, `close()` (or the interpreter's exit) saves the last boundary's
@@ -40,14 +41,12 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
-import json
 import os
 import random
 import signal
 import sys
 import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,38 +54,13 @@ import numpy as np
 import torch
 
 from supervisor.errors import CheckpointError
-from supervisor.protocol import ENV_CHECK_RESUME, ENV_CKPT_DIR
+from supervisor.protocol import ENV_CKPT_DIR
 from worker import runtime
+from worker.check_order import Plan
 
 VERSION = 1
-STOPS = ("kill", "signal")
 _MOVING = ("torch", "cuda", "python", "numpy", "data")
 _NAMES = 8  # modules, loaders and call sites listed at most
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What check-resume asked of this process."""
-
-    stop_at: int | None = None
-    stop: str | None = None  # "kill" or "signal"
-
-
-def plan() -> Plan | None:
-    """The order in RTRAIN_CHECK_RESUME, None when unset. Raises ValueError on a bad value."""
-    raw = os.environ.get(ENV_CHECK_RESUME)
-    if not raw:
-        return None
-    try:
-        d = json.loads(raw)
-        stop_at, stop = d.get("stop_at"), d.get("stop")
-    except (ValueError, AttributeError):
-        raise ValueError(f"{ENV_CHECK_RESUME} is not a JSON object: {raw[:80]!r}") from None
-    if stop_at is not None and (not isinstance(stop_at, int) or stop_at < 0):
-        raise ValueError(f"{ENV_CHECK_RESUME}: stop_at must be a step, not {stop_at!r}")
-    if stop not in (None, *STOPS) or (stop is None) != (stop_at is None):
-        raise ValueError(f"{ENV_CHECK_RESUME}: stop must be one of {STOPS} with stop_at")
-    return Plan(stop_at, stop)
 
 
 def _digest(t: torch.Tensor) -> bytes:

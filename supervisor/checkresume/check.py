@@ -1,7 +1,10 @@
 """`rtrain check-resume`: does a training script resume exactly?
 
 The script (one that uses worker.Checkpointer and ends by itself) runs, each run with a fresh
-checkpoint dir under the work dir and the same settings and environment:
+checkpoint dir under the work dir and the same settings and environment. The processes that stand
+for the original run (the uninterrupted ones and the one stopped) also start from the same
+entropy (python's and numpy's global generators, PYTHONHASHSEED); a resumed process draws its
+own, as a relaunch does (worker/check_order.py says why):
 
 1. straight to its end: the reference (`straight/`);
 2. for each stop asked (`--stop`, default both): stopped at step `--at` (default half the
@@ -53,6 +56,10 @@ _HOW = {"kill": "a save, then SIGKILL", "signal": "SIGTERM (save, exit 75)"}
 _KEEP = ("RTRAIN_SIGNING_KEY", "RTRAIN_SIGNING_KEY_FILE", "RTRAIN_ALLOW_SHARED_KEY",
          "RTRAIN_ALLOW_XXH3_SIGNED")
 _SHOWN = 5  # differences listed per stop
+# The seed of python's and numpy's global generators (and PYTHONHASHSEED, unless the caller set
+# one) in every process of the original run: without it each process draws its own from the OS,
+# and two uninterrupted runs of a script that never seeds them end in other generator states.
+_ENTROPY = 20240601
 
 
 @dataclass(frozen=True)
@@ -177,16 +184,7 @@ def _run(opts: Options, run_dir: Path, what: str, *, order: dict[str, Any] | Non
          expect: int = 0) -> tuple[Verdict, Ran]:
     """One run of the script in `run_dir`; the newest checkpoint after it, fully verified."""
     ckpt_dir = run_dir / "checkpoints"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_") or k in _KEEP}
-    env.update({ENV_CKPT_DIR: str(ckpt_dir), ENV_RUN_DIR: str(run_dir),
-                ENV_SETTINGS: json.dumps(opts.settings),
-                ENV_ATTEMPT: "1" if resume_from is not None else "0",
-                ENV_CHECK_RESUME: json.dumps(order or {})})
-    if resume_from is not None:
-        env[ENV_RESUME_FROM] = str(resume_from)
-    values = {**opts.settings, "ckpt_dir": str(ckpt_dir), "run_dir": str(run_dir),
-              "checkpoint": str(resume_from or ""), "attempt": env[ENV_ATTEMPT]}
-    argv = [opts.python, opts.script, *render(list(opts.args), values)]
+    argv, env = command(opts, run_dir, dict(os.environ), order=order, resume_from=resume_from)
     ran = run(argv, cwd=opts.cwd, env=env, log=run_dir / log, timeout_s=opts.timeout_s)
     if ran.returncode != expect:
         if ran.returncode == 0:
@@ -204,6 +202,30 @@ def _run(opts: Options, run_dir: Path, what: str, *, order: dict[str, Any] | Non
     if not v.ok:
         raise ScriptFailed(f"the {what}: {v.path.name} does not verify: {v.reason}")
     return v, ran
+
+
+def command(opts: Options, run_dir: Path, environ: dict[str, str], *,
+            order: dict[str, Any] | None = None,
+            resume_from: Path | None = None) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of one run in `run_dir` (pure): the caller's environment less
+    its RTRAIN_* (but signing), the run's dirs and settings, the order, and for a process of the
+    original run (not resumed) the entropy they share (worker/check_order.py says why a resumed
+    run draws its own, as a relaunch does)."""
+    ckpt_dir = run_dir / "checkpoints"
+    env = {k: v for k, v in environ.items() if not k.startswith("RTRAIN_") or k in _KEEP}
+    order = dict(order or {})
+    if resume_from is None:
+        order["entropy"] = _ENTROPY
+        env.setdefault("PYTHONHASHSEED", str(_ENTROPY))
+    env.update({ENV_CKPT_DIR: str(ckpt_dir), ENV_RUN_DIR: str(run_dir),
+                ENV_SETTINGS: json.dumps(opts.settings),
+                ENV_ATTEMPT: "1" if resume_from is not None else "0",
+                ENV_CHECK_RESUME: json.dumps(order)})
+    if resume_from is not None:
+        env[ENV_RESUME_FROM] = str(resume_from)
+    values = {**opts.settings, "ckpt_dir": str(ckpt_dir), "run_dir": str(run_dir),
+              "checkpoint": str(resume_from or ""), "attempt": env[ENV_ATTEMPT]}
+    return [opts.python, opts.script, *render(list(opts.args), values)], env
 
 
 def _exit(code: int) -> str:
