@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -282,10 +283,13 @@ def test_the_cli_hands_over_the_script_its_arguments_and_the_settings(tmp_path, 
 # ------------------------------------------------------------------ the command, real runs
 
 
-def check(*args, cwd=REPO, timeout=120):
+def check(*args, cwd=REPO, tmp=None, timeout=120):
+    """`rtrain check-resume ARGS`; a work dir it makes goes under `tmp` (TMPDIR), not the
+    machine's temp dir."""
     from harness import run_rtrain
 
-    return run_rtrain("check-resume", *args, cwd=cwd, timeout=timeout)
+    env = {"TMPDIR": str(tmp)} if tmp is not None else None
+    return run_rtrain("check-resume", *args, cwd=cwd, env=env, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -312,7 +316,7 @@ def test_check_resume_says_the_vision_example_resumes_exactly(tmp_path):
 @pytest.mark.slow
 def test_a_prefetched_batch_is_named(tmp_path):
     r = check(str(CHILDREN / "resume_order.py"), "--stop", "kill", "--json", "--",
-              "--prefetch", cwd=tmp_path)
+              "--prefetch", cwd=tmp_path, tmp=tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
     out = json.loads(r.stdout)
     assert out["exact"] is False and out["reproducible"] is True
@@ -322,13 +326,15 @@ def test_a_prefetched_batch_is_named(tmp_path):
     assert [c["kind"] for c in out["causes"]] == ["drawn_after_step"]
     assert "torch's RNG moved between optimizer.step() and maybe_save()" in \
         out["causes"][0]["reason"]
-    assert out["work_dir"] is not None  # kept, to look at
+    kept = Path(out["work_dir"])  # kept, to look at: every run's checkpoints and logs
+    assert kept.parent == tmp_path and (kept / "kill" / "stop.log").is_file()
+    assert sorted(p.name for p in kept.iterdir()) == ["kill", "repeat", "straight"]
 
 
 @pytest.mark.slow
 def test_dropout_with_the_rng_seeded_after_restore_names_the_rng(tmp_path):
     r = check(str(CHILDREN / "resume_order.py"), "--stop", "signal", "--", "--reseed",
-              cwd=tmp_path)
+              cwd=tmp_path, tmp=tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "stopped at step 6 by SIGTERM (save, exit 75), resumed to the end: " in r.stdout
     assert "does not resume exactly; likely causes:\n  - the RNG is seeded after " \
@@ -340,7 +346,7 @@ def test_dropout_with_the_rng_seeded_after_restore_names_the_rng(tmp_path):
 @pytest.mark.slow
 def test_a_script_without_the_worker_library_is_one_line_exit_2(tmp_path):
     (tmp_path / "plain.py").write_text("print('training without rtrain')\n")
-    r = check("plain.py", cwd=tmp_path)
+    r = check("plain.py", cwd=tmp_path, tmp=tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr
     [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("rtrain: error:")]
     assert "saved no checkpoint where check-resume asked (RTRAIN_CKPT_DIR): the script must " \
