@@ -337,6 +337,63 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
+class StopKind(str, enum.Enum):
+    kill = "kill"
+    signal = "signal"
+    both = "both"
+
+
+@app.command("check-resume",
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def check_resume(
+    ctx: typer.Context,
+    script: Annotated[str, typer.Argument(
+        metavar="SCRIPT [ARGS]...", show_default=False,
+        help="A training script that uses worker.Checkpointer and ends by itself, then its "
+             "arguments (`{ckpt_dir}` and `{knob}` templates as in launch).")],
+    at: Annotated[int | None, typer.Option(
+        "--at", metavar="STEP", show_default=False,
+        help="Stop at this step (default: half of the uninterrupted run's steps).")] = None,
+    stop: Annotated[StopKind, typer.Option(
+        "--stop", case_sensitive=False,
+        help="kill (a save, then SIGKILL), signal (SIGTERM: save, exit 75) or both.")
+    ] = StopKind.both,
+    sets: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="KNOB=VALUE", help="Set a knob for every run (repeatable).")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", metavar="FILE", help="Config file whose [settings] the runs get (default "
+                                         "rtrain.toml or [tool.rtrain] in pyproject.toml).")
+    ] = None,
+    python: Annotated[str | None, typer.Option(
+        "--python", metavar="EXE", help="Interpreter for SCRIPT (default: rtrain's).")] = None,
+    work_dir: Annotated[Path | None, typer.Option(
+        "--work-dir", metavar="DIR", show_default=False,
+        help="Where the runs keep their checkpoints and logs, kept afterwards (default: a "
+             "temporary dir, removed when the script resumes exactly).")] = None,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", metavar="SECONDS", help="Longest one run may take.")] = 1800.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Check that a script resumes exactly: run it straight, and stopped and resumed, compare."""
+    with reported():
+        import sys
+
+        from supervisor.checkresume import check as cr
+        from supervisor.config import load_config
+
+        cwd = Path.cwd()
+        settings = load_config({"settings": _parse_sets(sets or []) or None}, config,
+                               cwd).settings
+        opts = cr.Options(script=script, args=tuple(ctx.args), at=at,
+                          stops=("kill", "signal") if stop is StopKind.both else (stop.value,),
+                          settings=settings, python=python or sys.executable, cwd=cwd,
+                          work_dir=work_dir, timeout_s=timeout, key=_signing_key())
+        report = cr.check_resume(opts, say=(lambda _: None) if as_json else
+                                 (lambda line: typer.echo(line, err=True)))
+        echo_json(cr.report_json(report)) if as_json else typer.echo(cr.render_report(report))
+        raise typer.Exit(0 if report.exact else 1)
+
+
 @app.command()
 def status(
     run_dir: Annotated[Path | None, typer.Argument(

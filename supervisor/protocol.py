@@ -33,6 +33,12 @@ ENV_RUN_SECONDS = "RTRAIN_RUN_SECONDS"
 # The save cost the run last measured (JSON {"save_stall_s", "step_time_s"}, from the newest
 # `cadence` event): a relaunch chooses its first interval from it instead of guessing.
 ENV_SAVE_COST = "RTRAIN_SAVE_COST"
+# Set only by `rtrain check-resume` (JSON {"stop_at": step or null, "stop": "kill", "signal" or
+# null, "entropy": a seed or absent}): `import worker` seeds python's and numpy's global
+# generators with the entropy (worker/check_order.py); the Checkpointer records evidence of
+# inexact resumes in each manifest's info.check_resume, stops where asked and saves the final
+# step (worker/resume_check.py).
+ENV_CHECK_RESUME = "RTRAIN_CHECK_RESUME"
 ENV_RELIEVE_SIGNAL = "RTRAIN_RELIEVE_SIGNAL"
 # A FIFO the worker creates in its status dir (RTRAIN_STATUS) and reads from a thread of its
 # own: requests that must be served while the training thread is stuck (worker/hang_save.py).

@@ -11,6 +11,7 @@ torch-bound parts (`Checkpointer`, the samplers, `sample_generator`) load on fir
 from typing import Any
 
 from supervisor import __version__
+from worker import check_order
 from worker.runtime import (
     heartbeat,
     on_pressure,
@@ -20,6 +21,10 @@ from worker.runtime import (
     write_exit_record,
 )
 from worker.settings import Settings, settings
+
+# Under `rtrain check-resume` only: the runs that stand for one original run start python's and
+# numpy's global generators alike, before the script's own code seeds or draws.
+check_order.seed_entropy()
 
 _GUARDS = ("NonFiniteGuard", "OOMBackoff", "SkipBadSamples", "DataError", "skip_none_collate",
            "install_excepthook")

@@ -24,7 +24,19 @@ from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level
 from supervisor.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
-from worker import data, dist, dist_ckpt, failsave, faults, guards, hyperparams, restore, runtime
+from worker import (
+    check_order,
+    data,
+    dist,
+    dist_ckpt,
+    failsave,
+    faults,
+    guards,
+    hyperparams,
+    restore,
+    resume_check,
+    runtime,
+)
 from worker.async_write import BackgroundSave
 from worker.cadence import FIRST_SAVE_S, CadenceBounds
 from worker.capture import Components, FrozenBase, Moving, capture, environment, moving, number
@@ -144,6 +156,9 @@ class Checkpointer:
             runtime.on_pressure(on_pressure)
         if self._watch is not None:
             failsave.watch(self)
+        # Under `rtrain check-resume` only: evidence for its report, its stop, the final save.
+        order = check_order.plan()
+        self._check = resume_check.Probe(self, order) if order is not None else None
 
     @property
     def skipped_saves(self) -> int:
@@ -192,6 +207,8 @@ class Checkpointer:
         self.step, self.epoch = m["step"], m["epoch"]
         self.extra = loaded.extra
         self._clock.resumed(self.step, parts.samples())
+        if self._check is not None:
+            self._check.restored(self.step)
         log.info("resumed from %s (step %d, epoch %d)", loaded.path, self.step, self.epoch)
         runtime.heartbeat(step=self.step, event="start", restore_s=time.monotonic() - began)
         return self.step
@@ -204,6 +221,8 @@ class Checkpointer:
         Also sends the step's heartbeat to the supervisor.
         """
         faults.step_hook(step, self.ckpt_dir)  # a no-op unless RTRAIN_FAULTS arms one
+        if self._check is not None:
+            self._check.boundary(step)
         if runtime.pressure_requested():
             runtime.relieve_pressure(step, settings=guards.effective_settings())
         if self._watch is not None:
@@ -244,6 +263,8 @@ class Checkpointer:
         self._clock.save_begins(step)
         self.epoch = epoch if epoch is not None else self._epoch_now()
         cap = capture(self._parts(), step, self.epoch, self._lr_scale, metrics or {}, extra or {})
+        if self._check is not None and "info" in cap.fields:
+            cap.fields["info"]["check_resume"] = self._check.evidence()
         if cap.world is None:  # under torch.distributed, rank 0 makes room inside the collective
             short = self._retention.make_room(cap.nbytes)
             if short is not None:
@@ -292,6 +313,8 @@ class Checkpointer:
         if self._hyper is not None:
             self._hyper.settle()  # the script stopped before its verdict's step
             self._hyper = None
+        if self._check is not None:
+            self._check.finish()
         self._bg.wait()
         if self._watch is not None:
             self._watch.close()
