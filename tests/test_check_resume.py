@@ -332,6 +332,7 @@ def test_a_prefetched_batch_is_named(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a named cause is the default tier's with the prefetch
 def test_dropout_with_the_rng_seeded_after_restore_names_the_rng(tmp_path):
     r = check(str(CHILDREN / "resume_order.py"), "--stop", "signal", "--", "--reseed",
               cwd=tmp_path, tmp=tmp_path)

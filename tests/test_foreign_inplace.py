@@ -17,11 +17,12 @@ SCRIPT = str(CHILDREN / "inplace_ckpt.py")
 
 
 def run_inplace(tmp_path: Path, faults: str, max_iters: int, *extra: str,
-                timeout: float = 120):
+                timeout: float = 120, extra_script: tuple[str, ...] = ()):
     out = tmp_path / "out"
     r = launch_run(tmp_path / "run", "--ckpt-dir", str(out), "--resume-arg",
                    "--init_from=resume", *extra, SCRIPT, "--", "--out_dir", str(out),
-                   "--max_iters", str(max_iters), "--faults", faults, timeout=timeout)
+                   "--max_iters", str(max_iters), "--faults", faults, *extra_script,
+                   timeout=timeout)
     starts = [int(s) for s in (out / "starts.txt").read_text().split()]
     return r, out, starts
 
@@ -38,6 +39,20 @@ def test_killed_after_progress_four_times_finishes_on_default_settings(tmp_path)
     launches = events(tmp_path / "run", "launch")
     assert [Path(e["resume_from"]).name if e["resume_from"] else None for e in launches] == [
         None, "ckpt.pt", "ckpt.pt", "ckpt.pt", "ckpt.pt"]
+
+
+@pytest.mark.slow
+@pytest.mark.soak  # progress by content is the default tier's with ckpt.pt
+def test_lightning_last_ckpt_killed_after_progress_finishes_on_default_settings(tmp_path):
+    # Lightning's last.ckpt, rewritten in place: its global_step is read from the pickle and
+    # each new content is progress, so three kills (the crash-loop threshold) do not end it.
+    r, out, starts = run_inplace(tmp_path, "5:kill,10:kill,15:kill", 20, extra_script=(
+        "--lightning",))
+    assert r.returncode == 0, r.stderr
+    assert (out / "done.json").exists() and starts == [0, 5, 10, 15]
+    launches = events(tmp_path / "run", "launch")
+    assert [Path(e["resume_from"]).name if e["resume_from"] else None for e in launches] == [
+        None, "last.ckpt", "last.ckpt", "last.ckpt"]
 
 
 @pytest.mark.soak
@@ -86,6 +101,7 @@ def test_malicious_pickle_and_directory_refused_never_run_copy_restored(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # the copy's setting; the copy itself is the default tier's
 def test_without_the_copy_a_torn_file_is_skipped(tmp_path):
     # keep_foreign_copy = false: the torn file is passed over as before, and the run starts
     # over (what the copy prevents; this is the behaviour the default no longer has).

@@ -13,6 +13,8 @@ Test faults, each once (recorded in OUT/faults_done), at the save of an iteratio
 The saves faulted to leave a bad file wait --settle_s first: the content before them stays on
 disk that long.
 Each start appends its first iteration to OUT/starts.txt; the end writes OUT/done.json.
+`--lightning`: the file is `last.ckpt` in Lightning's layout (`state_dict`, `optimizer_states`,
+`global_step`), as ModelCheckpoint(save_last=True) rewrites it.
 """
 
 import argparse
@@ -38,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--settle_s", type=float, default=2.5)
     p.add_argument("--faults", default="")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lightning", action="store_true")
     return p.parse_args()
 
 
@@ -80,7 +83,7 @@ def fault(kind: str, path: str, ckpt: dict, out: str) -> None:
 def main() -> None:
     a = parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
-    path = os.path.join(a.out_dir, "ckpt.pt")
+    path = os.path.join(a.out_dir, "last.ckpt" if a.lightning else "ckpt.pt")
     done_file = os.path.join(a.out_dir, "faults_done")
     done = set()
     if os.path.exists(done_file):
@@ -94,9 +97,14 @@ def main() -> None:
     start = 0
     if a.init_from == "resume":
         ckpt = torch.load(path, map_location="cpu")  # weights_only: the default
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        start = ckpt["iter_num"]
+        if a.lightning:
+            model.load_state_dict(ckpt["state_dict"])
+            opt.load_state_dict(ckpt["optimizer_states"][0])
+            start = ckpt["global_step"]
+        else:
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
+            start = ckpt["iter_num"]
     with open(os.path.join(a.out_dir, "starts.txt"), "a") as f:
         f.write(f"{start}\n")
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
@@ -109,8 +117,12 @@ def main() -> None:
         time.sleep(a.step_s)
         if it % a.every:
             continue
-        ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": it,
-                "config": vars(a)}
+        if a.lightning:
+            ckpt = {"epoch": 0, "global_step": it, "state_dict": model.state_dict(),
+                    "optimizer_states": [opt.state_dict()], "lr_schedulers": []}
+        else:
+            ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "iter_num": it, "config": vars(a)}
         kind = faults.get(str(it))
         if kind and f"{it}:{kind}" not in done:
             with open(done_file, "a") as f:
