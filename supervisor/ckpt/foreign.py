@@ -79,8 +79,10 @@ class Candidate:
     order: tuple[int, int, int, float]  # larger is newer
 
 
-def list_candidates(ckpt_dir: str | os.PathLike) -> list[Candidate]:
-    """Every checkpoint dir and, where there are none, every checkpoint file; newest first."""
+def list_candidates(ckpt_dir: str | os.PathLike, *, read_steps: bool = True) -> list[Candidate]:
+    """Every checkpoint dir and, where there are none, every checkpoint file; newest first.
+    `read_steps=False` leaves a stepless file's step unread (no pickle walk: the watch loop's
+    look at the dir each sample), ordering such files by time alone."""
     root = Path(ckpt_dir)
     dirs, files = [], []
     try:
@@ -108,7 +110,7 @@ def list_candidates(ckpt_dir: str | os.PathLike) -> list[Candidate]:
             out.append(Candidate(root / name, step, False, (step, 0, 0, mtime)))
         else:
             before = [s for t, s in stepped if t <= mtime]
-            inner = content_step(root / name)
+            inner = content_step(root / name) if read_steps else None
             out.append(Candidate(root / name, inner, False,
                                  (max(before, default=-1), 1, -1 if inner is None else inner,
                                   mtime)))

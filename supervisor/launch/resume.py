@@ -116,7 +116,9 @@ class Checkpoints:
         self._collect_copies()
         if self._copying is not None and self._copying.is_alive():
             return
-        c = next((c for c in foreign.list_candidates(self.dir) if not c.is_dir), None)
+        # Names and times only: the pickle walk belongs to the copy thread's verification.
+        c = next((c for c in foreign.list_candidates(self.dir, read_steps=False)
+                  if not c.is_dir), None)
         if c is None or foreign.step_from_name(c.path.name) is not None:
             return
         try:
