@@ -5,6 +5,9 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import socket
+import threading
+import time
 
 import pytest
 
@@ -140,6 +143,47 @@ def test_frequent_saves_do_not_starve_step_heartbeats(receiver, monkeypatch):
             got += receiver.drain()  # as the supervisor does, before the socket queue fills
     steps = [h.step for h in got if h.event == "step"]
     assert len(steps) >= 4, steps  # one per 0.2 s (floating-point time may drop a fifth)
+
+
+def _fill(receiver) -> int:
+    """Fill the receiver's datagram queue (net.unix.max_dgram_qlen) as a busy supervisor would."""
+    from supervisor.protocol import socket_address
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as other:
+        for n in range(10_000):
+            try:
+                other.sendto(b"x", socket.MSG_DONTWAIT, socket_address(receiver.name))
+            except BlockingIOError:
+                return n
+    raise AssertionError("the queue never filled")
+
+
+def test_an_event_waits_for_room_on_a_full_queue_a_step_does_not(receiver):
+    # A supervisor busy elsewhere for a moment (a loaded machine) lets the queue fill; an event
+    # (save_skipped, save_begin, stop, exiting) is said once and must not be lost there.
+    runtime.install()
+    receiver.drain()
+    _fill(receiver)
+    got: list = []
+    reader = threading.Timer(0.3, lambda: got.extend(receiver.drain()))
+    reader.start()
+    began = time.monotonic()
+    runtime.heartbeat(step=7)  # dropped at once: the next step heartbeat says more
+    assert time.monotonic() - began < 0.2
+    runtime.heartbeat(event="save_skipped", step=8, reason="Read-only file system")
+    waited = time.monotonic() - began
+    reader.join()
+    got += receiver.drain()
+    assert [(h.event, h.step) for h in got] == [("save_skipped", 8)]
+    assert 0.25 < waited < runtime.EVENT_SEND_WAIT_S
+
+
+def test_an_event_gives_up_on_a_queue_nobody_reads(receiver, monkeypatch):
+    monkeypatch.setattr(runtime, "EVENT_SEND_WAIT_S", 0.3)
+    runtime.install()
+    _fill(receiver)
+    began = time.monotonic()
+    runtime.heartbeat(event="save_end", step=8)
+    assert 0.3 <= time.monotonic() - began < 2
 
 
 def test_dump_signal_writes_stacks_to_status_dir(receiver, tmp_path):

@@ -57,6 +57,7 @@ from supervisor.protocol import (
 log = logging.getLogger(__name__)
 
 STEP_THROTTLE_S = 0.2  # at most this often a "step" heartbeat; other events always go out
+EVENT_SEND_WAIT_S = 2.0  # how long an event waits for room in a full supervisor queue
 _TRACEBACK_TAIL = 4000
 _clock = time.monotonic  # a seam for tests
 
@@ -297,10 +298,26 @@ def _send(event: str, step: int | None, loss: float | None, fields: dict[str, An
         world=world_size(),
         **fields,
     )
-    try:
-        s.sock.sendto(hb.encode(), socket.MSG_DONTWAIT, s.addr)
-    except OSError:  # nobody listening, or the queue is full: a lost heartbeat is harmless
-        pass
+    data = hb.encode()
+    deadline: float | None = None
+    while True:
+        try:
+            s.sock.sendto(data, socket.MSG_DONTWAIT, s.addr)
+            return
+        except BlockingIOError:
+            # The supervisor's queue is full (a busy moment on a loaded machine; Linux queues
+            # 10 datagrams by default). A step heartbeat is dropped: the next one says more.
+            # An event is said once (save_skipped, save_begin, stop, exiting), so it waits a
+            # little for room; not forever, since a training step must never hang on it.
+            if event == "step":
+                return
+            now = time.monotonic()  # not _clock: tests freeze that one
+            deadline = now + EVENT_SEND_WAIT_S if deadline is None else deadline
+            if now >= deadline:
+                return
+            time.sleep(0.005)
+        except OSError:  # nobody listening: the supervisor is gone or never was
+            return
 
 
 def _send_held() -> None:
