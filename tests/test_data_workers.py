@@ -104,3 +104,39 @@ def test_a_parent_that_is_a_zombie_counts_as_gone(monkeypatch):
         live.kill()
         live.wait()
         dead.wait()
+
+
+@pytest.mark.slow
+def test_a_stop_that_reaches_a_worker_before_its_init_is_left_to_the_training_process(
+        monkeypatch):
+    # A stop sent to the whole process group (rtrain's, Slurm's, a container's) can reach a worker
+    # of a fresh iterator (a new epoch without persistent workers) after torch installed its
+    # SIGTERM handler, which dies of a SIGTERM its parent did not send, and before the
+    # worker_init_fn that leaves it to the training process: the loader then raised "DataLoader
+    # worker exited unexpectedly" instead of the step boundary saving (a preemption test
+    # of the default tier under load once). Here each worker gets that SIGTERM there every time.
+    import signal
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data._utils import signal_handling
+    from torch.utils.data._utils import worker as torch_worker
+
+    import worker
+
+    real_loop = torch_worker._worker_loop
+
+    def loop_stopped_at_birth(*args, **kwargs):
+        signal_handling._set_worker_signal_handlers()  # as torch's loop does first
+        os.kill(os.getpid(), signal.SIGTERM)  # from a process that is not the parent
+        return real_loop(*args, **kwargs)
+
+    monkeypatch.setattr(torch_worker, "_worker_loop", loop_stopped_at_birth)
+    data = TensorDataset(torch.arange(32))
+    loader = DataLoader(data, batch_size=4, num_workers=2,
+                        sampler=worker.ResumableSampler(len(data), seed=0))
+    ck = worker.Checkpointer(model=torch.nn.Linear(1, 1), loader=loader)
+    for _epoch in range(2):  # the second epoch starts its workers anew
+        assert sorted(i for (b,) in loader for i in b.tolist()) == list(range(32))
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # as it was
+    del ck

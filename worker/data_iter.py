@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from worker.data_workers import worker_init
+from worker.data_workers import born_with_sigterm_blocked, worker_init
 
 
 class Counting(Protocol):
@@ -79,8 +79,12 @@ def seed_iteration(loader: Any, seed: int, epoch: int, position: int) -> None:
 
 @functools.cache
 def _watched_class(cls: type) -> type:
+    def fresh(self: Any) -> Any:
+        with born_with_sigterm_blocked(self):  # the fork of the workers, not a fast-forward
+            return cls.__iter__(self)
+
     def __iter__(self: Any) -> Any:
-        return self._rtrain_position.iterate(lambda: cls.__iter__(self))
+        return self._rtrain_position.iterate(lambda: fresh(self))
 
     return type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})

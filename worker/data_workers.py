@@ -4,7 +4,9 @@ A stop often reaches every process of the group or job (rtrain's stop to the chi
 Ctrl-C, Slurm's --signal, a container's SIGTERM). torch's worker dies of a SIGTERM its parent
 did not send, and the loader then raises "DataLoader worker is killed" in the training loop
 instead of the step boundary saving. A watched loader's `worker_init_fn` is wrapped with
-`worker_init` (worker/data_iter.py) so that its workers leave such stops to the training process.
+`worker_init` (worker/data_iter.py) so that its workers leave such stops to the training process,
+and they are forked with SIGTERM blocked (`born_with_sigterm_blocked`), so that no stop reaches
+one in its start-up before that.
 
 The same thread ends a worker whose training process is gone. torch's own watchdog notes the
 worker's parent only after `worker_init_fn` returns: a worker still starting when the training
@@ -15,10 +17,13 @@ open (the training process's stdout and stderr: whoever reads them to EOF waits 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 # Signals that ask the training process to save and stop (worker/runtime.py).
@@ -48,6 +53,24 @@ def worker_init(user_init: Any, worker_id: int) -> None:
         signal.signal(sig, _ignore)
     if user_init is not None:
         user_init(worker_id)
+
+
+@contextlib.contextmanager
+def born_with_sigterm_blocked(loader: Any) -> Iterator[None]:
+    """Around `iter(loader)`, which forks the workers of a fresh iterator: they are born with
+    SIGTERM blocked, as `worker_init` keeps it. torch's worker installs its SIGTERM handler (which
+    dies of a SIGTERM its parent did not send) before it calls `worker_init_fn`; a stop sent to
+    the whole group in between would end the worker, not leave it to the training process. A
+    SIGTERM meant for the training process meanwhile waits the few milliseconds of the fork."""
+    init = getattr(loader, "worker_init_fn", None)
+    if not (isinstance(init, functools.partial) and init.func is worker_init):
+        yield  # workers without worker_init would keep it blocked and never end on terminate()
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _parent() -> int:
