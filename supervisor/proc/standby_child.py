@@ -6,8 +6,8 @@ it imports torch (and the rest of the preload) by name, as the training script w
 training interpreter, so imports here are exactly what the script would have paid for.
 
 Protocol on the Unix socket FD (one JSON object per line):
-  standby -> rtrain  {"ready": ..., "modules": [...], "files": [...], "import_s", "cuda"}
-                     or {"failed": "why"} (then it exits 1)
+  standby -> rtrain  {"ready": pid, "modules": [...], "files": {path: stamp}, "stamped_ns",
+                     "import_s", "cuda"} or {"failed": "why"} (then it exits 1)
   rtrain -> standby  {"argv", "env", "cwd"} with two file descriptors (stdout, stderr)
   standby -> rtrain  {"started": pid} just before the script's first line, or {"failed": why}
 EOF from rtrain before the hand-off: exit 0 quietly (discarded).
@@ -28,6 +28,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import sys
 import time
 
@@ -83,13 +84,15 @@ def _find(dotted: str, path: list[str] | None):
     return spec
 
 
-def top_imports(script: str, path0: str, depth: int = 3) -> list[str]:
+def top_imports(script: str, path0: str, depth: int = 3,
+                seen_files: set[str] | None = None) -> list[str]:
     """Top-level names imported at module level by the script, and by its own modules (those in
     its directory) `depth` levels down, that live outside its directory and the standard
-    library, in the order written. Found without importing anything."""
+    library, in the order written. Found without importing anything; the files read are added
+    to `seen_files` (a change to one may change what is to be preloaded)."""
     std = getattr(sys, "stdlib_module_names", frozenset())
     out: list[str] = []
-    seen_files: set[str] = set()
+    seen_files = set() if seen_files is None else seen_files
     search = [path0, *(p for p in sys.path if p != path0)]  # as the script's sys.path
 
     def scan(path: str, left: int) -> None:
@@ -122,10 +125,52 @@ def find_main_file(mode: str, target: str, path0: str) -> str | None:
     return origin if origin and origin.endswith(".py") else None
 
 
-def _module_file(name: str) -> str | None:
-    mod = sys.modules.get(name)
-    path = getattr(mod, "__file__", None)
-    return os.path.realpath(path) if isinstance(path, str) else None
+def file_stamp(path: str) -> list[int] | None:
+    """What tells one version of a file from another without reading it: (device, inode, size,
+    mtime, ctime), in ns. A copy that kept an old mtime (`cp -p`, `rsync -t`, `touch -d`) still
+    has a new ctime, which nothing but the kernel sets, and a new inode when renamed into place.
+    None: not a regular file (gone)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _is_shared_object(path: str) -> bool:
+    name = os.path.basename(path)
+    return name.endswith(".so") or ".so." in name
+
+
+def imported_files(skip: object = None) -> set[str]:
+    """Every file this interpreter runs code from: each module's file in sys.modules (the
+    archive of a zip-imported one), the shared libraries mapped into it (a C extension's own
+    dependencies, loaded by the dynamic linker and in no module), and the interpreter itself.
+    `skip`: a module to leave out (this program's own, which the attempt never runs)."""
+    out: set[str] = set()
+    for mod in list(sys.modules.values()):
+        if mod is skip:
+            continue
+        path = getattr(mod, "__file__", None)
+        if isinstance(path, str) and os.path.isabs(path):
+            out.add(path)
+        archive = getattr(getattr(mod, "__loader__", None), "archive", None)
+        if isinstance(archive, str):
+            out.add(archive)
+    exe = os.path.realpath(sys.executable) if sys.executable else ""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.rstrip("\n").split(None, 5)
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    path = fields[5]
+                    if _is_shared_object(path) or path == exe:
+                        out.add(path)
+    except OSError:
+        pass
+    return out
 
 
 def set_cmdline(argv: list[str]) -> None:
@@ -203,12 +248,13 @@ def main(argv: list[str]) -> None:
     fd, mode, target, path0, preload_json = argv[1:6]  # argv[6]: room for set_cmdline
     sys.path[0] = path0  # not this file's directory: the script's, or the cwd for -m
     sock = socket.socket(fileno=int(fd))
-    keep = sys.modules["__main__"]  # this module, while its code runs  # noqa: F841
+    keep = sys.modules["__main__"]  # this module, while its code runs
     t0 = time.monotonic()
     preload = json.loads(preload_json)
+    main_file = find_main_file(mode, target, path0)
+    scanned: set[str] = set()
     if preload is None:
-        main_file = find_main_file(mode, target, path0)
-        preload = top_imports(main_file, path0) if main_file else []
+        preload = top_imports(main_file, path0, seen_files=scanned) if main_file else []
     modules = []
     for name in dict.fromkeys(preload):
         try:
@@ -227,11 +273,14 @@ def main(argv: list[str]) -> None:
                 sys.exit(1)
             modules.append(name)
     cuda = bool(torch is not None and torch.cuda.is_initialized())
-    files = [f for f in map(_module_file, modules) if f]
-    if mode == "script":
-        files.append(os.path.realpath(target))
+    paths = imported_files(skip=keep) | scanned
+    if main_file:
+        paths.add(main_file)
+    stamped_ns = time.time_ns()
+    files = {p: s for p, s in ((p, file_stamp(p)) for p in sorted(paths)) if s is not None}
     _send(sock, {"ready": os.getpid(), "modules": modules, "files": files,
-                 "import_s": round(time.monotonic() - t0, 3), "cuda": cuda})
+                 "stamped_ns": stamped_ns, "import_s": round(time.monotonic() - t0, 3),
+                 "cuda": cuda})
     if cuda:
         sys.exit(1)  # rtrain refuses it; never hand a CUDA context to a new attempt
     try:
