@@ -159,6 +159,25 @@ def test_the_standby_records_every_file_a_package_runs_from(tmp_path, monkeypatc
     assert all(os.path.isabs(f) for f in files)
 
 
+@pytest.mark.parametrize("before, after, attempt, started_with", [
+    # torch._dynamo sets its cache dir at import: the script finds it set, as in a cold start
+    ({}, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/ti"}, {"A": "1"},
+     {"A": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/ti"}),
+    # an import that overwrites a variable overwrites the attempt's too (the standby is used
+    # only when the attempt's value is the one the import saw)
+    ({"X": "mine"}, {"X": "lib"}, {"X": "mine"}, {"X": "lib"}),
+    ({"X": "mine"}, {}, {"X": "mine", "A": "1"}, {"A": "1"}),  # an import removed it
+    ({"X": "mine"}, {"X": "mine"}, {"X": "mine"}, {"X": "mine"}),  # setdefault: nothing
+    # RTRAIN_* are the attempt's: the preload never saw them
+    ({}, {"RTRAIN_ATTEMPT": "9"}, {"RTRAIN_ATTEMPT": "1"}, {"RTRAIN_ATTEMPT": "1"}),
+])
+def test_the_attempt_starts_with_what_the_preload_did_to_the_environment(
+        before, after, attempt, started_with):
+    from supervisor.proc.standby_child import attempt_environ, env_changes
+
+    assert attempt_environ(attempt, env_changes(before, after)) == started_with
+
+
 @pytest.mark.parametrize("used, limit, extra, tight", [
     (8, 10, 0, False), (9, 10, 0, True), (8, 10, 1, True), (0, 0, 5, False)])
 def test_host_tight(used, limit, extra, tight):
@@ -170,9 +189,9 @@ CWD = Path("/runs/a")
 
 @pytest.mark.parametrize("command, target", [
     (["/v/bin/python", "train.py", "--lr", "1"],
-     Target("/v/bin/python", "script", "/runs/a/train.py", "/runs/a")),
+     Target("/v/bin/python", "script", "/runs/a/train.py", "/runs/a", "train.py")),
     (["/v/bin/python3.11", "-m", "pkg.train"],
-     Target("/v/bin/python3.11", "module", "pkg.train", "/runs/a")),
+     Target("/v/bin/python3.11", "module", "pkg.train", "/runs/a", "-m")),
     (["/v/bin/python", "-m", "torch.distributed.run", "--nproc-per-node=2", "train.py"], None),
     (["/v/bin/torchrun", "train.py"], None),
     (["/v/bin/python", "-u", "train.py"], None),
@@ -189,6 +208,8 @@ def test_same_target_compares_the_program_not_its_arguments():
     assert same_target(t, ["/v/bin/python", "train.py", "--bs", "4"], CWD)
     assert not same_target(t, ["/v/bin/python", "other.py"], CWD)
     assert not same_target(t, ["/w/bin/python", "train.py"], CWD)
+    # the same file named otherwise: the preload saw another sys.argv[0]
+    assert not same_target(t, ["/v/bin/python", "./train.py"], CWD)
 
 
 def test_strip_attempt_vars():

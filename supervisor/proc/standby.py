@@ -77,6 +77,7 @@ class Target:
     mode: str  # "script" or "module"
     target: str  # the script's absolute path, or the module name
     path0: str  # sys.path[0] as a cold start sets it
+    argv0: str  # the script as the command names it (a cold start's sys.argv[0]); "-m"
 
 
 def target_of(command: Sequence[str], cwd: Path) -> Target | None:
@@ -87,11 +88,12 @@ def target_of(command: Sequence[str], cwd: Path) -> Target | None:
     if command[1] == "-m":
         if len(command) < 3 or command[2].startswith(("torch.distributed", "-")):
             return None
-        return Target(command[0], "module", command[2], str(Path(cwd).resolve()))
+        return Target(command[0], "module", command[2], str(Path(cwd).resolve()), "-m")
     if not command[1].endswith(".py") or command[1].startswith("-"):
         return None
     script = os.path.abspath(os.path.join(cwd, command[1]))
-    return Target(command[0], "script", script, os.path.dirname(os.path.realpath(script)))
+    return Target(command[0], "script", script, os.path.dirname(os.path.realpath(script)),
+                  command[1])
 
 
 def worth_keeping(target: Target, preload: Sequence[str] | None) -> bool:
@@ -143,6 +145,7 @@ class WarmChild:
         argv = [target.python, str(CHILD_PROGRAM), str(theirs.fileno()), target.mode,
                 target.target, target.path0, json.dumps(None if preload is None
                                                         else list(preload)),
+                target.argv0,
                 " " * CMDLINE_ROOM]  # room for the attempt's argv in /proc/<pid>/cmdline
         try:
             popen = subprocess.Popen(argv, env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,

@@ -1,9 +1,10 @@
 """The warm standby's own program: import the heavy modules, wait, then become the attempt.
 
-Run by path (`python .../standby_child.py FD MODE TARGET PATH0 PRELOAD`), never imported by the
-supervisor: it uses the standard library only, so it starts in any interpreter the run uses, and
-it imports torch (and the rest of the preload) by name, as the training script would. It is the
-training interpreter, so imports here are exactly what the script would have paid for.
+Run by path (`python .../standby_child.py FD MODE TARGET PATH0 PRELOAD ARGV0 ROOM`), never
+imported by the supervisor's loop (the supervisor reads its pure helpers): it uses the standard
+library only, so it starts in any interpreter the run uses, and it imports torch (and the rest of
+the preload) by name, as the training script would. It is the training interpreter, so imports
+here are exactly what the script would have paid for.
 
 Protocol on the Unix socket FD (one JSON object per line):
   standby -> rtrain  {"ready": pid, "modules": [...], "files": {path: stamp}, "stamped_ns",
@@ -12,25 +13,30 @@ Protocol on the Unix socket FD (one JSON object per line):
   standby -> rtrain  {"started": pid} just before the script's first line, or {"failed": why}
 EOF from rtrain before the hand-off: exit 0 quietly (discarded).
 
-Before the script runs, everything a cold start would set is set as a cold start sets it: the
-environment (cleared, then the attempt's), the working directory, sys.argv and sys.orig_argv,
-sys.path[0], a fresh `__main__`, fds 1 and 2 (the attempt's log pipes), signal dispositions and
-the blocked mask as the interpreter had them at its start. The session, process group,
-PDEATHSIG and cgroup were given at spawn, as for a cold child (proc/spawn.py).
+While it imports, the preload sees what the script's imports would see in a cold start, as far
+as it is known before the attempt: sys.argv and sys.orig_argv with the script (or the module's
+file) but no arguments, a `__main__` whose `__file__` is the script's. Before the script runs,
+everything a cold start would set is set as a cold start sets it: the environment (the
+attempt's, plus what the preload's imports changed in it, as they would have changed it in a
+cold start), the working directory, sys.argv and sys.orig_argv, sys.path[0], a fresh
+`__main__`, fds 1 and 2 (the attempt's log pipes). Signal dispositions and the blocked mask stay
+as the preload left them: a cold start's imports would have set the same. The session, process
+group, PDEATHSIG and cgroup were given at spawn, as for a cold child (proc/spawn.py).
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib
 import importlib.machinery
 import json
 import os
-import signal
 import socket
 import stat
 import sys
 import time
+import types
 
 # Imported by torch on first use rather than with torch: torch.optim's first optimizer imports
 # torch._dynamo (hundreds of modules, seconds), so every script with an optimizer pays for it.
@@ -38,20 +44,6 @@ TORCH_LAZY = ("torch._dynamo",)
 # rtrain's own packages read the attempt's RTRAIN_* variables at import (worker.faults arms
 # the faults of one attempt): importing them before the hand-off would bind the wrong attempt.
 NEVER_PRELOAD = ("supervisor", "worker")
-
-
-def _dispositions() -> dict[int, object]:
-    out = {}
-    for sig in signal.valid_signals():
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            continue
-        try:
-            handler = signal.getsignal(sig)
-        except (OSError, ValueError):
-            continue
-        if handler is not None:  # None: set outside Python, left alone
-            out[sig] = handler
-    return out
 
 
 def _module_level_imports(path: str) -> list[str]:
@@ -125,6 +117,16 @@ def find_main_file(mode: str, target: str, path0: str) -> str | None:
     return origin if origin and origin.endswith(".py") else None
 
 
+def main_origin(target: str, path0: str) -> str | None:
+    """The file `python -m target` runs, which is its sys.argv[0] once it runs: the module's
+    source, or a package's `__main__`."""
+    search = [path0, *(p for p in sys.path if p != path0)]
+    spec = _find(target, search)
+    if spec is not None and spec.submodule_search_locations is not None:
+        spec = _find(target + ".__main__", search)
+    return spec.origin if spec is not None and spec.has_location else None
+
+
 def file_stamp(path: str) -> list[int] | None:
     """What tells one version of a file from another without reading it: (device, inode, size,
     mtime, ctime), in ns. A copy that kept an old mtime (`cp -p`, `rsync -t`, `touch -d`) still
@@ -173,6 +175,45 @@ def imported_files(skip: object = None) -> set[str]:
     return out
 
 
+def env_changes(before: dict[str, str], after: dict[str, str]) -> dict[str, str | None]:
+    """What the preload's imports did to os.environ: each variable set to its new value, each
+    removed one to None."""
+    keys = {*before, *after}
+    return {k: after.get(k) for k in sorted(keys) if before.get(k) != after.get(k)}
+
+
+def attempt_environ(attempt_env: dict[str, str],
+                    changes: dict[str, str | None]) -> dict[str, str]:
+    """The environment the script starts in: the attempt's with the preload's changes applied
+    again, as its imports in a cold start would have applied them. The standby was only handed
+    the attempt because every variable but RTRAIN_* is as it was when the preload ran
+    (decide/standby.py), so an import that set or removed one would have done the same over the
+    attempt's. RTRAIN_* are the attempt's own: the preload never saw them."""
+    env = dict(attempt_env)
+    for key, value in changes.items():
+        if key.startswith("RTRAIN_"):
+            continue
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def main_module(mode: str, run_file: str | None) -> types.ModuleType:
+    """The `__main__` of the attempt, made before the preload: in a cold start the script's
+    imports run with the script as `__main__` (`__file__` and all), and a library that keeps
+    `sys.modules["__main__"]` at import keeps the module the script then runs in."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=builtins, __annotations__={})
+    if mode == "script" and run_file is not None:
+        main.__dict__.update(__file__=run_file, __cached__=None, __loader__=importlib.machinery
+                             .SourceFileLoader("__main__", run_file))
+    elif run_file is not None:
+        main.__file__ = run_file  # runpy sets it, and the rest, before the module's first line
+    return main
+
+
 def set_cmdline(argv: list[str]) -> None:
     """Show the attempt's argv in /proc/<pid>/cmdline (ps, pgrep -f, psutil), as setproctitle
     does: the argument area is overwritten in place (rtrain padded it at spawn), the words
@@ -210,21 +251,12 @@ def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
     return json.loads(buf), list(fds)
 
 
-def _run_script(path: str) -> None:
-    """As `python path` runs it: a fresh `__main__`, the traceback of an uncaught exception
-    printed from the script's own frames, exit status 1."""
-    import builtins
-    import importlib.machinery
-    import types
-
+def _run_script(path: str, main: types.ModuleType) -> None:
+    """As `python path` runs it: in `__main__` (made by main_module), the traceback of an
+    uncaught exception printed from the script's own frames, exit status 1."""
     with open(path, "rb") as f:
         source = f.read()
     code = compile(source, path, "exec", dont_inherit=True)
-    main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins,
-                         __annotations__={},
-                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
-    sys.modules["__main__"] = main
     _as_main(exec, code, main.__dict__)
 
 
@@ -242,19 +274,24 @@ def _as_main(run, *args) -> None:
 
 
 def main(argv: list[str]) -> None:
-    # First, before any import can change them: what a cold interpreter starts with.
-    dispositions = _dispositions()
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    fd, mode, target, path0, preload_json = argv[1:6]  # argv[6]: room for set_cmdline
+    fd, mode, target, path0, preload_json, argv0 = argv[1:7]  # argv[7]: room for set_cmdline
     sys.path[0] = path0  # not this file's directory: the script's, or the cwd for -m
     sock = socket.socket(fileno=int(fd))
-    keep = sys.modules["__main__"]  # this module, while its code runs
+    this = sys.modules["__main__"]  # this module, kept alive while its code runs
     t0 = time.monotonic()
     preload = json.loads(preload_json)
     main_file = find_main_file(mode, target, path0)
     scanned: set[str] = set()
     if preload is None:
         preload = top_imports(main_file, path0, seen_files=scanned) if main_file else []
+    # What the script's imports see of how it was started, in a cold start: its name (the
+    # arguments are the attempt's, not known yet) and itself as __main__.
+    run_file = os.path.abspath(target) if mode == "script" else main_origin(target, path0)
+    python = sys.orig_argv[0] if sys.orig_argv else sys.executable
+    sys.argv = [argv0 if mode == "script" else (run_file or "-m")]
+    sys.orig_argv = [python, argv0] if mode == "script" else [python, "-m", target]
+    main = sys.modules["__main__"] = main_module(mode, run_file)
+    env_before = dict(os.environ)
     modules = []
     for name in dict.fromkeys(preload):
         try:
@@ -272,8 +309,9 @@ def main(argv: list[str]) -> None:
                 _send(sock, {"failed": f"preload of {name} failed: {type(e).__name__}: {e}"})
                 sys.exit(1)
             modules.append(name)
+    changed_env = env_changes(env_before, dict(os.environ))
     cuda = bool(torch is not None and torch.cuda.is_initialized())
-    paths = imported_files(skip=keep) | scanned
+    paths = imported_files(skip=this) | scanned
     if main_file:
         paths.add(main_file)
     stamped_ns = time.time_ns()
@@ -291,8 +329,9 @@ def main(argv: list[str]) -> None:
         sys.exit(0)  # discarded
     try:
         os.chdir(msg["cwd"])
+        env = attempt_environ(msg["env"], changed_env)
         os.environ.clear()
-        os.environ.update(msg["env"])
+        os.environ.update(env)
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(fds[0], 1)
@@ -301,10 +340,6 @@ def main(argv: list[str]) -> None:
             os.close(f)
         child_argv = msg["argv"]
         sys.orig_argv = list(child_argv)
-        for sig, handler in dispositions.items():
-            if signal.getsignal(sig) is not handler:
-                signal.signal(sig, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         set_cmdline(child_argv)
         _send(sock, {"started": os.getpid()})
     except (OSError, KeyError, TypeError, ValueError) as e:
@@ -316,12 +351,14 @@ def main(argv: list[str]) -> None:
     sock.close()
     if mode == "script":
         sys.argv = list(child_argv[1:])
-        _run_script(os.path.abspath(target))
+        _run_script(os.path.abspath(target), main)
     else:
         import runpy
 
         sys.argv = ["-m", *child_argv[3:]]
-        _as_main(runpy._run_module_as_main, target, True)  # what `python -m` calls
+        # What `python -m` calls: the module runs in sys.modules["__main__"]'s namespace,
+        # main_module's, not this program's.
+        _as_main(runpy._run_module_as_main, target, True)
 
 
 if __name__ == "__main__":
