@@ -183,7 +183,11 @@ import importfx  # noqa: E402
 
 
 def name(h):
-    return h if h is None or isinstance(h, str) else getattr(h, "__name__", None) or str(h)
+    if h is None:
+        return None
+    if isinstance(h, int):
+        return signal.Handlers(h).name
+    return getattr(h, "__name__", repr(h))
 
 
 with open("/proc/self/status") as f:

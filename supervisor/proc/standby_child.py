@@ -18,11 +18,11 @@ as it is known before the attempt: sys.argv and sys.orig_argv with the script (o
 file) but no arguments, a `__main__` whose `__file__` is the script's. Before the script runs,
 everything a cold start would set is set as a cold start sets it: the environment (the
 attempt's, plus what the preload's imports changed in it, as they would have changed it in a
-cold start), the working directory, sys.argv and sys.orig_argv, sys.path[0], a fresh
-`__main__`, fds 1 and 2 (the attempt's log pipes). Signal dispositions and the blocked mask stay
-as the preload left them: a cold start's imports would have set the same. The session, process
-group, PDEATHSIG and cgroup were given at spawn, as for a cold child (proc/spawn.py).
-"""
+cold start), the working directory, sys.argv and sys.orig_argv, sys.path[0], `__main__` (the
+one the preload saw, with nothing of this program's in it), fds 1 and 2 (the attempt's log
+pipes). Signal dispositions and the blocked mask stay as the preload left them: a cold start's
+imports would have set the same. The session, process group, PDEATHSIG and cgroup were given at
+spawn, as for a cold child (proc/spawn.py). docs/design.md lists what still differs."""
 
 from __future__ import annotations
 
