@@ -3,6 +3,9 @@ and the configuration keys that turn it off or choose what it imports."""
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -81,6 +84,100 @@ def test_while_waiting(stale, tight, why):
     assert sb.while_waiting(stale=stale, tight=tight) == why
 
 
+SPAWNED, STAMPED = 1_000, 2_000
+"""A standby spawned at t=1000 ns recorded its files at t=2000 ns."""
+OLD = (1, 77, 100, 500, 500)  # (dev, ino, size, mtime_ns, ctime_ns): last changed before it
+
+
+@pytest.mark.parametrize("recorded, now, changed", [
+    (OLD, OLD, False),
+    (OLD, None, True),  # gone
+    (OLD, (1, 77, 100, 3_000, 3_000), True),  # edited in place, same size
+    (OLD, (1, 77, 100, 500, 3_000), True),  # cp -p / rsync -t over it: only ctime moves
+    (OLD, (1, 78, 100, 500, 3_000), True),  # renamed into place with the old mtime
+    (OLD, (1, 78, 100, 500, 500), True),  # another inode (say a bind mount swapped)
+    (OLD, (2, 77, 100, 500, 500), True),  # another device
+    (OLD, (1, 77, 101, 500, 500), True),
+    # changed while the standby imported: it may have read the version before
+    ((1, 77, 100, 500, 1_500), (1, 77, 100, 500, 1_500), True),
+    ((1, 77, 100, 1_000, 1_000), (1, 77, 100, 1_000, 1_000), True),
+    # stamped in the future (a file server's clock ahead): unchanged since the record is kept
+    ((1, 77, 100, 500, 9_000), (1, 77, 100, 500, 9_000), False),
+    ((1, 77, 100, 9_000, 9_000), (1, 77, 100, 9_000, 9_000), False),
+])
+def test_changed_files(recorded, now, changed):
+    got = sb.changed_files({"/x/mypkg/core.py": recorded}, {"/x/mypkg/core.py": now},
+                           SPAWNED, STAMPED)
+    assert got == (["/x/mypkg/core.py"] if changed else [])
+
+
+def test_a_copy_that_kept_the_old_mtime_is_a_changed_file(tmp_path):
+    """On the real filesystem: `cp -p` over a module (same inode, size and mtime) leaves only
+    the ctime to tell, and it does."""
+    import shutil
+
+    from supervisor.proc.standby_child import file_stamp
+
+    core = tmp_path / "core.py"
+    core.write_text('VALUE = "old"\n')
+    before = core.stat()
+    new = tmp_path / "core_new.py"
+    new.write_text('VALUE = "new"\n')
+    os.utime(new, ns=(before.st_atime_ns, before.st_mtime_ns))
+    recorded = file_stamp(str(core))
+    spawned = stamped = time.time_ns()
+    time.sleep(0.02)  # past the filesystem's timestamp granularity
+    shutil.copy2(new, core)
+    after = core.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns)
+    now = {str(core): file_stamp(str(core))}
+    assert sb.changed_files({str(core): recorded}, now, spawned, stamped) == [str(core)]
+    assert file_stamp(str(tmp_path / "gone.py")) is None
+    assert file_stamp(str(tmp_path)) is None  # not a regular file
+
+
+def test_the_standby_records_every_file_a_package_runs_from(tmp_path, monkeypatch):
+    """Not only the package's top file: the modules its __init__ imports, and the shared
+    libraries mapped into the interpreter."""
+    from supervisor.proc.standby_child import imported_files
+
+    pkg = tmp_path / "mypkg_i23"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from mypkg_i23.core import VALUE\n")
+    (pkg / "core.py").write_text('VALUE = "old"\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        import mypkg_i23  # noqa: F401
+
+        files = imported_files()
+    finally:
+        for name in ("mypkg_i23", "mypkg_i23.core"):
+            sys.modules.pop(name, None)
+    assert {str(pkg / "__init__.py"), str(pkg / "core.py")} <= files
+    assert any(".so" in os.path.basename(f) for f in files)
+    assert all(os.path.isabs(f) for f in files)
+
+
+@pytest.mark.parametrize("before, after, attempt, started_with", [
+    # torch._dynamo sets its cache dir at import: the script finds it set, as in a cold start
+    ({}, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/ti"}, {"A": "1"},
+     {"A": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/ti"}),
+    # an import that overwrites a variable overwrites the attempt's too (the standby is used
+    # only when the attempt's value is the one the import saw)
+    ({"X": "mine"}, {"X": "lib"}, {"X": "mine"}, {"X": "lib"}),
+    ({"X": "mine"}, {}, {"X": "mine", "A": "1"}, {"A": "1"}),  # an import removed it
+    ({"X": "mine"}, {"X": "mine"}, {"X": "mine"}, {"X": "mine"}),  # setdefault: nothing
+    # RTRAIN_* are the attempt's: the preload never saw them
+    ({}, {"RTRAIN_ATTEMPT": "9"}, {"RTRAIN_ATTEMPT": "1"}, {"RTRAIN_ATTEMPT": "1"}),
+])
+def test_the_attempt_starts_with_what_the_preload_did_to_the_environment(
+        before, after, attempt, started_with):
+    from supervisor.proc.standby_child import attempt_environ, env_changes
+
+    assert attempt_environ(attempt, env_changes(before, after)) == started_with
+
+
 @pytest.mark.parametrize("used, limit, extra, tight", [
     (8, 10, 0, False), (9, 10, 0, True), (8, 10, 1, True), (0, 0, 5, False)])
 def test_host_tight(used, limit, extra, tight):
@@ -92,9 +189,9 @@ CWD = Path("/runs/a")
 
 @pytest.mark.parametrize("command, target", [
     (["/v/bin/python", "train.py", "--lr", "1"],
-     Target("/v/bin/python", "script", "/runs/a/train.py", "/runs/a")),
+     Target("/v/bin/python", "script", "/runs/a/train.py", "/runs/a", "train.py")),
     (["/v/bin/python3.11", "-m", "pkg.train"],
-     Target("/v/bin/python3.11", "module", "pkg.train", "/runs/a")),
+     Target("/v/bin/python3.11", "module", "pkg.train", "/runs/a", "-m")),
     (["/v/bin/python", "-m", "torch.distributed.run", "--nproc-per-node=2", "train.py"], None),
     (["/v/bin/torchrun", "train.py"], None),
     (["/v/bin/python", "-u", "train.py"], None),
@@ -111,6 +208,8 @@ def test_same_target_compares_the_program_not_its_arguments():
     assert same_target(t, ["/v/bin/python", "train.py", "--bs", "4"], CWD)
     assert not same_target(t, ["/v/bin/python", "other.py"], CWD)
     assert not same_target(t, ["/w/bin/python", "train.py"], CWD)
+    # the same file named otherwise: the preload saw another sys.argv[0]
+    assert not same_target(t, ["/v/bin/python", "./train.py"], CWD)
 
 
 def test_strip_attempt_vars():

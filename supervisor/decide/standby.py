@@ -20,7 +20,32 @@ ASSUMED_RSS = 512 * 2**20
 MAX_FAILURES = 2
 """After this many standbys failed in one launch, the launch starts its attempts cold."""
 STALE_CHECK_S = 10.0
-"""How often a waiting standby's preloaded files are compared with their mtimes."""
+"""How often a waiting standby's files are compared with what it imported (a stat each)."""
+
+Stamp = Sequence[int]
+"""A file's (device, inode, size, mtime_ns, ctime_ns): proc/standby_child.file_stamp."""
+MTIME, CTIME = 3, 4
+
+
+def changed_files(recorded: Mapping[str, Stamp], now: Mapping[str, Stamp | None],
+                  spawned_ns: int, stamped_ns: int) -> list[str]:
+    """The files a standby runs code from that a cold start would no longer find as they were.
+
+    `recorded`: each file's stamp, taken by the standby after its imports (at `stamped_ns`);
+    `now`: the same files' stamps now (None: gone, or no longer a regular file). A file is
+    changed when it is gone or any part of its stamp differs: an edit moves mtime and ctime, a
+    copy that kept an old mtime (`cp -p`, `rsync -t`) still moves ctime, which only the kernel
+    sets, and one renamed into place has a new inode. A file whose recorded mtime or ctime lies
+    between the spawn and the record changed while the standby imported: it may have been read
+    before the change, so it counts as changed too (the bound above keeps a file stamped in the
+    future by a skewed clock from recycling every standby)."""
+    out = []
+    for path, stamp in recorded.items():
+        current = now.get(path)
+        if (current is None or list(current) != list(stamp)
+                or any(spawned_ns <= stamp[i] <= stamped_ns for i in (MTIME, CTIME))):
+            out.append(path)
+    return out
 
 
 def import_time_env_changes(standby_env: Mapping[str, str],

@@ -36,6 +36,10 @@ def fd_kind(fd):
     return f"{kind}:{target if kind == 'chr' else ''}"
 
 
+# What a training script does first: its optimizer imports torch._dynamo, which sets
+# TORCHINDUCTOR_CACHE_DIR at import (the standby imported it long before).
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
 with open(f"/proc/{os.getpid()}/status") as f:
     status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
 import psutil  # noqa: E402
@@ -48,6 +52,7 @@ record = {
     "file": __file__,
     "main_is_this": main.__dict__ is globals(),
     "main_attrs": sorted(k for k in vars(main) if k.startswith("__")),
+    "main_names": sorted(vars(main)),
     "main_loader": type(main.__loader__).__name__,
     "main_spec": [getattr(main.__spec__, "name", None), getattr(main.__spec__, "origin", None)],
     "main_cached": main.__cached__,
@@ -59,6 +64,7 @@ record = {
     "sigmask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     "sig_ignored": status.get("SigIgn"),
     "sig_blocked": status.get("SigBlk"),
+    "sig_caught": status.get("SigCgt"),
     "pdeathsig": pdeathsig.value,
     "pgid_is_pid": os.getpgid(0) == os.getpid(),
     "sid_is_pid": os.getsid(0) == os.getpid(),
