@@ -90,6 +90,10 @@ def check(path: str | os.PathLike, *, in_place: bool = True) -> os.stat_result |
     return st
 
 
+class _Vanished(Exception):
+    """The file was there for the exclusive create and gone for the open that followed."""
+
+
 @dataclass(frozen=True)
 class Opened:
     fd: int
@@ -112,9 +116,13 @@ def _open_once(path: str | os.PathLike, flags: int, create: bool, mode: int) -> 
             except BaseException:
                 os.close(fd)
                 raise
-    check(path, in_place=flags & (os.O_WRONLY | os.O_RDWR) != 0)  # FileNotFoundError if gone
     try:
+        check(path, in_place=flags & (os.O_WRONLY | os.O_RDWR) != 0)
         fd = os.open(path, flags | _ALWAYS)
+    except FileNotFoundError:
+        if create:  # removed between the exclusive create and this open: try again
+            raise _Vanished from None
+        raise
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EOPNOTSUPP, errno.ENODEV):
             try:
@@ -147,10 +155,8 @@ def open_own(path: str | os.PathLike, flags: int = os.O_RDONLY, *, create: bool 
         try:
             opened = _open_once(path, flags, create, mode)
             break
-        except FileNotFoundError:
-            if not create:
-                raise
-            # Removed between the exclusive create and the open of the existing one: again.
+        except _Vanished:
+            continue
     else:
         raise RefusedFile(path, "keeps appearing and disappearing")
     fl = fcntl.fcntl(opened.fd, fcntl.F_GETFL)

@@ -8,16 +8,21 @@ scripted child (tests/scripted_loop.py) or stop before any would start."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import signal
 import stat
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import invoke_rtrain, write_events
+from harness import child_spec, invoke_rtrain, write_events
 from scripted_loop import Script, run, success
 
 from supervisor import ownfiles
@@ -26,6 +31,8 @@ from supervisor.ckpt.generation import GENERATION_FILE
 from supervisor.ckpt.quarantine import QUARANTINE_FILE
 from supervisor.proc.leftovers import PROCS_FILE
 from supervisor.proc.logcap import CappedLog
+from supervisor.proc.spawn import spawn
+from supervisor.proc.stacks import dump_stacks
 from supervisor.records.events import EventLog
 from supervisor.records.lock import LOCK_NAME, RunLock
 from supervisor.records.runstate import STATE_FILE, load_state
@@ -135,6 +142,8 @@ def test_open_own_creates_owner_only_in_an_open_dir_and_keeps_blocking_mode(tmp_
     assert not again.created
     with pytest.raises(ValueError, match="never truncates"):
         ownfiles.open_own(shared / "f", os.O_WRONLY | os.O_TRUNC)
+    with pytest.raises(FileNotFoundError):  # no directory to create it in: said as such
+        ownfiles.open_own(shared / "gone" / "f", os.O_WRONLY, create=True)
 
 
 # ------------------------------------------------------------------ each name, a link planted
@@ -310,3 +319,59 @@ def test_attempt_logs_and_stack_dumps_are_owner_only_in_a_0755_run_dir(tmp_path,
     dump = runtime.open_stack_file(attempt)
     dump.close()
     assert stat.S_IMODE((attempt / f"stacks-{os.getpid()}.txt").stat().st_mode) == 0o640
+
+
+@pytest.mark.slow
+def test_a_real_attempts_logs_are_owner_only_and_follow_file_mode(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_dir.chmod(0o755)
+    for mode in ("0600", "0640"):
+        spec = child_spec(run_dir, "crash_with_code.py", "0",
+                          env={"RTRAIN_FILE_MODE": mode})
+        spec = dataclasses.replace(spec, attempt_dir=run_dir / "attempts" / mode)
+        child = spawn(spec)
+        while child.stdout.pump() or child.stderr.pump():
+            time.sleep(0.01)
+        child.popen.wait(timeout=60)
+        child.close()
+        for name in ("stdout.log", "stderr.log"):
+            got = stat.S_IMODE((spec.attempt_dir / name).stat().st_mode)
+            assert got == int(mode, 8), (name, oct(got))
+
+
+FAKE_PYSPY = """#!/bin/sh
+echo "stacks of $3"
+"""
+
+
+@pytest.mark.slow
+def test_py_spy_stacks_are_owner_only_and_never_written_through_a_link(tmp_path, victim,
+                                                                       monkeypatch, caplog):
+    fake = tmp_path / "bin" / "py-spy"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_PYSPY)
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    attempt = tmp_path / "run" / "attempts" / "0"
+    attempt.mkdir(parents=True)
+    attempt.parent.parent.chmod(0o755)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        planted = attempt / f"stacks-pyspy-{child.pid}.txt"
+        plant_link(planted, victim)
+        with caplog.at_level(logging.WARNING):
+            assert dump_stacks([child.pid], attempt, signal.SIGUSR2, timeout_s=5.0) == []
+        assert "is a symbolic link" in caplog.text and unchanged(victim)
+        planted.unlink()
+        old = os.umask(0o022)
+        try:
+            files = dump_stacks([child.pid], attempt, signal.SIGUSR2, timeout_s=5.0)
+        finally:
+            os.umask(old)
+        assert files == [planted] and f"stacks of {child.pid}" in planted.read_text()
+        assert stat.S_IMODE(planted.stat().st_mode) == 0o600
+    finally:
+        child.kill()
+        child.wait()
