@@ -1,9 +1,10 @@
 """Opening the files rtrain keeps in the run and checkpoint dirs, torch-free, used by both halves.
 
 Anyone who can write those directories can plant something at a name rtrain uses. Every file
-rtrain opens there in place (the lock, events.jsonl, the generation token, attempt logs, stack
-dumps, the uploader's lock) and every file it reads there (state.json, procs.json, events.jsonl,
-exit records) goes through `open_own` or `read_own`, so that:
+rtrain opens there in place (the lock, events.jsonl, the generation token, the uploader's lock,
+attempt, standby and mirror logs, stack dumps) and every file it reads there (state.json,
+procs.json, events.jsonl, exit records, the lock's holder) goes through `open_own` or
+`read_own`, so that:
 
 - a symbolic link is refused, never followed (O_NOFOLLOW): a link to `~/victim` at
   `.rtrain-generation` would otherwise have it overwritten with a token;
@@ -20,7 +21,8 @@ A refusal is `RefusedFile`: an OSError (best-effort writers treat it as a file t
 write, and say so) and a UsageError (exit 2 at the command line, one line naming the file and
 what to do). Files that are replaced whole (state.json, procs.json, exit records, quarantine
 notes: `fsio.write_atomic`) are safe at their final name already: the rename replaces a link,
-never writes through it, and the temp file is created exclusively.
+never writes through it, and the temp file is created exclusively; a temp file at a fixed name
+(the kept copy of a foreign checkpoint) is made by `create_fresh`.
 """
 
 from __future__ import annotations
