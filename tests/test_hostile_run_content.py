@@ -136,11 +136,11 @@ def test_a_wrong_typed_state_field_is_one_line_exit_2_for_status_report_and_laun
     assert script.spawned == [] and (run_dir / "state.json").read_bytes() == before
 
 
-def test_state_json_nested_deep_or_holding_nan_is_one_line(tmp_path):
+def test_state_json_nested_deep_or_with_a_nan_time_is_one_line(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for text, says in (("[" * 100_000 + "]" * 100_000, "is nested more than 64 levels deep"),
-                       ('{"v": 1, "created": NaN}', "holds NaN, which is not JSON")):
+                       ('{"v": 1, "created": NaN}', "created is a number nan, not a finite")):
         (run_dir / "state.json").write_text(text)
         r = invoke_rtrain("status", str(run_dir))
         assert r.returncode == 2 and says in one_line(r.stderr), r.stderr

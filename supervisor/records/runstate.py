@@ -7,15 +7,16 @@ Written atomically: temp file, fsync, os.replace, fsync of the directory, so a k
 moment leaves either the old state or the new one, never a torn file.
 
 Read back as what anyone who can write the run dir may have put there: through
-`ownfiles.read_own` (no link, no FIFO, at most `MAX_BYTES`), parsed with bounded nesting and
-finite numbers only, and every field checked against its type (`History`'s annotations, and
-the shapes of its streak, quarantine and undo records) before any of it is used, so a wrong
-value is one line (`StateError`, exit 2) before an attempt starts, not a traceback after it.
+`ownfiles.read_own` (no link, no FIFO, at most `MAX_BYTES`), parsed with bounded nesting, and
+every field checked against its type (`History`'s annotations, and the shapes of its streak,
+quarantine and undo records) before any of it is used, so a wrong value is one line
+(`StateError`, exit 2) before an attempt starts, not a traceback after it.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import math
 import types
 import typing
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import ownfiles
-from supervisor.ckpt.safeio import parse_json
+from supervisor.ckpt.safeio import MAX_DEPTH, nested_deeper
 from supervisor.decide.policy import History
 from supervisor.errors import ExitCode, RtrainError
 from supervisor.filemode import DEFAULT_FILE_MODE
@@ -93,11 +94,11 @@ def load_state(run_dir: Path) -> RunState | None:
     that is not a regular one."""
     path = state_path(run_dir)
     try:
-        raw = parse_json(ownfiles.read_own(path, limit=MAX_BYTES, what="state.json"))
+        raw = _parse(ownfiles.read_own(path, limit=MAX_BYTES, what="state.json"))
     except FileNotFoundError:
         return None
     except ValueError as err:
-        raise StateError(f"{path}: {_not_json(err)}; move it aside to start over") from None
+        raise StateError(f"{path}: {err}; move it aside to start over") from None
     if not isinstance(raw, dict) or raw.get("v") != STATE_VERSION:
         version = raw.get("v") if isinstance(raw, dict) else None
         raise StateError(f"{path}: state version {_short(version)} is not {STATE_VERSION}; it "
@@ -121,9 +122,16 @@ def load_state(run_dir: Path) -> RunState | None:
                          "over") from None
 
 
-def _not_json(err: ValueError) -> str:
-    text = str(err)  # parse_json's reasons read "is nested ...", "holds NaN ..."
-    return text if text.startswith(("is ", "holds")) else f"not valid JSON ({text})"
+def _parse(raw: bytes) -> Any:
+    """JSON with bounded nesting. NaN and Infinity parse: an rtrain that accepted
+    `--set batch_size=1e400` wrote them into `settings`, and such a run still reads (status,
+    report); the typed fields below must be finite."""
+    if nested_deeper(raw, MAX_DEPTH):
+        raise ValueError(f"is nested more than {MAX_DEPTH} levels deep")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as err:  # ints past int_max_str_digits included
+        raise ValueError(f"not valid JSON ({err})") from None
 
 
 def _short(value: Any) -> str:
