@@ -4,9 +4,9 @@ halves.
 Policy: the files rtrain writes (state.json, events.jsonl, the lock, every checkpoint file) get
 `file_mode`, default 0600; the directories it creates (the run dir, the checkpoint dir, each
 checkpoint dir) get the same bits plus search (x) where read is granted: 0700 by default. The
-directories are what keep others out: whoever cannot enter the run dir reads nothing in it, so
-files rtrain does not name (attempt logs, stack dumps) are covered too. Directories that exist
-already keep their mode (the user chose it). For a team directory set `file_mode = "0640"`
+directories keep others out, but one that exists already keeps its mode (the user chose it, e.g.
+`--run-dir .` in a 0755 home), so attempt logs and stack dumps get `file_mode` too (`env_mode`:
+the mode a child's environment carries). For a team directory set `file_mode = "0640"`
 (group reads: inspect, status, report) or `"0660"` (group may also prune). Others may never
 write. The metrics file is the exception: 0644, since a collector usually runs as another user.
 
@@ -16,6 +16,7 @@ The supervisor hands the mode to the worker in RTRAIN_FILE_MODE (octal, e.g. "06
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,15 @@ def from_env(env: dict[str, str] | None = None) -> int:
     """The worker's mode: RTRAIN_FILE_MODE, else the default (also when run by hand)."""
     raw = (os.environ if env is None else env).get(ENV_FILE_MODE)
     return DEFAULT_FILE_MODE if not raw else parse_mode(raw, ENV_FILE_MODE)
+
+
+def env_mode(env: Mapping[str, str]) -> int:
+    """The run's mode as a child's environment carries it (`from_env`); the default where it
+    is missing or not a mode (a hand-made environment)."""
+    try:
+        return from_env(dict(env))
+    except ConfigError:
+        return DEFAULT_FILE_MODE
 
 
 def make_dir(path: Path, file_mode: int) -> None:

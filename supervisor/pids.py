@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import os
 
+PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT: no pid is larger
+
 
 def pid_alive(pid: int) -> bool:
-    """True while `pid` exists on this host (a zombie not yet reaped counts as alive)."""
+    """True while `pid` exists on this host (a zombie not yet reaped counts as alive). A value
+    no process can have (0 and negatives name process groups to kill(), huge ones overflow) is
+    not alive."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

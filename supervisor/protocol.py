@@ -128,7 +128,7 @@ class ExitRecord:
         return json.dumps(asdict(self), indent=1, default=str)
 
     @classmethod
-    def from_json(cls, text: str) -> ExitRecord | None:
+    def from_json(cls, text: str | bytes) -> ExitRecord | None:
         return _parse(cls, text)
 
 
@@ -141,6 +141,6 @@ def _parse(cls: type, raw: str | bytes) -> Any:
             return None
         known = cls.__dataclass_fields__
         return cls(**{k: v for k, v in obj.items() if k in known})
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError, RecursionError):
         return None
 

@@ -70,7 +70,7 @@ def _serve(path: Path, checkpointers: Callable[[], Iterable[Any]]) -> None:
     while True:
         try:
             # Blocks until rtrain opens it for writing; reads until it closes.
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             if not stat.S_ISFIFO(os.fstat(fd).st_mode):
                 os.close(fd)
                 return

@@ -34,9 +34,9 @@ import traceback
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from supervisor import filemode
+from supervisor import filemode, ownfiles
 from supervisor.fsio import write_atomic
 from supervisor.protocol import (
     DUMP_SIGNAL,
@@ -147,8 +147,9 @@ def install() -> None:
     status = os.environ.get(ENV_STATUS)
     if status:
         dump = _signal(os.environ.get(ENV_DUMP_SIGNAL) or DUMP_SIGNAL)
-        _state.dump_file = open(Path(status) / f"stacks-{os.getpid()}.txt", "w")  # noqa: SIM115
-        faulthandler.register(dump, file=_state.dump_file, all_threads=True, chain=False)
+        _state.dump_file = open_stack_file(Path(status))
+        if _state.dump_file is not None:
+            faulthandler.register(dump, file=_state.dump_file, all_threads=True, chain=False)
     address = os.environ.get(ENV_HEARTBEAT)
     if address:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
@@ -156,6 +157,21 @@ def install() -> None:
         _state.sock, _state.addr = sock, socket_address(address)
         atexit.register(_send_held)
     heartbeat(event="start", started=script_started())
+
+
+def open_stack_file(status_dir: Path) -> IO[str] | None:
+    """`stacks-<pid>.txt` in the attempt dir, where faulthandler writes this process's stacks
+    on the dump signal: the run's file mode, appended to (never truncated) and never through
+    a link planted at the name (supervisor/ownfiles.py). None, with a warning, when it cannot
+    be opened: training goes on without the dump."""
+    path = status_dir / f"stacks-{os.getpid()}.txt"
+    try:
+        opened = ownfiles.open_own(path, os.O_WRONLY | os.O_APPEND, create=True,
+                                   mode=filemode.env_mode(os.environ))
+    except OSError as e:
+        log.warning("no stack dump on a hang: %s", e)
+        return None
+    return os.fdopen(opened.fd, "a")
 
 
 def mark_script_start(at: float | None = None) -> None:

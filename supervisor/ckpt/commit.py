@@ -21,6 +21,7 @@ from supervisor.ckpt import crypt, generation, safetensors_io, sealed
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.hashing import CRYPTOGRAPHIC, HASH_ALG, hash_file, new_hasher
 from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
+from supervisor.ownfiles import RefusedFile
 from supervisor.protocol import ENV_GENERATION
 
 
@@ -185,7 +186,7 @@ class PendingCheckpoint:
                 os.rename(self.tmp, final)
                 if self.fsync:
                     fsync_dir(self.ckpt_dir)
-        except generation.StaleWriter:
+        except (generation.StaleWriter, RefusedFile):  # RefusedFile: a FIFO at the token's name
             self.abort()
             raise
         return final

@@ -12,6 +12,11 @@ completed before the new token was written, or is refused.
 Not checked: writers without a token (an unsupervised script, an older rtrain) and directories
 without the file. Tokens have one fixed length, so advancing overwrites the file in place and
 needs no new disk block (a full disk cannot leave it empty).
+
+The file is opened through `ownfiles.open_own`: a link planted at its name (which would have
+the token written into the file it points to), a FIFO (which would hang the writer's commit)
+or a second name of another file is refused, and so is a file holding anything but a token:
+rtrain never truncates what it did not write.
 """
 
 from __future__ import annotations
@@ -20,15 +25,19 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import uuid
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
+from supervisor import ownfiles
 from supervisor.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
 GENERATION_FILE = ".rtrain-generation"
+TOKEN_MAX = 256  # bytes: a token is 32 hex digits
+_TOKEN = re.compile(rb"\s*[0-9a-f]*\s*")
 
 
 class StaleWriter(CheckpointError):
@@ -52,9 +61,11 @@ def advance(ckpt_dir: Path, token: str) -> None:
     """Make `token` the current generation of `ckpt_dir` (the supervisor, before an attempt)."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(ckpt_dir / GENERATION_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    path = ckpt_dir / GENERATION_FILE
+    fd = ownfiles.open_own(path, os.O_RDWR, create=True, mode=0o644).fd
     try:
         with _locked(fd):
+            _check_token_file(path, os.pread(fd, TOKEN_MAX + 1, 0))
             data = token.encode()
             os.pwrite(fd, data, 0)
             os.ftruncate(fd, len(data))
@@ -62,11 +73,22 @@ def advance(ckpt_dir: Path, token: str) -> None:
         os.close(fd)
 
 
+def _check_token_file(path: Path, held: bytes) -> None:
+    """RefusedFile unless `held` is what a generation file holds: nothing, or a token."""
+    if len(held) > TOKEN_MAX or not _TOKEN.fullmatch(held):
+        raise ownfiles.RefusedFile(path, "holds something other than a generation token")
+
+
 def current(ckpt_dir: Path) -> str | None:
+    """The current token; None when there is none. RefusedFile for a file rtrain did not
+    write."""
+    path = Path(ckpt_dir) / GENERATION_FILE
     try:
-        return (Path(ckpt_dir) / GENERATION_FILE).read_text().strip() or None
+        held = ownfiles.read_own(path, limit=TOKEN_MAX, what="generation token")
     except FileNotFoundError:
         return None
+    _check_token_file(path, held)
+    return held.decode().strip() or None
 
 
 @contextlib.contextmanager
@@ -82,7 +104,8 @@ def committing(ckpt_dir: Path, token: str | Collection[str] | None,
         yield
         return
     try:
-        fd = os.open(Path(ckpt_dir) / GENERATION_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        # Never through a link, never blocking on a FIFO: RefusedFile ends the commit.
+        fd = ownfiles.open_own(Path(ckpt_dir) / GENERATION_FILE).fd
     except FileNotFoundError:
         yield
         return

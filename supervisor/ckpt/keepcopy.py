@@ -32,9 +32,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from supervisor import ownfiles
 from supervisor.ckpt import foreign, progress, safeio
 from supervisor.ckpt.verify import Level, Status, Verdict
-from supervisor.filemode import DEFAULT_FILE_MODE, set_mode
+from supervisor.filemode import DEFAULT_FILE_MODE
 from supervisor.fsio import write_json_atomic
 
 KEPT_DIR = "foreign-copy"
@@ -148,11 +149,12 @@ def restore(run_dir: Path, kept: Kept, *, mode: int = DEFAULT_FILE_MODE) -> None
 
 
 def _clone(src: Path, dst: Path, mode: int) -> str:
-    """Copy `src` to `dst` (created, fsynced); how it was done."""
+    """Copy `src` to `dst`, a temp name of ours (created anew: what a killed rtrain left there,
+    or a link planted at the name, is removed, never written through; fsynced); how it was
+    done."""
     with safeio.open_regular(src) as fin:
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = ownfiles.create_fresh(dst, mode)
         try:
-            set_mode(fd, mode)
             how = _copy_fd(fin.fileno(), fd, os.fstat(fin.fileno()).st_size)
             os.fsync(fd)
         finally:

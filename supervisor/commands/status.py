@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor import ownfiles
 from supervisor.ckpt import keepcopy, quarantine
 from supervisor.ckpt.foreign import select_resume_any_format
 from supervisor.ckpt.verify import Level, Status
@@ -24,7 +26,7 @@ from supervisor.errors import UsageError
 from supervisor.event_schema import KINDS, Kind
 from supervisor.pids import pid_alive
 from supervisor.records import recovery
-from supervisor.records.lock import LOCK_NAME
+from supervisor.records.lock import HOLDER_MAX, LOCK_NAME
 from supervisor.records.runstate import STATE_FILE, load_state
 from supervisor.records.timeline import Timeline, failure_kind, read_timeline
 from supervisor.safetext import safe
@@ -152,12 +154,14 @@ def _lock_holder(run_dir: Path) -> tuple[int | None, bool | None]:
     # Read, never flock: even a brief test-lock could make a launch starting at that moment
     # refuse as "already supervised". A released lock is truncated, so content means a holder
     # that is alive or was killed.
+    # Through ownfiles: a FIFO planted at the name must not hang status, nor a link lead out.
     try:
-        info = json.loads((run_dir / LOCK_NAME).read_text() or "{}")
-    except (OSError, ValueError):
+        raw = ownfiles.read_own(run_dir / LOCK_NAME, limit=HOLDER_MAX, what="lock")
+        info = json.loads(raw) if raw.strip() else {}
+    except (OSError, ValueError, RecursionError):
         return None, None
     pid = info.get("pid") if isinstance(info, dict) else None
-    if not isinstance(pid, int):
+    if isinstance(pid, bool) or not isinstance(pid, int):
         return None, None
     if info.get("host") not in (None, socket.gethostname()):
         return pid, None
@@ -179,7 +183,10 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
     """Everything `rtrain status` shows. `key` checks manifest signatures; `now` is unix time;
     `timeline`: the run's events.jsonl already read (the report's)."""
     run_dir = Path(run_dir)
-    if not (run_dir / "events.jsonl").is_file() and not (run_dir / STATE_FILE).is_file():
+    # lexists: a link or a FIFO at either name is a run's file refused by name when read
+    # (ownfiles), not "no run here".
+    if not os.path.lexists(run_dir / "events.jsonl") and not os.path.lexists(
+            run_dir / STATE_FILE):
         raise UsageError(f"no rtrain run in {run_dir}: pass the --run-dir used with rtrain "
                          "launch")
     if timeline is None:

@@ -49,7 +49,13 @@ from supervisor.launch.recording import (
     slurm_field,
 )
 from supervisor.launch.resume import Checkpoints, encryption_key, resumed_from
-from supervisor.launch.rundir import RunRecord, move_aside, prepare_dirs, refuse_ended
+from supervisor.launch.rundir import (
+    RunRecord,
+    move_aside,
+    prepare_dirs,
+    refuse_ended,
+    refuse_planted,
+)
 from supervisor.launch.spec import LaunchSpec, Seams, child_command
 from supervisor.launch.standby import Keeper
 from supervisor.launch.wallclock import WHY as WALL_CLOCK
@@ -81,6 +87,7 @@ def launch(spec: LaunchSpec, seams: Seams | None = None) -> int:
     cfg = spec.config
     run_dir = Path(cfg.run_dir)
     prepare_dirs(run_dir, _ckpt_dir(cfg, run_dir), cfg.file_mode)
+    refuse_planted(run_dir, _ckpt_dir(cfg, run_dir))
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise UsageError(f"--resume {cfg.resume}: no such checkpoint")
     blank = {**cfg.settings, "checkpoint": "", "attempt": 0, "run_dir": "", "ckpt_dir": ""}
@@ -88,10 +95,10 @@ def launch(spec: LaunchSpec, seams: Seams | None = None) -> int:
     with RunLock(run_dir, mode=cfg.file_mode) as lock, best_effort_console() as console:
         loop = Loop(spec, seams, run_dir)
         loop.observers.console = console
-        _end_leftovers(run_dir, loop.events, loop.say)
-        if lock.previous is not None:
-            loop.events.emit("lock_takeover", previous=lock.previous)
         try:
+            _end_leftovers(run_dir, loop.events, loop.say)
+            if lock.previous is not None:
+                loop.events.emit("lock_takeover", previous=lock.previous)
             return loop.run()
         finally:
             loop.close()
@@ -107,11 +114,14 @@ def _end_leftovers(run_dir: Path, events: EventLog, say: Callable[[str], None]) 
             + ", ".join(f"pid {p.pid} ({p.command[:60]})" for p in ended))
 
 
-def _read_timeline(path: Path) -> Timeline | None:
+def _read_timeline(path: Path) -> tuple[Timeline | None, str | None]:
+    """The run's events so far, or None and why: a log that cannot be read (a line that is
+    not an event, nested too deep, of a newer schema) is not a reason to stop a run. Events
+    are best effort; this launch appends to the log and counts its own events from here."""
     try:
-        return read_timeline(path)
-    except EventLogError:
-        return None
+        return read_timeline(path), None
+    except EventLogError as e:
+        return None, str(e)
 
 
 def _hands_checkpoint(spec: LaunchSpec) -> bool:
@@ -136,7 +146,7 @@ class Loop:
                                    say=seams.say)
         # The run so far, read once and kept current by each event this launch writes: a
         # relaunch must not re-read a log that grows by a summary every few seconds for weeks.
-        self.timeline = _read_timeline(run_dir / "events.jsonl")
+        self.timeline, unread = _read_timeline(run_dir / "events.jsonl")
         follow = [self.timeline.add] if self.timeline is not None else []
         self.recovery = RecoveryTracker()  # what each failure costs; emitted by _recoveries
         self.events = EventLog(run_dir / "events.jsonl", clock=seams.wall,
@@ -144,6 +154,9 @@ class Loop:
                                mode=self.cfg.file_mode)
         self.observers.attach(self.events)
         self.say = self.observers.say
+        if unread is not None:
+            self.say(f"warning: {unread}; until then, the run's earlier events are not "
+                     "counted (failures so far, save costs)")
         self.record = RunRecord(run_dir, self.cfg.file_mode, self.events, wall=seams.wall,
                                 monotonic=seams.monotonic, sleep=seams.sleep, say=self.say)
         self.record.load(spec.command, spec.cwd, fresh=spec.fresh, retry=spec.retry)

@@ -21,12 +21,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from supervisor import ownfiles
 from supervisor.config import Config
 from supervisor.errors import UsageError
 from supervisor.proc.spawn import pdeathsig_preexec
 from supervisor.reaper import own
 from supervisor.records.events import EventLog
 from supervisor.remote.uploader import Spec
+
+LOG_NAME = "mirror.log"
 
 
 def open_for(config: Config, run_dir: Path, ckpt_dir: Path, events: EventLog,
@@ -69,13 +72,18 @@ class Mirroring:
         self._failing = False
 
     def start(self) -> None:
-        with open(self.run_dir / "mirror.log", "ab") as log:  # its stderr (tracebacks)
+        # Its stderr (tracebacks); never through a link planted at the name (RefusedFile).
+        log = ownfiles.open_own(self.run_dir / LOG_NAME, os.O_WRONLY | os.O_APPEND,
+                                create=True, mode=self.spec.file_mode).fd
+        try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "supervisor.remote.uploader", self.spec.dumps()],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 # Its own session: a Ctrl-C at the terminal reaches rtrain, which decides.
                 start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))
-            own(self.proc)
+        finally:
+            os.close(log)
+        own(self.proc)
         threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True,
                          name="rtrain-mirror-reader").start()
 

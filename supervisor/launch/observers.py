@@ -16,7 +16,7 @@ from supervisor.event_schema import KINDS, Kind
 from supervisor.proc.console import BestEffortWriter
 from supervisor.proc.watch import Sample
 from supervisor.proc.watch_pressure import PressureNote
-from supervisor.records.events import EventLog, read_events
+from supervisor.records.events import EventLog, EventLogError, read_events
 from supervisor.records.hooks import HookRunner
 from supervisor.records.metrics import MetricsFile
 
@@ -30,8 +30,11 @@ class Observers:
                                     wall=wall)
                         if config.metrics_file else None)
         if self.metrics is not None:
-            for event in read_events(run_dir / "events.jsonl"):  # counters continue the run's
-                self.metrics.seed(event)
+            try:
+                for event in read_events(run_dir / "events.jsonl"):  # counters continue the run's
+                    self.metrics.seed(event)
+            except EventLogError:  # an unreadable log: count from this launch on (loop.py says)
+                pass
         self.hooks = (HookRunner(config.hooks, cwd=cwd,
                                  env={protocol.ENV_RUN_DIR: str(run_dir.resolve())})
                       if config.hooks else None)

@@ -12,12 +12,19 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from supervisor import filemode
+from supervisor import filemode, ownfiles
+from supervisor.ckpt.generation import GENERATION_FILE
+from supervisor.ckpt.quarantine import QUARANTINE_FILE
 from supervisor.decide.policy import History
 from supervisor.errors import ExitCode, UsageError
 from supervisor.fsio import STORAGE_ERRNOS
+from supervisor.launch.mirroring import LOG_NAME as MIRROR_LOG
+from supervisor.proc.leftovers import PROCS_FILE
+from supervisor.proc.standby import LOG_NAME as STANDBY_LOG
 from supervisor.records.events import EventLog
-from supervisor.records.runstate import RunState, RunStatus, load_state, save_state
+from supervisor.records.lock import LOCK_NAME
+from supervisor.records.runstate import STATE_FILE, RunState, RunStatus, load_state, save_state
+from supervisor.remote.uploader import LOCK_NAME as MIRROR_LOCK
 
 # A run that ends while the run dir's disk is full waits this long for room to record how it
 # ended (state.json, the last events); supervision itself never waits for the disk.
@@ -39,6 +46,25 @@ def prepare_dirs(run_dir: Path, ckpt_dir: Path, file_mode: int) -> None:
         flag = "--run-dir" if where == run_dir else "--ckpt-dir"
         raise UsageError(f"cannot write to {where} ({e.strerror}): give a writable {flag} "
                          "or fix its permissions") from None
+
+
+# The files a launch keeps in the run and checkpoint dirs. Written in place: each must be a
+# regular file of one name. Replaced whole (temp file + rename) and read back: a regular file.
+IN_PLACE = {"run": (LOCK_NAME, "events.jsonl", STANDBY_LOG, MIRROR_LOG),
+            "ckpt": (GENERATION_FILE, MIRROR_LOCK)}
+REPLACED = {"run": (STATE_FILE, PROCS_FILE), "ckpt": (QUARANTINE_FILE,)}
+
+
+def refuse_planted(run_dir: Path, ckpt_dir: Path) -> None:
+    """RefusedFile (exit 2) when a name the launch writes holds a link, a FIFO, a device or a
+    second name of another file: checked (lstat, nothing opened) before anything is written,
+    so the launch stops before it locks, records or starts anything. Each open checks again
+    (ownfiles), for what appears meanwhile."""
+    for where, root in (("run", run_dir), ("ckpt", ckpt_dir)):
+        for name in IN_PLACE[where]:
+            ownfiles.check(root / name, in_place=True)
+        for name in REPLACED[where]:
+            ownfiles.check(root / name, in_place=False)
 
 
 def move_aside(path: Path, now: float) -> None:

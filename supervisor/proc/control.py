@@ -23,9 +23,9 @@ def ask_failure_save(status_dir: Path) -> bool:
     try:
         if not stat.S_ISFIFO(os.lstat(path).st_mode):
             return False  # never write into a file that happens to have the name
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        if e.errno in (errno.ENOENT, errno.ENXIO, errno.EACCES, errno.ENOTDIR):
+        if e.errno in (errno.ENOENT, errno.ENXIO, errno.EACCES, errno.ENOTDIR, errno.ELOOP):
             return False
         raise
     try:

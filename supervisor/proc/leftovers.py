@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor import ownfiles
 from supervisor.fsio import write_atomic
 from supervisor.protocol import ENV_GENERATION, ENV_RUN_DIR
 
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 PROCS_FILE = "procs.json"
 PROCS_VERSION = 1
+PROCS_MAX = 16 << 20  # bytes: some hundred thousand processes
 CONFIRM_S = 2.0  # how long to wait for SIGKILLed leftovers to disappear
 
 
@@ -84,9 +86,15 @@ class ProcRecord:
 
 
 def _recorded(run_dir: Path) -> dict[int, int]:
+    """pid -> start time of the processes recorded. A file there that is not one rtrain may
+    read (a link, a FIFO) is refused (RefusedFile: the launch stops, saying so); one that
+    cannot be read or parsed records nothing."""
     try:
-        raw = json.loads((Path(run_dir) / PROCS_FILE).read_text())
-    except (OSError, ValueError):
+        raw = json.loads(ownfiles.read_own(Path(run_dir) / PROCS_FILE, limit=PROCS_MAX,
+                                           what="process record"))
+    except ownfiles.RefusedFile:
+        raise
+    except (OSError, ValueError, RecursionError):
         return {}
     if not isinstance(raw, dict) or raw.get("v") != PROCS_VERSION:
         return {}

@@ -11,6 +11,11 @@ Best effort: a full disk (ENOSPC, EDQUOT) or a failing one (EIO) must not stop t
 supervision. What cannot be written is counted and skipped; the next write that succeeds is
 preceded by a line saying how many bytes are missing there and why. A log whose directory or
 file cannot even be created (no free inode or block) is created at the first write that can.
+
+Owned: the file is created with the run's file mode (owner-only by default, whatever the run
+dir's own mode) through `ownfiles.open_own`, which refuses a link or a FIFO planted at its name
+and a second name of another file: that output is not logged (a warning says why), and
+nothing outside the run dir is ever written or cut.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import logging
 import os
 from pathlib import Path
 
+from supervisor import ownfiles
+from supervisor.filemode import DEFAULT_FILE_MODE
 from supervisor.fsio import STORAGE_ERRNOS
 
 log = logging.getLogger(__name__)
@@ -33,8 +40,10 @@ def _mib(n: int) -> str:
 class CappedLog:
     """Append-only log writer; `cap_bytes` None or 0: no cap. Never raises OSError on write."""
 
-    def __init__(self, path: Path, cap_bytes: int | None) -> None:
+    def __init__(self, path: Path, cap_bytes: int | None, *,
+                 mode: int = DEFAULT_FILE_MODE) -> None:
         self.path = Path(path)
+        self.mode = mode
         self.fd = -1
         self.size = 0
         self.cap = cap_bytes or 0
@@ -46,20 +55,28 @@ class CappedLog:
         self.lost_bytes = 0  # output not written for a storage error, since the last note
         self.lost_total = 0
         self._lost_reason = ""
+        self.refused: str | None = None  # why the file at the name is not written, if it is not
         self.closed = False
         self._open()
 
     def _open(self) -> bool:
+        if self.refused is not None:
+            return False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-                              0o666)
+            opened = ownfiles.open_own(self.path, os.O_RDWR | os.O_APPEND, create=True,
+                                       mode=self.mode)
+        except ownfiles.RefusedFile as e:
+            self.refused = self._lost_reason = str(e)
+            log.warning("output not logged: %s", e)
+            return False
         except OSError as e:
             if e.errno not in STORAGE_ERRNOS:
                 raise
             self._lost_reason = e.strerror or str(e)
             return False
-        self.size = os.fstat(self.fd).st_size
+        self.fd = opened.fd
+        self.size = opened.st.st_size
         return True
 
     def write(self, data: bytes) -> None:
@@ -93,7 +110,7 @@ class CappedLog:
         return True
 
     def _lose(self, n: int, why: str) -> None:
-        if not self.lost_total:
+        if not self.lost_total and self.refused is None:  # a refusal was told already
             log.warning("cannot write %s (%s): output is dropped until there is room; "
                         "training goes on", self.path, why)
         self.lost_bytes += n

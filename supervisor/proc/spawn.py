@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from supervisor.filemode import DEFAULT_FILE_MODE, env_mode
 from supervisor.fsio import STORAGE_ERRNOS
 from supervisor.proc.logcap import CappedLog
 from supervisor.reaper import own
@@ -70,11 +71,12 @@ class OutputPipe:
 
     def __init__(self, fd: int, log_path: Path, echo_to: BinaryIO | None, tail_bytes: int,
                  through: Callable[[bytes, BinaryIO], None] | None,
-                 cap_bytes: int | None) -> None:
+                 cap_bytes: int | None, mode: int = DEFAULT_FILE_MODE) -> None:
         self.fd = fd
         self.through = through
         os.set_blocking(fd, False)
-        self.log = CappedLog(log_path, cap_bytes)  # never raises for a full or failing disk
+        # Never raises for a full or failing disk, nor for a link planted at the name.
+        self.log = CappedLog(log_path, cap_bytes, mode=mode)
         self.echo_to = echo_to
         self.tail_bytes = tail_bytes
         self.tail = bytearray()
@@ -212,6 +214,7 @@ def spawn(spec: ChildSpec) -> Child:
         pidfd = None
     echo_out = sys.stdout.buffer if spec.echo else None
     echo_err = sys.stderr.buffer if spec.echo else None
+    mode = env_mode(spec.env)  # the run's file mode, as the child gets it
     return Child(
         spec=spec,
         popen=popen,
@@ -219,9 +222,9 @@ def spawn(spec: ChildSpec) -> Child:
         pgid=popen.pid,
         pidfd=pidfd,
         stdout=OutputPipe(out_r, spec.attempt_dir / "stdout.log", echo_out, 0,
-                          spec.echo_through, spec.log_cap_bytes),
+                          spec.echo_through, spec.log_cap_bytes, mode),
         stderr=OutputPipe(err_r, spec.attempt_dir / "stderr.log", echo_err, STDERR_TAIL_BYTES,
-                          spec.echo_through, spec.log_cap_bytes),
+                          spec.echo_through, spec.log_cap_bytes, mode),
         started=started,
         started_wall=started_wall,
     )

@@ -3,6 +3,8 @@
 Two sources, because either may fail: the worker's faulthandler (on RTRAIN_DUMP_SIGNAL, written
 from C inside the signal handler, so it works while the interpreter is stuck in a C call), and
 py-spy, which reads the process from outside and also covers scripts without the worker library.
+Both files get the run's file mode (owner-only by default) and are opened through
+`ownfiles.open_own`: never through a link planted at the name, appended to, never truncated.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 
 import psutil
 
+from supervisor import ownfiles
+from supervisor.filemode import DEFAULT_FILE_MODE
 from supervisor.reaper import own
 
 log = logging.getLogger(__name__)
@@ -54,7 +58,8 @@ def _is_python(proc: psutil.Process) -> bool:
 
 
 def dump_stacks(
-    pids: Iterable[int], attempt_dir: Path, dump_signal: int, timeout_s: float
+    pids: Iterable[int], attempt_dir: Path, dump_signal: int, timeout_s: float,
+    mode: int = DEFAULT_FILE_MODE,
 ) -> list[Path]:
     """Ask every process for its stacks; return the py-spy files written (bounded by timeout_s).
 
@@ -85,9 +90,16 @@ def dump_stacks(
         # py-spy cannot suspend an already stopped process; reading it without pausing works.
         argv = [pyspy, "dump", "--pid", str(pid)] + (["--nonblocking"] if stopped else [])
         path = attempt_dir / f"stacks-pyspy-{pid}.txt"
-        with open(path, "wb") as out:
-            running.append((own(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)),
+        try:
+            fd = ownfiles.open_own(path, os.O_WRONLY | os.O_APPEND, create=True, mode=mode).fd
+        except OSError as e:  # a refused name (a planted link) or a full disk: no dump
+            log.warning("no py-spy stacks for pid %d: %s", pid, e)
+            continue
+        try:
+            running.append((own(subprocess.Popen(argv, stdout=fd, stderr=subprocess.STDOUT)),
                             path))
+        finally:
+            os.close(fd)
     deadline = time.monotonic() + timeout_s
     for proc, _ in running:
         try:

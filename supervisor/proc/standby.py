@@ -30,6 +30,7 @@ from pathlib import Path
 import psutil
 
 from supervisor.decide import standby as policy
+from supervisor.filemode import env_mode
 from supervisor.fsio import STORAGE_ERRNOS
 from supervisor.proc.spawn import (
     STDERR_TAIL_BYTES,
@@ -165,7 +166,8 @@ class WarmChild:
         ours.setblocking(False)
         set_autogroup_nice(popen.pid, IMPORT_NICE)  # its own session: its own autogroup
         log = run_dir / LOG_NAME
-        outputs = [OutputPipe(fd, log, None, STDERR_TAIL_BYTES, None, 1 << 20)
+        mode = env_mode(env)
+        outputs = [OutputPipe(fd, log, None, STDERR_TAIL_BYTES, None, 1 << 20, mode)
                    for fd in (out_r, err_r)]
         return cls(target, dict(env), popen, ours, outputs, spawned_ns)
 
@@ -294,12 +296,13 @@ class WarmChild:
             pidfd = None
         echo_out = sys.stdout.buffer if spec.echo else None
         echo_err = sys.stderr.buffer if spec.echo else None
+        mode = env_mode(spec.env)
         return Child(
             spec=spec, popen=self.popen, pid=self.pid, pgid=self.pid, pidfd=pidfd,
             stdout=OutputPipe(out_r, spec.attempt_dir / "stdout.log", echo_out, 0,
-                              spec.echo_through, spec.log_cap_bytes),
+                              spec.echo_through, spec.log_cap_bytes, mode),
             stderr=OutputPipe(err_r, spec.attempt_dir / "stderr.log", echo_err,
-                              STDERR_TAIL_BYTES, spec.echo_through, spec.log_cap_bytes),
+                              STDERR_TAIL_BYTES, spec.echo_through, spec.log_cap_bytes, mode),
             started=started, started_wall=started_wall)
 
     def _answer(self) -> dict:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from supervisor.decide.failures import Evidence
+from supervisor.filemode import env_mode
 from supervisor.proc.control import ask_failure_save
 from supervisor.proc.gpu import GpuReader, GpuReading, NullReader
 from supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
@@ -272,8 +273,8 @@ class _Watch:
         self.ev.hang, self.ev.hang_detail, self.ev.hang_at = True, why, time.time()
         pids = [p.pid for p in self.tree.live()]
         self.stack_files = dump_stacks(
-            pids, self.child.spec.attempt_dir, self.config.dump_signal, self.config.dump_timeout_s
-        )
+            pids, self.child.spec.attempt_dir, self.config.dump_signal, self.config.dump_timeout_s,
+            env_mode(self.child.spec.env))
         # Stuck before its optimizer step, the worker still holds the last completed step: a
         # thread of its own saves it within the grace (worker/hang_save.py).
         self.hang_save_asked = ask_failure_save(self.child.spec.attempt_dir)

@@ -8,11 +8,13 @@ Evidence, and everyone after them only reads.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from supervisor import ownfiles
 from supervisor.decide.classify import plain_script_started
 from supervisor.decide.failures import Evidence
 from supervisor.proc.cgroup import MemoryCgroup, memory_cgroup
@@ -22,6 +24,10 @@ from supervisor.proc.proctree import ProcTree
 from supervisor.proc.spawn import Child
 from supervisor.proc.stop import StopResult
 from supervisor.protocol import ExitRecord, Heartbeat
+
+log = logging.getLogger(__name__)
+
+EXIT_RECORD_MAX = 1 << 20  # bytes: a record with its traceback tail is a few KiB
 
 
 @dataclass
@@ -134,9 +140,11 @@ def read_exit_records(attempt_dir: Path) -> list[dict]:
     """Exit records the ranks wrote (contract 2), ordered by rank; unreadable ones are skipped."""
     records = []
     for path in attempt_dir.glob("exit-rank*.json"):
-        try:
-            record = ExitRecord.from_json(path.read_text())
-        except OSError:
+        try:  # never through a link or blocking on a FIFO planted at the name
+            record = ExitRecord.from_json(ownfiles.read_own(path, limit=EXIT_RECORD_MAX))
+        except OSError as e:
+            if isinstance(e, ownfiles.RefusedFile):
+                log.warning("exit record not read: %s", e)
             continue
         if record is not None:
             if record.time is None:  # older workers: the file's own time orders it

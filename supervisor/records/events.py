@@ -20,6 +20,12 @@ Writing is best effort against the disk, never against order: when the disk is f
 written in part first) and goes out, in order, with the next `emit`, `sync` or `retry`; the
 supervision goes on meanwhile. Past `PENDING_MAX` waiting events the newest are dropped and an
 `events_lost` event with their count is written once there is room.
+
+The file is opened and read through `ownfiles` (never through a link, never blocking on a FIFO,
+refused when it has a second name: a one-line error, exit 2). A reader refuses a line nested
+deeper than `MAX_DEPTH` (`EventLogError`, like any unreadable line): no event rtrain writes
+comes close, and a deeper one would crash the recursive code that reads events (JSON parsing
+itself, at some thousand levels).
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from supervisor.errors import RtrainError
+from supervisor import ownfiles
+from supervisor.ckpt.safeio import nested_deeper
+from supervisor.errors import ExitCode, RtrainError
 from supervisor.event_schema import DURABLE_KINDS, KINDS, Kind
-from supervisor.filemode import DEFAULT_FILE_MODE, set_mode
+from supervisor.filemode import DEFAULT_FILE_MODE
 from supervisor.fsio import STORAGE_ERRNOS
 
 log = logging.getLogger(__name__)
@@ -48,10 +56,13 @@ Listener = Callable[[dict[str, Any]], None]
 
 _TAIL_BYTES = 64 * 1024  # enough to hold the last complete line of any event
 PENDING_MAX = 10_000  # events held in memory while the disk refuses them
+MAX_DEPTH = 64  # nesting of one event line; rtrain's own need a handful of levels
 
 
 class EventLogError(RtrainError):
     """events.jsonl holds something this version cannot read."""
+
+    exit_code = ExitCode.USAGE
 
 
 class EventSchemaError(ValueError):
@@ -89,8 +100,10 @@ class EventLog:
         self.clock = clock
         self.listeners = list(listeners)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
-        set_mode(self._fd, mode)  # the run's file-mode policy, also for an older log
+        # Read and write: the torn tail is read back through the same descriptor.
+        opened = ownfiles.open_own(self.path, os.O_RDWR | os.O_APPEND, create=True, mode=mode)
+        self._fd = opened.fd
+        ownfiles.own_mode(opened, mode)  # the run's file-mode policy, also for an older log
         self._seq = self._recover()
         self._pending: deque[bytes] = deque()  # lines not (completely) written yet, in order
         self._lost = 0  # events dropped with the queue full
@@ -102,17 +115,17 @@ class EventLog:
         size = os.fstat(self._fd).st_size
         if size == 0:
             return 0
-        with self.path.open("rb") as f:
-            f.seek(max(size - _TAIL_BYTES, 0))
-            tail = f.read()
+        tail = os.pread(self._fd, _TAIL_BYTES, max(size - _TAIL_BYTES, 0))
         if not tail.endswith(b"\n"):
             cut = tail.rfind(b"\n") + 1  # 0 when the whole tail is one torn line
-            os.truncate(self.path, size - (len(tail) - cut))
+            os.ftruncate(self._fd, size - (len(tail) - cut))
             tail = tail[:cut]
         for line in reversed(tail.splitlines()):
             try:
-                return int(json.loads(line)["seq"])
-            except (ValueError, KeyError, TypeError):
+                seq = json.loads(line)["seq"]
+                if isinstance(seq, int) and not isinstance(seq, bool):
+                    return seq
+            except (ValueError, KeyError, TypeError, RecursionError):
                 continue
         return 0
 
@@ -203,11 +216,19 @@ class EventLog:
         self.close()
 
 
+def _deep(raw: bytes) -> bool:
+    """Whether one line nests deeper than MAX_DEPTH. Counting brackets first (at memchr
+    speed) leaves the screen to the rare line that has that many at all."""
+    return (raw.count(b"[") + raw.count(b"{") > MAX_DEPTH
+            and nested_deeper(raw, MAX_DEPTH))
+
+
 def read_events(path: Path) -> list[dict[str, Any]]:
-    """All events in order. A torn last line is skipped; a bad line elsewhere, or a newer
-    schema version, raises EventLogError naming the line."""
+    """All events in order. A torn last line is skipped; a bad line elsewhere (not JSON, or
+    nested deeper than MAX_DEPTH), or a newer schema version, raises EventLogError naming the
+    line. RefusedFile when the file is not a regular file rtrain may read (a link, a FIFO)."""
     try:
-        data = Path(path).read_bytes()
+        data = ownfiles.read_own(path)
     except FileNotFoundError:
         return []
     lines = data.split(b"\n")
@@ -217,8 +238,11 @@ def read_events(path: Path) -> list[dict[str, Any]]:
         if not raw.strip():
             continue
         try:
+            if _deep(raw):
+                raise EventLogError(f"{path}:{number}: an event nested more than {MAX_DEPTH} "
+                                    "levels deep; move the file aside to start a new log")
             event = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise EventLogError(f"{path}:{number}: not a JSON event; move the file aside to "
                                 "start a new log") from None
         if not isinstance(event, dict) or event.get("v") != EVENTS_VERSION:
@@ -226,11 +250,11 @@ def read_events(path: Path) -> list[dict[str, Any]]:
             raise EventLogError(f"{path}:{number}: event schema version {version!r} is not "
                                 f"{EVENTS_VERSION}; read it with the rtrain that wrote it")
         events.append(event)
-    if torn_tail.strip():
+    if torn_tail.strip() and not _deep(torn_tail):
         try:  # a complete last event that only lacks its newline is still an event
             event = json.loads(torn_tail)
             if isinstance(event, dict) and event.get("v") == EVENTS_VERSION:
                 events.append(event)
-        except ValueError:
+        except (ValueError, RecursionError):
             pass  # torn by a kill mid-write: the event never happened
     return events

@@ -5,12 +5,19 @@ again without any cleanup. The holder's pid, host and start time are written ins
 file, only so that a refused launch can name who holds the run; they never decide who owns
 it. The file is never deleted: unlinking a lock file lets two processes lock two inodes.
 The descriptor is close-on-exec, so the training child does not inherit the lock.
+
+The file is opened through `ownfiles.open_own`: a link, a FIFO or a second name of another file
+planted at `.rtrain.lock` is refused (exit 2) before anything is written, and a file there that
+holds more than any holder's name is not an rtrain lock and is refused rather than truncated.
+Its content is only read for a message, so nothing in it (a forged start time, a huge number,
+NaN) can turn a refusal into anything but the refusal.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import socket
 import time
@@ -18,12 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from supervisor import ownfiles
 from supervisor.errors import AlreadySupervised
-from supervisor.filemode import DEFAULT_FILE_MODE, set_mode
+from supervisor.filemode import DEFAULT_FILE_MODE
 from supervisor.fsio import STORAGE_ERRNOS
 from supervisor.pids import pid_alive
+from supervisor.safetext import safe
 
 LOCK_NAME = ".rtrain.lock"
+HOLDER_MAX = 4096  # bytes: a holder's name is far less; more is not an rtrain lock
 
 
 class RunLock:
@@ -41,9 +51,13 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.mode)
-        set_mode(fd, self.mode)  # also a lock file an older rtrain made world-readable
+        opened = ownfiles.open_own(self.path, os.O_RDWR, create=True, mode=self.mode)
+        fd = opened.fd
         try:
+            if opened.st.st_size > HOLDER_MAX:
+                raise ownfiles.RefusedFile(self.path, f"holds {opened.st.st_size} bytes, not "
+                                                      "the name of an rtrain holding the run")
+            ownfiles.own_mode(opened, self.mode)  # also a lock an older rtrain made 0644
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
@@ -72,14 +86,15 @@ class RunLock:
         return self
 
     def _refusal(self, holder: dict[str, Any]) -> str:
-        pid = holder.get("pid", "?")
+        # Anyone who can write the run dir wrote this content: only well-formed values show.
+        pid = holder.get("pid")
+        pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else "?"
         host = holder.get("host")
-        where = f" on {host}" if host and host != socket.gethostname() else ""
-        started = holder.get("started")
-        when = (f" (started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))})"
-                if isinstance(started, (int, float)) else "")
-        return (f"run dir {self.run_dir} is already supervised by rtrain pid {pid}{where}{when}; "
-                "stop it or use another --run-dir")
+        where = (f" on {safe(host)}" if isinstance(host, str) and host
+                 and host != socket.gethostname() else "")
+        when = _when(holder.get("started"))
+        return (f"run dir {safe(self.run_dir)} is already supervised by rtrain pid "
+                f"{pid}{where}{when}; stop it or use another --run-dir")
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -97,8 +112,19 @@ class RunLock:
 
 def _read_holder(fd: int) -> dict[str, Any]:
     try:
-        raw = os.pread(fd, 4096, 0)
+        raw = os.pread(fd, HOLDER_MAX, 0)
         info = json.loads(raw) if raw.strip() else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}  # a holder killed while writing its name: nothing to report
     return info if isinstance(info, dict) else {}
+
+
+def _when(started: Any) -> str:
+    """" (started <local time>)" for a start time a clock can show, else nothing."""
+    if (not isinstance(started, (int, float)) or isinstance(started, bool)
+            or not math.isfinite(started)):
+        return ""
+    try:
+        return f" (started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))})"
+    except (OverflowError, OSError, ValueError):  # past what localtime() can show
+        return ""

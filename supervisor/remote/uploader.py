@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor import ownfiles
 from supervisor.ckpt.layout import MANIFEST, list_checkpoints
 from supervisor.remote import backlog
 
@@ -202,7 +203,8 @@ class Uploader:
 def hold_lock(ckpt_dir: Path, commands: Commands) -> int | None:
     """The uploader lock's fd once held; None when told to finish while standing by."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(ckpt_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    # Never through a link or a FIFO planted at the name (ownfiles): RefusedFile ends us.
+    fd = ownfiles.open_own(ckpt_dir / LOCK_NAME, os.O_RDWR, create=True, mode=0o600).fd
     told = False
     while True:
         try:
@@ -242,7 +244,12 @@ def main(argv: list[str]) -> int:
     except MirrorError as e:
         send("failed", step=None, reason=str(e), retry_in_s=None, failures=1)
         return 2
-    if hold_lock(spec.ckpt_dir, commands) is None:
+    try:
+        held = hold_lock(spec.ckpt_dir, commands)
+    except ownfiles.RefusedFile as e:  # a link or a FIFO planted at the lock's name
+        send("failed", step=None, reason=str(e), retry_in_s=None, failures=1)
+        return 2
+    if held is None:
         send("final", step=None, made_it=False, standby=True)
         return 0
     return Uploader(spec, mirror, commands).run()
