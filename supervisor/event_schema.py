@@ -34,6 +34,7 @@ class Kind(str, Enum):
     GPU_NOT_RELEASED = "gpu_not_released"
     LOCK_TAKEOVER = "lock_takeover"
     LEFTOVERS_ENDED = "leftovers_ended"
+    LEFTOVERS_SKIPPED = "leftovers_skipped"
     EVENTS_LOST = "events_lost"
     HOOK_FAILED = "hook_failed"
     SAVE_SKIPPED = "save_skipped"
@@ -131,6 +132,11 @@ KINDS: dict[Kind, KindSpec] = {
                                  meaning="the run lock of a dead supervisor was taken over"),
     Kind.LEFTOVERS_ENDED: KindSpec(fields=("pids", "commands", "found"), hookable=False,
                                    meaning="processes an earlier supervisor left were killed"),
+    Kind.LEFTOVERS_SKIPPED: KindSpec(
+        fields=("pids", "commands", "reasons"), hookable=False,
+        meaning="live processes procs.json names were left running: nothing proves an rtrain "
+                "of this run started them (procs.json unsigned or forged, no mark in their "
+                "environment)"),
     Kind.EVENTS_LOST: KindSpec(fields=("count", "reason"), hookable=False,
                                meaning="events were dropped while the disk was full"),
     Kind.HOOK_FAILED: KindSpec(fields=("command", "event", "event_seq", "reason"),
