@@ -40,6 +40,7 @@ class Kind(str, Enum):
     SAVE_SKIPPED = "save_skipped"
     CADENCE = "cadence"
     CHECKPOINT_AT_FAILURE = "checkpoint_at_failure"
+    CONTROL_REFUSED = "control_refused"
     FINAL_STATE_UNSAVED = "final_state_unsaved"
     MIRROR_UPLOADED = "mirror_uploaded"
     MIRROR_FAILED = "mirror_failed"
@@ -151,6 +152,10 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.CHECKPOINT_AT_FAILURE: KindSpec(
         fields=("attempt", "step", "rank", "exception"),
         meaning="an exception ended the worker and it saved its last completed step first"),
+    Kind.CONTROL_REFUSED: KindSpec(
+        fields=("attempt", "rank", "reason"),
+        meaning="the worker refused requests on its control FIFO that did not carry the "
+                "attempt's token (someone other than rtrain asked for a save at a hang)"),
     Kind.FINAL_STATE_UNSAVED: KindSpec(
         fields=("last_step", "checkpoint_step", "skipped_saves", "reason"), durable=True,
         meaning="the run stops with its last steps in no checkpoint"),

@@ -47,7 +47,7 @@ from supervisor.proc.watch_outcome import (
 )
 from supervisor.proc.watch_pressure import PressureNote, PressureWatch
 from supervisor.proc.watch_stop import Stopping, drain_pipes
-from supervisor.protocol import DUMP_SIGNAL, RELIEVE_SIGNAL, Heartbeat
+from supervisor.protocol import DUMP_SIGNAL, ENV_CONTROL_TOKEN, RELIEVE_SIGNAL, Heartbeat
 from supervisor.reaper import reap_orphans
 
 if TYPE_CHECKING:
@@ -231,6 +231,12 @@ class _Watch:
     def _heartbeats(self, now: float) -> None:
         assert self.hbs is not None
         for hb in self.hbs.drain():
+            if hb.event == "control_refused":
+                # The worker's FIFO thread reporting someone else's writes: neither progress
+                # nor a word on how the attempt ends (a `stop` before it still confirms).
+                if self.on_heartbeat is not None:
+                    self.on_heartbeat(hb)
+                continue
             self.hang.heartbeat(hb, now)
             self.summary.add(hb)
             if hb.step is not None:
@@ -276,7 +282,8 @@ class _Watch:
         )
         # Stuck before its optimizer step, the worker still holds the last completed step: a
         # thread of its own saves it within the grace (worker/hang_save.py).
-        self.hang_save_asked = ask_failure_save(self.child.spec.attempt_dir)
+        self.hang_save_asked = ask_failure_save(
+            self.child.spec.attempt_dir, self.child.spec.env.get(ENV_CONTROL_TOKEN))
         if self.hang_save_asked:
             log.warning("asked the hung process to save its last completed step")
         self.stop.begin(self.clock(), self.config.hang_grace_s)
