@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # without a pidfd (kernel < 5.3) exits are noticed by polling this often
+# The loop woke this much later than it asked to: the supervisor itself did not run (stopped
+# with the job: Slurm's suspend stops every process of it), and the gap is excused.
+NOT_RUNNING_S = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +179,7 @@ class _Watch:
                 timeout = max(0.0, wake - now)
                 if c.pidfd is None:
                     timeout = min(timeout, _POLL_S)
+                asked = now + timeout
                 for key, _ in sel.select(timeout):
                     if key.data == "exit":
                         exited = True
@@ -184,6 +188,8 @@ class _Watch:
                 if c.pidfd is None:
                     exited = c.returncode is not None
                 now = self.clock()
+                if now - asked >= NOT_RUNNING_S:
+                    self._not_running(now, now - asked)
                 if exited:
                     self.exited_at, self.exited_wall = now, time.time()
                     continue
@@ -215,6 +221,15 @@ class _Watch:
         if signals.fileno() is not None:
             sel.register(signals.fileno(), selectors.EVENT_READ, "signal")
         return sel
+
+    def _not_running(self, now: float, gap: float) -> None:
+        """The supervisor itself was stopped (or starved) for the `gap` s before `now`: the
+        child's silence starts afresh, and a running stop's grace moves on by the gap."""
+        log.warning("rtrain did not run for %.1f s (stopped with the job, e.g. a suspended Slurm "
+                    "job): the training process's silence counts from now", gap)
+        self.hang.excuse(now, gap)
+        if self.stop.active:
+            self.stop.extend(self.stop.deadline() + gap)
 
     def _dispatch(self, sel: selectors.BaseSelector, what: object, signals: SignalCatcher) -> None:
         now = self.clock()
