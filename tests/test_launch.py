@@ -156,7 +156,7 @@ def test_a_job_suspended_with_rtrain_is_not_a_hang(tmp_path):
     # Slurm's `scontrol suspend` stops every process of the job, rtrain included, and
     # continues them later (in no fixed order): the stopped time is no one's silence.
     (tmp_path / "rtrain.toml").write_text(
-        "[hang]\nfloor_s = 2.0\nmultiple = 2.0\nwarmup_steps = 3\n")
+        "[hang]\nfloor_s = 3.0\nmultiple = 2.0\nwarmup_steps = 3\n")
     run = tmp_path / "run"
     proc = subprocess.Popen(launch_cmd(run, str(CHILDREN / "heartbeat_steps.py"), "250"),
                             env=child_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
@@ -165,7 +165,7 @@ def test_a_job_suspended_with_rtrain_is_not_a_hang(tmp_path):
         child = events(run, "launch")[0]["pid"]
         proc.send_signal(signal.SIGSTOP)
         os.killpg(child, signal.SIGSTOP)
-        time.sleep(7)  # past the learned timeout (2 s) and the loop's NOT_RUNNING_S
+        time.sleep(7)  # past the learned timeout (3 s) and the loop's NOT_RUNNING_S
         proc.send_signal(signal.SIGCONT)  # rtrain first: the child is still stopped a moment
         time.sleep(0.3)
         try:
