@@ -129,7 +129,7 @@ ASKS_ITSELF = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
     from worker import hang_save, runtime
-    Path(sys.argv[1]).write_text(os.environ["RTRAIN_CONTROL_TOKEN"])  # outside the run dir
+    Path(sys.argv[1]).write_text(os.environ.get("RTRAIN_CONTROL_TOKEN", ""))  # not in the run dir
     runtime.install()
     assert hang_save.start(lambda: [])
     with open(Path(os.environ["RTRAIN_STATUS"]) / "control", "wb") as f:

@@ -19,7 +19,7 @@ import pytest
 from harness import CHILDREN, child_env, gone, launch_cmd, wait_for
 
 from supervisor.ckpt import generation
-from supervisor.proc import leftovers
+from supervisor.proc import leftovers, userkey
 from supervisor.records.events import read_events
 
 LEAVE = CHILDREN / "leave_behind_on_kill.py"
@@ -152,7 +152,7 @@ def _forge(run: Path, pid: int, *, mac: str | None = "0" * 64, v: int = 2) -> No
     body = {"v": v, "host": socket.gethostname(), "supervisor": [1, 1],
             "procs": [[pid, leftovers.start_time(pid)]]}
     if v == 2:
-        body["boot"] = leftovers.boot_id()
+        body["boot"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     if mac is not None:
         body["mac"] = mac
     run.mkdir(parents=True, exist_ok=True)
@@ -180,6 +180,7 @@ FORGERIES = {
 @pytest.mark.parametrize("forgery", list(FORGERIES))
 def test_a_forged_procs_json_ends_nothing_and_says_why(tmp_path, forgery):
     run = tmp_path / "run"
+    userkey.load(create=True)  # as a launch makes it (ProcRecord) before it sweeps
     victim = _sleeper()
     try:
         FORGERIES[forgery](run, victim.pid)
@@ -218,7 +219,7 @@ def test_launch_on_a_forged_procs_json_leaves_the_process_and_records_why(tmp_pa
     run = tmp_path / "run"
     victim = _sleeper()
     try:
-        _forge(run, victim.pid)
+        _forge(run, victim.pid, mac=None, v=1)  # the record as rtrain wrote it, unsigned
         script = tmp_path / "done.py"
         script.write_text("print('done')\n")
         r = subprocess.run(launch_cmd(run, str(script)), env=child_env(), cwd=tmp_path,
@@ -226,12 +227,12 @@ def test_launch_on_a_forged_procs_json_leaves_the_process_and_records_why(tmp_pa
         assert r.returncode == 0, r.stderr
         assert victim.poll() is None, "launch killed a process a forged procs.json named"
         assert f"left pid {victim.pid} (sleep 600) running, although procs.json names it: " \
-               "procs.json's signature does not match" in r.stderr, r.stderr
+               "procs.json is not signed" in r.stderr, r.stderr
         skipped = [e for e in read_events(run / "events.jsonl")
                    if e["kind"] == "leftovers_skipped"]
         assert len(skipped) == 1 and skipped[0]["pids"] == [victim.pid]
         assert skipped[0]["commands"] == ["sleep 600"]
-        assert "does not match" in skipped[0]["reasons"][0]
+        assert "environment does not name the run" in skipped[0]["reasons"][0]
         assert not [e for e in read_events(run / "events.jsonl")
                     if e["kind"] == "leftovers_ended"]
     finally:
