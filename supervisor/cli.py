@@ -217,7 +217,8 @@ def launch(
         help="From the stop signal to SIGKILL: time to save and exit (default 30).")] = None,
     stop_signal: Annotated[str | None, typer.Option(
         "--stop-signal", metavar="SIG",
-        help="Signal that asks the child to save and exit 75 (default SIGTERM).")] = None,
+        help="Signal that asks the child to save and exit 75 (default SIGTERM; or SIGINT, "
+             "SIGHUP, SIGQUIT, SIGUSR1, SIGXCPU, SIGPWR).")] = None,
     hang_timeout: Annotated[float | None, typer.Option(
         "--hang-timeout", metavar="SECONDS",
         help="Hung after this long without output or CPU progress (plain scripts), or "

@@ -32,6 +32,21 @@ from supervisor.hookspec import HookSpec, parse_hooks
 DEFAULT_BUDGETS = {"crash": 3, "oom": 6, "hang": 3, "nonfinite": 2, "lost_device": 2, "data": 1}
 # A handler cannot be installed for these: the child could never save before it dies.
 UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+# The signals `stop_signal` may name: each one's default action ends a process, and each is
+# sent to ask a process to end (by a terminal, a scheduler: Slurm --signal, SGE and LSF
+# warnings, SIGXCPU at a soft CPU limit, SIGPWR at a power failure), never as a side effect of
+# ordinary work. The others are refused: SIGCHLD, SIGCONT, SIGWINCH and SIGURG arrive for other
+# reasons (each subprocess that ends, a resumed job, a resized terminal, out-of-band data), so
+# every one would stop the attempt as a free preemption; the fault signals (SIGSEGV, SIGBUS,
+# SIGFPE, SIGILL, SIGABRT, SIGTRAP, SIGSYS), SIGPIPE, the timers (SIGALRM, SIGVTALRM, SIGPROF),
+# SIGIO and SIGXFSZ mean something else to the process and its libraries; SIGUSR2 and SIGURG
+# are rtrain's own (the stack dump, the memory relief request).
+ALLOWED_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGXCPU", "SIGPWR")
+_RTRAIN_OWN = {"SIGUSR2": "the signal on which rtrain has the worker dump its stacks "
+                          "(RTRAIN_DUMP_SIGNAL)",
+               "SIGURG": "the signal with which rtrain asks the worker to free memory "
+                         "(RTRAIN_RELIEVE_SIGNAL)"}
+MIN_SAMPLE_INTERVAL_S = 0.01  # below it the watch loop only samples: no time left to watch
 DEFAULT_MAX_RESTARTS = 20
 
 
@@ -307,9 +322,11 @@ class Config:
     """After the stop signal, how long the child may take to save and exit before SIGKILL
     (`--grace`). A hung child, which will not save, gets a short fixed one (proc/watch.py)."""
     stop_signal: str = "SIGTERM"
-    """Signal forwarded to the child to ask it to save and exit (a name, e.g. SIGUSR1)."""
+    """Signal forwarded to the child to ask it to save and exit: one of SIGTERM, SIGINT,
+    SIGHUP, SIGQUIT, SIGUSR1, SIGXCPU, SIGPWR (`ALLOWED_STOP_SIGNALS`; "SIG" may be left
+    out)."""
     sample_interval_s: float = 1.0
-    """How often memory and progress are sampled."""
+    """How often memory and progress are sampled (at least 0.01 s)."""
     gpu_release_wait_s: float = 10.0
     """Before a relaunch, how long to wait for the old child's GPU memory to be freed."""
     memory_pressure_fraction: float = 0.9
@@ -384,7 +401,7 @@ class Config:
         _bool("requeue", self.requeue)
         _bool("keep_foreign_copy", self.keep_foreign_copy)
         _number("grace_s", self.grace_s)
-        _number("sample_interval_s", self.sample_interval_s, above=True)
+        _number("sample_interval_s", self.sample_interval_s, low=MIN_SAMPLE_INTERVAL_S)
         _number("gpu_release_wait_s", self.gpu_release_wait_s)
         _number("restore_after_steps", self.restore_after_steps, integer=True)
         _number("memory_pressure_fraction", self.memory_pressure_fraction, above=True)
@@ -412,6 +429,13 @@ class Config:
         if name in UNCATCHABLE:
             raise ConfigError(f"stop_signal {name} cannot be caught, so the child could not save "
                               "before it stops; use a name such as SIGTERM or SIGUSR1")
+        if name in _RTRAIN_OWN:
+            raise ConfigError(f"stop_signal {name} is {_RTRAIN_OWN[name]}; use one of "
+                              f"{', '.join(ALLOWED_STOP_SIGNALS)}")
+        if name not in ALLOWED_STOP_SIGNALS:
+            raise ConfigError(f"stop_signal {name} is not a request to end: it arrives for other "
+                              "reasons, and each time would stop the attempt as a preemption; "
+                              f"use one of {', '.join(ALLOWED_STOP_SIGNALS)}")
         self.stop_signal = name
         self.file_mode = parse_mode(self.file_mode)
         if not isinstance(self.settings, dict):

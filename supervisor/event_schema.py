@@ -34,11 +34,13 @@ class Kind(str, Enum):
     GPU_NOT_RELEASED = "gpu_not_released"
     LOCK_TAKEOVER = "lock_takeover"
     LEFTOVERS_ENDED = "leftovers_ended"
+    LEFTOVERS_SKIPPED = "leftovers_skipped"
     EVENTS_LOST = "events_lost"
     HOOK_FAILED = "hook_failed"
     SAVE_SKIPPED = "save_skipped"
     CADENCE = "cadence"
     CHECKPOINT_AT_FAILURE = "checkpoint_at_failure"
+    CONTROL_REFUSED = "control_refused"
     FINAL_STATE_UNSAVED = "final_state_unsaved"
     MIRROR_UPLOADED = "mirror_uploaded"
     MIRROR_FAILED = "mirror_failed"
@@ -131,6 +133,11 @@ KINDS: dict[Kind, KindSpec] = {
                                  meaning="the run lock of a dead supervisor was taken over"),
     Kind.LEFTOVERS_ENDED: KindSpec(fields=("pids", "commands", "found"), hookable=False,
                                    meaning="processes an earlier supervisor left were killed"),
+    Kind.LEFTOVERS_SKIPPED: KindSpec(
+        fields=("pids", "commands", "reasons"), hookable=False,
+        meaning="live processes procs.json names were left running: nothing proves an rtrain "
+                "of this run started them (procs.json unsigned or forged, no mark in their "
+                "environment)"),
     Kind.EVENTS_LOST: KindSpec(fields=("count", "reason"), hookable=False,
                                meaning="events were dropped while the disk was full"),
     Kind.HOOK_FAILED: KindSpec(fields=("command", "event", "event_seq", "reason"),
@@ -145,6 +152,10 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.CHECKPOINT_AT_FAILURE: KindSpec(
         fields=("attempt", "step", "rank", "exception"),
         meaning="an exception ended the worker and it saved its last completed step first"),
+    Kind.CONTROL_REFUSED: KindSpec(
+        fields=("attempt", "rank", "reason"),
+        meaning="the worker refused requests on its control FIFO that did not carry the "
+                "attempt's token (someone other than rtrain asked for a save at a hang)"),
     Kind.FINAL_STATE_UNSAVED: KindSpec(
         fields=("last_step", "checkpoint_step", "skipped_saves", "reason"), durable=True,
         meaning="the run stops with its last steps in no checkpoint"),

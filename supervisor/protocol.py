@@ -42,8 +42,12 @@ ENV_CHECK_RESUME = "RTRAIN_CHECK_RESUME"
 ENV_RELIEVE_SIGNAL = "RTRAIN_RELIEVE_SIGNAL"
 # A FIFO the worker creates in its status dir (RTRAIN_STATUS) and reads from a thread of its
 # own: requests that must be served while the training thread is stuck (worker/hang_save.py).
+# Each request is one line, `<what> <token>`: the worker serves only those that carry
+# RTRAIN_CONTROL_TOKEN, a secret of the attempt that rtrain hands it in its environment alone
+# (never in the run dir), and reports any other as a `control_refused` heartbeat.
 CONTROL_FIFO = "control"
 CONTROL_FAILSAVE = "failsave"  # save the last step boundary if nothing changed since
+ENV_CONTROL_TOKEN = "RTRAIN_CONTROL_TOKEN"
 
 DUMP_SIGNAL = "SIGUSR2"  # RTRAIN_DUMP_SIGNAL: on it the worker writes its stacks (faulthandler)
 # RTRAIN_RELIEVE_SIGNAL: memory pressure, free what you can at the next step boundary. SIGURG
@@ -63,6 +67,11 @@ def socket_address(name: str) -> str | bytes:
     return b"\0" + name[1:].encode() if name.startswith("@") else name
 
 
+def control_request(what: str, token: str) -> bytes:
+    """One request line for the control FIFO."""
+    return f"{what} {token}\n".encode()
+
+
 def exit_record_name(rank: int) -> str:
     return f"exit-rank{rank}.json"
 
@@ -74,14 +83,15 @@ class Heartbeat:
     `reason`: the exception's type; the checkpoint of `step` was committed as an exception ended
     the process), `exiting` (the worker's atexit hook: the interpreter is ending),
     `hang_save_done` (the save at a hang that rtrain asked for through the control FIFO is over,
-    `reason` says how many were saved), `cadence` (with `cadence`: the save interval
-    `every_steps="auto"` chose, worker/cadence.py), `backoff` (with `settings`), `relieved`
-    (after a relieve request: `reason` says what was freed, `settings` what the worker now
-    uses), `exception` (with `reason`: the type of the uncaught exception ending the process,
-    sent as it begins its way out) or `stop`. The first `start` (the worker installed) carries
-    `started`, the unix time the script began in this process; the one `Checkpointer.restore`
-    sends carries `restore_s`, the seconds the checkpoint load took (the cost of a failure,
-    records/recovery.py)."""
+    `reason` says how many were saved), `control_refused` (requests on the control FIFO without
+    the attempt's token were refused: `reason` says how many), `cadence` (with `cadence`: the
+    save interval `every_steps="auto"` chose, worker/cadence.py), `backoff` (with `settings`),
+    `relieved` (after a relieve request: `reason` says what was freed, `settings` what the
+    worker now uses), `exception` (with `reason`: the type of the uncaught exception ending the
+    process, sent as it begins its way out) or `stop`. The first `start` (the worker installed)
+    carries `started`, the unix time the script began in this process; the one
+    `Checkpointer.restore` sends carries `restore_s`, the seconds the checkpoint load took (the
+    cost of a failure, records/recovery.py)."""
 
     pid: int
     rank: int

@@ -70,6 +70,21 @@ def make_ckpt():
     return build_checkpoint
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_state_home(tmp_path_factory):
+    """rtrain's per-user key (supervisor/proc/userkey.py) is made under $XDG_STATE_HOME: the
+    suite's own, not the home of whoever runs it; children inherit it (harness.child_env)."""
+    old = os.environ.get("XDG_STATE_HOME")
+    state = tmp_path_factory.mktemp("state-home")
+    state.chmod(0o700)
+    os.environ["XDG_STATE_HOME"] = str(state)
+    yield
+    if old is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = old
+
+
 @pytest.fixture
 def unsupervised(monkeypatch):
     """No RTRAIN_* in this process's environment for the test: an in-process Checkpointer

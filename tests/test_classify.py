@@ -44,6 +44,12 @@ CASES = [
      K.PREEMPTED, ["did not save", "grace", "Signal 9 (SIGKILL) received by PID 123"]),
     ("hang", ev(signal="SIGTERM", hang=True, hang_detail="no heartbeat for 600 s"), K.HANG,
      ["no heartbeat for 600 s"]),
+    ("hang, then exit 75 on rtrain's own stop (a child that had stopped itself)",
+     ev(pid=123, returncode=75, hang=True, hang_detail="no heartbeat for 60 s"), K.HANG,
+     ["no heartbeat for 60 s", "stopped by rtrain; it then committed a checkpoint and exited "
+      "(PID 123 exited with code 75)"]),
+    ("hang, then a stop signal reached rtrain, exit 75: the job is being stopped",
+     ev(returncode=75, hang=True, stop_requested="SIGTERM"), K.PREEMPTED, ["on SIGTERM"]),
     ("lost device", ev(returncode=1, gpu_lost=True, gpu_detail="Xid 79"), K.LOST_DEVICE,
      ["Xid 79"]),
     ("CUDA OOM in stderr", ev(returncode=1, stderr_tail="Traceback\ntorch.OutOfMemoryError: CUDA "

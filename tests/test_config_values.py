@@ -1,6 +1,7 @@
 """Bad configuration values through the real CLI: nan and infinity anywhere, stop signals that
-cannot be caught, a read-only run dir. Each is one `rtrain: error:` line and exit 2, before
-anything runs. And run dirs written before such values were refused still report."""
+cannot be caught or that arrive for other reasons, sample intervals too short to watch, a
+read-only run dir. Each is one `rtrain: error:` line and exit 2, before anything runs. And run
+dirs written before such values were refused still report."""
 
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def _one_line_usage_error(r: subprocess.CompletedProcess, *needles: str) -> None
      "timeout_s must be a number of seconds above 0 (finite)"),
     ('stop_signal = "SIGKILL"', "stop_signal SIGKILL cannot be caught"),
     ('stop_signal = "stop"', "stop_signal SIGSTOP cannot be caught"),
+    ('stop_signal = "SIGCHLD"', "stop_signal SIGCHLD is not a request to end"),
+    ('stop_signal = "cont"', "stop_signal SIGCONT is not a request to end"),
+    ('stop_signal = "SIGWINCH"', "stop_signal SIGWINCH is not a request to end"),
+    ('stop_signal = "SIGURG"', "stop_signal SIGURG is the signal with which rtrain asks"),
+    ('stop_signal = "SIGUSR2"', "stop_signal SIGUSR2 is the signal on which rtrain has the "
+                                "worker dump its stacks"),
+    ('stop_signal = "SIGSEGV"', "use one of SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1"),
+    ("sample_interval_s = 1e-9", "sample_interval_s must be at least 0.01 (got 1e-09)"),
+    ("sample_interval_s = 0", "sample_interval_s must be at least 0.01 (got 0)"),
     ('file_mode = "0606"', "lets every user write"),
     ('file_mode = "0755"', "read/write bits only"),
     ('file_mode = "rw"', "octal mode"),
@@ -60,6 +70,7 @@ def test_bad_value_in_the_config_file(tmp_path, rtrain, toml, needle):
     (["--grace", "nan"], "grace_s must be a finite number"),
     (["--hang-timeout", "inf"], "[hang] timeout_s must be a finite number"),
     (["--stop-signal", "KILL"], "stop_signal SIGKILL cannot be caught"),
+    (["--stop-signal", "SIGCHLD"], "stop_signal SIGCHLD is not a request to end"),
 ])
 def test_bad_value_on_the_command_line(tmp_path, rtrain, args, needle):
     r = rtrain("launch", *args, SCRIPT, cwd=tmp_path)
@@ -71,10 +82,14 @@ def test_good_values_still_pass(tmp_path):
     from supervisor.config import load_config
 
     (tmp_path / "rtrain.toml").write_text(
-        'grace_s = 0\nstop_signal = "usr1"\nfile_mode = 0o640\n[settings]\nlr = 1e-300\n')
+        'grace_s = 0\nstop_signal = "usr1"\nfile_mode = 0o640\nsample_interval_s = 0.01\n'
+        '[settings]\nlr = 1e-300\n')
     cfg = load_config({"settings": {"batch_size": 1e300}}, None, tmp_path)
     assert (cfg.grace_s, cfg.stop_signal, cfg.file_mode) == (0, "SIGUSR1", 0o640)
+    assert cfg.sample_interval_s == 0.01
     assert cfg.settings == {"lr": 1e-300, "batch_size": 1e300}
+    for name in ("SIGTERM", "INT", "sighup", "SIGQUIT", "SIGUSR1", "SIGXCPU", "SIGPWR"):
+        assert load_config({"stop_signal": name}, None, tmp_path).stop_signal.startswith("SIG")
 
 
 @pytest.fixture

@@ -118,3 +118,15 @@ def test_intervals_are_learned_from_one_rank():
         c.heartbeat(Heartbeat(pid=2, rank=1, time=0.0, step=step), step * 4.0 + 0.5)
         c.heartbeat(hb(step=step), step * 4.0)  # rank 0
     assert c.max_interval == 4.0
+
+
+def test_time_the_supervisor_did_not_run_is_no_silence_nor_a_step_interval():
+    c = HangClock(P, start=0)
+    for step, t in enumerate((1, 2, 3, 4, 5, 6), start=1):  # learned: 1 s intervals -> 10 s
+        c.heartbeat(hb(step=step), t)
+    assert c.deadline() == 16
+    c.excuse(now=506, gap=500)  # stopped with the whole job from 6 to 506
+    assert c.check(506) is None and c.deadline() == 516  # silence starts afresh
+    c.heartbeat(hb(step=7), 507)
+    assert c.max_interval == pytest.approx(1.0)  # the gap is not a step interval
+    assert "no heartbeat" in c.check(517)  # silent after that: hung, as ever

@@ -130,8 +130,10 @@ def test_grandchildren_left_behind_are_swept(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["silent", "sigstop"])
+@pytest.mark.parametrize("how", ["silent", "sigstop", "selfstop"])
 def test_hang_is_detected_stacks_dumped_and_relaunched(tmp_path, how):
+    # selfstop: the child stops itself, and the stop signal that ends its hang (SIGCONT follows
+    # it) lets it save and exit 75: still a hang, charged to the hang budget, not a preemption.
     (tmp_path / "rtrain.toml").write_text(
         "[hang]\nfloor_s = 1.0\nmultiple = 2.0\nwarmup_steps = 3\n")
     run = tmp_path / "run"
@@ -141,10 +143,43 @@ def test_hang_is_detected_stacks_dumped_and_relaunched(tmp_path, how):
     assert time.monotonic() - t0 < 30
     cls = events(run, "classification")[0]
     assert cls["failure"] == "hang"
+    assert ("exited with code 75" in cls["reason"]) == (how == "selfstop"), cls["reason"]
+    assert events(run, "decision")[0]["action"] == "relaunch"
     stacks = list((run / "attempts" / "0").glob("stacks-*.txt"))
     assert stacks, "no stack dump in the attempt dir"
     text = "\n".join(p.read_text(errors="replace") for p in stacks)
     assert "heartbeat_steps.py" in text
+
+
+@pytest.mark.slow
+def test_a_job_suspended_with_rtrain_is_not_a_hang(tmp_path):
+    # Slurm's `scontrol suspend` stops every process of the job, rtrain included, and
+    # continues them later (in no fixed order): the stopped time is no one's silence.
+    (tmp_path / "rtrain.toml").write_text(
+        "[hang]\nfloor_s = 3.0\nmultiple = 2.0\nwarmup_steps = 3\n")
+    run = tmp_path / "run"
+    proc = subprocess.Popen(launch_cmd(run, str(CHILDREN / "heartbeat_steps.py"), "250"),
+                            env=child_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_text(run / "attempts" / "0" / "stdout.log", "step 60")
+        child = events(run, "launch")[0]["pid"]
+        proc.send_signal(signal.SIGSTOP)
+        os.killpg(child, signal.SIGSTOP)
+        time.sleep(7)  # past the learned timeout (3 s) and the loop's NOT_RUNNING_S
+        proc.send_signal(signal.SIGCONT)  # rtrain first: the child is still stopped a moment
+        time.sleep(0.3)
+        try:
+            os.killpg(child, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert events(run, "classification") == [], events(run, "classification")
+    assert "rtrain did not run for" in err
 
 
 @pytest.mark.slow

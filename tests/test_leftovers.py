@@ -1,4 +1,5 @@
-"""What a SIGKILLed rtrain leaves running is ended by the next launch on the run dir, and a
+"""What a SIGKILLed rtrain leaves running is ended by the next launch on the run dir, a
+procs.json that an rtrain of this user did not sign for this run dir ends nothing, and a
 checkpoint writer of an earlier attempt cannot commit into a run that moved on (real processes,
 real signals, real files)."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +19,7 @@ import pytest
 from harness import CHILDREN, child_env, gone, launch_cmd, wait_for
 
 from supervisor.ckpt import generation
+from supervisor.proc import leftovers, userkey
 from supervisor.records.events import read_events
 
 LEAVE = CHILDREN / "leave_behind_on_kill.py"
@@ -133,3 +136,105 @@ def test_a_writer_of_an_earlier_attempt_cannot_commit(tmp_path):
     assert out_stale.startswith("refused: checkpoint-7 not committed: its run has moved on")
     assert out_current.strip() == "committed"
     assert sorted(p.name for p in ckpt.iterdir()) == [".rtrain-generation", "checkpoint-8"]
+
+
+# ------------------------------------------------------------------ a record someone else wrote
+
+
+def _sleeper() -> subprocess.Popen:
+    """An unrelated process of this user: no RTRAIN_* in its environment."""
+    return subprocess.Popen(["sleep", "600"], env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _forge(run: Path, pid: int, *, mac: str | None = "0" * 64, v: int = 2) -> None:
+    """procs.json naming `pid` with its real start time, host and boot (all public)."""
+    body = {"v": v, "host": socket.gethostname(), "supervisor": [1, 1],
+            "procs": [[pid, leftovers.start_time(pid)]]}
+    if v == 2:
+        body["boot"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    if mac is not None:
+        body["mac"] = mac
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "procs.json").write_text(json.dumps(body))
+
+
+def _copied_from_another_run(run: Path, pid: int) -> None:
+    """A record rtrain signed for another run dir of the same user, copied into this one."""
+    other = run.parent / "other-run"
+    other.mkdir()
+    leftovers.ProcRecord(other).update([pid])
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "procs.json").write_bytes((other / "procs.json").read_bytes())
+
+
+FORGERIES = {
+    "bad-signature": lambda run, pid: _forge(run, pid),
+    "unsigned": lambda run, pid: _forge(run, pid, mac=None),
+    "old-format": lambda run, pid: _forge(run, pid, mac=None, v=1),
+    "copied-from-another-run": _copied_from_another_run,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forgery", list(FORGERIES))
+def test_a_forged_procs_json_ends_nothing_and_says_why(tmp_path, forgery):
+    run = tmp_path / "run"
+    userkey.load(create=True)  # as a launch makes it (ProcRecord) before it sweeps
+    victim = _sleeper()
+    try:
+        FORGERIES[forgery](run, victim.pid)
+        swept = leftovers.end_leftovers(run)
+        assert swept.ended == []
+        assert [s.pid for s in swept.skipped] == [victim.pid]
+        reason = swept.skipped[0].reason
+        assert ("does not match" if forgery in ("bad-signature", "copied-from-another-run")
+                else "not signed") in reason, reason
+        assert "environment does not name the run" in reason
+        time.sleep(0.2)
+        assert victim.poll() is None, "the forged record had an unrelated process killed"
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@pytest.mark.slow
+def test_a_signed_record_ends_a_process_whose_environment_was_cleared(tmp_path):
+    run = tmp_path / "run"
+    mine = _sleeper()  # no mark in its environment: only the signed record can name it
+    try:
+        leftovers.ProcRecord(run).update([mine.pid])
+        swept = leftovers.end_leftovers(run)
+        assert [(p.pid, p.why) for p in swept.ended] == [(mine.pid, "recorded")]
+        assert swept.skipped == []
+        assert mine.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if mine.poll() is None:
+            mine.kill()
+            mine.wait()
+
+
+@pytest.mark.slow
+def test_launch_on_a_forged_procs_json_leaves_the_process_and_records_why(tmp_path):
+    run = tmp_path / "run"
+    victim = _sleeper()
+    try:
+        _forge(run, victim.pid, mac=None, v=1)  # the record as rtrain wrote it, unsigned
+        script = tmp_path / "done.py"
+        script.write_text("print('done')\n")
+        r = subprocess.run(launch_cmd(run, str(script)), env=child_env(), cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert victim.poll() is None, "launch killed a process a forged procs.json named"
+        assert f"left pid {victim.pid} (sleep 600) running, although procs.json names it: " \
+               "procs.json is not signed" in r.stderr, r.stderr
+        skipped = [e for e in read_events(run / "events.jsonl")
+                   if e["kind"] == "leftovers_skipped"]
+        assert len(skipped) == 1 and skipped[0]["pids"] == [victim.pid]
+        assert skipped[0]["commands"] == ["sleep 600"]
+        assert "environment does not name the run" in skipped[0]["reasons"][0]
+        assert not [e for e in read_events(run / "events.jsonl")
+                    if e["kind"] == "leftovers_ended"]
+    finally:
+        victim.kill()
+        victim.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import replace
 
 import pytest
@@ -104,6 +105,19 @@ def test_signal_to_supervisor_forwards_stop_and_child_exits_75(tmp_path):
 
 
 @pytest.mark.slow
+def test_refused_control_requests_are_no_progress_and_leave_the_stop_confirmed(tmp_path):
+    seen = []
+    with HeartbeatReceiver() as receiver:
+        outcome, _ = _watch(tmp_path, "runtime_heartbeats.py", "preempt_refused",
+                            heartbeats=receiver, stop_at=time.monotonic() + 1.0, stop_why="test",
+                            on_heartbeat=lambda hb: seen.append(hb.event))
+    ev = outcome.evidence
+    assert ev.returncode == 75 and ev.stop_confirmed  # its last word was still `stop`
+    assert outcome.heartbeats.last_event == "stop"
+    assert seen[-1] == "control_refused" and "control_refused" in seen  # still reported
+
+
+@pytest.mark.slow
 def test_stop_escalates_to_sigkill_after_grace(tmp_path):
     def on_sample(sample):
         ready = (tmp_path / "attempts/0/stdout.log").read_text() == "ready\n"
@@ -188,7 +202,8 @@ def test_a_save_at_the_hang_that_has_begun_outlives_the_grace(tmp_path):
     config = watch_config(sample_interval_s=0.1, hang_grace_s=0.5, hang=hang)
     with HeartbeatReceiver() as receiver:
         outcome, child = _watch(tmp_path, "runtime_heartbeats.py", "slow_hang_save", "2",
-                                config=config, heartbeats=receiver)
+                                config=config, heartbeats=receiver,
+                                env={"RTRAIN_CONTROL_TOKEN": "ab" * 16})
     ev = outcome.evidence
     assert ev.hang and ev.signal == "SIGKILL"
     assert (child.spec.attempt_dir / "saved").read_text() == "step 20"

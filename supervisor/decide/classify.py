@@ -2,10 +2,18 @@
 
 Rules, first match wins (`_RULES`, one small function each; why each sits where it does is
 noted at the rule):
-exit record > stop for memory pressure (no kernel OOM kill) > exit 75 > stop killed after
+exit record > stop for memory pressure (no kernel OOM kill) > exit 75 (unless rtrain had found
+the attempt hung and no stop signal reached rtrain) > stop killed after
 grace > hang > lost device > CUDA OOM in stderr >
 kernel OOM evidence > host OOM in stderr > stop requested > SIGKILL without memory pressure >
 failed before the first step (startup) > crash.
+
+Exit 75 with no stop signal at the supervisor is a preemption "on its own": the worker was
+asked to stop by someone else (a scheduler signalling every process of the job, the script's
+own `request_stop()`), saved and exited; it is free. But the stop rtrain sends a hung attempt
+is the same signal, followed by SIGCONT: a child that had stopped itself (SIGSTOP) or was
+stuck somewhere the signal reaches may then save and exit 75. That attempt made no progress
+for the hang timeout: a hang, charged to the hang budget.
 """
 
 from __future__ import annotations
@@ -152,6 +160,8 @@ def _pressure_stop(c: _Case) -> _Found:
 def _exit_75(c: _Case) -> _Found:
     if c.ev.returncode != ExitCode.PREEMPTED:
         return None
+    if c.ev.hang and not c.ev.stop_requested:
+        return None  # it saved on rtrain's stop for the hang: `_hang` names it
     why = f"on {c.ev.stop_requested}" if c.ev.stop_requested else "on its own"
     return FailureKind.PREEMPTED, f"stopped {why} after committing a checkpoint (exit 75)"
 
@@ -180,8 +190,10 @@ def _hang(c: _Case) -> _Found:
     # before any signal rule reads it as something else.
     if not c.ev.hang:
         return None
+    how = (f"; it then committed a checkpoint and exited ({c.how})"
+           if c.ev.returncode == ExitCode.PREEMPTED else f" ({c.how})")
     return FailureKind.HANG, (f"no progress: {c.ev.hang_detail or 'silent too long'}; "
-                              f"stopped by rtrain ({c.how})")
+                              f"stopped by rtrain{how}")
 
 
 def _lost_device(c: _Case) -> _Found:

@@ -1,12 +1,14 @@
 """What an attempt is started with: its argv (knob templates filled in, `--resume-arg`s when it
 resumes) and its environment (contract 1: where to write, what to resume from, where to send
-heartbeats, the checkpoint generation that fences off writers of earlier attempts, the run's
-failure record that the worker's save cadence follows)."""
+heartbeats, the token its control FIFO requests must carry, the checkpoint generation that fences
+off writers of earlier attempts, the run's failure record that the worker's save cadence
+follows)."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +63,9 @@ def environment(plan: AttemptPlan, *, stop_signal: str, heartbeat_addr: str, dum
         protocol.ENV_DUMP_SIGNAL: signal.Signals(dump_signal).name,
         protocol.ENV_RELIEVE_SIGNAL: signal.Signals(relieve_signal).name,
         filemode.ENV_FILE_MODE: f"{file_mode:04o}",
+        # The attempt's own: the worker serves control-FIFO requests only with it. Never
+        # written to the run dir (proc/control.py).
+        protocol.ENV_CONTROL_TOKEN: secrets.token_hex(16),
         "PYTHONUNBUFFERED": "1",  # output reaches the tee (and hang detection) at once
     })
     for name, value in ((protocol.ENV_FAILURES, plan.failures),

@@ -105,13 +105,21 @@ def launch(spec: LaunchSpec, seams: Seams | None = None) -> int:
 
 
 def _end_leftovers(run_dir: Path, events: EventLog, say: Callable[[str], None]) -> None:
-    """End what an earlier rtrain of this run dir left running (it was SIGKILLed)."""
-    ended = end_leftovers(run_dir)
+    """End what an earlier rtrain of this run dir left running (it was SIGKILLed); say which
+    processes procs.json names were left alone, and why."""
+    swept = end_leftovers(run_dir)
+    ended, skipped = swept.ended, swept.skipped
     if ended:
         events.emit("leftovers_ended", pids=[p.pid for p in ended],
                     commands=[p.command for p in ended], found=[p.why for p in ended])
         say(f"ended {len(ended)} processes an earlier rtrain of this run left running: "
             + ", ".join(f"pid {p.pid} ({p.command[:60]})" for p in ended))
+    if skipped:
+        events.emit("leftovers_skipped", pids=[p.pid for p in skipped],
+                    commands=[p.command for p in skipped], reasons=[p.reason for p in skipped])
+        for p in skipped:
+            say(f"left pid {p.pid} ({p.command[:60]}) running, although procs.json names it: "
+                f"{p.reason}")
 
 
 def _read_timeline(path: Path) -> tuple[Timeline | None, str | None]:

@@ -105,6 +105,9 @@ class Observers:
         if hb.event == "relieved":
             self.events.emit("pressure_relieved", attempt=attempt, step=hb.step, rank=hb.rank,
                              detail=hb.reason, settings=hb.settings)
+        if hb.event == "control_refused":
+            self.events.emit("control_refused", attempt=attempt, rank=hb.rank, reason=hb.reason)
+            self.say(f"the training process refused requests rtrain did not make: {hb.reason}")
         if hb.event == "saved_at_failure":
             self.events.emit("checkpoint_at_failure", attempt=attempt, step=hb.step,
                              rank=hb.rank, exception=hb.reason)

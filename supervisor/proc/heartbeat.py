@@ -15,6 +15,12 @@ the attempt counts as hung. Rules, in order:
   start-up allowance again: tearing torch down sends no heartbeat either, and takes seconds on
   a loaded machine, after every step is done.
 
+Time the supervisor itself did not run (`excuse`: it was stopped with the whole job, as Slurm's
+`scontrol suspend` stops every process of it, rtrain included) does not count as silence: the
+child was most likely stopped with it, so the silence starts afresh when the supervisor runs
+again. A child stopped alone (it stopped itself, someone sent it SIGSTOP) is watched by a
+supervisor that runs, and is hung after the timeout like any other.
+
 Several ranks (torchrun): the last heartbeat is kept per rank, and the reference time is the
 *oldest* of them, so one rank that goes silent while the others wait for it in a collective (or
 keep sending) counts as a hang. A rank is tracked from its first heartbeat on; a rank that sent
@@ -92,6 +98,21 @@ class HangClock:
 
     def activity(self, now: float) -> None:
         self.last_activity = max(self.last_activity, now)
+
+    def excuse(self, now: float, gap: float) -> None:
+        """The supervisor did not run for the `gap` seconds before `now`: the silence starts
+        afresh at `now` (a child stopped with it may be continued a moment later), and the gap
+        is no step interval; a save's or an exit's allowance moves on by the gap."""
+        self.last_activity = max(self.last_activity, now)
+        self.rank_last = dict.fromkeys(self.rank_last, now)
+        if self.last_heartbeat is not None:
+            self.last_heartbeat = now
+        if self.last_step_time is not None:
+            self.last_step_time = now
+        if self.save_started is not None:
+            self.save_started += gap
+        if self.exiting_at is not None:
+            self.exiting_at += gap
 
     def heartbeat(self, hb: Heartbeat, now: float) -> None:
         if hb.event in ("stop", "exiting"):  # leaving on purpose: not waited for any more

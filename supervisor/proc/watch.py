@@ -48,7 +48,7 @@ from supervisor.proc.watch_outcome import (
 )
 from supervisor.proc.watch_pressure import PressureNote, PressureWatch
 from supervisor.proc.watch_stop import Stopping, drain_pipes
-from supervisor.protocol import DUMP_SIGNAL, RELIEVE_SIGNAL, Heartbeat
+from supervisor.protocol import DUMP_SIGNAL, ENV_CONTROL_TOKEN, RELIEVE_SIGNAL, Heartbeat
 from supervisor.reaper import reap_orphans
 
 if TYPE_CHECKING:
@@ -57,6 +57,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # without a pidfd (kernel < 5.3) exits are noticed by polling this often
+# The loop woke this much later than it asked to: the supervisor itself did not run (stopped
+# with the job: Slurm's suspend stops every process of it), and the gap is excused.
+NOT_RUNNING_S = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +180,7 @@ class _Watch:
                 timeout = max(0.0, wake - now)
                 if c.pidfd is None:
                     timeout = min(timeout, _POLL_S)
+                asked = now + timeout
                 for key, _ in sel.select(timeout):
                     if key.data == "exit":
                         exited = True
@@ -185,6 +189,8 @@ class _Watch:
                 if c.pidfd is None:
                     exited = c.returncode is not None
                 now = self.clock()
+                if now - asked >= NOT_RUNNING_S:
+                    self._not_running(now, now - asked)
                 if exited:
                     self.exited_at, self.exited_wall = now, time.time()
                     continue
@@ -217,6 +223,15 @@ class _Watch:
             sel.register(signals.fileno(), selectors.EVENT_READ, "signal")
         return sel
 
+    def _not_running(self, now: float, gap: float) -> None:
+        """The supervisor itself was stopped (or starved) for the `gap` s before `now`: the
+        child's silence starts afresh, and a running stop's grace moves on by the gap."""
+        log.warning("rtrain did not run for %.1f s (stopped with the job, e.g. a suspended Slurm "
+                    "job): the training process's silence counts from now", gap)
+        self.hang.excuse(now, gap)
+        if self.stop.active:
+            self.stop.extend(self.stop.deadline() + gap)
+
     def _dispatch(self, sel: selectors.BaseSelector, what: object, signals: SignalCatcher) -> None:
         now = self.clock()
         if what == "heartbeat":
@@ -232,6 +247,12 @@ class _Watch:
     def _heartbeats(self, now: float) -> None:
         assert self.hbs is not None
         for hb in self.hbs.drain():
+            if hb.event == "control_refused":
+                # The worker's FIFO thread reporting someone else's writes: neither progress
+                # nor a word on how the attempt ends (a `stop` before it still confirms).
+                if self.on_heartbeat is not None:
+                    self.on_heartbeat(hb)
+                continue
             self.hang.heartbeat(hb, now)
             self.summary.add(hb)
             if hb.step is not None:
@@ -277,7 +298,8 @@ class _Watch:
             env_mode(self.child.spec.env))
         # Stuck before its optimizer step, the worker still holds the last completed step: a
         # thread of its own saves it within the grace (worker/hang_save.py).
-        self.hang_save_asked = ask_failure_save(self.child.spec.attempt_dir)
+        self.hang_save_asked = ask_failure_save(
+            self.child.spec.attempt_dir, self.child.spec.env.get(ENV_CONTROL_TOKEN))
         if self.hang_save_asked:
             log.warning("asked the hung process to save its last completed step")
         self.stop.begin(self.clock(), self.config.hang_grace_s)

@@ -1,6 +1,9 @@
 """A worker-library script without torch: heartbeats every 20 ms, exit 75 on a stop request.
 
-usage: heartbeat_steps.py STEPS [hang-at-attempt0 N] [sigstop-at-attempt0 N]
+usage: heartbeat_steps.py STEPS [MODE N]
+MODE, at step N of attempt 0: `silent` stops sending anything and sleeps; `sigstop` stops
+itself (SIGSTOP), then, once continued, is silent; `selfstop` stops itself, then, once
+continued, steps on (and so saves and exits 75 on the stop signal that continued it).
 """
 
 import os
@@ -22,7 +25,7 @@ for step in range(1, steps + 1):
         print(f"stop requested at step {step}: saved, exiting 75", flush=True)
         sys.exit(75)
     if attempt == 0 and step == at:
-        if mode == "sigstop":
+        if mode in ("sigstop", "selfstop"):
             os.kill(os.getpid(), signal.SIGSTOP)
-        while True:  # silent: no heartbeats, no output
+        while mode != "selfstop":  # silent: no heartbeats, no output
             time.sleep(1)

@@ -5,6 +5,8 @@ argv[1] == "slow_hang_save": as "silent", serving the save at a hang as worker/h
 does (the control FIFO), with a save that takes argv[2] seconds and then writes `saved` into the
 status dir.
 argv[1] == "preempt": step until should_stop(), then "save" and exit 75.
+argv[1] == "preempt_refused": as "preempt", with a `control_refused` heartbeat (the FIFO
+thread's report of a request without the token) from step 3 on, and after its `stop`.
 argv[1] == "pressure": as "preempt", answering relieve requests (memory pressure) at each step
 boundary; after 100 steps (5 s) exit 0.
 """
@@ -27,7 +29,8 @@ def serve_hang_save(seconds: float) -> None:
 
     def serve() -> None:
         with open(status / CONTROL_FIFO, "rb") as f:
-            f.read()
+            request = f.read()
+        assert request == f"failsave {os.environ['RTRAIN_CONTROL_TOKEN']}\n".encode(), request
         runtime.heartbeat(event="save_begin", step=20)
         time.sleep(seconds)
         (status / "saved").write_text("step 20")
@@ -46,6 +49,8 @@ while True:
     step += 1
     time.sleep(0.05)
     runtime.heartbeat(step=step, loss=1.0 / step, samples=8, event="step")
+    if mode == "preempt_refused" and step >= 3:
+        runtime.heartbeat(event="control_refused", reason="1 request on control refused")
     if mode in ("silent", "slow_hang_save") and step >= 20:
         time.sleep(600)
     if mode == "pressure":
@@ -53,9 +58,11 @@ while True:
             print(f"relieved at step {step}", flush=True)
         if step >= 100:
             sys.exit(0)
-    if mode in ("preempt", "pressure") and runtime.should_stop():
+    if mode in ("preempt", "preempt_refused", "pressure") and runtime.should_stop():
         runtime.heartbeat(event="save_begin", step=step)
         runtime.heartbeat(event="save_end", step=step)
         runtime.heartbeat(event="stop", step=step)
+        if mode == "preempt_refused":
+            runtime.heartbeat(event="control_refused", reason="2 requests on control refused")
         print(f"stopped at step {step}", flush=True)
         sys.exit(75)
