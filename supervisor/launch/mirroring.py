@@ -38,30 +38,37 @@ def open_for(config: Config, run_dir: Path, ckpt_dir: Path, events: EventLog,
     requeue during a store's outage): training goes on and the uploader catches up."""
     if config.mirror is None:
         return None
-    from supervisor.remote.store import MirrorError, Unreachable, open_mirror
+    from supervisor.remote.store import MirrorError, Timeouts, Unreachable, open_mirror
 
+    timeouts = Timeouts.of(config)
+    answered = True
     try:
-        mirror = open_mirror(config.mirror, file_mode=config.file_mode)
+        mirror = open_mirror(config.mirror, file_mode=config.file_mode, timeouts=timeouts)
         mirror.probe()
     except Unreachable as e:
         if new_run:
             raise UsageError(str(e)) from None
-        say(f"{e}; training goes on, uploads will catch up")
+        # Each call gave up after its timeouts: the resume's look at the mirror would only wait
+        # as long again, so this launch resumes from the local checkpoints without asking.
+        answered = False
+        say(f"{e}; training goes on, uploads will catch up (resuming from local checkpoints)")
         events.emit("mirror_failed", reason=str(e), step=None, retry_in_s=None,
                     given_up=False)
     except MirrorError as e:
         raise UsageError(str(e)) from None  # it names the mirror and what to change
     spec = Spec(ckpt_dir=ckpt_dir, url=config.mirror, keep_remote=config.keep_remote,
                 milestone_every=config.milestone_every, parallel=config.mirror_parallel,
-                file_mode=config.file_mode)
-    return Mirroring(spec, run_dir, events, say, mirror)
+                file_mode=config.file_mode, connect_timeout_s=timeouts.connect_s,
+                read_timeout_s=timeouts.read_s)
+    return Mirroring(spec, run_dir, events, say, mirror, answered=answered)
 
 
 class Mirroring:
     def __init__(self, spec: Spec, run_dir: Path, events: EventLog,
-                 say: Callable[[str], None], mirror: Any) -> None:
+                 say: Callable[[str], None], mirror: Any, *, answered: bool = True) -> None:
         self.spec, self.run_dir, self.events, self.say = spec, run_dir, events, say
         self.mirror = mirror  # remote.store.Mirror, for the resume's download
+        self.answered = answered  # the launch's probe got answers (else: no look at resume)
         self.display = mirror.display  # the URL without credentials
         self.proc: subprocess.Popen[bytes] | None = None
         self._messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -69,6 +76,8 @@ class Mirroring:
         self._failing = False
 
     def start(self) -> None:
+        if self.proc is not None:
+            return
         with open(self.run_dir / "mirror.log", "ab") as log:  # its stderr (tracebacks)
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "supervisor.remote.uploader", self.spec.dumps()],

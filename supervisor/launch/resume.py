@@ -227,6 +227,8 @@ class Checkpoints:
 
         assert self.remote is not None
         mirror, where = self.remote.mirror, self.remote.display
+        if not self.remote.answered:
+            return False  # said at the probe: resuming from local checkpoints
         floor = local.step if local is not None else -1
         try:
             newer = [c for c in mirror.list() if c.committed and c.step > floor]

@@ -25,7 +25,7 @@ from supervisor.ckpt import hashing, layout, safeio
 from supervisor.ckpt import manifest as mf
 from supervisor.remote import cache as blobs
 from supervisor.remote import transfer
-from supervisor.remote.backend import open_filesystem
+from supervisor.remote.backend import Timeouts, open_filesystem
 from supervisor.remote.errors import (
     CorruptLocal,
     CorruptRemote,
@@ -37,7 +37,7 @@ from supervisor.remote.transfer import Transfer
 from supervisor.remote.url import redact
 
 __all__ = ["CorruptLocal", "CorruptRemote", "Mirror", "MirrorError", "RemoteCheckpoint",
-           "Transfer", "Unreachable", "checkpoints", "open_mirror"]
+           "Timeouts", "Transfer", "Unreachable", "checkpoints", "open_mirror"]
 
 PROBE_PREFIX = ".rtrain-probe-"
 
@@ -50,10 +50,12 @@ class RemoteCheckpoint:
     """manifest.json is present (else an upload that did not finish)."""
 
 
-def open_mirror(url: str, *, file_mode: int = filemode.DEFAULT_FILE_MODE) -> Mirror:
+def open_mirror(url: str, *, file_mode: int = filemode.DEFAULT_FILE_MODE,
+                timeouts: Timeouts | None = None) -> Mirror:
     """The mirror at `url`: `s3://bucket/prefix`, `gs://...`, `file:///path`, or a plain path
-    (a shared filesystem). Nothing is contacted yet (`Mirror.probe` does)."""
-    fs, root, local = open_filesystem(url)
+    (a shared filesystem). Nothing is contacted yet (`Mirror.probe` does). `timeouts` bound
+    each remote call (default: `backend.Timeouts()`, the settings' defaults)."""
+    fs, root, local = open_filesystem(url, timeouts)
     return Mirror(url, fs, root, local=local, file_mode=file_mode)
 
 

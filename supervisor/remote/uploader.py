@@ -30,6 +30,7 @@ from typing import Any
 
 from supervisor.ckpt.layout import MANIFEST, list_checkpoints
 from supervisor.remote import backlog
+from supervisor.remote.backend import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, Timeouts
 
 # One uploader per checkpoint dir: on a shared filesystem every node's rtrain starts one, and
 # only the holder of this lock sends; the others stand by and take over if it goes away.
@@ -48,18 +49,23 @@ class Spec:
     milestone_every: int
     parallel: int
     file_mode: int = 0o600
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+    read_timeout_s: float = READ_TIMEOUT_S
 
     @classmethod
     def parse(cls, text: str) -> Spec:
         raw = json.loads(text)
         return cls(Path(raw["ckpt_dir"]), raw["url"], int(raw["keep_remote"]),
-                   int(raw["milestone_every"]), int(raw["parallel"]), int(raw["file_mode"]))
+                   int(raw["milestone_every"]), int(raw["parallel"]), int(raw["file_mode"]),
+                   float(raw["connect_timeout_s"]), float(raw["read_timeout_s"]))
 
     def dumps(self) -> str:
         return json.dumps({"ckpt_dir": str(self.ckpt_dir), "url": self.url,
                            "keep_remote": self.keep_remote,
                            "milestone_every": self.milestone_every, "parallel": self.parallel,
-                           "file_mode": self.file_mode})
+                           "file_mode": self.file_mode,
+                           "connect_timeout_s": self.connect_timeout_s,
+                           "read_timeout_s": self.read_timeout_s})
 
 
 def retry_after(failures: int) -> float:
@@ -238,7 +244,8 @@ def main(argv: list[str]) -> int:
     yield_to_training()
     commands = Commands()
     try:
-        mirror = open_mirror(spec.url, file_mode=spec.file_mode)
+        mirror = open_mirror(spec.url, file_mode=spec.file_mode,
+                             timeouts=Timeouts(spec.connect_timeout_s, spec.read_timeout_s))
     except MirrorError as e:
         send("failed", step=None, reason=str(e), retry_in_s=None, failures=1)
         return 2
