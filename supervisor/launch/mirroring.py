@@ -27,6 +27,7 @@ from supervisor.proc.spawn import pdeathsig_preexec
 from supervisor.reaper import own
 from supervisor.records.events import EventLog
 from supervisor.remote.uploader import Spec
+from supervisor.safetext import safe
 
 
 def open_for(config: Config, run_dir: Path, ckpt_dir: Path, events: EventLog,
@@ -135,6 +136,14 @@ class Mirroring:
             self._failing = not given_up and retry is not None
             self.events.emit("mirror_failed", reason=reason, step=get("step"), retry_in_s=retry,
                              given_up=given_up)
+        elif kind == "refused":
+            name, reason = str(get("name")), str(get("reason"))
+            self.say(f"mirror {self.display}: not uploading {safe(name)}: {safe(reason)}")
+            self.events.emit("mirror_refused", step=get("step"), name=name, reason=reason)
+        elif kind == "other_run":
+            self.say(safe(str(get("reason"))))
+            self.events.emit("mirror_other_run", steps=get("steps", []), newest=get("newest"),
+                             reason=str(get("reason")))
         elif kind == "superseded":
             self.events.emit("mirror_superseded", steps=get("steps", []))
         elif kind == "pruned":
@@ -166,12 +175,14 @@ class Mirroring:
             made_it, why = False, f"the uploader ended with status {self.proc.returncode}"
         else:
             made_it = bool(final.get("made_it"))
-            why = "uploaded" if made_it else "the mirror could not be reached"
+            why = str(final.get("reason") or (
+                "uploaded" if made_it else "the mirror could not be reached"))
         self.events.emit("mirror_final", step=step, made_it=made_it, reason=why)
         self.say(f"mirror {self.display}: " + (
-            f"newest checkpoint (step {step}) is on the mirror" if made_it
+            f"newest checkpoint (step {step}) is on the mirror" if made_it and step is not None
+            else "no checkpoint of this run to upload" if made_it
             else f"newest checkpoint{f' (step {step})' if step is not None else ''} is NOT on "
-                 f"the mirror: {why}"))
+                 f"the mirror: {safe(why)}"))
 
     def close(self) -> None:
         """Stop the uploader now (a half-sent checkpoint has no manifest: it does not exist)."""

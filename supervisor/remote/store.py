@@ -30,14 +30,15 @@ from supervisor.remote.errors import (
     CorruptLocal,
     CorruptRemote,
     MirrorError,
+    OtherRun,
     Unreachable,
     storage_error,
 )
 from supervisor.remote.transfer import Transfer
 from supervisor.remote.url import redact
 
-__all__ = ["CorruptLocal", "CorruptRemote", "Mirror", "MirrorError", "RemoteCheckpoint",
-           "Timeouts", "Transfer", "Unreachable", "checkpoints", "open_mirror"]
+__all__ = ["CorruptLocal", "CorruptRemote", "Mirror", "MirrorError", "OtherRun",
+           "RemoteCheckpoint", "Timeouts", "Transfer", "Unreachable", "checkpoints", "open_mirror"]
 
 PROBE_PREFIX = ".rtrain-probe-"
 
@@ -217,13 +218,15 @@ class Mirror:
 
     # -- moving one checkpoint (transfer) -------------------------------------------------
 
-    def upload(self, local: Path, *, parallel: int = 4) -> Transfer:
+    def upload(self, local: Path, *, parallel: int = 4, resend: bool = False) -> Transfer:
         """Upload the committed checkpoint dir `local`: every file its manifest lists, hashed
         just before it is sent, `parallel` at a time; then manifest.json. An unfinished remote
         copy is overwritten; an identical committed one is left as it is (0 bytes sent); a
         different committed one (the run rolled back and saved that step again) is decommitted
-        first, so no reader ever sees its manifest beside the new files."""
-        return transfer.upload(self, local, parallel=parallel)
+        first, so no reader ever sees its manifest beside the new files; one of another run is
+        never replaced (`OtherRun`). `resend`: send the files even when the remote manifest is
+        the same (its files failed verification)."""
+        return transfer.upload(self, local, parallel=parallel, resend=resend)
 
     def download(self, name: str, ckpt_dir: Path, *, key: bytes | None = None,
                  cache: blobs.BlobCache | None = None, file_mode: int = 0o600,
