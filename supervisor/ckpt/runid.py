@@ -69,9 +69,12 @@ def read(ckpt_dir: str | os.PathLike) -> str | None:
     return text if valid(text) else None
 
 
-def write(ckpt_dir: str | os.PathLike, run: str, mode: int = filemode.DEFAULT_FILE_MODE) -> None:
+def write(ckpt_dir: str | os.PathLike, run: str, mode: int = filemode.DEFAULT_FILE_MODE, *,
+          replace: bool = True) -> str:
     """Make `run` the directory's identity: a temp file renamed over the old one, so a reader
-    sees the old identity or the new one, never half of either."""
+    sees the old identity or the new one, never half of either. `replace=False` claims it
+    only where the directory has none (nodes of one run settling at once all end up with the
+    first one's). Returns the identity the directory has now."""
     if not valid(run):
         raise ValueError(f"not a run identity: {run!r}")
     ckpt_dir = Path(ckpt_dir)
@@ -84,10 +87,16 @@ def write(ckpt_dir: str | os.PathLike, run: str, mode: int = filemode.DEFAULT_FI
         os.close(fd)
     try:
         filemode.set_mode(tmp, mode)
-        os.replace(tmp, ckpt_dir / RUN_FILE)
-    except BaseException:
+        if replace:
+            os.replace(tmp, ckpt_dir / RUN_FILE)
+            return run
+        try:
+            os.link(tmp, ckpt_dir / RUN_FILE)  # never over an existing one
+        except FileExistsError:
+            pass
+        return read(ckpt_dir) or run
+    finally:
         tmp.unlink(missing_ok=True)
-        raise
 
 
 def settle(current: str | None, resumed_run: str | None, *, start_over: bool) -> str | None:

@@ -85,12 +85,15 @@ class Checkpoints:
             return
         current = runid.read(self.dir)
         resumed = runid.of(chosen.manifest) if chosen is not None else None
-        self.run = runid.settle(current, resumed, start_over=start_over) or runid.new()
-        if self.run == current:
+        run = runid.settle(current, resumed, start_over=start_over) or runid.new()
+        if run == current:
+            self.run = run
             return
         try:
-            runid.write(self.dir, self.run, self.cfg.file_mode)
+            # Claimed where there is none: the nodes of one run share the dir and settle at once.
+            self.run = runid.write(self.dir, run, self.cfg.file_mode, replace=current is not None)
         except OSError as e:
+            self.run = run
             self.say(f"cannot write the run identity in {self.dir} ({e.strerror}); its "
                      "checkpoints name no run and none of them is uploaded")
 

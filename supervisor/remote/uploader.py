@@ -123,6 +123,7 @@ class Uploader:
 
     def run(self) -> int:
         while True:
+            self._follow_identity()
             if self.remote is None and not self._list_remote():
                 if self.commands.finishing:
                     return self._final()
@@ -145,6 +146,16 @@ class Uploader:
                 self.commands.wait(wait)
                 continue
             self._upload(plan.upload)
+
+    def _follow_identity(self) -> None:
+        """Another node's launch may settle the shared dir's identity after this one started:
+        the checkpoints follow the file, and so does what counts as this run's here."""
+        now = runid.read(self.spec.ckpt_dir)
+        if now is None or now == self.run_id:
+            return
+        self.run_id = now
+        self.outgoing = Outgoing(self.spec.ckpt_dir, now, self.key)
+        self.remote = None  # listed again: which remote checkpoints are this run's changed
 
     def _local(self) -> list[int]:
         """The steps that may go up; each refusal said once (`refused`)."""
