@@ -114,6 +114,23 @@ def test_the_identity_file_is_replaced_whole_and_a_link_is_not_read(tmp_path):
     assert runid.read(ck) is None
 
 
+def test_nodes_settling_at_once_agree_and_the_uploader_follows_the_dir(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    first, second = runid.new(), runid.new()
+    assert runid.write(ck, first, replace=False) == first
+    assert runid.write(ck, second, replace=False) == first  # the other node's claim
+    assert runid.read(ck) == first and sorted(os.listdir(ck)) == [runid.RUN_FILE]
+    build_checkpoint(ck, 2)
+    spec = Spec(ckpt_dir=ck, url=str(tmp_path / "mirror"), keep_remote=3, milestone_every=0,
+                parallel=2)
+    up = Uploader(spec, open_mirror(str(tmp_path / "mirror")), Finishing(), run=second)
+    capsys.readouterr()
+    assert up.run() == 0  # started with the identity its node settled, then followed the file
+    final = [json.loads(x) for x in capsys.readouterr().out.splitlines()][-1]
+    assert final == {"kind": "final", "step": 2, "made_it": True, "reason": "uploaded"}
+
+
 # -- item 3: what the uploader refuses locally -----------------------------------------------
 
 
