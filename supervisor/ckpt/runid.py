@@ -57,6 +57,11 @@ def short(run: str | None) -> str:
     return run[:8] if run else "none"
 
 
+def whose(run: str | None) -> str:
+    """How messages name the run a checkpoint belongs to."""
+    return f"run {run[:8]}" if run else "no run identity: an older rtrain's"
+
+
 def read(ckpt_dir: str | os.PathLike) -> str | None:
     """The directory's identity; None when it has none (or the file holds something else)."""
     try:

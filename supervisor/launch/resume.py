@@ -269,13 +269,15 @@ class Checkpoints:
         run = runid.read(self.dir) or (runid.of(local.manifest) if local is not None else None)
         if run is None:
             run = runid.continued_run((runid.of(v.manifest), v.manifest["created"]) for v in ok)
-        others = [v.step for v in ok if runid.of(v.manifest) != run and v.step > floor]
+        others = {v.step: runid.of(v.manifest) for v in ok
+                  if runid.of(v.manifest) != run and v.step > floor}
         if others:
+            newest = max(others)
             line = (f"mirror {where}: the mirror prefix holds checkpoints of another run (step "
-                    f"{max(others)}): not resumed from; this run ({runid.short(run)}) resumes "
-                    "from its own")
+                    f"{newest}, {runid.whose(others[newest])}): not resumed from; this run "
+                    f"({runid.short(run)}) resumes from its own")
             self.say(line)
-            self.events.emit("mirror_other_run", steps=sorted(others), newest=max(others),
+            self.events.emit("mirror_other_run", steps=sorted(others), newest=newest,
                              reason=line)
         for v in found:
             if v.step <= floor or v.status is Status.INCOMPLETE or (

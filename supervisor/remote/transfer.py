@@ -122,7 +122,7 @@ def _refuse_other_run(mirror: Mirror, name: str, there: bytes, ours: str | None)
         return
     if theirs != ours:
         raise OtherRun(name, f"the mirror's {name} belongs to another run "
-                       f"({runid.short(theirs)}): not replaced (give this run a prefix of its "
+                       f"({runid.whose(theirs)}): not replaced (give this run a prefix of its "
                        "own)")
 
 

@@ -197,7 +197,7 @@ class Uploader:
             newest = max(others)
             send("other_run", steps=sorted(others), newest=newest, reason=(
                 f"mirror {self.mirror.display}: the mirror prefix holds checkpoints of another "
-                f"run (step {newest}, run {runid.short(others[newest])}; this run is "
+                f"run (step {newest}, {runid.whose(others[newest])}; this run is "
                 f"{runid.short(self.run_id)}): they are left as they are and do not count as this "
                 "run's; this run's are uploaded beside them (a prefix per run keeps runs apart)"))
         return True
