@@ -203,6 +203,22 @@ def test_the_uploader_sends_the_real_checkpoints_and_says_why_not_the_link(tmp_p
     assert committed(tmp_path / "mirror") == ["checkpoint-4"]
 
 
+def test_a_newest_that_fails_its_hashes_supersedes_nothing(tmp_path, capsys):
+    ck = run_dir(tmp_path / "ck")
+    build_checkpoint(ck, 2)
+    bad = build_checkpoint(ck, 4)
+    data = bytearray((bad / "state.json").read_bytes())
+    data[0] ^= 1  # same size, other bytes: only the hash tells
+    (bad / "state.json").write_bytes(bytes(data))
+    got = upload_all(ck, tmp_path / "mirror", capsys)
+    [failed] = of_kind(got, "failed")
+    assert failed["step"] == 4 and failed["given_up"] and "hash mismatch" in failed["reason"]
+    assert [m["step"] for m in of_kind(got, "uploaded")] == [2]
+    assert of_kind(got, "superseded") == []  # step 2 was never passed over
+    assert got[-1]["made_it"] is False and "hash mismatch" in got[-1]["reason"]
+    assert committed(tmp_path / "mirror") == ["checkpoint-2"]
+
+
 # -- item 4: another run's checkpoints on the mirror -----------------------------------------
 
 

@@ -90,8 +90,8 @@ def test_newest_first_the_overtaken_skipped_and_the_final_made_it(tmp_path):
             build_checkpoint(ck, 45)
         finally:
             up.proc.send_signal(signal.SIGCONT)
-        assert up.until("superseded")["steps"] == [35]
         assert up.until("uploaded")["step"] == 45
+        assert up.until("superseded")["steps"] == [35]  # once the newer one is across
         assert up.finish() == {"kind": "final", "step": 45, "made_it": True,
                                "reason": "uploaded"}
     finally:

@@ -132,7 +132,10 @@ class Uploader:
             plan = backlog.next_upload(self._local(), self.remote,
                                        milestone_every=self.spec.milestone_every,
                                        given_up=self.given_up)
-            fresh = [s for s in plan.superseded if s not in self.told_superseded]
+            # Said once a newer one is across, not when it is planned: a newest that then fails
+            # its hashes supersedes nothing.
+            across = max(self.remote, default=-1)
+            fresh = [s for s in plan.superseded if s not in self.told_superseded and s < across]
             if fresh:
                 self.told_superseded.update(fresh)
                 send("superseded", steps=sorted(fresh))
