@@ -327,7 +327,8 @@ def main(argv: list[str]) -> int:
         send("failed", step=None, reason=str(e), retry_in_s=None, failures=1)
         return 2
     if hold_lock(spec.ckpt_dir, commands) is None:
-        send("final", step=None, made_it=False, standby=True)
+        send("final", step=None, made_it=False, standby=True,
+             reason="standing by: another rtrain uploads this checkpoint dir")
         return 0
     # Read once the lock is held: the launch settled it before starting this process.
     return Uploader(spec, mirror, commands, run=runid.read(spec.ckpt_dir), key=key).run()
