@@ -185,6 +185,25 @@ def test_the_transfer_itself_follows_no_link_and_refuses_a_renamed_copy(tmp_path
     assert committed(tmp_path / "mirror") == []
 
 
+def test_the_put_sends_the_bytes_that_were_hashed_not_what_the_name_points_at_then(
+        tmp_path, monkeypatch):
+    ck = run_dir(tmp_path / "ck")
+    real = build_checkpoint(ck, 2, files={"extra.bin": b"a" * 10})
+    (tmp_path / "private.bin").write_bytes(b"b" * 10)
+    mirror = open_mirror(str(tmp_path / "mirror"))
+    put = mirror.fs.put_file
+
+    def swapped_then_put(src, dest, **kw):
+        if dest.endswith("extra.bin"):  # hashed already: the name now leads elsewhere
+            (real / "extra.bin").unlink()
+            (real / "extra.bin").symlink_to(tmp_path / "private.bin")
+        return put(src, dest, **kw)
+
+    monkeypatch.setattr(mirror.fs, "put_file", swapped_then_put)
+    mirror.upload(real)
+    assert (tmp_path / "mirror" / "checkpoint-2" / "extra.bin").read_bytes() == b"a" * 10
+
+
 def test_the_uploader_sends_the_real_checkpoints_and_says_why_not_the_link(tmp_path, capsys):
     ck = run_dir(tmp_path / "ck")
     other = run_dir(tmp_path / "other-run")
