@@ -118,6 +118,7 @@ class Uploader:
         self.given_up: dict[int, str] = {}  # step -> why it will not be sent
         self.told_superseded: set[int] = set()
         self.told_refused: set[tuple[str, str]] = set()
+        self.told_others: set[int] = set()
         self.failures = 0
         self.retry_at = 0.0
 
@@ -196,7 +197,8 @@ class Uploader:
         self.remote, self.others, self.resend = mine, others, resend
         self.failures = 0
         send("started", remote_steps=sorted(mine))
-        if others:
+        if set(others) - self.told_others:
+            self.told_others.update(others)
             newest = max(others)
             send("other_run", steps=sorted(others), newest=newest, reason=(
                 f"mirror {self.mirror.display}: the mirror prefix holds checkpoints of another "
