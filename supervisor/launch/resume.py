@@ -250,8 +250,8 @@ class Checkpoints:
         checkpoints under the same URL are said and never resumed from. True when one was
         downloaded."""
         from supervisor.remote.cache import BlobCache
-        from supervisor.remote.store import CorruptRemote, MirrorError
-        from supervisor.remote.verify import verify_mirror
+        from supervisor.remote.store import CorruptRemote, MirrorError, checkpoints
+        from supervisor.remote.verify import verify_remote
 
         assert self.remote is not None
         mirror, where = self.remote.mirror, self.remote.display
@@ -259,7 +259,10 @@ class Checkpoints:
             return False  # said at the probe: resuming from local checkpoints
         floor = local.step if local is not None else -1
         try:
-            found = [v for v, _ in verify_mirror(mirror, Level.QUICK, self.key)]
+            # One listing; a manifest read only for what is newer than the local pick.
+            inventory = mirror.inventory()
+            found = [verify_remote(mirror, rc, Level.QUICK, self.key, inventory[rc.name])
+                     for rc in checkpoints(inventory) if rc.step > floor]
         except MirrorError as e:
             self.say(f"{e}; resuming from local checkpoints")
             self.events.emit("mirror_failed", reason=f"list: {e}", step=None, retry_in_s=None,
@@ -269,8 +272,7 @@ class Checkpoints:
         run = runid.read(self.dir) or (runid.of(local.manifest) if local is not None else None)
         if run is None:
             run = runid.continued_run((runid.of(v.manifest), v.manifest["created"]) for v in ok)
-        others = {v.step: runid.of(v.manifest) for v in ok
-                  if runid.of(v.manifest) != run and v.step > floor}
+        others = {v.step: runid.of(v.manifest) for v in ok if runid.of(v.manifest) != run}
         if others:
             newest = max(others)
             line = (f"mirror {where}: the mirror prefix holds checkpoints of another run (step "
@@ -280,8 +282,7 @@ class Checkpoints:
             self.events.emit("mirror_other_run", steps=sorted(others), newest=newest,
                              reason=line)
         for v in found:
-            if v.step <= floor or v.status is Status.INCOMPLETE or (
-                    v.ok and runid.of(v.manifest) != run):
+            if v.status is Status.INCOMPLETE or (v.ok and runid.of(v.manifest) != run):
                 continue
             if not v.ok:
                 self._skip_remote(where, v.path.name, v.reason)
