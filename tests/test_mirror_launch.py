@@ -402,7 +402,10 @@ def _train_and_stop(run: Path, url: str, env: dict[str, str], steps: int, *extra
     return err
 
 
-def test_an_earlier_run_under_the_url_neither_stops_uploads_nor_is_resumed_from(tmp_path, s3):
+def test_an_earlier_run_under_the_url_neither_stops_uploads_nor_is_resumed_from(tmp_path, s3,
+                                                                              monkeypatch):
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)  # the in-process reader too
     url = f"s3://{BUCKET}/two-runs"
     _train_and_stop(tmp_path / "earlier", url, s3.env, 8, cwd=tmp_path)
     # A new run under the same URL, started over: its steps are all below the earlier run's.
