@@ -374,6 +374,13 @@ class Config:
     a milestone is uploaded even when newer checkpoints came before its turn."""
     mirror_parallel: int = 4
     """Files of one checkpoint uploaded at once (large files go in parts on their own)."""
+    mirror_connect_timeout_s: float = 5.0
+    """Each remote call to the mirror waits at most this long to connect (S3)."""
+    mirror_read_timeout_s: float = 5.0
+    """... and this long for each answer once its request is sent; a call is tried 4 times at
+    most, so an endpoint that accepts connections and never answers fails a call in about 4x
+    this (20 s), and a launch says so and trains from its local checkpoints. Raise it for a
+    store that takes longer to answer an upload."""
     mirror_final_wait_s: float = 60.0
     """When the run ends (finished, stopped, gave up), how long rtrain waits for the newest
     checkpoint to reach the mirror before it exits. Under preemption keep it below the
@@ -414,6 +421,8 @@ class Config:
         _number("milestone_every", self.milestone_every, integer=True)
         _number("mirror_parallel", self.mirror_parallel, low=1, integer=True)
         _number("mirror_final_wait_s", self.mirror_final_wait_s)
+        _number("mirror_connect_timeout_s", self.mirror_connect_timeout_s, above=True)
+        _number("mirror_read_timeout_s", self.mirror_read_timeout_s, above=True)
         _bool("standby", self.standby)
         _number("checkpoints_elsewhere_after_s", self.checkpoints_elsewhere_after_s)
         if self.preload is not None:

@@ -45,6 +45,8 @@ class Kind(str, Enum):
     MIRROR_UPLOADED = "mirror_uploaded"
     MIRROR_FAILED = "mirror_failed"
     MIRROR_SUPERSEDED = "mirror_superseded"
+    MIRROR_REFUSED = "mirror_refused"
+    MIRROR_OTHER_RUN = "mirror_other_run"
     MIRROR_PRUNED = "mirror_pruned"
     MIRROR_FINAL = "mirror_final"
     MIRROR_DOWNLOADED = "mirror_downloaded"
@@ -166,6 +168,13 @@ KINDS: dict[Kind, KindSpec] = {
         meaning="an upload, listing or download failed (retried unless given_up)"),
     Kind.MIRROR_SUPERSEDED: KindSpec(
         fields=("steps",), meaning="checkpoints the mirror skips: a newer one went first"),
+    Kind.MIRROR_REFUSED: KindSpec(
+        fields=("step", "name", "reason"),
+        meaning="a local checkpoint the uploader will not send: a link, a copy under another "
+                "step's name, another run's, unsigned under a key"),
+    Kind.MIRROR_OTHER_RUN: KindSpec(
+        fields=("steps", "newest", "reason"),
+        meaning="the mirror prefix holds checkpoints of another run: left alone, not counted"),
     Kind.MIRROR_PRUNED: KindSpec(fields=("steps",), hookable=False,
                                  meaning="the mirror's retention deleted checkpoints"),
     Kind.MIRROR_FINAL: KindSpec(

@@ -382,3 +382,52 @@ def test_an_upload_outlives_the_child_killed_during_it(tmp_path, s3, monkeypatch
 
     [rc] = m.list()
     assert rc.committed and verify_remote(m, rc, "full", None).ok
+
+
+def _train_and_stop(run: Path, url: str, env: dict[str, str], steps: int, *extra: str,
+                    cwd: Path) -> str:
+    """Launch BIG until `steps` is on the mirror (it then waits to be stopped), stop it as a
+    preemption would; rtrain's stderr."""
+    proc = subprocess.Popen(launch_cmd(run, "--mirror", url, *extra, BIG, "{ckpt_dir}", "1",
+                                       str(steps)),
+                            cwd=cwd, env=child_env(**env), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_event(run, "mirror_uploaded", 60, lambda e: e["step"] == steps)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err
+    return err
+
+
+def test_an_earlier_run_under_the_url_neither_stops_uploads_nor_is_resumed_from(tmp_path, s3,
+                                                                              monkeypatch):
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)  # the in-process reader too
+    url = f"s3://{BUCKET}/two-runs"
+    _train_and_stop(tmp_path / "earlier", url, s3.env, 8, cwd=tmp_path)
+    # A new run under the same URL, started over: its steps are all below the earlier run's.
+    run = tmp_path / "machine-a" / "run"
+    err = _train_and_stop(run, url, s3.env, 3, "--resume", "never", cwd=tmp_path)
+    [said] = events(run, "mirror_other_run")
+    assert said["newest"] == 8 and "holds checkpoints of another run (step 8" in err, err
+    final = events(run, "mirror_final")[-1]
+    assert final == {**final, "step": 3, "made_it": True}, final
+    # Each run's retention (keep 3) counts its own only: both runs' newest stay.
+    assert {3, 8} <= set(Mirror(url, s3.env).committed())
+    # Its machine is gone; a fresh one continues it from its own newest, not from step 8.
+    shutil.rmtree(tmp_path / "machine-a")
+    again = tmp_path / "machine-b" / "run"
+    proc = subprocess.Popen(launch_cmd(again, "--mirror", url, BIG, "{ckpt_dir}", "1", "5"),
+                            cwd=tmp_path, env=child_env(**s3.env), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_event(again, "mirror_uploaded", 60, lambda e: e["step"] == 5)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert [d["step"] for d in events(again, "mirror_downloaded")] == [3]
+    assert events(again, "launch")[0]["resume_from"].endswith("checkpoint-3")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,9 +18,18 @@ import pytest
 from conftest import build_checkpoint
 from harness import REPO, child_env
 
+from supervisor.ckpt import runid
 from supervisor.remote.uploader import Spec
 
 pytestmark = pytest.mark.slow
+
+
+def identified(ckpt_dir: Path) -> Path:
+    """A checkpoint dir with a run identity, as a launch settles it before the uploader starts:
+    its checkpoints are this run's."""
+    ckpt_dir.mkdir(parents=True)
+    runid.write(ckpt_dir, runid.new())
+    return ckpt_dir
 
 
 class Uploader:
@@ -64,7 +74,7 @@ class Uploader:
 
 
 def test_newest_first_the_overtaken_skipped_and_the_final_made_it(tmp_path):
-    ck, mirror = tmp_path / "ck", tmp_path / "mirror"
+    ck, mirror = identified(tmp_path / "ck"), tmp_path / "mirror"
     for step in (10, 20, 30):
         build_checkpoint(ck, step)
     up = Uploader(ck, mirror, milestone_every=10)
@@ -80,9 +90,10 @@ def test_newest_first_the_overtaken_skipped_and_the_final_made_it(tmp_path):
             build_checkpoint(ck, 45)
         finally:
             up.proc.send_signal(signal.SIGCONT)
-        assert up.until("superseded")["steps"] == [35]
         assert up.until("uploaded")["step"] == 45
-        assert up.finish() == {"kind": "final", "step": 45, "made_it": True}
+        assert up.until("superseded")["steps"] == [35]  # once the newer one is across
+        assert up.finish() == {"kind": "final", "step": 45, "made_it": True,
+                               "reason": "uploaded"}
     finally:
         up.proc.kill()
     assert sorted(p.name for p in mirror.iterdir()) == [
@@ -90,7 +101,7 @@ def test_newest_first_the_overtaken_skipped_and_the_final_made_it(tmp_path):
 
 
 def test_a_damaged_local_checkpoint_is_never_sent(tmp_path):
-    ck, mirror = tmp_path / "ck", tmp_path / "mirror"
+    ck, mirror = identified(tmp_path / "ck"), tmp_path / "mirror"
     build_checkpoint(ck, 10)
     bad = build_checkpoint(ck, 20)
     data = bytearray((bad / "state.json").read_bytes())
@@ -109,7 +120,7 @@ def test_a_damaged_local_checkpoint_is_never_sent(tmp_path):
 
 
 def test_one_uploader_per_checkpoint_dir_the_other_stands_by(tmp_path):
-    ck, mirror = tmp_path / "ck", tmp_path / "mirror"
+    ck, mirror = identified(tmp_path / "ck"), tmp_path / "mirror"
     build_checkpoint(ck, 10)
     first = Uploader(ck, mirror)
     second = None
@@ -126,3 +137,43 @@ def test_one_uploader_per_checkpoint_dir_the_other_stands_by(tmp_path):
         first.proc.kill()
         if second is not None:
             second.proc.kill()
+
+
+def test_a_link_and_a_renamed_copy_never_go_up_and_never_supersede_the_real_ones(tmp_path):
+    ck, mirror = identified(tmp_path / "ck"), tmp_path / "mirror"
+    other = identified(tmp_path / "other-run")
+    for step in (2, 4):
+        build_checkpoint(ck, step)
+    (ck / "checkpoint-999999").symlink_to(build_checkpoint(other, 5))  # another run's, private
+    shutil.copytree(ck / "checkpoint-2", ck / "checkpoint-1000000", symlinks=True)  # cp -a
+    up = Uploader(ck, mirror)
+    try:
+        assert up.until("uploaded")["step"] == 4
+        build_checkpoint(ck, 6)
+        assert up.until("uploaded")["step"] == 6  # later ones go too: nothing stands above
+        final = up.finish()
+        assert final["step"] == 6 and final["made_it"] is True, final
+    finally:
+        up.proc.kill()
+    refused = {m["name"]: m["reason"] for m in up.seen if m["kind"] == "refused"}
+    assert "symbolic link" in refused["checkpoint-999999"]
+    assert "manifest says step 2" in refused["checkpoint-1000000"]
+    assert sorted(p.name for p in mirror.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_an_earlier_runs_higher_step_on_the_mirror_is_said_and_this_runs_go_up(tmp_path):
+    from supervisor.remote.store import open_mirror
+
+    mirror = tmp_path / "mirror"
+    open_mirror(str(mirror)).upload(build_checkpoint(identified(tmp_path / "earlier"), 1000))
+    ck = identified(tmp_path / "ck")
+    build_checkpoint(ck, 2)
+    up = Uploader(ck, mirror)
+    try:
+        said = up.until("other_run")
+        assert said["newest"] == 1000 and "another run (step 1000" in said["reason"]
+        assert up.until("uploaded")["step"] == 2
+        assert up.finish()["made_it"] is True
+    finally:
+        up.proc.kill()
+    assert sorted(p.name for p in mirror.iterdir()) == ["checkpoint-1000", "checkpoint-2"]

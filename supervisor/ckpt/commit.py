@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import filemode
-from supervisor.ckpt import crypt, generation, safetensors_io, sealed
+from supervisor.ckpt import crypt, generation, runid, safetensors_io, sealed
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.hashing import CRYPTOGRAPHIC, HASH_ALG, hash_file, new_hasher
 from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
@@ -65,6 +65,8 @@ class PendingCheckpoint:
         os.mkdir(self.tmp, 0o700)  # nobody else looks in while it is written
         # The attempt this checkpoint belongs to; a forked writer keeps its parent's.
         self.generation: str | list[str] | None = os.environ.get(ENV_GENERATION) or None
+        # The run writing the directory (ckpt/runid.py), copied into the manifest.
+        self.run = runid.read(self.ckpt_dir)
         self.files: dict[str, dict[str, Any]] = {}
         self.tensors: dict[str, dict[str, list]] = {}
 
@@ -81,6 +83,7 @@ class PendingCheckpoint:
         self.tmp, self.file_mode = Path(tmp), filemode.from_env()
         self.files, self.tensors = {}, {}
         self.generation = os.environ.get(ENV_GENERATION) or None
+        self.run = None  # never commits
         return self
 
     def add_file(self, name: str, size: int, hash: str,
@@ -161,6 +164,8 @@ class PendingCheckpoint:
             "files": self.files,
             "tensors": self.tensors,
         }
+        if self.run is not None:
+            m["run"] = self.run
         if self.encryption is not None:
             m["encryption"] = crypt.manifest_entry(self.encryption, sealed.CHUNK)
             if self.encryption.hide_tensors:

@@ -16,6 +16,8 @@ Schema (version 1), a JSON object:
     encryption    optional {"scheme": "aes-256-gcm-chunked-v1", "key_fingerprint": 16 hex,
                   "chunk_size": int, "tensors_listed": false (only when tensors is absent)}:
                   every listed file is encrypted (ckpt/sealed.py); never the key itself
+    run           optional str, 32 hex digits: the run that wrote it (ckpt/runid.py), copied
+                  from the checkpoint dir's .rtrain-run at the save; absent: no run's
     fingerprint   str, hash of the model's (name, shape, dtype) list
     environment   {"python", "torch", "cuda", "device", "rtrain", "host"}
     settings      {knob: value} in force (RTRAIN_SETTINGS)
@@ -36,7 +38,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import hashing, safeio
+from supervisor.ckpt import hashing, runid, safeio
 from supervisor.ckpt.layout import MANIFEST
 
 FORMAT = "rtrain-checkpoint"
@@ -161,6 +163,9 @@ def parse(raw: bytes) -> dict[str, Any]:
         if not 0 <= manifest[key] <= _MAX_COUNT:
             raise ManifestError(f"manifest.json field {key!r} is out of range "
                                 f"({str(manifest[key])[:30]})")
+    if "run" in manifest and not runid.valid(manifest["run"]):
+        raise ManifestError(f"manifest.json field 'run' is not a run identity "
+                            f"({str(manifest['run'])[:40]!r})")
     for name, entry in manifest["files"].items():
         if (
             not isinstance(entry, dict)

@@ -10,6 +10,8 @@ outside the checkpoint:
   again on the open descriptor (the name may have been swapped in between);
 - a symbolic link is refused unless the caller allows links (`follow_symlinks`, for names it
   has already checked stay inside the checkpoint, see `verify.check_member_name`);
+  `open_beneath` refuses a link at every step of a name inside a directory (what leaves the
+  machine, the mirror's uploads, follows none);
 - `read_limited` refuses a file larger than the caller's limit before reading a byte of it, and
   `parse_json` refuses what would cost far more than its size to parse or use (deep nesting,
   numbers too large for a float, NaN and Infinity literals).
@@ -89,6 +91,56 @@ def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False,
     device. Raises `UnsafeFile` (an OSError) for anything else."""
     fd, _ = _open_fd(path, follow_symlinks)
     return os.fdopen(fd, "rb", buffering=buffering)
+
+
+def open_beneath(root: str | os.PathLike, member: str, *, buffering: int = -1) -> BinaryIO:
+    """Open `member` ('/'-separated, relative) of directory `root` for reading, following no
+    link anywhere: not `root` itself, not a directory on the way, not the file. Each step opens
+    relative to the directory opened before it, so a name swapped for a link meanwhile is
+    refused too. Raises `UnsafeFile` (naming the step) for a link or anything but a regular
+    file at the end, FileNotFoundError when a step is missing."""
+    dir_flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = _open_step(root, dir_flags, None, root)
+    try:
+        parts = member.split("/")
+        for i, part in enumerate(parts[:-1]):
+            step = os.path.join(root, *parts[:i + 1])
+            nfd = _open_step(part, dir_flags, fd, step)
+            os.close(fd)
+            fd = nfd
+        last = os.path.join(root, member)
+        st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):  # checked before opening: a device is never opened
+            raise UnsafeFile(last, "is a symbolic link: not followed" if stat.S_ISLNK(st.st_mode)
+                             else f"is {kind(st.st_mode)}, not a regular file")
+        ffd = _open_step(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         fd, last)
+    finally:
+        os.close(fd)
+    try:
+        st = os.fstat(ffd)
+        if not stat.S_ISREG(st.st_mode):  # swapped between the check and the open
+            raise UnsafeFile(last, f"is {kind(st.st_mode)}, not a regular file")
+    except BaseException:
+        os.close(ffd)
+        raise
+    return os.fdopen(ffd, "rb", buffering=buffering)
+
+
+def _open_step(name: str | os.PathLike, flags: int, dir_fd: int | None,
+               shown: str | os.PathLike) -> int:
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        try:
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        except OSError:
+            raise e from None
+        if stat.S_ISLNK(mode):
+            raise UnsafeFile(shown, "is a symbolic link: not followed") from None
+        raise UnsafeFile(shown, f"is {kind(mode)}, not a directory") from None
 
 
 def read_limited(path: str | os.PathLike, limit: int, *,

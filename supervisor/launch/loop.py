@@ -211,12 +211,13 @@ class Loop:
         self.checkpoints.remote = self.mirroring
         history = self._first_history()
         resume, first = ResumeMode.LATEST, self.record.new_run
-        if self.mirroring is not None:
-            self.mirroring.start()
         with SignalCatcher() as signals:
             while True:
                 selection = self.checkpoints.pick(history, resume, first=first)
                 first = False
+                if self.mirroring is not None:
+                    # After the first pick, which settles the run identity it uploads under.
+                    self.mirroring.start()
                 if selection is None:  # an explicit --resume PATH that does not verify
                     return 2
                 decision, pids = self._run_attempt(history, selection, signals)

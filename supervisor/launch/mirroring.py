@@ -28,6 +28,7 @@ from supervisor.proc.spawn import pdeathsig_preexec
 from supervisor.reaper import own
 from supervisor.records.events import EventLog
 from supervisor.remote.uploader import Spec
+from supervisor.safetext import safe
 
 LOG_NAME = "mirror.log"
 
@@ -41,30 +42,37 @@ def open_for(config: Config, run_dir: Path, ckpt_dir: Path, events: EventLog,
     requeue during a store's outage): training goes on and the uploader catches up."""
     if config.mirror is None:
         return None
-    from supervisor.remote.store import MirrorError, Unreachable, open_mirror
+    from supervisor.remote.store import MirrorError, Timeouts, Unreachable, open_mirror
 
+    timeouts = Timeouts.of(config)
+    answered = True
     try:
-        mirror = open_mirror(config.mirror, file_mode=config.file_mode)
+        mirror = open_mirror(config.mirror, file_mode=config.file_mode, timeouts=timeouts)
         mirror.probe()
     except Unreachable as e:
         if new_run:
             raise UsageError(str(e)) from None
-        say(f"{e}; training goes on, uploads will catch up")
+        # Each call gave up after its timeouts: the resume's look at the mirror would only wait
+        # as long again, so this launch resumes from the local checkpoints without asking.
+        answered = False
+        say(f"{e}; training goes on, uploads will catch up (resuming from local checkpoints)")
         events.emit("mirror_failed", reason=str(e), step=None, retry_in_s=None,
                     given_up=False)
     except MirrorError as e:
         raise UsageError(str(e)) from None  # it names the mirror and what to change
     spec = Spec(ckpt_dir=ckpt_dir, url=config.mirror, keep_remote=config.keep_remote,
                 milestone_every=config.milestone_every, parallel=config.mirror_parallel,
-                file_mode=config.file_mode)
-    return Mirroring(spec, run_dir, events, say, mirror)
+                file_mode=config.file_mode, connect_timeout_s=timeouts.connect_s,
+                read_timeout_s=timeouts.read_s)
+    return Mirroring(spec, run_dir, events, say, mirror, answered=answered)
 
 
 class Mirroring:
     def __init__(self, spec: Spec, run_dir: Path, events: EventLog,
-                 say: Callable[[str], None], mirror: Any) -> None:
+                 say: Callable[[str], None], mirror: Any, *, answered: bool = True) -> None:
         self.spec, self.run_dir, self.events, self.say = spec, run_dir, events, say
         self.mirror = mirror  # remote.store.Mirror, for the resume's download
+        self.answered = answered  # the launch's probe got answers (else: no look at resume)
         self.display = mirror.display  # the URL without credentials
         self.proc: subprocess.Popen[bytes] | None = None
         self._messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -72,6 +80,8 @@ class Mirroring:
         self._failing = False
 
     def start(self) -> None:
+        if self.proc is not None:
+            return
         # Its stderr (tracebacks); never through a link planted at the name (RefusedFile).
         log = ownfiles.open_own(self.run_dir / LOG_NAME, os.O_WRONLY | os.O_APPEND,
                                 create=True, mode=self.spec.file_mode).fd
@@ -134,6 +144,14 @@ class Mirroring:
             self._failing = not given_up and retry is not None
             self.events.emit("mirror_failed", reason=reason, step=get("step"), retry_in_s=retry,
                              given_up=given_up)
+        elif kind == "refused":
+            name, reason = str(get("name")), str(get("reason"))
+            self.say(f"mirror {self.display}: not uploading {safe(name)}: {safe(reason)}")
+            self.events.emit("mirror_refused", step=get("step"), name=name, reason=reason)
+        elif kind == "other_run":
+            self.say(safe(str(get("reason"))))
+            self.events.emit("mirror_other_run", steps=get("steps", []), newest=get("newest"),
+                             reason=str(get("reason")))
         elif kind == "superseded":
             self.events.emit("mirror_superseded", steps=get("steps", []))
         elif kind == "pruned":
@@ -165,12 +183,14 @@ class Mirroring:
             made_it, why = False, f"the uploader ended with status {self.proc.returncode}"
         else:
             made_it = bool(final.get("made_it"))
-            why = "uploaded" if made_it else "the mirror could not be reached"
+            why = str(final.get("reason") or (
+                "uploaded" if made_it else "the mirror could not be reached"))
         self.events.emit("mirror_final", step=step, made_it=made_it, reason=why)
         self.say(f"mirror {self.display}: " + (
-            f"newest checkpoint (step {step}) is on the mirror" if made_it
+            f"newest checkpoint (step {step}) is on the mirror" if made_it and step is not None
+            else "no checkpoint of this run to upload" if made_it
             else f"newest checkpoint{f' (step {step})' if step is not None else ''} is NOT on "
-                 f"the mirror: {why}"))
+                 f"the mirror: {safe(why)}"))
 
     def close(self) -> None:
         """Stop the uploader now (a half-sent checkpoint has no manifest: it does not exist)."""

@@ -15,8 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine
-from supervisor.ckpt.verify import Level, Selection, Verdict, mark_quarantined
+from supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine, runid
+from supervisor.ckpt.verify import Level, Selection, Status, Verdict, mark_quarantined
 from supervisor.config import Config
 from supervisor.decide.policy import History, Resumed, ResumeMode
 from supervisor.errors import UsageError
@@ -43,6 +43,7 @@ class Checkpoints:
         self._copied: list[tuple[Path, keepcopy.Kept | OSError | None]] = []
         self.remote: Mirroring | None = None  # the run's mirror, when it has one
         self._looked_remote = False
+        self.run: str | None = None  # this launch's run identity, settled at its first pick
 
     def pick(self, history: History, resume: ResumeMode, *, first: bool) -> Selection | None:
         """The checkpoint the next attempt resumes from; None when an explicit --resume PATH
@@ -50,12 +51,14 @@ class Checkpoints:
         level = Level(self.cfg.verify)
         self.settle_copy()  # one writer of rtrain's copy at a time
         if first and self.cfg.resume == "never":
+            self._settle_run(None, start_over=True)
             return Selection(None, [])
         if first and self.cfg.resume != "auto":
             v = foreign.verify_path(self.cfg.resume, level, self.key)
             if not v.ok:
                 raise UsageError(f"--resume {self.cfg.resume} does not verify ({v.describe()}): "
                                  "pick another checkpoint or use --resume auto")
+            self._settle_run(v)
             return self._openable(Selection(v, []))
         # Any format: rtrain's own, a Trainer's checkpoint-N dirs, Lightning / torch.save files.
         self.restored = self._restore_torn(level)
@@ -71,8 +74,28 @@ class Checkpoints:
             self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
         if resume is ResumeMode.ROLLBACK and sel.chosen is None:
             sel = self._select(level, history)  # nothing older: newest
+        self._settle_run(sel.chosen)
         self._keep(sel.chosen)
         return self._openable(sel)
+
+    def _settle_run(self, chosen: Verdict | None, *, start_over: bool = False) -> None:
+        """Once per launch, at its first pick: the run identity its checkpoints get and its
+        uploader sends (`ckpt/runid.py`), written to the checkpoint dir when it changes."""
+        if self.run is not None:
+            return
+        current = runid.read(self.dir)
+        resumed = runid.of(chosen.manifest) if chosen is not None else None
+        run = runid.settle(current, resumed, start_over=start_over) or runid.new()
+        if run == current:
+            self.run = run
+            return
+        try:
+            # Claimed where there is none: the nodes of one run share the dir and settle at once.
+            self.run = runid.write(self.dir, run, self.cfg.file_mode, replace=current is not None)
+        except OSError as e:
+            self.run = run
+            self.say(f"cannot write the run identity in {self.dir} ({e.strerror}); its "
+                     "checkpoints name no run and none of them is uploaded")
 
     def _keep(self, chosen: Verdict | None) -> None:
         """Copy the chosen checkpoint into the run dir when it is a foreign file the script
@@ -219,42 +242,73 @@ class Checkpoints:
         return sel
 
     def _fetch_newer(self, local: Verdict | None) -> bool:
-        """Download the newest checkpoint on the mirror that is newer than `local` and
-        verifies (hashed while it downloads); one that does not verify is reported and the
-        next older tried. Local wins at an equal step. True when one was downloaded."""
+        """Download this run's newest checkpoint on the mirror that is newer than `local` and
+        verifies (quick on the listing, then hashed while it downloads); one that does not
+        verify is reported and the next older tried. Local wins at an equal step. This run:
+        the checkpoint dir's identity, else the local pick's; on a machine with neither, the
+        run that committed last to the mirror (`runid.continued_run`). Another run's
+        checkpoints under the same URL are said and never resumed from. True when one was
+        downloaded."""
         from supervisor.remote.cache import BlobCache
-        from supervisor.remote.store import CorruptRemote, MirrorError
+        from supervisor.remote.store import CorruptRemote, MirrorError, checkpoints
+        from supervisor.remote.verify import verify_remote
 
         assert self.remote is not None
         mirror, where = self.remote.mirror, self.remote.display
+        if not self.remote.answered:
+            return False  # said at the probe: resuming from local checkpoints
         floor = local.step if local is not None else -1
         try:
-            newer = [c for c in mirror.list() if c.committed and c.step > floor]
+            # One listing; a manifest read only for what is newer than the local pick.
+            inventory = mirror.inventory()
+            found = [verify_remote(mirror, rc, Level.QUICK, self.key, inventory[rc.name])
+                     for rc in checkpoints(inventory) if rc.step > floor]
         except MirrorError as e:
             self.say(f"{e}; resuming from local checkpoints")
             self.events.emit("mirror_failed", reason=f"list: {e}", step=None, retry_in_s=None,
                              given_up=False)
             return False
-        for c in newer:
+        ok = [v for v in found if v.ok]
+        run = runid.read(self.dir) or (runid.of(local.manifest) if local is not None else None)
+        if run is None:
+            run = runid.continued_run((runid.of(v.manifest), v.manifest["created"]) for v in ok)
+        others = {v.step: runid.of(v.manifest) for v in ok if runid.of(v.manifest) != run}
+        if others:
+            newest = max(others)
+            line = (f"mirror {where}: the mirror prefix holds checkpoints of another run (step "
+                    f"{newest}, {runid.whose(others[newest])}): not resumed from; this run "
+                    f"({runid.short(run)}) resumes from its own")
+            self.say(line)
+            self.events.emit("mirror_other_run", steps=sorted(others), newest=newest,
+                             reason=line)
+        for v in found:
+            if v.status is Status.INCOMPLETE or (v.ok and runid.of(v.manifest) != run):
+                continue
+            if not v.ok:
+                self._skip_remote(where, v.path.name, v.reason)
+                continue
             try:
-                t = mirror.download(c.name, self.dir, key=self.key, cache=BlobCache(),
+                t = mirror.download(v.path.name, self.dir, key=self.key, cache=BlobCache(),
                                     file_mode=self.cfg.file_mode)
             except CorruptRemote as e:
-                self.say(f"skipping {c.name} on the mirror: {e}")
-                self.events.emit("skipped_checkpoint", path=f"{where}/{c.name}",
-                                 reason=f"on the mirror: {e}")
+                self._skip_remote(where, v.path.name, str(e))
                 continue
             except MirrorError as e:
                 self.say(f"{e}; resuming from local checkpoints")
-                self.events.emit("mirror_failed", reason=f"download: {e}", step=c.step,
+                self.events.emit("mirror_failed", reason=f"download: {e}", step=v.step,
                                  retry_in_s=None, given_up=False)
                 return False
-            self.say(f"downloaded {c.name} from the mirror: {t.bytes / 2**20:.1f} MiB in "
+            self.say(f"downloaded {v.path.name} from the mirror: {t.bytes / 2**20:.1f} MiB in "
                      f"{t.seconds:.1f} s ({t.cached_bytes / 2**20:.1f} MiB from the cache)")
-            self.events.emit("mirror_downloaded", step=c.step, bytes=t.bytes,
+            self.events.emit("mirror_downloaded", step=v.step, bytes=t.bytes,
                              seconds=round(t.seconds, 3), cached_bytes=t.cached_bytes)
             return True
         return False
+
+    def _skip_remote(self, where: str, name: str, reason: str) -> None:
+        self.say(f"skipping {safe(name)} on the mirror: {safe(reason)}")
+        self.events.emit("skipped_checkpoint", path=f"{where}/{name}",
+                         reason=f"on the mirror: {reason}")
 
     def _select(self, level: Level, history: History, skip_newest: int = 0) -> Selection:
         """Passing over quarantined checkpoints and those a worker of this run could not load

@@ -9,31 +9,57 @@ AWS_PROFILE for S3); a URL that carries them is refused without showing them.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from supervisor.remote.errors import MirrorError
 from supervisor.remote.url import redact, scheme
 
-# S3 timeouts and retries, so that a dead endpoint fails an operation instead of hanging it:
-# - one that refuses or never accepts the connection: BOTOCORE_ATTEMPTS x CONNECT_TIMEOUT_S
-#   (15 s; s3fs does not retry connection errors);
-# - one that accepts and then stalls: each read waits READ_TIMEOUT_S, retried by botocore and
-#   again by s3fs: at most S3FS_RETRIES x BOTOCORE_ATTEMPTS x 60 s (6 min) plus backoff.
-# 60 s, not less: a slow store may legitimately pause that long before answering a large PUT.
-# Uploads go without "Expect: 100-continue" (`_no_expect_continue`), or the stalled case would
-# have no bound at all.
-CONNECT_TIMEOUT_S = 5
-READ_TIMEOUT_S = 60
-BOTOCORE_ATTEMPTS = 3  # botocore "standard" retry mode: throttling and transient 5xx too
+# S3 timeouts and retries, so that a dead endpoint fails an operation instead of hanging it.
+# The two timeouts are settings (`Timeouts`, from `mirror_connect_timeout_s` and
+# `mirror_read_timeout_s`); the tries are fixed:
+# - one that refuses or never accepts the connection: attempts x connect_s (s3fs does not
+#   retry connection errors);
+# - one that accepts and then stalls: each wait for an answer takes read_s, tried by botocore
+#   and again by s3fs: at most S3FS_RETRIES x attempts x read_s (`Timeouts.worst_case_s`: 20 s
+#   by default) plus sub-second backoffs.
+# The read timeout runs only once a request's body is sent (aiohttp starts it then): it bounds
+# how long the store takes to answer, not how long an upload takes. Uploads go without
+# "Expect: 100-continue" (`_no_expect_continue`), or the stalled case would have no bound.
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 5.0
+BOTOCORE_ATTEMPTS = 2  # botocore "standard" retry mode: throttling and transient 5xx too
 S3FS_RETRIES = 2  # s3fs's loop around each call: timeouts, connections dropped mid-body
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long one remote call waits for the store: to connect, and for each answer."""
+
+    connect_s: float = CONNECT_TIMEOUT_S
+    read_s: float = READ_TIMEOUT_S
+    attempts: int = BOTOCORE_ATTEMPTS
+
+    @classmethod
+    def of(cls, config: Any) -> Timeouts:
+        """From a `Config` (or anything with its two mirror timeout fields)."""
+        return cls(float(config.mirror_connect_timeout_s), float(config.mirror_read_timeout_s))
+
+    def worst_case_s(self) -> float:
+        """The longest one call waits on an endpoint that accepts and never answers (plus the
+        backoffs between tries, under a second each)."""
+        return S3FS_RETRIES * self.attempts * self.read_s
+
 
 _S3 = ("s3", "s3a")
 _EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
 
-def open_filesystem(url: str) -> tuple[Any, str, bool]:
+def open_filesystem(url: str, timeouts: Timeouts | None = None) -> tuple[Any, str, bool]:
     """`(fs, root, local)` for `url`: `s3://bucket/prefix`, `gs://...`, `file:///path`, or a
-    plain path (a shared filesystem; `local` True). Nothing is contacted yet."""
+    plain path (a shared filesystem; `local` True). Nothing is contacted yet. `timeouts`
+    bound every S3 call (default: `Timeouts()`)."""
+    timeouts = Timeouts() if timeouts is None else timeouts
     display = redact(url)
     protocol = scheme(url) or "file"
     extra = _EXTRA.get(protocol, "s3")
@@ -64,9 +90,9 @@ def open_filesystem(url: str) -> tuple[Any, str, bool]:
             skip_instance_cache=True,  # credentials are read when the mirror is opened
             use_listings_cache=False,  # another machine may have changed the prefix
             config_kwargs={
-                "connect_timeout": CONNECT_TIMEOUT_S,
-                "read_timeout": READ_TIMEOUT_S,
-                "retries": {"max_attempts": BOTOCORE_ATTEMPTS, "mode": "standard"},
+                "connect_timeout": timeouts.connect_s,
+                "read_timeout": timeouts.read_s,
+                "retries": {"max_attempts": timeouts.attempts, "mode": "standard"},
             },
         )
         fs.retries = S3FS_RETRIES

@@ -37,6 +37,16 @@ class CorruptLocal(MirrorError):
         self.reason = reason
 
 
+class OtherRun(MirrorError):
+    """A committed remote checkpoint of another run stands where this run's would go: it is
+    left as it is and this run's is not uploaded."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name}: {reason}")
+        self.name = name
+        self.reason = reason
+
+
 def _chain(exc: BaseException) -> list[BaseException]:
     out: list[BaseException] = []
     e: BaseException | None = exc

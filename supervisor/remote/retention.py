@@ -68,10 +68,13 @@ def prune_remote(mirror: Mirror, *, keep_remote: int, milestone_every: int = 0,
                  protect: Iterable[int] = frozenset(), dry_run: bool = False,
                  level: Level | str = Level.QUICK, key: bytes | None = None,
                  check: Callable[[RemoteCheckpoint, dict[str, int]], Verdict] | None = None,
+                 mine: Callable[[RemoteCheckpoint], bool] | None = None,
                  ) -> RemotePrune:
     """Apply `plan_remote` to the mirror. The checkpoints relied on are verified at `level`
     first (`check` replaces `remote.verify.verify_remote`, e.g. in tests); deletions remove
-    manifest.json first (`Mirror.delete`)."""
+    manifest.json first (`Mirror.delete`). `mine`: only the checkpoints it accepts are
+    planned for (the uploader's: this run's; another run's under the same URL are never
+    counted, kept or deleted by it); None: all."""
     if check is None:
         from supervisor.remote.verify import verify_remote
 
@@ -80,7 +83,7 @@ def prune_remote(mirror: Mirror, *, keep_remote: int, milestone_every: int = 0,
 
     protect = frozenset(protect)
     inventory = mirror.inventory()
-    remote = checkpoints(inventory)
+    remote = [r for r in checkpoints(inventory) if mine is None or mine(r)]
     by_step = {r.step: r for r in remote}
     unfinished = {r.step for r in remote if not r.committed and r.step not in protect}
     out = RemotePrune()

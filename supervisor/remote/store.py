@@ -25,19 +25,20 @@ from supervisor.ckpt import hashing, layout, safeio
 from supervisor.ckpt import manifest as mf
 from supervisor.remote import cache as blobs
 from supervisor.remote import transfer
-from supervisor.remote.backend import open_filesystem
+from supervisor.remote.backend import Timeouts, open_filesystem
 from supervisor.remote.errors import (
     CorruptLocal,
     CorruptRemote,
     MirrorError,
+    OtherRun,
     Unreachable,
     storage_error,
 )
 from supervisor.remote.transfer import Transfer
 from supervisor.remote.url import redact
 
-__all__ = ["CorruptLocal", "CorruptRemote", "Mirror", "MirrorError", "RemoteCheckpoint",
-           "Transfer", "Unreachable", "checkpoints", "open_mirror"]
+__all__ = ["CorruptLocal", "CorruptRemote", "Mirror", "MirrorError", "OtherRun",
+           "RemoteCheckpoint", "Timeouts", "Transfer", "Unreachable", "checkpoints", "open_mirror"]
 
 PROBE_PREFIX = ".rtrain-probe-"
 
@@ -50,10 +51,12 @@ class RemoteCheckpoint:
     """manifest.json is present (else an upload that did not finish)."""
 
 
-def open_mirror(url: str, *, file_mode: int = filemode.DEFAULT_FILE_MODE) -> Mirror:
+def open_mirror(url: str, *, file_mode: int = filemode.DEFAULT_FILE_MODE,
+                timeouts: Timeouts | None = None) -> Mirror:
     """The mirror at `url`: `s3://bucket/prefix`, `gs://...`, `file:///path`, or a plain path
-    (a shared filesystem). Nothing is contacted yet (`Mirror.probe` does)."""
-    fs, root, local = open_filesystem(url)
+    (a shared filesystem). Nothing is contacted yet (`Mirror.probe` does). `timeouts` bound
+    each remote call (default: `backend.Timeouts()`, the settings' defaults)."""
+    fs, root, local = open_filesystem(url, timeouts)
     return Mirror(url, fs, root, local=local, file_mode=file_mode)
 
 
@@ -215,13 +218,15 @@ class Mirror:
 
     # -- moving one checkpoint (transfer) -------------------------------------------------
 
-    def upload(self, local: Path, *, parallel: int = 4) -> Transfer:
+    def upload(self, local: Path, *, parallel: int = 4, resend: bool = False) -> Transfer:
         """Upload the committed checkpoint dir `local`: every file its manifest lists, hashed
         just before it is sent, `parallel` at a time; then manifest.json. An unfinished remote
         copy is overwritten; an identical committed one is left as it is (0 bytes sent); a
         different committed one (the run rolled back and saved that step again) is decommitted
-        first, so no reader ever sees its manifest beside the new files."""
-        return transfer.upload(self, local, parallel=parallel)
+        first, so no reader ever sees its manifest beside the new files; one of another run is
+        never replaced (`OtherRun`). `resend`: send the files even when the remote manifest is
+        the same (its files failed verification)."""
+        return transfer.upload(self, local, parallel=parallel, resend=resend)
 
     def download(self, name: str, ckpt_dir: Path, *, key: bytes | None = None,
                  cache: blobs.BlobCache | None = None, file_mode: int = 0o600,

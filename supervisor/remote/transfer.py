@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from supervisor import filemode
-from supervisor.ckpt import hashing, layout, safeio
+from supervisor.ckpt import hashing, layout, runid, safeio
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.commit import fsync_dir
-from supervisor.ckpt.verify import Level, check_member_name, verify
+from supervisor.ckpt.verify import Level, check_member_name, check_name, verify
 from supervisor.remote import cache as blobs
-from supervisor.remote.errors import CorruptLocal, CorruptRemote, MirrorError
+from supervisor.remote.errors import CorruptLocal, CorruptRemote, MirrorError, OtherRun
 
 if TYPE_CHECKING:
     from supervisor.remote.store import Mirror
@@ -51,31 +51,44 @@ class Transfer:
 # -- upload -------------------------------------------------------------------------------
 
 
-def upload(mirror: Mirror, local: Path, *, parallel: int = 4) -> Transfer:
-    """`Mirror.upload`: the committed checkpoint dir `local`, file by file, then manifest.json."""
+def upload(mirror: Mirror, local: Path, *, parallel: int = 4, resend: bool = False) -> Transfer:
+    """`Mirror.upload`: the committed checkpoint dir `local`, file by file, then manifest.json.
+    Nothing is read through a link (`safeio.open_beneath`), a manifest whose step is not the
+    name's is refused, and a committed remote copy of another run is never replaced."""
     t0 = time.monotonic()
     local = Path(local)
     name = local.name
-    mirror.step_of(name)
+    step = mirror.step_of(name)
     try:
-        raw = safeio.read_limited(local / layout.MANIFEST, mf.MAX_BYTES)
+        with safeio.open_beneath(local, layout.MANIFEST) as f:
+            raw = f.read(mf.MAX_BYTES + 1)
+        if len(raw) > mf.MAX_BYTES:
+            raise CorruptLocal(name, f"manifest.json is larger than {mf.MAX_BYTES >> 20} MiB")
         m = mf.parse(raw)
+        if m["step"] != step:
+            raise CorruptLocal(name, f"its manifest says step {m['step']}: a copy under "
+                               "another name")
         alg = hashing.manifest_alg(m, None)
-        files = [(check_member_name(local, member), member, entry)
-                 for member, entry in m["files"].items()]
+        for member in m["files"]:
+            check_name(member)
     except FileNotFoundError:
         raise CorruptLocal(name, "no manifest.json (the save did not finish)") from None
+    except safeio.UnsafeFile as e:
+        raise CorruptLocal(name, _unsafe(local, e)) from None
     except (mf.ManifestError, hashing.HashAlgError) as e:
         raise CorruptLocal(name, str(e)) from None
     except OSError as e:
         raise CorruptLocal(name, f"cannot read manifest.json: {e.strerror or e}") from None
-    if _remote_manifest_is(mirror, name, raw):
+    there = _remote_manifest(mirror, name)
+    if there == raw and not resend:
         return Transfer(name, 0, time.monotonic() - t0, 0)
+    if there is not None:
+        _refuse_other_run(mirror, name, there, runid.of(m))
     mirror.remove(mirror.path(name, layout.MANIFEST), f"cannot decommit {name}")
     if mirror.local:  # private before the first byte lands in it
         filemode.make_dir(Path(mirror.path(name)), mirror.file_mode)
     sent = _run_all(parallel, [
-        (_put, (mirror, src, name, member, entry, alg)) for src, member, entry in files])
+        (_put, (mirror, local, name, member, entry, alg)) for member, entry in m["files"].items()])
     try:
         mirror.fs.pipe_file(mirror.path(name, layout.MANIFEST), raw)
     except Exception as e:
@@ -83,25 +96,47 @@ def upload(mirror: Mirror, local: Path, *, parallel: int = 4) -> Transfer:
     if mirror.local:
         filemode.apply_tree(Path(mirror.path(name)), mirror.file_mode)
     _sync(mirror, mirror.path(name, layout.MANIFEST), directory=True)
-    return Transfer(name, sum(sent) + len(raw), time.monotonic() - t0, len(files) + 1)
+    return Transfer(name, sum(sent) + len(raw), time.monotonic() - t0, len(m["files"]) + 1)
 
 
-def _remote_manifest_is(mirror: Mirror, name: str, raw: bytes) -> bool:
+def _unsafe(local: Path, e: safeio.UnsafeFile) -> str:
+    """`UnsafeFile`'s reason with the path inside the checkpoint (the dir itself: 'is ...')."""
+    where = os.path.relpath(e.filename, local) if e.filename else "."
+    return e.strerror if where == "." else f"{where} {e.strerror}"
+
+
+def _remote_manifest(mirror: Mirror, name: str) -> bytes | None:
+    """The remote manifest's bytes; None when there is none (or it is unreadable as one)."""
     try:
-        return mirror.read_manifest_bytes(name) == raw
+        return mirror.read_manifest_bytes(name)
     except CorruptRemote:
-        return False
+        return None
 
 
-def _put(mirror: Mirror, src: Path, name: str, member: str, entry: dict, alg: str) -> int:
+def _refuse_other_run(mirror: Mirror, name: str, there: bytes, ours: str | None) -> None:
+    """A committed remote `name` of another run (an earlier run under the same URL) is that
+    run's checkpoint: replacing it would lose it. One that does not parse is nobody's."""
+    try:
+        theirs = runid.of(mf.parse(there))
+    except mf.ManifestError:
+        return
+    if theirs != ours:
+        raise OtherRun(name, f"the mirror's {name} belongs to another run "
+                       f"({runid.whose(theirs)}): not replaced (give this run a prefix of its "
+                       "own)")
+
+
+def _put(mirror: Mirror, local: Path, name: str, member: str, entry: dict, alg: str) -> int:
     size = entry["size"]
     dest = mirror.path(name, member)
     h = hashing.new_hasher(alg)
     n = 0
     try:
-        f = safeio.open_regular(src, follow_symlinks=True, buffering=0)
+        f = safeio.open_beneath(local, member, buffering=0)
     except FileNotFoundError:
         raise CorruptLocal(name, f"{member}: missing") from None
+    except safeio.UnsafeFile as e:
+        raise CorruptLocal(name, _unsafe(local, e)) from None
     except OSError as e:
         raise CorruptLocal(name, f"{member}: {e.strerror or e}") from None
     with f:
@@ -113,20 +148,27 @@ def _put(mirror: Mirror, src: Path, name: str, member: str, entry: dict, alg: st
         while k := f.readinto(buf):
             h.update(view[:k])
             n += k
-    if n != size or h.hexdigest() != entry["hash"]:
-        raise CorruptLocal(name, f"{member}: hash mismatch (changed since the save: the "
-                           "local checkpoint is damaged)")
-    # Hashed just before it is sent (from the page cache, at memory speed), then handed to
-    # the backend's own put, which sends large files in concurrent parts: streaming our
-    # reads through a write handle sent the parts one by one, at 0.6x a plain put.
-    try:
-        mirror.fs.put_file(str(src), dest,
-                           **({} if mirror.local or PART_BYTES is None
-                              else {"chunksize": PART_BYTES}))
-    except Exception as e:
-        raise mirror.error(f"cannot write {name}/{member}", e) from None
+        if n != size or h.hexdigest() != entry["hash"]:
+            raise CorruptLocal(name, f"{member}: hash mismatch (changed since the save: the "
+                               "local checkpoint is damaged)")
+        # Hashed just before it is sent (from the page cache, at memory speed), then handed to
+        # the backend's own put, which sends large files in concurrent parts: streaming our
+        # reads through a write handle sent the parts one by one, at 0.6x a plain put. The put
+        # opens the file we hashed (through our descriptor), not whatever the name is now.
+        try:
+            mirror.fs.put_file(_by_descriptor(f.fileno(), local / member), dest,
+                               **({} if mirror.local or PART_BYTES is None
+                                  else {"chunksize": PART_BYTES}))
+        except Exception as e:
+            raise mirror.error(f"cannot write {name}/{member}", e) from None
     _sync(mirror, dest)
     return n
+
+
+def _by_descriptor(fd: int, path: Path) -> str:
+    """A name that opens the file behind `fd` (Linux's /proc), else the path itself."""
+    proc = f"/proc/self/fd/{fd}"
+    return proc if os.path.exists(proc) else str(path)
 
 
 def _sync(mirror: Mirror, path: str, *, directory: bool = False) -> None:

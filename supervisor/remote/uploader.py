@@ -3,17 +3,19 @@
 `rtrain launch --mirror URL` starts it once per launch (`launch/mirroring.py`) and it outlives
 every attempt: a crash of the training child never interrupts an upload, and a hung or slow
 store never holds up the supervisor, which only reads this process's messages. It watches the
-checkpoint dir, sends the newest committed checkpoint first (`backlog.next_upload`), the
-manifest last (the remote commit marker), retries failures with a capped backoff, and applies
-the mirror's retention after each upload.
+checkpoint dir, sends the newest committed checkpoint of this run first (`backlog.next_upload`;
+which ones may go: `outgoing`), the manifest last (the remote commit marker), retries failures
+with a capped backoff, and applies the mirror's retention to this run's checkpoints after each
+upload. Checkpoints of another run under the same URL count for nothing here: they neither
+stand for this run's on the mirror nor are they replaced or deleted.
 
     python -m supervisor.remote.uploader SPEC_JSON
 
 Talks over pipes: stdin takes commands, one per line ("finish": send what is still waiting,
 then exit; end of input means the same); stdout carries one JSON object per line (`kind`:
-started, uploaded, failed, superseded, pruned, standby, final). It writes nothing else
-anywhere but the mirror and its lock file. Credentials come from the backend's own chain and
-never appear in a message (errors say what failed, never with what).
+started, uploaded, failed, refused, other_run, superseded, pruned, standby, final). It writes
+nothing else anywhere but the mirror and its lock file. Credentials come from the backend's own
+chain and never appear in a message (errors say what failed, never with what).
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import ownfiles
-from supervisor.ckpt.layout import MANIFEST, list_checkpoints
+from supervisor.ckpt import runid
 from supervisor.remote import backlog
+from supervisor.remote.backend import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, Timeouts
+from supervisor.remote.outgoing import Outgoing
 
 # One uploader per checkpoint dir: on a shared filesystem every node's rtrain starts one, and
 # only the holder of this lock sends; the others stand by and take over if it goes away.
@@ -49,18 +53,23 @@ class Spec:
     milestone_every: int
     parallel: int
     file_mode: int = 0o600
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+    read_timeout_s: float = READ_TIMEOUT_S
 
     @classmethod
     def parse(cls, text: str) -> Spec:
         raw = json.loads(text)
         return cls(Path(raw["ckpt_dir"]), raw["url"], int(raw["keep_remote"]),
-                   int(raw["milestone_every"]), int(raw["parallel"]), int(raw["file_mode"]))
+                   int(raw["milestone_every"]), int(raw["parallel"]), int(raw["file_mode"]),
+                   float(raw["connect_timeout_s"]), float(raw["read_timeout_s"]))
 
     def dumps(self) -> str:
         return json.dumps({"ckpt_dir": str(self.ckpt_dir), "url": self.url,
                            "keep_remote": self.keep_remote,
                            "milestone_every": self.milestone_every, "parallel": self.parallel,
-                           "file_mode": self.file_mode})
+                           "file_mode": self.file_mode,
+                           "connect_timeout_s": self.connect_timeout_s,
+                           "read_timeout_s": self.read_timeout_s})
 
 
 def retry_after(failures: int) -> float:
@@ -71,12 +80,6 @@ def retry_after(failures: int) -> float:
 def send(kind: str, **fields: Any) -> None:
     sys.stdout.write(json.dumps({"kind": kind, **fields}) + "\n")
     sys.stdout.flush()
-
-
-def local_steps(ckpt_dir: Path) -> list[int]:
-    """Committed local checkpoints of rtrain's format (a manifest: what can be verified)."""
-    return [step for step, path in list_checkpoints(ckpt_dir)
-            if os.path.isfile(path / MANIFEST)]
 
 
 class Commands:
@@ -100,25 +103,41 @@ class Commands:
 
 
 class Uploader:
-    def __init__(self, spec: Spec, mirror: Any, commands: Commands) -> None:
+    """The loop of the uploader process. `run`: this run's identity (`ckpt/runid.py`): only its
+    checkpoints go up (`outgoing`), and only its checkpoints on the mirror count as sent;
+    another run's under the same URL are said once and left alone. `key`: the signing key,
+    when one is set (unsigned checkpoints are neither sent nor counted)."""
+
+    def __init__(self, spec: Spec, mirror: Any, commands: Commands, *, run: str | None,
+                 key: bytes | None = None) -> None:
         self.spec, self.mirror, self.commands = spec, mirror, commands
-        self.remote: set[int] | None = None  # committed on the mirror; None until listed
-        self.given_up: set[int] = set()
+        self.run_id, self.key = run, key
+        self.outgoing = Outgoing(spec.ckpt_dir, run, key)
+        self.remote: set[int] | None = None  # this run's, committed and verified on the mirror
+        self.others: dict[int, str | None] = {}  # committed on the mirror by another run
+        self.resend: set[int] = set()  # this run's on the mirror that failed their check
+        self.given_up: dict[int, str] = {}  # step -> why it will not be sent
         self.told_superseded: set[int] = set()
+        self.told_refused: set[tuple[str, str]] = set()
+        self.told_others: set[int] = set()
         self.failures = 0
         self.retry_at = 0.0
 
     def run(self) -> int:
         while True:
+            self._follow_identity()
             if self.remote is None and not self._list_remote():
                 if self.commands.finishing:
                     return self._final()
                 self.commands.wait(self.retry_at - time.monotonic())
                 continue
-            plan = backlog.next_upload(local_steps(self.spec.ckpt_dir), self.remote,
+            plan = backlog.next_upload(self._local(), self.remote,
                                        milestone_every=self.spec.milestone_every,
                                        given_up=self.given_up)
-            fresh = [s for s in plan.superseded if s not in self.told_superseded]
+            # Said once a newer one is across, not when it is planned: a newest that then fails
+            # its hashes supersedes nothing.
+            across = max(self.remote, default=-1)
+            fresh = [s for s in plan.superseded if s not in self.told_superseded and s < across]
             if fresh:
                 self.told_superseded.update(fresh)
                 send("superseded", steps=sorted(fresh))
@@ -133,27 +152,76 @@ class Uploader:
                 continue
             self._upload(plan.upload)
 
-    def _list_remote(self) -> bool:
-        from supervisor.remote.store import MirrorError
+    def _follow_identity(self) -> None:
+        """Another node's launch may settle the shared dir's identity after this one started:
+        the checkpoints follow the file, and so does what counts as this run's here."""
+        now = runid.read(self.spec.ckpt_dir)
+        if now is None or now == self.run_id:
+            return
+        self.run_id = now
+        self.outgoing = Outgoing(self.spec.ckpt_dir, now, self.key)
+        self.remote = None  # listed again: which remote checkpoints are this run's changed
 
+    def _local(self) -> list[int]:
+        """The steps that may go up; each refusal said once (`refused`)."""
+        ok, refused = self.outgoing.scan()
+        for r in refused:
+            if (r.name, r.reason) not in self.told_refused:
+                self.told_refused.add((r.name, r.reason))
+                send("refused", step=r.step, name=r.name, reason=r.reason)
+        return ok
+
+    def _list_remote(self) -> bool:
+        from supervisor.ckpt.verify import Level
+        from supervisor.remote.store import MirrorError, checkpoints
+        from supervisor.remote.verify import verify_remote
+
+        mine: set[int] = set()
+        others: dict[int, str | None] = {}
+        resend: set[int] = set()
         try:
-            self.remote = {c.step for c in self.mirror.list() if c.committed}
+            inventory = self.mirror.inventory()
+            for rc in checkpoints(inventory):
+                if not rc.committed:
+                    continue
+                v = verify_remote(self.mirror, rc, Level.QUICK, self.key, inventory[rc.name])
+                theirs = runid.of(v.manifest)
+                if v.manifest is not None and theirs != self.run_id:
+                    others[rc.step] = theirs
+                elif v.ok:
+                    mine.add(rc.step)
+                else:
+                    resend.add(rc.step)  # not counted as sent: this run's copy goes again
         except MirrorError as e:
             self._failed(None, str(e))
             return False
+        self.remote, self.others, self.resend = mine, others, resend
         self.failures = 0
-        send("started", remote_steps=sorted(self.remote))
+        send("started", remote_steps=sorted(mine))
+        if set(others) - self.told_others:
+            self.told_others.update(others)
+            newest = max(others)
+            send("other_run", steps=sorted(others), newest=newest, reason=(
+                f"mirror {self.mirror.display}: the mirror prefix holds checkpoints of another "
+                f"run (step {newest}, {runid.whose(others[newest])}; this run is "
+                f"{runid.short(self.run_id)}): they are left as they are and do not count as this "
+                "run's; this run's are uploaded beside them (a prefix per run keeps runs apart)"))
         return True
 
     def _upload(self, step: int) -> None:
-        from supervisor.remote.store import CorruptLocal, MirrorError
+        from supervisor.remote.store import CorruptLocal, MirrorError, OtherRun
 
         path = self.spec.ckpt_dir / f"checkpoint-{step}"
         try:
-            t = self.mirror.upload(path, parallel=self.spec.parallel)
+            t = self.mirror.upload(path, parallel=self.spec.parallel,
+                                   resend=step in self.resend)
+        except OtherRun as e:
+            self.given_up[step] = str(e)
+            send("refused", step=step, name=path.name, reason=e.reason)
+            return
         except CorruptLocal as e:
             # Sending it again would not help: the newer or older ones go instead.
-            self.given_up.add(step)
+            self.given_up[step] = str(e)
             send("failed", step=step, reason=str(e), given_up=True)
             return
         except FileNotFoundError:
@@ -163,6 +231,7 @@ class Uploader:
             return
         assert self.remote is not None
         self.remote.add(step)
+        self.resend.discard(step)
         self.failures = 0
         send("uploaded", step=step, bytes=t.bytes, seconds=round(t.seconds, 3), files=t.files)
         self._prune(step)
@@ -173,6 +242,12 @@ class Uploader:
         self.retry_at = time.monotonic() + delay
         send("failed", step=step, reason=reason, retry_in_s=delay, failures=self.failures)
 
+    def _mine(self, rc: Any) -> bool:
+        """Retention plans for this run's checkpoints only; an unfinished upload is nobody's
+        for sure, so it is left alone while another run's checkpoints share the prefix."""
+        assert self.remote is not None
+        return rc.step in self.remote if rc.committed else not self.others
+
     def _prune(self, just_sent: int) -> None:
         from supervisor.remote.retention import prune_remote
         from supervisor.remote.store import MirrorError
@@ -182,7 +257,7 @@ class Uploader:
         try:
             result = prune_remote(self.mirror, keep_remote=self.spec.keep_remote,
                                   milestone_every=self.spec.milestone_every,
-                                  protect={just_sent})
+                                  protect={just_sent}, key=self.key, mine=self._mine)
         except MirrorError as e:
             send("failed", step=None, reason=f"retention: {e}", retry_in_s=None, failures=0)
             return
@@ -193,10 +268,17 @@ class Uploader:
             send("pruned", steps=sorted(deleted))
 
     def _final(self) -> int:
-        local = local_steps(self.spec.ckpt_dir)
-        newest = max(local, default=None)
+        newest = max(self._local(), default=None)
         made_it = newest is None or (self.remote is not None and newest in self.remote)
-        send("final", step=newest, made_it=made_it)
+        if made_it:
+            why = "uploaded" if newest is not None else "no checkpoint of this run to upload"
+        elif newest in self.given_up:
+            why = self.given_up[newest]
+        elif self.remote is None or self.failures:
+            why = "the mirror could not be reached"
+        else:
+            why = "not uploaded"
+        send("final", step=newest, made_it=made_it, reason=why)
         return 0
 
 
@@ -234,14 +316,18 @@ def yield_to_training() -> None:
 
 
 def main(argv: list[str]) -> int:
-    from supervisor.remote.store import MirrorError, open_mirror
+    from supervisor.ckpt.hashing import load_signing_key
+    from supervisor.errors import RtrainError
+    from supervisor.remote.store import open_mirror
 
     spec = Spec.parse(argv[1])
     yield_to_training()
     commands = Commands()
     try:
-        mirror = open_mirror(spec.url, file_mode=spec.file_mode)
-    except MirrorError as e:
+        mirror = open_mirror(spec.url, file_mode=spec.file_mode,
+                             timeouts=Timeouts(spec.connect_timeout_s, spec.read_timeout_s))
+        key = load_signing_key()  # what rtrain itself loaded at launch, from the same env
+    except RtrainError as e:
         send("failed", step=None, reason=str(e), retry_in_s=None, failures=1)
         return 2
     try:
@@ -250,9 +336,11 @@ def main(argv: list[str]) -> int:
         send("failed", step=None, reason=str(e), retry_in_s=None, failures=1)
         return 2
     if held is None:
-        send("final", step=None, made_it=False, standby=True)
+        send("final", step=None, made_it=False, standby=True,
+             reason="standing by: another rtrain uploads this checkpoint dir")
         return 0
-    return Uploader(spec, mirror, commands).run()
+    # Read once the lock is held: the launch settled it before starting this process.
+    return Uploader(spec, mirror, commands, run=runid.read(spec.ckpt_dir), key=key).run()
 
 
 if __name__ == "__main__":
