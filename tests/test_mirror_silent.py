@@ -79,6 +79,8 @@ def test_a_probe_of_a_silent_endpoint_gives_up_within_its_default_timeouts(monke
             except BaseException as e:  # the test reports what it was
                 got.append(e)
 
+        import s3fs  # noqa: F401  (its import, seconds on a loaded machine, is not the wait)
+
         t0 = time.monotonic()
         worker = threading.Thread(target=probe, daemon=True)
         worker.start()
