@@ -29,6 +29,7 @@ class Status(str, enum.Enum):
     CORRUPT = "corrupt"
     INCOMPLETE = "incomplete"  # no manifest: a save that did not finish
     QUARANTINED = "quarantined"  # verifies, but resuming from it kept failing (quarantine.py)
+    WRONG_KEY = "wrong_key"  # verifies, but is encrypted under a key this run does not hold
 
 
 @dataclass

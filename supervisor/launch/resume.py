@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine
-from supervisor.ckpt.verify import Level, Selection, Verdict, mark_quarantined
+from supervisor.ckpt.verify import Level, Selection, Status, Verdict, mark_quarantined
 from supervisor.config import Config
 from supervisor.decide.policy import History, Resumed, ResumeMode
 from supervisor.errors import UsageError
@@ -66,13 +66,52 @@ class Checkpoints:
             self._looked_remote = True
             if self._fetch_newer(sel.chosen):
                 sel = self._select(level, history)
+        newest = None
+        if resume is ResumeMode.ROLLBACK and sel.chosen is None:
+            newest = self._select(level, history)  # nothing older: newest
+        self._locked_out(sel.skipped, newest or sel)
         for v in sel.skipped:
             self.say(f"skipping {safe(v.path.name)}: {safe(v.describe())}")  # names from disk
             self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
-        if resume is ResumeMode.ROLLBACK and sel.chosen is None:
-            sel = self._select(level, history)  # nothing older: newest
+        sel = newest or sel
         self._keep(sel.chosen)
-        return self._openable(sel)
+        return sel
+
+    def _locked_out(self, skipped: list[Verdict], sel: Selection) -> None:
+        """A checkpoint this run's key cannot open (encrypted under another key, or with no
+        key given) is skipped like any unusable one when the pick below it is one this run
+        wrote as it writes now: encrypted under its key, or plaintext when it has none. That
+        is a checkpoint of another run or key dropped into the dir. When there is no such
+        pick, the run's own checkpoints are the ones it cannot open (a wrong or missing key):
+        a UsageError naming the fingerprints (exit 2) before any attempt, rather than a fresh
+        start or a resume from older plaintext that would hide it."""
+        locked = [v for v in skipped if v.status is Status.WRONG_KEY]
+        if not locked or self._written_as_now(sel.chosen):
+            return
+        raise UsageError(f"cannot resume from {safe(locked[0].path.name)}: "
+                         f"{safe(locked[0].reason)}")
+
+    def _written_as_now(self, chosen: Verdict | None) -> bool:
+        if chosen is None:
+            return False
+        if chosen.format != "rtrain" or chosen.manifest is None:
+            return self.enc is None  # foreign checkpoints are never encrypted
+        try:
+            entry = crypt.scheme_of(chosen.manifest)
+        except crypt.CryptError:
+            return False
+        if self.enc is None:
+            return entry is None
+        return entry is not None and entry["key_fingerprint"][:32] == self.enc.fingerprint
+
+    def _key_problem(self, v: Verdict) -> str | None:
+        """Why the child's key cannot open `v`, which verified; None when it can."""
+        if v.format != "rtrain" or v.manifest is None:
+            return None
+        try:
+            return crypt.key_problem(v.manifest, self.enc)
+        except crypt.CryptError as e:
+            return str(e)
 
     def _keep(self, chosen: Verdict | None) -> None:
         """Copy the chosen checkpoint into the run dir when it is a foreign file the script
@@ -204,17 +243,13 @@ class Checkpoints:
         return progress.advanced(before, after)
 
     def _openable(self, sel: Selection) -> Selection:
-        """`sel`, unless its checkpoint is encrypted and the child's key cannot open it: then a
-        UsageError naming the fingerprints, before any attempt starts (the child would fail
-        on it, then on every older checkpoint of the run, all sealed with the same key)."""
+        """`sel` (an explicit --resume PATH), unless its checkpoint is encrypted and the
+        child's key cannot open it: then a UsageError naming the fingerprints, before any
+        attempt starts."""
         chosen = sel.chosen
-        if chosen is None or chosen.manifest is None or chosen.format != "rtrain":
-            return sel
-        try:
-            problem = crypt.key_problem(chosen.manifest, self.enc)
-        except crypt.CryptError as e:
-            problem = str(e)
+        problem = None if chosen is None else self._key_problem(chosen)
         if problem is not None:
+            assert chosen is not None
             raise UsageError(f"cannot resume from {safe(chosen.path.name)}: {problem}")
         return sel
 
@@ -260,7 +295,8 @@ class Checkpoints:
         """Passing over quarantined checkpoints and those a worker of this run could not load
         (reported when that happened, in a `skipped_checkpoint` event)."""
         return foreign.select_resume_any_format(self.dir, level, self.key, skip_newest,
-                                                exclude=history.bad_checkpoints)
+                                                exclude=history.bad_checkpoints,
+                                                key_problem=self._key_problem)
 
     def skip_bad(self, history: History, chosen: Verdict, reason: str) -> History:
         """The worker could not load `chosen`: record why, and never offer it again."""
