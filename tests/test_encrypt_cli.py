@@ -194,7 +194,7 @@ def test_when_none_of_the_run_s_checkpoints_opens_the_launch_stops(tmp_path, mon
     elif older == "encrypted":
         _encrypted(ckpts, 3)
     _encrypted(ckpts, 7, OTHER if key_hex else KEY)
-    with pytest.raises(UsageError, match="^cannot resume from checkpoint-7: encrypted with") as e:
+    with pytest.raises(UsageError, match=r"^cannot resume from checkpoint-7: encrypted with") as e:
         _pick(tmp_path, monkeypatch, key_hex)
     assert (OTHER if key_hex else KEY).fingerprint in str(e.value)
     assert not events(tmp_path / "run", "launch")

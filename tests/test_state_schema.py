@@ -42,7 +42,7 @@ def _checkpointer(ckpt_dir, parts, **kw):
 
 def _train_and_save(ckpt_dir, steps=(1, 2)):
     parts = _parts()
-    model, opt, sched, sampler = parts
+    model, opt, sched, _ = parts
     ck = _checkpointer(ckpt_dir, parts)
     weights = {}
     for step in steps:
@@ -112,9 +112,11 @@ CASES = [
     ("lr_scale a string", _set("1", "lr_scale"), "field 'lr_scale'"),
     ("position a string", _set("3", "sampler", "position"), "field 'sampler.position' is '3'"),
     ("shuffle a number", _set(1, "sampler", "shuffle"), "'sampler.shuffle' is 1"),
-    ("sampler field missing", _drop("sampler", "samples_seen"), "'sampler.samples_seen' is missing"),
+    ("sampler field missing", _drop("sampler", "samples_seen"),
+     "'sampler.samples_seen' is missing"),
     ("param groups a map", _set({}, "optimizer", "param_groups"), "'optimizer.param_groups'"),
-    ("plain state missing", _drop("optimizer", "plain_state"), "'optimizer.plain_state' is missing"),
+    ("plain state missing", _drop("optimizer", "plain_state"),
+     "'optimizer.plain_state' is missing"),
     ("scheduler a list", _set([1], "scheduler"), "field 'scheduler' is [1], not a map"),
     ("loader of no known kind", _set({"kind": "x"}, "loader"), "'loader.kind'"),
     ("a dangling tensor reference", _set({"__tensor__": "gone#9"}, "extra"),
@@ -135,7 +137,7 @@ def test_each_malformed_field_is_named(saved, name, edit, expected):
         st = [st]
     else:
         edit(st)
-    with pytest.raises(schema.StateSchemaError, match="^state.json ") as e:
+    with pytest.raises(schema.StateSchemaError, match=r"^state\.json ") as e:
         schema.check(st, step=2, extra_tensors=set(m["tensors"]["extra.safetensors"]),
                      optimizer_tensors=set(m["tensors"]["optimizer.safetensors"]))
     assert expected in str(e.value)

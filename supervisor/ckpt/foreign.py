@@ -95,8 +95,7 @@ def list_candidates(ckpt_dir: str | os.PathLike, *, read_steps: bool = True) -> 
             if step is not None:
                 # Also a link or a file with a checkpoint dir's name: verification reports it.
                 dirs.append(Candidate(root / entry.name, step, True, (step, 0, 0, 0.0)))
-            elif (entry.name.endswith(FILE_SUFFIXES) and not entry.name.startswith(".")
-                  and entry.name not in _NOT_CHECKPOINTS and not entry.is_dir()):
+            elif _file_candidate(entry):
                 # Not only regular files: a FIFO or a link leading out is listed, and refused
                 # by _verify_file with the reason.
                 files.append((entry.name, step_from_name(entry.name), _mtime(entry)))
@@ -116,6 +115,24 @@ def list_candidates(ckpt_dir: str | os.PathLike, *, read_steps: bool = True) -> 
                                   mtime)))
     out.sort(key=lambda c: c.order, reverse=True)
     return out
+
+
+def _file_candidate(entry: os.DirEntry) -> bool:
+    return (entry.name.endswith(FILE_SUFFIXES) and not entry.name.startswith(".")
+            and entry.name not in _NOT_CHECKPOINTS and not entry.is_dir())
+
+
+def resume_entries(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Every entry of the dir a resume pick could ever consider: the checkpoint dirs and the
+    checkpoint files (`list_candidates` shows the files only where there are no dirs; with
+    the dirs gone, the files would be next). Names only: nothing is read or verified."""
+    root = Path(ckpt_dir)
+    try:
+        with os.scandir(root) as entries:
+            return sorted(root / e.name for e in entries
+                          if parse_step(e.name) is not None or _file_candidate(e))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def content_step(path: Path) -> int | None:

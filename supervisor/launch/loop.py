@@ -190,6 +190,8 @@ class Loop:
         self.checkpoints.remote = self.mirroring
         history = self._first_history()
         resume, first = ResumeMode.LATEST, self.record.new_run
+        if first and self.cfg.resume == "never":
+            history = self.checkpoints.start_over(history, self.seams.wall(), self.spec.command)
         if self.mirroring is not None:
             self.mirroring.start()
         with SignalCatcher() as signals:

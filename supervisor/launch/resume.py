@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine
+from supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine, setaside
 from supervisor.ckpt.verify import Level, Selection, Status, Verdict, mark_quarantined
 from supervisor.config import Config
 from supervisor.decide.policy import History, Resumed, ResumeMode
@@ -64,7 +64,7 @@ class Checkpoints:
             # Once per launch: only a fresh machine (or a lost local dir) can have a newer
             # checkpoint on the mirror than on its disk, since every upload starts from here.
             self._looked_remote = True
-            if self._fetch_newer(sel.chosen):
+            if self._fetch_newer(sel.chosen, history.started_over):
                 sel = self._select(level, history)
         newest = None
         if resume is ResumeMode.ROLLBACK and sel.chosen is None:
@@ -112,6 +112,38 @@ class Checkpoints:
             return crypt.key_problem(v.manifest, self.enc)
         except crypt.CryptError as e:
             return str(e)
+
+    def start_over(self, history: History, now: float, command: list[str]) -> History:
+        """The first attempt of a run started over (`--resume never`): set the earlier run's
+        checkpoints aside (`ckpt/setaside.py`), so that the run owns only its own from now on,
+        and remember when (the mirror's older checkpoints are the earlier run's too).
+
+        Not under several nodes (`--nnodes` above 1): each node's rtrain would move what it
+        finds, and one that starts late (elastic, or a lost node back as a new machine) would
+        move the group's new checkpoints. Said, and the dir left as it is."""
+        history = replace(history, started_over=now)
+        self._looked_remote = True  # this launch's picks: the local dir has all the run wrote
+        if _several_nodes(command):
+            self.say(f"--resume never under several nodes: checkpoints already in {self.dir} "
+                     "are not set aside, and a relaunch may resume from them: start a run "
+                     "over in an empty --ckpt-dir")
+            return history
+        try:
+            done = setaside.set_aside(self.dir, now, file_mode=self.cfg.file_mode)
+        except OSError as e:
+            self.say(f"cannot set the earlier run's checkpoints in {self.dir} aside "
+                     f"({e.strerror or e}): a relaunch may resume from them")
+            return history
+        if done is None:
+            return history
+        if self.run_dir is not None:
+            keepcopy.forget(self.run_dir)  # rtrain's copy was of the earlier run's file
+        shown = ", ".join(safe(n) for n in done.names[:4])
+        more = f" and {len(done.names) - 4} more" if len(done.names) > 4 else ""
+        self.say(f"starting over: {len(done.names)} checkpoint(s) of an earlier run ({shown}"
+                 f"{more}) moved to {safe(str(done.path))}")
+        self.events.emit("checkpoints_set_aside", path=str(done.path), names=list(done.names))
+        return history
 
     def _keep(self, chosen: Verdict | None) -> None:
         """Copy the chosen checkpoint into the run dir when it is a foreign file the script
@@ -253,10 +285,12 @@ class Checkpoints:
             raise UsageError(f"cannot resume from {safe(chosen.path.name)}: {problem}")
         return sel
 
-    def _fetch_newer(self, local: Verdict | None) -> bool:
+    def _fetch_newer(self, local: Verdict | None, since: float | None = None) -> bool:
         """Download the newest checkpoint on the mirror that is newer than `local` and
         verifies (hashed while it downloads); one that does not verify is reported and the
-        next older tried. Local wins at an equal step. True when one was downloaded."""
+        next older tried. Local wins at an equal step. True when one was downloaded. With
+        `since` (the run started over then), one made before it is the earlier run's:
+        passed over."""
         from supervisor.remote.cache import BlobCache
         from supervisor.remote.store import CorruptRemote, MirrorError
 
@@ -272,6 +306,10 @@ class Checkpoints:
             return False
         for c in newer:
             try:
+                if since is not None and not _made_since(mirror.read_manifest(c.name), since):
+                    self.say(f"skipping {c.name} on the mirror: made before this run started "
+                             "over (--resume never)")
+                    continue
                 t = mirror.download(c.name, self.dir, key=self.key, cache=BlobCache(),
                                     file_mode=self.cfg.file_mode)
             except CorruptRemote as e:
@@ -339,6 +377,22 @@ class Checkpoints:
         except OSError as e:
             self.say(f"cannot write {quarantine.QUARANTINE_FILE} in {self.dir} "
                      f"({e.strerror}): other readers of the dir will not see the quarantine")
+
+
+def _made_since(m: dict, since: float) -> bool:
+    created = m.get("created")
+    return isinstance(created, (int, float)) and not isinstance(created, bool) and (
+        created >= since)
+
+
+def _several_nodes(command: list[str]) -> bool:
+    """torchrun's `--nnodes` above 1 in the child's command (rtrain's --nnodes puts it there)."""
+    for i, arg in enumerate(command):
+        value = (arg.split("=", 1)[1] if arg.startswith("--nnodes=")
+                 else command[i + 1] if arg == "--nnodes" and i + 1 < len(command) else None)
+        if value is not None and value.strip() not in ("1", "1:1"):
+            return True
+    return False
 
 
 def encryption_key() -> crypt.EncryptionKey | None:
