@@ -110,21 +110,42 @@ class Source:
         return sel.chosen
 
     def first_loadable(self, parts: Components) -> Loaded | None:
-        """Run by hand: the newest checkpoint that verifies and loads; older ones on failure."""
+        """Run by hand: the newest checkpoint that verifies and loads; older ones on failure.
+
+        One this process's key cannot open is passed over only for an older one written as
+        this process writes (encrypted under its key, plaintext without one): a checkpoint of
+        another key dropped into the dir. Otherwise the first KeyMismatch is raised: the
+        run's own checkpoints need another key, and a fresh start would hide it."""
         if os.environ.get(ENV_RUN_DIR):
             return None  # supervised without RTRAIN_RESUME_FROM: the supervisor chose a fresh start
+        locked: list[KeyMismatch] = []
         for _, p in list_checkpoints(self.ckpt_dir):
             v = verify(p, self.verify_level, self.key)
             if not v.ok:
                 log.warning("skipping %s: %s", p.name, v.describe())
                 continue
             try:
-                return self.read(v.path, v.manifest, None, parts)
-            except KeyMismatch:
-                raise  # older checkpoints have the same key: never fall back to a fresh start
+                loaded = self.read(v.path, v.manifest, None, parts)
+            except KeyMismatch as e:
+                locked.append(e)
+                continue
             except CorruptCheckpoint as e:
                 log.warning("skipping %s: %s", p.name, e.reason)
+                continue
+            if locked and not self._written_as_now(loaded.manifest):
+                raise locked[0]
+            for e in locked:
+                log.warning("skipping %s: %s", Path(e.path).name, e.reason)
+            return loaded
+        if locked:
+            raise locked[0]
         return None
+
+    def _written_as_now(self, m: dict[str, Any]) -> bool:
+        entry = m.get("encryption")
+        if self.enc is None:
+            return entry is None
+        return isinstance(entry, dict) and entry.get("key_fingerprint") == self.enc.fingerprint
 
     def read(self, path: Path, m: dict[str, Any], w: dist.World | None,
              parts: Components) -> Loaded:
