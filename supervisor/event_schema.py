@@ -15,6 +15,7 @@ class Kind(str, Enum):
 
     LAUNCH = "launch"
     SKIPPED_CHECKPOINT = "skipped_checkpoint"
+    CHECKPOINTS_SET_ASIDE = "checkpoints_set_aside"
     FOREIGN_COPY_KEPT = "foreign_copy_kept"
     FOREIGN_RESTORED = "foreign_restored"
     HEARTBEAT_SUMMARY = "heartbeat_summary"
@@ -87,6 +88,10 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.SKIPPED_CHECKPOINT: KindSpec(
         fields=("path", "reason"),
         meaning="resume selection passed over a checkpoint, or a worker could not load it"),
+    Kind.CHECKPOINTS_SET_ASIDE: KindSpec(
+        fields=("path", "names"),
+        meaning="a run started over (--resume never): the earlier run's checkpoints in the "
+                "dir were moved into `path`, so the new run owns only its own"),
     Kind.FOREIGN_COPY_KEPT: KindSpec(
         fields=("path", "step", "bytes", "how"), hookable=False,
         meaning="rtrain copied the new verified content of a foreign checkpoint the script "

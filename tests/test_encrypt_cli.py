@@ -5,6 +5,7 @@ was not given."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -122,3 +123,78 @@ def test_inspect_and_the_launch_check_never_import_the_cipher_or_torch(tmp_path)
     assert r.returncode == 0, r.stderr
     codes = [line for line in r.stdout.splitlines() if line.startswith("code ")]
     assert codes == ["code 0", "code 2"], r.stdout  # inspect ok; launch refused (other key)
+
+
+# ---------------------------------------------------------------- a checkpoint of another key
+
+
+def _plain(ckpt_dir: Path, step: int) -> Path:
+    pending = PendingCheckpoint(ckpt_dir, step, fsync=False)
+    pending.write_tensors("model.safetensors", [blob("w", np.zeros(6, dtype=np.float32))])
+    pending.write_json("state.json", {"step": step})
+    return pending.commit({"epoch": 0, "samples_seen": 0, "fingerprint": "f" * 32,
+                           "metrics": {}, "info": {}})
+
+
+OTHER = crypt.EncryptionKey(bytes.fromhex(OTHER_HEX))
+
+
+def _pick(tmp_path, monkeypatch, key_hex):
+    """A scripted launch (no process) of a run that trains once and finishes: its exit code
+    and events."""
+    from scripted_loop import Script, run, success
+
+    for k in [k for k in os.environ if k.startswith("RTRAIN_")]:
+        monkeypatch.delenv(k)
+    if key_hex:
+        monkeypatch.setenv("RTRAIN_ENCRYPTION_KEY", key_hex)
+    script = Script([success()])
+    code, evs = run(tmp_path, script)
+    return code, evs, script
+
+
+@pytest.mark.parametrize("own", ["encrypted", "plaintext"])
+def test_a_newer_checkpoint_of_another_key_is_skipped_with_the_reason(tmp_path, monkeypatch,
+                                                                      own):
+    """The run's own checkpoints open with its key (or need none); a newer one sealed under
+    another key was dropped in: skipped like any unusable checkpoint, the run resumes from its
+    own newest."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    if own == "encrypted":
+        _encrypted(ckpts, 3)
+    else:
+        _plain(ckpts, 3)
+    _encrypted(ckpts, 7, OTHER)
+    code, evs, script = _pick(tmp_path, monkeypatch, KEY_HEX if own == "encrypted" else None)
+    assert code == 0
+    launch = next(e for e in evs if e["kind"] == "launch")
+    assert launch["resume_from"].endswith("checkpoint-3")
+    skipped = [e for e in evs if e["kind"] == "skipped_checkpoint"]
+    assert [Path(e["path"]).name for e in skipped] == ["checkpoint-7"]
+    assert skipped[0]["reason"].startswith(
+        f"wrong_key: encrypted with the key of fingerprint {OTHER.fingerprint}")
+    assert any(line.startswith("skipping checkpoint-7: wrong_key") for line in script.said)
+
+
+@pytest.mark.parametrize("older,key_hex", [
+    ("none", KEY_HEX),  # nothing else in the dir
+    ("other", KEY_HEX),  # every checkpoint under the other key: the run's own, a wrong key
+    ("plaintext", KEY_HEX),  # older plaintext: not what a run with this key writes
+    ("encrypted", None),  # no key given for checkpoints that all need one
+])
+def test_when_none_of_the_run_s_checkpoints_opens_the_launch_stops(tmp_path, monkeypatch, older,
+                                                                   key_hex):
+    from supervisor.errors import UsageError
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    if older == "other":
+        _encrypted(ckpts, 3, OTHER)
+    elif older == "plaintext":
+        _plain(ckpts, 3)
+    elif older == "encrypted":
+        _encrypted(ckpts, 3)
+    _encrypted(ckpts, 7, OTHER if key_hex else KEY)
+    with pytest.raises(UsageError, match=r"^cannot resume from checkpoint-7: encrypted with") as e:
+        _pick(tmp_path, monkeypatch, key_hex)
+    assert (OTHER if key_hex else KEY).fingerprint in str(e.value)
+    assert not events(tmp_path / "run", "launch")

@@ -307,8 +307,11 @@ def test_resume_auto_never_and_an_explicit_path(tmp_path, make_ckpt):
     assert "skipping checkpoint-30" in r.stderr
     r = launch(run, "--fresh", "--resume", "never", child)
     assert r.returncode == 0 and _resumed_from(run, 0) is None
-    r = launch(run, "--fresh", "--resume", str(ckpts / "checkpoint-10"), child)
+    # Started over: the earlier run's checkpoints were set aside, where a PATH still finds them.
+    [aside] = ckpts.glob(".earlier-run-*")
+    assert not list(ckpts.glob("checkpoint-*")) and (aside / "checkpoint-10").is_dir()
+    r = launch(run, "--fresh", "--resume", str(aside / "checkpoint-10"), child)
     assert r.returncode == 0 and _resumed_from(run, 0).endswith("checkpoint-10")
-    r = launch(run, "--fresh", "--resume", str(ckpts / "checkpoint-30"), child)
+    r = launch(run, "--fresh", "--resume", str(aside / "checkpoint-30"), child)
     assert r.returncode == 2
     assert "does not verify" in r.stderr and "checkpoint-30" in r.stderr

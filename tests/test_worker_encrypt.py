@@ -89,6 +89,29 @@ def test_no_key_or_another_key_is_one_line_naming_the_fingerprints(tmp_path, mon
     assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items())
 
 
+@pytest.mark.parametrize("own", [KEY, None])
+def test_by_hand_a_newer_checkpoint_of_another_key_is_skipped(tmp_path, own, caplog):
+    """Run by hand: the run's own checkpoints open (its key, or plaintext with none); a newer
+    one sealed under another key was dropped in: skipped with the reason, never a KeyMismatch
+    that stops the script; with only the other key's, the KeyMismatch stays."""
+    model, opt = make()
+    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+                        encryption_key=own).save(3)
+    other_model, other_opt = make(seed=2)
+    worker.Checkpointer(model=other_model, optimizer=other_opt, ckpt_dir=tmp_path,
+                        encryption_key=OTHER).save(9)
+    model2, opt2 = make(seed=1)
+    ck = worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
+                             encryption_key=own)
+    assert ck.restore() == 3 and _same(model, model2)
+    assert "skipping checkpoint-9" in caplog.text
+    assert crypt.EncryptionKey.from_material(OTHER).fingerprint in caplog.text
+    third = "c3" * 32  # opens neither: the run's own need another key
+    with pytest.raises(KeyMismatch, match="checkpoint-9"):
+        worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
+                            encryption_key=third).restore()
+
+
 def test_key_mismatch_under_rtrain_is_a_bad_checkpoint_exit(tmp_path, monkeypatch):
     model, opt = make()
     path = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,

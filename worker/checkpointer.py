@@ -168,9 +168,11 @@ class Checkpointer:
     def restore(self, path: str | os.PathLike | None = None) -> int:
         """Load the newest checkpoint that verifies (or `path`). Returns the step to run next.
 
-        Every file is read once, hashed as it is read and compared with the manifest before
-        anything is applied to the model. A checkpoint that cannot be loaded (a file that does
-        not match its manifest, a required file missing, a layout this process cannot load):
+        Every file is read once, hashed as it is read and compared with the manifest, and
+        state.json checked against its schema, before anything is applied to the model. A
+        checkpoint that cannot be loaded (a file that does not match its manifest, a required
+        file missing, state.json malformed, a layout this process cannot load, a value its
+        component's load_state_dict refuses):
         - chosen by rtrain (RTRAIN_RESUME_FROM): a `bad_checkpoint` exit record names it and
           the process exits with ExitCode.BAD_CHECKPOINT (65); rtrain relaunches from the one
           before;
@@ -188,9 +190,8 @@ class Checkpointer:
         try:
             loaded = source.find(path, dist.world(), parts)
             if loaded is not None:
-                changes = restore.apply(loaded, parts, self.allow_pickle)
-                self._lr_scale = restore.apply_lr_scale(loaded, parts, self._lr_scale)
-                restore.apply_rng(loaded, parts)
+                changes, self._lr_scale = restore.apply_all(loaded, parts, self.allow_pickle,
+                                                            self._lr_scale)
                 self._judge_hyperparams(changes)
         except CorruptCheckpoint as e:
             if from_supervisor:

@@ -22,12 +22,18 @@ from typing import Any
 
 import torch
 
-from supervisor.ckpt import crypt, hashing
+from supervisor.ckpt import crypt, hashing, state_schema
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.verified_read import LoadError, read_listed
-from supervisor.ckpt.verify import Level, Verdict, select_rtrain_resume, verify
+from supervisor.ckpt.verify import STATE_LIMIT, Level, Verdict, select_rtrain_resume, verify
 from supervisor.decide.failures import FailureKind
-from supervisor.errors import CorruptCheckpoint, ExitCode, KeyMismatch, StateMismatch
+from supervisor.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    ExitCode,
+    KeyMismatch,
+    StateMismatch,
+)
 from supervisor.protocol import ENV_RESUME_FROM, ENV_RUN_DIR
 from worker import dist, dist_ckpt, hyperparams, runtime, state
 from worker.capture import Components
@@ -37,7 +43,7 @@ from worker.tensors import decode, dtype_code, load_listed
 
 log = logging.getLogger(__name__)
 
-_STATE_LIMIT = 1 << 30  # state.json: JSON of the non-tensor state, never near this
+_STATE_LIMIT = STATE_LIMIT
 
 
 @dataclass
@@ -104,21 +110,42 @@ class Source:
         return sel.chosen
 
     def first_loadable(self, parts: Components) -> Loaded | None:
-        """Run by hand: the newest checkpoint that verifies and loads; older ones on failure."""
+        """Run by hand: the newest checkpoint that verifies and loads; older ones on failure.
+
+        One this process's key cannot open is passed over only for an older one written as
+        this process writes (encrypted under its key, plaintext without one): a checkpoint of
+        another key dropped into the dir. Otherwise the first KeyMismatch is raised: the
+        run's own checkpoints need another key, and a fresh start would hide it."""
         if os.environ.get(ENV_RUN_DIR):
             return None  # supervised without RTRAIN_RESUME_FROM: the supervisor chose a fresh start
+        locked: list[KeyMismatch] = []
         for _, p in list_checkpoints(self.ckpt_dir):
             v = verify(p, self.verify_level, self.key)
             if not v.ok:
                 log.warning("skipping %s: %s", p.name, v.describe())
                 continue
             try:
-                return self.read(v.path, v.manifest, None, parts)
-            except KeyMismatch:
-                raise  # older checkpoints have the same key: never fall back to a fresh start
+                loaded = self.read(v.path, v.manifest, None, parts)
+            except KeyMismatch as e:
+                locked.append(e)
+                continue
             except CorruptCheckpoint as e:
                 log.warning("skipping %s: %s", p.name, e.reason)
+                continue
+            if locked and not self._written_as_now(loaded.manifest):
+                raise locked[0]
+            for e in locked:
+                log.warning("skipping %s: %s", Path(e.path).name, e.reason)
+            return loaded
+        if locked:
+            raise locked[0]
         return None
+
+    def _written_as_now(self, m: dict[str, Any]) -> bool:
+        entry = m.get("encryption")
+        if self.enc is None:
+            return entry is None
+        return isinstance(entry, dict) and entry.get("key_fingerprint") == self.enc.fingerprint
 
     def read(self, path: Path, m: dict[str, Any], w: dist.World | None,
              parts: Components) -> Loaded:
@@ -138,8 +165,11 @@ class Source:
                                            path.name)
             st = read_state(path, m, alg, self.enc)
             tensors = {stem: self._load_tensors(path, stem, m, alg) for stem in FILES}
+            check_state(st, m, tensors, sharded=layout == "sharded")
             rng = dist_ckpt.load_rank_rng(path, m, st, tensors["extra"], w.rank if w else 0, alg,
                                           self.enc)
+            if rng is not None and (bad := state_schema.rng_problems(rng[1], "rng")):
+                raise LoadError(f"this rank's RNG state: {'; '.join(bad)}")
             try:
                 extra = decode(st.get("extra", {}), tensors["extra"])
             except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -179,6 +209,45 @@ def read_state(path: Path, m: dict[str, Any], alg: str,
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < 1e30:
         raise LoadError(f"state.json's lr_scale {scale!r} is not a positive number")
     return st
+
+
+def check_state(st: dict[str, Any], m: dict[str, Any],
+                tensors: dict[str, dict[str, torch.Tensor]], sharded: bool = False) -> None:
+    """state.json against its schema (`ckpt/state_schema.py`), its tensor references against
+    the tensors read, before anything is applied: a field missing or of the wrong type (a hand
+    edit whose hash was recomputed, another version's layout) is a checkpoint that cannot be
+    loaded, not a KeyError half-way through applying it. A sharded checkpoint keeps its
+    optimizer state in DCP's files, so its references are not looked up here."""
+    try:
+        state_schema.check(st, step=m["step"], extra_tensors=set(tensors["extra"]),
+                           optimizer_tensors=None if sharded else set(tensors["optimizer"]))
+    except state_schema.StateSchemaError as e:
+        raise LoadError(str(e)) from None
+
+
+def apply_all(loaded: Loaded, parts: Components, allow_pickle: bool, lr_scale: float
+              ) -> tuple[list[hyperparams.Change], float]:
+    """`apply`, `apply_lr_scale`, `apply_rng`: the checkpoint into the training objects.
+    Returns the hyper-parameters it replaced and the lr_scale now in force.
+
+    A checkpoint that verified and passed the schema can still fail here: a value the schema
+    cannot judge (a scheduler's state its load_state_dict refuses, a tensor of the wrong shape
+    for a scaler or a generator). That is a checkpoint that cannot be loaded (CorruptCheckpoint:
+    under rtrain a `bad_checkpoint` exit, the next attempt resumes from the one before), not a
+    start-up failure. Two kinds pass as they are: StateMismatch (the checkpoint does not fit
+    this model, optimizer or data: an older one would not fit either) and running out of
+    memory while loading."""
+    try:
+        changes = apply(loaded, parts, allow_pickle)
+        lr_scale = apply_lr_scale(loaded, parts, lr_scale)
+        apply_rng(loaded, parts)
+    except (CheckpointError, torch.cuda.OutOfMemoryError, MemoryError):
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError,
+            OverflowError) as e:
+        raise CorruptCheckpoint(str(loaded.path), f"cannot apply: {type(e).__name__}: "
+                                f"{str(e)[:300]}") from None
+    return changes, lr_scale
 
 
 def apply(loaded: Loaded, parts: Components, allow_pickle: bool) -> list[hyperparams.Change]:

@@ -15,6 +15,15 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from supervisor.errors import StateMismatch
+
+
+class PositionMismatch(StateMismatch, ValueError):
+    """The checkpoint's sample position does not fit this run's data (another dataset size, a
+    mid-epoch position under another world size): like a model that does not fit, a fault of
+    the run, not of the checkpoint (an older one would not fit either). Still a ValueError, as
+    it always was to callers."""
+
 
 class SampleIndex(int):
     """A dataset index (an `int` everywhere) with the `epoch` and `seed` it was drawn for."""
@@ -112,9 +121,9 @@ class ResumableSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_samples"] != self.num_samples:
-            raise ValueError(f"the dataset has {self.num_samples} samples, the checkpoint was "
-                             f"made with {state['num_samples']}: the sample position would not "
-                             "mean the same data")
+            raise PositionMismatch(f"the dataset has {self.num_samples} samples, the checkpoint "
+                                   f"was made with {state['num_samples']}: the sample position "
+                                   "would not mean the same data")
         self.seed, self.shuffle = state["seed"], state["shuffle"]
         self.seek(state["epoch"], state["position"], state["samples_seen"])
 
@@ -173,10 +182,10 @@ class DistributedResumableSampler(ResumableSampler):
         n = state["num_samples"]
         saved_length = n // saved if state.get("drop_last") else math.ceil(n / saved)
         if saved != self.num_replicas and 0 < state["position"] < saved_length:
-            raise ValueError(f"the checkpoint was made mid-epoch with {saved} ranks, this run "
-                             f"has {self.num_replicas}: each rank's position would not mean the "
-                             "same data (resume with the same world size, or from an "
-                             "epoch-boundary checkpoint)")
+            raise PositionMismatch(f"the checkpoint was made mid-epoch with {saved} ranks, this "
+                                   f"run has {self.num_replicas}: each rank's position would not "
+                                   "mean the same data (resume with the same world size, or from "
+                                   "an epoch-boundary checkpoint)")
         if saved != self.num_replicas:
             state = {**state, "position": 0}
         super().load_state_dict(state)

@@ -29,7 +29,7 @@ import enum
 import os
 import re
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from supervisor.ckpt import hf_trainer, safeio, torchzip
@@ -95,8 +95,7 @@ def list_candidates(ckpt_dir: str | os.PathLike, *, read_steps: bool = True) -> 
             if step is not None:
                 # Also a link or a file with a checkpoint dir's name: verification reports it.
                 dirs.append(Candidate(root / entry.name, step, True, (step, 0, 0, 0.0)))
-            elif (entry.name.endswith(FILE_SUFFIXES) and not entry.name.startswith(".")
-                  and entry.name not in _NOT_CHECKPOINTS and not entry.is_dir()):
+            elif _file_candidate(entry):
                 # Not only regular files: a FIFO or a link leading out is listed, and refused
                 # by _verify_file with the reason.
                 files.append((entry.name, step_from_name(entry.name), _mtime(entry)))
@@ -116,6 +115,24 @@ def list_candidates(ckpt_dir: str | os.PathLike, *, read_steps: bool = True) -> 
                                   mtime)))
     out.sort(key=lambda c: c.order, reverse=True)
     return out
+
+
+def _file_candidate(entry: os.DirEntry) -> bool:
+    return (entry.name.endswith(FILE_SUFFIXES) and not entry.name.startswith(".")
+            and entry.name not in _NOT_CHECKPOINTS and not entry.is_dir())
+
+
+def resume_entries(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Every entry of the dir a resume pick could ever consider: the checkpoint dirs and the
+    checkpoint files (`list_candidates` shows the files only where there are no dirs; with
+    the dirs gone, the files would be next). Names only: nothing is read or verified."""
+    root = Path(ckpt_dir)
+    try:
+        with os.scandir(root) as entries:
+            return sorted(root / e.name for e in entries
+                          if parse_step(e.name) is not None or _file_candidate(e))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def content_step(path: Path) -> int | None:
@@ -213,11 +230,15 @@ def select_resume_any_format(
     skip_newest: int = 0,
     on_skip: Callable[[Verdict], None] | None = None,
     exclude: Collection[str] = (),
+    key_problem: Callable[[Verdict], str | None] | None = None,
 ) -> Selection:
     """The checkpoint a launch resumes from, over checkpoints of every format: the newest that
     verifies and is not quarantined, each newer one that fails reported. `exclude` holds the
     `resume_identity` of checkpoints a worker of the run could not load (History.bad_checkpoints);
-    they are passed over without a report (one was made when that happened).
+    they are passed over without a report (one was made when that happened). `key_problem`
+    says why this run's key cannot open a checkpoint that verifies (`crypt.key_problem`): such
+    a one is skipped and reported like a failed one, status WRONG_KEY (the launch decides
+    whether that may end in an older pick: `launch/resume.py`).
 
     `rtrain launch` and `rtrain status` both call this, so status names the checkpoint a launch
     would pick. (`verify.select_rtrain_resume` is the worker's own, over rtrain's format only.)
@@ -227,7 +248,14 @@ def select_resume_any_format(
     if exclude:
         bad = set(exclude)
         verdicts = (v for v in verdicts if not (v.ok and resume_identity(v) in bad))
+    if key_problem is not None:
+        verdicts = (_locked(v, key_problem) for v in verdicts)
     return first_good(verdicts, skip_newest, on_skip)
+
+
+def _locked(v: Verdict, key_problem: Callable[[Verdict], str | None]) -> Verdict:
+    why = key_problem(v) if v.ok else None
+    return v if why is None else replace(v, status=Status.WRONG_KEY, reason=why)
 
 
 def resume_identity(v: Verdict) -> str:

@@ -119,6 +119,16 @@ def keep(run_dir: Path, v: Verdict, *, mode: int = DEFAULT_FILE_MODE,
     return record
 
 
+def forget(run_dir: Path) -> None:
+    """Drop the record of the run's copy (a run started over: the copy is of the earlier
+    run's file and must never be put back under the new run's). The copy itself is left for
+    the next keep to replace."""
+    try:
+        (run_dir / KEPT_DIR / RECORD).unlink()
+    except FileNotFoundError:
+        pass
+
+
 def torn(path: Path, level: Level) -> str | None:
     """Why the live file at `path` cannot be resumed from (the reason a person reads); None
     when it verifies or is gone."""

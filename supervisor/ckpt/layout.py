@@ -3,6 +3,8 @@
 <ckpt-dir>/checkpoint-<step>/                  committed (renamed into place when complete)
 <ckpt-dir>/.tmp-checkpoint-<step>-<host>-<pid>-<token>/   being written
 <ckpt-dir>/.trash-checkpoint-<step>-<token>/   being deleted (renamed out of the way first)
+<ckpt-dir>/.earlier-run-<time>/                an earlier run's checkpoints, set aside when a
+                                               run started over (`--resume never`)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from supervisor.pids import pid_alive
 CKPT_PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
 TRASH_PREFIX = ".trash-checkpoint-"
+EARLIER_PREFIX = ".earlier-run-"  # an earlier run's checkpoints, set aside (ckpt/setaside.py)
 MANIFEST = "manifest.json"
 
 # No leading zeros: "checkpoint-0100" would share step 100 with "checkpoint-100", and prune,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import hashing, manifest, quarantine, safeio
+from supervisor.ckpt import hashing, manifest, quarantine, safeio, state_schema
 from supervisor.ckpt.layout import MANIFEST, list_checkpoints, parse_step
 
 
@@ -29,6 +29,7 @@ class Status(str, enum.Enum):
     CORRUPT = "corrupt"
     INCOMPLETE = "incomplete"  # no manifest: a save that did not finish
     QUARANTINED = "quarantined"  # verifies, but resuming from it kept failing (quarantine.py)
+    WRONG_KEY = "wrong_key"  # verifies, but is encrypted under a key this run does not hold
 
 
 @dataclass
@@ -124,11 +125,45 @@ def verify(
                         f"file {name!r} content hash does not match the manifest "
                         "(bytes changed on disk)"
                     )
+            check_state_file(path, m)
     except (manifest.ManifestError, hashing.HashAlgError) as e:
         return Verdict(path, step, Status.CORRUPT, str(e), m)
     except OSError as e:
         return Verdict(path, step, Status.CORRUPT, f"cannot read: {e.strerror or e}", m)
     return Verdict(path, m["step"], Status.OK, "", m)
+
+
+STATE_FILE = "state.json"
+STATE_LIMIT = 1 << 30  # state.json: JSON of the non-tensor state, never near this
+_STATE_DEPTH = 256  # the user's extras nest; a loader's JSON parser stops near 1000
+
+
+def check_state_file(path: Path, m: dict[str, Any]) -> None:
+    """state.json against its schema (`ckpt/state_schema.py`), at `full` only (it reads the
+    file): a field missing or of the wrong type, with a hash recomputed to match, verifies as
+    corrupt here, as it fails the worker's load. An encrypted checkpoint's state.json needs the
+    key, which verification never has: the worker checks it when it loads."""
+    if STATE_FILE not in m["files"] or m.get("encryption") is not None:
+        return
+    try:
+        raw = safeio.read_limited(check_member_name(path, STATE_FILE), STATE_LIMIT,
+                                  follow_symlinks=True)
+        st = safeio.parse_json(raw, max_depth=_STATE_DEPTH)
+    except ValueError as e:
+        raise manifest.ManifestError(f"{STATE_FILE} {e}") from None
+    table = m.get("tensors")
+
+    def names(stem: str) -> set[str] | None:
+        if not isinstance(table, dict):
+            return None  # an older manifest without the tensor table: references unchecked
+        listed = table.get(f"{stem}.safetensors", {})
+        return set(listed) if isinstance(listed, dict) else None
+
+    try:
+        state_schema.check(st, step=m["step"], extra_tensors=names("extra"),
+                           optimizer_tensors=names("optimizer"))
+    except state_schema.StateSchemaError as e:
+        raise manifest.ManifestError(str(e)) from None
 
 
 def verify_all(

@@ -56,6 +56,10 @@ class History:
     bad_checkpoints: tuple[str, ...] = ()
     """Checkpoints a worker could not load (`bad_checkpoint`), as "<path>|<manifest created>":
     never offered again in this run; a checkpoint saved later at the same path is another."""
+    started_over: float | None = None
+    """Unix time the run started over (`--resume never`): the earlier run's checkpoints in the
+    dir were set aside then (ckpt/setaside.py), and a mirror's checkpoints made before it are
+    the earlier run's too, never fetched for this run."""
     rung_peaks: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per ladder level (the level as a string): the largest memory footprint measured on it,
     {"host": process-tree RSS, "host_limit", "gpu": NVML used, "gpu_limit"} in bytes; a

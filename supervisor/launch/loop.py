@@ -211,6 +211,8 @@ class Loop:
         self.checkpoints.remote = self.mirroring
         history = self._first_history()
         resume, first = ResumeMode.LATEST, self.record.new_run
+        if first and self.cfg.resume == "never":
+            history = self.checkpoints.start_over(history, self.seams.wall(), self.spec.command)
         with SignalCatcher() as signals:
             while True:
                 selection = self.checkpoints.pick(history, resume, first=first)

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine, runid
+from supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine, runid, setaside
 from supervisor.ckpt.verify import Level, Selection, Status, Verdict, mark_quarantined
 from supervisor.config import Config
 from supervisor.decide.policy import History, Resumed, ResumeMode
@@ -67,16 +67,87 @@ class Checkpoints:
             # Once per launch: only a fresh machine (or a lost local dir) can have a newer
             # checkpoint on the mirror than on its disk, since every upload starts from here.
             self._looked_remote = True
-            if self._fetch_newer(sel.chosen):
+            if self._fetch_newer(sel.chosen, history.started_over):
                 sel = self._select(level, history)
+        newest = None
+        if resume is ResumeMode.ROLLBACK and sel.chosen is None:
+            newest = self._select(level, history)  # nothing older: newest
+        self._locked_out(sel.skipped, newest or sel)
         for v in sel.skipped:
             self.say(f"skipping {safe(v.path.name)}: {safe(v.describe())}")  # names from disk
             self.events.emit("skipped_checkpoint", path=str(v.path), reason=v.describe())
-        if resume is ResumeMode.ROLLBACK and sel.chosen is None:
-            sel = self._select(level, history)  # nothing older: newest
+        sel = newest or sel
         self._settle_run(sel.chosen)
         self._keep(sel.chosen)
-        return self._openable(sel)
+        return sel
+
+    def _locked_out(self, skipped: list[Verdict], sel: Selection) -> None:
+        """A checkpoint this run's key cannot open (encrypted under another key, or with no
+        key given) is skipped like any unusable one when the pick below it is one this run
+        wrote as it writes now: encrypted under its key, or plaintext when it has none. That
+        is a checkpoint of another run or key dropped into the dir. When there is no such
+        pick, the run's own checkpoints are the ones it cannot open (a wrong or missing key):
+        a UsageError naming the fingerprints (exit 2) before any attempt, rather than a fresh
+        start or a resume from older plaintext that would hide it."""
+        locked = [v for v in skipped if v.status is Status.WRONG_KEY]
+        if not locked or self._written_as_now(sel.chosen):
+            return
+        raise UsageError(f"cannot resume from {safe(locked[0].path.name)}: "
+                         f"{safe(locked[0].reason)}")
+
+    def _written_as_now(self, chosen: Verdict | None) -> bool:
+        if chosen is None:
+            return False
+        if chosen.format != "rtrain" or chosen.manifest is None:
+            return self.enc is None  # foreign checkpoints are never encrypted
+        try:
+            entry = crypt.scheme_of(chosen.manifest)
+        except crypt.CryptError:
+            return False
+        if self.enc is None:
+            return entry is None
+        return entry is not None and entry["key_fingerprint"][:32] == self.enc.fingerprint
+
+    def _key_problem(self, v: Verdict) -> str | None:
+        """Why the child's key cannot open `v`, which verified; None when it can."""
+        if v.format != "rtrain" or v.manifest is None:
+            return None
+        try:
+            return crypt.key_problem(v.manifest, self.enc)
+        except crypt.CryptError as e:
+            return str(e)
+
+    def start_over(self, history: History, now: float, command: list[str]) -> History:
+        """The first attempt of a run started over (`--resume never`): set the earlier run's
+        checkpoints aside (`ckpt/setaside.py`), so that the run owns only its own from now on,
+        and remember when (the mirror's older checkpoints are the earlier run's too).
+
+        Not under several nodes (`--nnodes` above 1): each node's rtrain would move what it
+        finds, and one that starts late (elastic, or a lost node back as a new machine) would
+        move the group's new checkpoints. Said, and the dir left as it is."""
+        history = replace(history, started_over=now)
+        self._looked_remote = True  # this launch's picks: the local dir has all the run wrote
+        if _several_nodes(command):
+            self.say(f"--resume never under several nodes: checkpoints already in {self.dir} "
+                     "are not set aside, and a relaunch may resume from them: start a run "
+                     "over in an empty --ckpt-dir")
+            return history
+        try:
+            done = setaside.set_aside(self.dir, now, file_mode=self.cfg.file_mode)
+        except OSError as e:
+            self.say(f"cannot set the earlier run's checkpoints in {self.dir} aside "
+                     f"({e.strerror or e}): a relaunch may resume from them")
+            return history
+        if done is None:
+            return history
+        if self.run_dir is not None:
+            keepcopy.forget(self.run_dir)  # rtrain's copy was of the earlier run's file
+        shown = ", ".join(safe(n) for n in done.names[:4])
+        more = f" and {len(done.names) - 4} more" if len(done.names) > 4 else ""
+        self.say(f"starting over: {len(done.names)} checkpoint(s) of an earlier run ({shown}"
+                 f"{more}) moved to {safe(str(done.path))}")
+        self.events.emit("checkpoints_set_aside", path=str(done.path), names=list(done.names))
+        return history
 
     def _settle_run(self, chosen: Verdict | None, *, start_over: bool = False) -> None:
         """Once per launch, at its first pick: the run identity its checkpoints get and its
@@ -227,28 +298,25 @@ class Checkpoints:
         return progress.advanced(before, after)
 
     def _openable(self, sel: Selection) -> Selection:
-        """`sel`, unless its checkpoint is encrypted and the child's key cannot open it: then a
-        UsageError naming the fingerprints, before any attempt starts (the child would fail
-        on it, then on every older checkpoint of the run, all sealed with the same key)."""
+        """`sel` (an explicit --resume PATH), unless its checkpoint is encrypted and the
+        child's key cannot open it: then a UsageError naming the fingerprints, before any
+        attempt starts."""
         chosen = sel.chosen
-        if chosen is None or chosen.manifest is None or chosen.format != "rtrain":
-            return sel
-        try:
-            problem = crypt.key_problem(chosen.manifest, self.enc)
-        except crypt.CryptError as e:
-            problem = str(e)
+        problem = None if chosen is None else self._key_problem(chosen)
         if problem is not None:
+            assert chosen is not None
             raise UsageError(f"cannot resume from {safe(chosen.path.name)}: {problem}")
         return sel
 
-    def _fetch_newer(self, local: Verdict | None) -> bool:
+    def _fetch_newer(self, local: Verdict | None, since: float | None = None) -> bool:
         """Download this run's newest checkpoint on the mirror that is newer than `local` and
         verifies (quick on the listing, then hashed while it downloads); one that does not
         verify is reported and the next older tried. Local wins at an equal step. This run:
         the checkpoint dir's identity, else the local pick's; on a machine with neither, the
         run that committed last to the mirror (`runid.continued_run`). Another run's
-        checkpoints under the same URL are said and never resumed from. True when one was
-        downloaded."""
+        checkpoints under the same URL are said and never resumed from. With `since` (the run
+        started over then), one made before it is the earlier run's: passed over. True when
+        one was downloaded."""
         from supervisor.remote.cache import BlobCache
         from supervisor.remote.store import CorruptRemote, MirrorError, checkpoints
         from supervisor.remote.verify import verify_remote
@@ -288,6 +356,10 @@ class Checkpoints:
                 self._skip_remote(where, v.path.name, v.reason)
                 continue
             try:
+                if since is not None and not _made_since(v.manifest, since):
+                    self.say(f"skipping {v.path.name} on the mirror: made before this run "
+                             "started over (--resume never)")
+                    continue
                 t = mirror.download(v.path.name, self.dir, key=self.key, cache=BlobCache(),
                                     file_mode=self.cfg.file_mode)
             except CorruptRemote as e:
@@ -314,7 +386,8 @@ class Checkpoints:
         """Passing over quarantined checkpoints and those a worker of this run could not load
         (reported when that happened, in a `skipped_checkpoint` event)."""
         return foreign.select_resume_any_format(self.dir, level, self.key, skip_newest,
-                                                exclude=history.bad_checkpoints)
+                                                exclude=history.bad_checkpoints,
+                                                key_problem=self._key_problem)
 
     def skip_bad(self, history: History, chosen: Verdict, reason: str) -> History:
         """The worker could not load `chosen`: record why, and never offer it again."""
@@ -357,6 +430,22 @@ class Checkpoints:
         except OSError as e:
             self.say(f"cannot write {quarantine.QUARANTINE_FILE} in {self.dir} "
                      f"({e.strerror}): other readers of the dir will not see the quarantine")
+
+
+def _made_since(m: dict, since: float) -> bool:
+    created = m.get("created")
+    return isinstance(created, (int, float)) and not isinstance(created, bool) and (
+        created >= since)
+
+
+def _several_nodes(command: list[str]) -> bool:
+    """torchrun's `--nnodes` above 1 in the child's command (rtrain's --nnodes puts it there)."""
+    for i, arg in enumerate(command):
+        value = (arg.split("=", 1)[1] if arg.startswith("--nnodes=")
+                 else command[i + 1] if arg == "--nnodes" and i + 1 < len(command) else None)
+        if value is not None and value.strip() not in ("1", "1:1"):
+            return True
+    return False
 
 
 def encryption_key() -> crypt.EncryptionKey | None:
