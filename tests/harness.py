@@ -177,6 +177,20 @@ def launch(run_dir: Path, *args: str, env: dict[str, str] | None = None,
                      env=child_env(**(env or {})), timeout=timeout)
 
 
+def run_to_end(child: Any) -> int:
+    """Pump a spawned child's output pipes (`proc.spawn` or a warm standby's) until both close;
+    its exit code."""
+    import select
+
+    pipes = [child.stdout, child.stderr]
+    while pipes:
+        select.select([p.fd for p in pipes], [], [], 5)
+        pipes = [p for p in pipes if p.pump()]
+    code = child.popen.wait(30)
+    child.close()
+    return code
+
+
 def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
     """The run's events (of one `kind` if given); none while events.jsonl does not exist."""
     path = Path(run_dir) / "events.jsonl"

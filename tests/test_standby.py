@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from harness import CHILDREN, child_env, events, launch
+from harness import CHILDREN, child_env, events, launch, run_to_end
 
 from supervisor.config import Config
 from supervisor.launch.standby import Keeper
@@ -26,16 +25,6 @@ from supervisor.records.events import EventLog
 pytestmark = pytest.mark.slow
 
 PROBE = "standby_probe.py"
-
-
-def _run_to_end(child) -> int:
-    pipes = [child.stdout, child.stderr]
-    while pipes:
-        select.select([p.fd for p in pipes], [], [], 5)
-        pipes = [p for p in pipes if p.pump()]
-    code = child.popen.wait(30)
-    child.close()
-    return code
 
 
 def _spec(tmp: Path, name: str, *args: str, env: dict[str, str],
@@ -67,11 +56,11 @@ def test_a_script_cannot_tell_the_standby_from_a_cold_start(tmp_path, args, prog
     try:
         warm = _warm(tmp_path, _attempt_env(0), program=program)
         cold = spawn(_spec(tmp_path, "cold", *args, env=_attempt_env(1), program=program))
-        cold_code = _run_to_end(cold)
+        cold_code = run_to_end(cold)
         child = warm.activate(_spec(tmp_path, "warm", *args, env=_attempt_env(1),
                                     program=program))
         assert child.pid == warm.pid
-        warm_code = _run_to_end(child)
+        warm_code = run_to_end(child)
     finally:
         signal.signal(signal.SIGUSR2, old)
     recs = []

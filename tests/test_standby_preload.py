@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import child_env, events
+from harness import child_env, events, run_to_end
 
 from supervisor.config import Config
 from supervisor.launch.standby import Keeper
@@ -24,18 +24,6 @@ from supervisor.proc.standby import LOG_NAME, WarmChild, strip_attempt_vars, tar
 from supervisor.records.events import EventLog
 
 pytestmark = pytest.mark.slow
-
-
-def _run_to_end(child) -> int:
-    import select
-
-    pipes = [child.stdout, child.stderr]
-    while pipes:
-        select.select([p.fd for p in pipes], [], [], 5)
-        pipes = [p for p in pipes if p.pump()]
-    code = child.popen.wait(30)
-    child.close()
-    return code
 
 
 def _sample() -> TreeSample:
@@ -119,12 +107,12 @@ def test_a_changed_module_inside_a_preloaded_package_is_never_run_stale(tmp_path
         second = keeper.warm
         child, _ = keeper.start(spec(1), 1)
         assert child is not None and child.pid == second.pid != first.pid
-        assert _run_to_end(child) == 0
+        assert run_to_end(child) == 0
     else:  # the attempt starts before the periodic check: the hand-off checks too
         child, _ = keeper.start(spec(1), 1)
         assert child is None
         child = spawn(spec(1))  # what the loop does then
-        assert _run_to_end(child) == 0
+        assert run_to_end(child) == 0
     assert (tmp_path / "a1" / "stdout.log").read_text() == "new\n"
     keeper.close()
     log.close()
@@ -247,9 +235,9 @@ def test_what_a_preloaded_library_did_at_import_is_what_a_cold_start_has(tmp_pat
                          env=_fx_env(tmp_path, 1), cwd=app, attempt_dir=tmp_path / name)
 
     cold_spawned = time.time()
-    assert _run_to_end(spawn(spec("cold"))) == 0
+    assert run_to_end(spawn(spec("cold"))) == 0
     handed_off = time.time()
-    assert _run_to_end(warm.activate(spec("warm"))) == 0
+    assert run_to_end(warm.activate(spec("warm"))) == 0
     cold, warm_rec = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("cold", "warm"))
 
     # Equal: the environment with the import's changes, the handlers it installed (in Python
@@ -314,7 +302,7 @@ def test_a_preloaded_module_run_with_dash_m_sees_its_file_as_argv0(tmp_path):
     out = tmp_path / "warm.json"
     child = warm.activate(ChildSpec(argv=[*argv, str(out)], env=_fx_env(tmp_path, 1),
                                     cwd=app, attempt_dir=tmp_path / "warm"))
-    assert _run_to_end(child) == 0
+    assert run_to_end(child) == 0
     rec = json.loads(out.read_text())
     assert warm.ready["modules"] == ["importfx"]
     assert rec["seen"]["argv"] == [str(app / "app_main.py")]

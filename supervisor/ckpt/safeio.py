@@ -74,15 +74,8 @@ def _open_fd(path: str | os.PathLike, follow_symlinks: bool) -> tuple[int, os.st
         if e.errno == errno.ELOOP:  # became a link since the lstat above
             raise UnsafeFile(path, "is a symbolic link: not followed") from None
         raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # swapped between the check and the open
-            raise UnsafeFile(path, f"is {kind(st.st_mode)}, not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
     # O_NONBLOCK stays set: it has no effect on a regular file.
-    return fd, st
+    return fd, _regular(fd, path)
 
 
 def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False,
@@ -117,14 +110,21 @@ def open_beneath(root: str | os.PathLike, member: str, *, buffering: int = -1) -
                          fd, last)
     finally:
         os.close(fd)
-    try:
-        st = os.fstat(ffd)
-        if not stat.S_ISREG(st.st_mode):  # swapped between the check and the open
-            raise UnsafeFile(last, f"is {kind(st.st_mode)}, not a regular file")
-    except BaseException:
-        os.close(ffd)
-        raise
+    _regular(ffd, last)
     return os.fdopen(ffd, "rb", buffering=buffering)
+
+
+def _regular(fd: int, path: str | os.PathLike) -> os.stat_result:
+    """`fd`'s stat when it is a regular file's; else `fd` is closed and UnsafeFile raised (the
+    name was swapped between the check before opening and the open)."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(path, f"is {kind(st.st_mode)}, not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return st
 
 
 def _open_step(name: str | os.PathLike, flags: int, dir_fd: int | None,
