@@ -39,6 +39,17 @@ class Silent:
     def port(self) -> int:
         return self.sock.getsockname()[1]
 
+    def connections(self) -> int:
+        """How many connections were made to it: each waits, complete, in the backlog."""
+        self.sock.setblocking(False)
+        n = 0
+        while True:
+            try:
+                self.sock.accept()[0].close()
+            except BlockingIOError:
+                return n
+            n += 1
+
     def __exit__(self, *exc) -> None:
         self.sock.close()
 
@@ -86,9 +97,12 @@ def test_a_probe_of_a_silent_endpoint_gives_up_within_its_default_timeouts(monke
         worker.start()
         worker.join(45)
         elapsed = time.monotonic() - t0
+        tries = silent.connections()
     assert got, f"the probe still waits on the silent endpoint after {elapsed:.0f} s"
     assert isinstance(got[0], Unreachable), got
     assert "does not answer" in str(got[0])
+    # One connection a try: botocore's retries config counts the first try too.
+    assert tries == backend.S3FS_RETRIES * backend.BOTOCORE_ATTEMPTS
     assert elapsed < backend.Timeouts().worst_case_s() + 15
 
 
@@ -118,7 +132,9 @@ def _wait_launch(run: Path, attempt: int, proc: subprocess.Popen, timeout: float
 def test_a_silent_mirror_at_a_relaunch_is_reported_and_training_starts(tmp_path):
     run = tmp_path / "run"
     config = tmp_path / "rtrain.toml"
-    config.write_text("mirror_final_wait_s = 2.0\n")
+    # Timeouts of 1 s: the defaults' bound is the probe test's; this one is about the launch.
+    config.write_text("mirror_final_wait_s = 2.0\nmirror_connect_timeout_s = 1.0\n"
+                      "mirror_read_timeout_s = 1.0\n")
     args = (BIG, "{ckpt_dir}", "1", "2", "0.1")
     # The run trains (no mirror yet) and is stopped: a requeue relaunches it.
     proc = subprocess.Popen(launch_cmd(run, "--config", str(config), *args), cwd=tmp_path,
@@ -150,7 +166,8 @@ def test_a_silent_mirror_at_a_relaunch_is_reported_and_training_starts(tmp_path)
 
         # A new run is told at once (exit 2, one line), not after minutes.
         t0 = time.monotonic()
-        new = subprocess.run(launch_cmd(tmp_path / "new-run", "--mirror", url, *args),
+        new = subprocess.run(launch_cmd(tmp_path / "new-run", "--config", str(config),
+                                        "--mirror", url, *args),
                              cwd=tmp_path, env=child_env(**silent.env), capture_output=True,
                              text=True, timeout=90)
         took = time.monotonic() - t0

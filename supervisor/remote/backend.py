@@ -28,7 +28,7 @@ from supervisor.remote.url import redact, scheme
 # "Expect: 100-continue" (`_no_expect_continue`), or the stalled case would have no bound.
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 5.0
-BOTOCORE_ATTEMPTS = 2  # botocore "standard" retry mode: throttling and transient 5xx too
+BOTOCORE_ATTEMPTS = 2  # tries, the first included; "standard" mode: throttling, transient 5xx
 S3FS_RETRIES = 2  # s3fs's loop around each call: timeouts, connections dropped mid-body
 
 
@@ -92,7 +92,8 @@ def open_filesystem(url: str, timeouts: Timeouts | None = None) -> tuple[Any, st
             config_kwargs={
                 "connect_timeout": timeouts.connect_s,
                 "read_timeout": timeouts.read_s,
-                "retries": {"max_attempts": timeouts.attempts, "mode": "standard"},
+                # total_max_attempts counts the first try; max_attempts would count retries only
+                "retries": {"total_max_attempts": timeouts.attempts, "mode": "standard"},
             },
         )
         fs.retries = S3FS_RETRIES
