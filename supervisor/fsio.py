@@ -12,6 +12,7 @@ quota, a failing or read-only one. Callers wait them out or skip a write; they n
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -25,9 +26,11 @@ STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 
 
 def write_atomic(path: Path, data: str | bytes, *, mode: int = DEFAULT_FILE_MODE,
-                 durable: bool = True) -> None:
+                 durable: bool = True, replace: bool = True) -> None:
     """Replace `path` with `data`; on any error the target is untouched and no temp file is
-    left. Missing parent directories are created."""
+    left. Missing parent directories are created. `replace=False`: only where there is no
+    `path` yet (linked into place, never over one: of several writers at once the first
+    wins, and every one then reads the same content)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -38,7 +41,12 @@ def write_atomic(path: Path, data: str | bytes, *, mode: int = DEFAULT_FILE_MODE
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+            os.unlink(tmp)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from supervisor import filemode
+from supervisor import filemode, fsio
 from supervisor.ckpt import safeio
 
 RUN_FILE = ".rtrain-run"
@@ -83,25 +83,8 @@ def write(ckpt_dir: str | os.PathLike, run: str, mode: int = filemode.DEFAULT_FI
     if not valid(run):
         raise ValueError(f"not a run identity: {run!r}")
     ckpt_dir = Path(ckpt_dir)
-    tmp = ckpt_dir / f"{RUN_FILE}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, run.encode() + b"\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        filemode.set_mode(tmp, mode)
-        if replace:
-            os.replace(tmp, ckpt_dir / RUN_FILE)
-            return run
-        try:
-            os.link(tmp, ckpt_dir / RUN_FILE)  # never over an existing one
-        except FileExistsError:
-            pass
-        return read(ckpt_dir) or run
-    finally:
-        tmp.unlink(missing_ok=True)
+    fsio.write_atomic(ckpt_dir / RUN_FILE, run + "\n", mode=mode, replace=replace)
+    return run if replace else read(ckpt_dir) or run
 
 
 def settle(current: str | None, resumed_run: str | None, *, start_over: bool) -> str | None:

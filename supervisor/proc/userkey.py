@@ -24,6 +24,8 @@ import secrets
 import stat
 from pathlib import Path
 
+from supervisor.fsio import write_atomic
+
 KEY_NAME = "leftovers.key"
 KEY_BYTES = 32
 
@@ -91,17 +93,4 @@ def _make(path: Path) -> None:
     """Write a new key under a temporary name and link it into place: two launches making it
     at once end up with the same key (the second link fails, both read the first's)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{KEY_NAME}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            os.write(fd, secrets.token_bytes(KEY_BYTES))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, secrets.token_bytes(KEY_BYTES), mode=0o600, replace=False)
