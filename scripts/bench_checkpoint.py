@@ -113,7 +113,7 @@ def load_speeds(model: nn.Module, ckpt: Path, signed: Path, key: bytes, repeat: 
 
     def restorer(path: Path, k: bytes | None):
         ck = worker.Checkpointer(model=model, ckpt_dir=path.parent, signing_key=k,
-                                 verify_level="quick")
+                                 restoring=worker.Restoring(verify="quick"))
         return lambda: ck.restore(path)
 
     methods = [("plain", plain), ("restore", restorer(ckpt, None)),
@@ -149,7 +149,7 @@ def main() -> None:
     nbytes = state_bytes(model)
     times: dict[str, list[float]] = {"raw": [], "torch": [], "sync": [], "async": []}
     ck_async = worker.Checkpointer(model=model, ckpt_dir=root / "async", keep=1,
-                                   async_save=True)
+                                   saving=worker.Saving(async_mode="auto"))
     rtrain_async(model, root / "async", ck_async, 1)  # first call allocates the buffers
     def run_raw(i: int) -> float:
         t = raw_write(model, root / "raw.bin")

@@ -40,7 +40,8 @@ def save(model: torch.nn.Module, d: Path, key: str | None) -> float:
 
 
 def restore(model: torch.nn.Module, d: Path, key: str | None) -> float:
-    ck = worker.Checkpointer(model=model, ckpt_dir=d, encryption_key=key, verify_level="quick")
+    ck = worker.Checkpointer(model=model, ckpt_dir=d, encryption_key=key,
+                             restoring=worker.Restoring(verify="quick"))
     t0 = time.perf_counter()
     ck.restore(d / "checkpoint-1")
     return time.perf_counter() - t0

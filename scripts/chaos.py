@@ -393,7 +393,7 @@ def main() -> int:
     p.add_argument("--kinds", default=None,
                    help="draw only these kinds, e.g. crash,crash_forward,oom,oom_forward")
     p.add_argument("--cadence", default=str(SETTINGS["save_every"]),
-                   help="save every N steps, or auto (every_steps=\"auto\")")
+                   help="save every N steps, or auto (every=\"auto\")")
     args = p.parse_args()
     if args.cadence == "auto":
         SETTINGS["save_every"] = 0

@@ -155,7 +155,7 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.CADENCE: KindSpec(
         fields=("attempt", "step", "every_steps", "reason", "save_stall_s", "step_time_s",
                 "mtbf_s", "mtbf_source", "loss_factor", "expected_loss_s"),
-        hookable=False, meaning="every_steps=\"auto\" chose the save interval (after a save)"),
+        hookable=False, meaning="every=\"auto\" chose the save interval (after a save)"),
     Kind.CHECKPOINT_AT_FAILURE: KindSpec(
         fields=("attempt", "step", "rank", "exception"),
         meaning="an exception ended the worker and it saved its last completed step first"),

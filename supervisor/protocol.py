@@ -85,7 +85,7 @@ class Heartbeat:
     `hang_save_done` (the save at a hang that rtrain asked for through the control FIFO is over,
     `reason` says how many were saved), `control_refused` (requests on the control FIFO without
     the attempt's token were refused: `reason` says how many), `cadence` (with `cadence`: the
-    save interval `every_steps="auto"` chose, worker/cadence.py), `backoff` (with `settings`),
+    save interval `every="auto"` chose, worker/cadence.py), `backoff` (with `settings`),
     `relieved` (after a relieve request: `reason` says what was freed, `settings` what the
     worker now uses), `exception` (with `reason`: the type of the uncaught exception ending the
     process, sent as it begins its way out) or `stop`. The first `start` (the worker installed)

@@ -87,7 +87,7 @@ def make(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def two_checkpoints(ckpt_dir: Path, **checkpointer: Any
                     ) -> tuple[dict[int, torch.Tensor], torch.optim.Optimizer]:
     """checkpoint-2 and checkpoint-4 of `make()`'s model trained a little (Checkpointer keywords
-    as given, e.g. sharded=True): their weights by step, and the optimizer."""
+    as given, e.g. saving=worker.Saving(sharded=True)): their weights by step, and the optimizer."""
     model, opt = make()
     ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, keep=None,
                              **checkpointer)

@@ -197,7 +197,7 @@ def _train(ckpt_dir, steps, *, prefetch, start_seed=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.25), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, every_steps=2)
+    ckpt = worker.Checkpointer(model=model, optimizer=opt, every=2)
     step = ckpt.restore()
     if start_seed is not None:
         torch.manual_seed(start_seed)

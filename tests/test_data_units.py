@@ -63,7 +63,7 @@ def stream(loader, batches):
 def test_position_is_what_the_loop_took_and_resumes_there(tmp_path):
     sampler = worker.ResumableSampler(20, seed=3)
     loader = DataLoader(dataset(), batch_size=4, sampler=sampler)
-    ck = worker.Checkpointer(loader=loader, ckpt_dir=tmp_path, every_steps=1)
+    ck = worker.Checkpointer(loader=loader, ckpt_dir=tmp_path, every=1)
     first = stream(loader, 2)
     sampler.position = 17  # as a prefetching loader leaves it: handed out, never consumed
     ck.save(2)

@@ -53,8 +53,9 @@ def test_split_run_with_workers_and_an_odd_batch_is_bitwise_identical(tmp_path):
 @pytest.mark.slow
 @SOAK
 def test_sampler_only_idiom_stays_exact_without_workers(tmp_path):
-    # The idiom from before loader= existed: Checkpointer(sampler=...), num_workers=0. Compared
-    # with its own uninterrupted run, which does not match the loader= one bit for bit.
+    # The bare sampler as loader= (the loop iterates a DataLoader the Checkpointer was not
+    # given), num_workers=0: exact. Compared with its own uninterrupted run, which does not
+    # match the DataLoader-as-loader= one bit for bit.
     assert split_vs_whole(tmp_path, ["--workers", "0", "--loader", "none"]) is None
 
 

@@ -21,15 +21,18 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
 KEY = "7e" * 32
 
 
-def restore(ckpt_dir, path=None, **kw):
+def restore(ckpt_dir, path=None, allow_pickle=False, **kw):
     model, opt = make(7)
-    step = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, sharded=True,
+    step = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir,
+                               saving=worker.Saving(sharded=True),
+                               restoring=worker.Restoring(allow_pickle=allow_pickle),
                                **kw).restore(path)
     return step, model, opt
 
 
 def test_sharded_files_are_sealed_and_load_with_the_key(gloo_group, tmp_path):
-    weights, _ = two_checkpoints(tmp_path / "ckpt", sharded=True, encryption_key=KEY)
+    weights, _ = two_checkpoints(tmp_path / "ckpt", saving=worker.Saving(sharded=True),
+                                 encryption_key=KEY)
     path = tmp_path / "ckpt" / "checkpoint-4"
     m = json.loads((path / "manifest.json").read_text())
     assert m["encryption"]["key_fingerprint"] == crypt.EncryptionKey.from_material(KEY
@@ -45,7 +48,7 @@ def test_sharded_files_are_sealed_and_load_with_the_key(gloo_group, tmp_path):
 
 
 def test_sharded_without_the_key_or_tampered_is_refused(gloo_group, tmp_path):
-    two_checkpoints(tmp_path / "ckpt", sharded=True, encryption_key=KEY)
+    two_checkpoints(tmp_path / "ckpt", saving=worker.Saving(sharded=True), encryption_key=KEY)
     path = tmp_path / "ckpt" / "checkpoint-4"
     with pytest.raises(KeyMismatch, match="fingerprint"):
         restore(tmp_path / "ckpt")

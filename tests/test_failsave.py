@@ -4,6 +4,7 @@ completed step, or nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -58,7 +59,7 @@ class HalfStep(torch.optim.SGD):
         raise RuntimeError("failed half-way through the optimizer step")
 
 
-def _setup(tmp_path, opt_cls=torch.optim.AdamW, every=100, **kw):
+def _setup(tmp_path, opt_cls=torch.optim.AdamW, every=100, **saving):
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
@@ -70,8 +71,9 @@ def _setup(tmp_path, opt_cls=torch.optim.AdamW, every=100, **kw):
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     sampler = worker.ResumableSampler(len(ds), seed=3)
     loader = DataLoader(ds, batch_size=4, sampler=sampler)
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
-                               ckpt_dir=tmp_path / "ck", every_steps=every, **kw)
+    ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=sampler,
+                               ckpt_dir=tmp_path / "ck", every=every,
+                               saving=worker.Saving(**saving))
     return model, opt, sched, iter(loader), ckpt
 
 
@@ -144,7 +146,7 @@ def test_a_change_after_the_boundary_commits_nothing(tmp_path, change):
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(torch.tensor(1.0))  # the scale exists from the first scale()
     ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, scaler=scaler,
-                               ckpt_dir=tmp_path / "ck2", every_steps=100)
+                               ckpt_dir=tmp_path / "ck2", every=100)
     ckpt.maybe_save(1)
     if change == "sched":
         with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()"
@@ -173,7 +175,7 @@ def test_nothing_when_the_boundary_is_committed_or_the_exit_was_asked_for(tmp_pa
 
 
 def test_off_when_asked(tmp_path):
-    *_, ckpt = _setup(tmp_path, save_on_failure=False)
+    *_, ckpt = _setup(tmp_path, on_failure=False)
     ckpt.maybe_save(1)
     assert ckpt.save_on_failure(RuntimeError("x")) is None
     assert list_checkpoints(tmp_path / "ck") == []
@@ -190,7 +192,7 @@ def test_a_failing_or_hanging_save_never_raises(tmp_path, monkeypatch, caplog):
     assert ckpt.save_on_failure(RuntimeError("x")) is None
     assert "disk on fire" in caplog.text
 
-    ckpt.failure_save_timeout_s = 0.3
+    ckpt.saving = dataclasses.replace(ckpt.saving, failure_timeout_s=0.3)
     monkeypatch.setattr(ckpt, "_write", lambda cap: time.sleep(5))
     t0 = time.monotonic()
     assert ckpt.save_on_failure(RuntimeError("y")) is None
@@ -200,14 +202,14 @@ def test_a_failing_or_hanging_save_never_raises(tmp_path, monkeypatch, caplog):
 
 @pytest.mark.parametrize("mode", ["thread", pytest.param("fork", marks=pytest.mark.slow)])
 def test_waits_for_a_save_in_flight_then_saves_a_newer_boundary(tmp_path, mode):
-    *_, ckpt = _setup(tmp_path, every=3, async_save=True, async_mode=mode)
+    *_, ckpt = _setup(tmp_path, every=3, async_mode=mode)
     for step in range(1, 5):
         ckpt.maybe_save(step)  # step 3 starts a background save
     path = ckpt.save_on_failure(RuntimeError("x"))
     assert path is not None and path.name == "checkpoint-4"
     assert [s for s, _ in list_checkpoints(tmp_path / "ck")] == [4, 3]
     # The failure came with the boundary's own save in flight: that one is waited for.
-    *_, ckpt = _setup(tmp_path / "b", every=3, async_save=True, async_mode=mode)
+    *_, ckpt = _setup(tmp_path / "b", every=3, async_mode=mode)
     for step in range(1, 4):
         ckpt.maybe_save(step)
     assert ckpt.save_on_failure(RuntimeError("x")) is None
@@ -220,7 +222,7 @@ def test_what_a_boundary_keeps_costs_microseconds():
                             for _ in range(25)])
     opt = torch.optim.AdamW(model.parameters())
     sampler = worker.ResumableSampler(100, seed=1)
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, sampler=sampler, every_steps=10**9)
+    ckpt = worker.Checkpointer(model=model, optimizer=opt, loader=sampler, every=10**9)
     watch, parts = failsave.Watch(model, opt, None, None), ckpt._parts()
     watch.marks()
     n = 200

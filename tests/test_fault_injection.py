@@ -72,7 +72,7 @@ def test_any_attempt(arm):
 
 def test_crash_through_the_checkpointer(arm, tmp_path):
     f = arm("crash@step=2")
-    ck = worker.Checkpointer(model=torch.nn.Linear(2, 2), ckpt_dir=tmp_path, every_steps=1)
+    ck = worker.Checkpointer(model=torch.nn.Linear(2, 2), ckpt_dir=tmp_path, every=1)
     ck.maybe_save(1)
     with pytest.raises(RuntimeError, match="step 2"):
         ck.maybe_save(2)
@@ -126,7 +126,7 @@ def test_nonfinite_for_count_steps(arm):
 
 def test_corrupt_newest_then_crash(arm, tmp_path):
     arm("corrupt_newest@step=2")
-    ck = worker.Checkpointer(model=torch.nn.Linear(2, 2), ckpt_dir=tmp_path, every_steps=1)
+    ck = worker.Checkpointer(model=torch.nn.Linear(2, 2), ckpt_dir=tmp_path, every=1)
     ck.maybe_save(1)
     ck.maybe_save(2)  # committed inside this call, after the hook ran
     with pytest.raises(RuntimeError, match="corrupting checkpoint-2"):

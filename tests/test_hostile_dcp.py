@@ -19,12 +19,14 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
 
 
 def sharded_checkpoints(ckpt_dir):
-    return two_checkpoints(ckpt_dir, sharded=True)
+    return two_checkpoints(ckpt_dir, saving=worker.Saving(sharded=True))
 
 
-def restore(ckpt_dir, path=None, **kw):
+def restore(ckpt_dir, path=None, allow_pickle=False, **kw):
     model, opt = make(7)
-    step = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, sharded=True,
+    step = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir,
+                               saving=worker.Saving(sharded=True),
+                               restoring=worker.Restoring(allow_pickle=allow_pickle),
                                **kw).restore(path)
     return step, model, opt
 

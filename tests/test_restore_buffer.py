@@ -93,7 +93,8 @@ def test_a_large_checkpoint_swapped_after_verification_leaves_the_model_untouche
         out.write(b"\x7f\x7f\x7f\x7f\x7f")
     other = big_model(1)
     before = {k: v.clone() for k, v in other.state_dict().items()}
-    ck = worker.Checkpointer(model=other, ckpt_dir=tmp_path, verify_level="quick")
+    ck = worker.Checkpointer(model=other, ckpt_dir=tmp_path,
+                             restoring=worker.Restoring(verify="quick"))
     with pytest.raises(CorruptCheckpoint, match="content hash does not match"):
         ck.restore(path)
     for k, v in other.state_dict().items():
@@ -135,7 +136,8 @@ def test_restore_fills_its_buffers_without_a_page_fault_per_4_kib(tmp_path):
     model = big_model(0)
     path = worker.Checkpointer(model=model, ckpt_dir=tmp_path).save(1)
     target = big_model(1)
-    ck = worker.Checkpointer(model=target, ckpt_dir=tmp_path, verify_level="quick")
+    ck = worker.Checkpointer(model=target, ckpt_dir=tmp_path,
+                             restoring=worker.Restoring(verify="quick"))
     ck.restore(path)  # code and allocator warm
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     ck.restore(path)

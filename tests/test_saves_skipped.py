@@ -124,8 +124,8 @@ def test_worker_reports_each_skipped_save_to_the_supervisor(read_only_dir, monke
     with HeartbeatReceiver() as receiver:
         monkeypatch.setenv("RTRAIN_HEARTBEAT", receiver.name)
         ck = worker.Checkpointer(model=torch.nn.Linear(4, 4), ckpt_dir=read_only_dir,
-                                 async_save=mode != "sync",
-                                 async_mode="auto" if mode == "sync" else mode)
+                                 saving=worker.Saving(async_mode="off" if mode == "sync"
+                                                      else mode))
         ck.save(3)
         ck.close()
         assert ck.skipped_saves == 1

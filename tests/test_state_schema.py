@@ -34,10 +34,11 @@ def _parts(seed: int = 0):
     return model, opt, sched, sampler
 
 
-def _checkpointer(ckpt_dir, parts, **kw):
+def _checkpointer(ckpt_dir, parts, verify="full"):
     model, opt, sched, sampler = parts
-    return worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
-                               ckpt_dir=ckpt_dir, keep=None, **kw)
+    return worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=sampler,
+                               ckpt_dir=ckpt_dir, keep=None,
+                               restoring=worker.Restoring(verify=verify))
 
 
 def _train_and_save(ckpt_dir, steps=(1, 2)):
@@ -177,7 +178,7 @@ def test_run_by_hand_a_malformed_newest_is_skipped_for_the_one_before(saved, lev
     ckpts, weights = saved
     _edit_state(ckpts / "checkpoint-2", _set({}, "rng"))
     parts = _parts(seed=5)
-    assert _checkpointer(ckpts, parts, verify_level=level).restore() == 1
+    assert _checkpointer(ckpts, parts, verify=level).restore() == 1
     assert torch.equal(parts[0].weight, weights[1])
     assert "skipping checkpoint-2" in caplog.text and "rng.python" in caplog.text
 

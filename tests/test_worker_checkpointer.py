@@ -130,8 +130,9 @@ def test_trainable_only_checks_the_frozen_base(tmp_path):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
                           momentum=0.9)
     train_steps(model, opt, 2)
+    adapters = worker.Saving(trainable_only=True)
     p = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
-                            trainable_only=True).save(2)
+                            saving=adapters).save(2)
     saved = json.loads((p / "manifest.json").read_text())["tensors"]["model.safetensors"]
     assert set(saved) == {"2.weight", "2.bias"}
     same_base, _ = make()
@@ -140,19 +141,20 @@ def test_trainable_only_checks_the_frozen_base(tmp_path):
     opt2 = torch.optim.SGD([q for q in same_base.parameters() if q.requires_grad], lr=0.1,
                            momentum=0.9)
     assert worker.Checkpointer(model=same_base, optimizer=opt2, ckpt_dir=tmp_path,
-                               trainable_only=True).restore() == 2
+                               saving=adapters).restore() == 2
     assert torch.equal(same_base[2].weight, model[2].weight)
     other_base, _ = make(seed=5)
     for q in list(other_base.parameters())[:2]:
         q.requires_grad_(False)
     with pytest.raises(StateMismatch, match="frozen base model differs"):
-        worker.Checkpointer(model=other_base, ckpt_dir=tmp_path, trainable_only=True).restore()
+        worker.Checkpointer(model=other_base, ckpt_dir=tmp_path, saving=adapters).restore()
 
 
 def test_schedules_and_retention(tmp_path):
     model, _ = make()
-    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path, every_steps=2, keep=2,
-                             keep_best=1, metric="loss", mode="min", milestone_every=8)
+    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path, every=2,
+                             keep=worker.Keep(last=2, best=1, metric="loss", mode="min",
+                                              milestone_every=8))
     losses = {2: 0.1, 4: 0.9, 6: 0.8, 8: 0.7, 10: 0.6, 12: 0.5}
     for step in range(1, 13):
         ck.maybe_save(step, metrics={"loss": losses.get(step, 1.0)})
@@ -162,7 +164,8 @@ def test_schedules_and_retention(tmp_path):
 
 def test_epoch_end_and_request(tmp_path):
     model, _ = make()
-    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path, on_epoch_end=True, keep=None)
+    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path, every=worker.Every(epoch_end=True),
+                             keep=None)
     assert ck.maybe_save(1) is None
     assert ck.maybe_save(2, epoch_end=True) is not None
     ck.request_save()
@@ -184,8 +187,9 @@ def test_auto_cadence_follows_the_measured_save(tmp_path, async_save):
     """The first interval is the 20-per-run rule; after the first save the measured stall and
     step time choose it (async: the thread snapshot, not the write), within the bounds."""
     model, opt = make()
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, every_steps="auto",
-                             total_steps=100, async_save=async_save, async_mode="thread")
+    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+                             every=worker.Every(steps="auto", total_steps=100),
+                             saving=worker.Saving(async_mode="thread" if async_save else "off"))
     assert ck.schedule.every_steps == 5
     for step in range(1, 6):
         train_steps(model, opt, 1)
@@ -198,8 +202,8 @@ def test_auto_cadence_follows_the_measured_save(tmp_path, async_save):
     assert chosen.reason.startswith(f"every {chosen.every_steps:,} step")
 
     bounded = worker.Checkpointer(model=model, ckpt_dir=tmp_path / "b", keep=None,
-                                  every_steps=worker.CadenceBounds(min_steps=2, max_steps=3),
-                                  every_seconds=60.0)
+                                  every=worker.Every(steps="auto", min_steps=2, max_steps=3,
+                                                     seconds=60.0))
     assert bounded.schedule.every_seconds == 60.0  # no total_steps: the first save by time
     for step in range(1, 8):
         bounded.maybe_save(step)
@@ -211,7 +215,8 @@ def test_auto_cadence_follows_the_measured_save(tmp_path, async_save):
 @pytest.mark.parametrize("mode", [pytest.param("fork", marks=pytest.mark.slow), "thread"])
 def test_async_error_surfaces_on_next_call(tmp_path, monkeypatch, mode):
     model, _ = make()
-    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path, async_save=True, async_mode=mode)
+    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path,
+                             saving=worker.Saving(async_mode=mode))
 
     def boom(*a, **k):
         raise RuntimeError("disk controller on fire")
@@ -227,8 +232,8 @@ def test_async_error_surfaces_on_next_call(tmp_path, monkeypatch, mode):
 @pytest.mark.parametrize("mode", [pytest.param("fork", marks=pytest.mark.slow), "thread"])
 def test_async_snapshot_is_isolated_from_training(tmp_path, mode):
     model, opt = make()
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, async_save=True,
-                             async_mode=mode)
+    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+                             saving=worker.Saving(async_mode=mode))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ck.save(1)
     train_steps(model, opt, 2)  # changes weights while the writer may still run

@@ -179,8 +179,8 @@ def test_a_large_file_spans_many_chunks(tmp_path):
 @pytest.mark.parametrize("mode", [pytest.param("fork", marks=pytest.mark.slow), "thread"])
 def test_async_saves_are_encrypted(tmp_path, mode):
     model, opt = make()
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, async_save=True,
-                             async_mode=mode, encryption_key=KEY)
+    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+                             saving=worker.Saving(async_mode=mode), encryption_key=KEY)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ck.save(1)
     ck.close()

@@ -122,7 +122,7 @@ def test_batch_size_change_resumes_at_the_exact_next_sample(tmp_path):
     n = 40
     seen = []
     sampler = worker.ResumableSampler(n, seed=3)
-    ck = worker.Checkpointer(sampler=sampler, ckpt_dir=tmp_path)
+    ck = worker.Checkpointer(loader=sampler, ckpt_dir=tmp_path)
     loader = DataLoader(list(range(n)), batch_size=8, sampler=sampler)
     for i, batch in enumerate(loader):
         seen += batch.tolist()
@@ -130,7 +130,7 @@ def test_batch_size_change_resumes_at_the_exact_next_sample(tmp_path):
             ck.save(3)
             break
     sampler2 = worker.ResumableSampler(n, seed=3)
-    worker.Checkpointer(sampler=sampler2, ckpt_dir=tmp_path).restore()
+    worker.Checkpointer(loader=sampler2, ckpt_dir=tmp_path).restore()
     for batch in DataLoader(list(range(n)), batch_size=4, sampler=sampler2):
         seen += batch.tolist()
     assert sorted(seen) == list(range(n))

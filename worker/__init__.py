@@ -1,7 +1,7 @@
 """rtrain worker: the library used inside a training script.
 
     import worker
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, sampler=sampler, every_steps=100)
+    ckpt = worker.Checkpointer(model=model, optimizer=opt, loader=loader, every=100)
     start_step = ckpt.restore()
 
 `settings`, `should_stop`, `heartbeat` and the rest of `worker.runtime` are torch-free; the
@@ -29,13 +29,16 @@ check_order.seed_entropy()
 _GUARDS = ("NonFiniteGuard", "OOMBackoff", "SkipBadSamples", "DataError", "skip_none_collate",
            "install_excepthook")
 _LAZY = {"Checkpointer": "worker.checkpointer", "CadenceBounds": "worker.cadence",
+         **dict.fromkeys(("Every", "Keep", "Restoring", "Saving"), "worker.options"),
          "ResumableSampler": "worker.sampler",
          "DistributedResumableSampler": "worker.sampler",
          **dict.fromkeys(("sample_generator", "sample_seed", "seeded"), "worker.sample_rng"),
          **dict.fromkeys(_GUARDS, "worker.guards")}
 
-__all__ = ["CadenceBounds", "Checkpointer", "DataError", "DistributedResumableSampler",
-           "NonFiniteGuard", "OOMBackoff", "ResumableSampler", "Settings", "SkipBadSamples",
+# CadenceBounds stays importable for the deprecated `every_steps=CadenceBounds(...)`.
+__all__ = ["Checkpointer", "DataError", "DistributedResumableSampler", "Every",
+           "Keep", "NonFiniteGuard", "OOMBackoff", "Restoring", "ResumableSampler", "Saving",
+           "Settings", "SkipBadSamples",
            "__version__", "heartbeat", "install_excepthook", "on_pressure", "relieve_pressure",
            "request_stop", "sample_generator", "sample_seed", "seeded", "settings",
            "should_stop", "skip_none_collate", "write_exit_record"]

@@ -49,9 +49,9 @@ class BackgroundSave:
     def start(self, cap: Capture, model: torch.nn.Module | None) -> None:
         """Write `cap` in the background; returns once it is snapshotted."""
         if cap.world is not None and self.mode == "fork":
-            raise ValueError("async_mode='fork' cannot be used with torch.distributed: a forked "
-                             "writer cannot take part in the checkpoint's collectives; use "
-                             "async_mode='thread' or 'auto'")
+            raise ValueError("Saving(async_mode='fork') cannot be used with torch.distributed: a "
+                             "forked writer cannot take part in the checkpoint's collectives; "
+                             "use async_mode='thread' or 'auto'")
         self.step = cap.step
         if self._fork_snapshot(cap, model):
             pid, err_fd = fork_writer(self._write, cap)

@@ -1,4 +1,4 @@
-"""How often to save under `every_steps="auto"`: a pure decision from cost and risk.
+"""How often to save under `every="auto"`: a pure decision from cost and risk.
 
 A save costs the training thread its stall C (the capture, or the whole write when saving
 synchronously, plus any wait for the previous background save); a failure costs the work since
@@ -45,8 +45,8 @@ LOSS_MIN_POINTS = 8  # fewer losses than this: no trend
 
 @dataclass(frozen=True, kw_only=True)
 class CadenceBounds:
-    """Limits on the interval `every_steps="auto"` chooses (pass one as `every_steps=` to set
-    them; "auto" is `CadenceBounds()`)."""
+    """Limits on the interval `every="auto"` chooses: built from `Every(steps="auto",
+    min_steps=, max_steps=, seconds=)` (worker/options.py); "auto" alone is `CadenceBounds()`."""
 
     min_steps: int = 1
     """Never save more often than every this many steps."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import textwrap
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,8 +21,6 @@ import torch
 
 from supervisor.ckpt import crypt, hashing
 from supervisor.ckpt.layout import list_checkpoints
-from supervisor.ckpt.retention import RetentionPolicy
-from supervisor.ckpt.verify import Level
 from supervisor.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
 from worker import (
@@ -33,6 +32,8 @@ from worker import (
     faults,
     guards,
     hyperparams,
+    legacy_args,
+    options,
     restore,
     resume_check,
     runtime,
@@ -40,8 +41,8 @@ from worker import (
 from worker.async_write import BackgroundSave
 from worker.cadence import FIRST_SAVE_S, CadenceBounds
 from worker.capture import Components, FrozenBase, Moving, capture, environment, moving, number
+from worker.options import Every, Keep, Restoring, Saving
 from worker.retention import Retention
-from worker.sampler import ResumableSampler
 from worker.save_clock import SaveClock
 from worker.save_target import Capture, SaveTarget, write_local
 from worker.schedule import SaveSchedule
@@ -50,86 +51,90 @@ log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    """Saves model, optimizer, scheduler, GradScaler, sampler, RNG and user extras together.
+    """Saves and restores the whole training state together, atomically and verified: model,
+    optimizer, scheduler, GradScaler, data position, every RNG state, step, epoch and extras.
 
-    ckpt = Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=loader,
-                        every_steps=100, keep=3)
-    start_step = ckpt.restore()
-    for step in range(start_step, total_steps):
-        ...
-        ckpt.maybe_save(step + 1, metrics={"loss": loss.item()})
-    ckpt.close()
+        ckpt = worker.Checkpointer(model=model, optimizer=opt, loader=loader, every=100)
+        start_step = ckpt.restore()
+        for step in range(start_step, total_steps):
+            ...
+            ckpt.maybe_save(step + 1, metrics={"loss": loss.item()})
+        ckpt.close()
 
-    `every_steps="auto"` (or a `CadenceBounds`) re-chooses the interval after every save from
-    the measured save stall, the step time, the run's failures (passed in by rtrain) and the
-    loss trend, within the bounds; `every_seconds` with it is the longest time between saves
-    (docs/design.md, "Save cadence").
+    Args:
+        model: The torch.nn.Module whose state is saved (DDP, FSDP and compiled modules as
+            they are).
+        optimizer: Its optimizer; state is saved keyed by parameter name.
+        scheduler: A learning-rate scheduler, or anything with state_dict/load_state_dict.
+        scaler: A torch.amp GradScaler.
+        loader: Where the data stream stands: a DataLoader whose sampler is a
+            worker.ResumableSampler, a DataLoader over an IterableDataset, torchdata's
+            StatefulDataLoader, or the ResumableSampler itself when the loop iterates it. The
+            position saved is what the loop took, not what loader workers fetched ahead.
+        ckpt_dir: Where checkpoints go. Default: $RTRAIN_CKPT_DIR (rtrain launch sets it from
+            --ckpt-dir), else ./checkpoints.
+        every: When to save: a number of steps, "auto", or an Every (below). None: only on a
+            stop request, after `request_save()`, or when `save()` is called.
+        keep: Which checkpoints to keep: how many of the newest (None: all), or a Keep
+            (below).
+        saving: How checkpoints are written: a Saving (below).
+        restoring: How `restore()` reads them: a Restoring (below).
+        signing_key: Sign every manifest (bytes, or a passphrase string); a signed checkpoint
+            that does not verify is never loaded. Default: $RTRAIN_SIGNING_KEY or
+            $RTRAIN_SIGNING_KEY_FILE.
+        encryption_key: Encrypt every checkpoint file: an EncryptionKey, 32 bytes, or a
+            string (64 hex digits, else a passphrase). Default: $RTRAIN_ENCRYPTION_KEY or
+            $RTRAIN_ENCRYPTION_KEY_FILE (docs/design.md, "Encryption at rest").
+        exit_on_stop: After a stop request (preemption; rtrain's stop signal) `maybe_save`
+            commits a checkpoint and exits 75, which rtrain reads as "preempted". False:
+            it returns, and the script ends when it likes (`worker.should_stop()`).
 
-    With RTRAIN_ENCRYPTION_KEY / _FILE (or `encryption_key=`: an EncryptionKey, 32 bytes, or
-    a string: 64 hex digits, else a passphrase) every checkpoint file is written encrypted and
-    read back only with that key (docs/design.md, "Encryption at rest").
-
-    Under memory pressure (a relieve request from rtrain) `maybe_save` frees memory at the step
-    boundary: Python garbage, the CUDA allocator's cache, an OOMBackoff's micro-batch, and
-    whatever `on_pressure()` frees (shrink your own caches there; return a few words saying
-    what, or None). See worker/runtime.py.
-
-    Save at failure (`save_on_failure=True`, the default): each `maybe_save` keeps the RNG states
-    and data position (microseconds); when an exception ends the script (or the script calls
-    `save_on_failure()` in its own `except`) before any optimizer step, scheduler step, scaler
-    update or in-place write to the model since that boundary, the boundary's step is committed
-    as a normal checkpoint marked `info.saved_at_failure` in its manifest, then the exception
-    ends the process as before. Single process only; bounded by `failure_save_timeout_s`
-    (docs/design.md, "Save at failure").
+    An argument wins over its environment variable. Memory pressure: after a relieve request
+    from rtrain, `maybe_save` frees Python garbage, the CUDA allocator's cache, an
+    OOMBackoff's micro-batch and whatever the callbacks given to `worker.on_pressure()` free.
+    The keyword arguments of rtrain 0.1 (`every_steps=`, `async_save=`, `sampler=`, ...) still
+    work, each with a DeprecationWarning naming its new spelling (worker/legacy_args.py).
     """
 
     def __init__(self, *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
-                 scaler: Any = None, sampler: ResumableSampler | None = None,
+                 scaler: Any = None, loader: Any = None,
                  ckpt_dir: str | os.PathLike | None = None,
-                 every_steps: int | Literal["auto"] | CadenceBounds | None = None,
-                 every_seconds: float | None = None, total_steps: int | None = None,
-                 on_epoch_end: bool = False, keep: int | None = 3, keep_best: int = 0,
-                 metric: str | None = None, mode: Literal["min", "max"] = "min",
-                 milestone_every: int = 0, async_save: bool = False,
-                 async_mode: Literal["auto", "fork", "thread"] = "auto",
-                 trainable_only: bool = False, verify_level: Literal["quick", "full"] = "full",
-                 map_location: str | torch.device = "cpu", exit_on_stop: bool = True,
-                 fsync: bool = True, signing_key: bytes | str | None = None,
-                 sharded: bool | None = None, allow_resize: bool = False,
-                 allow_pickle: bool = False, loader: Any = None,
+                 every: int | Literal["auto"] | Every | None = None,
+                 keep: int | Keep | None = 3, saving: Saving | None = None,
+                 restoring: Restoring | None = None, signing_key: bytes | str | None = None,
                  encryption_key: crypt.EncryptionKey | bytes | str | None = None,
-                 on_pressure: Callable[[], str | None] | None = None,
-                 save_on_failure: bool = True,
-                 failure_save_timeout_s: float = failsave.TIMEOUT_S) -> None:
+                 exit_on_stop: bool = True, **deprecated: Any) -> None:
+        sampler = None
+        if deprecated:
+            old = legacy_args.translate(deprecated, every=every, keep=keep, saving=saving,
+                                        restoring=restoring)
+            for message in old.warnings:
+                warnings.warn(message, DeprecationWarning, stacklevel=2)
+            every, keep, saving, restoring = old.every, old.keep, old.saving, old.restoring
+            sampler = old.sampler
+            if old.on_pressure is not None:
+                runtime.on_pressure(old.on_pressure)
+        self.every = options.as_every(every)
+        self.keep = options.as_keep(keep)
+        self.saving: Saving = options.as_group(Saving, saving, "saving")
+        self.restoring: Restoring = options.as_group(Restoring, restoring, "restoring")
         ckpt_dir = ckpt_dir or os.environ.get(ENV_CKPT_DIR) or "checkpoints"
         self.ckpt_dir = Path(ckpt_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.scaler, self.sampler = scaler, sampler
-        # With loader=, the data position counts what the loop consumed (worker/data.py).
-        self.data = data.track(sampler=sampler, loader=loader)
-        bounds = _cadence_bounds(every_steps, every_seconds)
+        self.scaler = scaler
+        # The data position counts what the loop consumed (worker/data.py).
+        self.data = data.track(loader=loader, sampler=sampler)
+        self.sampler = data.bare_sampler(self.data)  # check-resume's evidence looks for it
+        bounds = self.every.bounds()
         if bounds is not None:
-            self.schedule = _first_auto_schedule(bounds, total_steps, on_epoch_end)
+            self.schedule = _first_auto_schedule(bounds, self.every.total_steps,
+                                                 self.every.epoch_end)
         else:
-            self.schedule = SaveSchedule(every_steps=every_steps, every_seconds=every_seconds,
-                                         on_epoch_end=on_epoch_end)
-        self.policy = RetentionPolicy(keep=keep, keep_best=keep_best, metric=metric, mode=mode,
-                                      milestone_every=milestone_every)
-        self.async_save = async_save
-        if async_mode not in ("auto", "fork", "thread"):
-            raise ValueError(f"async_mode must be 'auto', 'fork' or 'thread', not {async_mode!r}")
-        self.async_mode = async_mode
-        self.trainable_only = trainable_only
-        self.sharded = sharded  # None: detect (DTensor / FSDP parameters) at each save
-        self.allow_resize = allow_resize
-        # Sharded (DCP) checkpoints are read without unpickling; True hands them to DCP's own
-        # reader, which unpickles (runs code from) the checkpoint: trusted checkpoints only.
-        self.allow_pickle = allow_pickle
-        self.verify_level = Level(verify_level)
-        self.map_location = map_location
+            self.schedule = SaveSchedule(every_steps=self.every.steps,
+                                         every_seconds=self.every.seconds,
+                                         on_epoch_end=self.every.epoch_end)
         self.exit_on_stop = exit_on_stop
-        self.fsync = fsync
         if isinstance(signing_key, str):
             signing_key = hashing.derive_key(signing_key.encode())
         self.key = signing_key if signing_key is not None else hashing.load_signing_key()
@@ -141,19 +146,18 @@ class Checkpointer:
         self._clock = SaveClock(self.schedule, bounds=bounds)
         self._lr_scale = 1.0
         self._frozen = FrozenBase()
-        self._retention = Retention(self.ckpt_dir, self.policy, self.key)
-        self._target = SaveTarget(self.ckpt_dir, fsync, self.key, self._retention.make_room,
-                                  encryption=self.encryption)
-        self._bg = BackgroundSave(async_mode, self._write, self._target, self._child_saved)
-        self._watch = (failsave.Watch(model, optimizer, scheduler, scaler) if save_on_failure
-                       else None)
-        self.failure_save_timeout_s = failure_save_timeout_s
+        self._retention = Retention(self.ckpt_dir, self.keep.policy(), self.key)
+        self._target = SaveTarget(self.ckpt_dir, self.saving.fsync, self.key,
+                                  self._retention.make_room, encryption=self.encryption)
+        mode = self.saving.async_mode
+        self._bg = BackgroundSave("auto" if mode == "off" else mode, self._write, self._target,
+                                  self._child_saved)
+        self._watch = (failsave.Watch(model, optimizer, scheduler, scaler)
+                       if self.saving.on_failure else None)
         self._boundary: _Boundary | None = None
         self._hyper: hyperparams.Pending | None = None  # the last restore's, until judged
         runtime.install()
         runtime.on_pressure(_empty_cuda_cache)
-        if on_pressure is not None:
-            runtime.on_pressure(on_pressure)
         if self._watch is not None:
             failsave.watch(self)
         # Under `rtrain check-resume` only: evidence for its report, its stop, the final save.
@@ -185,12 +189,13 @@ class Checkpointer:
         began = time.monotonic()  # the load's cost goes to the supervisor (restore_s)
         self._boundary = None  # the state is replaced: what was kept no longer describes it
         parts = self._parts()
-        source = restore.Source(self.ckpt_dir, self.verify_level, self.key, self.allow_resize,
-                                self.map_location, self.encryption)
+        r = self.restoring
+        source = restore.Source(self.ckpt_dir, r.level, self.key, r.allow_resize,
+                                r.map_location, self.encryption)
         try:
             loaded = source.find(path, dist.world(), parts)
             if loaded is not None:
-                changes, self._lr_scale = restore.apply_all(loaded, parts, self.allow_pickle,
+                changes, self._lr_scale = restore.apply_all(loaded, parts, r.allow_pickle,
                                                             self._lr_scale)
                 self._judge_hyperparams(changes)
         except CorruptCheckpoint as e:
@@ -272,7 +277,7 @@ class Checkpointer:
                 self._target.skip(step, short)
                 return None
         runtime.heartbeat(step=step, event="save_begin")
-        if not self.async_save or cap.sharded is not None:
+        if self.saving.async_mode == "off" or cap.sharded is not None:
             # Sharded state is saved synchronously: DCP reads the live parameters.
             path = self._write(cap)
             runtime.heartbeat(step=step, event="save_end")
@@ -290,7 +295,7 @@ class Checkpointer:
 
         An uncaught exception calls this by itself; a script that catches the exception
         calls it in its `except` before ending. Never raises: a save that fails or outlasts
-        `failure_save_timeout_s` is logged, and the caller goes on failing as it would have.
+        `Saving.failure_timeout_s` is logged, and the caller goes on failing as it would have.
         """
         if self._watch is None or getattr(exc, "_rtrain_failure_handled", False):
             return None
@@ -298,11 +303,10 @@ class Checkpointer:
             exc._rtrain_failure_handled = True  # once, however many hooks see it
         except AttributeError:  # an exception type with __slots__: it may be seen twice
             pass
-        finished, result = failsave.run_bounded(lambda: self._save_at_failure(exc),
-                                                self.failure_save_timeout_s)
+        timeout = self.saving.failure_timeout_s
+        finished, result = failsave.run_bounded(lambda: self._save_at_failure(exc), timeout)
         if not finished:
-            log.error("the save at the failure did not finish in %.0f s: given up",
-                      self.failure_save_timeout_s)
+            log.error("the save at the failure did not finish in %.0f s: given up", timeout)
             return None
         if isinstance(result, BaseException):
             log.error("the save at the failure failed: %s: %s", type(result).__name__, result)
@@ -377,7 +381,7 @@ class Checkpointer:
 
     def _parts(self) -> Components:
         return Components(self.model, self.optimizer, self.scheduler, self.scaler, self.data,
-                          self.trainable_only, self.sharded, self._frozen)
+                          self.saving.trainable_only, self.saving.sharded, self._frozen)
 
     def _write(self, cap: Capture) -> Path | None:
         """Commit `cap` (in this thread, the writer thread or the forked writer), then prune."""
@@ -395,20 +399,6 @@ class Checkpointer:
         self.last_saved = self.ckpt_dir / f"checkpoint-{step}"
         # The child wrote and hashed it; the next forked child inherits this record.
         self._retention.remember(self.last_saved)
-
-
-def _cadence_bounds(every_steps: Any, every_seconds: float | None) -> CadenceBounds | None:
-    """The bounds of an `every_steps="auto"` cadence (None: a fixed schedule); `every_seconds`
-    given with "auto" is its longest wall time between saves."""
-    if every_steps == "auto":
-        bounds = CadenceBounds()
-    elif isinstance(every_steps, CadenceBounds):
-        bounds = every_steps
-    else:
-        return None
-    if every_seconds is not None:
-        bounds = replace(bounds, max_seconds=every_seconds)
-    return bounds
 
 
 def _first_auto_schedule(bounds: CadenceBounds, total_steps: int | None,
@@ -469,3 +459,8 @@ def _encryption_key(given: crypt.EncryptionKey | bytes | str | None
         except crypt.MissingCipher as e:
             raise CheckpointError(str(e)) from None
     return key
+
+
+# help(worker.Checkpointer) is the reference: the option groups' fields follow its arguments.
+Checkpointer.__doc__ = (Checkpointer.__doc__ or "").rstrip() + "\n\n" + textwrap.indent(
+    options.reference(), "    ") + "\n    "

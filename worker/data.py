@@ -221,25 +221,38 @@ class StatefulPosition:
 Position = SamplerPosition | CountedLoader | IterablePosition | StatefulPosition
 
 
-def track(*, sampler: ResumableSampler | None = None, loader: Any = None) -> Position | None:
-    """What the Checkpointer saves and restores of the data stream (None: nothing)."""
+def track(*, loader: Any = None, sampler: ResumableSampler | None = None) -> Position | None:
+    """What the Checkpointer saves and restores of the data stream (None: nothing). `loader`
+    is a loader or a bare ResumableSampler; `sampler` is the deprecated `sampler=`."""
+    if isinstance(loader, ResumableSampler):
+        if sampler is not None and sampler is not loader:
+            raise ValueError("sampler= and loader= name two different samplers: pass only "
+                             "loader=")
+        loader, sampler = None, loader
     if loader is None:
         return SamplerPosition(sampler) if sampler is not None else None
     if callable(getattr(loader, "state_dict", None)) and hasattr(loader, "load_state_dict"):
         return StatefulPosition(loader)
     if not isinstance(loader, DataLoader):
-        raise TypeError(f"loader= takes a torch DataLoader or a loader with state_dict() and "
-                        f"load_state_dict(), not {type(loader).__name__}")
+        raise TypeError(f"loader= takes a torch DataLoader, a loader with state_dict() and "
+                        f"load_state_dict(), or a worker.ResumableSampler, not "
+                        f"{type(loader).__name__}")
     if isinstance(loader.dataset, IterableDataset):
         return IterablePosition(loader)
     found = _resumable_sampler(loader)
     if found is None:
         raise ValueError("loader= needs the DataLoader's sampler to be a worker.ResumableSampler "
-                         "(pass sampler=worker.ResumableSampler(len(dataset), seed=...))")
+                         "(DataLoader(..., sampler=worker.ResumableSampler(len(dataset), "
+                         "seed=...)))")
     if sampler is not None and sampler is not found:
         raise ValueError("sampler= is not the sampler of the DataLoader given as loader=: pass "
                          "only loader=")
     return CountedLoader(loader, found)
+
+
+def bare_sampler(position: Position | None) -> ResumableSampler | None:
+    """The sampler tracked without its loader, if that is how the data stream was given."""
+    return position.sampler if isinstance(position, SamplerPosition) else None
 
 
 def _resumable_sampler(loader: DataLoader) -> ResumableSampler | None:
@@ -250,5 +263,6 @@ def _resumable_sampler(loader: DataLoader) -> ResumableSampler | None:
         s = bs.sampler
     else:
         raise ValueError(f"loader= does not know how many samples a batch of "
-                         f"{type(bs).__name__} holds: use sampler= and batch_size=")
+                         f"{type(bs).__name__} holds: pass its ResumableSampler as loader= "
+                         f"(exact with num_workers=0)")
     return s if isinstance(s, ResumableSampler) else None

@@ -68,7 +68,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if obj is None:
             raise LoadError(f"dcp/.metadata refers to {module}.{name}, which is not part of DCP's "
                             "metadata: refused (rtrain never unpickles other objects; pass "
-                            "allow_pickle=True to the Checkpointer only for a checkpoint you "
+                            "restoring=Restoring(allow_pickle=True) only for a checkpoint you "
                             "trust)")
         return obj
 

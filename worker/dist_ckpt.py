@@ -230,8 +230,8 @@ def check_world(info: dict[str, Any], w: dist.World | None, sharded_now: bool,
         raise StateMismatch(
             f"{name} was saved by world size {saved_size}, this run has world size {size}: a "
             "replicated checkpoint holds one RNG state per rank and resumes exactly only at the "
-            f"same size; run {saved_size} processes, or pass allow_resize=True to load the "
-            "model and optimizer anyway (not bitwise exact)")
+            f"same size; run {saved_size} processes, or pass Restoring(allow_resize=True) to "
+            "load the model and optimizer anyway (not bitwise exact)")
     return "replicated"
 
 

@@ -10,10 +10,10 @@ probe writes into every manifest (`info.check_resume`, schema below):
   by the next step, but the checkpoint holds the generator and position after it and not the
   batch, so a resumed run trains on another one. An optimizer step post-hook takes the
   fingerprint; the boundary compares.
-- a DataLoader that was mid-epoch at a save but not handed to the Checkpointer (`loader=`, or
-  its sampler as `sampler=`): its position is lost. `DataLoader.__iter__` is wrapped to see
+- a DataLoader that was mid-epoch at a save but not handed to the Checkpointer (`loader=`, the
+  loader or its sampler): its position is lost. `DataLoader.__iter__` is wrapped to see
   every iterator; an iterator that ran to its end (an evaluation loader) is not counted.
-- `sampler=` alone with a loader that has workers (exact only with `num_workers=0`).
+- a bare sampler as `loader=` of a loader that has workers (exact only with `num_workers=0`).
 - seeding after `restore()` loaded a checkpoint (`torch.manual_seed`, `random.seed`,
   `np.random.seed`, `set_rng_state`, ... called from the script's code): the restored RNG state
   is replaced, so dropout and everything else drawn from it differs.

@@ -4,7 +4,7 @@
 from (the last saved step, when the last save began, a pending `request_save`) and sends each
 step's heartbeat (loss, samples since the last beat, the next scheduled save step).
 
-Under `every_steps="auto"` (`bounds` given) it also measures what worker/cadence.py chooses
+Under `every="auto"` (`bounds` given) it also measures what worker/cadence.py chooses
 from: the step time between saves, each save's stall and the recent losses; after every save it
 replaces the schedule's `every_steps` with the new choice and reports it in a `cadence`
 heartbeat. Each rank chooses for itself; saving is collective and due when any rank says so.

@@ -28,7 +28,7 @@ class SaveSchedule:
         """About 20 checkpoints over the run, and at least one every 30 minutes: a crash then
         costs at most ~5% of the run or half an hour, whichever is less."""
         if total_steps < 1:
-            raise ValueError("every_steps='auto' needs total_steps (the run's length in steps)")
+            raise ValueError("every='auto' needs total_steps (the run's length in steps)")
         return cls(every_steps=max(1, round(total_steps / AUTO_SAVES_PER_RUN)),
                    every_seconds=AUTO_MAX_SECONDS, on_epoch_end=on_epoch_end)
 

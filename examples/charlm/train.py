@@ -85,7 +85,8 @@ def main() -> None:
     # Loss scaling is for float16 only; bfloat16 has float32's range.
     scaler = torch.amp.GradScaler(device, enabled=amp and amp_dtype == torch.float16)
     ckpt = worker.Checkpointer(model=model, optimizer=opt, scaler=scaler, loader=loader,
-                               every_steps=s.save_every, map_location=device)
+                               every=s.save_every,
+                               restoring=worker.Restoring(map_location=device))
     start = ckpt.restore()
     for g in opt.param_groups:
         g["lr"] = s.lr  # the lr knob wins over the checkpoint's (cut after a non-finite loss)

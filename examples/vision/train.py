@@ -94,7 +94,8 @@ def main() -> None:
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=loader,
-                               every_steps=s.save_every, map_location=device)
+                               every=s.save_every,
+                               restoring=worker.Restoring(map_location=device))
     start = ckpt.restore()
     # The lr knob wins over the checkpoint's: the supervisor cuts it after a non-finite loss.
     sched.base_lrs = [s.lr] * len(opt.param_groups)

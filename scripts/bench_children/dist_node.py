@@ -24,8 +24,8 @@ dist.init_process_group("gloo")
 world = dist.get_world_size()
 model = nn.parallel.DistributedDataParallel(nn.Linear(64, 64))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-ck = worker.Checkpointer(model=model, optimizer=opt, every_steps=10, keep=2,
-                         allow_resize=True)
+ck = worker.Checkpointer(model=model, optimizer=opt, every=10, keep=2,
+                         restoring=worker.Restoring(allow_resize=True))
 step = resumed = ck.restore()
 while step < total:
     model(torch.randn(8, 64)).sum().backward()

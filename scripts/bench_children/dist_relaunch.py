@@ -20,7 +20,7 @@ rank = dist.get_rank()
 attempt = int(os.environ.get("RTRAIN_ATTEMPT", "0"))
 model = nn.parallel.DistributedDataParallel(nn.Linear(64, 64))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-ck = worker.Checkpointer(model=model, optimizer=opt, every_steps=10, keep=2)
+ck = worker.Checkpointer(model=model, optimizer=opt, every=10, keep=2)
 step = ck.restore()
 first = True
 while step < total:

@@ -12,7 +12,7 @@ Rules, in the order they are reported (a cause is named only when the runs diffe
 3. a global generator or the data position moved between `optimizer.step()` and
    `maybe_save()`: a batch drawn there (a prefetch) is lost on resume;
 4. a DataLoader was mid-epoch at a save but not handed to the Checkpointer;
-5. `sampler=` alone with a DataLoader that has workers (its sampler runs ahead of the loop);
+5. a bare sampler as `loader=` of a DataLoader that has workers (it runs ahead of the loop);
 6. the script seeded a global generator after restore() loaded a checkpoint: the restored RNG
    state is replaced (with the model's dropout named when it has some);
 7. the model draws from the RNG in training mode (dropout) and nothing above explains the
@@ -149,9 +149,9 @@ def likely_causes(ev: Evidence) -> list[Cause]:
                          "lost on resume; pass it as Checkpointer(loader=...)"))
     if ev.sampler_with_workers:
         out.append(Cause(CauseKind.SAMPLER_WITH_WORKERS,
-                         "the Checkpointer has the sampler (sampler=) of a DataLoader with "
-                         "workers, whose sampler runs batches ahead of the loop: pass "
-                         "loader=... instead"))
+                         "the Checkpointer has the bare sampler (loader=sampler) of a "
+                         "DataLoader with workers, whose sampler runs batches ahead of the "
+                         "loop: pass the DataLoader as loader= instead"))
     dropout = (f"; the model's {_some(ev.rng_modules)} draw other masks"
                if ev.rng_modules else "")
     if ev.reseeded:

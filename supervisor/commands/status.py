@@ -89,7 +89,7 @@ class RunSummary:
     failure_rate: str | None = None
     """The last failure_rate alarm (too many failures in an hour), if any."""
     cadence: dict[str, Any] | None = None
-    """Under every_steps="auto": the last interval chosen (the `cadence` event): attempt,
+    """Under every="auto": the last interval chosen (the `cadence` event): attempt,
     step, every_steps, reason, save_stall_s, step_time_s, mtbf_s, mtbf_source, loss_factor,
     expected_loss_s."""
     recovery: dict[str, Any] | None = None

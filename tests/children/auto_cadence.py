@@ -16,8 +16,8 @@ steps = int(sys.argv[1])
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-ck = worker.Checkpointer(model=model, optimizer=opt, every_steps="auto", total_steps=steps,
-                         keep=2)
+ck = worker.Checkpointer(model=model, optimizer=opt, keep=2,
+                         every=worker.Every(steps="auto", total_steps=steps))
 for step in range(ck.restore(), steps):
     loss = model(torch.randn(3, 4)).pow(2).mean()
     opt.zero_grad()

@@ -3,7 +3,7 @@
 usage: chaos_train.py OUT_DIR
 
 Knobs (worker.settings, i.e. RTRAIN_SETTINGS): batch_size, grad_accum, steps, save_every (0:
-every_steps="auto", the cadence chosen from the save cost and the run's failures), lr,
+every="auto", the cadence chosen from the save cost and the run's failures), lr,
 samples, keep, workers (DataLoader worker processes; the loader is then handed to the
 Checkpointer), mem_mb (MiB of host memory touched per sample of a micro-batch, so memory use
 scales with batch_size), step_sleep (seconds per step), fill_at / unfill_at / fill_path (fill
@@ -78,9 +78,9 @@ opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=25, gamma=0.8)
 sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
 loader = DataLoader(ds, batch_size=s.batch_size, sampler=sampler, num_workers=s.workers)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
-                           loader=loader if s.workers else None,
-                           every_steps=s.save_every or "auto", total_steps=s.steps, keep=s.keep)
+ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched,
+                           loader=loader if s.workers else sampler, keep=s.keep,
+                           every=worker.Every(steps=s.save_every or "auto", total_steps=s.steps))
 resume_from = os.environ.get(ENV_RESUME_FROM)
 ok = verify(resume_from, Level.FULL).ok if resume_from else None
 start = ckpt.restore()

@@ -51,8 +51,8 @@ else:
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
 loader = DataLoader(ds, batch_size=GLOBAL, sampler=sampler, drop_last=True)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, sampler=sampler, every_steps=args.every,
-                           keep=5, allow_resize=True,
+ckpt = worker.Checkpointer(model=model, optimizer=opt, loader=sampler, every=args.every,
+                           keep=5, restoring=worker.Restoring(allow_resize=True),
                            ckpt_dir=os.environ.get("RTRAIN_CKPT_DIR", "checkpoints"))
 
 

@@ -62,13 +62,13 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
 if args.workers < 0:
     sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
     loader = DataLoader(ds, batch_size=4 * world, sampler=sampler)  # global batch; rank's slice
-    data = {"sampler": sampler}
+    tracked = sampler
 else:
     sampler = worker.DistributedResumableSampler(len(ds), seed=7, shuffle=True)
     loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=args.workers)
-    data = {"loader": loader}
-ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, **data,
-                           every_steps=args.every, keep=2,
+    tracked = loader
+ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=tracked,
+                           every=args.every, keep=2,
                            ckpt_dir=os.environ.get("RTRAIN_CKPT_DIR", "checkpoints"))
 step = ckpt.restore()
 while step < args.total:

@@ -7,7 +7,7 @@ MODE:
   optimizer  an uncaught RuntimeError inside optimizer.step, after half the parameters moved
   caught     the forward's error caught by the script: ckpt.save_on_failure(e), then exit 3
   sigkill    SIGKILL to itself in the forward
-No scheduled saves (every_steps=1000): whatever checkpoint exists was saved at the failure.
+No scheduled saves (every=1000): whatever checkpoint exists was saved at the failure.
 """
 
 import os
@@ -34,7 +34,7 @@ class HalfStep(torch.optim.SGD):
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 2))
 opt = HalfStep(model.parameters(), lr=0.1)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every_steps=1000)
+ckpt = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=1000)
 start = ckpt.restore()
 for step in range(start + 1, 20):
     x = torch.randn(4, 8)

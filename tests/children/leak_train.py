@@ -5,7 +5,7 @@ usage: leak_train.py OUT_DIR
 
 Knobs (worker.settings): batch_size, grad_accum, steps, grow_kb, step_sleep, save_every, and
 free_on_relieve: whether a relieve request (memory pressure) drops the cache
-(`Checkpointer(on_pressure=...)`), or frees nothing.
+(`worker.on_pressure(...)`), or frees nothing.
 
 Writes OUT_DIR/steps.jsonl: {"a": attempt, "step", "bs", "accum"} per executed step (flushed
 before the step's maybe_save) and {"a", "start": step, "settings"} per start.
@@ -42,8 +42,8 @@ def on_pressure() -> str | None:
 torch.manual_seed(0)
 model = torch.nn.Linear(16, 4)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, every_steps=s.save_every, keep=2,
-                           on_pressure=on_pressure)
+worker.on_pressure(on_pressure)
+ckpt = worker.Checkpointer(model=model, optimizer=opt, every=s.save_every, keep=2)
 start = ckpt.restore()
 log.write(json.dumps({"a": attempt, "start": start, "settings": dict(s)}) + "\n")
 print(f"attempt {attempt}: start at step {start}, batch_size {s.batch_size}", flush=True)

@@ -1,6 +1,6 @@
 """Leave processes behind when rtrain is SIGKILLed: a `setsid` grandchild with a cleared
 environment that keeps appending to DIR/ticks, and a forked checkpoint writer (as
-Checkpointer(async_save=True) forks one) that commits step 7 once DIR/go exists.
+Saving(async_mode="fork") forks one) that commits step 7 once DIR/go exists.
 
 usage: leave_behind_on_kill.py DIR     (attempt 0 only; later attempts exit 0 at once)
 DIR receives grandchild.pid, writer.pid and, if the writer gets to commit, writer.result.

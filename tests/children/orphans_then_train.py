@@ -33,7 +33,7 @@ import worker  # noqa: E402
 
 model = torch.nn.Linear(8, 8)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every_steps=5)
+ckpt = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=5)
 for step in range(ckpt.restore() + 1, steps + 1):
     opt.zero_grad()
     model(torch.ones(2, 8)).sum().backward()

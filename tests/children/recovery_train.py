@@ -30,7 +30,7 @@ def log(**fields):
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-ck = worker.Checkpointer(model=model, optimizer=opt, every_steps=5, keep=None)
+ck = worker.Checkpointer(model=model, optimizer=opt, every=5, keep=None)
 start = ck.restore()
 log(resumed=start)
 for step in range(start, steps):

@@ -31,7 +31,7 @@ def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, every_steps=5)
+ckpt = worker.Checkpointer(model=model, optimizer=opt, every=5)
 step = ckpt.restore()
 if args.reseed:
     torch.manual_seed(1337)

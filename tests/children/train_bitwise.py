@@ -35,9 +35,9 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
 sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
 loader = DataLoader(ds, batch_size=args.batch, sampler=sampler)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, sampler=sampler,
-                           ckpt_dir=args.ckpt_dir, every_steps=args.every, keep=2,
-                           async_save=args.async_save)
+ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=sampler,
+                           ckpt_dir=args.ckpt_dir, every=args.every, keep=2,
+                           saving=worker.Saving(async_mode="auto" if args.async_save else "off"))
 step = ckpt.restore()
 while step < args.total:
     for x, y in loader:

@@ -117,9 +117,10 @@ if args.loader == "stateful":
     loader = StatefulDataLoader(ds, sampler=sampler, **kw)
 else:
     loader = DataLoader(ds, sampler=sampler, **kw)
-tracked = {"loader": loader} if args.loader != "none" else {"sampler": sampler}
+# --loader none: the bare sampler, the idiom exact only without loader workers
 ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, ckpt_dir=args.ckpt_dir,
-                           every_steps=args.every, keep=2, **tracked)
+                           every=args.every, keep=2,
+                           loader=loader if args.loader != "none" else sampler)
 step = ckpt.restore()
 log = open(args.log, "a") if args.log else None  # noqa: SIM115
 while step < args.total:

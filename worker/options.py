@@ -1,0 +1,252 @@
+"""The Checkpointer's option groups: when to save, what to keep, how to save, how to restore.
+
+Each group is a frozen dataclass with defaults, so the common case passes none of them and a
+script that changes one setting names only that one: `saving=Saving(async_mode="fork")`. The
+groups check their own values when built, so a mistake fails at the line that made it. Each
+class's "Attributes:" section is the reference for its fields: `help(worker.Checkpointer)`
+shows them all (worker/checkpointer.py appends them) and the README's reference is generated
+from that text (tests/test_checkpointer_reference.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from supervisor.ckpt.retention import RetentionPolicy
+from supervisor.ckpt.verify import Level
+from worker.cadence import MAX_SECONDS, CadenceBounds
+
+if TYPE_CHECKING:
+    import torch
+
+AsyncMode = Literal["off", "auto", "fork", "thread"]
+FAILURE_SAVE_TIMEOUT_S = 300.0  # the longest a failing process waits for its save at the failure
+
+
+@dataclass(frozen=True, kw_only=True)
+class Every:
+    """When to save. `every=100` is `Every(steps=100)`; `every="auto"` is `Every(steps="auto")`.
+
+    Attributes:
+        steps: Save when the step is a multiple of this. "auto" re-chooses the interval after
+            every save from the measured save stall, the step time, the run's failures (passed
+            in by rtrain) and the loss trend, within `min_steps`..`max_steps` (docs/design.md,
+            "Save cadence"). None: no step schedule.
+        seconds: Save when this much wall time has passed since the last save. With
+            steps="auto" it is the longest time between saves (default 1800).
+        epoch_end: Also save when `maybe_save(..., epoch_end=True)` is called.
+        total_steps: The run's length in steps. With steps="auto" the saves before the first
+            measured one come about 20 times over the run instead of after 10 minutes.
+        min_steps: steps="auto" only: never save more often than every this many steps.
+        max_steps: steps="auto" only: never save less often than every this many steps
+            (None: no step limit).
+    """
+
+    steps: int | Literal["auto"] | None = None
+    seconds: float | None = None
+    epoch_end: bool = False
+    total_steps: int | None = None
+    min_steps: int = 1
+    max_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps != "auto":
+            if self.steps is not None and (not _is_int(self.steps) or self.steps < 1):
+                raise ValueError(f"Every(steps=) takes a whole number of at least 1 or 'auto', "
+                                 f"not {self.steps!r}")
+            if self.min_steps != 1 or self.max_steps is not None:
+                raise ValueError("Every(min_steps=, max_steps=) bound steps='auto': set "
+                                 "steps='auto' or leave them out")
+        if self.seconds is not None and not self.seconds > 0:
+            raise ValueError(f"Every(seconds=) must be positive, not {self.seconds!r}")
+        if self.total_steps is not None and (not _is_int(self.total_steps)
+                                             or self.total_steps < 1):
+            raise ValueError(f"Every(total_steps=) must be a whole number of at least 1, not "
+                             f"{self.total_steps!r}")
+        if self.steps == "auto":
+            self.bounds()  # CadenceBounds checks min_steps and max_steps
+
+    def bounds(self) -> CadenceBounds | None:
+        """The limits of an automatic cadence (None: a fixed schedule)."""
+        if self.steps != "auto":
+            return None
+        seconds = self.seconds if self.seconds is not None else MAX_SECONDS
+        return CadenceBounds(min_steps=self.min_steps, max_steps=self.max_steps,
+                             max_seconds=seconds)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Keep:
+    """Which checkpoints to keep when a new one is committed. `keep=3` is `Keep(last=3)`;
+    `keep=None` keeps every checkpoint.
+
+    Attributes:
+        last: The newest verified checkpoints to keep (at least 1); None keeps all.
+        best: Also keep this many best checkpoints by `metric`.
+        metric: The name (a key of `maybe_save(metrics=...)`) that ranks checkpoints for
+            `best`.
+        mode: "min" when lower is better (a loss), "max" when higher is (an accuracy).
+        milestone_every: Also keep every checkpoint whose step is a multiple of this (0: none).
+    """
+
+    last: int | None = 3
+    best: int = 0
+    metric: str | None = None
+    mode: Literal["min", "max"] = "min"
+    milestone_every: int = 0
+
+    def __post_init__(self) -> None:
+        self.policy()  # RetentionPolicy checks the values
+
+    def policy(self) -> RetentionPolicy:
+        """The same rule in the checkpoint format's terms (`rtrain prune` applies it too)."""
+        return RetentionPolicy(keep=self.last, keep_best=self.best, metric=self.metric,
+                               mode=self.mode, milestone_every=self.milestone_every)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Saving:
+    """How a checkpoint is written.
+
+    Attributes:
+        async_mode: "off" writes in the training thread. "fork" forks a writer whose
+            copy-on-write view of memory is the snapshot (the stall is the fork); "thread"
+            copies tensors into reused pinned buffers and writes them from a thread; "auto"
+            forks for state in host memory and uses the thread for CUDA state or under
+            torch.distributed (a forked child cannot join collectives). Sharded (DCP) state is
+            always written synchronously.
+        fsync: fsync every file and directory before the commit, so a power loss cannot leave
+            a committed checkpoint unreadable. False only where the storage makes it moot.
+        sharded: True saves DTensor/FSDP state through torch.distributed.checkpoint, each
+            rank its own shards; False saves the model's state dict as one replicated copy;
+            None detects sharded parameters at each save.
+        trainable_only: Save only the parameters that require grad (adapters), with a
+            fingerprint of the frozen base that the restore checks. Not with sharded state.
+        on_failure: When an exception ends the script before anything changed the training
+            state since the last step boundary, commit that step's checkpoint (single
+            process; docs/design.md, "Save at failure").
+        failure_timeout_s: The longest the failing process waits for that save.
+    """
+
+    async_mode: AsyncMode = "off"
+    fsync: bool = True
+    sharded: bool | None = None
+    trainable_only: bool = False
+    on_failure: bool = True
+    failure_timeout_s: float = FAILURE_SAVE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.async_mode not in ("off", "auto", "fork", "thread"):
+            raise ValueError(f"Saving(async_mode=) is 'off', 'auto', 'fork' or 'thread', not "
+                             f"{self.async_mode!r}")
+        if not self.failure_timeout_s > 0:
+            raise ValueError(f"Saving(failure_timeout_s=) must be positive, not "
+                             f"{self.failure_timeout_s!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restoring:
+    """How `restore()` reads a checkpoint.
+
+    Attributes:
+        verify: "full" also recomputes every file's hash as it is read and compares it with
+            the manifest; "quick" checks the manifest, its signature (with a key), file names
+            and sizes only (very large checkpoints on trusted storage).
+        map_location: Where tensors are loaded (as torch.load's `map_location`); the
+            components' load_state_dict then move them where they belong.
+        allow_resize: Load a replicated (unsharded) checkpoint saved by a different number
+            of ranks: the model and optimizer load, the resume is not bitwise exact (one RNG
+            state per rank). Sharded checkpoints reshard without it.
+        allow_pickle: Let DCP's own reader unpickle a sharded checkpoint's metadata: it runs
+            code from the checkpoint, so trusted checkpoints only. Without it, sharded
+            checkpoints are read without unpickling.
+    """
+
+    verify: Literal["quick", "full"] = "full"
+    map_location: str | torch.device = "cpu"
+    allow_resize: bool = False
+    allow_pickle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.verify not in ("quick", "full"):
+            raise ValueError(f"Restoring(verify=) is 'quick' or 'full', not {self.verify!r}")
+
+    @property
+    def level(self) -> Level:
+        return Level(self.verify)
+
+
+def as_every(value: Any) -> Every:
+    """`every=`: a number of steps, "auto", an Every, or None (no schedule)."""
+    if value is None:
+        return Every()
+    if isinstance(value, Every):
+        return value
+    if isinstance(value, CadenceBounds):
+        raise TypeError("every= takes Every(steps='auto', min_steps=, max_steps=, seconds=) "
+                        "for an automatic cadence with bounds, not a CadenceBounds")
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+        return Every(steps=value)
+    raise TypeError(f"every= takes a number of steps, 'auto' or an Every(...), not {value!r}")
+
+
+def as_keep(value: Any) -> Keep:
+    """`keep=`: how many of the newest to keep (None: all), or a Keep."""
+    if isinstance(value, Keep):
+        return value
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return Keep(last=value)
+    raise TypeError(f"keep= takes a number of checkpoints, None (keep all) or a Keep(...), "
+                    f"not {value!r}")
+
+
+def as_group(cls: type, value: Any, name: str) -> Any:
+    """`saving=`/`restoring=`: an instance of the group's class, or None for its defaults."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}= takes a {cls.__name__}(...), not {type(value).__name__}")
+    return value
+
+
+
+GROUPS = (Every, Keep, Saving, Restoring)
+
+
+def fields_documented(cls: type) -> dict[str, str]:
+    """The "Attributes:" section of an option class's docstring: name -> its text."""
+    doc = inspect.getdoc(cls) or ""
+    if "Attributes:\n" not in doc:
+        return {}
+    entries: dict[str, str] = {}
+    name = None
+    for line in doc.split("Attributes:\n", 1)[1].splitlines():
+        if line.startswith("    ") and not line.startswith("        ") and ":" in line:
+            name, text = line.strip().split(":", 1)
+            entries[name] = text.strip()
+        elif line.startswith("        ") and name is not None:
+            entries[name] += " " + line.strip()
+        elif line.strip():
+            break
+    return entries
+
+
+def reference() -> str:
+    """The option groups' docstrings, one after another: appended to the Checkpointer's."""
+    parts = []
+    for cls in GROUPS:
+        fields = ", ".join(f"{f.name}={_default(f)}" for f in dataclasses.fields(cls))
+        parts.append(f"{cls.__name__}({fields})\n    " +
+                     (inspect.getdoc(cls) or "").replace("\n", "\n    "))
+    return "\n\n".join(parts)
+
+
+def _default(f: dataclasses.Field) -> str:
+    return repr(f.default)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
