@@ -8,30 +8,10 @@ Progress is a newer step or such content; it resets the crash-loop count, forgiv
 and ends a quarantine streak alike. It returns a `Decision` holding a new `History` (the old one
 is never mutated), which the loop persists in state.json.
 
-Rules, in order:
-  child exited 0                          -> FINISHED (exit 0)
-  the supervisor was asked to stop (a     -> REQUEUE (config.requeue) or EXIT_PREEMPTED (exit 75)
-    signal, or the Slurm time limit near)
-  startup failure                         -> GIVE_UP (exit 3): retrying a broken import loops
-  preempted on its own (exit 75)          -> RELAUNCH, same rung, no budget, no backoff
-  bad_checkpoint (the worker could not    -> RELAUNCH from the next older checkpoint (the launch
-    load the checkpoint it was given)        loop skips that one), no per-kind budget, no backoff,
-                                             not part of a crash-loop streak
-  more failures in an hour than allowed   -> alarm; GIVE_UP when give_up_on_rate
-  max_restarts or the kind's budget spent -> GIVE_UP (exit 1); progress since the last failure
-                                             forgives earlier charges first (budgets.py)
-  quarantine_after attempts resumed from one checkpoint failed the same way before committing
-  a newer one                             -> quarantine it, RELAUNCH from the one before it
-  oom_gpu / oom_host / memory_pressure    -> RELAUNCH one rung down; at the floor GIVE_UP
-  lost_device under Slurm with requeue    -> REQUEUE with this node excluded
-  K attempts without a newer checkpoint   -> GIVE_UP (crash loop)
-  nonfinite                               -> RELAUNCH from the checkpoint before the newest, lr cut
-  crash / hang / lost_device / data       -> RELAUNCH on the same rung (or one up, see below)
-A relaunch that is not a memory failure climbs back one rung after `restore_after_steps`
-healthy steps, when that is on and the rung above fits by its recorded memory peak
-(decide/pressure.py `climb_fits`); a rung that does not fit is tried again after as many
-healthy steps more. memory_pressure (rtrain stopped the child before an OOM) is a memory
-failure like oom_gpu / oom_host: one rung down, charged to the oom budget.
+Rules, in order: the table "What happens on each failure" in README.md, the one statement of
+them: one row per rule, the first that applies decides. This function follows it row by row
+(tests/test_policy_*.py hold it to it); the climb back a rung is docs/design.md's, "Memory
+pressure".
 """
 
 from __future__ import annotations
