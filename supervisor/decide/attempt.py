@@ -70,6 +70,8 @@ Record = Event | Say
 
 @dataclass(frozen=True, kw_only=True)
 class Judgement:
+    """What `judge` returns: the decision, the failure it rests on and what to record."""
+
     decision: Decision  # its history is the one to persist
     failure: Failure | None  # None: the child exited 0
     records: tuple[Record, ...]  # to write, in order, before acting on the decision
@@ -157,12 +159,14 @@ def _ending_times(seen: Observation, ev: Evidence) -> dict[str, float]:
 
 
 def failure_records(attempt: int, failure: Failure) -> list[Record]:
+    """What the attempt failed of, in a word and in the sentence a person reads."""
     return [Event("classification", {"attempt": attempt, "failure": failure.kind.value,
                                      "reason": failure.reason}),
             Say(f"attempt {attempt} failed: {failure.kind.value}: {failure.reason}")]
 
 
 def decision_records(attempt: int, decision: Decision, config: Config) -> list[Record]:
+    """The decision, with the alarm, the quarantine and the rung change it carries."""
     records: list[Record] = []
     if decision.alarm:
         # Progress forgives failures, so a run can fail all day without stopping: say so.
