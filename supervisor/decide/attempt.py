@@ -68,6 +68,20 @@ class Say:
 Record = Event | Say
 
 
+class Records:
+    """What to record, collected in order: `emit` and `say` take what `EventLog.emit` and the
+    terminal's `say` take (tests/test_event_schema.py checks the kinds and fields named here)."""
+
+    def __init__(self) -> None:
+        self.items: list[Record] = []
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        self.items.append(Event(kind, fields))
+
+    def say(self, line: str) -> None:
+        self.items.append(Say(line))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Judgement:
     """What `judge` returns: the decision, the failure it rests on and what to record."""
@@ -79,17 +93,16 @@ class Judgement:
 
 def judge(result: AttemptResult, history: History, config: Config) -> Judgement:
     """The decision on the attempt `history.attempt`, and what to record of its end."""
-    attempt, seen = history.attempt, result.seen
+    attempt, seen, out = history.attempt, result.seen, Records()
     ev = evidence(seen)
-    records = [*wall_clock_stop(attempt, result.wall, seen),
-               *end_records(attempt, seen, ev, result.duration_s, result.slurm)]
+    record_wall_clock_stop(out, attempt, result.wall, seen)
+    record_end(out, attempt, seen, ev, result.duration_s, result.slurm)
     failure = None
     if not (ev.returncode == 0 and not ev.signal):
         failure = classify(ev, memory_pressure_fraction=config.memory_pressure_fraction)
-        records += failure_records(attempt, failure)
+        record_failure(out, attempt, failure)
         if failure.kind is FailureKind.BAD_CHECKPOINT:
-            history, skipped = _skip_bad(history, result, failure.reason)
-            records += skipped
+            history = _skip_bad(out, history, result, failure.reason)
     resumed = result.resumed
     history = note_progress(history, ev, resumed_step=resumed and resumed.step,
                             duration_s=result.duration_s)
@@ -97,54 +110,49 @@ def judge(result: AttemptResult, history: History, config: Config) -> Judgement:
                       newest_step=result.newest_step, now=result.now, resumed=resumed,
                       committed=result.committed or result.progressed,
                       on_slurm=result.slurm is not None, progressed=result.progressed)
-    records += decision_records(attempt, decision, config)
-    return Judgement(decision=decision, failure=failure, records=tuple(records))
+    record_decision(out, attempt, decision, config)
+    return Judgement(decision=decision, failure=failure, records=tuple(out.items))
 
 
-def _skip_bad(history: History, result: AttemptResult,
-              reason: str) -> tuple[History, list[Record]]:
+def _skip_bad(out: Records, history: History, result: AttemptResult, reason: str) -> History:
     """The worker could not load the checkpoint it resumed from: never offer it again."""
     if result.resumed is None or result.resumed_identity is None:
-        return history, []
+        return history
     path = result.resumed.path
-    return (replace(history, bad_checkpoints=(*history.bad_checkpoints,
-                                              result.resumed_identity)),
-            [Say(f"skipping {PurePath(path).name} from now on: {reason}"),
-             Event("skipped_checkpoint", {"path": path, "reason": f"cannot load: {reason}"})])
+    out.say(f"skipping {PurePath(path).name} from now on: {reason}")
+    out.emit("skipped_checkpoint", path=path, reason=f"cannot load: {reason}")
+    return replace(history, bad_checkpoints=(*history.bad_checkpoints, result.resumed_identity))
 
 
-def wall_clock_stop(attempt: int, plan: WallPlan | None, seen: Observation) -> list[Record]:
+def record_wall_clock_stop(out: Records, attempt: int, plan: WallPlan | None,
+                           seen: Observation) -> None:
     """The attempt was stopped before the job's time limit (not by a signal that came first)."""
     if plan is None or plan.stop_at is None or seen.stop_requested != WHY:
-        return []
-    return [Event("wall_clock_stop", {"attempt": attempt, "end_time": plan.end,
-                                      "stop_at": plan.stop_at,
-                                      "margin_s": round(plan.margin_s, 3), "reason": plan.why}),
-            Say(f"attempt {attempt}: stopped {plan.why}")]
+        return
+    out.emit("wall_clock_stop", attempt=attempt, end_time=plan.end, stop_at=plan.stop_at,
+             margin_s=round(plan.margin_s, 3), reason=plan.why)
+    out.say(f"attempt {attempt}: stopped {plan.why}")
 
 
-def end_records(attempt: int, seen: Observation, ev: Evidence, duration_s: float,
-                 slurm: dict[str, Any] | None) -> list[Record]:
+def record_end(out: Records, attempt: int, seen: Observation, ev: Evidence, duration_s: float,
+               slurm: dict[str, Any] | None) -> None:
     """The signals that reached rtrain, the exit, the last heartbeat's figures and the devices
     that failed their health checks."""
     hs = seen.heartbeats
-    records: list[Record] = [Event("signal", {"name": name}) for name in seen.signals]
-    records.append(Event("exit", {
-        "attempt": attempt, "returncode": ev.returncode, "signal": ev.signal,
-        "duration_s": round(duration_s, 3), "last_step": ev.last_step,
-        "peak_rss_bytes": ev.peak_rss_bytes, "gpu_used_peak": ev.gpu_mem_used_peak,
-        "gpu_total": ev.gpu_mem_total, "leftovers": list(seen.leftovers),
-        **measured(seen), **_ending_times(seen, ev)}))
+    for name in seen.signals:
+        out.emit("signal", name=name)
+    out.emit("exit", attempt=attempt, returncode=ev.returncode, signal=ev.signal,
+             duration_s=round(duration_s, 3), last_step=ev.last_step,
+             peak_rss_bytes=ev.peak_rss_bytes, gpu_used_peak=ev.gpu_mem_used_peak,
+             gpu_total=ev.gpu_mem_total, leftovers=list(seen.leftovers),
+             **measured(seen), **_ending_times(seen, ev))
     if hs.last_step is not None:
-        records.append(Event("heartbeat_summary", {
-            "attempt": attempt, "step": hs.last_step, "loss": hs.last_loss,
-            "samples_per_s": hs.samples_per_s, "rss_bytes": ev.peak_rss_bytes,
-            "gpu_used": ev.gpu_mem_used_peak, "gpu_total": ev.gpu_mem_total}))
+        out.emit("heartbeat_summary", attempt=attempt, step=hs.last_step, loss=hs.last_loss,
+                 samples_per_s=hs.samples_per_s, rss_bytes=ev.peak_rss_bytes,
+                 gpu_used=ev.gpu_mem_used_peak, gpu_total=ev.gpu_mem_total)
     if seen.failed_devices:
-        records.append(Event("device_failed", {
-            "attempt": attempt, "detail": seen.failed_detail,
-            "devices": list(seen.failed_devices), **({"slurm": slurm} if slurm else {})}))
-    return records
+        out.emit("device_failed", attempt=attempt, detail=seen.failed_detail,
+                 devices=list(seen.failed_devices), **({"slurm": slurm} if slurm else {}))
 
 
 def _ending_times(seen: Observation, ev: Evidence) -> dict[str, float]:
@@ -158,35 +166,32 @@ def _ending_times(seen: Observation, ev: Evidence) -> dict[str, float]:
     return {k: round(v, 6) for k, v in times.items() if v is not None}
 
 
-def failure_records(attempt: int, failure: Failure) -> list[Record]:
+def record_failure(out: Records, attempt: int, failure: Failure) -> None:
     """What the attempt failed of, in a word and in the sentence a person reads."""
-    return [Event("classification", {"attempt": attempt, "failure": failure.kind.value,
-                                     "reason": failure.reason}),
-            Say(f"attempt {attempt} failed: {failure.kind.value}: {failure.reason}")]
+    out.emit("classification", attempt=attempt, failure=failure.kind.value,
+             reason=failure.reason)
+    out.say(f"attempt {attempt} failed: {failure.kind.value}: {failure.reason}")
 
 
-def decision_records(attempt: int, decision: Decision, config: Config) -> list[Record]:
+def record_decision(out: Records, attempt: int, decision: Decision, config: Config) -> None:
     """The decision, with the alarm, the quarantine and the rung change it carries."""
-    records: list[Record] = []
     if decision.alarm:
         # Progress forgives failures, so a run can fail all day without stopping: say so.
-        records += [Event("failure_rate", {"attempt": attempt, "detail": decision.alarm,
-                                           "count": len(decision.history.failure_times),
-                                           "limit": config.restart.max_failures_per_hour}),
-                    Say(f"WARNING: {decision.alarm}")]
+        out.emit("failure_rate", attempt=attempt, detail=decision.alarm,
+                 count=len(decision.history.failure_times),
+                 limit=config.restart.max_failures_per_hour)
+        out.say(f"WARNING: {decision.alarm}")
     if decision.quarantine:
         q = decision.quarantine
-        records += [Event("quarantine", {"attempt": attempt, "path": q["path"],
-                                         "step": q["step"], "reason": q["reason"]}),
-                    Say(f"quarantined {q['path']}: {q['reason']}")]
-    records.append(Event("decision", {
-        "attempt": attempt, "action": decision.action.value, "reason": decision.reason,
-        "backoff_s": round(decision.backoff_s, 3), "level": decision.level,
-        "settings": decision.settings, "exit_code": decision.exit_code,
-        "resume": decision.resume.value}))
+        out.emit("quarantine", attempt=attempt, path=q["path"], step=q["step"],
+                 reason=q["reason"])
+        out.say(f"quarantined {q['path']}: {q['reason']}")
+    out.emit("decision", attempt=attempt, action=decision.action.value, reason=decision.reason,
+             backoff_s=round(decision.backoff_s, 3), level=decision.level,
+             settings=decision.settings, exit_code=decision.exit_code,
+             resume=decision.resume.value)
     if decision.ladder_change:
-        records += [Event("degrade", {"attempt": attempt, "change": decision.ladder_change,
-                                      "level": decision.level, "settings": decision.settings}),
-                    Say(f"degrading: {decision.ladder_change} -> settings "
-                        f"{json.dumps(decision.settings)}")]
-    return records
+        out.emit("degrade", attempt=attempt, change=decision.ladder_change,
+                 level=decision.level, settings=decision.settings)
+        out.say(f"degrading: {decision.ladder_change} -> settings "
+                f"{json.dumps(decision.settings)}")
