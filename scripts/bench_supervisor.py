@@ -49,7 +49,7 @@ def detection(tmp: Path, n: int) -> list[float]:
         ret = watch(child, replace(WatchConfig.from_config(Config()), sweep_confirm_s=0.5))
         done = time.monotonic()
         child.close()
-        assert ret.evidence.returncode == 3
+        assert ret.seen.returncode == 3
         out.append(done - float(stamp.read_text()))
     return out
 
@@ -145,8 +145,8 @@ def hang_latency(tmp: Path, n: int) -> list[float]:
                           hang_grace_s=1.0, dump_timeout_s=3.0)
             ret = watch(child, cfg, heartbeats=hb)
             child.close()
-        assert ret.evidence.hang, ret.evidence
-        out.append(ret.evidence.hang_at - float(mark.read_text()))
+        assert ret.seen.hang, ret.seen
+        out.append(ret.seen.hang_at - float(mark.read_text()))
     return out
 
 

@@ -5,28 +5,28 @@ are the real ones, and no process starts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from supervisor.config import load_config
-from supervisor.decide.failures import Evidence
+from supervisor.decide.observation import Observation
 from supervisor.launch.loop import LaunchSpec, Seams, launch
 from supervisor.proc.gpu import NullReader
 from supervisor.proc.signals import SignalCatcher
 from supervisor.proc.spawn import ChildSpec
 from supervisor.proc.stop import StopResult
-from supervisor.proc.watch_outcome import HeartbeatSummary, Outcome
+from supervisor.proc.watch_outcome import Outcome
 from supervisor.records.events import read_events
 
 PID0 = 4_200_000  # above any pid_max: no process can have it, so nothing real is touched
 
 
-def crash(code: int = 1, stderr: str = "ValueError: bad batch\n") -> Evidence:
-    return Evidence(returncode=code, stderr_tail=stderr, first_step_seen=True, last_step=5)
+def crash(code: int = 1, stderr: str = "ValueError: bad batch\n") -> Observation:
+    return Observation(returncode=code, stderr_tail=stderr, last_step=5)
 
 
-def success() -> Evidence:
-    return Evidence(returncode=0, first_step_seen=True, last_step=10)
+def success() -> Observation:
+    return Observation(returncode=0, last_step=10)
 
 
 @dataclass
@@ -43,7 +43,7 @@ class FakeChild:
 class Script:
     """The spawner, watcher, clock and sleepers of one scripted launch."""
 
-    outcomes: list[Evidence]
+    outcomes: list[Observation]  # what the watch sees of each attempt, in order
     now: float = 1_000.0
     spawned: list[FakeChild] = field(default_factory=list)
     backoffs: list[float] = field(default_factory=list)
@@ -73,12 +73,11 @@ class Script:
         return child
 
     def watch(self, child: FakeChild, config, **kw) -> Outcome:
-        ev = self.outcomes[len(self.spawned) - 1]
-        ev.pid = child.pid  # the watcher names the child it watched
+        # the watcher names the child it watched
+        seen = replace(self.outcomes[len(self.spawned) - 1], pid=child.pid)
         self.now += 30.0  # the attempt ran for 30 s
-        return Outcome(evidence=ev, heartbeats=HeartbeatSummary(),
-                       stop=StopResult(returncode=ev.returncode, signal_sent=None,
-                                       killed_after_grace=False),
+        return Outcome(seen=seen, stop=StopResult(returncode=seen.returncode, signal_sent=None,
+                                                  killed_after_grace=False),
                        pids_seen=[child.pid])
 
     def seams(self, gpu=None) -> Seams:

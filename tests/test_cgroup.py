@@ -6,6 +6,7 @@ import pytest
 from harness import child_spec
 
 from supervisor.config import Config
+from supervisor.decide.observation import evidence
 from supervisor.proc.cgroup import MemoryCgroup, limited_v1_group, memory_cgroup
 from supervisor.proc.spawn import spawn
 from supervisor.proc.watch import WatchConfig, watch
@@ -42,7 +43,7 @@ def test_cgroup_limit_kill_is_counted(tmp_path):
             child.close()
     finally:
         cm.__exit__(None, None, None)
-    ev = outcome.evidence
+    ev = evidence(outcome.seen)
     assert ev.signal == "SIGKILL", ev
     assert ev.cgroup_oom_kills >= 1
     assert not group.path.exists()

@@ -6,10 +6,11 @@ decisions are the real ones."""
 from __future__ import annotations
 
 import signal
+from dataclasses import replace
 
 from scripted_loop import PID0, Script, crash, run, success
 
-from supervisor.decide.failures import Evidence
+from supervisor.decide.observation import Heartbeats, Observation
 from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
 from supervisor.records.runstate import RunStatus, load_state
 
@@ -124,8 +125,8 @@ GIB = 1 << 30
 
 def test_a_pressure_stop_relaunches_one_rung_down_and_records_the_rungs_peak(tmp_path):
     why = "the run's cgroup at 900 MiB of 1024 MiB (88%, threshold 75%)"
-    stopped = Evidence(returncode=75, stop_confirmed=True, first_step_seen=True, last_step=140,
-                       pressure_stop=why, peak_rss_bytes=950 << 20, host_mem_limit=GIB)
+    stopped = Observation(returncode=75, heartbeats=Heartbeats(last_event="stop"), last_step=140,
+                          pressure_stop=why, peak_rss_bytes=950 << 20, host_mem_limit=GIB)
     script = Script([stopped, success()])
     code, events = run(tmp_path, script, settings={"batch_size": 16, "grad_accum": 1})
     assert code == 0
@@ -141,12 +142,10 @@ def test_a_pressure_stop_relaunches_one_rung_down_and_records_the_rungs_peak(tmp
 
 def test_the_climb_back_waits_until_the_rung_above_fits(tmp_path):
     def attempt(ev_kind, gpu_total):
-        ev = crash() if ev_kind == "crash" else Evidence(
-            returncode=1, stderr_tail="torch.OutOfMemoryError: CUDA out of memory\n",
-            first_step_seen=True)
-        ev.last_step, ev.peak_rss_bytes, ev.host_mem_limit = 600, GIB, 16 * GIB
-        ev.gpu_mem_used_peak, ev.gpu_mem_total = 79 * GIB, gpu_total
-        return ev
+        seen = crash() if ev_kind == "crash" else Observation(
+            returncode=1, stderr_tail="torch.OutOfMemoryError: CUDA out of memory\n")
+        return replace(seen, last_step=600, peak_rss_bytes=GIB, host_mem_limit=16 * GIB,
+                       gpu_mem_used_peak=79 * GIB, gpu_mem_total=gpu_total)
 
     # rung 0 ran out of an 80 GiB GPU; rung 1 trains 600 healthy steps, crashes: the 79 GiB
     # rung 0 does not fit 80 GiB; after 600 more it runs on a 160 GiB GPU: it fits, climb.

@@ -13,15 +13,13 @@ from test_watch import _watch
 
 from supervisor.commands.status import render_text, summarize, to_json
 from supervisor.config import SlurmConfig
-from supervisor.decide.failures import Evidence
-from supervisor.decide.wall_clock import Margin, Observed, learn_margin, plan_stop
+from supervisor.decide.observation import Heartbeats, Observation, evidence
+from supervisor.decide.wall_clock import Margin, Observed, learn_margin, measured, plan_stop
 from supervisor.launch import wallclock
-from supervisor.launch.wallclock import WallClock, measured, observed_in
+from supervisor.launch.wallclock import WallClock, observed_in
 from supervisor.proc import slurm
 from supervisor.proc.heartbeat import HeartbeatReceiver
 from supervisor.proc.slurm import JobTimes, parse_job_times
-from supervisor.proc.stop import StopResult
-from supervisor.proc.watch_outcome import HeartbeatSummary, Outcome
 from supervisor.protocol import Heartbeat
 from supervisor.records.events import EventLog
 
@@ -122,26 +120,25 @@ def test_plan_stops_margin_before_the_schedulers_end(end, start, now, stop_at, w
     assert plan.stop_at == stop_at and plan.end == end and why in plan.why
 
 
-def _outcome(*, stop_requested=None, stop_s=None, save_s=None, step_s=None) -> Outcome:
-    hs = HeartbeatSummary(max_step_interval=step_s, longest_save_s=save_s)
-    return Outcome(evidence=Evidence(returncode=75, stop_requested=stop_requested),
-                   heartbeats=hs, stop=StopResult(returncode=75, signal_sent="SIGTERM",
-                                                  killed_after_grace=False), stop_s=stop_s)
+def _seen(*, stop_requested=None, stop_s=None, save_s=None, step_s=None) -> Observation:
+    hs = Heartbeats(max_step_interval=step_s, longest_save_s=save_s)
+    return Observation(returncode=75, stop_requested=stop_requested, heartbeats=hs,
+                       stop_s=stop_s)
 
 
 def test_what_an_attempt_measured_goes_into_its_exit_event():
-    assert measured(_outcome(stop_requested="SIGUSR1", stop_s=1.23456, save_s=0.5,
-                             step_s=0.1)) == {"stop_s": 1.235, "save_s": 0.5, "step_s": 0.1}
+    assert measured(_seen(stop_requested="SIGUSR1", stop_s=1.23456, save_s=0.5,
+                          step_s=0.1)) == {"stop_s": 1.235, "save_s": 0.5, "step_s": 0.1}
     # a hung child's kill is no measure of a save
-    assert measured(_outcome(stop_s=15.0)) == {}
+    assert measured(_seen(stop_s=15.0)) == {}
 
 
 def test_longest_save_from_the_workers_heartbeats():
-    hs = HeartbeatSummary()
+    hs = Heartbeats()
     for event, t, rank in [("save_begin", 10.0, 0), ("save_begin", 10.5, 1), ("save_end", 12.0, 0),
                            ("save_end", 16.5, 1), ("save_end", 20.0, 0),  # an end without begin
                            ("save_begin", 30.0, 0)]:  # never ended: not counted
-        hs.add(Heartbeat(pid=1, rank=rank, time=t, event=event))
+        hs = hs.add(Heartbeat(pid=1, rank=rank, time=t, event=event))
     assert hs.longest_save_s == 6.0
 
 
@@ -168,8 +165,8 @@ def test_a_time_limit_stop_is_recorded_and_requeues(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
-    script = Script(outcomes=[Evidence(returncode=75, stop_requested=wallclock.WHY,
-                                       last_step=9)])
+    script = Script(outcomes=[Observation(returncode=75, stop_requested=wallclock.WHY,
+                                          last_step=9)])
     end = script.now + 3600  # the scripted clock's start (wall and monotonic alike)
     monkeypatch.setattr(slurm, "job_times",
                         lambda: (JobTimes(start=script.now - 600, end=end), "scontrol"))
@@ -202,11 +199,12 @@ def test_watch_stops_the_child_at_the_deadline_as_on_a_signal(tmp_path):
         t0 = time.monotonic()
         outcome, _ = _watch(tmp_path, "runtime_heartbeats.py", "preempt", heartbeats=receiver,
                             stop_at=t0 + 1.0, stop_why=wallclock.WHY)
-    ev = outcome.evidence
+    seen = outcome.seen
+    ev = evidence(seen)
     assert ev.returncode == 75 and ev.stop_requested == wallclock.WHY
-    assert outcome.signals == [] and outcome.stop.signal_sent == "SIGTERM"
-    assert not ev.killed_after_grace and outcome.heartbeats.last_event == "stop"
-    assert outcome.stop_s is not None and 0 <= outcome.stop_s < 5
+    assert seen.signals == () and outcome.stop.signal_sent == "SIGTERM"
+    assert not ev.killed_after_grace and seen.heartbeats.last_event == "stop"
+    assert seen.stop_s is not None and 0 <= seen.stop_s < 5
     assert time.monotonic() - t0 >= 1.0
 
 

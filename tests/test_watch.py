@@ -11,6 +11,7 @@ import pytest
 from harness import child_spec, gone, wait_for
 
 from supervisor.config import Config
+from supervisor.decide.observation import evidence
 from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
 from supervisor.proc.heartbeat import HeartbeatReceiver
 from supervisor.proc.signals import SignalCatcher
@@ -59,7 +60,7 @@ def test_crash_exit_code_stderr_and_exit_record(tmp_path):
         '{"kind": "data", "reason": "too many bad samples", "pid": 1, "v": 1}'
     )
     outcome, child = _watch(tmp_path, "crash_with_code.py", "3")
-    ev = outcome.evidence
+    ev = evidence(outcome.seen)
     assert ev.returncode == 3 and ev.signal is None and ev.pid == child.pid
     assert "RuntimeError: boom" in ev.stderr_tail
     assert [r["kind"] for r in ev.exit_records] == ["data"]
@@ -74,7 +75,7 @@ def test_leftover_grandchildren_are_swept_after_exit(tmp_path):
     pids_file = tmp_path / "pids"
     outcome, _ = _watch(tmp_path, "leave_grandchildren.py", str(pids_file))
     inside, escaped = map(int, wait_for(pids_file).split())
-    assert outcome.evidence.returncode == 0
+    assert outcome.seen.returncode == 0
     assert outcome.stop.leftovers == []
     assert gone(inside, 0.5) and gone(escaped, 0.5)
 
@@ -93,13 +94,13 @@ def test_signal_to_supervisor_forwards_stop_and_child_exits_75(tmp_path):
             tmp_path, "runtime_heartbeats.py", "preempt", heartbeats=receiver,
             on_heartbeat=on_heartbeat,
         )
-    ev = outcome.evidence
+    ev = evidence(outcome.seen)
     assert ev.returncode == 75
-    assert ev.stop_requested == "SIGUSR1" and outcome.signals == ["SIGUSR1"]
+    assert ev.stop_requested == "SIGUSR1" and outcome.seen.signals == ("SIGUSR1",)
     assert outcome.stop.signal_sent == "SIGTERM" and not ev.killed_after_grace
     assert ev.first_step_seen and ev.last_step is not None and ev.last_step >= 3
-    assert outcome.heartbeats.last_event == "stop"
-    assert outcome.heartbeats.samples_per_s and outcome.heartbeats.last_loss is not None
+    assert outcome.seen.heartbeats.last_event == "stop"
+    assert outcome.seen.heartbeats.samples_per_s and outcome.seen.heartbeats.last_loss is not None
     # handlers are restored once watch returns
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
@@ -111,9 +112,9 @@ def test_refused_control_requests_are_no_progress_and_leave_the_stop_confirmed(t
         outcome, _ = _watch(tmp_path, "runtime_heartbeats.py", "preempt_refused",
                             heartbeats=receiver, stop_at=time.monotonic() + 1.0, stop_why="test",
                             on_heartbeat=lambda hb: seen.append(hb.event))
-    ev = outcome.evidence
+    ev = evidence(outcome.seen)
     assert ev.returncode == 75 and ev.stop_confirmed  # its last word was still `stop`
-    assert outcome.heartbeats.last_event == "stop"
+    assert outcome.seen.heartbeats.last_event == "stop"
     assert seen[-1] == "control_refused" and "control_refused" in seen  # still reported
 
 
@@ -131,7 +132,7 @@ def test_stop_escalates_to_sigkill_after_grace(tmp_path):
         outcome, _ = _watch(
             tmp_path, "ignore_sigterm.py", config=config, signals=catcher, on_sample=on_sample
         )
-    ev = outcome.evidence
+    ev = evidence(outcome.seen)
     assert ev.signal == "SIGKILL" and ev.killed_after_grace and ev.stop_requested == "SIGTERM"
 
 
@@ -146,15 +147,15 @@ def test_second_sigint_kills_at_once(tmp_path):
     fired: list = []
     config = watch_config(sample_interval_s=0.1, grace_s=600)  # would take 10 min without it
     outcome, _ = _watch(tmp_path, "ignore_sigterm.py", config=config, on_sample=on_sample)
-    assert outcome.hard_stop and outcome.signals == ["SIGINT", "SIGINT"]
-    assert outcome.evidence.signal == "SIGKILL" and not outcome.evidence.killed_after_grace
+    assert outcome.hard_stop and outcome.seen.signals == ("SIGINT", "SIGINT")
+    assert evidence(outcome.seen).signal == "SIGKILL" and not outcome.seen.killed_after_grace
 
 
 @pytest.mark.slow
 def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
     config = watch_config(sample_interval_s=0.1, hang_grace_s=2, hang={"plain_timeout_s": 0.6})
     outcome, child = _watch(tmp_path, "hang.py", config=config)
-    ev = outcome.evidence
+    ev = evidence(outcome.seen)
     assert ev.hang and "no output and no CPU progress" in ev.hang_detail
     assert ev.signal == "SIGTERM"  # a plain script dies of the polite signal
     _assert_pyspy_stack(outcome, child)
@@ -164,7 +165,7 @@ def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
 def test_sigstopped_child_is_a_hang(tmp_path):
     config = watch_config(sample_interval_s=0.1, hang_grace_s=2, hang={"plain_timeout_s": 0.6})
     outcome, child = _watch(tmp_path, "hang.py", "stop", config=config)
-    ev = outcome.evidence
+    ev = evidence(outcome.seen)
     assert ev.hang and ev.signal == "SIGTERM"  # SIGCONT after SIGTERM lets it act on it
     _assert_pyspy_stack(outcome, child)
 
@@ -184,7 +185,7 @@ def test_learned_timeout_catches_silent_worker(tmp_path):
         outcome, child = _watch(
             tmp_path, "runtime_heartbeats.py", "silent", config=config, heartbeats=receiver
         )
-    ev = outcome.evidence
+    ev = evidence(outcome.seen)
     assert ev.hang and "learned" in ev.hang_detail, ev.hang_detail
     assert ev.first_step_seen and ev.last_step and ev.last_step >= 10
     # the worker handles SIGTERM by setting a flag it never reads while hung: SIGKILL follows
@@ -204,11 +205,12 @@ def test_a_save_at_the_hang_that_has_begun_outlives_the_grace(tmp_path):
         outcome, child = _watch(tmp_path, "runtime_heartbeats.py", "slow_hang_save", "2",
                                 config=config, heartbeats=receiver,
                                 env={"RTRAIN_CONTROL_TOKEN": "ab" * 16})
-    ev = outcome.evidence
+    ev = evidence(outcome.seen)
     assert ev.hang and ev.signal == "SIGKILL"
     assert (child.spec.attempt_dir / "saved").read_text() == "step 20"
-    assert outcome.heartbeats.last_event == "hang_save_done"
-    assert 2 <= outcome.stop_s < 20  # killed at the save's end, not the grace's or the allowance's
+    assert outcome.seen.heartbeats.last_event == "hang_save_done"
+    # killed at the save's end, not the grace's or the allowance's
+    assert 2 <= outcome.seen.stop_s < 20
 
 
 @pytest.mark.slow
@@ -220,7 +222,7 @@ def test_gpu_filling_up_then_lost(tmp_path):
     reader = ScriptedReader(readings)
     samples = []
     outcome, _ = _watch(tmp_path, "hang.py", gpu=reader, on_sample=samples.append)
-    ev = outcome.evidence
+    ev = evidence(outcome.seen)
     assert ev.gpu_lost and ev.gpu_detail == "GPU 0: GPU is lost"
     assert ev.gpu_mem_used_peak == 79 * GiB and ev.gpu_mem_total == 80 * GiB
     assert ev.signal == "SIGTERM" and not ev.hang

@@ -10,6 +10,7 @@ from harness import child_spec
 from supervisor.config import Config, PressureConfig
 from supervisor.decide.classify import classify
 from supervisor.decide.failures import FailureKind
+from supervisor.decide.observation import evidence
 from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
 from supervisor.proc.heartbeat import HeartbeatReceiver
 from supervisor.proc.spawn import spawn
@@ -43,7 +44,7 @@ def _watch(tmp_path, reader):
 def test_a_gpu_that_stays_full_stops_the_child_for_a_rung_down(tmp_path):
     # 10 samples at 40 GiB, then 78 of 80 GiB (97%) for good
     outcome, notes, out = _watch(tmp_path, ScriptedReader([gpu(40)] * 10 + [gpu(78)]))
-    ev = outcome.evidence
+    ev = evidence(outcome.seen)
     assert [n.action for n in notes] == ["relieve", "degrade"]
     assert notes[0].reading.source == "gpu0" and notes[0].reading.used == 78 * GIB
     assert "relieved at step" in out  # the request reached the worker and was answered
@@ -62,5 +63,5 @@ def test_pressure_that_goes_away_after_relief_stops_nothing(tmp_path):
     outcome, notes, out = _watch(tmp_path, reader)
     assert [n.action for n in notes] == ["relieve"]
     assert "relieved at step" in out
-    ev = outcome.evidence
+    ev = evidence(outcome.seen)
     assert ev.returncode == 0 and ev.pressure_stop is None and ev.last_step == 100

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 import signal as _signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,7 @@ def _memory_pressure(ev: Evidence, fraction: float) -> str | None:
     return None
 
 
-def _from_records(records: list[dict[str, Any]], ev: Evidence) -> Failure:
+def _from_records(records: Sequence[dict[str, Any]], ev: Evidence) -> Failure:
     def kind_of(rec: dict[str, Any]) -> FailureKind:
         try:
             return FailureKind(rec.get("kind"))
@@ -295,14 +295,14 @@ STARTUP_ERROR = re.compile(
 STARTUP_WINDOW_S = 120.0
 
 
-def plain_script_started(evidence: Evidence) -> bool:
+def plain_script_started(*, duration_s: float, stderr_tail: str) -> bool:
     """For a script without heartbeats: did it get past start-up?
 
     Without a step heartbeat there is no direct sign, so a failure counts as `startup` only when
     it came early and stderr shows a start-up error; any other failure is a crash, retried.
     """
-    early = evidence.duration_s < STARTUP_WINDOW_S
-    return not (early and STARTUP_ERROR.search(evidence.stderr_tail[-4096:]))
+    early = duration_s < STARTUP_WINDOW_S
+    return not (early and STARTUP_ERROR.search(stderr_tail[-4096:]))
 
 
 def _line_of(text: str, match: re.Match[str]) -> str:

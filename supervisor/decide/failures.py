@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -27,14 +27,15 @@ class FailureKind(str, enum.Enum):
 OUT_OF_MEMORY = (FailureKind.OOM_GPU, FailureKind.OOM_HOST, FailureKind.MEMORY_PRESSURE)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Evidence:
-    """What the watcher saw of one attempt; classification reads only this."""
+    """What classification reads of one attempt, and only this: drawn once from what the watch
+    saw (decide/observation.py `evidence`), never changed after."""
 
     returncode: int | None = None  # None while running / when killed by a signal
     pid: int | None = None  # the child's pid, named in the reason sentence
     signal: str | None = None  # e.g. "SIGKILL" when the child died of a signal
-    exit_records: list[dict[str, Any]] = field(default_factory=list)  # ExitRecord dicts, by rank
+    exit_records: tuple[dict[str, Any], ...] = ()  # ExitRecord dicts, by rank
     stderr_tail: str = ""
     first_step_seen: bool = False  # a heartbeat with a step, or (plain scripts) see `progress`
     last_step: int | None = None
@@ -58,8 +59,12 @@ class Evidence:
     killed_after_grace: bool = False
     duration_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        # A list given (a table test's) is kept as a tuple: the evidence does not change.
+        object.__setattr__(self, "exit_records", tuple(self.exit_records))
 
-@dataclass
+
+@dataclass(frozen=True)
 class Failure:
     kind: FailureKind
     reason: str  # the sentence the user reads

@@ -21,6 +21,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from supervisor.decide.observation import Observation
+
+WHY = "the job's time limit"
+"""The stop's name in the Evidence (`stop_requested`) and so in the reason sentences."""
+
 
 @dataclass(frozen=True)
 class Observed:
@@ -86,3 +91,13 @@ def plan_stop(*, end: float | None, job_start: float | None, now: float,
             "lower [slurm] margin_s"))
     stop_at = max(end - m, now)
     return WallPlan(stop_at, end, m, f"{m:.0f} s before the time limit ({margin.why})")
+
+
+def measured(seen: Observation) -> dict[str, float]:
+    """The `exit` event's optional fields: what this attempt measured for the margin. The stop
+    counts only when a stop signal or the deadline asked for it (a hung child is killed, not
+    saved)."""
+    hs = seen.heartbeats
+    out = {"stop_s": seen.stop_s if seen.stop_requested else None,
+           "save_s": hs.longest_save_s, "step_s": hs.max_step_interval}
+    return {k: round(v, 3) for k, v in out.items() if v is not None}

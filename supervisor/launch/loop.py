@@ -1,14 +1,17 @@
 """`rtrain launch`: the supervision loop.
 
-    pick checkpoint -> spawn child -> watch -> classify -> decide -> record -> (relaunch | stop)
+    pick checkpoint -> spawn child -> watch -> judge -> record -> act (relaunch | stop)
 
-Each stage lives in its own module; this one wires them together and turns a decision into an
-action. Beside it in `launch/`: `spec` (what was asked, the seams), `rundir` (state.json and the
-dirs), `resume` (which checkpoint), `child_env` (the attempt's argv and environment),
-`observers` (metrics, hooks, status line), `recording` (the events of an attempt's end and of a
-decision), `act` (Slurm requeue, GPU release, backoff). The clock, the sleepers, the GPU reader,
-the random source, the spawner and the watcher come in through `Seams`, so tests can script an
-attempt's outcome and fast-forward a backoff.
+Each stage lives in its own module; this one wires them together. After the spawn the path runs
+one way: the watch (proc/watch.py) returns what it saw, frozen; the loop adds what only I/O can
+learn (the newest checkpoint, whether the attempt committed one, the Slurm job, the time) into
+an `AttemptResult`; `judge` (decide/attempt.py, pure) returns the decision and the records of
+the attempt's end; the loop writes those records, then acts. Beside it in `launch/`: `spec`
+(what was asked, the seams), `rundir` (state.json and the dirs), `resume` (which checkpoint),
+`child_env` (the attempt's argv and environment), `observers` (metrics, hooks, status line),
+`recording` (writing the records), `act` (Slurm requeue, GPU release, backoff). The clock, the
+sleepers, the GPU reader, the random source, the spawner and the watcher come in through
+`Seams`, so tests can script an attempt's outcome and fast-forward a backoff.
 """
 
 from __future__ import annotations
@@ -20,34 +23,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from supervisor.ckpt import foreign
 from supervisor.ckpt.hashing import load_signing_key
 from supervisor.ckpt.verify import Selection, Verdict
 from supervisor.config import Config
 from supervisor.decide import templates
-from supervisor.decide.classify import classify
-from supervisor.decide.failures import FailureKind
-from supervisor.decide.policy import (
-    Action,
-    Decision,
-    History,
-    Resumed,
-    ResumeMode,
-    decide,
-    note_progress,
-)
-from supervisor.decide.wall_clock import WallPlan
+from supervisor.decide.attempt import AttemptResult, judge
+from supervisor.decide.policy import Action, Decision, History, ResumeMode
+from supervisor.decide.wall_clock import WallPlan, measured
 from supervisor.errors import ExitCode, UsageError
 from supervisor.launch import act, child_env, mirroring, world
 from supervisor.launch.child_env import AttemptPlan
 from supervisor.launch.elsewhere import ElsewhereWatch
 from supervisor.launch.observers import Observers
-from supervisor.launch.recording import (
-    record_decision,
-    record_exit,
-    record_failure,
-    record_wall_clock_stop,
-    slurm_field,
-)
+from supervisor.launch.recording import record, slurm_field
 from supervisor.launch.resume import Checkpoints, encryption_key, resumed_from
 from supervisor.launch.rundir import (
     RunRecord,
@@ -59,7 +48,7 @@ from supervisor.launch.rundir import (
 from supervisor.launch.spec import LaunchSpec, Seams, child_command
 from supervisor.launch.standby import Keeper
 from supervisor.launch.wallclock import WHY as WALL_CLOCK
-from supervisor.launch.wallclock import WallClock, measured
+from supervisor.launch.wallclock import WallClock
 from supervisor.proc import slurm
 from supervisor.proc.console import best_effort_console
 from supervisor.proc.gpu import NvmlReader
@@ -250,16 +239,24 @@ class Loop:
             self.record.save(RunStatus.RUNNING, "running", history)  # a relaunch saved already
         started = time.time()  # compared with checkpoint mtimes: the real clock, not a seam
         before = self.checkpoints.snapshot()
-        outcome, duration_s = self._attempt(history.attempt, settings, chosen, signals)
-        committed = self.checkpoints.committed_since(started, resumed)
-        progressed = self.checkpoints.progressed(before) is not None
-        decision = self._decide(outcome, history, resumed, duration_s, committed, chosen,
-                                progressed)
+        outcome, duration_s, wall = self._attempt(history.attempt, settings, chosen, signals)
+        result = AttemptResult(
+            seen=outcome.seen, duration_s=duration_s, resumed=resumed,
+            resumed_identity=foreign.resume_identity(chosen) if chosen is not None else None,
+            committed=self.checkpoints.committed_since(started, resumed),
+            progressed=self.checkpoints.progressed(before) is not None,
+            newest_step=self.checkpoints.newest_step(), now=self.seams.wall(),
+            rand=self.seams.rand(), slurm=slurm.job_info(), wall=wall)
+        judgement = judge(result, history, self.cfg)
+        record(judgement.records, self.events, self.say)
+        self._last_step = outcome.seen.last_step
         self._recoveries()  # an attempt that ended before its first step ends its recovery
-        return decision, outcome.pids_seen
+        return judgement.decision, outcome.pids_seen
 
     def _attempt(self, attempt: int, settings: dict[str, Any], chosen: Verdict | None,
-                 signals: SignalCatcher) -> tuple[Outcome, float]:
+                 signals: SignalCatcher) -> tuple[Outcome, float, WallPlan | None]:
+        """Run one attempt: spawn it (or hand it to the standby) and watch it to its end; what
+        the watch saw, how long it ran, and the stop planned before the job's time limit."""
         failures, run_s = self._failure_record()
         plan = AttemptPlan(attempt=attempt, settings=settings,
                            resume_from=str(chosen.path.resolve()) if chosen else None,
@@ -322,10 +319,9 @@ class Loop:
             on_pressure=lambda note: self.observers.pressure(attempt, note))
         child.close()
         self.elsewhere.attempt_ended()
-        record_wall_clock_stop(self.events, self.say, attempt, wall, outcome)
-        self.wall_clock.note(measured(outcome))
+        self.wall_clock.note(measured(outcome.seen))
         self.procs.update([])  # swept
-        return outcome, self.seams.monotonic() - t0
+        return outcome, self.seams.monotonic() - t0, wall
 
     def _heartbeat(self, attempt: int, hb: Heartbeat, sizes: world.WorldWatch,
                    chosen: Verdict | None) -> None:
@@ -385,28 +381,7 @@ class Loop:
         self.record.retry_held()  # held while the disk was full
         self.procs.update(sample.tree.pids)
 
-    # ------------------------------------------------------------ decide and act
-
-    def _decide(self, outcome: Outcome, history: History, resumed: Resumed | None,
-                duration_s: float, committed: bool, chosen: Verdict | None,
-                progressed: bool = False) -> Decision:
-        ev, attempt = outcome.evidence, history.attempt  # finished by the watcher: read only
-        self._last_step = ev.last_step
-        record_exit(self.events, attempt, outcome, duration_s)
-        failure = None
-        if not (ev.returncode == 0 and not ev.signal):
-            failure = classify(ev, memory_pressure_fraction=self.cfg.memory_pressure_fraction)
-            record_failure(self.events, self.say, attempt, failure)
-            if failure.kind is FailureKind.BAD_CHECKPOINT and chosen is not None:
-                history = self.checkpoints.skip_bad(history, chosen, failure.reason)
-        history = note_progress(history, ev, resumed_step=resumed and resumed.step,
-                                duration_s=duration_s)
-        decision = decide(failure, history, self.cfg, rand=self.seams.rand(),
-                          newest_step=self.checkpoints.newest_step(), now=self.seams.wall(),
-                          resumed=resumed, committed=committed or progressed,
-                          on_slurm=slurm.job_info() is not None, progressed=progressed)
-        record_decision(self.events, self.say, attempt, decision, self.cfg)
-        return decision
+    # ------------------------------------------------------------ act
 
     def _act(self, decision: Decision, signals: SignalCatcher, pids: list[int]) -> int | None:
         history, reason = decision.history, decision.reason

@@ -389,14 +389,6 @@ class Checkpoints:
                                                 exclude=history.bad_checkpoints,
                                                 key_problem=self._key_problem)
 
-    def skip_bad(self, history: History, chosen: Verdict, reason: str) -> History:
-        """The worker could not load `chosen`: record why, and never offer it again."""
-        self.say(f"skipping {chosen.path.name} from now on: {reason}")
-        self.events.emit("skipped_checkpoint", path=str(chosen.path),
-                         reason=f"cannot load: {reason}")
-        return replace(history, bad_checkpoints=(*history.bad_checkpoints,
-                                                 foreign.resume_identity(chosen)))
-
     def newest_step(self) -> int | None:
         verdicts = (foreign.verify_candidate(c, Level.QUICK, self.key)
                     for c in foreign.list_candidates(self.dir))

@@ -10,14 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.config import SlurmConfig
+from supervisor.decide.wall_clock import WHY as WHY
 from supervisor.decide.wall_clock import Observed, WallPlan, learn_margin, plan_stop
 from supervisor.errors import RtrainError
 from supervisor.proc import slurm
-from supervisor.proc.watch_outcome import Outcome
 from supervisor.records.events import read_events
-
-WHY = "the job's time limit"
-"""The stop's name in the Evidence (`stop_requested`) and so in the reason sentences."""
 
 
 def observed_in(events: Iterable[dict[str, Any]]) -> list[Observed]:
@@ -36,16 +33,6 @@ def observed_in(events: Iterable[dict[str, Any]]) -> list[Observed]:
 def _seconds(value: Any) -> float | None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
     return float(value) if ok else None
-
-
-def measured(outcome: Outcome) -> dict[str, float]:
-    """The `exit` event's optional fields: what this attempt measured for the margin. The stop
-    counts only when a stop signal or the deadline asked for it (a hung child is killed, not
-    saved)."""
-    ev, hs = outcome.evidence, outcome.heartbeats
-    out = {"stop_s": outcome.stop_s if ev.stop_requested else None,
-           "save_s": hs.longest_save_s, "step_s": hs.max_step_interval}
-    return {k: round(v, 3) for k, v in out.items() if v is not None}
 
 
 class WallClock:
@@ -74,7 +61,7 @@ class WallClock:
         return plan_stop(end=times.end, job_start=times.start, now=now, margin=margin)
 
     def note(self, fields: dict[str, float]) -> None:
-        """An attempt ended having measured these (`measured`)."""
+        """An attempt ended having measured these (decide/wall_clock.py `measured`)."""
         o = Observed(stop_s=fields.get("stop_s"), save_s=fields.get("save_s"),
                      step_s=fields.get("step_s"))
         if o != Observed():

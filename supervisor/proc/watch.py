@@ -3,13 +3,13 @@
 Woken by: the child's pidfd (its exit, at once), its stdout/stderr (teed), heartbeat datagrams,
 the signal wakeup fd, and timers (sampling, the hang deadline, `stop_at`: a stop the caller
 planned, before the Slurm time limit; the end of a stop's grace). Nothing
-here decides what the ending means; it gathers `Evidence` for classify and returns it finished:
-this module, with proc/watch_outcome.py for what the exit leaves behind, is the only writer of
-an attempt's Evidence (including the health gate's verdict on the devices after a failure), and
-everyone after it only reads.
+here decides what the ending means: what it sees while the child runs it keeps to itself, and
+once the child has exited (proc/watch_outcome.py: exit status, exit records, memory, the health
+gate's readings after a failure) it hands out one frozen `Observation` in the `Outcome`;
+decide/observation.py draws the evidence for classify from it.
 
 Memory pressure (proc/watch_pressure.py) is judged at each sample: a relieve request to the
-group first, then the ordinary stop, recorded as `pressure_stop` for a rung down.
+group first, then the ordinary stop, observed as `pressure_stop` for a rung down.
 
 Stopping never blocks the loop (proc/watch_stop.py): the stop signal goes to the group, output
 keeps being drained (a child saving a checkpoint must not block on a full pipe), and at the
@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from supervisor.decide.failures import Evidence
+from supervisor.decide.observation import Heartbeats, Observation
 from supervisor.filemode import env_mode
 from supervisor.proc.control import ask_failure_save
 from supervisor.proc.gpu import GpuReader, GpuReading, NullReader
+from supervisor.proc.gpu_health import describe
 from supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
 from supervisor.proc.proctree import ProcTree, TreeSample
 from supervisor.proc.signals import STOP_SIGNALS, SignalCatcher
@@ -40,11 +41,11 @@ from supervisor.proc.spawn import Child
 from supervisor.proc.stacks import dump_stacks
 from supervisor.proc.stop import stop_group, sweep
 from supervisor.proc.watch_outcome import (
-    HeartbeatSummary,
     OomCounter,
     Outcome,
     health_gate,
-    record_exit,
+    host_total,
+    read_exit_records,
 )
 from supervisor.proc.watch_pressure import PressureNote, PressureWatch
 from supervisor.proc.watch_stop import Stopping, drain_pipes
@@ -147,8 +148,13 @@ class _Watch:
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None
         self.on_sample: Callable[[Sample], None] | None = None
         self.on_pressure: Callable[[PressureNote], None] | None = None
-        self.ev = Evidence(pid=child.pid)
-        self.summary = HeartbeatSummary()
+        self.heartbeats = Heartbeats()
+        # What the watch found and did, handed out in the Observation.
+        self.stop_requested: str | None = None  # the stop signal's name, or the deadline's
+        self.hung: tuple[str, float] | None = None  # why, and the unix time it was found
+        self.gpu_lost: str | None = None  # the reader's detail
+        self.gpu_peak: tuple[int, int] | None = None  # used, total of the fullest reading
+        self.pressure_stop: str | None = None
         self.t0 = clock()
         self.hang = HangClock(config.hang, self.t0)
         self.stop = Stopping(child, config.stop_signal)
@@ -254,32 +260,29 @@ class _Watch:
                     self.on_heartbeat(hb)
                 continue
             self.hang.heartbeat(hb, now)
-            self.summary.add(hb)
-            if hb.step is not None:
-                self.ev.first_step_seen = True
-                self.ev.last_step = hb.step
+            self.heartbeats = self.heartbeats.add(hb)
             if hb.event == "relieved":
                 self.pressure.answered(now)
             if hb.event == "save_begin" and self.hang_save_asked and self.stop.active:
                 # The save at the hang has begun: it gets the time any save gets (a large
                 # model, a slow disk), not the hung child's grace; it is bounded in the worker.
                 self.stop.extend(now + self.config.hang.save_allowance_s)
-            if hb.event == "hang_save_done" and self.ev.hang and self.stop.active:
+            if hb.event == "hang_save_done" and self.hung and self.stop.active:
                 self.stop.kill_now(now)  # its save at the hang is done: nothing to wait for
             if self.on_heartbeat is not None:
                 self.on_heartbeat(hb)
 
     def _signal(self, sig: int, now: float) -> None:
         name = self.stop.received(sig, now)
-        if name is not None and self.ev.stop_requested is None:
-            self.ev.stop_requested = name
+        if name is not None and self.stop_requested is None:
+            self.stop_requested = name
             self.stop.begin(now, self.config.grace_s)
 
     def _deadline(self, now: float) -> None:
         """The deadline passed: stop exactly as on a stop signal (save, exit 75, the grace)."""
         log.warning("stopping the training process: %s", self.stop_why)
-        if self.ev.stop_requested is None:
-            self.ev.stop_requested = self.stop_why
+        if self.stop_requested is None:
+            self.stop_requested = self.stop_why
         self.stop.begin(now, self.config.grace_s)
 
     def _timers(self, now: float) -> None:
@@ -291,7 +294,7 @@ class _Watch:
 
     def _on_hang(self, why: str) -> None:
         log.warning("training process hung: %s; collecting stacks", why)
-        self.ev.hang, self.ev.hang_detail, self.ev.hang_at = True, why, time.time()
+        self.hung = why, time.time()
         pids = [p.pid for p in self.tree.live()]
         self.stack_files = dump_stacks(
             pids, self.child.spec.attempt_dir, self.config.dump_signal, self.config.dump_timeout_s,
@@ -311,11 +314,11 @@ class _Watch:
             self.hang.activity(now)
         reading = self.gpu.read(tree.pids) if self.gpu.available else GpuReading()
         for dev in reading.devices:
-            if self.ev.gpu_mem_used_peak is None or dev.used > self.ev.gpu_mem_used_peak:
-                self.ev.gpu_mem_used_peak, self.ev.gpu_mem_total = dev.used, dev.total
-        if reading.lost and not self.ev.gpu_lost:
+            if self.gpu_peak is None or dev.used > self.gpu_peak[0]:
+                self.gpu_peak = dev.used, dev.total
+        if reading.lost and self.gpu_lost is None:
             log.warning("GPU lost: %s", reading.detail)
-            self.ev.gpu_lost, self.ev.gpu_detail = True, reading.detail
+            self.gpu_lost = reading.detail
             self.stop.begin(now, self.config.hang_grace_s)
         self._pressure(now, tree, reading)
         if self.on_sample is not None:
@@ -330,7 +333,7 @@ class _Watch:
                 return
             # The ordinary stop: the worker saves at its next step boundary and exits 75;
             # pressure_stop makes that ending a memory failure, one rung down.
-            self.ev.pressure_stop = note.reading.describe()
+            self.pressure_stop = note.reading.describe()
             self.stop.begin(now, self.config.grace_s)
         if self.on_pressure is not None:
             self.on_pressure(note)
@@ -343,20 +346,27 @@ class _Watch:
             self._heartbeats(now)  # the last ones (e.g. "stop") arrive just before the exit
         swept, leftovers = sweep(c, self.tree, confirm_s=self.config.sweep_confirm_s)
         drain_pipes(c)
-        ev = self.ev
-        record_exit(ev, child=c, tree=self.tree, oom=self.oom, summary=self.summary,
-                    killed_after_grace=self.stop.killed_after_grace, duration_s=now - self.t0)
-        ev.host_mem_limit = self.pressure.host_limit or ev.host_mem_total
-        failed = health_gate(self.gpu, ev) if c.returncode != 0 and not ev.stop_requested else ()
-        return Outcome(
-            evidence=ev,
-            heartbeats=self.summary,
-            stop=self.stop.result(swept, leftovers, duration_s=self.clock() - now),
-            stop_s=self.stop.took(self.exited_at if self.exited_at is not None else now),
-            signals=self.stop.signals_seen,
-            hard_stop=self.stop.hard_stop,
-            pids_seen=sorted(self.tree.seen),
-            stack_files=self.stack_files,
-            failed_devices=failed,
+        failed = health_gate(self.gpu) if c.returncode != 0 and not self.stop_requested else ()
+        hang_detail, hang_at = self.hung or ("", None)
+        used, total = self.gpu_peak or (None, None)
+        seen = Observation(
+            pid=c.pid, returncode=c.returncode, stderr_tail=c.stderr.tail_text(),
+            exit_records=tuple(read_exit_records(c.spec.attempt_dir)),
+            last_step=self.heartbeats.last_step, heartbeats=self.heartbeats,
+            duration_s=now - self.t0,
             exited_at=self.exited_wall if self.exited_wall is not None else time.time(),
-        )
+            peak_rss_bytes=self.tree.peak_rss, host_mem_available_min=self.tree.min_available,
+            host_mem_total=host_total(), host_mem_limit=self.pressure.host_limit,
+            cgroup_oom_kills=self.oom.since_start() or 0,
+            gpu_mem_used_peak=used, gpu_mem_total=total, pressure_stop=self.pressure_stop,
+            gpu_lost=self.gpu_lost is not None, gpu_detail=self.gpu_lost or "",
+            hang=self.hung is not None, hang_detail=hang_detail, hang_at=hang_at,
+            stop_requested=self.stop_requested, signals=tuple(self.stop.signals_seen),
+            killed_after_grace=self.stop.killed_after_grace,
+            stop_s=self.stop.took(self.exited_at if self.exited_at is not None else now),
+            leftovers=tuple(leftovers),
+            failed_devices=tuple(h.to_dict() for h in failed),
+            failed_detail=describe(list(failed)) if failed else "")
+        return Outcome(seen=seen, hard_stop=self.stop.hard_stop,
+                       stop=self.stop.result(swept, leftovers, duration_s=self.clock() - now),
+                       pids_seen=sorted(self.tree.seen), stack_files=self.stack_files)
