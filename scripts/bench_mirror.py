@@ -54,7 +54,7 @@ def make_checkpoint(ckpt_dir: Path, step: int, size_mib: int, parts: int = 4) ->
 
 
 def upload_throughput(tmp: Path, server: S3Server, size_mib: int, rounds: int) -> None:
-    from supervisor.remote.store import open_mirror
+    from supervisor.mirror.store import open_mirror
 
     os.environ.update(server.env)
     ckpt = make_checkpoint(tmp / "up", 1, size_mib)
@@ -137,7 +137,7 @@ def _time_to_child(tmp: Path, server: S3Server, run: Path, mirror: str | None) -
 
 
 def resume_time(tmp: Path, server: S3Server, sizes: list[int]) -> None:
-    from supervisor.remote.store import open_mirror
+    from supervisor.mirror.store import open_mirror
 
     os.environ.update(server.env)
     print("resume on an empty machine: rtrain launch -> the child's first line")

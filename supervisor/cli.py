@@ -20,9 +20,10 @@ from typing import Annotated, Any
 
 import typer
 
-from supervisor import __version__, reaper
+from supervisor import __version__
 from supervisor.commands.fast_typer import FastTyper
-from supervisor.errors import RtrainError
+from supervisor.core.errors import RtrainError
+from supervisor.proc import reaper
 
 app = FastTyper(
     name="rtrain",
@@ -96,7 +97,7 @@ MirrorTarget = Annotated[str | None, typer.Argument(
 
 def _url(target: str | None) -> str | None:
     """`target` when it names a mirror; the mirror code loads only then."""
-    from supervisor.remote.url import is_url
+    from supervisor.mirror.url import is_url
 
     return target if target is not None and is_url(target) else None
 
@@ -120,10 +121,10 @@ def inspect(
         key = _signing_key()
         result: Any
         if url := _url(target):
-            from supervisor.commands import mirroring
+            from supervisor.mirror import url_commands
 
-            one = mirroring.is_one_checkpoint(url)
-            result = (mirroring.inspect_mirror_one if one else mirroring.inspect_mirror)(
+            one = url_commands.is_one_checkpoint(url)
+            result = (url_commands.inspect_mirror_one if one else url_commands.inspect_mirror)(
                 url, verify=level, key=key)
         else:
             root = _ckpt_dir(None if target is None else Path(target))
@@ -160,22 +161,22 @@ def prune(
     """Remove checkpoints the retention policy does not keep, and abandoned temp dirs."""
     with reported():
         from supervisor.ckpt.verify import Level
-        from supervisor.commands import pruning
+        from supervisor.retention import prune_command
 
-        policy = pruning.policy_from_options(
+        policy = prune_command.policy_from_options(
             keep=keep, keep_best=keep_best, metric=metric, mode=mode and mode.value,
             milestone_every=milestone_every)
         if url := _url(target):
-            from supervisor.commands import mirroring
+            from supervisor.mirror import url_commands
 
-            remote = mirroring.prune_mirror(url, policy=policy, verify=Level(verify.value),
-                                            key=_signing_key(), dry_run=dry_run)
-            typer.echo(mirroring.render_mirror_prune(url, remote, dry_run=dry_run))
+            remote = url_commands.prune_mirror(url, policy=policy, verify=Level(verify.value),
+                                               key=_signing_key(), dry_run=dry_run)
+            typer.echo(url_commands.render_mirror_prune(url, remote, dry_run=dry_run))
             return
-        report = pruning.prune_dir(_ckpt_dir(None if target is None else Path(target)),
-                                   policy=policy, verify=Level(verify.value),
-                                   key=_signing_key(), dry_run=dry_run)
-        typer.echo(pruning.render_prune(report, dry_run=dry_run))
+        report = prune_command.prune_dir(_ckpt_dir(None if target is None else Path(target)),
+                                         policy=policy, verify=Level(verify.value),
+                                         key=_signing_key(), dry_run=dry_run)
+        typer.echo(prune_command.render_prune(report, dry_run=dry_run))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -289,11 +290,11 @@ def launch(
                      "standby": False if no_standby or nproc_per_node is not None else None}
         cfg = load_config(overrides, config, cwd)
         if retry and fresh:
-            from supervisor.errors import UsageError
+            from supervisor.core.errors import UsageError
 
             raise UsageError("--retry continues the run, --fresh starts it over: pass one")
         if nproc_per_node is None and (nnodes or rdzv_endpoint or rdzv_backend):
-            from supervisor.errors import UsageError
+            from supervisor.core.errors import UsageError
 
             raise UsageError("--nnodes/--rdzv-* need --nproc-per-node N")
         if nproc_per_node is not None:
@@ -312,7 +313,7 @@ def launch(
 def _split_resume_args(items: list[str] | None) -> tuple[str, ...]:
     import shlex
 
-    from supervisor.errors import UsageError
+    from supervisor.core.errors import UsageError
 
     out: list[str] = []
     for item in items or []:
@@ -324,7 +325,7 @@ def _split_resume_args(items: list[str] | None) -> tuple[str, ...]:
 
 
 def _parse_sets(items: list[str]) -> dict[str, Any]:
-    from supervisor.errors import UsageError
+    from supervisor.core.errors import UsageError
 
     out: dict[str, Any] = {}
     for item in items:

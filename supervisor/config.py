@@ -20,11 +20,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from supervisor.configfile import find_config
+from supervisor.core.config_file import find_config
+from supervisor.core.errors import ConfigError, did_you_mean
+from supervisor.core.filemode import DEFAULT_FILE_MODE, parse_mode
 from supervisor.decide.ladder import DEFAULT_LADDER, Rung, parse_ladder
-from supervisor.errors import ConfigError, did_you_mean
-from supervisor.filemode import DEFAULT_FILE_MODE, parse_mode
-from supervisor.hookspec import HookSpec, parse_hooks
+from supervisor.hooks.hook_spec import HookSpec, parse_hooks
 
 # Budget names: oom_gpu, oom_host and memory_pressure share "oom" (each spent unit is one
 # ladder step).
@@ -217,7 +217,7 @@ class HangConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SlurmConfig:
-    """`[slurm]`: saving before the job's time limit (supervisor/decide/wall_clock.py)."""
+    """`[slurm]`: saving before the job's time limit (supervisor/timelimit/decide.py)."""
 
     stop_before_limit: bool = True
     """Under Slurm, stop the attempt before the job's time limit (as on a preemption signal:
@@ -357,7 +357,7 @@ class Config:
     """How often a `heartbeat_summary` event records step, loss and samples/s while a child
     runs (the points of `rtrain report`'s curves); each attempt's first step is always kept."""
     hooks: tuple[HookSpec, ...] = ()
-    """`[[hooks]]`: commands run with an event's JSON on stdin (supervisor/records/hooks.py)."""
+    """`[[hooks]]`: commands run with an event's JSON on stdin (supervisor/hooks/runner.py)."""
     log_cap_mb: float = 64.0
     """Each attempt log (stdout.log, stderr.log) keeps at most about this many MiB: its first
     half and its newest output, with a line saying how much was cut between (0: no cap)."""

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import protocol
 from supervisor.commands.status import render_text, summarize
+from supervisor.core import protocol
 from supervisor.launch import child_env
 from supervisor.records.events import EventLog
 from supervisor.records.timeline import Timeline

@@ -20,7 +20,7 @@ from supervisor.checkresume import causes as why
 from supervisor.checkresume.compare import Contents, Tensor, compare, read, tensor_difference
 from supervisor.ckpt import manifest
 from supervisor.ckpt.layout import list_checkpoints
-from supervisor.protocol import ENV_CHECK_RESUME, ENV_CKPT_DIR
+from supervisor.core.protocol import ENV_CHECK_RESUME, ENV_CKPT_DIR
 from worker import check_order
 
 # ------------------------------------------------------------------ the comparison

@@ -1,4 +1,4 @@
-"""`rtrain inspect URL` and `rtrain prune URL` (supervisor/commands/mirroring.py)."""
+"""`rtrain inspect URL` and `rtrain prune URL` (supervisor/mirror/url_commands.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from conftest import build_checkpoint
 from harness import run_rtrain
 
-from supervisor.remote.store import open_mirror
+from supervisor.mirror.store import open_mirror
 
 
 def filled(url: str, tmp_path) -> None:
@@ -139,6 +139,6 @@ def test_fsspec_loads_only_for_a_url(tmp_path, url):
     assert not {m for m in local if m.split(".")[0] in ("fsspec", "s3fs", "botocore",
                                                          "aiobotocore", "boto3")}
     assert not {m for m in local if m.startswith((
-        "supervisor.remote.store", "supervisor.remote.backend", "supervisor.remote.transfer",
-        "supervisor.commands.mirroring"))}
+        "supervisor.mirror.store", "supervisor.mirror.backend", "supervisor.mirror.transfer",
+        "supervisor.mirror.url_commands"))}
     assert "fsspec" in imported(url)

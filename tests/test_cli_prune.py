@@ -121,7 +121,7 @@ def test_pyproject_tool_rtrain(tmp_path):
 
 
 def test_bad_value_is_a_config_error(tmp_path):
-    from supervisor.errors import ConfigError
+    from supervisor.core.errors import ConfigError
 
     (tmp_path / "rtrain.toml").write_text("ckpt_dir = 3\n")
     with pytest.raises(ConfigError, match="ckpt_dir must be a non-empty string"):

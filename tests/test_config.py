@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import DEFAULT_BUDGETS, load_config
+from supervisor.core.errors import ConfigError, ExitCode
 from supervisor.decide.ladder import DEFAULT_LADDER, Action
-from supervisor.errors import ConfigError, ExitCode
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:

@@ -23,11 +23,11 @@ from supervisor.config import (
     RestartConfig,
     SlurmConfig,
 )
+from supervisor.core.filemode import parse_mode
 from supervisor.decide.ladder import DEFAULT_LADDER
-from supervisor.filemode import parse_mode
+from supervisor.hooks.runner import HookSpec
 from supervisor.proc.heartbeat import HangPolicy
 from supervisor.proc.watch import WatchConfig
-from supervisor.records.hooks import HookSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -268,7 +268,7 @@ def test_a_zero_save_allowance_is_accepted_by_both():
 
 
 def test_design_md_numbers_for_what_is_not_a_setting():
-    from supervisor.protocol import MAX_INTERVAL_WARMUP_STEPS
+    from supervisor.core.protocol import MAX_INTERVAL_WARMUP_STEPS
 
     text = " ".join(DESIGN.read_text().split())
     assert f"`protocol.MAX_INTERVAL_WARMUP_STEPS`, {MAX_INTERVAL_WARMUP_STEPS} steps" in text

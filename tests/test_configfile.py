@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from supervisor.config import load_config
-from supervisor.configfile import find_config
-from supervisor.errors import ConfigError
+from supervisor.core.config_file import find_config
+from supervisor.core.errors import ConfigError
 from supervisor.records.paths import default_ckpt_dir, default_run_dir
 
 PYPROJECT = '[project]\nname = "x"\n[tool.rtrain]\nrun_dir = "from-pyproject"\n'

@@ -1,5 +1,5 @@
-"""The encrypted file format (supervisor/ckpt/sealed.py) and its key (crypt.py): round trips,
-wrong keys, tampering, truncation, reordered chunks, and the key's loading rules."""
+"""The encrypted file format (supervisor/ckpt/encrypted_file.py) and its key (crypt.py): round
+trips, wrong keys, tampering, truncation, reordered chunks, and the key's loading rules."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from supervisor.ckpt import crypt, sealed
+from supervisor.ckpt import crypt, encrypted_file
 from supervisor.ckpt.crypt import CryptError, EncryptionKey
-from supervisor.ckpt.sealed import Decryptor
-from supervisor.errors import UsageError
+from supervisor.ckpt.encrypted_file import Decryptor
+from supervisor.core.errors import UsageError
 
 KEY = EncryptionKey(bytes(range(32)))
 OTHER = EncryptionKey(bytes(range(1, 33)))
@@ -45,7 +45,7 @@ class _Raw:
 def _seal(data: bytes, key: EncryptionKey = KEY, name: str = "model.safetensors",
           chunk: int = SMALL, pieces: int = 1) -> bytes:
     out: list[bytes] = []
-    enc = sealed.Encryptor(key, name, lambda v: out.append(bytes(v)), chunk)
+    enc = encrypted_file.Encryptor(key, name, lambda v: out.append(bytes(v)), chunk)
     step = max(1, len(data) // pieces)
     for i in range(0, len(data), step):
         enc.update(data[i:i + step])
@@ -71,15 +71,15 @@ def _open(ct: bytes, key: EncryptionKey = KEY, name: str = "model.safetensors",
 def test_round_trip(size: int, pieces: int) -> None:
     data = os.urandom(size)
     ct = _seal(data, pieces=pieces)
-    assert len(ct) == sealed.sealed_size(size, SMALL)
-    assert sealed.plain_size(len(ct), SMALL) == size
+    assert len(ct) == encrypted_file.sealed_size(size, SMALL)
+    assert encrypted_file.plain_size(len(ct), SMALL) == size
     assert _open(ct) == data
     assert _open(ct, reads=(3, SMALL, 1)) == data if size >= SMALL + 4 else True
 
 
 def test_default_chunk_round_trip_with_sealing_thread() -> None:
-    data = os.urandom(3 * sealed.CHUNK + 123)
-    ct = sealed.seal_bytes(KEY, "x", data)
+    data = os.urandom(3 * encrypted_file.CHUNK + 123)
+    ct = encrypted_file.seal_bytes(KEY, "x", data)
     assert _open(ct, name="x") == data
 
 
@@ -96,19 +96,20 @@ def test_wrong_key_is_named() -> None:
 
 def test_one_flipped_byte_of_ciphertext_is_detected() -> None:
     ct = bytearray(_seal(os.urandom(4 * SMALL)))
-    ct[sealed.HEADER_SIZE + SMALL + sealed.TAG + 20] ^= 1  # in chunk 1
+    ct[encrypted_file.HEADER_SIZE + SMALL + encrypted_file.TAG + 20] ^= 1  # in chunk 1
     with pytest.raises(CryptError, match="chunk 1 fails authentication"):
         _open(bytes(ct))
 
 
 def test_a_changed_header_is_detected() -> None:
     ct = bytearray(_seal(os.urandom(4 * SMALL)))
-    ct[sealed.HEADER_SIZE - 1] ^= 1  # the salt: another file key
+    ct[encrypted_file.HEADER_SIZE - 1] ^= 1  # the salt: another file key
     with pytest.raises(CryptError, match="fails authentication"):
         _open(bytes(ct))
 
 
-@pytest.mark.parametrize("cut", [1, sealed.TAG, sealed.TAG + 3, SMALL + sealed.TAG])
+@pytest.mark.parametrize("cut", [1, encrypted_file.TAG, encrypted_file.TAG + 3,
+                                 SMALL + encrypted_file.TAG])
 def test_truncation_is_detected(cut: int) -> None:
     ct = _seal(os.urandom(3 * SMALL + 10))
     with pytest.raises(CryptError, match=r"truncated|fails authentication"):
@@ -118,20 +119,21 @@ def test_truncation_is_detected(cut: int) -> None:
 def test_dropping_an_empty_final_chunk_is_detected() -> None:
     ct = _seal(os.urandom(3 * SMALL))  # whole chunks: the final one is empty (a tag)
     with pytest.raises(CryptError):
-        _open(ct[:-sealed.TAG])
+        _open(ct[:-encrypted_file.TAG])
 
 
 def test_dropping_the_final_chunk_of_whole_chunks_is_detected() -> None:
     # Cut right after a full chunk: the layout then reads the last full chunk as the final one.
     ct = _seal(os.urandom(3 * SMALL + 5))
-    cut = sealed.HEADER_SIZE + 2 * (SMALL + sealed.TAG) + SMALL + sealed.TAG - (SMALL - 5)
+    cut = (encrypted_file.HEADER_SIZE + 2 * (SMALL + encrypted_file.TAG)
+           + SMALL + encrypted_file.TAG - (SMALL - 5))
     with pytest.raises(CryptError):
         _open(ct[:cut])
 
 
 def test_reordered_chunks_are_detected() -> None:
     ct = _seal(os.urandom(3 * SMALL + 10))
-    h, c = sealed.HEADER_SIZE, SMALL + sealed.TAG
+    h, c = encrypted_file.HEADER_SIZE, SMALL + encrypted_file.TAG
     swapped = ct[:h] + ct[h + c:h + 2 * c] + ct[h:h + c] + ct[h + 2 * c:]
     with pytest.raises(CryptError, match="chunk 0 fails authentication"):
         _open(swapped)
@@ -152,10 +154,10 @@ def test_a_plaintext_file_is_not_taken_for_an_encrypted_one() -> None:
 
 def test_empty_file_round_trip_and_final_chunk_required() -> None:
     ct = _seal(b"")
-    assert len(ct) == sealed.HEADER_SIZE + sealed.TAG
+    assert len(ct) == encrypted_file.HEADER_SIZE + encrypted_file.TAG
     assert _open(ct) == b""
     with pytest.raises(CryptError):
-        _open(ct[:sealed.HEADER_SIZE])
+        _open(ct[:encrypted_file.HEADER_SIZE])
 
 
 def test_reading_past_the_end_is_refused() -> None:
@@ -213,7 +215,7 @@ def test_key_file_modes_follow_the_signing_key_rules(tmp_path) -> None:
 
 
 def test_key_problem_names_both_fingerprints() -> None:
-    m = {"encryption": crypt.manifest_entry(KEY, sealed.CHUNK)}
+    m = {"encryption": crypt.manifest_entry(KEY, encrypted_file.CHUNK)}
     assert crypt.key_problem(m, KEY) is None
     assert crypt.key_problem({}, None) is None
     no_key = crypt.key_problem(m, None)

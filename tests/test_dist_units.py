@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 from supervisor import cli
 from supervisor.ckpt import generation
 from supervisor.config import Config
+from supervisor.core.errors import StateMismatch
 from supervisor.decide.classify import classify
 from supervisor.decide.failures import Evidence
-from supervisor.errors import StateMismatch
-from supervisor.launch import world
+from supervisor.launch import resize
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_torchrun_root_cause_names_a_rank_without_exit_record():
     (None, None),
 ])
 def test_saved_world_size_from_the_manifest(manifest, saved):
-    assert world.saved_world_size(manifest) == saved
+    assert resize.saved_world_size(manifest) == saved
 
 
 @pytest.mark.parametrize("saved, heard, new", [
@@ -121,13 +121,13 @@ def test_saved_world_size_from_the_manifest(manifest, saved):
     (2, None, None),  # a heartbeat outside torchrun says nothing
 ])
 def test_world_watch_reports_a_changed_size_once(saved, heard, new):
-    w = world.WorldWatch(saved)
+    w = resize.WorldWatch(saved)
     assert w.heard(heard) == new
     assert (w.heard(heard) is None and w.heard(7) is None) or heard is None
 
 
 def test_world_watch_waits_for_a_heartbeat_that_carries_a_size():
-    w = world.WorldWatch(2)
+    w = resize.WorldWatch(2)
     assert w.heard(None) is None
     assert w.heard(1) == 1
 

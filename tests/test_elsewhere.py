@@ -1,4 +1,4 @@
-"""Checkpoints written where rtrain does not look: the rule (decide/elsewhere.py) by table, the
+"""Checkpoints written where rtrain does not look: the rule (elsewhere/decide.py) by table, the
 bounded scan on real files, the launch's watch with a scripted clock, `rtrain status`, and one
 real run whose script writes out/ckpt.pt while rtrain watches an empty dir."""
 
@@ -14,8 +14,8 @@ from scripted_loop import Script, crash, success
 
 from supervisor.commands.status import render_text, summarize
 from supervisor.config import load_config
-from supervisor.decide.elsewhere import Seen, Written, judge
-from supervisor.launch.elsewhere import ElsewhereWatch, scan, shown_path
+from supervisor.elsewhere.decide import Seen, Written, judge
+from supervisor.elsewhere.scan import ElsewhereWatch, scan, shown_path
 from supervisor.launch.loop import LaunchSpec
 from supervisor.launch.loop import launch as launch_loop
 from supervisor.records.events import EventLog

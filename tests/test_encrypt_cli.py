@@ -184,7 +184,7 @@ def test_a_newer_checkpoint_of_another_key_is_skipped_with_the_reason(tmp_path, 
 ])
 def test_when_none_of_the_run_s_checkpoints_opens_the_launch_stops(tmp_path, monkeypatch, older,
                                                                    key_hex):
-    from supervisor.errors import UsageError
+    from supervisor.core.errors import UsageError
 
     ckpts = tmp_path / "run" / "checkpoints"
     if older == "other":

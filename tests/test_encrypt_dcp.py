@@ -11,9 +11,9 @@ import torch
 from hostile import make, relist, two_checkpoints
 
 import worker
-from supervisor.ckpt import crypt, sealed
+from supervisor.ckpt import crypt, encrypted_file
 from supervisor.ckpt.verify import verify
-from supervisor.errors import CorruptCheckpoint, KeyMismatch
+from supervisor.core.errors import CorruptCheckpoint, KeyMismatch
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),
@@ -40,7 +40,7 @@ def test_sharded_files_are_sealed_and_load_with_the_key(gloo_group, tmp_path):
     dcp_files = [n for n in m["files"] if n.startswith("dcp/")]
     assert "dcp/.metadata" in dcp_files and len(dcp_files) >= 2
     for name in m["files"]:
-        assert (path / name).read_bytes().startswith(sealed.MAGIC), name
+        assert (path / name).read_bytes().startswith(encrypted_file.MAGIC), name
     assert not list(path.rglob("*.sealing"))
     assert verify(path, "full").ok
     step, model, _ = restore(tmp_path / "ckpt", encryption_key=KEY)
@@ -57,7 +57,7 @@ def test_sharded_without_the_key_or_tampered_is_refused(gloo_group, tmp_path):
     shard = next(n for n in json.loads((path / "manifest.json").read_text())["files"]
                  if n.endswith(".distcp"))
     data = bytearray((path / shard).read_bytes())
-    data[sealed.HEADER_SIZE + 1] ^= 1
+    data[encrypted_file.HEADER_SIZE + 1] ^= 1
     relist(path, shard, bytes(data))  # the manifest's hash made to match
     with pytest.raises(CorruptCheckpoint, match="fails authentication"):
         restore(tmp_path / "ckpt", path, encryption_key=KEY)

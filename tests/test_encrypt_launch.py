@@ -14,7 +14,7 @@ import torch
 from bitwise import assert_bitwise_equal
 from harness import CHILDREN, child_env, events, launch, launch_2_ranks, run_rtrain
 
-from supervisor.ckpt import crypt, sealed
+from supervisor.ckpt import crypt, encrypted_file
 from supervisor.ckpt.hashing import hash_file
 from supervisor.ckpt.layout import list_checkpoints
 
@@ -52,7 +52,7 @@ def test_crash_and_resume_from_encrypted_checkpoints_is_bitwise(tmp_path, mode, 
     for _, path in list_checkpoints(ckpts):
         m = json.loads((path / "manifest.json").read_text())
         assert m["encryption"]["key_fingerprint"] == fp
-        assert all((path / n).read_bytes().startswith(sealed.MAGIC) for n in m["files"])
+        assert all((path / n).read_bytes().startswith(encrypted_file.MAGIC) for n in m["files"])
     # Without the key: the manifest reads, every file verifies.
     r = run_rtrain("inspect", str(ckpts), "--verify", "full")
     assert r.returncode == 0 and "checkpoint-30" in r.stdout, r.stdout + r.stderr
@@ -72,7 +72,7 @@ def test_tampered_and_keyless_resumes(tmp_path):
     assert newest.name == "checkpoint-12"
     f = newest / "model.safetensors"
     data = bytearray(f.read_bytes())
-    data[sealed.HEADER_SIZE + 5] ^= 1
+    data[encrypted_file.HEADER_SIZE + 5] ^= 1
     f.write_bytes(bytes(data))
     m = json.loads((newest / "manifest.json").read_text())
     m["files"]["model.safetensors"]["hash"] = hash_file(f, m["hash_alg"])
@@ -116,4 +116,4 @@ def test_fsdp_two_ranks_resume_bitwise_from_encrypted_shards(tmp_path):
     m = json.loads((ckpt / "manifest.json").read_text())
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp",
             "rng-rank1.safetensors"} <= m["files"].keys()
-    assert all((ckpt / n).read_bytes().startswith(sealed.MAGIC) for n in m["files"])
+    assert all((ckpt / n).read_bytes().startswith(encrypted_file.MAGIC) for n in m["files"])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.event_schema import DURABLE_KINDS, KINDS, Kind
-from supervisor.hookspec import HOOKABLE
+from supervisor.core.event_schema import DURABLE_KINDS, KINDS, Kind
+from supervisor.hooks.hook_spec import HOOKABLE
 from supervisor.records import events as ev
 from supervisor.records.events import EventLog, EventSchemaError, read_events
 

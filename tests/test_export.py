@@ -23,7 +23,7 @@ from test_foreign_verify import flip
 from torch import nn
 
 import worker
-from supervisor.errors import CheckpointError
+from supervisor.core.errors import CheckpointError
 from worker import export as wexport
 
 pytestmark = pytest.mark.usefixtures("unsupervised")

@@ -10,9 +10,9 @@ import pytest
 from harness import checkpoint_steps
 
 from supervisor.ckpt import commit
-from supervisor.ckpt import prune as prune_mod
 from supervisor.ckpt.layout import host_name, list_checkpoints, list_leftovers
-from supervisor.ckpt.retention import Candidate, RetentionPolicy, plan
+from supervisor.retention import prune_dir as prune_mod
+from supervisor.retention.decide import Candidate, RetentionPolicy, plan
 
 
 def cands(*specs) -> list[Candidate]:

@@ -1,4 +1,5 @@
-"""fsio.write_atomic: the old file or the new one, never half, and no temp file left behind."""
+"""atomic_write.write_atomic: the old file or the new one, never half, and no temp file left
+behind."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 
 import pytest
 
-from supervisor.fsio import write_atomic, write_json_atomic
+from supervisor.core.atomic_write import write_atomic, write_json_atomic
 
 
 def test_replaces_with_the_given_mode(tmp_path):

@@ -18,8 +18,8 @@ from chaos_util import final_state_diff, launch_chaos, reference, replayed_steps
 from chaos_util import write_config as write_chaos_config
 from harness import child_env, events, launch_cmd
 
+from supervisor.core.protocol import CONTROL_FAILSAVE, CONTROL_FIFO
 from supervisor.proc.control import ask_failure_save
-from supervisor.protocol import CONTROL_FAILSAVE, CONTROL_FIFO
 from worker import failsave, hang_save
 
 TOKEN = "5e" * 16

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from supervisor.core.protocol import Heartbeat, socket_address
 from supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
-from supervisor.protocol import Heartbeat, socket_address
 
 P = HangPolicy(
     startup_s=100,

@@ -12,11 +12,11 @@ import pytest
 from harness import CHILDREN, launch
 
 from supervisor.config import load_config
-from supervisor.errors import ConfigError
-from supervisor.hookspec import HookSpec, parse_hooks
+from supervisor.core.errors import ConfigError
+from supervisor.hooks.hook_spec import HookSpec, parse_hooks
+from supervisor.hooks.runner import HookRunner
 from supervisor.proc.proctree import ProcTree
 from supervisor.records.events import EventLog, read_events
-from supervisor.records.hooks import HookRunner
 
 PY = sys.executable
 SAVE_STDIN = "import sys; open(sys.argv[1], 'a').write(sys.stdin.read())"

@@ -11,7 +11,7 @@ from hostile import code_running_pickle, make, relist, two_checkpoints
 
 import worker
 from supervisor.ckpt.verify import Level, verify
-from supervisor.errors import CorruptCheckpoint
+from supervisor.core.errors import CorruptCheckpoint
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),

@@ -282,8 +282,8 @@ def test_a_save_replaces_a_link_with_its_name_and_leaves_the_target(three, tmp_p
     saved = make_ckpt(three, 400)  # the run saves step 400 again
     assert not saved.is_symlink() and saved.is_dir()
     assert (outside / MANIFEST).is_file() and (outside / "model.safetensors").is_file()
-    from supervisor.ckpt import prune as prune_mod
-    from supervisor.ckpt.retention import RetentionPolicy
+    from supervisor.retention import prune_dir as prune_mod
+    from supervisor.retention.decide import RetentionPolicy
 
     prune_mod.prune(three, RetentionPolicy(keep=4))
     assert not os.path.lexists(three / ".trash-checkpoint-9-abcd")

@@ -80,7 +80,7 @@ def test_status_escapes_reasons_and_settings(rtrain, tmp_path, hostile):
 
 
 def test_safe_leaves_printable_text_alone():
-    from supervisor.safetext import safe
+    from supervisor.core.untrusted_text import safe
 
     assert safe("checkpoint-100 loss=0.5 (ok)") == "checkpoint-100 loss=0.5 (ok)"
     assert safe("a\nb") == "'a\\nb'"

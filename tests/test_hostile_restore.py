@@ -27,7 +27,7 @@ from hostile import two_checkpoints as shared_two_checkpoints
 import worker
 import worker.restore as restore_module
 from supervisor.ckpt.verify import Level, verify
-from supervisor.errors import CorruptCheckpoint, ExitCode, StateMismatch
+from supervisor.core.errors import CorruptCheckpoint, ExitCode, StateMismatch
 
 pytestmark = pytest.mark.usefixtures("unsupervised")
 

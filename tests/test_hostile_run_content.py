@@ -17,8 +17,8 @@ from harness import invoke_rtrain, write_events
 from scripted_loop import Script, run, success
 
 from supervisor.config import load_config
+from supervisor.core.errors import AlreadySupervised, ExitCode
 from supervisor.decide.policy import History
-from supervisor.errors import AlreadySupervised, ExitCode
 from supervisor.launch.loop import LaunchSpec, launch
 from supervisor.records.events import EventLog, EventLogError, read_events
 from supervisor.records.lock import LOCK_NAME, RunLock

@@ -25,10 +25,10 @@ import pytest
 from harness import child_spec, invoke_rtrain, write_events
 from scripted_loop import Script, run, success
 
-from supervisor import ownfiles
 from supervisor.ckpt import generation, keepcopy, quarantine
 from supervisor.ckpt.generation import GENERATION_FILE
 from supervisor.ckpt.quarantine import QUARANTINE_FILE
+from supervisor.core import ownfiles
 from supervisor.proc.leftovers import PROCS_FILE
 from supervisor.proc.logcap import CappedLog
 from supervisor.proc.spawn import spawn

@@ -8,14 +8,14 @@ from dataclasses import FrozenInstanceError, replace
 import pytest
 
 from supervisor.config import Config
+from supervisor.core.protocol import Heartbeat
 from supervisor.decide.attempt import AttemptResult, Event, Say, judge
 from supervisor.decide.failures import FailureKind
 from supervisor.decide.history import History
 from supervisor.decide.observation import Heartbeats, Observation, evidence
 from supervisor.decide.policy import Action
 from supervisor.decide.streak import Resumed
-from supervisor.decide.wall_clock import WHY, WallPlan
-from supervisor.protocol import Heartbeat
+from supervisor.timelimit.decide import WHY, WallPlan
 
 K = FailureKind
 PID = 4_200_000

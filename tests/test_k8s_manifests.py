@@ -23,7 +23,7 @@ import yaml
 from kubernetes import client as k8s  # the dev extras pin it
 
 from supervisor.config import Config
-from supervisor.errors import ExitCode
+from supervisor.core.errors import ExitCode
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from supervisor.core.errors import ConfigError
 from supervisor.decide.ladder import (
     DEFAULT_LADDER,
     Floor,
@@ -13,7 +14,6 @@ from supervisor.decide.ladder import (
     step_down,
     step_up,
 )
-from supervisor.errors import ConfigError
 
 
 def walk(settings, ladder=DEFAULT_LADDER, n=1):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from harness import REPO
 
-from supervisor.errors import AlreadySupervised, ExitCode
+from supervisor.core.errors import AlreadySupervised, ExitCode
 from supervisor.records.lock import LOCK_NAME, RunLock
 
 HOLDER = """

@@ -1,5 +1,5 @@
 """The mirror sends and counts only this run's checkpoints (supervisor/ckpt/runid.py,
-supervisor/remote/outgoing.py, the uploader's loop in-process, the resume's look at the
+supervisor/mirror/outgoing.py, the uploader's loop in-process, the resume's look at the
 mirror): a link, a copy under another step's name or another run's checkpoint never goes up
 or supersedes the real ones, another run's checkpoints under the same URL never stop this
 run's uploads, and a fresh machine resumes from this run's newest. A directory is the mirror;
@@ -22,10 +22,10 @@ from supervisor.config import Config
 from supervisor.decide.history import History
 from supervisor.decide.policy import ResumeMode
 from supervisor.launch.resume import Checkpoints
+from supervisor.mirror import outgoing
+from supervisor.mirror.store import CorruptLocal, OtherRun, open_mirror
+from supervisor.mirror.uploader import Spec, Uploader
 from supervisor.records.events import EventLog, read_events
-from supervisor.remote import outgoing
-from supervisor.remote.store import CorruptLocal, OtherRun, open_mirror
-from supervisor.remote.uploader import Spec, Uploader
 
 KEY = derive_key(b"a signing key for the tests")
 

@@ -1,4 +1,4 @@
-"""The uploader process (supervisor/remote/uploader.py) on its own: its messages, one uploader
+"""The uploader process (supervisor/mirror/uploader.py) on its own: its messages, one uploader
 per checkpoint dir, a damaged local checkpoint never sent. A directory is the mirror here;
 tests/test_mirror_launch.py runs it under rtrain launch against S3."""
 
@@ -19,7 +19,7 @@ from conftest import build_checkpoint
 from harness import REPO, child_env
 
 from supervisor.ckpt import runid
-from supervisor.remote.uploader import Spec
+from supervisor.mirror.uploader import Spec
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ class Uploader:
         spec = Spec(ckpt_dir=ckpt_dir, url=str(mirror), keep_remote=kw.get("keep_remote", 3),
                     milestone_every=kw.get("milestone_every", 0), parallel=2)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.remote.uploader", spec.dumps()], cwd=REPO,
+            [sys.executable, "-m", "supervisor.mirror.uploader", spec.dumps()], cwd=REPO,
             env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.seen: list[dict] = []
         self._lines: queue.Queue[str] = queue.Queue()
@@ -162,7 +162,7 @@ def test_a_link_and_a_renamed_copy_never_go_up_and_never_supersede_the_real_ones
 
 
 def test_an_earlier_runs_higher_step_on_the_mirror_is_said_and_this_runs_go_up(tmp_path):
-    from supervisor.remote.store import open_mirror
+    from supervisor.mirror.store import open_mirror
 
     mirror = tmp_path / "mirror"
     open_mirror(str(mirror)).upload(build_checkpoint(identified(tmp_path / "earlier"), 1000))

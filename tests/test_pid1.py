@@ -96,7 +96,7 @@ def test_rtrain_as_pid_1_reaps_orphans_and_stops_on_sigterm_with_a_checkpoint(tm
         # The warm standby for the next attempt names the script too: not one of these.
         adopted = [p for p in rtrain.children()
                    if script in _cmdline(p)
-                   and not any(a.endswith("standby_child.py") for a in _cmdline(p))]
+                   and not any(a.endswith("standby/child_program.py") for a in _cmdline(p))]
         assert len(adopted) == 2, "want the training process and the sleeping orphan"
         settle = time.monotonic() + 5
         while (zombies := _zombies(rtrain)) and time.monotonic() < settle:

@@ -1,5 +1,5 @@
 """Memory pressure, pure parts by table: when relief is asked and when the stop for a rung
-down comes (decide/pressure.py), which memory is measured (proc/watch_pressure.py, cgroup.py),
+down comes (pressure/decide.py), which memory is measured (pressure/monitor.py, cgroup.py),
 how the stop is classified, whether a rung fits to climb back, and the worker's answer to a
 relieve request (worker/runtime.py, OOMBackoff). The real ones: tests/test_chaos_pressure.py
 (a cgroup limit) and tests/test_watch_pressure.py (a scripted GPU filling up)."""
@@ -13,7 +13,7 @@ import pytest
 from supervisor.config import PressureConfig
 from supervisor.decide.classify import classify
 from supervisor.decide.failures import Evidence, FailureKind
-from supervisor.decide.pressure import (
+from supervisor.pressure.decide import (
     Act,
     MemoryReading,
     PressureState,
@@ -23,10 +23,10 @@ from supervisor.decide.pressure import (
     rung_peak,
     worst,
 )
+from supervisor.pressure.monitor import host_reading, readings
 from supervisor.proc.cgroup import MemoryCgroup
 from supervisor.proc.gpu import DeviceMemory, GpuReading
 from supervisor.proc.proctree import TreeSample
-from supervisor.proc.watch_pressure import host_reading, readings
 from worker import runtime
 
 MIB, GIB = 1 << 20, 1 << 30

@@ -13,10 +13,10 @@ import time
 import pytest
 from harness import checkpoint_steps
 
-from supervisor.ckpt import prune as prune_mod
 from supervisor.ckpt.manifest import dumps
-from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level, verify
+from supervisor.retention import prune_dir as prune_mod
+from supervisor.retention.decide import RetentionPolicy
 
 
 def flip_a_byte(ckpt) -> None:

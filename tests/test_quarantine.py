@@ -11,9 +11,9 @@ from conftest import build_checkpoint
 from harness import CHILDREN, events, launch, run_rtrain
 
 from supervisor.ckpt import quarantine
-from supervisor.ckpt.prune import prune
-from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.records.runstate import load_state
+from supervisor.retention.decide import RetentionPolicy
+from supervisor.retention.prune_dir import prune
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from harness import write_events
 from supervisor.commands.report import gather
 from supervisor.commands.report_html import render
 from supervisor.commands.status import render_text, summarize, to_json
-from supervisor.protocol import Heartbeat
+from supervisor.core.protocol import Heartbeat
 from supervisor.records.metrics import MetricsFile
 from supervisor.records.recovery import (
     PHASES,

@@ -1,9 +1,9 @@
-"""The uploader's choice of what to send next (supervisor/remote/backlog.py), by table."""
+"""The uploader's choice of what to send next (supervisor/mirror/backlog.py), by table."""
 
 import pytest
 
-from supervisor.remote.backlog import Plan, next_upload
-from supervisor.remote.uploader import retry_after
+from supervisor.mirror.backlog import Plan, next_upload
+from supervisor.mirror.uploader import retry_after
 
 CASES = [
     # local, remote, milestone_every, given_up -> plan

@@ -1,4 +1,4 @@
-"""The blob cache of downloads (supervisor/remote/cache.py)."""
+"""The blob cache of downloads (supervisor/mirror/cache.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import build_checkpoint
 
 from supervisor.ckpt.hashing import XXH3, hash_file
 from supervisor.ckpt.manifest import load
-from supervisor.remote.cache import BlobCache, default_root, local_blobs
+from supervisor.mirror.cache import BlobCache, default_root, local_blobs
 
 H1, H2, H3 = "1" * 32, "2" * 32, "3" * 32
 

@@ -1,4 +1,4 @@
-"""Mirror retention (supervisor/remote/retention.py): the local policy applied to a listing.
+"""Mirror retention (supervisor/mirror/prune_remote.py): the local policy applied to a listing.
 Pure planning by table; `prune_remote` against a plain-directory mirror."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 from conftest import build_checkpoint
 
 from supervisor.ckpt.verify import Status, Verdict
-from supervisor.remote.retention import UNFINISHED, plan_remote, prune_remote
-from supervisor.remote.store import RemoteCheckpoint, open_mirror
+from supervisor.mirror.prune_remote import UNFINISHED, plan_remote, prune_remote
+from supervisor.mirror.store import RemoteCheckpoint, open_mirror
 
 
 def listing(spec: str) -> list[RemoteCheckpoint]:

@@ -1,4 +1,4 @@
-"""The mirror (supervisor/remote/) against a real S3 endpoint (moto's server, a process:
+"""The mirror (supervisor/mirror/) against a real S3 endpoint (moto's server, a process:
 slow) and a plain directory (a shared filesystem: fast), with the same tests."""
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from supervisor.ckpt import layout
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.ckpt.hashing import derive_key, new_hasher
 from supervisor.ckpt.verify import Level, verify
-from supervisor.remote import backend, transfer
-from supervisor.remote.cache import BlobCache
-from supervisor.remote.store import (
+from supervisor.mirror import backend, transfer
+from supervisor.mirror.cache import BlobCache
+from supervisor.mirror.store import (
     CorruptLocal,
     CorruptRemote,
     MirrorError,
     RemoteCheckpoint,
     open_mirror,
 )
-from supervisor.remote.url import redact
+from supervisor.mirror.url import redact
 
 
 @pytest.fixture(params=[pytest.param("s3", marks=pytest.mark.slow), "local"])

@@ -15,7 +15,7 @@ import worker
 from supervisor.ckpt import hashing
 from supervisor.ckpt.safetensors_io import read_header
 from supervisor.ckpt.verified_read import _PARALLEL_FROM, ListedFile, LoadError
-from supervisor.errors import CorruptCheckpoint
+from supervisor.core.errors import CorruptCheckpoint
 
 BIG = _PARALLEL_FROM + (5 << 20) + 123  # over the threshold, not a whole number of chunks
 

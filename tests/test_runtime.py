@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from supervisor.core.protocol import ExitRecord
 from supervisor.proc.heartbeat import HeartbeatReceiver
-from supervisor.protocol import ExitRecord
 from worker import runtime
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -147,7 +147,7 @@ def test_frequent_saves_do_not_starve_step_heartbeats(receiver, monkeypatch):
 
 def _fill(receiver) -> int:
     """Fill the receiver's datagram queue (net.unix.max_dgram_qlen) as a busy supervisor would."""
-    from supervisor.protocol import socket_address
+    from supervisor.core.protocol import socket_address
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as other:
         for n in range(10_000):
             try:

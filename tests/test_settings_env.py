@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.protocol import ENV_SETTINGS
+from supervisor.core.protocol import ENV_SETTINGS
 from worker.settings import current, settings
 
 

@@ -16,11 +16,11 @@ import pytest
 from harness import CHILDREN, child_env, events, launch, run_to_end
 
 from supervisor.config import Config
-from supervisor.launch.standby import Keeper
 from supervisor.proc.proctree import TreeSample
 from supervisor.proc.spawn import ChildSpec, spawn
-from supervisor.proc.standby import WarmChild, strip_attempt_vars, target_of
 from supervisor.records.events import EventLog
+from supervisor.standby.slot import StandbySlot
+from supervisor.standby.warm_child import WarmChild, strip_attempt_vars, target_of
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def test_a_script_cannot_tell_the_standby_from_a_cold_start(tmp_path, args, prog
     assert "probe out" in (tmp_path / "warm" / "stdout.log").read_text()
     if args:  # the traceback starts where a cold start's does
         err = (tmp_path / "warm" / "stderr.log").read_text()
-        assert "ValueError: probe failure" in err and "standby_child" not in err
+        assert "ValueError: probe failure" in err and "child_program" not in err
 
 
 def test_cuda_initialised_while_preloading_fails_the_standby(tmp_path):
@@ -110,14 +110,14 @@ def _sample() -> TreeSample:
     return TreeSample(time.monotonic(), (), 0, 0.0, False, 8 * 2**30, 16 * 2**30)
 
 
-def _keeper(tmp: Path, **cfg) -> tuple[Keeper, EventLog]:
+def _keeper(tmp: Path, **cfg) -> tuple[StandbySlot, EventLog]:
     log = EventLog(tmp / "events.jsonl")
-    keeper = Keeper(Config(run_dir=tmp, **cfg), [sys.executable, PROBE], CHILDREN, tmp, log,
-                    say=lambda line: None)
+    keeper = StandbySlot(Config(run_dir=tmp, **cfg), [sys.executable, PROBE], CHILDREN, tmp, log,
+                         say=lambda line: None)
     return keeper, log
 
 
-def _kept(keeper: Keeper, tmp: Path, env: dict[str, str]) -> None:
+def _kept(keeper: StandbySlot, tmp: Path, env: dict[str, str]) -> None:
     """Attempt 0 starts cold and trains; its standby gets ready."""
     child, _ = keeper.start(_spec(tmp, "a0", env=env), 0)
     assert child is None
@@ -127,7 +127,7 @@ def _kept(keeper: Keeper, tmp: Path, env: dict[str, str]) -> None:
     _tick_until_settled(keeper)
 
 
-def _tick_until_settled(keeper: Keeper) -> None:
+def _tick_until_settled(keeper: StandbySlot) -> None:
     """Samples until the standby is ready (or gone), as the watch feeds them."""
     deadline = time.monotonic() + 60
     while keeper.warm is not None and keeper.warm.ready is None:
@@ -160,8 +160,8 @@ def test_a_changed_script_recycles_the_standby(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     log = EventLog(tmp_path / "events.jsonl")
-    keeper = Keeper(Config(run_dir=tmp_path, preload=["json"]), [sys.executable, "train.py"],
-                    tmp_path, tmp_path, log, say=lambda line: None)
+    keeper = StandbySlot(Config(run_dir=tmp_path, preload=["json"]), [sys.executable, "train.py"],
+                         tmp_path, tmp_path, log, say=lambda line: None)
     env = _attempt_env(0)
     keeper.start(ChildSpec(argv=[sys.executable, "train.py"], env=env, cwd=tmp_path,
                            attempt_dir=tmp_path / "a0"), 0)

@@ -1,4 +1,4 @@
-"""decide/standby.py by table: when a standby is started, dropped, or used by the next attempt;
+"""standby/decide.py by table: when a standby is started, dropped, or used by the next attempt;
 and the configuration keys that turn it off or choose what it imports."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import Config
-from supervisor.decide import standby as sb
-from supervisor.errors import ConfigError
-from supervisor.proc.standby import Target, same_target, strip_attempt_vars, target_of
+from supervisor.core.errors import ConfigError
+from supervisor.standby import decide as sb
+from supervisor.standby.warm_child import Target, same_target, strip_attempt_vars, target_of
 
 GIB = 2**30
 
@@ -116,7 +116,7 @@ def test_a_copy_that_kept_the_old_mtime_is_a_changed_file(tmp_path):
     the ctime to tell, and it does."""
     import shutil
 
-    from supervisor.proc.standby_child import file_stamp
+    from supervisor.standby.child_program import file_stamp
 
     core = tmp_path / "core.py"
     core.write_text('VALUE = "old"\n')
@@ -140,7 +140,7 @@ def test_a_copy_that_kept_the_old_mtime_is_a_changed_file(tmp_path):
 def test_the_standby_records_every_file_a_package_runs_from(tmp_path, monkeypatch):
     """Not only the package's top file: the modules its __init__ imports, and the shared
     libraries mapped into the interpreter."""
-    from supervisor.proc.standby_child import imported_files
+    from supervisor.standby.child_program import imported_files
 
     pkg = tmp_path / "mypkg_i23"
     pkg.mkdir()
@@ -173,7 +173,7 @@ def test_the_standby_records_every_file_a_package_runs_from(tmp_path, monkeypatc
 ])
 def test_the_attempt_starts_with_what_the_preload_did_to_the_environment(
         before, after, attempt, started_with):
-    from supervisor.proc.standby_child import attempt_environ, env_changes
+    from supervisor.standby.child_program import attempt_environ, env_changes
 
     assert attempt_environ(attempt, env_changes(before, after)) == started_with
 
@@ -240,7 +240,7 @@ def test_no_standby_and_torchrun_turn_it_off(rtrain, tmp_path):
 
 
 def test_the_default_preload_is_found_in_the_script_and_its_own_modules(tmp_path):
-    from supervisor.proc.standby_child import top_imports
+    from supervisor.standby.child_program import top_imports
 
     (tmp_path / "model.py").write_text("import numpy\nfrom . import x\nimport helpers\n")
     (tmp_path / "helpers.py").write_text("import yaml\nimport model\n")  # a cycle is fine
@@ -258,7 +258,7 @@ def test_the_default_preload_is_found_in_the_script_and_its_own_modules(tmp_path
 def test_a_script_that_imports_no_library_gets_no_standby(tmp_path):
     import sys
 
-    from supervisor.proc.standby import worth_keeping
+    from supervisor.standby.warm_child import worth_keeping
 
     (tmp_path / "plain.py").write_text("import os, json\nimport helper\n")
     (tmp_path / "helper.py").write_text("import sys\n")

@@ -17,11 +17,11 @@ import pytest
 from harness import child_env, events, run_to_end
 
 from supervisor.config import Config
-from supervisor.launch.standby import Keeper
 from supervisor.proc.proctree import TreeSample
 from supervisor.proc.spawn import ChildSpec, spawn
-from supervisor.proc.standby import LOG_NAME, WarmChild, strip_attempt_vars, target_of
 from supervisor.records.events import EventLog
+from supervisor.standby.slot import StandbySlot
+from supervisor.standby.warm_child import LOG_NAME, WarmChild, strip_attempt_vars, target_of
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def _sample() -> TreeSample:
     return TreeSample(time.monotonic(), (), 0, 0.0, False, 8 * 2**30, 16 * 2**30)
 
 
-def _settle(keeper: Keeper) -> None:
+def _settle(keeper: StandbySlot) -> None:
     deadline = time.monotonic() + 60
     while keeper.warm is not None and keeper.warm.ready is None:
         assert time.monotonic() < deadline
@@ -82,8 +82,8 @@ def _change(core: Path, how: str) -> None:
 def test_a_changed_module_inside_a_preloaded_package_is_never_run_stale(tmp_path, how, when):
     core, app, env = _package(tmp_path)
     log = EventLog(tmp_path / "events.jsonl")
-    keeper = Keeper(Config(run_dir=tmp_path, preload=["mypkg"]), [sys.executable, "train.py"],
-                    app, tmp_path, log, say=lambda line: None)
+    keeper = StandbySlot(Config(run_dir=tmp_path, preload=["mypkg"]), [sys.executable, "train.py"],
+                         app, tmp_path, log, say=lambda line: None)
 
     def spec(attempt: int) -> ChildSpec:
         return ChildSpec(argv=[sys.executable, "train.py"],
@@ -265,8 +265,8 @@ def test_what_a_preloaded_library_did_at_import_is_what_a_cold_start_has(tmp_pat
     # 2. no RTRAIN_* variable at import
     assert (cold["seen"]["rtrain_attempt"], warm_rec["seen"]["rtrain_attempt"]) == ("1", None)
     # 3. the command line read at import is the standby's
-    assert "standby_child.py" in warm_rec["seen"]["cmdline"]
-    assert "standby_child.py" not in cold["seen"]["cmdline"]
+    assert "standby/child_program.py" in warm_rec["seen"]["cmdline"]
+    assert "standby/child_program.py" not in cold["seen"]["cmdline"]
     # 4. the preloaded modules are there from the first line, imported (and the process
     #    started) before the attempt
     extra = set(warm_rec["loaded_first"]) - set(cold["loaded_first"])

@@ -139,7 +139,7 @@ def test_rtrain_s_copy_of_an_earlier_run_s_file_is_forgotten(tmp_path):
 
 
 def _with_mirror(tmp_path):
-    from supervisor.remote.store import open_mirror
+    from supervisor.mirror.store import open_mirror
 
     remote = tmp_path / "mirror"
     remote.mkdir()

@@ -20,7 +20,7 @@ from supervisor.ckpt import foreign
 from supervisor.ckpt import state_schema as schema
 from supervisor.ckpt.verify import Level, Status, verify
 from supervisor.commands.inspecting import inspect_dir
-from supervisor.errors import CorruptCheckpoint, ExitCode, StateMismatch
+from supervisor.core.errors import CorruptCheckpoint, ExitCode, StateMismatch
 
 pytestmark = pytest.mark.usefixtures("unsupervised")
 

@@ -10,8 +10,8 @@ import pytest
 from harness import T0, run_rtrain, write_events
 
 from supervisor.commands.status import render_text, summarize, to_json
+from supervisor.core.errors import ConfigError, UsageError
 from supervisor.decide.policy import History
-from supervisor.errors import ConfigError, UsageError
 from supervisor.records.lock import LOCK_NAME
 from supervisor.records.paths import default_ckpt_dir, default_run_dir
 from supervisor.records.runstate import RunState, save_state

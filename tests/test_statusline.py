@@ -7,7 +7,8 @@ import io
 
 import pytest
 
-from supervisor.commands.statusline import (
+from supervisor.commands.human_units import human_bytes, human_duration, human_rate
+from supervisor.launch.statusline import (
     CLEAR,
     LOG_INTERVAL_S,
     PARTIAL_QUIET_S,
@@ -15,9 +16,6 @@ from supervisor.commands.statusline import (
     StatusLine,
     checkpoint_eta,
     format_line,
-    human_bytes,
-    human_duration,
-    human_rate,
 )
 
 GIB = 1024**3

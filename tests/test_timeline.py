@@ -6,7 +6,7 @@ from harness import read_metrics_text
 
 from supervisor.commands.report import gather
 from supervisor.commands.status import summarize
-from supervisor.event_schema import Kind
+from supervisor.core.event_schema import Kind
 from supervisor.records.events import EventLog, read_events
 from supervisor.records.metrics import MetricsFile
 from supervisor.records.timeline import Timeline, read_timeline

@@ -13,15 +13,15 @@ from test_watch import _watch
 
 from supervisor.commands.status import render_text, summarize, to_json
 from supervisor.config import SlurmConfig
+from supervisor.core.protocol import Heartbeat
 from supervisor.decide.observation import Heartbeats, Observation, evidence
-from supervisor.decide.wall_clock import Margin, Observed, learn_margin, measured, plan_stop
-from supervisor.launch import wallclock
-from supervisor.launch.wallclock import WallClock, observed_in
 from supervisor.proc import slurm
 from supervisor.proc.heartbeat import HeartbeatReceiver
 from supervisor.proc.slurm import JobTimes, parse_job_times
-from supervisor.protocol import Heartbeat
 from supervisor.records.events import EventLog
+from supervisor.timelimit import planner
+from supervisor.timelimit.decide import Margin, Observed, learn_margin, measured, plan_stop
+from supervisor.timelimit.planner import WallClock, observed_in
 
 # `scontrol show job --oneliner` of a job submitted with --time=2 on the one-node test cluster
 # (Slurm 22.05; with or without --signal, it prints the same fields).
@@ -165,7 +165,7 @@ def test_a_time_limit_stop_is_recorded_and_requeues(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
-    script = Script(outcomes=[Observation(returncode=75, stop_requested=wallclock.WHY,
+    script = Script(outcomes=[Observation(returncode=75, stop_requested=planner.WHY,
                                           last_step=9)])
     end = script.now + 3600  # the scripted clock's start (wall and monotonic alike)
     monkeypatch.setattr(slurm, "job_times",
@@ -181,7 +181,7 @@ def test_a_time_limit_stop_is_recorded_and_requeues(tmp_path, monkeypatch):
     script.watch = watching
     code, events = run(tmp_path, script, requeue=True)
     assert code == 75
-    assert armed == [(end - 60.0, wallclock.WHY)]
+    assert armed == [(end - 60.0, planner.WHY)]
     kinds = [e["kind"] for e in events]
     assert kinds[:6] == ["launch", "wall_clock_stop", "exit", "classification", "decision",
                          "requeue"]
@@ -198,10 +198,10 @@ def test_watch_stops_the_child_at_the_deadline_as_on_a_signal(tmp_path):
     with HeartbeatReceiver() as receiver:
         t0 = time.monotonic()
         outcome, _ = _watch(tmp_path, "runtime_heartbeats.py", "preempt", heartbeats=receiver,
-                            stop_at=t0 + 1.0, stop_why=wallclock.WHY)
+                            stop_at=t0 + 1.0, stop_why=planner.WHY)
     seen = outcome.seen
     ev = evidence(seen)
-    assert ev.returncode == 75 and ev.stop_requested == wallclock.WHY
+    assert ev.returncode == 75 and ev.stop_requested == planner.WHY
     assert seen.signals == () and outcome.stop.signal_sent == "SIGTERM"
     assert not ev.killed_after_grace and seen.heartbeats.last_event == "stop"
     assert seen.stop_s is not None and 0 <= seen.stop_s < 5

@@ -10,7 +10,7 @@ from torch import nn
 import worker
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.verify import verify
-from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
+from supervisor.core.errors import CheckpointError, CorruptCheckpoint, StateMismatch
 
 
 def make(seed=0, width=8):

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 import worker
-from supervisor.ckpt import crypt, sealed
+from supervisor.ckpt import crypt, encrypted_file
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.verify import verify
-from supervisor.errors import CorruptCheckpoint, KeyMismatch
+from supervisor.core.errors import CorruptCheckpoint, KeyMismatch
 
 KEY = "5a" * 32
 OTHER = "a5" * 32
@@ -46,12 +46,12 @@ def test_every_file_is_sealed_and_the_manifest_says_by_which_key(tmp_path, monke
     m = json.loads((path / "manifest.json").read_text())
     fp = crypt.EncryptionKey.from_material(KEY).fingerprint
     assert m["encryption"] == {"scheme": crypt.SCHEME, "key_fingerprint": fp,
-                               "chunk_size": sealed.CHUNK}
+                               "chunk_size": encrypted_file.CHUNK}
     assert KEY not in (path / "manifest.json").read_text()
     assert "0.weight" in m["tensors"]["model.safetensors"]  # names readable by default
     for name in m["files"]:
         data = (path / name).read_bytes()
-        assert data.startswith(sealed.MAGIC), name
+        assert data.startswith(encrypted_file.MAGIC), name
         assert b"0.weight" not in data and b"a plaintext marker" not in data
     # Sizes and hashes are of the ciphertext: verification needs no key.
     assert verify(path, "full").ok
@@ -135,7 +135,7 @@ def test_one_changed_byte_is_detected_on_load(tmp_path, victim):
                                encryption_key=KEY).save(3)
     f = path / victim
     data = bytearray(f.read_bytes())
-    data[sealed.HEADER_SIZE + 3] ^= 0x40
+    data[encrypted_file.HEADER_SIZE + 3] ^= 0x40
     f.write_bytes(bytes(data))
     assert not verify(path, "full").ok  # the ciphertext's hash, without the key
     # A writer who also fixed the manifest's hash is caught by the tag.
@@ -185,7 +185,7 @@ def test_async_saves_are_encrypted(tmp_path, mode):
     ck.save(1)
     ck.close()
     [(_, path)] = list_checkpoints(tmp_path)
-    assert (path / "model.safetensors").read_bytes().startswith(sealed.MAGIC)
+    assert (path / "model.safetensors").read_bytes().startswith(encrypted_file.MAGIC)
     assert json.loads((path / "manifest.json").read_text())["encryption"]
     model2, _ = make(seed=3)
     worker.Checkpointer(model=model2, ckpt_dir=tmp_path, encryption_key=KEY).restore()
@@ -198,7 +198,7 @@ def test_missing_cryptography_is_one_line(tmp_path, monkeypatch):
                                   f"{crypt.INSTALL_HINT}")
 
     monkeypatch.setattr(crypt, "cipher", missing)
-    from supervisor.errors import CheckpointError
+    from supervisor.core.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"pip install 'rtrain\[encrypt\]'"):
         worker.Checkpointer(model=make()[0], ckpt_dir=tmp_path, encryption_key=KEY)

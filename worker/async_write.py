@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from supervisor.errors import CheckpointError
+from supervisor.core.errors import CheckpointError
 from worker import dist, runtime
 from worker.save_target import Capture, SaveTarget
 

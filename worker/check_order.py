@@ -20,7 +20,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from supervisor.protocol import ENV_CHECK_RESUME
+from supervisor.core.protocol import ENV_CHECK_RESUME
 
 STOPS = ("kill", "signal")
 

@@ -21,8 +21,8 @@ import torch
 
 from supervisor.ckpt import crypt, hashing
 from supervisor.ckpt.layout import list_checkpoints
-from supervisor.errors import CheckpointError, CorruptCheckpoint, ExitCode
-from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
+from supervisor.core.errors import CheckpointError, CorruptCheckpoint, ExitCode
+from supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
 from worker import (
     check_order,
     data,

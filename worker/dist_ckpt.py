@@ -31,7 +31,7 @@ from supervisor.ckpt.commit import PendingCheckpoint, fsync_dir
 from supervisor.ckpt.hashing import alg_for
 from supervisor.ckpt.layout import MANIFEST
 from supervisor.ckpt.verified_read import LoadError
-from supervisor.errors import CheckpointError, CorruptCheckpoint, StateMismatch
+from supervisor.core.errors import CheckpointError, CorruptCheckpoint, StateMismatch
 from worker import dist, faults
 from worker.save_target import Capture, SaveTarget, storage_error
 from worker.tensors import load_listed, to_blob

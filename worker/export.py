@@ -37,7 +37,7 @@ from supervisor.ckpt import crypt, hashing, manifest, safetensors_io
 from supervisor.ckpt.st_concat import PlainFile
 from supervisor.ckpt.verified_read import LoadError
 from supervisor.ckpt.verify import check_member_name
-from supervisor.errors import CheckpointError, RtrainError, UsageError
+from supervisor.core.errors import CheckpointError, RtrainError, UsageError
 from worker.tensors import cpu_contiguous, decode, load_listed, read_any, to_blob
 
 # Where a dict saved with torch.save keeps the model and the optimizer, in the order tried:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.protocol import ENV_ATTEMPT
+from supervisor.core.protocol import ENV_ATTEMPT
 from worker.settings import current as current_settings
 
 ENV_FAULTS = "RTRAIN_FAULTS"

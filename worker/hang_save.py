@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from supervisor.protocol import CONTROL_FAILSAVE, CONTROL_FIFO, ENV_CONTROL_TOKEN, ENV_STATUS
+from supervisor.core.protocol import CONTROL_FAILSAVE, CONTROL_FIFO, ENV_CONTROL_TOKEN, ENV_STATUS
 from worker import runtime
 
 log = logging.getLogger(__name__)

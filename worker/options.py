@@ -15,8 +15,8 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level
+from supervisor.retention.decide import RetentionPolicy
 from worker.cadence import MAX_SECONDS, CadenceBounds
 
 if TYPE_CHECKING:

@@ -26,15 +26,15 @@ from supervisor.ckpt import crypt, hashing, state_schema
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.verified_read import LoadError, read_listed
 from supervisor.ckpt.verify import STATE_LIMIT, Level, Verdict, select_rtrain_resume, verify
-from supervisor.decide.failures import FailureKind
-from supervisor.errors import (
+from supervisor.core.errors import (
     CheckpointError,
     CorruptCheckpoint,
     ExitCode,
     KeyMismatch,
     StateMismatch,
 )
-from supervisor.protocol import ENV_RESUME_FROM, ENV_RUN_DIR
+from supervisor.core.protocol import ENV_RESUME_FROM, ENV_RUN_DIR
+from supervisor.decide.failures import FailureKind
 from worker import dist, dist_ckpt, hyperparams, runtime, state
 from worker.capture import Components
 from worker.save_target import FILES

@@ -53,8 +53,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from supervisor.errors import CheckpointError
-from supervisor.protocol import ENV_CKPT_DIR
+from supervisor.core.errors import CheckpointError
+from supervisor.core.protocol import ENV_CKPT_DIR
 from worker import runtime
 from worker.check_order import Plan
 

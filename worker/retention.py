@@ -13,12 +13,12 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from supervisor import filemode
 from supervisor.ckpt.commit import free_bytes
-from supervisor.ckpt.prune import PruneReport, prune
-from supervisor.ckpt.retention import RetentionPolicy
 from supervisor.ckpt.verify import Level, VerifiedCache, verify
-from supervisor.fsio import STORAGE_ERRNOS
+from supervisor.core import filemode
+from supervisor.core.atomic_write import STORAGE_ERRNOS
+from supervisor.retention.decide import RetentionPolicy
+from supervisor.retention.prune_dir import PruneReport, prune
 
 log = logging.getLogger(__name__)
 

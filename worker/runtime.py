@@ -36,9 +36,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from supervisor import filemode, ownfiles
-from supervisor.fsio import write_atomic
-from supervisor.protocol import (
+from supervisor.core import filemode, ownfiles
+from supervisor.core.atomic_write import write_atomic
+from supervisor.core.protocol import (
     DUMP_SIGNAL,
     ENV_ATTEMPT,
     ENV_DUMP_SIGNAL,
@@ -162,7 +162,7 @@ def install() -> None:
 def open_stack_file(status_dir: Path) -> IO[str] | None:
     """`stacks-<pid>.txt` in the attempt dir, where faulthandler writes this process's stacks
     on the dump signal: the run's file mode, appended to (never truncated) and never through
-    a link planted at the name (supervisor/ownfiles.py). None, with a warning, when it cannot
+    a link planted at the name (supervisor/core/ownfiles.py). None, with a warning, when it cannot
     be opened: training goes on without the dump."""
     path = status_dir / f"stacks-{os.getpid()}.txt"
     try:

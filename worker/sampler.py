@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from supervisor.errors import StateMismatch
+from supervisor.core.errors import StateMismatch
 
 
 class PositionMismatch(StateMismatch, ValueError):

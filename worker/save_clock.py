@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from supervisor.protocol import ENV_FAILURES, ENV_RUN_SECONDS, ENV_SAVE_COST
+from supervisor.core.protocol import ENV_FAILURES, ENV_RUN_SECONDS, ENV_SAVE_COST
 from worker import cadence, runtime
 from worker.schedule import SaveSchedule
 

@@ -20,7 +20,7 @@ import torch
 
 from supervisor.ckpt import crypt, hashing
 from supervisor.ckpt.commit import PendingCheckpoint
-from supervisor.fsio import STORAGE_ERRNOS
+from supervisor.core.atomic_write import STORAGE_ERRNOS
 from worker import dist, faults, runtime
 from worker.tensors import to_blob
 
@@ -61,7 +61,8 @@ class SaveTarget:
     make_room: Callable[[int], str | None]
     """None when that many bytes fit (after pruning if needed); else why the save is skipped."""
     encryption: crypt.EncryptionKey | None = None
-    """Every file of a checkpoint is written encrypted with it (supervisor/ckpt/sealed.py)."""
+    """Every file of a checkpoint is written encrypted with it
+    (supervisor/ckpt/encrypted_file.py)."""
     skipped: int = 0
     """Saves skipped so far (`Checkpointer.skipped_saves`)."""
 

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from supervisor.protocol import ENV_SETTINGS
+from supervisor.core.protocol import ENV_SETTINGS
 
 
 class Settings(dict):

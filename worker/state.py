@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from supervisor.errors import StateMismatch
+from supervisor.core.errors import StateMismatch
 from worker import hyperparams
 from worker.tensors import decode, encode
 

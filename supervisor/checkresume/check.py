@@ -38,9 +38,8 @@ from supervisor.checkresume.compare import Comparison, compare, read
 from supervisor.checkresume.runs import Ran, ScriptFailed, run
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.verify import Level, Verdict, verify
-from supervisor.decide.templates import render
-from supervisor.errors import UsageError
-from supervisor.protocol import (
+from supervisor.core.errors import UsageError
+from supervisor.core.protocol import (
     ENV_ATTEMPT,
     ENV_CHECK_RESUME,
     ENV_CKPT_DIR,
@@ -48,6 +47,7 @@ from supervisor.protocol import (
     ENV_RUN_DIR,
     ENV_SETTINGS,
 )
+from supervisor.launch.argv_templates import render
 
 STOPS = ("kill", "signal")
 _HOW = {"kill": "a save, then SIGKILL", "signal": "SIGTERM (save, exit 75)"}

@@ -19,8 +19,8 @@ from typing import Any
 
 from supervisor.ckpt import manifest, safeio
 from supervisor.ckpt.safetensors_io import read_header
-from supervisor.errors import UsageError
-from supervisor.safetext import safe
+from supervisor.core.errors import UsageError
+from supervisor.core.untrusted_text import safe
 
 STATE = "state.json"
 # The order a person reads differences in: weights first.

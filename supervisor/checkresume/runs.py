@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.errors import UsageError
+from supervisor.core.errors import UsageError
 from supervisor.proc.spawn import pdeathsig_preexec
 
 

@@ -16,13 +16,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from supervisor import filemode
-from supervisor.ckpt import crypt, generation, runid, safetensors_io, sealed
+from supervisor.ckpt import crypt, encrypted_file, generation, runid, safetensors_io
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.hashing import CRYPTOGRAPHIC, HASH_ALG, hash_file, new_hasher
 from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
-from supervisor.ownfiles import RefusedFile
-from supervisor.protocol import ENV_GENERATION
+from supervisor.core import filemode
+from supervisor.core.ownfiles import RefusedFile
+from supervisor.core.protocol import ENV_GENERATION
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -57,8 +57,8 @@ class PendingCheckpoint:
         self.step = step
         self.fsync = fsync
         self.hash_alg = hash_alg  # hashing.alg_for(key): blake3 for a checkpoint to be signed
-        self.encryption = encryption  # every file written encrypted (ckpt/sealed.py)
-        # The run's file-mode policy (supervisor/filemode.py); None: RTRAIN_FILE_MODE or 0600.
+        self.encryption = encryption  # every file written encrypted (ckpt/encrypted_file.py)
+        # The run's file-mode policy (supervisor/core/filemode.py); None: RTRAIN_FILE_MODE or 0600.
         self.file_mode = filemode.from_env() if file_mode is None else file_mode
         filemode.make_dir(self.ckpt_dir, self.file_mode)
         self.tmp = self.ckpt_dir / tmp_name(step)
@@ -107,9 +107,9 @@ class PendingCheckpoint:
                 h.update(view)
                 dst.write(view)
 
-            enc = sealed.Encryptor(self.encryption, name, emit)
+            enc = encrypted_file.Encryptor(self.encryption, name, emit)
             try:
-                for piece in iter(lambda: src.read(sealed.CHUNK), b""):
+                for piece in iter(lambda: src.read(encrypted_file.CHUNK), b""):
                     enc.update(piece)
                 enc.finish()
             finally:
@@ -135,7 +135,7 @@ class PendingCheckpoint:
 
     def write_bytes(self, name: str, data: bytes) -> None:
         if self.encryption is not None:
-            data = sealed.seal_bytes(self.encryption, name, data)
+            data = encrypted_file.seal_bytes(self.encryption, name, data)
         h = new_hasher(self.hash_alg)
         h.update(data)
         with open(self.tmp / name, "xb") as f:
@@ -167,7 +167,7 @@ class PendingCheckpoint:
         if self.run is not None:
             m["run"] = self.run
         if self.encryption is not None:
-            m["encryption"] = crypt.manifest_entry(self.encryption, sealed.CHUNK)
+            m["encryption"] = crypt.manifest_entry(self.encryption, encrypted_file.CHUNK)
             if self.encryption.hide_tensors:
                 del m["tensors"]  # names and shapes stay inside the encrypted files
         if key is not None:

@@ -1,5 +1,5 @@
 """Encryption at rest: the key checkpoints are sealed with, its fingerprint, and the manifest's
-record of it. The file format itself is `ckpt/sealed.py`.
+record of it. The file format itself is `ckpt/encrypted_file.py`.
 
 The key (`load_encryption_key`): `RTRAIN_ENCRYPTION_KEY` or `RTRAIN_ENCRYPTION_KEY_FILE`. 64 hex
 digits are the 32-byte key itself; anything else is a passphrase stretched with scrypt (N=2^15,
@@ -89,7 +89,7 @@ def load_encryption_key(env: dict[str, str] | None = None) -> EncryptionKey | No
     The key file follows the signing key file's rules (regular, at most 1 MiB, not readable by
     group or others unless RTRAIN_ALLOW_SHARED_KEY=1). Raises UsageError saying what to fix.
     """
-    from supervisor.errors import UsageError
+    from supervisor.core.errors import UsageError
 
     env = os.environ if env is None else env
     hide = env.get(ENV_HIDE_TENSORS) == "1"

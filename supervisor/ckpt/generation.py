@@ -30,8 +30,8 @@ import uuid
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
-from supervisor import ownfiles
-from supervisor.errors import CheckpointError
+from supervisor.core import ownfiles
+from supervisor.core.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

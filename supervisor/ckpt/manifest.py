@@ -15,7 +15,7 @@ Schema (version 1), a JSON object:
                   when encrypted with RTRAIN_ENCRYPT_METADATA=1
     encryption    optional {"scheme": "aes-256-gcm-chunked-v1", "key_fingerprint": 16 hex,
                   "chunk_size": int, "tensors_listed": false (only when tensors is absent)}:
-                  every listed file is encrypted (ckpt/sealed.py); never the key itself
+                  every listed file is encrypted (ckpt/encrypted_file.py); never the key itself
     run           optional str, 32 hex digits: the run that wrote it (ckpt/runid.py), copied
                   from the checkpoint dir's .rtrain-run at the save; absent: no run's
     fingerprint   str, hash of the model's (name, shape, dtype) list

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.ckpt import safeio
-from supervisor.filemode import DEFAULT_FILE_MODE
-from supervisor.fsio import write_json_atomic
+from supervisor.core.atomic_write import write_json_atomic
+from supervisor.core.filemode import DEFAULT_FILE_MODE
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from supervisor import filemode, fsio
 from supervisor.ckpt import safeio
+from supervisor.core import atomic_write, filemode
 
 RUN_FILE = ".rtrain-run"
 _RUN_RE = re.compile(r"[0-9a-f]{32}")
@@ -83,7 +83,7 @@ def write(ckpt_dir: str | os.PathLike, run: str, mode: int = filemode.DEFAULT_FI
     if not valid(run):
         raise ValueError(f"not a run identity: {run!r}")
     ckpt_dir = Path(ckpt_dir)
-    fsio.write_atomic(ckpt_dir / RUN_FILE, run + "\n", mode=mode, replace=replace)
+    atomic_write.write_atomic(ckpt_dir / RUN_FILE, run + "\n", mode=mode, replace=replace)
     return run if replace else read(ckpt_dir) or run
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.ckpt import crypt, safeio, sealed
+from supervisor.ckpt import crypt, encrypted_file, safeio
 from supervisor.ckpt.hashing import HASH_ALG, new_hasher
 
 MAX_HEADER = 100 << 20
@@ -104,14 +104,14 @@ def write_file(
     """Write one safetensors file; returns its size and content hash (`hash_alg`).
 
     `seal` (key, name in the checkpoint): the file written is the encrypted form
-    (`ckpt/sealed.py`), and the size and hash returned are of those bytes.
+    (`ckpt/encrypted_file.py`), and the size and hash returned are of those bytes.
     """
     blobs = list(blobs)
     hasher = new_hasher(hash_alg)
     header = build_header(blobs, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     out = _Out(fd, hasher)
-    enc = None if seal is None else sealed.Encryptor(seal[0], seal[1], out.write)
+    enc = None if seal is None else encrypted_file.Encryptor(seal[0], seal[1], out.write)
     put = out.write if enc is None else enc.update
     try:
         put(memoryview(header))

@@ -157,14 +157,14 @@ def open_listed(root: Path, name: str, manifest: dict[str, Any], alg: str,
     naming the fingerprints (callers check `crypt.key_problem` first for a clearer error)."""
     if manifest.get("encryption") is None:
         return ListedFile(root, name, manifest, alg)
-    from supervisor.ckpt import crypt, sealed  # they import this module
+    from supervisor.ckpt import crypt, encrypted_file  # they import this module
 
     problem = crypt.key_problem(manifest, enc)
     if problem is not None:
         raise LoadError(problem)
     raw = ListedFile(root, name, manifest, alg)
     try:
-        return sealed.Decryptor(raw, enc, name)
+        return encrypted_file.Decryptor(raw, enc, name)
     except BaseException:
         raw.close()
         raise

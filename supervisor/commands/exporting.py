@@ -33,8 +33,8 @@ from typing import Any
 from supervisor.ckpt import crypt, foreign, hashing, hf_trainer
 from supervisor.ckpt.layout import parse_step
 from supervisor.ckpt.verify import Level, Selection, Verdict
-from supervisor.errors import CheckpointError, ExitCode, RtrainError, UsageError
-from supervisor.safetext import safe
+from supervisor.core.errors import CheckpointError, ExitCode, RtrainError, UsageError
+from supervisor.core.untrusted_text import safe
 
 FORMATS = ("safetensors", "torch")
 SUFFIXES = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}

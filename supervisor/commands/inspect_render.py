@@ -9,9 +9,9 @@ import datetime as dt
 from typing import Any
 
 from supervisor.ckpt.verify import Verdict
+from supervisor.commands.human_units import human_bytes
 from supervisor.commands.inspecting import Detail, DirReport, Entry, Leftover
-from supervisor.commands.statusline import human_bytes
-from supervisor.safetext import safe
+from supervisor.core.untrusted_text import safe
 
 
 def human_size(n: int) -> str:

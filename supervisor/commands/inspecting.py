@@ -22,8 +22,8 @@ from supervisor.ckpt.layout import (
 )
 from supervisor.ckpt.manifest import ManifestError
 from supervisor.ckpt.verify import Level, Status, Verdict, check_member_name
-from supervisor.errors import CheckpointError, UsageError
-from supervisor.safetext import safe
+from supervisor.core.errors import CheckpointError, UsageError
+from supervisor.core.untrusted_text import safe
 
 
 @dataclass

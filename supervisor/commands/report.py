@@ -27,7 +27,7 @@ from typing import Any
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.layout import list_checkpoints, parse_step
 from supervisor.commands.status import finite, json_safe, summarize
-from supervisor.event_schema import Kind
+from supervisor.core.event_schema import Kind
 from supervisor.records.recovery import KindCost, costs_by_kind
 from supervisor.records.timeline import AttemptRecord, failure_kind, read_timeline
 

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from supervisor.commands.human_units import human_duration
 from supervisor.commands.report import AttemptRow, Report, gather
-from supervisor.commands.statusline import human_duration
-from supervisor.errors import UsageError
-from supervisor.fsio import write_atomic
+from supervisor.core.atomic_write import write_atomic
+from supervisor.core.errors import UsageError
 from supervisor.records.recovery import PHASES, seconds
 
 # One colour per failure kind (FailureKind values), shared by markers, chips and the table.

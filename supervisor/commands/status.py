@@ -17,19 +17,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor import ownfiles
 from supervisor.ckpt import keepcopy, quarantine
 from supervisor.ckpt.foreign import select_resume_any_format
 from supervisor.ckpt.verify import Level, Status
-from supervisor.commands.statusline import human_bytes, human_duration, human_rate
-from supervisor.errors import UsageError
-from supervisor.event_schema import KINDS, Kind
-from supervisor.pids import pid_alive
+from supervisor.commands.human_units import human_bytes, human_duration, human_rate
+from supervisor.core import ownfiles
+from supervisor.core.errors import UsageError
+from supervisor.core.event_schema import KINDS, Kind
+from supervisor.core.pid_alive import pid_alive
+from supervisor.core.untrusted_text import safe
 from supervisor.records import recovery
 from supervisor.records.lock import HOLDER_MAX, LOCK_NAME
 from supervisor.records.runstate import STATE_FILE, load_state
 from supervisor.records.timeline import Timeline, failure_kind, read_timeline
-from supervisor.safetext import safe
 
 
 @dataclass(kw_only=True)

@@ -28,7 +28,7 @@ from supervisor.decide.history import History
 from supervisor.decide.observation import Observation, evidence
 from supervisor.decide.policy import Decision, decide, note_progress
 from supervisor.decide.streak import Resumed
-from supervisor.decide.wall_clock import WHY, WallPlan, measured
+from supervisor.timelimit.decide import WHY, WallPlan, measured
 
 
 @dataclass(frozen=True, kw_only=True)

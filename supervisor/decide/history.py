@@ -63,7 +63,7 @@ class History:
     rung_peaks: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per ladder level (the level as a string): the largest memory footprint measured on it,
     {"host": process-tree RSS, "host_limit", "gpu": NVML used, "gpu_limit"} in bytes; a
-    climb back needs the rung above to fit by it (decide/pressure.py)."""
+    climb back needs the rung above to fit by it (pressure/decide.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor import filemode, protocol
 from supervisor.ckpt import generation
-from supervisor.decide import templates
+from supervisor.core import filemode, protocol
+from supervisor.launch import argv_templates
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,9 +42,9 @@ class AttemptPlan:
 def argv(command: list[str], resume_args: tuple[str, ...], plan: AttemptPlan) -> list[str]:
     values = {**plan.settings, "checkpoint": plan.resume_from or "", "attempt": plan.attempt,
               "run_dir": str(plan.run_dir.resolve()), "ckpt_dir": str(plan.ckpt_dir)}
-    out = templates.render(command, values)
+    out = argv_templates.render(command, values)
     if plan.resume_from is not None:
-        out += templates.render(list(resume_args), values)
+        out += argv_templates.render(list(resume_args), values)
     return out
 
 

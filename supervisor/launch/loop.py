@@ -9,9 +9,9 @@ an `AttemptResult`; `judge` (decide/attempt.py, pure) returns the decision and t
 the attempt's end; the loop writes those records, then acts. Beside it in `launch/`: `spec`
 (what was asked, the seams), `rundir` (state.json and the dirs), `resume` (which checkpoint),
 `child_env` (the attempt's argv and environment), `observers` (metrics, hooks, status line),
-`recording` (writing the records), `act` (Slurm requeue, GPU release, backoff). The clock, the
-sleepers, the GPU reader, the random source, the spawner and the watcher come in through
-`Seams`, so tests can script an attempt's outcome and fast-forward a backoff.
+`recording` (writing the records), `side_effects` (Slurm requeue, GPU release, backoff). The
+clock, the sleepers, the GPU reader, the random source, the spawner and the watcher come in
+through `Seams`, so tests can script an attempt's outcome and fast-forward a backoff.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from supervisor.ckpt import foreign
 from supervisor.ckpt.hashing import load_signing_key
 from supervisor.ckpt.verify import Selection, Verdict
 from supervisor.config import Config
-from supervisor.decide import templates
+from supervisor.core.errors import ExitCode, UsageError
+from supervisor.core.protocol import Heartbeat
 from supervisor.decide.attempt import AttemptResult, judge
 from supervisor.decide.policy import Action, Decision, History, ResumeMode
-from supervisor.decide.wall_clock import WallPlan, measured
-from supervisor.errors import ExitCode, UsageError
-from supervisor.launch import act, child_env, mirroring, world
+from supervisor.elsewhere.scan import ElsewhereWatch
+from supervisor.launch import argv_templates, child_env, resize, side_effects
 from supervisor.launch.child_env import AttemptPlan
-from supervisor.launch.elsewhere import ElsewhereWatch
 from supervisor.launch.observers import Observers
 from supervisor.launch.recording import record, slurm_field
 from supervisor.launch.resume import Checkpoints, encryption_key, resumed_from
@@ -46,9 +45,7 @@ from supervisor.launch.rundir import (
     refuse_planted,
 )
 from supervisor.launch.spec import LaunchSpec, Seams, child_command
-from supervisor.launch.standby import Keeper
-from supervisor.launch.wallclock import WHY as WALL_CLOCK
-from supervisor.launch.wallclock import WallClock
+from supervisor.mirror import launch_uploads
 from supervisor.proc import slurm
 from supervisor.proc.console import best_effort_console
 from supervisor.proc.gpu import NvmlReader
@@ -59,13 +56,16 @@ from supervisor.proc.signals import SignalCatcher
 from supervisor.proc.spawn import ChildSpec, spawn
 from supervisor.proc.watch import Sample, WatchConfig
 from supervisor.proc.watch_outcome import Outcome
-from supervisor.protocol import Heartbeat
 from supervisor.records import recovery
 from supervisor.records.events import EventLog, EventLogError
 from supervisor.records.lock import RunLock
 from supervisor.records.recovery import RecoveryTracker
 from supervisor.records.runstate import RunStatus
 from supervisor.records.timeline import Timeline, read_timeline
+from supervisor.standby.slot import StandbySlot
+from supervisor.timelimit.decide import WallPlan, measured
+from supervisor.timelimit.planner import WHY as WALL_CLOCK
+from supervisor.timelimit.planner import WallClock
 
 __all__ = ["LaunchSpec", "Seams", "child_command", "launch"]
 
@@ -80,7 +80,7 @@ def launch(spec: LaunchSpec, seams: Seams | None = None) -> int:
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise UsageError(f"--resume {cfg.resume}: no such checkpoint")
     blank = {**cfg.settings, "checkpoint": "", "attempt": 0, "run_dir": "", "ckpt_dir": ""}
-    templates.render([*spec.command, *spec.resume_args], blank)  # typos fail before any work
+    argv_templates.render([*spec.command, *spec.resume_args], blank)  # typos fail before any work
     with RunLock(run_dir, mode=cfg.file_mode) as lock, best_effort_console() as console:
         loop = Loop(spec, seams, run_dir)
         loop.observers.console = console
@@ -163,13 +163,13 @@ class Loop:
         self.hb = HeartbeatReceiver()
         self.watch_cfg = WatchConfig.from_config(self.cfg)
         self.procs = ProcRecord(run_dir)  # the attempt's processes, for the next launch
-        self.mirroring: mirroring.Mirroring | None = None  # opened by run(), when it trains
+        self.mirroring: launch_uploads.Mirroring | None = None  # opened by run(), when it trains
         self.wall_clock = WallClock(self.cfg.slurm, run_dir / "events.jsonl")
         self._wall_said: str | None = None  # the plan last told the terminal
         self._last_step: int | None = None  # of the attempt that just ended
         # A scripted spawner (tests) has no interpreter to keep warm.
         keep = self.cfg if seams.spawn is spawn else replace(self.cfg, standby=False)
-        self.standby = Keeper(keep, spec.command, spec.cwd, run_dir, self.events, self.say)
+        self.standby = StandbySlot(keep, spec.command, spec.cwd, run_dir, self.events, self.say)
         self.elsewhere = ElsewhereWatch(
             after_s=self.cfg.checkpoints_elsewhere_after_s, expects=_hands_checkpoint(spec),
             cwd=spec.cwd, ckpt_dir=self.ckpt_dir, run_dir=run_dir, events=self.events,
@@ -195,8 +195,8 @@ class Loop:
             return refused
         # Probed only now: a finished run relaunched from cron pays no store round trip, and
         # bad credentials still stop the launch before any attempt.
-        self.mirroring = mirroring.open_for(self.cfg, self.run_dir, self.ckpt_dir, self.events,
-                                            self.say, new_run=self.record.new_run)
+        self.mirroring = launch_uploads.open_for(self.cfg, self.run_dir, self.ckpt_dir, self.events,
+                                                 self.say, new_run=self.record.new_run)
         self.checkpoints.remote = self.mirroring
         history = self._first_history()
         resume, first = ResumeMode.LATEST, self.record.new_run
@@ -307,7 +307,7 @@ class Loop:
                          spawn_s=round(spawn_s, 6), **slurm_field(wall))
         self._say_wall(wall)
         self.elsewhere.attempt_started(attempt)
-        sizes = world.WorldWatch(world.saved_world_size(chosen.manifest if chosen else None))
+        sizes = resize.WorldWatch(resize.saved_world_size(chosen.manifest if chosen else None))
         t0 = self.seams.monotonic()
         stop_at = None if wall is None or wall.stop_at is None else (
             t0 + wall.stop_at - self.seams.wall())  # the watch runs on the monotonic clock
@@ -323,7 +323,7 @@ class Loop:
         self.procs.update([])  # swept
         return outcome, self.seams.monotonic() - t0, wall
 
-    def _heartbeat(self, attempt: int, hb: Heartbeat, sizes: world.WorldWatch,
+    def _heartbeat(self, attempt: int, hb: Heartbeat, sizes: resize.WorldWatch,
                    chosen: Verdict | None) -> None:
         self.standby.heartbeat()
         self.observers.heartbeat(attempt, hb)
@@ -405,7 +405,7 @@ class Loop:
             return int(decision.exit_code or 1)
         if decision.action in (Action.EXIT_PREEMPTED, Action.REQUEUE):
             if decision.action is Action.REQUEUE:
-                reason = act.requeue(decision, self.events, self.say)
+                reason = side_effects.requeue(decision, self.events, self.say)
             self.record.save(RunStatus.PREEMPTED, reason, history)
             unsaved = self._unsaved_final()
             self.say(f"stopped: {reason}")
@@ -416,9 +416,9 @@ class Loop:
             self.checkpoints.publish_quarantine(history)
         self.events.sync()
         self.say(reason)
-        stopped_by = act.wait_before_relaunch(decision, signals, pids, gpu=self.gpu,
-                                              config=self.cfg, seams=self.seams,
-                                              events=self.events, say=self.say)
+        stopped_by = side_effects.wait_before_relaunch(decision, signals, pids, gpu=self.gpu,
+                                                       config=self.cfg, seams=self.seams,
+                                                       events=self.events, say=self.say)
         if stopped_by is not None:
             # A stop arrived during the backoff: no child runs, the newest checkpoint stands.
             if self.mirroring is not None:
@@ -429,8 +429,9 @@ class Loop:
         return None
 
     def _unsaved_final(self) -> str | None:
-        return act.unsaved_final(self.events, self._last_step, self.checkpoints.newest_step(),
-                                 self.observers.skipped)
+        return side_effects.unsaved_final(self.events, self._last_step,
+                                          self.checkpoints.newest_step(),
+                                          self.observers.skipped)
 
     def _warn(self, unsaved: str | None) -> None:
         if unsaved:

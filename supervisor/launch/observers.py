@@ -9,15 +9,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from supervisor import protocol
-from supervisor.commands.statusline import StatusLine
 from supervisor.config import Config
-from supervisor.event_schema import KINDS, Kind
+from supervisor.core import protocol
+from supervisor.core.event_schema import KINDS, Kind
+from supervisor.hooks.runner import HookRunner
+from supervisor.launch.statusline import StatusLine
+from supervisor.pressure.monitor import PressureNote
 from supervisor.proc.console import BestEffortWriter
 from supervisor.proc.watch import Sample
-from supervisor.proc.watch_pressure import PressureNote
 from supervisor.records.events import EventLog, EventLogError, read_events
-from supervisor.records.hooks import HookRunner
 from supervisor.records.metrics import MetricsFile
 
 

@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from supervisor.decide.attempt import Event, Record
-from supervisor.decide.wall_clock import WallPlan
 from supervisor.proc import slurm
 from supervisor.records.events import EventLog
+from supervisor.timelimit.decide import WallPlan
 
 
 def record(records: Iterable[Record], events: EventLog, say: Callable[[str], None]) -> None:

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 from supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine, runid, setaside
 from supervisor.ckpt.verify import Level, Selection, Status, Verdict, mark_quarantined
 from supervisor.config import Config
+from supervisor.core.errors import UsageError
+from supervisor.core.untrusted_text import safe
 from supervisor.decide.policy import History, Resumed, ResumeMode
-from supervisor.errors import UsageError
 from supervisor.records.events import EventLog
-from supervisor.safetext import safe
 
 if TYPE_CHECKING:
-    from supervisor.launch.mirroring import Mirroring
+    from supervisor.mirror.launch_uploads import Mirroring
 
 
 class Checkpoints:
@@ -317,9 +317,9 @@ class Checkpoints:
         checkpoints under the same URL are said and never resumed from. With `since` (the run
         started over then), one made before it is the earlier run's: passed over. True when
         one was downloaded."""
-        from supervisor.remote.cache import BlobCache
-        from supervisor.remote.store import CorruptRemote, MirrorError, checkpoints
-        from supervisor.remote.verify import verify_remote
+        from supervisor.mirror.cache import BlobCache
+        from supervisor.mirror.store import CorruptRemote, MirrorError, checkpoints
+        from supervisor.mirror.verify_remote import verify_remote
 
         assert self.remote is not None
         mirror, where = self.remote.mirror, self.remote.display

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.config import Config
-from supervisor.errors import UsageError
+from supervisor.core.errors import UsageError
 from supervisor.proc.gpu import GpuReader
 from supervisor.proc.signals import SignalCatcher
 from supervisor.proc.spawn import spawn

@@ -1,5 +1,5 @@
 """A process's memory cgroup: its OOM-kill counter (evidence for `oom_host`), and its limit
-and working set (what memory pressure is measured against, proc/watch_pressure.py).
+and working set (what memory pressure is measured against, pressure/monitor.py).
 
 cgroup v1 keeps the counter as `oom_kill N` in memory.oom_control, v2 in memory.events. A process
 in a shared group (the usual case without a limit of our own) counts every OOM kill in that

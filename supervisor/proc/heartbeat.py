@@ -35,7 +35,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from supervisor.protocol import Heartbeat, socket_address
+from supervisor.core.protocol import Heartbeat, socket_address
 
 if TYPE_CHECKING:
     from supervisor.config import HangConfig

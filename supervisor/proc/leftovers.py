@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor import ownfiles
-from supervisor.fsio import write_atomic
+from supervisor.core import ownfiles
+from supervisor.core.atomic_write import write_atomic
+from supervisor.core.protocol import ENV_GENERATION, ENV_RUN_DIR
 from supervisor.proc import userkey
-from supervisor.protocol import ENV_GENERATION, ENV_RUN_DIR
 
 log = logging.getLogger(__name__)
 

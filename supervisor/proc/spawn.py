@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from supervisor.filemode import DEFAULT_FILE_MODE, env_mode
-from supervisor.fsio import STORAGE_ERRNOS
+from supervisor.core.atomic_write import STORAGE_ERRNOS
+from supervisor.core.filemode import DEFAULT_FILE_MODE, env_mode
 from supervisor.proc.logcap import CappedLog
-from supervisor.reaper import own
+from supervisor.proc.reaper import own
 
 log = logging.getLogger(__name__)
 

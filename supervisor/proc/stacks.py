@@ -21,9 +21,9 @@ from pathlib import Path
 
 import psutil
 
-from supervisor import ownfiles
-from supervisor.filemode import DEFAULT_FILE_MODE
-from supervisor.reaper import own
+from supervisor.core import ownfiles
+from supervisor.core.filemode import DEFAULT_FILE_MODE
+from supervisor.proc.reaper import own
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ once the child has exited (proc/watch_outcome.py: exit status, exit records, mem
 gate's readings after a failure) it hands out one frozen `Observation` in the `Outcome`;
 decide/observation.py draws the evidence for classify from it.
 
-Memory pressure (proc/watch_pressure.py) is judged at each sample: a relieve request to the
+Memory pressure (pressure/monitor.py) is judged at each sample: a relieve request to the
 group first, then the ordinary stop, observed as `pressure_stop` for a rung down.
 
 Stopping never blocks the loop (proc/watch_stop.py): the stop signal goes to the group, output
@@ -29,13 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from supervisor.core.filemode import env_mode
+from supervisor.core.protocol import DUMP_SIGNAL, ENV_CONTROL_TOKEN, RELIEVE_SIGNAL, Heartbeat
 from supervisor.decide.observation import Heartbeats, Observation
-from supervisor.filemode import env_mode
+from supervisor.pressure.monitor import PressureNote, PressureWatch
 from supervisor.proc.control import ask_failure_save
 from supervisor.proc.gpu import GpuReader, GpuReading, NullReader
 from supervisor.proc.gpu_health import describe
 from supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
 from supervisor.proc.proctree import ProcTree, TreeSample
+from supervisor.proc.reaper import reap_orphans
 from supervisor.proc.signals import STOP_SIGNALS, SignalCatcher
 from supervisor.proc.spawn import Child
 from supervisor.proc.stacks import dump_stacks
@@ -47,10 +50,7 @@ from supervisor.proc.watch_outcome import (
     host_total,
     read_exit_records,
 )
-from supervisor.proc.watch_pressure import PressureNote, PressureWatch
 from supervisor.proc.watch_stop import Stopping, drain_pipes
-from supervisor.protocol import DUMP_SIGNAL, ENV_CONTROL_TOKEN, RELIEVE_SIGNAL, Heartbeat
-from supervisor.reaper import reap_orphans
 
 if TYPE_CHECKING:
     from supervisor.config import Config, PressureConfig
@@ -131,7 +131,7 @@ def watch(
     one is installed for this call (main thread only). At `stop_at` (on `clock`) the child is
     stopped as on a stop signal, `stop_why` naming the stop (the job's time limit).
     `on_pressure` hears each relieve request and the stop for a rung down
-    (proc/watch_pressure.py)."""
+    (pressure/monitor.py)."""
     w = _Watch(child, config, heartbeats, gpu or NullReader(), tree or ProcTree(), clock)
     w.on_heartbeat, w.on_sample, w.on_pressure = on_heartbeat, on_sample, on_pressure
     w.stop_at, w.stop_why = (math.inf if stop_at is None else stop_at), stop_why

@@ -25,12 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from supervisor import ownfiles
-from supervisor.errors import AlreadySupervised
-from supervisor.filemode import DEFAULT_FILE_MODE
-from supervisor.fsio import STORAGE_ERRNOS
-from supervisor.pids import pid_alive
-from supervisor.safetext import safe
+from supervisor.core import ownfiles
+from supervisor.core.atomic_write import STORAGE_ERRNOS
+from supervisor.core.errors import AlreadySupervised
+from supervisor.core.filemode import DEFAULT_FILE_MODE
+from supervisor.core.pid_alive import pid_alive
+from supervisor.core.untrusted_text import safe
 
 LOCK_NAME = ".rtrain.lock"
 HOLDER_MAX = 4096  # bytes: a holder's name is far less; more is not an rtrain lock
@@ -43,7 +43,7 @@ class RunLock:
     def __init__(self, run_dir: Path, *, clock: Callable[[], float] = time.time,
                  mode: int = DEFAULT_FILE_MODE) -> None:
         self.run_dir = Path(run_dir)
-        self.mode = mode  # the run's file-mode policy (supervisor/filemode.py)
+        self.mode = mode  # the run's file-mode policy (supervisor/core/filemode.py)
         self.path = self.run_dir / LOCK_NAME
         self.clock = clock
         self.previous: dict[str, Any] | None = None

@@ -39,8 +39,8 @@ from typing import Any
 
 from supervisor.ckpt import manifest
 from supervisor.ckpt.layout import list_checkpoints
-from supervisor.event_schema import Kind
-from supervisor.fsio import write_atomic
+from supervisor.core.atomic_write import write_atomic
+from supervisor.core.event_schema import Kind
 from supervisor.records import recovery
 from supervisor.records.timeline import Timeline
 

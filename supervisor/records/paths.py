@@ -1,7 +1,7 @@
 """Where the run in the current directory lives, for commands given no DIR.
 
-The file is the one `rtrain launch` reads (configfile.py: `rtrain.toml`, else `[tool.rtrain]` in
-`pyproject.toml`), so a command finds the run that launch made there. Checkpoints:
+The file is the one `rtrain launch` reads (core/config_file.py: `rtrain.toml`, else `[tool.rtrain]`
+in `pyproject.toml`), so a command finds the run that launch made there. Checkpoints:
 `ckpt_dir` wins over `run_dir` + "/checkpoints"; the default is `./checkpoints` or, where only
 that exists, `./rtrain-run/checkpoints` (where an unconfigured `rtrain launch` puts them). Run
 dir: `run_dir`, default `./rtrain-run` (config.Config's default). Relative paths are relative to
@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from supervisor.configfile import find_config
-from supervisor.errors import ConfigError
+from supervisor.core.config_file import find_config
+from supervisor.core.errors import ConfigError
 
 
 def _path_from(table: dict[str, Any], key: str, base: Path, source: str) -> Path | None:

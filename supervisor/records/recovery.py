@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.ckpt.layout import parse_step
-from supervisor.event_schema import Kind
-from supervisor.protocol import Heartbeat
+from supervisor.core.event_schema import Kind
+from supervisor.core.protocol import Heartbeat
 
 Event = dict[str, Any]
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.core.event_schema import Kind
 from supervisor.decide.failures import FailureKind
-from supervisor.event_schema import Kind
 from supervisor.records.events import read_events
 from supervisor.records.saves import SkippedSaves
 

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import worker
 from supervisor.ckpt.verify import Level, verify
-from supervisor.protocol import ENV_RESUME_FROM
+from supervisor.core.protocol import ENV_RESUME_FROM
 from worker import faults
 
 out = Path(sys.argv[1])

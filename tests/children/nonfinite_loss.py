@@ -7,7 +7,7 @@ import sys
 
 import worker
 from supervisor.ckpt.commit import PendingCheckpoint
-from supervisor.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_SETTINGS
+from supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_SETTINGS
 
 if os.environ["RTRAIN_ATTEMPT"] == "0":
     for step in (1, 2):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from _runtime import runtime
 
-from supervisor.protocol import CONTROL_FIFO
+from supervisor.core.protocol import CONTROL_FIFO
 
 
 def serve_hang_save(seconds: float) -> None:

@@ -1,0 +1,2 @@
+"""Foundations every layer and both halves share: errors, the protocol,
+file modes, atomic writes."""

@@ -1,0 +1,226 @@
+"""The events.jsonl schema: every kind of event, the fields it carries, whether it is fsynced
+at once and whether a hook may name it. Data only, shared by the log (records/events.py), the
+hook tables of the config (hooks/hook_spec.py) and the readers; docs/design.md shows the same table
+(tests/test_event_schema.py holds them together).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(str, Enum):
+    """Every kind of event the supervisor records; `KINDS` says what each one carries."""
+
+    LAUNCH = "launch"
+    SKIPPED_CHECKPOINT = "skipped_checkpoint"
+    CHECKPOINTS_SET_ASIDE = "checkpoints_set_aside"
+    FOREIGN_COPY_KEPT = "foreign_copy_kept"
+    FOREIGN_RESTORED = "foreign_restored"
+    HEARTBEAT_SUMMARY = "heartbeat_summary"
+    SIGNAL = "signal"
+    EXIT = "exit"
+    CLASSIFICATION = "classification"
+    DECISION = "decision"
+    DEGRADE = "degrade"
+    GIVE_UP = "give_up"
+    FAILURE_RATE = "failure_rate"
+    QUARANTINE = "quarantine"
+    DEVICE_FAILED = "device_failed"
+    EXCLUDE_NODE = "exclude_node"
+    REQUEUE = "requeue"
+    WALL_CLOCK_STOP = "wall_clock_stop"
+    FINISHED = "finished"
+    GPU_NOT_RELEASED = "gpu_not_released"
+    LOCK_TAKEOVER = "lock_takeover"
+    LEFTOVERS_ENDED = "leftovers_ended"
+    LEFTOVERS_SKIPPED = "leftovers_skipped"
+    EVENTS_LOST = "events_lost"
+    HOOK_FAILED = "hook_failed"
+    SAVE_SKIPPED = "save_skipped"
+    CADENCE = "cadence"
+    CHECKPOINT_AT_FAILURE = "checkpoint_at_failure"
+    CONTROL_REFUSED = "control_refused"
+    FINAL_STATE_UNSAVED = "final_state_unsaved"
+    MIRROR_UPLOADED = "mirror_uploaded"
+    MIRROR_FAILED = "mirror_failed"
+    MIRROR_SUPERSEDED = "mirror_superseded"
+    MIRROR_REFUSED = "mirror_refused"
+    MIRROR_OTHER_RUN = "mirror_other_run"
+    MIRROR_PRUNED = "mirror_pruned"
+    MIRROR_FINAL = "mirror_final"
+    MIRROR_DOWNLOADED = "mirror_downloaded"
+    MEMORY_PRESSURE = "memory_pressure"
+    PRESSURE_RELIEVED = "pressure_relieved"
+    WORLD_SIZE_CHANGED = "world_size_changed"
+    RECOVERY = "recovery"
+    STANDBY_READY = "standby_ready"
+    STANDBY_DISCARDED = "standby_discarded"
+    STANDBY_FAILED = "standby_failed"
+    CHECKPOINTS_ELSEWHERE = "checkpoints_elsewhere"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KindSpec:
+    """What one kind of event carries and how it is written."""
+
+    fields: tuple[str, ...]
+    """Fields every event of the kind has (older logs may lack some)."""
+    optional: tuple[str, ...] = ()
+    """Fields written only when they apply (`slurm` under Slurm, ...)."""
+    durable: bool = False
+    """fsync right after the line is written."""
+    hookable: bool = True
+    """A `[[hooks]]` table may name it in `on`."""
+    meaning: str = ""
+
+
+# Durable (see the module docstring): `launch`, so an attempt that runs for hours is on record;
+# `decision`, on disk before state.json records the same decision; the ends of a run.
+KINDS: dict[Kind, KindSpec] = {
+    Kind.LAUNCH: KindSpec(
+        fields=("attempt", "argv", "settings", "level", "resume_from", "pid", "ckpt_dir",
+                "standby", "start_s"),
+        optional=("slurm", "spawn_at", "spawn_s"), durable=True,
+        meaning="an attempt was started: in the warm standby (`standby` true) or a new "
+                "process; `start_s` from the spawn or the hand-off until it was running"),
+    Kind.SKIPPED_CHECKPOINT: KindSpec(
+        fields=("path", "reason"),
+        meaning="resume selection passed over a checkpoint, or a worker could not load it"),
+    Kind.CHECKPOINTS_SET_ASIDE: KindSpec(
+        fields=("path", "names"),
+        meaning="a run started over (--resume never): the earlier run's checkpoints in the "
+                "dir were moved into `path`, so the new run owns only its own"),
+    Kind.FOREIGN_COPY_KEPT: KindSpec(
+        fields=("path", "step", "bytes", "how"), hookable=False,
+        meaning="rtrain copied the new verified content of a foreign checkpoint the script "
+                "rewrites in place into the run dir (ckpt/keepcopy.py)"),
+    Kind.FOREIGN_RESTORED: KindSpec(
+        fields=("path", "reason", "step", "verified_at"),
+        meaning="a foreign checkpoint failed verification at a relaunch and rtrain put its "
+                "copy of the last verified content back"),
+    Kind.HEARTBEAT_SUMMARY: KindSpec(
+        fields=("attempt", "step", "loss", "samples_per_s"),
+        optional=("rss_bytes", "gpu_used", "gpu_total"),
+        meaning="training progress, every summary_every_s and at the attempt's end"),
+    Kind.SIGNAL: KindSpec(fields=("name",), meaning="a signal reached the supervisor"),
+    Kind.EXIT: KindSpec(
+        fields=("attempt", "returncode", "signal", "duration_s", "last_step", "peak_rss_bytes",
+                "gpu_used_peak", "gpu_total", "leftovers"),
+        optional=("stop_s", "save_s", "step_s", "exited_at", "hang_at", "reported_at"),
+        meaning="an attempt ended"),
+    Kind.CLASSIFICATION: KindSpec(fields=("attempt", "failure", "reason"),
+                                  meaning="what a failed attempt's failure was"),
+    Kind.DECISION: KindSpec(
+        fields=("attempt", "action", "reason", "backoff_s", "level", "settings", "exit_code",
+                "resume"),
+        durable=True, meaning="what the supervisor does after an attempt"),
+    Kind.DEGRADE: KindSpec(fields=("attempt", "change", "level", "settings"),
+                           meaning="the next attempt runs one rung down the ladder"),
+    Kind.GIVE_UP: KindSpec(fields=("reason", "exit_code"), durable=True,
+                           meaning="the run gave up"),
+    Kind.FAILURE_RATE: KindSpec(fields=("attempt", "detail", "count", "limit"),
+                                meaning="more failures in the last hour than allowed"),
+    Kind.QUARANTINE: KindSpec(fields=("attempt", "path", "step", "reason"),
+                              meaning="a checkpoint was set aside"),
+    Kind.DEVICE_FAILED: KindSpec(fields=("attempt", "detail", "devices"), optional=("slurm",),
+                                 meaning="a GPU failed its health checks after a failure"),
+    Kind.EXCLUDE_NODE: KindSpec(fields=("done", "detail"),
+                                meaning="the node was excluded from the Slurm job"),
+    Kind.REQUEUE: KindSpec(fields=("done", "detail"), durable=True,
+                           meaning="the Slurm job was requeued"),
+    Kind.WALL_CLOCK_STOP: KindSpec(
+        fields=("attempt", "end_time", "stop_at", "margin_s", "reason"),
+        meaning="the attempt was stopped before the Slurm job's time limit"),
+    Kind.FINISHED: KindSpec(fields=("reason",), durable=True, meaning="the run finished"),
+    Kind.GPU_NOT_RELEASED: KindSpec(fields=("pids",),
+                                    meaning="GPU memory still held when relaunching"),
+    Kind.LOCK_TAKEOVER: KindSpec(fields=("previous",), durable=True,
+                                 meaning="the run lock of a dead supervisor was taken over"),
+    Kind.LEFTOVERS_ENDED: KindSpec(fields=("pids", "commands", "found"), hookable=False,
+                                   meaning="processes an earlier supervisor left were killed"),
+    Kind.LEFTOVERS_SKIPPED: KindSpec(
+        fields=("pids", "commands", "reasons"), hookable=False,
+        meaning="live processes procs.json names were left running: nothing proves an rtrain "
+                "of this run started them (procs.json unsigned or forged, no mark in their "
+                "environment)"),
+    Kind.EVENTS_LOST: KindSpec(fields=("count", "reason"), hookable=False,
+                               meaning="events were dropped while the disk was full"),
+    Kind.HOOK_FAILED: KindSpec(fields=("command", "event", "event_seq", "reason"),
+                               optional=("returncode", "stderr"), hookable=False,
+                               meaning="a hook failed, timed out or could not start"),
+    Kind.SAVE_SKIPPED: KindSpec(fields=("attempt", "step", "rank", "reason"),
+                                meaning="the worker could not write a checkpoint"),
+    Kind.CADENCE: KindSpec(
+        fields=("attempt", "step", "every_steps", "reason", "save_stall_s", "step_time_s",
+                "mtbf_s", "mtbf_source", "loss_factor", "expected_loss_s"),
+        hookable=False, meaning="every=\"auto\" chose the save interval (after a save)"),
+    Kind.CHECKPOINT_AT_FAILURE: KindSpec(
+        fields=("attempt", "step", "rank", "exception"),
+        meaning="an exception ended the worker and it saved its last completed step first"),
+    Kind.CONTROL_REFUSED: KindSpec(
+        fields=("attempt", "rank", "reason"),
+        meaning="the worker refused requests on its control FIFO that did not carry the "
+                "attempt's token (someone other than rtrain asked for a save at a hang)"),
+    Kind.FINAL_STATE_UNSAVED: KindSpec(
+        fields=("last_step", "checkpoint_step", "skipped_saves", "reason"), durable=True,
+        meaning="the run stops with its last steps in no checkpoint"),
+    Kind.MIRROR_UPLOADED: KindSpec(fields=("step", "bytes", "seconds", "files"),
+                                   meaning="a checkpoint reached the mirror (manifest last)"),
+    Kind.MIRROR_FAILED: KindSpec(
+        fields=("reason", "step", "retry_in_s", "given_up"),
+        meaning="an upload, listing or download failed (retried unless given_up)"),
+    Kind.MIRROR_SUPERSEDED: KindSpec(
+        fields=("steps",), meaning="checkpoints the mirror skips: a newer one went first"),
+    Kind.MIRROR_REFUSED: KindSpec(
+        fields=("step", "name", "reason"),
+        meaning="a local checkpoint the uploader will not send: a link, a copy under another "
+                "step's name, another run's, unsigned under a key"),
+    Kind.MIRROR_OTHER_RUN: KindSpec(
+        fields=("steps", "newest", "reason"),
+        meaning="the mirror prefix holds checkpoints of another run: left alone, not counted"),
+    Kind.MIRROR_PRUNED: KindSpec(fields=("steps",), hookable=False,
+                                 meaning="the mirror's retention deleted checkpoints"),
+    Kind.MIRROR_FINAL: KindSpec(
+        fields=("step", "made_it", "reason"), durable=True,
+        meaning="at the run's end: whether the newest checkpoint is on the mirror"),
+    Kind.MIRROR_DOWNLOADED: KindSpec(
+        fields=("step", "bytes", "seconds", "cached_bytes"), durable=True,
+        meaning="resume downloaded a checkpoint from the mirror (verified)"),
+    Kind.MEMORY_PRESSURE: KindSpec(
+        fields=("attempt", "action", "source", "used", "limit", "fraction"),
+        meaning="memory above its threshold for [pressure] sustain_s: relief asked, or the "
+                "attempt stopped for a rung down"),
+    Kind.PRESSURE_RELIEVED: KindSpec(
+        fields=("attempt", "step", "rank", "detail", "settings"),
+        meaning="the worker answered a relieve request: what it freed, the settings it uses"),
+    Kind.WORLD_SIZE_CHANGED: KindSpec(
+        fields=("attempt", "world_size", "saved_world_size", "checkpoint"),
+        meaning="the attempt's group has another number of ranks than the one that wrote the "
+                "checkpoint it resumed (a node lost, or one added)"),
+    Kind.RECOVERY: KindSpec(
+        fields=("attempt", "failed_attempt", "failure", "complete", "teardown_s", "detection_s",
+                "decision_s", "backoff_s", "spawn_s", "imports_s", "restore_s", "first_step_s",
+                "total_s", "last_step", "resumed_step", "steps_lost", "step_time_s",
+                "work_lost_s", "lost_s"),
+        meaning="what a failure cost: its phases up to the relaunched attempt's first step, "
+                "and the steps run again"),
+    Kind.STANDBY_READY: KindSpec(
+        fields=("attempt", "pid", "rss_bytes", "modules", "import_s"),
+        meaning="a warm standby finished its imports and waits for the next attempt"),
+    Kind.STANDBY_DISCARDED: KindSpec(
+        fields=("attempt", "pid", "reason"),
+        meaning="a standby was ended unused (import-time environment or a preloaded file "
+                "changed, host memory tight, the run ended); the attempt starts cold"),
+    Kind.STANDBY_FAILED: KindSpec(
+        fields=("attempt", "pid", "reason", "output"),
+        meaning="a standby died, failed an import, initialised CUDA or did not answer; the "
+                "attempt starts cold"),
+    Kind.CHECKPOINTS_ELSEWHERE: KindSpec(
+        fields=("attempt", "ckpt_dir", "files", "suggest", "trained_s", "message"),
+        meaning="the watched checkpoint dir is still empty after checkpoints_elsewhere_after_s "
+                "of training while the script wrote checkpoint-like files elsewhere"),
+}
+DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
+HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)

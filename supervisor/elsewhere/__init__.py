@@ -1,0 +1,1 @@
+"""Checkpoints written outside the watched dir: the rule and the scan."""

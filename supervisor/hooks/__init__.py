@@ -1,0 +1,1 @@
+"""`[[hooks]]`: the table read with the config, and the runner."""

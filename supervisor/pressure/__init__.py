@@ -1,0 +1,1 @@
+"""Memory pressure: the decision and the per-sample monitor."""

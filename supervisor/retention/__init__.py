@@ -1,0 +1,1 @@
+"""Which checkpoints are kept: the policy, pruning a directory, `rtrain prune`."""

@@ -1,0 +1,365 @@
+"""The warm standby's own program: import the heavy modules, wait, then become the attempt.
+
+Run by path (`python .../child_program.py FD MODE TARGET PATH0 PRELOAD ARGV0 ROOM`), never
+imported by the supervisor's loop (the supervisor reads its pure helpers): it uses the standard
+library only, so it starts in any interpreter the run uses, and it imports torch (and the rest of
+the preload) by name, as the training script would. It is the training interpreter, so imports
+here are exactly what the script would have paid for.
+
+Protocol on the Unix socket FD (one JSON object per line):
+  standby -> rtrain  {"ready": pid, "modules": [...], "files": {path: stamp}, "stamped_ns",
+                     "import_s", "cuda"} or {"failed": "why"} (then it exits 1)
+  rtrain -> standby  {"argv", "env", "cwd"} with two file descriptors (stdout, stderr)
+  standby -> rtrain  {"started": pid} just before the script's first line, or {"failed": why}
+EOF from rtrain before the hand-off: exit 0 quietly (discarded).
+
+While it imports, the preload sees what the script's imports would see in a cold start, as far
+as it is known before the attempt: sys.argv and sys.orig_argv with the script (or the module's
+file) but no arguments, a `__main__` whose `__file__` is the script's. Before the script runs,
+everything a cold start would set is set as a cold start sets it: the environment (the
+attempt's, plus what the preload's imports changed in it, as they would have changed it in a
+cold start), the working directory, sys.argv and sys.orig_argv, sys.path[0], `__main__` (the
+one the preload saw, with nothing of this program's in it), fds 1 and 2 (the attempt's log
+pipes). Signal dispositions and the blocked mask stay as the preload left them: a cold start's
+imports would have set the same. The session, process group, PDEATHSIG and cgroup were given at
+spawn, as for a cold child (proc/spawn.py). docs/design.md lists what still differs."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import importlib
+import importlib.machinery
+import json
+import os
+import socket
+import stat
+import sys
+import time
+import types
+
+# Imported by torch on first use rather than with torch: torch.optim's first optimizer imports
+# torch._dynamo (hundreds of modules, seconds), so every script with an optimizer pays for it.
+TORCH_LAZY = ("torch._dynamo",)
+# rtrain's own packages read the attempt's RTRAIN_* variables at import (worker.faults arms
+# the faults of one attempt): importing them before the hand-off would bind the wrong attempt.
+NEVER_PRELOAD = ("supervisor", "worker")
+
+
+def _module_level_imports(path: str) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module.split(".")[0])
+    return names
+
+
+def _find(dotted: str, path: list[str] | None):
+    """The spec of `dotted` without running any package's __init__ (importlib.util.find_spec
+    imports the parents of a dotted name)."""
+    spec = None
+    for part in dotted.split("."):
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(part, path)
+        except (ImportError, ValueError):
+            return None
+        if spec is None:
+            return None
+        path = list(spec.submodule_search_locations or [])
+    return spec
+
+
+def top_imports(script: str, path0: str, depth: int = 3,
+                seen_files: set[str] | None = None) -> list[str]:
+    """Top-level names imported at module level by the script, and by its own modules (those in
+    its directory) `depth` levels down, that live outside its directory and the standard
+    library, in the order written. Found without importing anything; the files read are added
+    to `seen_files` (a change to one may change what is to be preloaded)."""
+    std = getattr(sys, "stdlib_module_names", frozenset())
+    out: list[str] = []
+    seen_files = set() if seen_files is None else seen_files
+    search = [path0, *(p for p in sys.path if p != path0)]  # as the script's sys.path
+
+    def scan(path: str, left: int) -> None:
+        seen_files.add(path)
+        for name in dict.fromkeys(_module_level_imports(path)):
+            if (name in std or name in sys.builtin_module_names or name in NEVER_PRELOAD
+                    or name in out):
+                continue
+            spec = _find(name, search)
+            if spec is None:
+                continue
+            places = [spec.origin or "", *(spec.submodule_search_locations or [])]
+            if any(p and os.path.realpath(p).startswith(path0 + os.sep) for p in places):
+                origin = spec.origin or ""
+                if left > 0 and origin.endswith(".py") and origin not in seen_files:
+                    scan(origin, left - 1)  # the script's own module: what it imports
+                continue
+            out.append(name)
+
+    scan(script, depth)
+    return out
+
+
+def find_main_file(mode: str, target: str, path0: str) -> str | None:
+    """The file that runs as `__main__`: the script, or the module's source (not imported)."""
+    if mode == "script":
+        return target
+    spec = _find(target, [path0, *(p for p in sys.path if p != path0)])
+    origin = spec.origin if spec is not None else None
+    return origin if origin and origin.endswith(".py") else None
+
+
+def main_origin(target: str, path0: str) -> str | None:
+    """The file `python -m target` runs, which is its sys.argv[0] once it runs: the module's
+    source, or a package's `__main__`."""
+    search = [path0, *(p for p in sys.path if p != path0)]
+    spec = _find(target, search)
+    if spec is not None and spec.submodule_search_locations is not None:
+        spec = _find(target + ".__main__", search)
+    return spec.origin if spec is not None and spec.has_location else None
+
+
+def file_stamp(path: str) -> list[int] | None:
+    """What tells one version of a file from another without reading it: (device, inode, size,
+    mtime, ctime), in ns. A copy that kept an old mtime (`cp -p`, `rsync -t`, `touch -d`) still
+    has a new ctime, which nothing but the kernel sets, and a new inode when renamed into place.
+    None: not a regular file (gone)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _is_shared_object(path: str) -> bool:
+    name = os.path.basename(path)
+    return name.endswith(".so") or ".so." in name
+
+
+def imported_files(skip: object = None) -> set[str]:
+    """Every file this interpreter runs code from: each module's file in sys.modules (the
+    archive of a zip-imported one), the shared libraries mapped into it (a C extension's own
+    dependencies, loaded by the dynamic linker and in no module), and the interpreter itself.
+    `skip`: a module to leave out (this program's own, which the attempt never runs)."""
+    out: set[str] = set()
+    for mod in list(sys.modules.values()):
+        if mod is skip:
+            continue
+        path = getattr(mod, "__file__", None)
+        if isinstance(path, str) and os.path.isabs(path):
+            out.add(path)
+        archive = getattr(getattr(mod, "__loader__", None), "archive", None)
+        if isinstance(archive, str):
+            out.add(archive)
+    exe = os.path.realpath(sys.executable) if sys.executable else ""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.rstrip("\n").split(None, 5)
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    path = fields[5]
+                    if _is_shared_object(path) or path == exe:
+                        out.add(path)
+    except OSError:
+        pass
+    return out
+
+
+def env_changes(before: dict[str, str], after: dict[str, str]) -> dict[str, str | None]:
+    """What the preload's imports did to os.environ: each variable set to its new value, each
+    removed one to None."""
+    keys = {*before, *after}
+    return {k: after.get(k) for k in sorted(keys) if before.get(k) != after.get(k)}
+
+
+def attempt_environ(attempt_env: dict[str, str],
+                    changes: dict[str, str | None]) -> dict[str, str]:
+    """The environment the script starts in: the attempt's with the preload's changes applied
+    again, as its imports in a cold start would have applied them. The standby was only handed
+    the attempt because every variable but RTRAIN_* is as it was when the preload ran
+    (standby/decide.py), so an import that set or removed one would have done the same over the
+    attempt's. RTRAIN_* are the attempt's own: the preload never saw them."""
+    env = dict(attempt_env)
+    for key, value in changes.items():
+        if key.startswith("RTRAIN_"):
+            continue
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def main_module(mode: str, run_file: str | None) -> types.ModuleType:
+    """The `__main__` of the attempt, made before the preload: in a cold start the script's
+    imports run with the script as `__main__` (`__file__` and all), and a library that keeps
+    `sys.modules["__main__"]` at import keeps the module the script then runs in."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=builtins, __annotations__={})
+    if mode == "script" and run_file is not None:
+        main.__dict__.update(__file__=run_file, __cached__=None, __loader__=importlib.machinery
+                             .SourceFileLoader("__main__", run_file))
+    elif run_file is not None:
+        main.__file__ = run_file  # runpy sets it, and the rest, before the module's first line
+    return main
+
+
+def set_cmdline(argv: list[str]) -> None:
+    """Show the attempt's argv in /proc/<pid>/cmdline (ps, pgrep -f, psutil), as setproctitle
+    does: the argument area is overwritten in place (rtrain padded it at spawn), the words
+    joined by spaces; a title longer than the area is cut. Best effort."""
+    try:
+        import ctypes
+
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rfind(b")") + 2:].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48, 49)
+        room = end - start
+        title = " ".join(argv).encode()[: room - 1]
+        # Non-NUL last byte: the kernel reads the title up to its NUL (the setproctitle rule).
+        ctypes.memmove(start, title + b"\0" + b" " * (room - len(title) - 1), room)
+    except (OSError, ValueError, IndexError):
+        pass
+
+
+def _send(sock: socket.socket, msg: dict) -> None:
+    sock.sendall(json.dumps(msg).encode() + b"\n")
+
+
+def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    """The hand-off: one JSON line and the fds sent with its first bytes; None at EOF."""
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+    if not data:
+        return None, list(fds)
+    buf = bytearray(data)
+    while not buf.endswith(b"\n"):
+        more = sock.recv(1 << 20)
+        if not more:
+            return None, list(fds)
+        buf += more
+    return json.loads(buf), list(fds)
+
+
+def _run_script(path: str, main: types.ModuleType) -> None:
+    """As `python path` runs it: in `__main__` (made by main_module), the traceback of an
+    uncaught exception printed from the script's own frames, exit status 1."""
+    with open(path, "rb") as f:
+        source = f.read()
+    code = compile(source, path, "exec", dont_inherit=True)
+    _as_main(exec, code, main.__dict__)
+
+
+def _as_main(run, *args) -> None:
+    """Call `run(*args)`; an uncaught exception is printed with its traceback starting below
+    this frame, as the interpreter prints a script's, and ends the process with status 1."""
+    try:
+        run(*args)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:
+        tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
+        sys.excepthook(type(e), e.with_traceback(tb), tb)  # the hook prints e's own traceback
+        sys.exit(1)
+
+
+def main(argv: list[str]) -> None:
+    fd, mode, target, path0, preload_json, argv0 = argv[1:7]  # argv[7]: room for set_cmdline
+    sys.path[0] = path0  # not this file's directory: the script's, or the cwd for -m
+    sock = socket.socket(fileno=int(fd))
+    this = sys.modules["__main__"]  # this module, kept alive while its code runs
+    t0 = time.monotonic()
+    preload = json.loads(preload_json)
+    main_file = find_main_file(mode, target, path0)
+    scanned: set[str] = set()
+    if preload is None:
+        preload = top_imports(main_file, path0, seen_files=scanned) if main_file else []
+    # What the script's imports see of how it was started, in a cold start: its name (the
+    # arguments are the attempt's, not known yet) and itself as __main__.
+    run_file = os.path.abspath(target) if mode == "script" else main_origin(target, path0)
+    python = sys.orig_argv[0] if sys.orig_argv else sys.executable
+    sys.argv = [argv0 if mode == "script" else (run_file or "-m")]
+    sys.orig_argv = [python, argv0] if mode == "script" else [python, "-m", target]
+    main = sys.modules["__main__"] = main_module(mode, run_file)
+    env_before = dict(os.environ)
+    modules = []
+    for name in dict.fromkeys(preload):
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # any import error (SystemExit too) fails the standby
+            _send(sock, {"failed": f"preload of {name} failed: {type(e).__name__}: {e}"})
+            sys.exit(1)
+        modules.append(name)
+    torch = sys.modules.get("torch")
+    if torch is not None and preload_json == "null":
+        for name in TORCH_LAZY:  # what torch would import on first use anyway
+            try:
+                importlib.import_module(name)
+            except BaseException as e:  # the script would fail the same way when it uses it
+                _send(sock, {"failed": f"preload of {name} failed: {type(e).__name__}: {e}"})
+                sys.exit(1)
+            modules.append(name)
+    changed_env = env_changes(env_before, dict(os.environ))
+    cuda = bool(torch is not None and torch.cuda.is_initialized())
+    paths = imported_files(skip=this) | scanned
+    if main_file:
+        paths.add(main_file)
+    stamped_ns = time.time_ns()
+    files = {p: s for p, s in ((p, file_stamp(p)) for p in sorted(paths)) if s is not None}
+    _send(sock, {"ready": os.getpid(), "modules": modules, "files": files,
+                 "stamped_ns": stamped_ns, "import_s": round(time.monotonic() - t0, 3),
+                 "cuda": cuda})
+    if cuda:
+        sys.exit(1)  # rtrain refuses it; never hand a CUDA context to a new attempt
+    try:
+        msg, fds = _receive(sock)
+    except (OSError, ValueError):
+        msg, fds = None, []
+    if msg is None or len(fds) != 2:
+        sys.exit(0)  # discarded
+    try:
+        os.chdir(msg["cwd"])
+        env = attempt_environ(msg["env"], changed_env)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for f in fds:
+            os.close(f)
+        child_argv = msg["argv"]
+        sys.orig_argv = list(child_argv)
+        set_cmdline(child_argv)
+        _send(sock, {"started": os.getpid()})
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        try:
+            _send(sock, {"failed": f"hand-off failed: {e}"})
+        except OSError:
+            pass
+        sys.exit(1)
+    sock.close()
+    if mode == "script":
+        sys.argv = list(child_argv[1:])
+        _run_script(os.path.abspath(target), main)
+    else:
+        import runpy
+
+        sys.argv = ["-m", *child_argv[3:]]
+        # What `python -m` calls: the module runs in sys.modules["__main__"]'s namespace,
+        # main_module's, not this program's.
+        _as_main(runpy._run_module_as_main, target, True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

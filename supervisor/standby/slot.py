@@ -1,0 +1,184 @@
+"""The launch's warm standby: kept while an attempt trains, used by the next one.
+
+Carries out standby/decide.py with standby/warm_child.py and records what happened: `standby_ready`,
+`standby_discarded` (ended unused), `standby_failed` (the attempt starts cold instead). At most
+one standby exists; it belongs to the launch, not to an attempt, so the attempt's process tree
+leaves it out (`pids`, in Loop._helper_pids) and no sweep ends it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from supervisor.config import Config
+from supervisor.pressure.monitor import host_reading
+from supervisor.proc.cgroup import MemoryCgroup, memory_cgroup
+from supervisor.proc.proctree import TreeSample
+from supervisor.proc.spawn import Child, ChildSpec
+from supervisor.records.events import EventLog
+from supervisor.standby import decide as policy
+from supervisor.standby.warm_child import (
+    StandbyFailed,
+    Target,
+    WarmChild,
+    same_target,
+    strip_attempt_vars,
+    target_of,
+    worth_keeping,
+)
+
+READY_WAIT_S = 120.0
+"""At an attempt's start, how long to wait for a standby still importing: it started before
+a cold child would, so waiting for it is never slower than starting over (unless it hangs)."""
+
+
+class StandbySlot:
+    """The standby of one launch (None target: this launch keeps none)."""
+
+    def __init__(self, cfg: Config, command: list[str], cwd: Path, run_dir: Path,
+                 events: EventLog, say: Callable[[str], None]) -> None:
+        self.cfg, self.cwd, self.run_dir, self.events, self.say = cfg, cwd, run_dir, events, say
+        target = target_of(command, cwd) if cfg.standby else None
+        self.target: Target | None = (target if target is not None
+                                      and worth_keeping(target, cfg.preload) else None)
+        self.warm: WarmChild | None = None
+        self.failures = 0
+        self.rss: int | None = None  # the last standby's, measured when it was ready
+        self._env: dict[str, str] | None = None  # the running attempt's, RTRAIN_* removed
+        self._attempt = 0
+        self._attempt_t0 = 0.0
+        self._heartbeat = False
+        self._next_stale_check = 0.0
+        self._group: MemoryCgroup | None = memory_cgroup(os.getpid()) if self.target else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.target is not None
+
+    def pids(self) -> list[int]:
+        return [self.warm.pid] if self.warm is not None else []
+
+    # ------------------------------------------------------------ an attempt starts
+
+    def start(self, spec: ChildSpec, attempt: int,
+              interrupted: Callable[[], bool] = lambda: False) -> tuple[Child | None, float]:
+        """The attempt's child started in the standby, with the seconds the hand-off took;
+        (None, 0) when there is none or it cannot be used (recorded): start it cold.
+        `interrupted()`: a stop signal arrived (a standby still importing is not waited for)."""
+        self._attempt, self._attempt_t0, self._heartbeat = attempt, time.monotonic(), False
+        self._env = strip_attempt_vars(spec.env)
+        warm, self.warm = self.warm, None
+        if warm is None or self.target is None:
+            return None, 0.0
+        was_ready = warm.ready is not None
+        if warm.ready is None and warm.failed is None:
+            warm.wait_ready(READY_WAIT_S, interrupted)
+            if warm.ready is None and warm.failed is None:
+                self._end(warm, "standby_discarded", "a stop signal came while it imported",
+                          attempt - 1)
+                return None, 0.0
+        else:
+            warm.poll()
+        if warm.ready is not None and not was_ready:
+            self._note_ready(warm, attempt - 1)
+        ready = warm.ready or {}
+        use = policy.at_launch(policy.UseFacts(
+            ready=warm.ready is not None, failed=warm.failed, cuda=bool(ready.get("cuda")),
+            env_changes=policy.import_time_env_changes(warm.env, spec.env),
+            stale=warm.stale_files(),
+            same_target=same_target(self.target, spec.argv, Path(spec.cwd))))
+        if not use.use:
+            self._end(warm, use.event, use.reason, attempt - 1)
+            return None, 0.0
+        t0 = time.monotonic()
+        try:
+            child = warm.activate(spec)
+        except StandbyFailed as e:
+            self._end(warm, "standby_failed", str(e), attempt - 1)
+            return None, 0.0
+        return child, time.monotonic() - t0
+
+    # ------------------------------------------------------------ while it trains
+
+    def heartbeat(self) -> None:
+        """The attempt trains: its first heartbeat starts the standby at once, not at the next
+        sample (an attempt that fails a moment later still finds one on its way)."""
+        first, self._heartbeat = not self._heartbeat, True
+        if first and self.warm is None:
+            vm = psutil.virtual_memory()
+            self.tick(TreeSample(time.monotonic(), (), 0, 0.0, False, vm.available, vm.total))
+
+    def tick(self, tree: TreeSample) -> None:
+        """Once per sample of the running attempt: spawn, notice ready, recycle."""
+        if self.target is None or self._env is None:
+            return
+        host = host_reading(self._group, tree, self.cfg.pressure.fraction)
+        now = time.monotonic()
+        warm = self.warm
+        if warm is not None:
+            was_ready = warm.ready is not None
+            warm.poll()
+            if warm.failed is not None or (warm.ready or {}).get("cuda"):
+                why = warm.failed or "CUDA was initialised while preloading"
+                self._end(warm, "standby_failed", why, self._attempt)
+                return
+            if warm.ready is not None and not was_ready:
+                self._note_ready(warm, self._attempt)
+            stale: list[str] = []
+            if warm.ready is not None and now >= self._next_stale_check:
+                self._next_stale_check = now + policy.STALE_CHECK_S
+                stale = warm.stale_files()
+            why = policy.while_waiting(stale=stale, tight=policy.host_tight(
+                host.used, host.limit, host.fraction))
+            if why is not None:
+                self._end(warm, "standby_discarded", why, self._attempt)
+            return
+        go, _ = policy.should_spawn(policy.SpawnFacts(
+            enabled=True, failures=self.failures, running_s=now - self._attempt_t0,
+            heartbeat_seen=self._heartbeat, host_used=host.used, host_limit=host.limit,
+            fraction=host.fraction, standby_rss=self.rss))
+        if go:
+            self._spawn()
+
+    def _note_ready(self, warm: WarmChild, attempt: int) -> None:
+        ready = warm.ready or {}
+        self.rss = warm.rss()
+        self.events.emit("standby_ready", attempt=attempt, pid=warm.pid, rss_bytes=self.rss,
+                         modules=ready.get("modules", []), import_s=ready.get("import_s"))
+
+    def _spawn(self) -> None:
+        assert self.target is not None and self._env is not None
+        try:
+            self.warm = WarmChild.spawn(self.target, self._env, self.cwd, self.run_dir,
+                                        self.cfg.preload)
+        except OSError as e:
+            self.failures += 1
+            self.events.emit("standby_failed", attempt=self._attempt, pid=None,
+                             reason=f"cannot start: {e.strerror or e}", output="")
+            return
+        self._next_stale_check = time.monotonic() + policy.STALE_CHECK_S
+
+    def _end(self, warm: WarmChild, kind: str, reason: str, attempt: int) -> None:
+        if self.warm is warm:
+            self.warm = None
+        warm.kill()
+        if kind == "standby_failed":
+            self.failures += 1
+            self.events.emit("standby_failed", attempt=attempt, pid=warm.pid, reason=reason,
+                             output=warm.output_tail())
+            self.say(f"warm standby failed ({reason}); starting cold"
+                     + ("" if self.failures < policy.MAX_FAILURES
+                        else "; no more standbys in this launch"))
+        else:
+            self.events.emit("standby_discarded", attempt=attempt, pid=warm.pid, reason=reason)
+
+    def close(self) -> None:
+        """End a waiting standby: the launch is over (its end is on record already)."""
+        warm, self.warm = self.warm, None
+        if warm is not None:
+            warm.kill()
