@@ -62,7 +62,7 @@ class Checkpointer:
         ckpt.close()
 
     Args:
-        model: The torch.nn.Module whose state is saved (DDP, FSDP and compiled modules as
+        model: The torch.nn.Module whose state is saved (DDP- and FSDP-wrapped modules as
             they are).
         optimizer: Its optimizer; state is saved keyed by parameter name.
         scheduler: A learning-rate scheduler, or anything with state_dict/load_state_dict.

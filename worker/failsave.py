@@ -47,8 +47,6 @@ from worker import hang_save, runtime
 
 log = logging.getLogger(__name__)
 
-TIMEOUT_S = 300.0  # the longest a failing process waits for its save at the failure
-
 
 class Verdict(str, Enum):
     """What a failure does with the kept boundary; only SAVE writes a checkpoint."""
