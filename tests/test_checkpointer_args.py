@@ -143,6 +143,7 @@ def test_on_pressure_keyword_registers_the_callback(tmp_path):
     ({"verify_level": "quick", "restoring": Restoring()}, "restoring= and the old verify_level="),
     ({"keep_best": 1, "metric": "loss", "keep": Keep()}, "keep= and the old"),
     ({"every_seconds": 5, "every": Every(steps=3)}, "every= and the old every_seconds="),
+    ({"every_steps": 5, "every": 10}, "every= and the old every_steps="),
     ({"no_such_option": 1}, "unexpected keyword argument 'no_such_option'"),
     ({"every": worker.CadenceBounds()}, "Every(steps='auto'"),
     ({"every": 2.5}, "every= takes a number of steps"),

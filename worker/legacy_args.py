@@ -110,8 +110,6 @@ def _merge(group: str, value: Any, fields: dict[str, Any]) -> Any:
     cls = GROUP_CLASS[group]
     if group == "keep" and (value is None or isinstance(value, int)):
         return cls(last=value, **fields)  # keep=3 stays the number kept, as it was
-    if group == "every" and isinstance(value, (int, str)):
-        return cls(steps=value, **fields)
     if value is not None:
         raise TypeError(f"Checkpointer() got {group}= and the old "
                         f"{', '.join(_old_names(group, fields))}: set them in {group}= only")
