@@ -17,6 +17,7 @@ from supervisor.pressure.decide import (
     Act,
     MemoryReading,
     PressureState,
+    Rule,
     advance,
     answered,
     climb_fits,
@@ -46,9 +47,10 @@ def run(samples: list[tuple[float, float | None]], sustain_s: float = 5.0,
     for now, used in samples:
         if now in answers:
             state = answered(state, now)
-        state, act = advance(state, None if used is None else host(used), now, sustain_s)
-        if act is not Act.NONE:
-            acts.append((now, act))
+        found = [] if used is None else [host(used)]
+        state, verdict = advance(state, found, now, Rule(sustain_s=sustain_s, interval_s=1.0))
+        if verdict.act is not Act.NONE:
+            acts.append((now, verdict.act))
     return acts
 
 

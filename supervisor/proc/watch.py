@@ -165,7 +165,7 @@ class _Watch:
         self.hang_save_asked = False  # a reader took the request to save at the hang
         self.oom = OomCounter.start(child)
         self.pressure = PressureWatch(child, config.pressure, self.oom.group,
-                                      config.relieve_signal)
+                                      config.relieve_signal, config.sample_interval_s)
 
     def run(self, signals: SignalCatcher) -> Outcome:
         sel = self._selector(signals)
@@ -261,8 +261,7 @@ class _Watch:
                 continue
             self.hang.heartbeat(hb, now)
             self.heartbeats = self.heartbeats.add(hb)
-            if hb.event == "relieved":
-                self.pressure.answered(now)
+            self.pressure.heartbeat(hb, now)
             if hb.event == "save_begin" and self.hang_save_asked and self.stop.active:
                 # The save at the hang has begun: it gets the time any save gets (a large
                 # model, a slow disk), not the hung child's grace; it is bounded in the worker.
@@ -333,7 +332,7 @@ class _Watch:
                 return
             # The ordinary stop: the worker saves at its next step boundary and exits 75;
             # pressure_stop makes that ending a memory failure, one rung down.
-            self.pressure_stop = note.reading.describe()
+            self.pressure_stop = note.why or note.reading.describe()
             self.stop.begin(now, self.config.grace_s)
         if self.on_pressure is not None:
             self.on_pressure(note)
