@@ -268,9 +268,10 @@ class PressureConfig:
     transient peak is in every window and is no growth."""
     trend_from: float = 0.5
     """The trend acts only once the newest peak is above this share of the limit."""
-    margin: float = 1.5
+    margin: float = 2.0
     """Acting (relief answered at a step boundary; the stop: the rest of a step and a save, as
-    measured on this run) is counted this many times over against the time left."""
+    measured on this run) is counted this many times over against the time left, plus two
+    sample intervals."""
     climb_headroom: float = 0.1
     """restore_after_steps climbs back only when the rung above, as measured, peaked at least
     this share of the limit below the threshold."""

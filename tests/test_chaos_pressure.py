@@ -40,10 +40,13 @@ def _oom_kills(cg: Path) -> int:
     raise AssertionError("no oom_kill counter in memory.oom_control")
 
 
-def _start_in(cg: Path, tmp_path: Path, settings: dict, faults: str = "",
+def _start_in(cg: Path, tmp_path: Path, settings: dict, faults: str = "", tuned: bool = True,
               **config) -> tuple[Path, subprocess.Popen]:
-    write_config(tmp_path / "rtrain.toml", settings, sample_interval_s=0.1, pressure=PRESSURE,
-                 **config)
+    """rtrain launching leak_train.py inside `cg`; `tuned`: the 0.1 s samples and PRESSURE,
+    else the defaults of `sample_interval_s` and `[pressure]`."""
+    if tuned:
+        config = {"sample_interval_s": 0.1, "pressure": PRESSURE, **config}
+    write_config(tmp_path / "rtrain.toml", settings, **config)
     run = tmp_path / "run"
     argv = rtrain_cmd("launch", "--run-dir", str(run), "-q", str(CHILDREN / "leak_train.py"),
                       "{run_dir}")
@@ -66,8 +69,9 @@ def _steps(run: Path) -> list[dict]:
     return [json.loads(ln) for ln in text.splitlines() if ln.endswith("}")]
 
 
-def _launch_in(cg: Path, tmp_path: Path, settings: dict) -> tuple[Path, list[dict]]:
-    run, proc = _start_in(cg, tmp_path, settings)
+def _launch_in(cg: Path, tmp_path: Path, settings: dict,
+               tuned: bool = True) -> tuple[Path, list[dict]]:
+    run, proc = _start_in(cg, tmp_path, settings, tuned=tuned)
     return run, _finish(run, proc)
 
 
@@ -154,3 +158,55 @@ def test_the_climb_back_waits_for_room_then_climbs(tmp_path, memory_cgroup):
     assert [ln["settings"]["batch_size"] for ln in starts] == [16, 8, 8, 16]
     peaks = json.loads((run / "state.json").read_text())["history"]["rung_peaks"]
     assert peaks["0"]["host"] > 0.6 * LIMIT and peaks["1"]["host"] < peaks["0"]["host"]
+
+
+# ------------------------------------------------------------------ the defaults
+
+SMALL = 700 << 20
+# 8 MiB more each 0.45 s step at batch 32: 18 MiB/s, from 55% of a 700 MiB limit (rtrain, torch
+# and memory held for it): the limit is reached about 17 s into training. At batch 16 (one rung
+# down) the rest of the run grows 4 MiB a step and fits.
+GROWING = {"batch_size": 32, "grad_accum": 1, "steps": 50, "grow_kb": 256, "step_sleep": 0.45,
+           "save_every": 10, "fill_to": 0.55}
+
+
+@pytest.fixture
+def small_cgroup():
+    with harness.memory_cgroup("rtrain-pressure-defaults", SMALL) as cg:
+        yield cg
+
+
+@pytest.mark.slow
+def test_with_the_defaults_a_steady_growth_is_degraded_before_the_kill(tmp_path, small_cgroup):
+    run, lines = _launch_in(small_cgroup, tmp_path, GROWING, tuned=False)
+
+    assert _oom_kills(small_cgroup) == 0, "the kernel OOM killer fired"
+    exits = events(run, "exit")
+    assert all(e["signal"] is None for e in exits), exits
+    assert exits[0]["returncode"] == 75
+    pressure = events(run, "memory_pressure")
+    assert pressure and pressure[-1]["action"] == "degrade", pressure
+    assert all(p["attempt"] == 0 and p["source"] == "cgroup" for p in pressure), pressure
+    assert "MiB/s" in pressure[-1]["why"] and pressure[-1]["left_s"] > 0, pressure
+    assert pressure[0]["used"] < 0.95 * SMALL  # the trend, before the hard line
+    [first, *_] = events(run, "classification")
+    assert first["failure"] == "memory_pressure" and "no step lost" in first["reason"], first
+    launches = events(run, "launch")
+    assert [e["settings"]["batch_size"] for e in launches] == [32, 16]
+    steps = [ln["step"] for ln in lines if "step" in ln]
+    assert steps == list(range(1, GROWING["steps"] + 1)), "a step ran twice or never"
+    last0 = max(ln["step"] for ln in lines if ln.get("a") == 0 and "step" in ln)
+    assert launches[1]["resume_from"].endswith(f"checkpoint-{last0}")
+
+
+@pytest.mark.slow
+def test_with_the_defaults_a_run_flat_at_92_percent_is_left_alone(tmp_path, small_cgroup):
+    flat = {**GROWING, "grow_kb": 0, "fill_to": 0.92, "steps": 40, "step_sleep": 0.3}
+    run, lines = _launch_in(small_cgroup, tmp_path, flat, tuned=False)
+
+    assert _oom_kills(small_cgroup) == 0
+    assert events(run, "memory_pressure") == []
+    assert len(events(run, "launch")) == 1 and events(run, "exit")[0]["returncode"] == 0
+    assert [ln["step"] for ln in lines if "step" in ln] == list(range(1, 41))
+    shares = sorted(ln["share"] for ln in lines if "step" in ln)
+    assert 0.91 <= shares[len(shares) // 2] < 0.95, shares  # flat at 92%, as the watch reads it

@@ -65,7 +65,7 @@ def _rate(name: str) -> float:
 
 def test_the_defaults_are_the_documented_ones():
     assert (DEFAULTS.fraction, DEFAULTS.sustain_s, DEFAULTS.trend_s, DEFAULTS.peak_window_s,
-            DEFAULTS.trend_from, DEFAULTS.margin) == (0.95, 5.0, 8.0, 1.0, 0.5, 1.5)
+            DEFAULTS.trend_from, DEFAULTS.margin) == (0.95, 5.0, 8.0, 1.0, 0.5, 2.0)
     assert Config().sample_interval_s == 1.0
     assert (PRIOR_STEP_S, PRIOR_SAVE_S) == (1.0, 2.0)
 

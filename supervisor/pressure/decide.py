@@ -11,11 +11,12 @@ While an attempt runs, the watch samples memory (pressure/monitor.py) and feeds 
   not a trend; one spike moves a median little). With it, the time left until the limit from
   the newest peak. Acting takes time: the relieve request is answered at a step boundary, the
   stop costs the rest of a step and a save. Both are measured on this run (`Timings`, with
-  priors before any measurement), multiplied by `Rule.margin`, plus one sample interval (the
-  next look). Time left shorter than relief and the stop together: RELIEVE; shorter than the
-  stop alone: DEGRADE, after relief was tried or at once when there is no time for it. A
-  growth indistinguishable from the noise around it, below `Rule.trend_from` of the limit, or
-  seen over fewer than `MIN_PEAKS` windows is no trend.
+  priors before any measurement), multiplied by `Rule.margin`, plus two sample intervals
+  (the newest reading may be one old, the next look is one away). Time left shorter than
+  relief and the stop together: RELIEVE; shorter than the stop alone: DEGRADE, after relief
+  was tried or at once when there is no time for it. A growth indistinguishable from the
+  noise around it, below `Rule.trend_from` of the limit, or seen over fewer than `MIN_PEAKS`
+  windows is no trend.
 - **The hard line.** Usage at or above its `fraction` of the limit for `sustain_s`: RELIEVE;
   still above `sustain_s` after the worker answered: DEGRADE. The rule of a slow creep the
   trend cannot see; high enough that a run flat just below it is left alone.
@@ -97,7 +98,7 @@ class Rule:
     trend_s: float = 8.0  # 0: no trend rule
     peak_window_s: float = 1.0
     trend_from: float = 0.5
-    margin: float = 1.5
+    margin: float = 2.0
     interval_s: float = 1.0
 
 
@@ -202,8 +203,9 @@ def advance(state: PressureState, readings: list[MemoryReading], now: float, rul
         return state, Verdict()
     trends = [f for r in watched if (f := forecast(peaks[r.source], r, rule)) is not None]
     soonest = min(trends, key=lambda f: f.left_s, default=None)
-    stop_needs = timings.stop * rule.margin + rule.interval_s
-    relief_needs = (timings.relieve + timings.stop) * rule.margin + rule.interval_s
+    # Two intervals: the newest reading may be one old, and the next look is one away.
+    stop_needs = timings.stop * rule.margin + 2 * rule.interval_s
+    relief_needs = (timings.relieve + timings.stop) * rule.margin + 2 * rule.interval_s
     hard = worst(watched)
     if hard is None or not hard.over:
         hard = None

@@ -9,8 +9,10 @@ by default: ignored by any process that does not handle it, so a plain script or
 worker is never hurt by it). The stop for a rung down is the watch's own (proc/watch.py): the
 ordinary stop signal, so the worker saves at its next step boundary and exits 75.
 
-The trend starts afresh at the attempt's first step heartbeat: the imports, the model's load and
-the restore before it are a climb that stops, not a trend.
+The trend starts at the attempt's first step heartbeat: the imports, the model's load and the
+restore before it are a climb that stops, not a trend. A child that sends no step heartbeats (a
+script without the worker, which could neither relieve nor save at the stop) has the hard line
+alone.
 """
 
 from __future__ import annotations
@@ -143,7 +145,8 @@ class PressureWatch:
         self.host_limit = found[0].limit
         if not self.config.enabled:
             return None
-        self.state, verdict = advance(self.state, found, now, self.rule, self.timings)
+        rule = self.rule if self._training else replace(self.rule, trend_s=0.0)
+        self.state, verdict = advance(self.state, found, now, rule, self.timings)
         if verdict.act is Act.NONE or verdict.reading is None:
             return None
         if verdict.act is Act.RELIEVE:
