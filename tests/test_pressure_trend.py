@@ -186,3 +186,33 @@ def test_trend_settings_are_validated(kwargs, words):
     with pytest.raises(ConfigError, match=words):
         PressureConfig(**kwargs)
     assert PressureConfig(trend_s=0).trend_s == 0
+
+
+def _first_rising(name: str) -> float | None:
+    curve = CURVES[name]
+    dt, limit = curve["interval_s"], curve["limit_mib"] * MIB
+    state, rule = PressureState(), rule_of(DEFAULTS, dt)
+    for i, mib in enumerate(curve["mib"]):
+        reading = MemoryReading("cgroup", int(mib * MIB), limit, DEFAULTS.fraction)
+        state, verdict = advance(state, [reading], i * dt, rule, Timings(0.5, 0.45, 0.3))
+        if verdict.rising:
+            assert verdict.act is Act.NONE and verdict.why
+            return i * dt
+        if verdict.act is not Act.NONE:
+            return None
+    return None
+
+
+@pytest.mark.parametrize("name", ["grow_18_mib_s", "grow_8_mib_s", "creep_to_hard_line"])
+def test_rising_pressure_is_said_before_anything_is_asked(name):
+    rising = _first_rising(name)
+    first_act = replay(name, Timings(0.5, 0.45, 0.3))[0][0]
+    assert rising is not None and rising < first_act
+
+
+@pytest.mark.parametrize("name", CALM)
+def test_a_calm_run_is_never_rising(name):
+    if name == "one_off_spike":  # a sample above the hard line: worth what costs nothing
+        assert _first_rising(name) == 30.0
+    else:
+        assert _first_rising(name) is None

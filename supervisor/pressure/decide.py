@@ -21,6 +21,10 @@ While an attempt runs, the watch samples memory (pressure/monitor.py) and feeds 
   still above `sustain_s` after the worker answered: DEGRADE. The rule of a slow creep the
   trend cannot see; high enough that a run flat just below it is left alone.
 
+Before either acts, `Verdict.rising` says pressure builds (the hard line crossed, not yet for
+`sustain_s`; the trend's time left within `RISING` times what acting takes): room that costs the
+run nothing is made first.
+
 DEGRADE asks the child to save and exit, and the next attempt runs one rung down the ladder —
 a degradation with no lost steps instead of a kernel OOM kill that loses everything since the
 last checkpoint. Once neither rule holds, the stretch is over and relief may be asked again.
@@ -44,6 +48,10 @@ PRIOR_SAVE_S = 2.0
 """A save's duration before the run has measured one."""
 MIN_PEAKS = 5
 """Window peaks a trend needs (its newer half: at least 3)."""
+RISING = 2.0
+"""Pressure is rising (`Verdict.rising`: room is made where it costs the run nothing, e.g. the
+warm standby is dropped) above the hard line, or when the trend's time left is under this many
+times what relief and the stop take."""
 NOISE_FACTOR = 3.0
 """The rise across the trend window must exceed this many times the median distance of the
 peaks from the fitted line: otherwise it is noise."""
@@ -156,6 +164,7 @@ class Verdict:
     reading: MemoryReading | None = None
     why: str = ""
     left_s: float | None = None  # the trend's time left, when the trend decided
+    rising: bool = False  # pressure is building (see `advance`): make room before acting
 
 
 def add_peak(peaks: Peaks, now: float, used: int, rule: Rule) -> Peaks:
@@ -219,6 +228,9 @@ def advance(state: PressureState, readings: list[MemoryReading], now: float, rul
             Act.DEGRADE, soonest.reading, f"{soonest.describe()}; the stop takes about "
             f"{timings.stop:.1f} s and {tried}", soonest.left_s)
     if state.relieved_at is None:
+        rising = Verdict(reading=hard or (soonest.reading if soonest else None), rising=True,
+                         why=hard.describe() if hard else soonest.describe() if soonest else "",
+                         left_s=soonest.left_s if soonest else None)
         if soonest is not None and soonest.left_s < relief_needs:
             return replace(state, relieved_at=now), Verdict(
                 Act.RELIEVE, soonest.reading, f"{soonest.describe()}; relief and the stop "
@@ -226,6 +238,8 @@ def advance(state: PressureState, readings: list[MemoryReading], now: float, rul
         if hard is not None and over_since is not None and now - over_since >= rule.sustain_s:
             return replace(state, relieved_at=now), Verdict(
                 Act.RELIEVE, hard, f"{hard.describe()} for {now - over_since:.1f} s")
+        if hard is not None or (soonest is not None and soonest.left_s < RISING * relief_needs):
+            return state, rising
         return state, Verdict()
     since = max(state.relieved_at, over_since if over_since is not None else now)
     if hard is not None and now - since >= rule.sustain_s:

@@ -49,7 +49,7 @@ KEEP = 5  # the measured durations kept; the longest of them counts
 class PressureNote:
     """What the watch did about memory pressure, for the `memory_pressure` event."""
 
-    action: str  # Act value: relieve or degrade
+    action: str  # Act value (relieve or degrade), or "rising": make room, nothing asked yet
     reading: MemoryReading
     why: str = ""  # the sentence the decision gave
     left_s: float | None = None  # the trend's time left until the limit, when it decided
@@ -117,6 +117,7 @@ class PressureWatch:
         self.relieve_s: float | None = None
         self._asked_at: float | None = None
         self._training = False
+        self._rose = False  # "rising" was said in this attempt
 
     @property
     def timings(self) -> Timings:
@@ -147,8 +148,15 @@ class PressureWatch:
             return None
         rule = self.rule if self._training else replace(self.rule, trend_s=0.0)
         self.state, verdict = advance(self.state, found, now, rule, self.timings)
-        if verdict.act is Act.NONE or verdict.reading is None:
+        if verdict.reading is None:
             return None
+        if verdict.act is Act.NONE:
+            if not verdict.rising or self._rose:
+                return None
+            self._rose = True
+            log.warning("memory pressure rising: %s", verdict.why)
+            return PressureNote("rising", verdict.reading, verdict.why, verdict.left_s)
+        self._rose = True
         if verdict.act is Act.RELIEVE:
             log.warning("memory pressure: %s; asking the training process to free memory",
                         verdict.why)

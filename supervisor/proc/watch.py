@@ -130,8 +130,8 @@ def watch(
     child does. Pass `signals` to keep one catcher across attempts (the launch loop); without it
     one is installed for this call (main thread only). At `stop_at` (on `clock`) the child is
     stopped as on a stop signal, `stop_why` naming the stop (the job's time limit).
-    `on_pressure` hears each relieve request and the stop for a rung down
-    (pressure/monitor.py)."""
+    `on_pressure` hears pressure rising (once an attempt, before anything is asked of the
+    child), each relieve request and the stop for a rung down (pressure/monitor.py)."""
     w = _Watch(child, config, heartbeats, gpu or NullReader(), tree or ProcTree(), clock)
     w.on_heartbeat, w.on_sample, w.on_pressure = on_heartbeat, on_sample, on_pressure
     w.stop_at, w.stop_why = (math.inf if stop_at is None else stop_at), stop_why
@@ -326,6 +326,10 @@ class _Watch:
     def _pressure(self, now: float, tree: TreeSample, reading: GpuReading) -> None:
         note = self.pressure.sample(now, tree, reading)
         if note is None:
+            return
+        if note.action == "rising":  # nothing asked of the child: the caller may make room
+            if self.on_pressure is not None:
+                self.on_pressure(note)
             return
         if note.action == "degrade":
             if self.stop.active:  # stopping anyway (a signal, a hang): that reason stands
