@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -41,15 +42,16 @@ def _oom_kills(cg: Path) -> int:
 
 
 def _start_in(cg: Path, tmp_path: Path, settings: dict, faults: str = "", tuned: bool = True,
-              **config) -> tuple[Path, subprocess.Popen]:
+              python: tuple[str, ...] = (), **config) -> tuple[Path, subprocess.Popen]:
     """rtrain launching leak_train.py inside `cg`; `tuned`: the 0.1 s samples and PRESSURE,
-    else the defaults of `sample_interval_s` and `[pressure]`."""
+    else the defaults of `sample_interval_s` and `[pressure]`; `python`: the interpreter
+    named before the script (a `python SCRIPT` command can have a warm standby)."""
     if tuned:
         config = {"sample_interval_s": 0.1, "pressure": PRESSURE, **config}
     write_config(tmp_path / "rtrain.toml", settings, **config)
     run = tmp_path / "run"
-    argv = rtrain_cmd("launch", "--run-dir", str(run), "-q", str(CHILDREN / "leak_train.py"),
-                      "{run_dir}")
+    argv = rtrain_cmd("launch", "--run-dir", str(run), "-q", *python,
+                      str(CHILDREN / "leak_train.py"), "{run_dir}")
     cmd = " ".join(f"'{a}'" for a in argv)
     proc = subprocess.Popen(["sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec {cmd}"],
                             env=child_env(RTRAIN_FAULTS=faults), cwd=tmp_path,
@@ -210,3 +212,27 @@ def test_with_the_defaults_a_run_flat_at_92_percent_is_left_alone(tmp_path, smal
     assert [ln["step"] for ln in lines if "step" in ln] == list(range(1, 41))
     shares = sorted(ln["share"] for ln in lines if "step" in ln)
     assert 0.91 <= shares[len(shares) // 2] < 0.95, shares  # flat at 92%, as the watch reads it
+
+
+@pytest.mark.slow
+def test_rising_pressure_drops_the_warm_standby_first(tmp_path):
+    # Under 1200 MiB, rtrain and the child near 300 MiB leave room for a standby (it imports
+    # torch, up to 300 MiB, in rtrain's memory cgroup: the run's). 32 MiB more a step: within
+    # about 9 s of the limit the trend says pressure is rising, and the standby goes before
+    # anything is asked of the training.
+    limit = 1200 << 20
+    with harness.memory_cgroup("rtrain-pressure-standby", limit) as cg:
+        run, proc = _start_in(cg, tmp_path, {**GROWING, "grow_kb": 1024, "steps": 18,
+                                             "fill_to": 0.01}, tuned=False,
+                              python=(sys.executable,))
+        _, err = proc.communicate(timeout=150)
+        assert proc.returncode == 0, err[-3000:]
+        assert _oom_kills(cg) == 0
+    kinds = [e["kind"] for e in events(run) if e["kind"].startswith(("standby", "memory"))]
+    dropped = [e for e in events(run, "standby_discarded")
+               if e["reason"].startswith("memory pressure: the run's cgroup at")]
+    assert dropped and dropped[0]["attempt"] == 0, kinds
+    first = kinds.index("standby_discarded")
+    assert "memory_pressure" not in kinds[:first], kinds  # before anything was asked
+    assert "standby_ready" not in kinds[first:], kinds  # and none again in that attempt
+    assert "dropped the warm standby" in err and "counts against the same memory" in err
