@@ -213,7 +213,8 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.STANDBY_DISCARDED: KindSpec(
         fields=("attempt", "pid", "reason"),
         meaning="a standby was ended unused (import-time environment or a preloaded file "
-                "changed, host memory tight, the run ended); the attempt starts cold"),
+                "changed, host memory tight, memory pressure rising, the run ended); the "
+                "attempt starts cold"),
     Kind.STANDBY_FAILED: KindSpec(
         fields=("attempt", "pid", "reason", "output"),
         meaning="a standby died, failed an import, initialised CUDA or did not answer; the "
