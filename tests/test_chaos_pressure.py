@@ -166,9 +166,9 @@ def test_the_climb_back_waits_for_room_then_climbs(tmp_path, memory_cgroup):
 
 SMALL = 700 << 20
 # 8 MiB more each 0.45 s step at batch 32: 18 MiB/s, from 55% of a 700 MiB limit (rtrain, torch
-# and memory held for it): the limit is reached about 17 s into training. At batch 16 (one rung
-# down) the rest of the run grows 4 MiB a step and fits.
-GROWING = {"batch_size": 32, "grad_accum": 1, "steps": 50, "grow_kb": 256, "step_sleep": 0.45,
+# and memory held for it): the limit is reached about 17 s (38 steps) into training. At batch 16
+# (one rung down) the rest of the run grows 4 MiB a step and fits.
+GROWING = {"batch_size": 32, "grad_accum": 1, "steps": 42, "grow_kb": 256, "step_sleep": 0.45,
            "save_every": 10, "fill_to": 0.55}
 
 
@@ -203,13 +203,14 @@ def test_with_the_defaults_a_steady_growth_is_degraded_before_the_kill(tmp_path,
 
 @pytest.mark.slow
 def test_with_the_defaults_a_run_flat_at_92_percent_is_left_alone(tmp_path, small_cgroup):
-    flat = {**GROWING, "grow_kb": 0, "fill_to": 0.92, "steps": 40, "step_sleep": 0.3}
+    # 30 steps of 0.3 s: past the trend's window (8 s) and the hard line's sustain_s (5 s)
+    flat = {**GROWING, "grow_kb": 0, "fill_to": 0.92, "steps": 30, "step_sleep": 0.3}
     run, lines = _launch_in(small_cgroup, tmp_path, flat, tuned=False)
 
     assert _oom_kills(small_cgroup) == 0
     assert events(run, "memory_pressure") == []
     assert len(events(run, "launch")) == 1 and events(run, "exit")[0]["returncode"] == 0
-    assert [ln["step"] for ln in lines if "step" in ln] == list(range(1, 41))
+    assert [ln["step"] for ln in lines if "step" in ln] == list(range(1, 31))
     shares = sorted(ln["share"] for ln in lines if "step" in ln)
     assert 0.91 <= shares[len(shares) // 2] < 0.95, shares  # flat at 92%, as the watch reads it
 
