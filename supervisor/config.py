@@ -238,24 +238,40 @@ class SlurmConfig:
 
 @dataclass(kw_only=True, slots=True)
 class PressureConfig:
-    """`[pressure]`: degrade before the OOM. While an attempt runs, memory above a threshold
-    for `sustain_s` first asks the child to relieve it in-process (RTRAIN_RELIEVE_SIGNAL: free
-    caches, step the micro-batch down); still above after another `sustain_s`, the child is
-    asked to save and exit, and the next attempt runs one rung down the ladder with no step
-    lost (failure kind `memory_pressure`, charged to the oom budget)."""
+    """`[pressure]`: degrade before the OOM. While an attempt runs, the growth of each memory's
+    peaks is projected to its limit; when the time left is shorter than relief and the stop
+    take on this run (measured, `margin` to spare), or usage stays above a hard line for
+    `sustain_s`, the child is first asked to relieve it in-process (RTRAIN_RELIEVE_SIGNAL: free
+    caches, step the micro-batch down); when that does not make room (or there is no time to
+    try it), the child is asked to save and exit, and the next attempt runs one rung down the
+    ladder with no step lost (failure kind `memory_pressure`, charged to the oom budget)."""
 
     enabled: bool = True
     """Watch memory while an attempt runs and act on pressure."""
-    fraction: float = 0.9
-    """Host memory counts as under pressure at this share of its limit: the run's memory cgroup
-    limit (working set: usage minus inactive file cache) where it has one, else the machine's
-    memory (total minus available)."""
+    fraction: float = 0.95
+    """The hard line for host memory: at this share of its limit for `sustain_s`, pressure
+    whatever the trend. The limit is the run's memory cgroup's (working set: usage minus
+    inactive file cache) where it has one, else the machine's memory (total minus available).
+    Above 0.92 by default: a run flat just under its limit is left alone."""
     gpu_fraction: float = 0.98
-    """A GPU counts as under pressure at this share of its memory (NVML, which counts the
-    caching allocator's reserve: a healthy run reads high, hence the higher default; 0: GPUs
-    are not watched)."""
+    """The hard line for a GPU, a share of its memory (NVML, which counts the caching
+    allocator's reserve: a healthy run reads high, hence the higher default; 0: GPUs are not
+    watched)."""
     sustain_s: float = 5.0
-    """How long pressure must last before relief is asked, and again before the stop."""
+    """How long usage must stay above the hard line before relief is asked, and again after
+    relief before the stop."""
+    trend_s: float = 8.0
+    """The trend looks at the window peaks of this many recent seconds (0: no trend rule, the
+    hard line alone)."""
+    peak_window_s: float = 1.0
+    """The trend takes one peak per window of this length: longer than a step, a step's
+    transient peak is in every window and is no growth."""
+    trend_from: float = 0.5
+    """The trend acts only once the newest peak is above this share of the limit."""
+    margin: float = 2.0
+    """Acting (relief answered at a step boundary; the stop: the rest of a step and a save, as
+    measured on this run) is counted this many times over against the time left, plus two
+    sample intervals."""
     climb_headroom: float = 0.1
     """restore_after_steps climbs back only when the rung above, as measured, peaked at least
     this share of the limit below the threshold."""
@@ -265,10 +281,20 @@ class PressureConfig:
         _number("[pressure] fraction", self.fraction, above=True)
         _number("[pressure] gpu_fraction", self.gpu_fraction)
         _number("[pressure] sustain_s", self.sustain_s)
+        _number("[pressure] trend_s", self.trend_s)
+        _number("[pressure] peak_window_s", self.peak_window_s, above=True)
+        _number("[pressure] trend_from", self.trend_from)
+        _number("[pressure] margin", self.margin, low=1.0)
         _number("[pressure] climb_headroom", self.climb_headroom)
         if self.fraction > 1 or self.gpu_fraction > 1 or self.climb_headroom >= 1:
             raise ConfigError("[pressure] fraction and gpu_fraction must be at most 1, "
                               "climb_headroom below 1")
+        if self.trend_from >= 1:
+            raise ConfigError("[pressure] trend_from must be below 1 (a share of the limit)")
+        if 0 < self.trend_s < 4 * self.peak_window_s:  # 5 peaks: pressure.decide.MIN_PEAKS
+            raise ConfigError("[pressure] trend_s must span at least 5 peak windows "
+                              f"({4 * self.peak_window_s:g} s with peak_window_s "
+                              f"{self.peak_window_s}), or be 0 for no trend")
 
 
 def _check_preload(value: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -40,13 +41,17 @@ def _oom_kills(cg: Path) -> int:
     raise AssertionError("no oom_kill counter in memory.oom_control")
 
 
-def _start_in(cg: Path, tmp_path: Path, settings: dict, faults: str = "",
-              **config) -> tuple[Path, subprocess.Popen]:
-    write_config(tmp_path / "rtrain.toml", settings, sample_interval_s=0.1, pressure=PRESSURE,
-                 **config)
+def _start_in(cg: Path, tmp_path: Path, settings: dict, faults: str = "", tuned: bool = True,
+              python: tuple[str, ...] = (), **config) -> tuple[Path, subprocess.Popen]:
+    """rtrain launching leak_train.py inside `cg`; `tuned`: the 0.1 s samples and PRESSURE,
+    else the defaults of `sample_interval_s` and `[pressure]`; `python`: the interpreter
+    named before the script (a `python SCRIPT` command can have a warm standby)."""
+    if tuned:
+        config = {"sample_interval_s": 0.1, "pressure": PRESSURE, **config}
+    write_config(tmp_path / "rtrain.toml", settings, **config)
     run = tmp_path / "run"
-    argv = rtrain_cmd("launch", "--run-dir", str(run), "-q", str(CHILDREN / "leak_train.py"),
-                      "{run_dir}")
+    argv = rtrain_cmd("launch", "--run-dir", str(run), "-q", *python,
+                      str(CHILDREN / "leak_train.py"), "{run_dir}")
     cmd = " ".join(f"'{a}'" for a in argv)
     proc = subprocess.Popen(["sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec {cmd}"],
                             env=child_env(RTRAIN_FAULTS=faults), cwd=tmp_path,
@@ -66,8 +71,9 @@ def _steps(run: Path) -> list[dict]:
     return [json.loads(ln) for ln in text.splitlines() if ln.endswith("}")]
 
 
-def _launch_in(cg: Path, tmp_path: Path, settings: dict) -> tuple[Path, list[dict]]:
-    run, proc = _start_in(cg, tmp_path, settings)
+def _launch_in(cg: Path, tmp_path: Path, settings: dict,
+               tuned: bool = True) -> tuple[Path, list[dict]]:
+    run, proc = _start_in(cg, tmp_path, settings, tuned=tuned)
     return run, _finish(run, proc)
 
 
@@ -154,3 +160,80 @@ def test_the_climb_back_waits_for_room_then_climbs(tmp_path, memory_cgroup):
     assert [ln["settings"]["batch_size"] for ln in starts] == [16, 8, 8, 16]
     peaks = json.loads((run / "state.json").read_text())["history"]["rung_peaks"]
     assert peaks["0"]["host"] > 0.6 * LIMIT and peaks["1"]["host"] < peaks["0"]["host"]
+
+
+# ------------------------------------------------------------------ the defaults
+
+SMALL = 700 << 20
+# 8 MiB more each 0.45 s step at batch 32: 18 MiB/s, from 55% of a 700 MiB limit (rtrain, torch
+# and memory held for it): the limit is reached about 17 s (38 steps) into training. At batch 16
+# (one rung down) the rest of the run grows 4 MiB a step and fits.
+GROWING = {"batch_size": 32, "grad_accum": 1, "steps": 42, "grow_kb": 256, "step_sleep": 0.45,
+           "save_every": 10, "fill_to": 0.55}
+
+
+@pytest.fixture
+def small_cgroup():
+    with harness.memory_cgroup("rtrain-pressure-defaults", SMALL) as cg:
+        yield cg
+
+
+@pytest.mark.slow
+def test_with_the_defaults_a_steady_growth_is_degraded_before_the_kill(tmp_path, small_cgroup):
+    run, lines = _launch_in(small_cgroup, tmp_path, GROWING, tuned=False)
+
+    assert _oom_kills(small_cgroup) == 0, "the kernel OOM killer fired"
+    exits = events(run, "exit")
+    assert all(e["signal"] is None for e in exits), exits
+    assert exits[0]["returncode"] == 75
+    pressure = events(run, "memory_pressure")
+    assert pressure and pressure[-1]["action"] == "degrade", pressure
+    assert all(p["attempt"] == 0 and p["source"] == "cgroup" for p in pressure), pressure
+    assert "MiB/s" in pressure[-1]["why"] and pressure[-1]["left_s"] > 0, pressure
+    assert pressure[0]["used"] < 0.95 * SMALL  # the trend, before the hard line
+    [first, *_] = events(run, "classification")
+    assert first["failure"] == "memory_pressure" and "no step lost" in first["reason"], first
+    launches = events(run, "launch")
+    assert [e["settings"]["batch_size"] for e in launches] == [32, 16]
+    steps = [ln["step"] for ln in lines if "step" in ln]
+    assert steps == list(range(1, GROWING["steps"] + 1)), "a step ran twice or never"
+    last0 = max(ln["step"] for ln in lines if ln.get("a") == 0 and "step" in ln)
+    assert launches[1]["resume_from"].endswith(f"checkpoint-{last0}")
+
+
+@pytest.mark.slow
+def test_with_the_defaults_a_run_flat_at_92_percent_is_left_alone(tmp_path, small_cgroup):
+    # 30 steps of 0.3 s: past the trend's window (8 s) and the hard line's sustain_s (5 s)
+    flat = {**GROWING, "grow_kb": 0, "fill_to": 0.92, "steps": 30, "step_sleep": 0.3}
+    run, lines = _launch_in(small_cgroup, tmp_path, flat, tuned=False)
+
+    assert _oom_kills(small_cgroup) == 0
+    assert events(run, "memory_pressure") == []
+    assert len(events(run, "launch")) == 1 and events(run, "exit")[0]["returncode"] == 0
+    assert [ln["step"] for ln in lines if "step" in ln] == list(range(1, 31))
+    shares = sorted(ln["share"] for ln in lines if "step" in ln)
+    assert 0.91 <= shares[len(shares) // 2] < 0.95, shares  # flat at 92%, as the watch reads it
+
+
+@pytest.mark.slow
+def test_rising_pressure_drops_the_warm_standby_first(tmp_path):
+    # Under 1200 MiB, rtrain and the child near 300 MiB leave room for a standby (it imports
+    # torch, up to 300 MiB, in rtrain's memory cgroup: the run's). 32 MiB more a step: within
+    # about 9 s of the limit the trend says pressure is rising, and the standby goes before
+    # anything is asked of the training.
+    limit = 1200 << 20
+    with harness.memory_cgroup("rtrain-pressure-standby", limit) as cg:
+        run, proc = _start_in(cg, tmp_path, {**GROWING, "grow_kb": 1024, "steps": 18,
+                                             "fill_to": 0.01}, tuned=False,
+                              python=(sys.executable,))
+        _, err = proc.communicate(timeout=150)
+        assert proc.returncode == 0, err[-3000:]
+        assert _oom_kills(cg) == 0
+    kinds = [e["kind"] for e in events(run) if e["kind"].startswith(("standby", "memory"))]
+    dropped = [e for e in events(run, "standby_discarded")
+               if e["reason"].startswith("memory pressure: the run's cgroup at")]
+    assert dropped and dropped[0]["attempt"] == 0, kinds
+    first = kinds.index("standby_discarded")
+    assert "memory_pressure" not in kinds[:first], kinds  # before anything was asked
+    assert "standby_ready" not in kinds[first:], kinds  # and none again in that attempt
+    assert "dropped the warm standby" in err and "counts against the same memory" in err

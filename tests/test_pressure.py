@@ -1,8 +1,10 @@
 """Memory pressure, pure parts by table: when relief is asked and when the stop for a rung
-down comes (pressure/decide.py), which memory is measured (pressure/monitor.py, cgroup.py),
-how the stop is classified, whether a rung fits to climb back, and the worker's answer to a
-relieve request (worker/runtime.py, OOMBackoff). The real ones: tests/test_chaos_pressure.py
-(a cgroup limit) and tests/test_watch_pressure.py (a scripted GPU filling up)."""
+down comes by the hard line (pressure/decide.py; the trend rule: tests/test_pressure_trend.py),
+what acting takes as the heartbeats measure it and which memory is measured
+(pressure/monitor.py, cgroup.py), how the stop is classified, whether a rung fits to climb
+back, and the worker's answer to a relieve request (worker/runtime.py, OOMBackoff). The real
+ones: tests/test_chaos_pressure.py (a cgroup limit) and tests/test_watch_pressure.py (a
+scripted GPU filling up)."""
 
 from __future__ import annotations
 
@@ -11,19 +13,24 @@ import gc
 import pytest
 
 from supervisor.config import PressureConfig
+from supervisor.core.protocol import Heartbeat
 from supervisor.decide.classify import classify
 from supervisor.decide.failures import Evidence, FailureKind
 from supervisor.pressure.decide import (
+    PRIOR_SAVE_S,
+    PRIOR_STEP_S,
     Act,
     MemoryReading,
     PressureState,
+    Rule,
+    Timings,
     advance,
     answered,
     climb_fits,
     rung_peak,
     worst,
 )
-from supervisor.pressure.monitor import host_reading, readings
+from supervisor.pressure.monitor import _Durations, host_reading, readings
 from supervisor.proc.cgroup import MemoryCgroup
 from supervisor.proc.gpu import DeviceMemory, GpuReading
 from supervisor.proc.proctree import TreeSample
@@ -46,9 +53,10 @@ def run(samples: list[tuple[float, float | None]], sustain_s: float = 5.0,
     for now, used in samples:
         if now in answers:
             state = answered(state, now)
-        state, act = advance(state, None if used is None else host(used), now, sustain_s)
-        if act is not Act.NONE:
-            acts.append((now, act))
+        found = [] if used is None else [host(used)]
+        state, verdict = advance(state, found, now, Rule(sustain_s=sustain_s, interval_s=1.0))
+        if verdict.act is not Act.NONE:
+            acts.append((now, verdict.act))
     return acts
 
 
@@ -280,3 +288,32 @@ def test_oom_backoff_steps_its_micro_batch_down_on_relief(fresh_runtime, monkeyp
     w.grad = None
     backoff.run(lambda mb: (mb @ w).mean(), torch.ones(16, 4))
     assert torch.allclose(w.grad, torch.ones(4))
+
+
+# ------------------------------------------------------------------ what acting takes
+
+
+def hb(pid: int, t: float, event: str = "step") -> Heartbeat:
+    return Heartbeat(pid=pid, rank=0, time=t, event=event)
+
+
+def test_step_and_save_durations_come_from_the_heartbeats():
+    d = _Durations()
+    for beat in [hb(1, 10.0), hb(1, 10.5), hb(2, 10.1), hb(2, 10.8),  # per process: .5, .7
+                 hb(1, 11.0, "save_begin"), hb(1, 11.4, "save_end"),
+                 hb(1, 13.0),  # after a save: not a step interval (the save is counted apart)
+                 hb(1, 13.6)]:
+        d.heartbeat(beat)
+    assert d.steps == pytest.approx([0.5, 0.7, 0.6]) and d.saves == pytest.approx([0.4])
+    for i in range(10):
+        d.heartbeat(hb(3, 20.0 + i))
+    assert len(d.steps) == 5  # the newest five
+
+
+@pytest.mark.parametrize(("timings", "relieve", "stop"), [
+    (Timings(), PRIOR_STEP_S, PRIOR_STEP_S + PRIOR_SAVE_S),
+    (Timings(step_s=0.45), 0.45, 0.45 + PRIOR_SAVE_S),
+    (Timings(relieve_s=0.2, step_s=0.45, save_s=0.3), 0.2, 0.75),
+])
+def test_timings_fall_back_on_the_priors(timings, relieve, stop):
+    assert timings.relieve == pytest.approx(relieve) and timings.stop == pytest.approx(stop)

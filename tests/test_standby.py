@@ -185,7 +185,8 @@ def test_a_changed_script_recycles_the_standby(tmp_path):
 def test_a_tight_host_keeps_no_standby(tmp_path):
     keeper, log = _keeper(tmp_path, preload=["json"])
     _kept(keeper, tmp_path, _attempt_env(0))
-    tight = TreeSample(time.monotonic(), (), 0, 0.0, False, 2**30, 16 * 2**30)  # 94 % used
+    # 97% used: past [pressure] fraction (0.95)
+    tight = TreeSample(time.monotonic(), (), 0, 0.0, False, 2**29, 16 * 2**30)
     keeper.tick(tight)
     assert keeper.warm is None
     keeper.tick(tight)

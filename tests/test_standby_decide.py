@@ -46,6 +46,7 @@ SPAWN = sb.SpawnFacts(enabled=True, failures=0, running_s=10.0, heartbeat_seen=F
     ({"host_used": 14 * GIB}, False, "host memory is tight"),  # 14 + 0.5 assumed >= 14.4
     ({"host_used": 13 * GIB}, True, ""),
     ({"host_used": 13 * GIB, "standby_rss": 2 * GIB}, False, "host memory is tight"),
+    ({"pressure": True}, False, "memory pressure rose in this attempt"),
 ])
 def test_should_spawn(change, go, why):
     assert sb.should_spawn(replace(SPAWN, **change)) == (go, why)

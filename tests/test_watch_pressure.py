@@ -45,8 +45,9 @@ def test_a_gpu_that_stays_full_stops_the_child_for_a_rung_down(tmp_path):
     # 10 samples at 40 GiB, then 78 of 80 GiB (97%) for good
     outcome, notes, out = _watch(tmp_path, ScriptedReader([gpu(40)] * 10 + [gpu(78)]))
     ev = evidence(outcome.seen)
-    assert [n.action for n in notes] == ["relieve", "degrade"]
-    assert notes[0].reading.source == "gpu0" and notes[0].reading.used == 78 * GIB
+    # above the line: rising at once (room made where it costs nothing), then the acts
+    assert [n.action for n in notes] == ["rising", "relieve", "degrade"]
+    assert notes[1].reading.source == "gpu0" and notes[1].reading.used == 78 * GIB
     assert "relieved at step" in out  # the request reached the worker and was answered
     assert ev.returncode == 75 and ev.stop_confirmed and not ev.killed_after_grace
     assert ev.pressure_stop.startswith("GPU0 at 79872 MiB of 81920 MiB (98%")
@@ -61,7 +62,7 @@ def test_pressure_that_goes_away_after_relief_stops_nothing(tmp_path):
     # full for 0.5 s (relief is asked after 0.3 s), then back to half
     reader = ScriptedReader([gpu(40)] * 10 + [gpu(78)] * 10 + [gpu(40)])
     outcome, notes, out = _watch(tmp_path, reader)
-    assert [n.action for n in notes] == ["relieve"]
+    assert [n.action for n in notes] == ["rising", "relieve"]
     assert "relieved at step" in out
     ev = evidence(outcome.seen)
     assert ev.returncode == 0 and ev.pressure_stop is None and ev.last_step == 100

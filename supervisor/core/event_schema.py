@@ -189,9 +189,10 @@ KINDS: dict[Kind, KindSpec] = {
         fields=("step", "bytes", "seconds", "cached_bytes"), durable=True,
         meaning="resume downloaded a checkpoint from the mirror (verified)"),
     Kind.MEMORY_PRESSURE: KindSpec(
-        fields=("attempt", "action", "source", "used", "limit", "fraction"),
-        meaning="memory above its threshold for [pressure] sustain_s: relief asked, or the "
-                "attempt stopped for a rung down"),
+        fields=("attempt", "action", "source", "used", "limit", "fraction", "why", "left_s"),
+        meaning="memory growing toward its limit faster than relief and a stop take, or above "
+                "its hard line for [pressure] sustain_s: relief asked, or the attempt stopped "
+                "for a rung down"),
     Kind.PRESSURE_RELIEVED: KindSpec(
         fields=("attempt", "step", "rank", "detail", "settings"),
         meaning="the worker answered a relieve request: what it freed, the settings it uses"),
@@ -212,7 +213,8 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.STANDBY_DISCARDED: KindSpec(
         fields=("attempt", "pid", "reason"),
         meaning="a standby was ended unused (import-time environment or a preloaded file "
-                "changed, host memory tight, the run ended); the attempt starts cold"),
+                "changed, host memory tight, memory pressure rising, the run ended); the "
+                "attempt starts cold"),
     Kind.STANDBY_FAILED: KindSpec(
         fields=("attempt", "pid", "reason", "output"),
         meaning="a standby died, failed an import, initialised CUDA or did not answer; the "

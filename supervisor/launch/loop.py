@@ -46,6 +46,7 @@ from supervisor.launch.rundir import (
 )
 from supervisor.launch.spec import LaunchSpec, Seams, child_command
 from supervisor.mirror import launch_uploads
+from supervisor.pressure.monitor import PressureNote
 from supervisor.proc import slurm
 from supervisor.proc.console import best_effort_console
 from supervisor.proc.gpu import NvmlReader
@@ -316,12 +317,20 @@ class Loop:
             tree=ProcTree(exclude=self._helper_pids),
             on_heartbeat=lambda hb: self._heartbeat(attempt, hb, sizes, chosen),
             on_sample=self._on_sample, stop_at=stop_at, stop_why=WALL_CLOCK,
-            on_pressure=lambda note: self.observers.pressure(attempt, note))
+            on_pressure=lambda note: self._pressure(attempt, note))
         child.close()
         self.elsewhere.attempt_ended()
         self.wall_clock.note(measured(outcome.seen))
         self.procs.update([])  # swept
         return outcome, self.seams.monotonic() - t0, wall
+
+    def _pressure(self, attempt: int, note: PressureNote) -> None:
+        """Memory pressure: the warm standby goes first (it counts where the run's memory
+        does), then what the watch asked of the child is recorded."""
+        if note.reading.source in ("cgroup", "host"):
+            self.standby.make_room(note.why or note.reading.describe())
+        if note.action != "rising":
+            self.observers.pressure(attempt, note)
 
     def _heartbeat(self, attempt: int, hb: Heartbeat, sizes: resize.WorldWatch,
                    chosen: Verdict | None) -> None:

@@ -126,10 +126,11 @@ class Observers:
         assert self.events is not None
         r = note.reading
         self.events.emit("memory_pressure", attempt=attempt, action=note.action,
-                         source=r.source, used=r.used, limit=r.limit, fraction=r.fraction)
+                         source=r.source, used=r.used, limit=r.limit, fraction=r.fraction,
+                         why=note.why, left_s=note.left_s)
         what = ("asking the training process to free memory" if note.action == "relieve"
-                else "it persists: stopping the attempt at its next step to go one rung down")
-        self.say(f"memory pressure: {r.describe()}; {what}")
+                else "stopping the attempt at its next step to go one rung down")
+        self.say(f"memory pressure: {note.why or r.describe()}; {what}")
 
     def close(self) -> None:
         if self.line is not None:

@@ -1,5 +1,6 @@
-"""Memory pressure while an attempt runs: readings from each sample, the pure decision
-(pressure/decide.py), and the relieve request sent to the child's group.
+"""Memory pressure while an attempt runs: readings from each sample, what acting takes on this
+run (from the worker's heartbeats), the pure decision (pressure/decide.py), and the relieve
+request sent to the child's group.
 
 Host memory is measured against the run's memory cgroup when that has a limit (the limit the
 kernel kills at), else against the machine (total minus available); each GPU against its own
@@ -7,15 +8,29 @@ memory (NVML). The relieve request is RTRAIN_RELIEVE_SIGNAL (`protocol.RELIEVE_S
 by default: ignored by any process that does not handle it, so a plain script or a DataLoader
 worker is never hurt by it). The stop for a rung down is the watch's own (proc/watch.py): the
 ordinary stop signal, so the worker saves at its next step boundary and exits 75.
+
+The trend starts at the attempt's first step heartbeat: the imports, the model's load and the
+restore before it are a climb that stops, not a trend. A child that sends no step heartbeats (a
+script without the worker, which could neither relieve nor save at the stop) has the hard line
+alone.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from supervisor.pressure.decide import Act, MemoryReading, PressureState, advance, answered, worst
+from supervisor.core.protocol import Heartbeat
+from supervisor.pressure.decide import (
+    Act,
+    MemoryReading,
+    PressureState,
+    Rule,
+    Timings,
+    advance,
+    answered,
+)
 from supervisor.proc.cgroup import MemoryCgroup
 from supervisor.proc.gpu import GpuReading
 from supervisor.proc.proctree import TreeSample
@@ -27,13 +42,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+KEEP = 5  # the measured durations kept; the longest of them counts
+
 
 @dataclass(frozen=True)
 class PressureNote:
     """What the watch did about memory pressure, for the `memory_pressure` event."""
 
-    action: str  # Act value: relieve or degrade
+    action: str  # Act value (relieve or degrade), or "rising": make room, nothing asked yet
     reading: MemoryReading
+    why: str = ""  # the sentence the decision gave
+    left_s: float | None = None  # the trend's time left until the limit, when it decided
 
 
 def host_reading(group: MemoryCgroup | None, tree: TreeSample,
@@ -56,18 +75,69 @@ def readings(group: MemoryCgroup | None, tree: TreeSample, gpu: GpuReading,
     return out
 
 
+def rule_of(config: PressureConfig, interval_s: float) -> Rule:
+    return Rule(sustain_s=config.sustain_s, trend_s=config.trend_s,
+                peak_window_s=config.peak_window_s, trend_from=config.trend_from,
+                margin=config.margin, interval_s=interval_s)
+
+
+class _Durations:
+    """Step and save durations from heartbeats (worker clocks, per process)."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self.saves: list[float] = []
+        self._last_step: dict[int, float] = {}
+        self._save_began: dict[int, float] = {}
+
+    def heartbeat(self, hb: Heartbeat) -> None:
+        if hb.event == "step":
+            before = self._last_step.get(hb.pid)
+            self._last_step[hb.pid] = hb.time
+            if before is not None and hb.time > before:
+                self.steps = [*self.steps, hb.time - before][-KEEP:]
+        elif hb.event == "save_begin":
+            self._save_began[hb.pid] = hb.time
+        elif hb.event == "save_end" and hb.pid in self._save_began:
+            self.saves = [*self.saves, max(0.0, hb.time - self._save_began.pop(hb.pid))][-KEEP:]
+            self._last_step.pop(hb.pid, None)  # the save is not part of the next step
+
+
 class PressureWatch:
-    """One attempt's pressure: fed each sample, says what the watch must do."""
+    """One attempt's pressure: fed each sample and heartbeat, says what the watch must do."""
 
     def __init__(self, child: Child, config: PressureConfig, group: MemoryCgroup | None,
-                 relieve_signal: int) -> None:
+                 relieve_signal: int, interval_s: float = 1.0) -> None:
         self.child, self.config, self.group = child, config, group
         self.relieve_signal = relieve_signal
+        self.rule = rule_of(config, interval_s)
         self.state = PressureState()
         self.host_limit: int | None = None  # the host limit of the newest sample
+        self.durations = _Durations()
+        self.relieve_s: float | None = None
+        self._asked_at: float | None = None
+        self._training = False
+        self._rose = False  # "rising" was said in this attempt
+
+    @property
+    def timings(self) -> Timings:
+        d = self.durations
+        return Timings(relieve_s=self.relieve_s, step_s=max(d.steps, default=None),
+                       save_s=max(d.saves, default=None))
+
+    def heartbeat(self, hb: Heartbeat, now: float) -> None:
+        """A heartbeat: the durations acting takes; the first step starts the trend afresh."""
+        self.durations.heartbeat(hb)
+        if hb.event == "step" and not self._training:
+            self._training = True
+            self.state = replace(self.state, peaks={})
+        if hb.event == "relieved":
+            self.answered(now)
 
     def answered(self, now: float) -> None:
-        """The worker relieved what it could: the second window starts now."""
+        """The worker relieved what it could: that took this long; the second window starts."""
+        if self._asked_at is not None:
+            self.relieve_s, self._asked_at = now - self._asked_at, None
         self.state = answered(self.state, now)
 
     def sample(self, now: float, tree: TreeSample, gpu: GpuReading) -> PressureNote | None:
@@ -76,15 +146,22 @@ class PressureWatch:
         self.host_limit = found[0].limit
         if not self.config.enabled:
             return None
-        reading = worst(found)
-        self.state, act = advance(self.state, reading, now, self.config.sustain_s)
-        if act is Act.NONE or reading is None:
+        rule = self.rule if self._training else replace(self.rule, trend_s=0.0)
+        self.state, verdict = advance(self.state, found, now, rule, self.timings)
+        if verdict.reading is None:
             return None
-        if act is Act.RELIEVE:
+        if verdict.act is Act.NONE:
+            if not verdict.rising or self._rose:
+                return None
+            self._rose = True
+            log.warning("memory pressure rising: %s", verdict.why)
+            return PressureNote("rising", verdict.reading, verdict.why, verdict.left_s)
+        self._rose = True
+        if verdict.act is Act.RELIEVE:
             log.warning("memory pressure: %s; asking the training process to free memory",
-                        reading.describe())
+                        verdict.why)
+            self._asked_at = now
             signal_group(self.child, self.relieve_signal)
         else:
-            log.warning("memory pressure persists: %s; stopping for a rung down",
-                        reading.describe())
-        return PressureNote(act.value, reading)
+            log.warning("memory pressure: %s; stopping for a rung down", verdict.why)
+        return PressureNote(verdict.act.value, verdict.reading, verdict.why, verdict.left_s)

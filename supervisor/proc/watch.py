@@ -130,8 +130,8 @@ def watch(
     child does. Pass `signals` to keep one catcher across attempts (the launch loop); without it
     one is installed for this call (main thread only). At `stop_at` (on `clock`) the child is
     stopped as on a stop signal, `stop_why` naming the stop (the job's time limit).
-    `on_pressure` hears each relieve request and the stop for a rung down
-    (pressure/monitor.py)."""
+    `on_pressure` hears pressure rising (once an attempt, before anything is asked of the
+    child), each relieve request and the stop for a rung down (pressure/monitor.py)."""
     w = _Watch(child, config, heartbeats, gpu or NullReader(), tree or ProcTree(), clock)
     w.on_heartbeat, w.on_sample, w.on_pressure = on_heartbeat, on_sample, on_pressure
     w.stop_at, w.stop_why = (math.inf if stop_at is None else stop_at), stop_why
@@ -165,7 +165,7 @@ class _Watch:
         self.hang_save_asked = False  # a reader took the request to save at the hang
         self.oom = OomCounter.start(child)
         self.pressure = PressureWatch(child, config.pressure, self.oom.group,
-                                      config.relieve_signal)
+                                      config.relieve_signal, config.sample_interval_s)
 
     def run(self, signals: SignalCatcher) -> Outcome:
         sel = self._selector(signals)
@@ -261,8 +261,7 @@ class _Watch:
                 continue
             self.hang.heartbeat(hb, now)
             self.heartbeats = self.heartbeats.add(hb)
-            if hb.event == "relieved":
-                self.pressure.answered(now)
+            self.pressure.heartbeat(hb, now)
             if hb.event == "save_begin" and self.hang_save_asked and self.stop.active:
                 # The save at the hang has begun: it gets the time any save gets (a large
                 # model, a slow disk), not the hung child's grace; it is bounded in the worker.
@@ -328,12 +327,16 @@ class _Watch:
         note = self.pressure.sample(now, tree, reading)
         if note is None:
             return
+        if note.action == "rising":  # nothing asked of the child: the caller may make room
+            if self.on_pressure is not None:
+                self.on_pressure(note)
+            return
         if note.action == "degrade":
             if self.stop.active:  # stopping anyway (a signal, a hang): that reason stands
                 return
             # The ordinary stop: the worker saves at its next step boundary and exits 75;
             # pressure_stop makes that ending a memory failure, one rung down.
-            self.pressure_stop = note.reading.describe()
+            self.pressure_stop = note.why or note.reading.describe()
             self.stop.begin(now, self.config.grace_s)
         if self.on_pressure is not None:
             self.on_pressure(note)

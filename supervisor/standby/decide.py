@@ -78,6 +78,8 @@ class SpawnFacts:
     fraction: float
     standby_rss: int | None
     """The last measured standby's RSS; None: none measured yet."""
+    pressure: bool = False
+    """Memory pressure rose in this attempt (a standby was dropped for it, or none waited)."""
 
 
 def should_spawn(f: SpawnFacts) -> tuple[bool, str]:
@@ -88,6 +90,8 @@ def should_spawn(f: SpawnFacts) -> tuple[bool, str]:
         return False, f"{f.failures} standbys failed in this launch"
     if not f.heartbeat_seen and f.running_s < SPAWN_AFTER_S:
         return False, "the attempt is starting"
+    if f.pressure:
+        return False, "memory pressure rose in this attempt"
     need = f.standby_rss if f.standby_rss is not None else ASSUMED_RSS
     if host_tight(f.host_used, f.host_limit, f.fraction, need):
         return False, "host memory is tight"

@@ -54,6 +54,7 @@ class StandbySlot:
         self._attempt_t0 = 0.0
         self._heartbeat = False
         self._next_stale_check = 0.0
+        self._pressure = False  # memory pressure rose in the running attempt
         self._group: MemoryCgroup | None = memory_cgroup(os.getpid()) if self.target else None
 
     @property
@@ -71,6 +72,7 @@ class StandbySlot:
         (None, 0) when there is none or it cannot be used (recorded): start it cold.
         `interrupted()`: a stop signal arrived (a standby still importing is not waited for)."""
         self._attempt, self._attempt_t0, self._heartbeat = attempt, time.monotonic(), False
+        self._pressure = False
         self._env = strip_attempt_vars(spec.env)
         warm, self.warm = self.warm, None
         if warm is None or self.target is None:
@@ -141,9 +143,24 @@ class StandbySlot:
         go, _ = policy.should_spawn(policy.SpawnFacts(
             enabled=True, failures=self.failures, running_s=now - self._attempt_t0,
             heartbeat_seen=self._heartbeat, host_used=host.used, host_limit=host.limit,
-            fraction=host.fraction, standby_rss=self.rss))
+            fraction=host.fraction, standby_rss=self.rss, pressure=self._pressure))
         if go:
             self._spawn()
+
+    def make_room(self, why: str) -> None:
+        """Host memory pressure in the running attempt: a waiting standby is dropped before
+        anything is asked of the training (it is spawned by rtrain, so it sits in rtrain's
+        memory cgroup, the run's: its memory counts against the limit the run is killed at),
+        and none is spawned again in this attempt."""
+        self._pressure = True
+        warm = self.warm
+        if warm is None:
+            return
+        rss = warm.rss()
+        held = f" ({rss >> 20} MiB)" if rss else ""
+        self._end(warm, "standby_discarded", f"memory pressure: {why}", self._attempt)
+        self.say(f"memory pressure: dropped the warm standby{held} first, as it counts against "
+                 "the same memory; the next attempt starts cold")
 
     def _note_ready(self, warm: WarmChild, attempt: int) -> None:
         ready = warm.ready or {}

@@ -3,9 +3,12 @@ grow_kb` KiB per step (touched), as a script that caches activations or samples 
 
 usage: leak_train.py OUT_DIR
 
-Knobs (worker.settings): batch_size, grad_accum, steps, grow_kb, step_sleep, save_every, and
+Knobs (worker.settings): batch_size, grad_accum, steps, grow_kb, step_sleep, save_every,
 free_on_relieve: whether a relieve request (memory pressure) drops the cache
-(`worker.on_pressure(...)`), or frees nothing.
+(`worker.on_pressure(...)`), or frees nothing, and fill_to: before training, hold memory (not
+part of the cache) until the memory cgroup the script runs in has this share of its limit in
+its working set (0: none), the level a run's memory then grows from or stays at; with it,
+each step's line has "share": the group's working set / its limit.
 
 Writes OUT_DIR/steps.jsonl: {"a": attempt, "step", "bs", "accum"} per executed step (flushed
 before the step's maybe_save) and {"a", "start": step, "settings"} per start.
@@ -14,6 +17,7 @@ before the step's maybe_save) and {"a", "start": step, "settings"} per start.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,11 +25,12 @@ from pathlib import Path
 import torch
 
 import worker
+from supervisor.proc.cgroup import memory_cgroup
 
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 s = worker.settings(batch_size=16, grad_accum=1, steps=200, grow_kb=256, step_sleep=0.05,
-                    save_every=50, free_on_relieve=False)
+                    save_every=50, free_on_relieve=False, fill_to=0.0)
 attempt = worker.runtime.attempt()
 log = open(out / "steps.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the whole run
 cache: list[bytearray] = []
@@ -45,6 +50,13 @@ opt = torch.optim.SGD(model.parameters(), lr=0.01)
 worker.on_pressure(on_pressure)
 ckpt = worker.Checkpointer(model=model, optimizer=opt, every=s.save_every, keep=2)
 start = ckpt.restore()
+held: list[bytearray] = []
+group = memory_cgroup(os.getpid()) if s.fill_to else None
+limit = group.limit() if group is not None else None
+if s.fill_to:
+    assert group is not None and limit is not None, "fill_to needs a memory cgroup limit"
+    while (group.working_set() or 0) < s.fill_to * limit:
+        held.append(bytearray(1 << 20))
 log.write(json.dumps({"a": attempt, "start": start, "settings": dict(s)}) + "\n")
 print(f"attempt {attempt}: start at step {start}, batch_size {s.batch_size}", flush=True)
 for step in range(start + 1, s.steps + 1):
@@ -55,8 +67,10 @@ for step in range(start + 1, s.steps + 1):
     opt.zero_grad(set_to_none=True)
     cache.append(bytearray(s.batch_size * s.grow_kb << 10))  # zero-filled: every page touched
     time.sleep(s.step_sleep)
-    log.write(json.dumps({"a": attempt, "step": step, "bs": s.batch_size,
-                          "accum": s.grad_accum}) + "\n")
+    line = {"a": attempt, "step": step, "bs": s.batch_size, "accum": s.grad_accum}
+    if group is not None and limit:
+        line["share"] = round((group.working_set() or 0) / limit, 4)
+    log.write(json.dumps(line) + "\n")
     ckpt.maybe_save(step)
 if start < s.steps:
     ckpt.save(s.steps)
