@@ -42,12 +42,19 @@ def test_a_rank_30_percent_slower_is_named_within_the_window(tmp_path):
     assert 1.2 <= e["ratio"] < 2.0, e
     assert e["step"] <= 20, e  # named within the window's reach of the first judgeable steps
     assert "rank 2" in e["detail"] and socket.gethostname() in e["detail"]
-    status = run_rtrain("status", "--run-dir", str(run))
+    status = run_rtrain("status", str(run))
     assert status.returncode == 0, status.stderr
     assert "straggler" in status.stdout and "rank 2" in status.stdout, status.stdout
+    report = run_rtrain("report", str(run), "-o", str(tmp_path / "report.html"))
+    assert report.returncode == 0, report.stderr
+    page = (tmp_path / "report.html").read_text()
+    assert 'class="stragglers"' in page and 'data-rank="2"' in page
     metrics = read_metrics_text((tmp_path / "metrics.prom").read_text())
-    total = [v for (name, _), v in metrics.items() if name == "rtrain_stragglers_total"]
-    assert total == [1], metrics
+    assert [v for (name, _), v in metrics.items() if name == "rtrain_stragglers_total"] == [1]
+    ((labels, ratio),) = [(dict(lb), v) for (name, lb), v in metrics.items()
+                          if name == "rtrain_straggler_ratio"]
+    assert labels["rank"] == "2" and labels["host"] == socket.gethostname()
+    assert ratio == e["ratio"]
 
 
 @pytest.mark.slow
