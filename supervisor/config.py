@@ -277,7 +277,8 @@ class StragglerConfig:
     (supervisor/straggler/decide.py). Each rank's busy time per step (its step interval less
     its wait at the step boundary for the others) is compared, as a median over the window,
     with the median of the other ranks'. A rank found slow is reported (`straggler` event,
-    status, report, metrics, hooks) with the node it runs on; nothing is stopped."""
+    status, report, metrics, hooks) with the node it runs on; nothing is stopped, and only
+    with `exclude_node` is the node left out of the Slurm job at its next requeue."""
 
     enabled: bool = True
     """Compare the ranks' step times while an attempt runs."""
@@ -288,12 +289,18 @@ class StragglerConfig:
     min_samples: int = 5
     """Step heartbeats (at most five a second per rank) each rank needs in the window before
     any rank is judged."""
+    exclude_node: bool = False
+    """Under Slurm: when a rank on this node was a straggler in the attempt, the next requeue
+    (a preemption, the time limit, with `requeue`) excludes this node from the job
+    (ExcNodeList), as a failed device does. Off by default: a straggler slows the run, it
+    loses no work, and a node excluded is one the job cannot run on again."""
 
     def __post_init__(self) -> None:
         _bool("[straggler] enabled", self.enabled)
         _number("[straggler] factor", self.factor, low=1.0, above=True)
         _number("[straggler] window_steps", self.window_steps, low=1, integer=True)
         _number("[straggler] min_samples", self.min_samples, low=1, integer=True)
+        _bool("[straggler] exclude_node", self.exclude_node)
 
 
 def _check_preload(value: Any) -> None:

@@ -1,6 +1,8 @@
 """4 ranks on CPU (gloo) under `rtrain launch --nproc-per-node 4`: one rank made slower by a
-sleep after its optimizer step is named a straggler (event, status, metrics) with its node; ranks
-that differ only by noise are not.
+sleep after its optimizer step is named a straggler (event, status, report, metrics) with its
+node; ranks that differ only by noise are not; with `[straggler] exclude_node` under Slurm the
+next requeue excludes the node (scontrol is a stand-in that logs what it is asked: no cluster
+here can lose a node).
 
 Real torchrun, real gloo, real heartbeats: a tiny model, a few dozen short steps, and a short
 window in the run's config so that the whole run stays well under a minute.
@@ -8,11 +10,16 @@ window in the run's config so that the whole run stays well under a minute.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import stat
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from harness import CHILDREN, events, launch, read_metrics_text, run_rtrain
+from harness import CHILDREN, child_env, events, launch, launch_cmd, read_metrics_text, run_rtrain
 
 CONFIG = "[straggler]\nfactor = 1.2\nwindow_steps = 10\nmin_samples = 3\n"
 STEPS = "30"
@@ -63,3 +70,54 @@ def test_ranks_that_differ_by_noise_are_not_reported(tmp_path):
     run = _launch_4_ranks(tmp_path, "--jitter", "0.3")
     assert events(run, "straggler") == []
     assert events(run, "finished")
+
+
+def fake_scontrol(bin_dir: Path, log: Path) -> None:
+    """A stand-in for scontrol that logs its arguments and answers `show job`."""
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+case "$1" in
+  show) echo "JobId=4242 JobName=t JobState=RUNNING ExcNodeList=gpu-node-2 NodeList=gpu-node-7";;
+esac
+exit 0
+""")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+
+
+@pytest.mark.slow
+def test_with_exclude_node_the_next_requeue_leaves_the_stragglers_node_out(tmp_path):
+    log = tmp_path / "scontrol.log"
+    fake_scontrol(tmp_path / "bin", log)
+    (tmp_path / "rtrain.toml").write_text(CONFIG + "exclude_node = true\n")
+    run = tmp_path / "run"
+    env = child_env(PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+                    SLURM_JOB_ID="4242", SLURMD_NODENAME="gpu-node-7")
+    env.pop("SLURM_ARRAY_TASK_ID", None)
+    cmd = launch_cmd(run, "--requeue", "--grace", "60", "--nproc-per-node", "4",
+                     str(CHILDREN / "dist_train.py"), str(tmp_path / "out"), "400", "--every",
+                     "1000", "--step-sleep", BASE_SLEEP, "--slow-rank", "1", "--slow-sleep",
+                     "0.14")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not events(run, "straggler"):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no straggler named"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)  # a preemption: save, exit 75, requeue
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 75, err[-3000:]
+    assert [e["rank"] for e in events(run, "straggler")] == [1]
+    (excluded,) = events(run, "exclude_node")
+    assert excluded["done"] and "ExcNodeList=gpu-node-2,gpu-node-7" in excluded["detail"]
+    assert events(run, "requeue")[0]["done"]
+    calls = log.read_text().splitlines()
+    update = "update JobId=4242 ExcNodeList=gpu-node-2,gpu-node-7"
+    assert update in calls and calls.index(update) < calls.index("requeue 4242")

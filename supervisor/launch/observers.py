@@ -49,6 +49,7 @@ class Observers:
         self._rule = (StragglerRule(factor=st.factor, window_steps=st.window_steps,
                                     min_samples=st.min_samples) if st.enabled else None)
         self.stragglers: StragglerTracker | None = None
+        self.straggler_here: str | None = None  # the attempt's last straggler, said
 
     @property
     def listeners(self) -> list[Callable[[dict[str, Any]], None]]:
@@ -75,6 +76,7 @@ class Observers:
         self._last_summary = float("-inf")  # each attempt's first step starts its curve
         # Each attempt's ranks are compared afresh (a relaunch may run on other nodes).
         self.stragglers = StragglerTracker(self._rule) if self._rule is not None else None
+        self.straggler_here = None
 
     def tick(self, hb: protocol.Heartbeat | None = None) -> None:
         """Watch ticks for the observers: metrics ages, hooks past their deadline."""
@@ -143,6 +145,7 @@ class Observers:
                              ranks=found.ranks, window_steps=self.stragglers.rule.window_steps,
                              detail=detail)
             self.say(f"straggler: {detail}")
+            self.straggler_here = detail
 
     def pressure(self, attempt: int, note: PressureNote) -> None:
         """The watch asked for relief, or stops the child for a rung down."""
