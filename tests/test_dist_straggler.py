@@ -10,6 +10,7 @@ window in the run's config so that the whole run stays well under a minute.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -27,7 +28,9 @@ BASE_SLEEP = "0.1"  # every rank's step: a few ms of compute and this sleep
 
 
 def _launch_4_ranks(tmp_path: Path, *args: str):
-    (tmp_path / "rtrain.toml").write_text(CONFIG)
+    # A hook on the event: the JSON it is handed, kept where the test reads it.
+    hook = '[[hooks]]\non = ["straggler"]\ncommand = ["sh", "-c", "cat >> hook.jsonl"]\n'
+    (tmp_path / "rtrain.toml").write_text(CONFIG + hook)
     run = tmp_path / "run"
     r = launch(run, "--nproc-per-node", "4", "--metrics-file", str(tmp_path / "metrics.prom"),
                str(CHILDREN / "dist_train.py"), str(tmp_path / "out"), STEPS, "--every", "10",
@@ -52,6 +55,8 @@ def test_a_rank_30_percent_slower_is_named_within_the_window(tmp_path):
     status = run_rtrain("status", str(run))
     assert status.returncode == 0, status.stderr
     assert "straggler" in status.stdout and "rank 2" in status.stdout, status.stdout
+    (hooked,) = [json.loads(line) for line in (tmp_path / "hook.jsonl").read_text().splitlines()]
+    assert hooked["kind"] == "straggler" and hooked["rank"] == 2 and hooked["host"] == e["host"]
     report = run_rtrain("report", str(run), "-o", str(tmp_path / "report.html"))
     assert report.returncode == 0, report.stderr
     page = (tmp_path / "report.html").read_text()
@@ -70,6 +75,7 @@ def test_ranks_that_differ_by_noise_are_not_reported(tmp_path):
     run = _launch_4_ranks(tmp_path, "--jitter", "0.3")
     assert events(run, "straggler") == []
     assert events(run, "finished")
+    assert not (tmp_path / "hook.jsonl").exists()
 
 
 def fake_scontrol(bin_dir: Path, log: Path) -> None:
