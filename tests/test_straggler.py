@@ -218,3 +218,16 @@ def test_worker_step_heartbeats_carry_step_time_wait_and_host(monkeypatch):
     assert [h.step_s for h in steps[1:]] == [0.125, 0.125]
     assert [h.wait_s for h in steps[1:]] == [0.0625, 0.0625]
     assert {h.host for h in steps[1:]} == {socket.gethostname()}
+
+
+def test_a_rank_hovering_at_the_factor_is_reported_once():
+    # Rank 1's busy time alternates between 1.3x and 1.15x of the others' each step: above
+    # and below the factor (1.2) by turns, but never back under 1.1 (recovered).
+    t = StragglerTracker(StragglerRule(factor=1.2, window_steps=1, min_samples=1))
+    found = []
+    for step in range(1, 41):
+        slow = 0.13 if step % 2 else 0.115
+        for rank in range(3):
+            busy = slow if rank == 1 else 0.1
+            found += t.heartbeat(hb(rank, step, slow, slow - busy))
+    assert [f.straggler.rank for f in found] == [1]

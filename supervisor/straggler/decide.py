@@ -21,6 +21,7 @@ half of the window is named. Noise between equal ranks stays far below the defau
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,19 +58,25 @@ class StragglerRule:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Straggler:
-    """A rank found slower than the others over the window."""
+class Pace:
+    """One rank's busy time against the other ranks' over the window; the rank is a straggler
+    when `ratio` reaches the rule's factor."""
 
     rank: int
     step: int
-    """The newest step in the window."""
+    """The newest step of the rank in the window."""
     busy_s: float
     """The rank's median busy time per step."""
     others_busy_s: float
     """The median of the other ranks' busy times."""
     ratio: float
+    """busy_s / others_busy_s (infinite when the others' is 0)."""
     samples: int
     """The rank's samples in the window."""
+
+    def slower_by(self, factor: float) -> bool:
+        """Whether this rank is at least `factor` times slower than the others."""
+        return self.others_busy_s > 0 and self.ratio >= factor
 
     def describe(self) -> str:
         return (f"rank {self.rank} is {self.ratio:.2f}x slower than the other ranks "
@@ -88,20 +95,23 @@ def in_window(samples: Mapping[int, Sequence[StepSample]],
     return {rank: [s for s in seq if s.step > low] for rank, seq in samples.items()}
 
 
-def stragglers(samples: Mapping[int, Sequence[StepSample]],
-               rule: StragglerRule) -> list[Straggler]:
-    """The ranks slower than the others by `rule.factor` over the window, by rank."""
+def paces(samples: Mapping[int, Sequence[StepSample]], rule: StragglerRule) -> dict[int, Pace]:
+    """Every rank that can be judged now (enough samples in the window, and at least one other
+    such rank), against the others."""
     window = {rank: seq for rank, seq in in_window(samples, rule.window_steps).items()
               if len(seq) >= rule.min_samples}
     if len(window) < 2:
-        return []
+        return {}
     busy = {rank: statistics.median(s.busy_s for s in seq) for rank, seq in window.items()}
-    found = []
+    out = {}
     for rank in sorted(window):
         others = statistics.median(b for r, b in busy.items() if r != rank)
-        if others <= 0 or busy[rank] < rule.factor * others:
-            continue
-        found.append(Straggler(rank=rank, step=max(s.step for s in window[rank]),
-                               busy_s=busy[rank], others_busy_s=others,
-                               ratio=busy[rank] / others, samples=len(window[rank])))
-    return found
+        ratio = busy[rank] / others if others > 0 else (math.inf if busy[rank] > 0 else 1.0)
+        out[rank] = Pace(rank=rank, step=max(s.step for s in window[rank]), busy_s=busy[rank],
+                         others_busy_s=others, ratio=ratio, samples=len(window[rank]))
+    return out
+
+
+def stragglers(samples: Mapping[int, Sequence[StepSample]], rule: StragglerRule) -> list[Pace]:
+    """The ranks slower than the others by `rule.factor` over the window, by rank."""
+    return [p for p in paces(samples, rule).values() if p.slower_by(rule.factor)]

@@ -1,7 +1,9 @@
 """The straggler rule's live side: fed each step heartbeat of an attempt (through the watch's
 `on_heartbeat`), it keeps every rank's recent timings and the node each rank runs on, applies
 `decide.stragglers`, and hands back the ranks newly found slow. A rank is reported once while it
-stays slow; one that recovers and turns slow again is reported again."""
+stays slow; one that recovers and turns slow again is reported again. Recovered means below half
+the factor's margin (1.1 for a factor of 1.2), so a rank hovering at the factor is not reported
+at every other heartbeat."""
 
 from __future__ import annotations
 
@@ -9,14 +11,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from supervisor.core.protocol import Heartbeat
-from supervisor.straggler.decide import StepSample, Straggler, StragglerRule, stragglers
+from supervisor.straggler.decide import Pace, StepSample, StragglerRule, paces
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Found:
     """A straggler and the node it is on (`host`: None from a worker that does not say)."""
 
-    straggler: Straggler
+    straggler: Pace
     host: str | None
     ranks: int
     """Ranks compared."""
@@ -30,6 +32,8 @@ class StragglerTracker:
         self.samples: dict[int, deque[StepSample]] = {}
         self.hosts: dict[int, str] = {}
         self.slow: set[int] = set()  # ranks reported and still slow
+        # Below this ratio a reported rank counts as recovered.
+        self._recovered = 1 + (rule.factor - 1) / 2
 
     def heartbeat(self, hb: Heartbeat) -> list[Found]:
         """The ranks this heartbeat shows newly slow (most heartbeats: none)."""
@@ -43,10 +47,15 @@ class StragglerTracker:
         low = hb.step - self.rule.window_steps
         while seq and seq[0].step <= low:
             seq.popleft()
-        found = {s.rank: s for s in stragglers(self.samples, self.rule)}
-        new = [Found(straggler=s, host=self.hosts.get(rank), ranks=len(self.samples))
-               for rank, s in found.items() if rank not in self.slow]
-        self.slow = set(found)
+        now = paces(self.samples, self.rule)
+        found = {rank for rank, p in now.items() if p.slower_by(self.rule.factor)}
+        new = [Found(straggler=now[rank], host=self.hosts.get(rank), ranks=len(self.samples))
+               for rank in sorted(found - self.slow)]
+        # Recovered: judged, and below the looser factor. A rank not judged at this moment
+        # (the others' heartbeats of the newest steps still on their way) stays as it was.
+        recovered = {rank for rank in self.slow
+                     if rank in now and not now[rank].slower_by(self._recovered)}
+        self.slow = (self.slow - recovered) | found
         return new
 
 
