@@ -297,6 +297,38 @@ class PressureConfig:
                               f"{self.peak_window_s}), or be 0 for no trend")
 
 
+@dataclass(kw_only=True, slots=True)
+class StragglerConfig:
+    """`[straggler]`: name a rank that is consistently slower than the others under torchrun
+    (supervisor/straggler/decide.py). Each rank's busy time per step (its step interval less
+    its wait at the step boundary for the others) is compared, as a median over the window,
+    with the median of the other ranks'. A rank found slow is reported (`straggler` event,
+    status, report, metrics, hooks) with the node it runs on; nothing is stopped, and only
+    with `exclude_node` is the node left out of the Slurm job at its next requeue."""
+
+    enabled: bool = True
+    """Compare the ranks' step times while an attempt runs."""
+    factor: float = 1.2
+    """A rank whose busy time is at least this multiple of the others' median is a straggler."""
+    window_steps: int = 100
+    """The comparison covers the last this-many steps."""
+    min_samples: int = 5
+    """Step heartbeats (at most five a second per rank) each rank needs in the window before
+    any rank is judged."""
+    exclude_node: bool = False
+    """Under Slurm: when a rank on this node was a straggler in the attempt, the next requeue
+    (a preemption, the time limit, with `requeue`) excludes this node from the job
+    (ExcNodeList), as a failed device does. Off by default: a straggler slows the run, it
+    loses no work, and a node excluded is one the job cannot run on again."""
+
+    def __post_init__(self) -> None:
+        _bool("[straggler] enabled", self.enabled)
+        _number("[straggler] factor", self.factor, low=1.0, above=True)
+        _number("[straggler] window_steps", self.window_steps, low=1, integer=True)
+        _number("[straggler] min_samples", self.min_samples, low=1, integer=True)
+        _bool("[straggler] exclude_node", self.exclude_node)
+
+
 def _check_preload(value: Any) -> None:
     if not isinstance(value, list):
         raise ConfigError(f"preload must be a list of module names, e.g. [\"torch\"] "
@@ -373,6 +405,8 @@ class Config:
     """`[slurm]` table."""
     pressure: PressureConfig = field(default_factory=PressureConfig)
     """`[pressure]` table."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """`[straggler]` table."""
     settings: dict[str, Any] = field(default_factory=dict)
     """`[settings]`: initial knob values given to the child, e.g. batch_size = 64."""
     ladder: tuple[Rung, ...] = DEFAULT_LADDER
@@ -481,7 +515,7 @@ class Config:
 
 _SECTIONS: dict[str, type] = {"restart": RestartConfig, "backoff": BackoffConfig,
                               "hang": HangConfig, "slurm": SlurmConfig,
-                              "pressure": PressureConfig}
+                              "pressure": PressureConfig, "straggler": StragglerConfig}
 _TOP = [f.name for f in fields(Config)]
 
 

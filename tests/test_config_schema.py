@@ -22,6 +22,7 @@ from supervisor.config import (
     PressureConfig,
     RestartConfig,
     SlurmConfig,
+    StragglerConfig,
 )
 from supervisor.core.filemode import parse_mode
 from supervisor.decide.ladder import DEFAULT_LADDER
@@ -36,7 +37,7 @@ else:  # pragma: no cover
 
 DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
 SECTIONS = {"restart": RestartConfig, "backoff": BackoffConfig, "hang": HangConfig,
-            "slurm": SlurmConfig, "pressure": PressureConfig}
+            "slurm": SlurmConfig, "pressure": PressureConfig, "straggler": StragglerConfig}
 TABLES = ("settings", "ladder", "hooks")  # tables of the user's own, shown by example
 # None by default; design.md shows what they stand for
 UNSET = ("ckpt_dir", "metrics_file", "mirror", "preload")

@@ -39,7 +39,8 @@ def test_every_worker_unit_is_held_to_not_importing_the_checkpointer():
     assert set(units) == modules
 
 
-FEATURE_FOLDERS = ("standby", "timelimit", "pressure", "elsewhere", "hooks", "retention", "mirror")
+FEATURE_FOLDERS = ("standby", "timelimit", "pressure", "elsewhere", "hooks", "retention", "mirror",
+                   "straggler")
 
 
 def _contract(name_start: str) -> dict:

@@ -36,7 +36,8 @@ def test_after_a_crash_and_a_finish(tmp_path):
     prom = tmp_path / "prom" / "rtrain.prom"
     assert _values(prom, tmp_path / "run") == {
         "rtrain_up": 0, "rtrain_attempts_total": 2, "rtrain_failures_total:crash": 1,
-        "rtrain_rung": 0, "rtrain_skipped_saves_total": 0, "rtrain_failure_saves_total": 0}
+        "rtrain_rung": 0, "rtrain_skipped_saves_total": 0, "rtrain_failure_saves_total": 0,
+        "rtrain_stragglers_total": 0}
     text = prom.read_text()
     assert "# TYPE rtrain_failures_total counter" in text and text.endswith("\n")
     assert [p.name for p in prom.parent.iterdir()] == ["rtrain.prom"]  # no temp file left

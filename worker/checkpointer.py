@@ -242,7 +242,10 @@ class Checkpointer:
         if dist.world() is not None:
             # A stop signal or a timed save reaches ranks at different steps; saving is
             # collective, so one rank's reason is every rank's.
+            # Its wait is how long this rank was ahead of the slowest (straggler rule).
+            began = time.monotonic()
             stop, due = dist.any_of([stop, due])
+            runtime.boundary_wait(time.monotonic() - began)
         if stop or due:
             path = self.save(step, metrics=metrics, extra=extra)
         if stop and self.exit_on_stop:

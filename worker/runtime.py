@@ -75,6 +75,11 @@ class _State:
         self.last_step_time: float | None = None
         self.max_interval: float | None = None
         self.samples = 0.0  # since the last sent heartbeat
+        # Step intervals and boundary waits since the last sent step heartbeat (its `step_s`
+        # and `wait_s`: the straggler rule's inputs).
+        self.interval_sum = 0.0
+        self.intervals = 0
+        self.wait_sum = 0.0
         self.samples_since: float | None = None
         self.rate: float | None = None
         self.held: tuple[int | None, float | None, dict[str, Any]] | None = None  # throttled step
@@ -256,6 +261,13 @@ def relieve_pressure(step: int | None = None, settings: dict[str, Any] | None = 
     return done
 
 
+def boundary_wait(seconds: float) -> None:
+    """This rank waited `seconds` at a step-boundary collective for the other ranks (the
+    Checkpointer's stop/save agreement): reported with the next step heartbeat as `wait_s`."""
+    if _state.sock is not None:  # nobody to tell otherwise
+        _state.wait_sum += max(0.0, seconds)
+
+
 def heartbeat(
     step: int | None = None,
     loss: float | None = None,
@@ -278,6 +290,9 @@ def heartbeat(
         if s.last_step_time is not None and s.steps >= MAX_INTERVAL_WARMUP_STEPS:
             interval = now - s.last_step_time
             s.max_interval = interval if s.max_interval is None else max(s.max_interval, interval)
+        if s.last_step_time is not None:
+            s.interval_sum += now - s.last_step_time
+            s.intervals += 1
         s.steps += 1
         s.last_step_time = now
     if samples:
@@ -295,6 +310,10 @@ def heartbeat(
     if event == "stop":
         s.held = None  # "stop" carries the step and must stay the last word
         s.said_stop = True
+    if event == "step" and s.intervals:
+        fields = {**fields, "step_s": s.interval_sum / s.intervals,
+                  "wait_s": s.wait_sum / s.intervals, "host": _hostname()}
+        s.interval_sum, s.intervals, s.wait_sum = 0.0, 0, 0.0
     _send(event, step, loss, fields)
     if event == "step":
         s.last_step_send, s.held = now, None
@@ -334,6 +353,16 @@ def _send(event: str, step: int | None, loss: float | None, fields: dict[str, An
             time.sleep(0.005)
         except OSError:  # nobody listening: the supervisor is gone or never was
             return
+
+
+_host: str | None = None
+
+
+def _hostname() -> str:
+    global _host
+    if _host is None:
+        _host = socket.gethostname()
+    return _host
 
 
 def _send_held() -> None:

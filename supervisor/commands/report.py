@@ -13,6 +13,7 @@ writes nothing but the report; safe beside a live supervisor. Sources:
 - attempts: `launch` / `exit` / `classification` / `decision` events per attempt number;
 - time lost to failures: `recovery` events per failure kind (count, each phase's total and
   mean, steps run again, seconds lost);
+- stragglers: `straggler` events (a rank slower than the others, and its node);
 - saves: the count of `save_skipped` events, the newest checkpoint's age, and the warning of
   a run that ended with its final state unsaved (`final_state_unsaved`).
 """
@@ -93,6 +94,9 @@ class Report:
     """With a mirror: what `rtrain status` says of it (uploaded step, lag, final upload)."""
     failure_costs: list[KindCost] = field(default_factory=list)
     """Time lost to failures, per kind: the `recovery` events folded (records/recovery.py)."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """Ranks found slower than the others (`straggler` events): attempt, step, rank, host,
+    ratio, detail."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -151,6 +155,8 @@ def gather(run_dir: Path, *, key: bytes | None = None, now: float | None = None)
                  checkpoint_age_s=summary.checkpoint_age_s, warning=summary.unsaved or "",
                  mirror=summary.mirror)
     rep.failure_costs = costs_by_kind(timeline.recoveries)
+    rep.stragglers = [{k: e.get(k) for k in ("attempt", "step", "rank", "host", "ratio",
+                                             "detail")} for e in timeline.stragglers]
     rows = {n: _row(a) for n, a in timeline.attempts.items()}
     for e in timeline.points:
         attempt = e.get("attempt")

@@ -6,7 +6,7 @@ DOM contract (the tests and anyone scripting the page rely on it): each chart is
 `svg.chart[data-field=loss|samples_per_s]`; each attempt's curve is
 `path.curve[data-attempt][data-points]`; markers are `.marker` elements with
 `data-kind` = failure | degrade | checkpoint | bad_checkpoint and, for failures,
-`data-failure` = the failure kind.
+`data-failure` = the failure kind; stragglers are rows `section.stragglers tr[data-rank]`.
 """
 
 from __future__ import annotations
@@ -85,6 +85,22 @@ def _costs(rep: Report) -> str:
             + "\n".join(rows) + "\n  </tbody></table></section>")
 
 
+def _stragglers(rep: Report) -> str:
+    """The "stragglers" table: each rank found slower than the others, with its node."""
+    if not rep.stragglers:
+        return ""
+    rows = [f'<tr data-rank="{_esc(e.get("rank"))}"><td>{_esc(e.get("attempt"))}</td>'
+            f'<td>{_esc(e.get("step"))}</td><td>{_esc(e.get("rank"))}</td>'
+            f'<td>{_esc(e.get("host") or "-")}</td><td>{_esc(e.get("ratio"))}</td>'
+            f'<td>{_esc(e.get("detail") or "")}</td></tr>' for e in rep.stragglers]
+    return ('\n  <section class="stragglers"><h2>Stragglers</h2>\n'
+            '  <p class="muted">Ranks whose busy time per step was consistently above the other '
+            "ranks' ([straggler] factor): the others wait for them.</p>\n"
+            '  <table><thead><tr><th>attempt</th><th>step</th><th>rank</th><th>node</th>'
+            "<th>times slower</th><th>detail</th></tr></thead>\n  <tbody>\n"
+            + "\n".join(rows) + "\n  </tbody></table></section>")
+
+
 def _data_json(rep: Report) -> str:
     data = rep.to_json()
     data["colors"] = {**KIND_COLORS, "other": OTHER_COLOR}
@@ -124,7 +140,7 @@ def render(rep: Report) -> str:
         else f"{human_duration(rep.checkpoint_age_s)} old",
         warning=f'\n  <div class="warning">warning: {_esc(rep.warning)}</div>' if rep.warning
         else "",
-        data=_data_json(rep), costs=_costs(rep))
+        data=_data_json(rep), costs=_costs(rep), stragglers=_stragglers(rep))
 
 
 def _mirror(m: dict[str, Any] | None) -> str:
@@ -179,7 +195,7 @@ _PAGE = """<!DOCTYPE html>
   <th>decision</th></tr></thead>
   <tbody>
 {rows}
-  </tbody></table></section>{costs}
+  </tbody></table></section>{costs}{stragglers}
 </main>
 <div id="tip" hidden></div>
 <script type="application/json" id="rtrain-data">{data}</script>

@@ -116,6 +116,9 @@ class RunSummary:
     restored: dict[str, Any] | None = None
     """The last time that copy was put back (`foreign_restored`): path, reason, step,
     verified_at, time."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """Ranks the newest attempt found slower than the others (`straggler` events): rank, host,
+    ratio, step, detail."""
     slurm: dict[str, Any] | None = None
     """Under Slurm, from the newest launch: job_id, restart_count, end_time (the job's time
     limit ends, unix time), stop_at (rtrain stops the attempt then; null: not armed), margin_s."""
@@ -266,6 +269,7 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
     s.foreign_copy = asdict(kept) if kept is not None else None
     s.restored = _pick(timeline.last(Kind.FOREIGN_RESTORED), "path", "reason", "step",
                        "verified_at", "time")
+    s.stragglers = _stragglers(timeline, launch)
     job = launch.get("slurm") if launch else None
     if isinstance(job, dict):
         s.slurm = {k: job.get(k) for k in ("job_id", "restart_count", "end_time", "stop_at",
@@ -282,6 +286,14 @@ def _elsewhere(timeline: Timeline, launch: dict[str, Any] | None,
     if launch is not None and launch.get("ckpt_dir") != last.get("ckpt_dir"):
         return None  # relaunched with another --ckpt-dir
     return {k: last.get(k) for k in ("files", "suggest", "message")}
+
+
+def _stragglers(timeline: Timeline, launch: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The newest attempt's stragglers: a relaunch compares its ranks afresh."""
+    if launch is None:
+        return []
+    return [{k: e.get(k) for k in ("rank", "host", "ratio", "step", "detail")}
+            for e in timeline.stragglers if e.get("attempt") == launch.get("attempt")]
 
 
 def _standby(timeline: Timeline, launch: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -417,6 +429,8 @@ def render_text(s: RunSummary) -> str:
         rows += _cadence_rows(s.cadence, s.restart_s)
     if s.mirror is not None:
         rows += _mirror_rows(s.mirror)
+    rows += [("straggler" if i == 0 else "", str(e.get("detail") or ""))
+             for i, e in enumerate(s.stragglers)]
     if s.standby is not None:
         rows.append(("standby", _standby_row(s.standby, running=s.status == "running")))
     if s.slurm is not None:

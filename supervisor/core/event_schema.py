@@ -59,6 +59,7 @@ class Kind(str, Enum):
     STANDBY_DISCARDED = "standby_discarded"
     STANDBY_FAILED = "standby_failed"
     CHECKPOINTS_ELSEWHERE = "checkpoints_elsewhere"
+    STRAGGLER = "straggler"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -223,6 +224,12 @@ KINDS: dict[Kind, KindSpec] = {
         fields=("attempt", "ckpt_dir", "files", "suggest", "trained_s", "message"),
         meaning="the watched checkpoint dir is still empty after checkpoints_elsewhere_after_s "
                 "of training while the script wrote checkpoint-like files elsewhere"),
+    Kind.STRAGGLER: KindSpec(
+        fields=("attempt", "step", "rank", "host", "ratio", "busy_s", "others_busy_s",
+                "ranks", "window_steps", "detail"),
+        meaning="a rank was consistently slower than the others over the window ([straggler]): "
+                "its median busy time per step (`busy_s`) is `ratio` times the other ranks' "
+                "median (`others_busy_s`); `host` is the node it runs on"),
 }
 DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
 HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)

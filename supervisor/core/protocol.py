@@ -89,7 +89,8 @@ class Heartbeat:
     `relieved` (after a relieve request: `reason` says what was freed, `settings` what the
     worker now uses), `exception` (with `reason`: the type of the uncaught exception ending the
     process, sent as it begins its way out) or `stop`. The first `start` (the worker installed)
-    carries `started`, the unix time the script began in this process; the one
+    carries `started`, the unix time the script began in this process; step heartbeats carry
+    `step_s`, `wait_s` and `host` (the straggler rule's inputs); the one
     `Checkpointer.restore` sends carries `restore_s`, the seconds the checkpoint load took (the
     cost of a failure, records/recovery.py)."""
 
@@ -108,6 +109,12 @@ class Heartbeat:
     world: int | None = None  # ranks in the group (torchrun's WORLD_SIZE), when under torchrun
     started: float | None = None  # first start: unix time the script began in this process
     restore_s: float | None = None  # restore's start: seconds the checkpoint load took
+    # Step heartbeats: this rank's mean step interval since its previous step heartbeat, and
+    # the mean time per step it waited at the step-boundary collective for the other ranks
+    # (the straggler rule, supervisor/straggler/decide.py).
+    step_s: float | None = None
+    wait_s: float | None = None
+    host: str | None = None  # the node this rank runs on (its hostname)
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:

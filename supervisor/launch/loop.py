@@ -414,7 +414,10 @@ class Loop:
             return int(decision.exit_code or 1)
         if decision.action in (Action.EXIT_PREEMPTED, Action.REQUEUE):
             if decision.action is Action.REQUEUE:
-                reason = side_effects.requeue(decision, self.events, self.say)
+                straggler = (self.observers.straggler_here
+                             if self.cfg.straggler.exclude_node else None)
+                reason = side_effects.requeue(decision, self.events, self.say,
+                                              straggler=straggler)
             self.record.save(RunStatus.PREEMPTED, reason, history)
             unsaved = self._unsaved_final()
             self.say(f"stopped: {reason}")

@@ -19,6 +19,8 @@ from supervisor.proc.console import BestEffortWriter
 from supervisor.proc.watch import Sample
 from supervisor.records.events import EventLog, EventLogError, read_events
 from supervisor.records.metrics import MetricsFile
+from supervisor.straggler.decide import StragglerRule
+from supervisor.straggler.track import StragglerTracker
 
 
 class Observers:
@@ -43,6 +45,11 @@ class Observers:
         self.events: EventLog | None = None
         self.skipped: list[dict[str, Any]] = []  # save_skipped events of this launch
         self._last_summary = float("-inf")
+        st = config.straggler
+        self._rule = (StragglerRule(factor=st.factor, window_steps=st.window_steps,
+                                    min_samples=st.min_samples) if st.enabled else None)
+        self.stragglers: StragglerTracker | None = None
+        self.straggler_here: str | None = None  # the attempt's last straggler, said
 
     @property
     def listeners(self) -> list[Callable[[dict[str, Any]], None]]:
@@ -67,6 +74,9 @@ class Observers:
             self.line.update(attempt=attempt, level=level, step=None, loss=None,
                              samples_per_s=None)
         self._last_summary = float("-inf")  # each attempt's first step starts its curve
+        # Each attempt's ranks are compared afresh (a relaunch may run on other nodes).
+        self.stragglers = StragglerTracker(self._rule) if self._rule is not None else None
+        self.straggler_here = None
 
     def tick(self, hb: protocol.Heartbeat | None = None) -> None:
         """Watch ticks for the observers: metrics ages, hooks past their deadline."""
@@ -112,6 +122,8 @@ class Observers:
             self.events.emit("checkpoint_at_failure", attempt=attempt, step=hb.step,
                              rank=hb.rank, exception=hb.reason)
             self.say(f"checkpoint at step {hb.step} saved as the worker failed ({hb.reason})")
+        if self.stragglers is not None:
+            self._stragglers(attempt, hb)
         if self.line is not None and hb.step is not None:
             self.line.update(step=hb.step, loss=hb.loss, samples_per_s=hb.samples_per_s,
                              next_save_step=hb.next_save_step)
@@ -120,6 +132,20 @@ class Observers:
             self._last_summary = now
             self.events.emit("heartbeat_summary", attempt=attempt, step=hb.step, loss=hb.loss,
                              samples_per_s=hb.samples_per_s)
+
+    def _stragglers(self, attempt: int, hb: protocol.Heartbeat) -> None:
+        assert self.events is not None and self.stragglers is not None
+        for found in self.stragglers.heartbeat(hb):
+            s = found.straggler
+            where = f" on {found.host}" if found.host else ""
+            detail = s.describe() + where
+            self.events.emit(Kind.STRAGGLER, attempt=attempt, step=s.step, rank=s.rank,
+                             host=found.host, ratio=round(s.ratio, 3),
+                             busy_s=round(s.busy_s, 6), others_busy_s=round(s.others_busy_s, 6),
+                             ranks=found.ranks, window_steps=self.stragglers.rule.window_steps,
+                             detail=detail)
+            self.say(f"straggler: {detail}")
+            self.straggler_here = detail
 
     def pressure(self, attempt: int, note: PressureNote) -> None:
         """The watch asked for relief, or stops the child for a rung down."""

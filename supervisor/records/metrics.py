@@ -17,6 +17,9 @@ file: no fsync (a lost write is replaced seconds later).
     rtrain_failure_saves_total{run_dir}            checkpoints committed as an exception ended it
     rtrain_failure_seconds_lost_total{run_dir,kind} what failures cost (recovery events' lost_s)
     rtrain_last_recovery_seconds{run_dir,phase}    the last recovery's phases, and its total
+    rtrain_stragglers_total{run_dir}               ranks found slower than the others
+    rtrain_straggler_ratio{run_dir,rank,host}      the newest attempt's stragglers: how many
+                                                   times slower than the other ranks
     rtrain_mirror_uploaded_step{run_dir}           newest checkpoint step on the mirror
     rtrain_mirror_lag_steps{run_dir}               newest local checkpoint's step minus that
     rtrain_mirror_seconds_since_upload{run_dir}    since the last upload finished
@@ -64,6 +67,9 @@ _HELP = {
                    "steps run again"),
     "rtrain_last_recovery_seconds": ("gauge",
                                      "The last relaunched failure's cost, phase by phase"),
+    "rtrain_stragglers_total": ("counter", "Ranks found consistently slower than the others"),
+    "rtrain_straggler_ratio": ("gauge", "The newest attempt's stragglers: busy time per step "
+                                        "over the other ranks' median"),
     "rtrain_mirror_uploaded_step": ("gauge", "Step of the newest checkpoint on the mirror"),
     "rtrain_mirror_lag_steps": ("gauge",
                                 "Newest local checkpoint's step minus the newest on the mirror"),
@@ -178,6 +184,13 @@ class MetricsFile:
             values["rtrain_last_recovery_seconds"] = [
                 (f'{run},phase="{p}"', last[f"{p}_s"]) for p in (*recovery.PHASES, "total")
                 if isinstance(last.get(f"{p}_s"), (int, float))]
+        values["rtrain_stragglers_total"] = [(run, len(self.timeline.stragglers))]
+        launch = self.timeline.last(Kind.LAUNCH)
+        values["rtrain_straggler_ratio"] = [
+            (f'{run},rank="{e.get("rank")}",host="{escape_label(str(e.get("host") or ""))}"',
+             e["ratio"]) for e in self.timeline.stragglers
+            if launch is not None and e.get("attempt") == launch.get("attempt")
+            and isinstance(e.get("ratio"), (int, float)) and math.isfinite(e["ratio"])]
         if (m := self.timeline.mirror) is not None:
             up = m.uploaded_step
             values["rtrain_mirror_uploaded_step"] = [(run, up)] if up is not None else []

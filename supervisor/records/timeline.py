@@ -149,6 +149,8 @@ class Timeline:
     """The run's failures that lost the work since the last save (all but NO_WORK_LOST)."""
     recoveries: list[Event] = field(default_factory=list)
     """Every `recovery` event (what each failure cost), in order: one per relaunch."""
+    stragglers: list[Event] = field(default_factory=list)
+    """Every `straggler` event (a rank slower than the others), in order."""
     _last_skipped: Event | None = None
     _unsaved: str | None = None
     _current: int | None = None  # the attempt named by the newest event that names one
@@ -196,6 +198,8 @@ class Timeline:
                 self.run_s += duration
         elif kind == Kind.RECOVERY:
             self.recoveries.append(event)
+        elif kind == Kind.STRAGGLER:
+            self.stragglers.append(event)
         elif kind == Kind.CHECKPOINT_AT_FAILURE:
             self.failure_saves += 1
             self.last_failure_save = event

@@ -1,7 +1,8 @@
 """A 2-rank (gloo, CPU) training loop the way people write one, for the distributed tests.
 
 usage: dist_train.py OUT_PREFIX TOTAL_STEPS [--fsdp] [--every N] [--die-at S --die-rank R]
-                     [--workers W] [--step-sleep S]
+                     [--workers W] [--step-sleep S] [--slow-rank R --slow-sleep S]
+                     [--jitter J]
 Writes OUT_PREFIX-rank<R>.pt (the rank's local model/optimizer state and RNG) at the end.
 --die-at: in attempt 0, rank R writes an exit record and SIGKILLs itself after step S.
 --workers: each rank loads its share through a DistributedResumableSampler and a DataLoader with
@@ -9,6 +10,9 @@ W worker processes handed to the Checkpointer (default: one global loader, slice
 --step-sleep (or --sleep): sleep S seconds per step (a run long enough to be stopped from outside,
 or to lose a node mid-run), and append each executed step to OUT_PREFIX-rank<R>.steps (what a
 stop test counts lost steps with).
+--slow-rank/--slow-sleep: rank R sleeps S seconds per step instead (a straggler), after its
+optimizer step, so the others wait for it at the step boundary. --jitter J: each sleep varies by
+up to +-J of itself, at random per step (ranks that differ by noise).
 """
 
 import argparse
@@ -35,11 +39,16 @@ p.add_argument("--die-rank", type=int, default=1)
 p.add_argument("--width", type=int, default=32)
 p.add_argument("--workers", type=int, default=-1)
 p.add_argument("--step-sleep", "--sleep", dest="step_sleep", type=float, default=0.0)
+p.add_argument("--slow-rank", type=int, default=-1)
+p.add_argument("--slow-sleep", type=float, default=0.0)
+p.add_argument("--jitter", type=float, default=0.0)
 args = p.parse_args()
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 attempt = int(os.environ.get("RTRAIN_ATTEMPT", "0"))
+pause = args.slow_sleep if rank == args.slow_rank else args.step_sleep
+jitter = random.Random(f"jitter-{rank}")  # apart from the training's own generators
 
 torch.manual_seed(1234)  # the same initial weights on every rank
 g = torch.Generator().manual_seed(0)
@@ -82,10 +91,10 @@ while step < args.total:
         opt.step()
         sched.step()
         step += 1
-        if args.step_sleep:
+        if pause:
             with open(f"{args.out}-rank{rank}.steps", "a") as f:
                 f.write(f"{attempt} {step}\n")
-            time.sleep(args.step_sleep)
+            time.sleep(pause * (1 + args.jitter * jitter.uniform(-1, 1)))
         ckpt.maybe_save(step, metrics={"loss": loss.item()})
         if step == args.die_at and rank == args.die_rank and attempt == 0:
             worker.write_exit_record("crash", f"injected kill of rank {rank}", step=step)
