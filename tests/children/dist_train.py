@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import worker
+from worker import faults
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -57,6 +58,14 @@ else:
 torch.manual_seed(1000 + rank)
 random.seed(rank)
 np.random.seed(rank)
+
+
+def forward_hook(module, inputs):
+    # RTRAIN_FAULTS=hang_forward@step=N,rank=R hangs this rank here, inside its forward.
+    faults.in_step(step=step + 1)
+
+
+model.register_forward_pre_hook(forward_hook)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
 if args.workers < 0:
