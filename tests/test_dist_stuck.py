@@ -36,8 +36,11 @@ def test_rank_stuck_in_its_forward_is_named(tmp_path):
     (cls,) = events(run, "classification")
     assert cls["failure"] == "hang" and summary in cls["reason"], cls
     assert events(run, "finished")
-    status = run_rtrain("status", "--run-dir", str(run), "--json")
+    status = run_rtrain("status", str(run), "--json")
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["stuck"]["summary"] == summary
-    report = run_rtrain("report", "--run-dir", str(run))
-    assert "rank 3 is in step 5" in report.stdout, report.stdout
+    text = run_rtrain("status", str(run))
+    assert "stuck ranks" in text.stdout and "attempt 0: rank 3 is in step 5" in text.stdout
+    report = run_rtrain("report", str(run))
+    assert report.returncode == 0, report.stderr
+    assert "rank 3 is in step 5" in (run / "report.html").read_text()

@@ -9,7 +9,8 @@ dump (faulthandler's or py-spy's; the main thread is read).
 
 Rule: ranks are ordered by how far they got, and the ones no other rank is behind, while some
 rank is ahead of them, are "behind" (the stuck ones: the others wait for them).
-1. Step first: the last boundary reached, and whether the next step had begun.
+1. Step first: the last boundary reached, and whether the next step had begun (from the
+   boards only: a step heard in a throttled heartbeat may be older than the rank's).
 2. Same step: program order. The two main-thread stacks are compared from the outermost frame
    inward; at the first frame that differs, if both are in the same function of the same file,
    the lower line is behind (the training loop runs the forward before the backward). Frames
@@ -65,6 +66,12 @@ class RankState:
     frames: tuple[Frame, ...] = ()  # its main thread, innermost first; () without a dump
 
     @property
+    def exact(self) -> bool:
+        """From a progress board: the step is the last boundary reached. A step from the
+        heartbeats alone may be older (they are throttled), so it orders nothing."""
+        return self.step is not None and self.left_at is not None
+
+    @property
     def in_next_step(self) -> bool:
         return (self.entered_at is not None and self.left_at is not None
                 and self.entered_at >= self.left_at)
@@ -83,7 +90,9 @@ class RankPlace:
 
     rank: int
     step: int | None
-    phase: str  # "step": running `step`; "boundary": at the end of `step`; "unknown"
+    # "step": running `step`; "boundary": at the end of `step`; "heard": past `step` (its last
+    # heartbeat's, no board); "unknown": before its first step
+    phase: str
     where: str  # in words; "" without a stack
     collective: str | None  # the torch.distributed call it waits in, if any
     since_s: float | None  # seconds in its phase before the hang was found
@@ -141,7 +150,7 @@ def describe_where(frames: Sequence[Frame], library_roots: Sequence[str] = ()) -
 
 def _order(a: RankState, b: RankState) -> int:
     """-1: `a` is behind `b`; 1: ahead; 0: the same place or not ordered."""
-    if a.step is not None and b.step is not None:
+    if a.exact and b.exact:
         ka, kb = (a.step, a.in_next_step), (b.step, b.in_next_step)
         if ka != kb:
             return -1 if ka < kb else 1
@@ -176,6 +185,8 @@ def ranges(ranks: Sequence[int]) -> str:
 def _phase(s: RankState) -> tuple[str, float | None]:
     if s.step is None:
         return "unknown", None
+    if not s.exact:
+        return "heard", None
     if s.in_next_step:
         return "step", s.entered_at
     return "boundary", s.left_at
@@ -186,6 +197,8 @@ def _at(place: RankPlace) -> str:
         return f"in step {place.step}"
     if place.phase == "boundary":
         return f"at the end of step {place.step}"
+    if place.phase == "heard":
+        return f"past step {place.step}"
     return "before its first step"
 
 
@@ -217,7 +230,10 @@ def _sentence(places: Sequence[RankPlace], world: int | None, heard: int) -> str
         p = group[0]
         where = f" at {p.where}" if p.where else ""
         since = f" (for {p.since_s:g} s)" if p.since_s is not None and verb == "is" else ""
-        verb = "are" if verb == "is" and len(group) > 1 else verb
+        if len(group) > 1:
+            verb = "are" if verb == "is" else verb
+        elif verb == "wait":
+            verb = "waits"
         return f"{ranges([g.rank for g in group])} {verb} {_at(p)}{since}{where}"
 
     groups: dict[tuple[bool, int | None, str, str], list[RankPlace]] = {}
