@@ -1,7 +1,7 @@
 """A 2-rank (gloo, CPU) training loop the way people write one, for the distributed tests.
 
 usage: dist_train.py OUT_PREFIX TOTAL_STEPS [--fsdp] [--every N] [--die-at S --die-rank R]
-                     [--workers W] [--step-sleep S]
+                     [--workers W] [--step-sleep S] [--scripted-flight-recorder]
 Writes OUT_PREFIX-rank<R>.pt (the rank's local model/optimizer state and RNG) at the end.
 --die-at: in attempt 0, rank R writes an exit record and SIGKILLs itself after step S.
 --workers: each rank loads its share through a DistributedResumableSampler and a DataLoader with
@@ -9,12 +9,16 @@ W worker processes handed to the Checkpointer (default: one global loader, slice
 --step-sleep (or --sleep): sleep S seconds per step (a run long enough to be stopped from outside,
 or to lose a node mid-run), and append each executed step to OUT_PREFIX-rank<R>.steps (what a
 stop test counts lost steps with).
+--scripted-flight-recorder: each rank serves an NCCL flight recorder dump pipe as PyTorch does
+on a GPU (TORCH_NCCL_DEBUG_INFO_PIPE_FILE, TORCH_NCCL_DEBUG_INFO_TEMP_FILE).
+RTRAIN_FAULTS=hang_forward@step=N,rank=R hangs rank R inside its forward of step N.
 """
 
 import argparse
 import os
 import random
 import signal
+import threading
 import time
 
 import numpy as np
@@ -36,10 +40,30 @@ p.add_argument("--die-rank", type=int, default=1)
 p.add_argument("--width", type=int, default=32)
 p.add_argument("--workers", type=int, default=-1)
 p.add_argument("--step-sleep", "--sleep", dest="step_sleep", type=float, default=0.0)
+p.add_argument("--scripted-flight-recorder", action="store_true")
 args = p.parse_args()
+
+
+def scripted_flight_recorder(rank):
+    """What ProcessGroupNCCL's monitor does with TORCH_NCCL_DEBUG_INFO_PIPE_FILE (gloo has no
+    flight recorder): read `<pipe prefix><rank>.pipe`; on a write, dump the trace to
+    `<TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank>`."""
+    pipe = os.environ["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] + f"{rank}.pipe"
+    os.mkfifo(pipe)
+
+    def serve():
+        with open(pipe, "rb") as f:
+            if f.read(1):
+                with open(os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] + str(rank), "wb") as out:
+                    out.write(f"scripted trace of rank {rank}".encode())
+
+    threading.Thread(target=serve, daemon=True).start()
+
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
+if args.scripted_flight_recorder:
+    scripted_flight_recorder(rank)
 attempt = int(os.environ.get("RTRAIN_ATTEMPT", "0"))
 
 torch.manual_seed(1234)  # the same initial weights on every rank
