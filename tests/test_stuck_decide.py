@@ -140,6 +140,17 @@ def test_source_lines_and_collectives_in_the_places():
     assert report.to_dict()["behind"] == [1]
 
 
+def test_a_single_process_is_said_where_it_is():
+    report = summarise([st(0, stack=FH_FORWARD)], now=110.0, library_roots=ROOTS)
+    assert report is not None and report.behind == (0,)
+    assert report.summary == ("rank 0 is in step 5 (for 9.9 s) at forward_hook (train.py:65), "
+                              "inside _sleep_forever (faults.py:165)")
+    # one rank heard of a larger group (one process per node): no one to name here
+    report = summarise([st(0, stack=FH_THREADS)], now=110.0, world=2, library_roots=ROOTS)
+    assert report is not None and report.behind == ()
+    assert "on another node" in report.summary
+
+
 def test_nothing_to_report_without_ranks():
     assert summarise([], now=0.0) is None
 

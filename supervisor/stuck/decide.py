@@ -17,8 +17,9 @@ rank is ahead of them, are "behind" (the stuck ones: the others wait for them).
    in different functions called from the same line are not ordered.
 3. A rank that waits in a torch.distributed collective is ahead of one at the same place
    that does not: the collective waits for the other.
-Nobody behind (every rank at the same place): "all ranks wait in <where>", and when the group
-has ranks this supervisor does not hear (other nodes), the one holding them up is there.
+Nobody behind (every rank at the same place): "no rank is behind: ranks 0-3 wait in <where>",
+and when the group has ranks this supervisor does not hear (other nodes), the one holding them
+up is there. A process alone in its group is the stuck one: it is said where it is.
 
 Where a rank is: its innermost frame in the user's code (not the standard library, not
 site-packages, not rtrain's), with the source line when it could be read, and the innermost
@@ -213,6 +214,8 @@ def summarise(states: Sequence[RankState], *, now: float, world: int | None = No
               if any(_order(s, o) < 0 for o in states)
               and not any(_order(s, o) > 0 for o in states)]
     behind_ranks = {s.rank for s in behind}
+    if len(states) == 1 and (world or 1) == 1:
+        behind_ranks = {states[0].rank}  # alone in its group: nothing else to wait for
     places = []
     for s in states:
         phase, since = _phase(s)
