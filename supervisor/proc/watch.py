@@ -8,6 +8,10 @@ once the child has exited (proc/watch_outcome.py: exit status, exit records, mem
 gate's readings after a failure) it hands out one frozen `Observation` in the `Outcome`;
 decide/observation.py draws the evidence for classify from it.
 
+At a hang the stacks are dumped (proc/stacks.py) and the NCCL flight recorder is asked for its
+dumps (stuck/flight.py); once the child has exited, which rank is stuck and where
+(stuck/collect.py) goes into the Observation with the dumps kept.
+
 Memory pressure (pressure/monitor.py) is judged at each sample: a relieve request to the
 group first, then the ordinary stop, observed as `pressure_stop` for a rung down.
 
