@@ -9,7 +9,7 @@ where the user has not set them (nor their newer `TORCH_FR_*` names):
 - `TORCH_NCCL_TRACE_BUFFER_SIZE` = `TRACE_BUFFER_ENTRIES` (0, PyTorch's default, records nothing);
 - `TORCH_NCCL_DUMP_ON_TIMEOUT` = 1: the watchdog dumps when a collective times out;
 - `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` = `<attempt dir>/nccl_trace_rank_`: each rank's dump is
-  `nccl_trace_rank_<rank>` there (PyTorch's default is under /tmp);
+  `nccl_trace_rank_<rank>` there (PyTorch's default is the system's temporary directory);
 - `TORCH_NCCL_DEBUG_INFO_PIPE_FILE` = `<attempt dir>/nccl_trace_pipe_rank_`: each rank reads
   the FIFO `<prefix><rank>.pipe`, and anything written to it makes the rank dump at once.
 
