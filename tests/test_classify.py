@@ -44,6 +44,10 @@ CASES = [
      K.PREEMPTED, ["did not save", "grace", "Signal 9 (SIGKILL) received by PID 123"]),
     ("hang", ev(signal="SIGTERM", hang=True, hang_detail="no heartbeat for 600 s"), K.HANG,
      ["no heartbeat for 600 s"]),
+    ("hang, with the stuck rank named", ev(signal="SIGKILL", hang=True,
+                                           hang_detail="no heartbeat for 60 s",
+                                           stuck_summary="rank 3 is in step 5"), K.HANG,
+     ["no heartbeat for 60 s", "stopped by rtrain", "; rank 3 is in step 5"]),
     ("hang, then exit 75 on rtrain's own stop (a child that had stopped itself)",
      ev(pid=123, returncode=75, hang=True, hang_detail="no heartbeat for 60 s"), K.HANG,
      ["no heartbeat for 60 s", "stopped by rtrain; it then committed a checkpoint and exited "

@@ -41,3 +41,12 @@ def test_single_rank_unchanged():
         c.heartbeat(hb(0, step), float(step))
     assert c.check(13.9) is None
     assert c.check(14.0) is not None
+
+
+def test_ranks_that_stopped_together_name_no_silent_rank():
+    c = HangClock(P, start=0.0)
+    for step in range(1, 5):  # both stop at step 4, 0.15 s apart (the heartbeat throttle)
+        c.heartbeat(hb(0, step), float(step))
+        c.heartbeat(hb(1, step), float(step) + 0.15)
+    why = c.check(30.0)
+    assert why is not None and "silent longest" not in why

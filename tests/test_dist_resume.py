@@ -79,6 +79,13 @@ def test_hung_rank_is_detected_and_the_group_relaunched(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     (cls,) = events(run, "classification")
     assert cls["failure"] == "hang", cls
+    # Rank 1 sleeps in maybe_save(4) before its step-4 boundary; rank 0 passed it and waits in
+    # the Checkpointer's all-reduce.
+    (stuck,) = events(run, "stuck_ranks")
+    assert stuck["behind"] == [1], stuck
+    assert stuck["summary"].startswith("rank 1 is in step 4"), stuck
+    assert "rank 0 waits at the end of step 4" in stuck["summary"], stuck
+    assert "waiting in all_reduce" in stuck["summary"], stuck
     (ended,) = [e for e in events(run, "exit") if e["attempt"] == 0]
     assert ended["exited_at"] - ended["hang_at"] < 12  # stacks, then the 2 s grace
     assert len(events(run, "launch")) == 2

@@ -68,6 +68,14 @@ CASES = {
                       duration_s=600.0, resumed=CKPT_8, newest_step=140, committed=True),
         K.PREEMPTED, Action.EXIT_PREEMPTED,
         ["signal", "exit", "heartbeat_summary", "classification", "say", "decision"]),
+    "hang of a torchrun group, the stuck rank named": (
+        AttemptResult(seen=seen(returncode=-9, hang=True, hang_detail="no heartbeat",
+                                stuck={"summary": "rank 3 is in step 5", "behind": [3],
+                                       "ranks": [{"rank": 3}]},
+                                flight_dumps=("/run/attempts/0/nccl_trace_rank_3",)),
+                      duration_s=60.0),
+        K.HANG, Action.RELAUNCH,
+        ["exit", "stuck_ranks", "classification", "say", "decision"]),
     "finished": (
         AttemptResult(seen=seen(returncode=0, last_step=10), duration_s=30.0, newest_step=10),
         None, Action.FINISHED,
@@ -96,6 +104,25 @@ def test_judge_by_table(result, kind, action, records):
     assert exit_["last_step"] == result.seen.last_step
     decision = event(j.records, "decision")
     assert (decision["action"], decision["reason"]) == (action.value, j.decision.reason)
+
+
+def test_a_hang_records_the_stuck_rank_and_the_flight_recorder_dumps():
+    result, *_ = CASES["hang of a torchrun group, the stuck rank named"]
+    j = judge(result, History(), Config())
+    stuck = event(j.records, "stuck_ranks")
+    assert stuck["summary"] == "rank 3 is in step 5" and stuck["behind"] == [3]
+    assert stuck["flight_recorder"] == ["/run/attempts/0/nccl_trace_rank_3"]
+    assert event(j.records, "classification")["reason"].endswith("; rank 3 is in step 5")
+
+
+def test_heartbeats_keep_each_ranks_pid_and_last_step():
+    hbs = Heartbeats()
+    for hb in (Heartbeat(pid=11, rank=0, time=1.0, event="start", world=2),
+               Heartbeat(pid=12, rank=1, time=1.0, step=4, world=2),
+               Heartbeat(pid=11, rank=0, time=2.0, step=5),
+               Heartbeat(pid=12, rank=1, time=2.0, event="save_begin", step=5)):
+        hbs = hbs.add(hb)
+    assert hbs.ranks == {0: (11, 5), 1: (12, 4)} and hbs.world == 2
 
 
 def test_a_crash_is_recorded_with_its_reason_and_relaunched_after_a_backoff():

@@ -13,7 +13,7 @@ import pytest
 
 from supervisor.core.protocol import ExitRecord
 from supervisor.proc.heartbeat import HeartbeatReceiver
-from worker import runtime
+from worker import progress, runtime
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -30,6 +30,7 @@ def fresh_runtime(monkeypatch):
     ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(runtime, "_state", runtime._State())
+    monkeypatch.setattr(progress, "_board", None)
     old = {sig: signal.getsignal(sig) for sig in SIGNALS}
     yield
     for sig, handler in old.items():
@@ -228,3 +229,20 @@ def test_stop_stays_the_last_word(receiver):
     runtime._send_held()
     events = [hb.event for hb in receiver.drain()]
     assert events[-1] == "stop"
+
+
+def test_every_step_reaches_the_progress_board_even_when_its_heartbeat_is_held(
+        receiver, tmp_path, monkeypatch):
+    from supervisor.stuck.collect import read_boards
+
+    monkeypatch.setenv("RANK", "3")
+    runtime.install()
+    runtime.heartbeat(step=1)
+    runtime.step_entered()
+    runtime.heartbeat(step=2)  # within the throttle: its heartbeat is held back
+    (board,) = read_boards(tmp_path)
+    assert (board.rank, board.step, board.entered_at) == (3, 2, None)
+    assert [hb.step for hb in receiver.drain() if hb.event == "step"] == [1]
+    runtime.step_entered()
+    (board,) = read_boards(tmp_path)
+    assert board.entered_at is not None and board.entered_at >= board.left_at

@@ -226,6 +226,13 @@ class Checkpointer:
         After a stop request (preemption) the checkpoint is committed and the process exits 75.
         Also sends the step's heartbeat to the supervisor.
         """
+        try:
+            return self._maybe_save(step, metrics=metrics, epoch_end=epoch_end, extra=extra)
+        finally:
+            runtime.step_entered()  # the next step begins (the hang report's progress board)
+
+    def _maybe_save(self, step: int, *, metrics: dict[str, float] | None,
+                    epoch_end: bool, extra: dict[str, Any] | None) -> Path | None:
         faults.step_hook(step, self.ckpt_dir)  # a no-op unless RTRAIN_FAULTS arms one
         if self._check is not None:
             self._check.boundary(step)

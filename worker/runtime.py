@@ -53,6 +53,7 @@ from supervisor.core.protocol import (
     exit_record_name,
     socket_address,
 )
+from worker import progress
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ def install() -> None:
         log.warning("rtrain worker installed off the main thread: stop signals not handled")
     status = os.environ.get(ENV_STATUS)
     if status:
+        progress.open_board(Path(status), rank())
         dump = _signal(os.environ.get(ENV_DUMP_SIGNAL) or DUMP_SIGNAL)
         _state.dump_file = open_stack_file(Path(status))
         if _state.dump_file is not None:
@@ -201,6 +203,13 @@ def script_started() -> float | None:
     except (OSError, ValueError, IndexError, AttributeError):
         return None
     return time.time() - max(0.0, age)
+
+
+def step_entered() -> None:
+    """The next step begins (the step boundary returned): kept for the hang report
+    (worker/progress.py). A script that sends its own step heartbeats may call it at the top
+    of each step."""
+    progress.entered()
 
 
 def should_stop() -> bool:
@@ -287,6 +296,7 @@ def heartbeat(
         return
     now = _clock()
     if event == "step" and step is not None:
+        progress.left(step)  # before the throttle: the hang report needs every step
         if s.last_step_time is not None and s.steps >= MAX_INTERVAL_WARMUP_STEPS:
             interval = now - s.last_step_time
             s.max_interval = interval if s.max_interval is None else max(s.max_interval, interval)

@@ -10,7 +10,8 @@ writes nothing but the report; safe beside a live supervisor. Sources:
 - degradations: `degrade` events, at the step of the failure that caused them;
 - checkpoints: committed `checkpoint-<step>` dirs now on disk (step and the manifest's commit
   time), plus `skipped_checkpoint` events and dirs whose manifest does not load (bad ones);
-- attempts: `launch` / `exit` / `classification` / `decision` events per attempt number;
+- attempts: `launch` / `exit` / `classification` / `decision` events per attempt number, and
+  at a hang its `stuck_ranks` event (which rank is behind, where each rank is);
 - time lost to failures: `recovery` events per failure kind (count, each phase's total and
   mean, steps run again, seconds lost);
 - stragglers: `straggler` events (a rank slower than the others, and its node);
@@ -71,6 +72,10 @@ class AttemptRow:
     """The failure kind, or finished / stopped / running / unknown."""
     reason: str = ""
     decision: str = ""
+    stuck: str = ""
+    """At a hang: which rank is behind and where the ranks are (the `stuck_ranks` summary)."""
+    behind: list[int] = field(default_factory=list)
+    """At a hang: the ranks the others waited for."""
 
 
 @dataclass(kw_only=True)
@@ -134,6 +139,9 @@ def _row(a: AttemptRecord) -> AttemptRow:
     if a.classification is not None:
         row.outcome = failure_kind(a.classification)
         row.reason = str(a.classification.get("reason") or "")
+    if a.stuck is not None:
+        row.stuck = str(a.stuck.get("summary") or "")
+        row.behind = [r for r in a.stuck.get("behind") or [] if isinstance(r, int)]
     if a.decision is not None:
         action = str(a.decision.get("action") or "")
         row.decision = f"{action}: {a.decision.get('reason', '')}".strip(": ")

@@ -48,6 +48,13 @@ def _chip(kind: str) -> str:
     return f'<span class="chip" style="background:{color}">{_esc(kind)}</span>'
 
 
+def _stuck(a: AttemptRow) -> str:
+    """At a hang, the stuck-rank summary on a line of its own (unless the reason holds it)."""
+    if not a.stuck or a.stuck in a.reason:
+        return ""
+    return f'<div class="stuck">{_esc(a.stuck)}</div>'
+
+
 def _row(a: AttemptRow) -> str:
     end = ("-" if a.returncode is None and a.signal is None
            else f"signal {a.signal}" if a.signal else f"exit {a.returncode}")
@@ -57,7 +64,7 @@ def _row(a: AttemptRow) -> str:
              a.resume_from or "fresh", f"{a.level}: {settings}",
              "-" if a.last_step is None else f"{a.last_step:,}", end]
     return ("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells)
-            + f"<td>{_chip(a.outcome)}</td><td>{_esc(a.reason or '-')}</td>"
+            + f"<td>{_chip(a.outcome)}</td><td>{_esc(a.reason or '-')}{_stuck(a)}</td>"
             + f"<td>{_esc(a.decision or '-')}</td></tr>")
 
 

@@ -79,6 +79,9 @@ class RunSummary:
     """Seconds since the last heartbeat_summary event."""
     last_failure: dict[str, Any] | None = None
     """The last classification event: attempt, kind, reason."""
+    stuck: dict[str, Any] | None = None
+    """The last hang's `stuck_ranks` event: attempt, summary (which rank is behind and where
+    each rank is), behind (ranks), flight_recorder (the NCCL dumps kept)."""
     last_decision: dict[str, Any] | None = None
     """The last decision event: attempt, action, reason, backoff_s."""
     forgiven: int = 0
@@ -251,6 +254,8 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
         s.last_failure = {"attempt": last_failure.get("attempt"),
                           "kind": failure_kind(last_failure),
                           "reason": last_failure.get("reason", "")}
+    s.stuck = _pick(timeline.last(Kind.STUCK_RANKS), "attempt", "summary", "behind",
+                    "flight_recorder")
     s.last_decision = _pick(timeline.last(Kind.DECISION), "attempt", "action", "reason",
                             "backoff_s")
     if timeline.mirror is not None:
@@ -459,6 +464,10 @@ def render_text(s: RunSummary) -> str:
         rows.append(("last recovery", recovery.describe(r) + more))
     if f := s.last_failure:
         rows.append(("last failure", f"attempt {f['attempt']}: {f['kind']}: {f['reason']}"))
+    if st := s.stuck:
+        dumps = st.get("flight_recorder") or []
+        more = f" ({len(dumps)} NCCL flight recorder dump(s) kept)" if dumps else ""
+        rows.append(("stuck ranks", f"attempt {st.get('attempt')}: {st.get('summary')}{more}"))
     if d := s.last_decision:
         wait = f" (backoff {d['backoff_s']:.3g} s)" if finite(d.get("backoff_s")) \
             and d["backoff_s"] else ""

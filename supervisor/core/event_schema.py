@@ -22,6 +22,7 @@ class Kind(str, Enum):
     SIGNAL = "signal"
     EXIT = "exit"
     CLASSIFICATION = "classification"
+    STUCK_RANKS = "stuck_ranks"
     DECISION = "decision"
     DEGRADE = "degrade"
     GIVE_UP = "give_up"
@@ -111,6 +112,11 @@ KINDS: dict[Kind, KindSpec] = {
                 "gpu_used_peak", "gpu_total", "leftovers"),
         optional=("stop_s", "save_s", "step_s", "exited_at", "hang_at", "reported_at"),
         meaning="an attempt ended"),
+    Kind.STUCK_RANKS: KindSpec(
+        fields=("attempt", "summary", "behind", "ranks", "flight_recorder"),
+        meaning="at a hang: which ranks are behind and where each rank is (its step, phase, "
+                "code location, the collective it waits in), and the NCCL flight recorder's "
+                "dumps kept in the attempt dir"),
     Kind.CLASSIFICATION: KindSpec(fields=("attempt", "failure", "reason"),
                                   meaning="what a failed attempt's failure was"),
     Kind.DECISION: KindSpec(

@@ -1,7 +1,8 @@
 """The wire between worker and supervisor (contract 1 and 2), torch-free and shared by both.
 
 - `RTRAIN_STATUS` is the attempt directory `<run-dir>/attempts/<n>/`. The worker writes its exit
-  record there (`exit-rank<R>.json`) and, on `RTRAIN_DUMP_SIGNAL`, its Python stacks
+  record there (`exit-rank<R>.json`), keeps its progress board there (`progress-rank<R>.bin`,
+  core/progress_board.py) and, on `RTRAIN_DUMP_SIGNAL`, writes its Python stacks there
   (`stacks-<pid>.txt`, via faulthandler).
 - `RTRAIN_HEARTBEAT` names a unix datagram socket the supervisor listens on ("@name" for the
   Linux abstract namespace, which has no path-length limit). Each datagram is one JSON heartbeat.

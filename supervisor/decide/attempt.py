@@ -7,7 +7,8 @@ failure (classify.py), stops offering a checkpoint the worker could not load, co
 attempt's progress and decides (policy.py), and returns the decision with what to record, in
 the order a reader of events.jsonl expects:
 
-    wall_clock_stop? signal* exit heartbeat_summary? device_failed? classification?
+    wall_clock_stop? signal* exit heartbeat_summary? stuck_ranks? device_failed?
+    classification?
     skipped_checkpoint? failure_rate? quarantine? decision degrade?
 
 Each record is an `Event` for events.jsonl or a `Say`, a line for the terminal; the loop writes
@@ -150,6 +151,11 @@ def record_end(out: Records, attempt: int, seen: Observation, ev: Evidence, dura
         out.emit("heartbeat_summary", attempt=attempt, step=hs.last_step, loss=hs.last_loss,
                  samples_per_s=hs.samples_per_s, rss_bytes=ev.peak_rss_bytes,
                  gpu_used=ev.gpu_mem_used_peak, gpu_total=ev.gpu_mem_total)
+    if seen.stuck or seen.flight_dumps:
+        stuck = seen.stuck or {}
+        out.emit("stuck_ranks", attempt=attempt, summary=stuck.get("summary", ""),
+                 behind=stuck.get("behind", []), ranks=stuck.get("ranks", []),
+                 flight_recorder=list(seen.flight_dumps))
     if seen.failed_devices:
         out.emit("device_failed", attempt=attempt, detail=seen.failed_detail,
                  devices=list(seen.failed_devices), **({"slurm": slurm} if slurm else {}))

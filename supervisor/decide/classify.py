@@ -192,8 +192,9 @@ def _hang(c: _Case) -> _Found:
         return None
     how = (f"; it then committed a checkpoint and exited ({c.how})"
            if c.ev.returncode == ExitCode.PREEMPTED else f" ({c.how})")
+    stuck = f"; {c.ev.stuck_summary}" if c.ev.stuck_summary else ""
     return FailureKind.HANG, (f"no progress: {c.ev.hang_detail or 'silent too long'}; "
-                              f"stopped by rtrain{how}")
+                              f"stopped by rtrain{how}{stuck}")
 
 
 def _lost_device(c: _Case) -> _Found:

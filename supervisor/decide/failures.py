@@ -52,6 +52,7 @@ class Evidence:
     hang: bool = False  # the watcher stopped it for silence
     hang_detail: str = ""
     hang_at: float | None = None  # unix time the hang was detected (before stacks are dumped)
+    stuck_summary: str = ""  # which rank is stuck and where (stuck/decide.py), at a hang
     # the signal name that reached the supervisor, or the deadline's name ("the job's time
     # limit": the watch's stop_at), if any
     stop_requested: str | None = None

@@ -33,6 +33,9 @@ class Heartbeats:
     longest_save_s: float | None = None  # save_begin to save_end, by the worker's clock
     exception_at: float | None = None  # the first `exception` heartbeat's time (worker's clock)
     save_began: Mapping[int, float] = field(default_factory=dict)  # rank -> its save_begin
+    # rank -> (pid, last step it named): matches a rank to its stack dump at a hang
+    ranks: Mapping[int, tuple[int, int | None]] = field(default_factory=dict)
+    world: int | None = None  # the group's size, as the ranks report it (torchrun)
 
     def add(self, hb: Heartbeat) -> Heartbeats:
         """These heartbeats and `hb`."""
@@ -48,6 +51,12 @@ class Heartbeats:
             new["exception_at"] = hb.time
         if hb.step is not None:
             new["last_step"] = hb.step
+        known = self.ranks.get(hb.rank)
+        if known is None or known[0] != hb.pid or (hb.step is not None and hb.event == "step"):
+            step = hb.step if hb.event == "step" else (known[1] if known else None)
+            new["ranks"] = {**self.ranks, hb.rank: (hb.pid, step)}
+        if hb.world is not None:
+            new["world"] = hb.world
         for name in ("loss", "samples_per_s", "max_step_interval", "settings"):
             value = getattr(hb, name)
             if value is not None:
@@ -84,6 +93,10 @@ class Observation:
     hang: bool = False  # the watch stopped it for silence
     hang_detail: str = ""
     hang_at: float | None = None  # unix time the hang was detected (before stacks are dumped)
+    # At a hang: which rank is stuck and where (stuck/decide.py StuckReport.to_dict()), and the
+    # NCCL flight recorder's dumps collected into the attempt dir (stuck/flight.py).
+    stuck: Mapping[str, Any] | None = None
+    flight_dumps: tuple[str, ...] = ()
     # the signal name that reached the supervisor, or the deadline's name ("the job's time
     # limit": the watch's stop_at), if any
     stop_requested: str | None = None
@@ -120,5 +133,6 @@ def evidence(seen: Observation) -> Evidence:
         gpu_lost=seen.gpu_lost or bool(seen.failed_devices),
         gpu_detail="; ".join(filter(None, [seen.gpu_detail, seen.failed_detail])),
         hang=seen.hang, hang_detail=seen.hang_detail, hang_at=seen.hang_at,
+        stuck_summary=str(seen.stuck["summary"]) if seen.stuck else "",
         stop_requested=seen.stop_requested, stop_confirmed=hb.last_event == "stop",
         killed_after_grace=seen.killed_after_grace, duration_s=seen.duration_s)

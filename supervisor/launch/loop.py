@@ -64,6 +64,7 @@ from supervisor.records.recovery import RecoveryTracker
 from supervisor.records.runstate import RunStatus
 from supervisor.records.timeline import Timeline, read_timeline
 from supervisor.standby.slot import StandbySlot
+from supervisor.stuck import flight
 from supervisor.timelimit.decide import WallPlan, measured
 from supervisor.timelimit.planner import WHY as WALL_CLOCK
 from supervisor.timelimit.planner import WallClock
@@ -273,6 +274,7 @@ class Loop:
                                     dump_signal=self.watch_cfg.dump_signal,
                                     relieve_signal=self.watch_cfg.relieve_signal,
                                     file_mode=self.cfg.file_mode)
+        env.update(flight.environment(env, plan.attempt_dir, gpu=self.gpu.available))
         child_env.fence_earlier_writers(env, self.ckpt_dir, self.say)
         self.hb.drain()  # stale heartbeats of the previous attempt
         level = self.record.state.history.level

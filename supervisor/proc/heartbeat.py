@@ -180,13 +180,19 @@ class HangClock:
         if self.save_started is not None and deadline > (self.last_heartbeat or 0) + allowed:
             return f"checkpoint save still running after {now - self.save_started:.1f} s"
         ref = self.last_activity if self.last_heartbeat is None else self.last_heartbeat
-        return f"{why} for {now - ref:.1f} s (timeout {allowed:.1f} s){self._silent_rank()}"
+        return (f"{why} for {now - ref:.1f} s (timeout {allowed:.1f} s)"
+                f"{self._silent_rank(allowed)}")
 
-    def _silent_rank(self) -> str:
-        """Which rank has been silent longest, when several report."""
+    def _silent_rank(self, allowed: float) -> str:
+        """Which rank has been silent longest, when several report and the others went on
+        sending for at least half the timeout after it. Ranks that all stopped within a step
+        of each other (one stuck, the others waiting for it in a collective) are told apart by
+        the stuck-rank report (stuck/decide.py), not by which throttled heartbeat came last."""
         if len(self.rank_last) < 2:
             return ""
         rank = min(self.rank_last, key=lambda r: self.rank_last[r])
+        if max(self.rank_last.values()) - self.rank_last[rank] < allowed / 2:
+            return ""
         return f"; rank {rank} silent longest"
 
 

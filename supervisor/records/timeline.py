@@ -60,6 +60,8 @@ class AttemptRecord:
     exit: Event | None = None
     classification: Event | None = None
     decision: Event | None = None
+    stuck: Event | None = None
+    """At a hang: its `stuck_ranks` event (which rank is behind, where each rank is)."""
     last_step: int | None = None
     """Newest step its `heartbeat_summary` or `exit` events name."""
 
@@ -239,6 +241,8 @@ class Timeline:
             record.classification = event
         elif kind == Kind.DECISION:
             record.decision = event
+        elif kind == Kind.STUCK_RANKS:
+            record.stuck = event
 
     def last(self, *kinds: Kind) -> Event | None:
         """The last event of any of `kinds`."""

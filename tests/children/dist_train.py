@@ -2,7 +2,7 @@
 
 usage: dist_train.py OUT_PREFIX TOTAL_STEPS [--fsdp] [--every N] [--die-at S --die-rank R]
                      [--workers W] [--step-sleep S] [--slow-rank R --slow-sleep S]
-                     [--jitter J]
+                     [--jitter J] [--scripted-flight-recorder]
 Writes OUT_PREFIX-rank<R>.pt (the rank's local model/optimizer state and RNG) at the end.
 --die-at: in attempt 0, rank R writes an exit record and SIGKILLs itself after step S.
 --workers: each rank loads its share through a DistributedResumableSampler and a DataLoader with
@@ -13,12 +13,16 @@ stop test counts lost steps with).
 --slow-rank/--slow-sleep: rank R sleeps S seconds per step instead (a straggler), after its
 optimizer step, so the others wait for it at the step boundary. --jitter J: each sleep varies by
 up to +-J of itself, at random per step (ranks that differ by noise).
+--scripted-flight-recorder: each rank serves an NCCL flight recorder dump pipe as PyTorch does
+on a GPU (TORCH_NCCL_DEBUG_INFO_PIPE_FILE, TORCH_NCCL_DEBUG_INFO_TEMP_FILE).
+RTRAIN_FAULTS=hang_forward@step=N,rank=R hangs rank R inside its forward of step N.
 """
 
 import argparse
 import os
 import random
 import signal
+import threading
 import time
 
 import numpy as np
@@ -28,6 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import worker
+from worker import faults
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -42,10 +47,30 @@ p.add_argument("--step-sleep", "--sleep", dest="step_sleep", type=float, default
 p.add_argument("--slow-rank", type=int, default=-1)
 p.add_argument("--slow-sleep", type=float, default=0.0)
 p.add_argument("--jitter", type=float, default=0.0)
+p.add_argument("--scripted-flight-recorder", action="store_true")
 args = p.parse_args()
+
+
+def scripted_flight_recorder(rank):
+    """What ProcessGroupNCCL's monitor does with TORCH_NCCL_DEBUG_INFO_PIPE_FILE (gloo has no
+    flight recorder): read `<pipe prefix><rank>.pipe`; on a write, dump the trace to
+    `<TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank>`."""
+    pipe = os.environ["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] + f"{rank}.pipe"
+    os.mkfifo(pipe)
+
+    def serve():
+        with open(pipe, "rb") as f:
+            if f.read(1):
+                with open(os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] + str(rank), "wb") as out:
+                    out.write(f"scripted trace of rank {rank}".encode())
+
+    threading.Thread(target=serve, daemon=True).start()
+
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
+if args.scripted_flight_recorder:
+    scripted_flight_recorder(rank)
 attempt = int(os.environ.get("RTRAIN_ATTEMPT", "0"))
 pause = args.slow_sleep if rank == args.slow_rank else args.step_sleep
 jitter = random.Random(f"jitter-{rank}")  # apart from the training's own generators
@@ -66,6 +91,14 @@ else:
 torch.manual_seed(1000 + rank)
 random.seed(rank)
 np.random.seed(rank)
+
+
+def forward_hook(module, inputs):
+    # RTRAIN_FAULTS=hang_forward@step=N,rank=R hangs this rank here, inside its forward.
+    faults.in_step(step=step + 1)
+
+
+model.register_forward_pre_hook(forward_hook)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
 if args.workers < 0:
