@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -349,3 +350,16 @@ def write_events(run_dir: Path, events: list[tuple[str, dict[str, Any]]]) -> Non
         for kind, fields in events:
             log.emit(kind, **fields)
 
+
+def fake_scontrol(bin_dir: Path, log: Path) -> None:
+    """A stand-in for scontrol that logs its arguments and answers `show job`."""
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+case "$1" in
+  show) echo "JobId=4242 JobName=t JobState=RUNNING ExcNodeList=gpu-node-2 NodeList=gpu-node-7";;
+esac
+exit 0
+""")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import socket
-import stat
 import subprocess
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from harness import (
     CHILDREN,
     child_env,
     events,
+    fake_scontrol,
     invoke_rtrain,
     launch,
     launch_cmd,
@@ -84,20 +84,6 @@ def test_ranks_that_differ_by_noise_are_not_reported(tmp_path):
     assert events(run, "straggler") == []
     assert events(run, "finished")
     assert not (tmp_path / "hook.jsonl").exists()
-
-
-def fake_scontrol(bin_dir: Path, log: Path) -> None:
-    """A stand-in for scontrol that logs its arguments and answers `show job`."""
-    bin_dir.mkdir()
-    script = bin_dir / "scontrol"
-    script.write_text(f"""#!/bin/sh
-echo "$*" >> {log}
-case "$1" in
-  show) echo "JobId=4242 JobName=t JobState=RUNNING ExcNodeList=gpu-node-2 NodeList=gpu-node-7";;
-esac
-exit 0
-""")
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
 
 
 @pytest.mark.slow

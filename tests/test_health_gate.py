@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 
 import pytest
-from harness import CHILDREN, REPO
+from harness import CHILDREN, REPO, fake_scontrol
 
 from supervisor.config import load_config
 from supervisor.launch.loop import LaunchSpec, Seams, child_command, launch
@@ -75,20 +74,6 @@ def test_healthy_devices_leave_a_crash_a_crash(tmp_path, monkeypatch):
     assert code == 0 and reader.health_calls == 1
     assert [e["failure"] for e in events if e["kind"] == "classification"] == ["crash"]
     assert not [e for e in events if e["kind"] == "device_failed"]
-
-
-def fake_scontrol(bin_dir: Path, log: Path) -> None:
-    """A stand-in for scontrol that logs its arguments and answers `show job`."""
-    bin_dir.mkdir()
-    script = bin_dir / "scontrol"
-    script.write_text(f"""#!/bin/sh
-echo "$*" >> {log}
-case "$1" in
-  show) echo "JobId=4242 JobName=t JobState=RUNNING ExcNodeList=gpu-node-2 NodeList=gpu-node-7";;
-esac
-exit 0
-""")
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
 
 
 @pytest.mark.slow
