@@ -216,36 +216,14 @@ def as_group(cls: type, value: Any, name: str) -> Any:
 GROUPS = (Every, Keep, Saving, Restoring)
 
 
-def fields_documented(cls: type) -> dict[str, str]:
-    """The "Attributes:" section of an option class's docstring: name -> its text."""
-    doc = inspect.getdoc(cls) or ""
-    if "Attributes:\n" not in doc:
-        return {}
-    entries: dict[str, str] = {}
-    name = None
-    for line in doc.split("Attributes:\n", 1)[1].splitlines():
-        if line.startswith("    ") and not line.startswith("        ") and ":" in line:
-            name, text = line.strip().split(":", 1)
-            entries[name] = text.strip()
-        elif line.startswith("        ") and name is not None:
-            entries[name] += " " + line.strip()
-        elif line.strip():
-            break
-    return entries
-
-
 def reference() -> str:
     """The option groups' docstrings, one after another: appended to the Checkpointer's."""
     parts = []
     for cls in GROUPS:
-        fields = ", ".join(f"{f.name}={_default(f)}" for f in dataclasses.fields(cls))
+        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
         parts.append(f"{cls.__name__}({fields})\n    " +
                      (inspect.getdoc(cls) or "").replace("\n", "\n    "))
     return "\n\n".join(parts)
-
-
-def _default(f: dataclasses.Field) -> str:
-    return repr(f.default)
 
 
 def _is_int(value: Any) -> bool:
