@@ -41,6 +41,7 @@ from worker import (
 from worker.async_write import BackgroundSave
 from worker.cadence import FIRST_SAVE_S, CadenceBounds
 from worker.capture import Components, FrozenBase, Moving, capture, environment, moving, number
+from worker.memory_tier import MemoryTier
 from worker.options import Every, Keep, Restoring, Saving
 from worker.retention import Retention
 from worker.save_clock import SaveClock
@@ -152,6 +153,9 @@ class Checkpointer:
         mode = self.saving.async_mode
         self._bg = BackgroundSave("auto" if mode == "off" else mode, self._write, self._target,
                                   self._child_saved)
+        self._memory = MemoryTier.open(self.saving.memory, distributed=dist.world() is not None,
+                                       key=self.key, encryption=self.encryption, model=model,
+                                       optimizer=optimizer)
         self._watch = (failsave.Watch(model, optimizer, scheduler, scaler)
                        if self.saving.on_failure else None)
         self._boundary: _Boundary | None = None
@@ -188,6 +192,8 @@ class Checkpointer:
         from_supervisor = path is None and bool(os.environ.get(ENV_RESUME_FROM))
         began = time.monotonic()  # the load's cost goes to the supervisor (restore_s)
         self._boundary = None  # the state is replaced: what was kept no longer describes it
+        if self._memory is not None:
+            self._memory.wait()  # a snapshot reading the state finishes before it is replaced
         parts = self._parts()
         r = self.restoring
         source = restore.Source(self.ckpt_dir, r.level, self.key, r.allow_resize,
@@ -255,6 +261,9 @@ class Checkpointer:
             runtime.boundary_wait(time.monotonic() - began)
         if stop or due:
             path = self.save(step, metrics=metrics, extra=extra)
+        elif self._memory is not None and self._memory.due(step):
+            self._memory.snapshot(capture(self._parts(), step, self._epoch_now(), self._lr_scale,
+                                          metrics or {}, extra or {}))
         if stop and self.exit_on_stop:
             self.close()
             log.info("stop requested: checkpoint at step %d committed, exiting %d", step,
@@ -331,6 +340,8 @@ class Checkpointer:
         if self._check is not None:
             self._check.finish()
         self._bg.wait()
+        if self._memory is not None:
+            self._memory.close()
         if self._watch is not None:
             self._watch.close()
             self._watch = None

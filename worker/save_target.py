@@ -75,9 +75,12 @@ class SaveTarget:
         runtime.heartbeat(step=step, event="save_skipped", reason=reason)
 
 
-def write_local(target: SaveTarget, cap: Capture) -> Path | None:
+def write_local(target: SaveTarget, cap: Capture,
+                tensors_read: Callable[[], None] | None = None) -> Path | None:
     """Write and commit `cap` (one process). Returns the committed path, or None when a
-    storage error skipped the save; nothing is left behind either way."""
+    storage error skipped the save; nothing is left behind either way. `tensors_read` is
+    called once every tensor is written (and hashed): the live state may change from then on
+    (the memory tier's overlapped snapshot, worker/memory_tier.py)."""
     pending = None
     try:
         pending = PendingCheckpoint(target.ckpt_dir, cap.step, fsync=target.fsync,
@@ -87,6 +90,8 @@ def write_local(target: SaveTarget, cap: Capture) -> Path | None:
             blobs = [to_blob(n, t) for n, t in cap.tensors[stem].items()]
             pending.write_tensors(f"{stem}.safetensors", blobs)
             faults.on_save_write(cap.step)
+        if tensors_read is not None:
+            tensors_read()
         pending.write_bytes("state.json", json.dumps(cap.state_json).encode())
         return pending.commit(cap.fields, target.key)
     except OSError as e:

@@ -41,6 +41,12 @@ ENV_SAVE_COST = "RTRAIN_SAVE_COST"
 # step (worker/resume_check.py).
 ENV_CHECK_RESUME = "RTRAIN_CHECK_RESUME"
 ENV_RELIEVE_SIGNAL = "RTRAIN_RELIEVE_SIGNAL"
+# The memory tier's directory (supervisor/memtier/): an owner-only directory in shared memory
+# (/dev/shm) where `Saving(memory=...)` commits snapshots in the checkpoint format, which
+# rtrain persists to the checkpoint dir when the child dies and resumes from without a disk read.
+# A file `dropped` in it says rtrain dropped the tier (memory pressure): no more snapshots.
+ENV_MEMORY_DIR = "RTRAIN_MEMORY_DIR"
+MEMORY_DROPPED = "dropped"
 # A FIFO the worker creates in its status dir (RTRAIN_STATUS) and reads from a thread of its
 # own: requests that must be served while the training thread is stuck (worker/hang_save.py).
 # Each request is one line, `<what> <token>`: the worker serves only those that carry
@@ -87,6 +93,7 @@ class Heartbeat:
     `reason` says how many were saved), `control_refused` (requests on the control FIFO without
     the attempt's token were refused: `reason` says how many), `cadence` (with `cadence`: the
     save interval `every="auto"` chose, worker/cadence.py), `backoff` (with `settings`),
+    `snapshot` (with `snapshot`: the memory tier started, changed its interval or stopped),
     `relieved` (after a relieve request: `reason` says what was freed, `settings` what the
     worker now uses), `exception` (with `reason`: the type of the uncaught exception ending the
     process, sent as it begins its way out) or `stop`. The first `start` (the worker installed)
@@ -116,6 +123,9 @@ class Heartbeat:
     step_s: float | None = None
     wait_s: float | None = None
     host: str | None = None  # the node this rank runs on (its hostname)
+    # `snapshot` heartbeats (the memory tier, worker/memory_tier.py): {"every", "stall_s",
+    # "write_s", "bytes"} when the tier starts or its interval changes; {"off": why} when it stops.
+    snapshot: dict[str, Any] | None = None
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
