@@ -1,0 +1,61 @@
+"""The memory tier under `rtrain launch`, with real processes: a training process that dies
+abruptly (os._exit: no save, no exception hook, like SIGKILL) mid-snapshot loses at most the
+step being snapshotted; rtrain commits the newest complete snapshot to the checkpoint dir
+before the relaunch, which reads it from memory; the run ends bitwise-identical to an
+uninterrupted one, and the shared-memory directory is gone when the launch ends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from harness import CHILDREN, child_env, events, launch
+from references import cached
+
+from supervisor.ckpt.layout import list_checkpoints
+from supervisor.memtier import shmdir
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(CHILDREN / "train_bitwise.py")
+
+
+def _reference(steps: int) -> dict:
+    def make(out):
+        subprocess.run([sys.executable, SCRIPT, str(out / "ckpt"), str(out / "final.pt"),
+                        str(steps), "0"], env=child_env(), check=True, capture_output=True,
+                       timeout=120)
+
+    return torch.load(cached("train_bitwise", {"steps": steps}, make) / "final.pt")
+
+
+def test_a_killed_process_resumes_from_its_last_snapshot_in_memory_bitwise(tmp_path):
+    run, out = tmp_path / "run", tmp_path / "out.pt"
+    ckpts = run / "checkpoints"
+    # Disk saves every 100 steps (never, in 14): all that survives the death is in memory.
+    r = launch(run, SCRIPT, str(ckpts), str(out), "14", "8", "--every", "100", "--memory", "1",
+               "--die-once", timeout=180)
+    assert r.returncode == 0, r.stderr
+    # The script dies right after starting the snapshot of step 8: the relaunch resumes from
+    # the newest complete snapshot, step 7 (or 8, when its writer beat the exit), committed to
+    # the checkpoint dir first and read from memory: at most one step lost.
+    persisted = events(run, "snapshot_persisted")
+    launches = events(run, "launch")
+    assert all(e["why"] == "attempt ended" for e in persisted)
+    assert next(e["step"] for e in persisted) in (7, 8)
+    assert [e["step"] for e in persisted][-1] == 14  # the end: no disk save came after it
+    assert len(launches) >= 2 and all(e.get("tier") == "memory" for e in launches[1:])
+    resumed = [int(e["resume_from"].rsplit("-", 1)[1]) for e in launches[1:]]
+    assert len(resumed) == 1 and resumed[0] in (7, 8)
+    assert all(e["resume_from"].startswith(str(shmdir.path_for(ckpts).parent))
+               for e in launches[1:])
+    [tier] = [e for e in events(run, "memory_tier") if e["attempt"] == 0]
+    assert tier["state"] == "on" and tier["every"] == 1
+    final, ref = torch.load(out), _reference(14)
+    assert final["step"] == 14
+    for k, v in ref["model"].items():
+        assert torch.equal(final["model"][k], v), k
+    assert not shmdir.path_for(ckpts).exists()  # removed when the launch ended
+    assert next(s for s, _ in list_checkpoints(ckpts)) == 14
