@@ -12,8 +12,10 @@ The stall. A snapshot is taken at a step boundary. The small parts that change d
 extras) are copied at once; the parameters and the optimizer state change only inside
 `optimizer.step()`, so with `overlap` a thread writes them into shared memory while the next
 step's forward and backward run, and a pre-hook on the optimizer's `step()` waits until they
-are read. The stall is the capture plus what the copy does not hide. The file hashes are taken
-from the bytes as they are written, so they describe the boundary's state.
+are copied. The stall is the capture plus what the copy does not hide. The files are hashed
+after that, from the copy in shared memory (private to this run, and written once), so the
+manifest describes the boundary's state and the hashing costs the training nothing. An
+encrypted snapshot is hashed as it is encrypted, in the one pass.
 
 Double buffering. A snapshot is written into a temp dir and renamed into place; the one before
 is removed only after the newer one committed, so a process killed mid-snapshot leaves the
@@ -31,6 +33,7 @@ and training goes on: the disk tier is untouched.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -41,12 +44,15 @@ from typing import Any
 
 import torch
 
-from supervisor.ckpt.commit import remove_dir
+from supervisor.ckpt import hashing, safetensors_io
+from supervisor.ckpt.commit import PendingCheckpoint, remove_dir
 from supervisor.ckpt.layout import list_checkpoints
+from supervisor.core.atomic_write import STORAGE_ERRNOS
 from supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
-from worker import runtime
+from worker import faults, runtime
 from worker.options import Memory
-from worker.save_target import Capture, SaveTarget, write_local
+from worker.save_target import FILES, Capture, SaveTarget
+from worker.tensors import to_blob
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +104,34 @@ def refusal(nbytes: int, budget: int, shm_free: int) -> str | None:
     return None
 
 
-class _SnapshotTarget(SaveTarget):
-    """A snapshot that meets a storage error turns the tier off instead of being reported as
-    a skipped checkpoint (the disk tier, which the run relies on, is untouched)."""
-
-    failed: str | None = None
-
-    def skip(self, step: int, reason: str) -> None:
-        self.failed = reason
+def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event) -> Path:
+    """Commit `cap` into the memory dir: every tensor copied first, `copied` set, then the
+    files hashed from the copy (unencrypted) and the manifest committed. Raises on any error,
+    leaving nothing behind but what the next snapshot's commit removes."""
+    pending = PendingCheckpoint(target.ckpt_dir, cap.step, fsync=False,
+                                hash_alg=hashing.alg_for(target.key),
+                                encryption=target.encryption)
+    try:
+        later = []
+        for stem in FILES:
+            name = f"{stem}.safetensors"
+            blobs = [to_blob(n, t) for n, t in cap.tensors[stem].items()]
+            if target.encryption is not None:
+                pending.write_tensors(name, blobs)  # encrypted and hashed in one pass
+                continue
+            safetensors_io.write_file(pending.tmp / name, blobs, fsync=False, hash_alg=None)
+            faults.on_save_write(cap.step)  # chaos: a death between two files of a snapshot
+            later.append((name, {b.name: [b.dtype, list(b.shape)] for b in blobs}))
+        copied.set()  # the live state may change from here on
+        for name, listed in later:
+            path = pending.tmp / name
+            pending.add_file(name, path.stat().st_size,
+                             hashing.hash_file(path, pending.hash_alg), listed)
+        pending.write_bytes("state.json", json.dumps(cap.state_json).encode())
+        return pending.commit(cap.fields, target.key)
+    except BaseException:
+        pending.abort()
+        raise
 
 
 class MemoryTier:
@@ -115,8 +141,7 @@ class MemoryTier:
                  model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
         self.opts, self.dir = opts, directory
         self.model, self.optimizer = model, optimizer
-        self.target = _SnapshotTarget(directory, False, key, lambda n: None,
-                                      encryption=encryption)
+        self.target = SaveTarget(directory, False, key, lambda n: None, encryption=encryption)
         self.overlap = opts.overlap and optimizer is not None
         self.every = opts.every if isinstance(opts.every, int) else 1
         self.off: str | None = None
@@ -219,18 +244,17 @@ class MemoryTier:
     def _write(self, cap: Capture) -> None:
         t0 = time.monotonic()
         try:
-            path = write_local(self.target, cap, tensors_read=self._read.set)
-        except BaseException as e:  # a failed snapshot costs the tier, never the training
-            self._read.set()
+            path = write_snapshot(self.target, cap, self._read)
+        except OSError as e:  # a failed snapshot costs the tier, never the training
+            why = os.strerror(e.errno) if e.errno in STORAGE_ERRNOS else f"{e}"
+            self.stop(f"the snapshot of step {cap.step} could not be written: {why}", cap.step)
+            return
+        except BaseException as e:
             self.stop(f"the snapshot of step {cap.step} failed: {type(e).__name__}: {e}",
                       cap.step)
             return
         finally:
             self._read.set()
-        if path is None:
-            self.stop(f"the snapshot of step {cap.step} could not be written: "
-                      f"{self.target.failed}", cap.step)
-            return
         self.write_s = time.monotonic() - t0
         self.last_step = cap.step
         for _, older in list_checkpoints(self.dir):

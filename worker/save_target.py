@@ -75,12 +75,9 @@ class SaveTarget:
         runtime.heartbeat(step=step, event="save_skipped", reason=reason)
 
 
-def write_local(target: SaveTarget, cap: Capture,
-                tensors_read: Callable[[], None] | None = None) -> Path | None:
+def write_local(target: SaveTarget, cap: Capture) -> Path | None:
     """Write and commit `cap` (one process). Returns the committed path, or None when a
-    storage error skipped the save; nothing is left behind either way. `tensors_read` is
-    called once every tensor is written (and hashed): the live state may change from then on
-    (the memory tier's overlapped snapshot, worker/memory_tier.py)."""
+    storage error skipped the save; nothing is left behind either way."""
     pending = None
     try:
         pending = PendingCheckpoint(target.ckpt_dir, cap.step, fsync=target.fsync,
@@ -90,8 +87,6 @@ def write_local(target: SaveTarget, cap: Capture,
             blobs = [to_blob(n, t) for n, t in cap.tensors[stem].items()]
             pending.write_tensors(f"{stem}.safetensors", blobs)
             faults.on_save_write(cap.step)
-        if tensors_read is not None:
-            tensors_read()
         pending.write_bytes("state.json", json.dumps(cap.state_json).encode())
         return pending.commit(cap.fields, target.key)
     except OSError as e:
