@@ -6,12 +6,13 @@ uninterrupted one, and the shared-memory directory is gone when the launch ends.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from harness import CHILDREN, child_env, events, launch
+from harness import CHILDREN, child_env, events, invoke_rtrain, launch
 from references import cached
 
 from supervisor.ckpt.layout import list_checkpoints
@@ -35,8 +36,9 @@ def test_a_killed_process_resumes_from_its_last_snapshot_in_memory_bitwise(tmp_p
     run, out = tmp_path / "run", tmp_path / "out.pt"
     ckpts = run / "checkpoints"
     # Disk saves every 100 steps (never, in 14): all that survives the death is in memory.
-    r = launch(run, SCRIPT, str(ckpts), str(out), "14", "8", "--every", "100", "--memory", "1",
-               "--die-once", timeout=180)
+    metrics = tmp_path / "rtrain.prom"
+    r = launch(run, "--metrics-file", str(metrics), SCRIPT, str(ckpts), str(out), "14", "8",
+               "--every", "100", "--memory", "1", "--die-once", timeout=180)
     assert r.returncode == 0, r.stderr
     # The script dies right after starting the snapshot of step 8: the relaunch resumes from
     # the newest complete snapshot, step 7 (or 8, when its writer beat the exit), committed to
@@ -59,3 +61,19 @@ def test_a_killed_process_resumes_from_its_last_snapshot_in_memory_bitwise(tmp_p
         assert torch.equal(final["model"][k], v), k
     assert not shmdir.path_for(ckpts).exists()  # removed when the launch ended
     assert next(s for s, _ in list_checkpoints(ckpts)) == 14
+
+    # Visible where people look: status, the report, the metrics.
+    st = invoke_rtrain("status", "--json", str(run))
+    assert st.returncode == 0, st.stderr
+    tier = json.loads(st.stdout)["memory_tier"]
+    assert tier["state"] == "on" and tier["every"] == 1
+    assert tier["persisted"] == len(persisted) and tier["resumes"] == {"memory": 1}
+    text = invoke_rtrain("status", str(run)).stdout
+    [row] = [line for line in text.splitlines() if line.strip().startswith("memory tier:")]
+    assert "a snapshot every 1 step(s)" in row and "resumes read from memory 1" in row
+    assert invoke_rtrain("report", str(run), "-o", str(tmp_path / "r.html")).returncode == 0
+    assert "(from memory)" in (tmp_path / "r.html").read_text()
+    prom = metrics.read_text()
+    assert f'rtrain_snapshots_persisted_total{{run_dir="{run.resolve()}"}} {len(persisted)}' \
+        in prom
+    assert 'tier="memory"} 1' in prom and "rtrain_memory_tier_every_steps" in prom
