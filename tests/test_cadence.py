@@ -3,12 +3,20 @@ it, the supervisor's failure record (timeline, child env) and what `rtrain statu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import random
 import re
+import signal
+import subprocess
 import sys
+import threading
+import time
+from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 
 from supervisor.commands.status import render_text, summarize
@@ -322,3 +330,80 @@ def test_the_interval_shrinks_after_failures_under_rtrain(tmp_path):
     assert re.search(rf"save cadence: +every {last['every_steps']:,} step", status.stdout)
     assert "(2 failures in " in status.stdout
     assert "expected work lost per failure:" in status.stdout
+
+
+class KillAfterLaunch(threading.Thread):
+    """SIGKILLs each of the first `planned` attempts of a run a random 2-6 s after its launch,
+    but not before it finished two steps: on a loaded machine the imports alone can take 2 s,
+    and a kill before the first steps leaves nothing any cadence could have saved."""
+
+    def __init__(self, run_dir: Path, log: Path, planned: int, seed: int) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.log, self.planned = run_dir, log, planned
+        self.rng = random.Random(seed)
+        self.kills: list[tuple[int, float]] = []  # (attempt, seconds after its launch)
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from chaos_util import Tail
+
+        launches, steps = Tail(self.run_dir / "events.jsonl"), Tail(self.log)
+        stepped: Counter[int] = Counter()  # steps each attempt finished
+        while not self.done.is_set() and len(self.kills) < self.planned:
+            for e in launches.read():
+                if e["kind"] != "launch":
+                    continue
+                t0, delay = time.monotonic(), self.rng.uniform(2.0, 6.0)
+                while not self.done.is_set():
+                    stepped.update(r["a"] for r in steps.read())
+                    if time.monotonic() - t0 >= delay and stepped[e["attempt"]] >= 2:
+                        break
+                    time.sleep(0.01)
+                with contextlib.suppress(psutil.Error):
+                    psutil.Process(e["pid"]).send_signal(signal.SIGKILL)
+                    self.kills.append((e["attempt"], time.monotonic() - t0))
+                if len(self.kills) >= self.planned:
+                    return
+            time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_three_kills_seconds_apart_from_a_fresh_start_do_not_end_the_run(tmp_path):
+    """every="auto" with no total_steps, SIGKILLed three times 2-6 s after each launch: the
+    first attempt saves after its first steps (measuring the save), each later one chooses a
+    short interval from the failures, every attempt resumes from a newer checkpoint than the
+    one before, and the run finishes instead of ending in "crash loop"."""
+    from harness import CHILDREN, events, launch_cmd
+    from harness import child_env as test_env
+
+    run_dir, log = tmp_path / "run", tmp_path / "steps.jsonl"
+    argv = launch_cmd(run_dir, "--", sys.executable, str(CHILDREN / "auto_plain.py"), "450",
+                      "0.02", str(log))
+    killer = KillAfterLaunch(run_dir, log, planned=3, seed=4)  # 2.9, 2.4, 3.6 s
+    killer.start()
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=test_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        killer.done.set()
+        if proc.poll() is None:
+            proc.kill()
+    give_up = [e["reason"] for e in events(run_dir, "give_up")]
+    assert proc.returncode == 0, (give_up, err[-2000:])
+    assert [a for a, _ in killer.kills] == [0, 1, 2], killer.kills
+    assert [e["attempt"] for e in events(run_dir, "exit") if e["signal"] == "SIGKILL"] == [0, 1, 2]
+    resumed = [None if e["resume_from"] is None else int(Path(e["resume_from"]).name.split("-")[1])
+               for e in events(run_dir, "launch")]
+    # Attempt 0 saved at step 2 to measure the save, then (24 h prior) not again so soon.
+    assert resumed == [None, cadence.FIRST_SAVE_STEPS, *resumed[2:]], resumed
+    first = events(run_dir, "cadence")[0]
+    assert (first["attempt"], first["step"]) == (0, cadence.FIRST_SAVE_STEPS)
+    assert first["mtbf_source"] == "prior"
+    # The later attempts chose from the kills counted so far (none of them after a save of
+    # their own: the supervisor counts kills before any save), so they saved seconds apart.
+    for e in events(run_dir, "cadence"):
+        if e["attempt"] > 0:
+            assert e["mtbf_source"].startswith(f"{e['attempt']} failure"), e
+            assert e["every_steps"] * 0.02 < 10, e
+    assert resumed[1] <= resumed[2] <= resumed[3] and resumed[1] < resumed[3], resumed

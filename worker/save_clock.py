@@ -8,9 +8,11 @@ Under `every="auto"` (`bounds` given) it also measures what worker/cadence.py ch
 from: the step time between saves, each save's stall and the recent losses; after every save it
 replaces the schedule's `every_steps` with the new choice and reports it in a `cadence`
 heartbeat. Each rank chooses for itself; saving is collective and due when any rank says so.
-A relaunch does not start from the guess of a first run: the supervisor hands it the save stall
-and step time the run last measured (RTRAIN_SAVE_COST), and the first interval is chosen from
-them and the failure record that now includes the failure just recovered from.
+Until a save is measured it saves early to measure one (`first_schedule`, cadence.first_save).
+A relaunch does not start from that guess when the run measured a save before: the supervisor
+hands it the save stall and step time the run last measured (RTRAIN_SAVE_COST), and the first
+interval is chosen from them and the failure record that now includes the failure just
+recovered from.
 """
 
 from __future__ import annotations
@@ -92,11 +94,8 @@ class SaveClock:
 
     def _choose(self, stall_s: float, step_time_s: float) -> None:
         assert self.bounds is not None
-        failures = _env_number(ENV_FAILURES)
         self.cadence = cadence.interval(
-            save_stall_s=stall_s, step_time_s=step_time_s,
-            mtbf=cadence.mtbf(None if failures is None else int(failures),
-                              _env_number(ENV_RUN_SECONDS)),
+            save_stall_s=stall_s, step_time_s=step_time_s, mtbf=run_mtbf(),
             loss_per_step=cadence.loss_trend(self._losses), bounds=self.bounds)
         self.schedule = replace(self.schedule, every_steps=self.cadence.every_steps,
                                 every_seconds=self.bounds.max_seconds)
@@ -105,6 +104,21 @@ class SaveClock:
         self.last_step = step
         self._samples = samples or 0
         self._since = None  # the first step after a restore is timed from, not the restore
+
+
+def first_schedule(bounds: cadence.CadenceBounds, on_epoch_end: bool) -> SaveSchedule:
+    """The schedule under "auto" until a save is measured: cadence.first_save, from the
+    failures the supervisor passed in."""
+    first = cadence.first_save(bounds, run_mtbf())
+    return SaveSchedule(every_steps=first.every_steps, every_seconds=first.every_seconds,
+                        on_epoch_end=on_epoch_end)
+
+
+def run_mtbf() -> cadence.Mtbf:
+    """The run's MTBF from the failure record the supervisor passed in (the prior without)."""
+    failures = _env_number(ENV_FAILURES)
+    return cadence.mtbf(None if failures is None else int(failures),
+                        _env_number(ENV_RUN_SECONDS))
 
 
 def _carried_cost() -> tuple[float, float] | None:
