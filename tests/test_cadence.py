@@ -120,6 +120,48 @@ def test_more_failures_never_lengthen_the_interval():
     assert steps == sorted(steps, reverse=True) and steps[0] > steps[-1]
 
 
+# bounds, MTBF -> the first schedule before any save is measured: every_steps, seconds, reason
+FIRST = [
+    # a fresh run: step 2 (one timed step after the warm-up one), at most 10 min in
+    (CadenceBounds(), PRIOR, 2, 600.0,
+     "saving every 2 steps until a save is measured, at most 10 min apart"),
+    (CadenceBounds(min_steps=50), PRIOR, 50, 600.0,
+     "saving every 50 steps until a save is measured, at most 10 min apart; raised to "
+     "min_steps 50"),
+    (CadenceBounds(max_steps=1), PRIOR, 1, 600.0,
+     "saving every 1 step until a save is measured, at most 10 min apart; capped at "
+     "max_steps 1"),
+    (CadenceBounds(max_seconds=60.0), PRIOR, 2, 60.0,
+     "saving every 2 steps until a save is measured, at most 1 min apart"),
+    # the run went long without failing: no reason to wait longer or shorter
+    (CadenceBounds(), cadence.mtbf(0, 3 * DAY), 2, 600.0,
+     "saving every 2 steps until a save is measured, at most 10 min apart"),
+    # failures before any save: half the observed MTBF
+    (CadenceBounds(), cadence.mtbf(3, 12.0), 2, 5.0,
+     "saving every 2 steps until a save is measured, at most 5 s apart; half the MTBF 10 s "
+     "(3 failures in 12 s)"),
+    (CadenceBounds(), cadence.mtbf(2, 240.0), 2, 60.0,
+     "saving every 2 steps until a save is measured, at most 1 min apart; half the MTBF "
+     "2 min (2 failures in 4 min)"),
+    (CadenceBounds(min_steps=10), cadence.mtbf(1, 3600.0), 10, 600.0,  # rare: 10 min holds
+     "saving every 10 steps until a save is measured, at most 10 min apart; raised to "
+     "min_steps 10"),
+]
+
+
+@pytest.mark.parametrize("bounds, mtbf, steps, seconds, reason", FIRST)
+def test_first_save(bounds, mtbf, steps, seconds, reason):
+    first = cadence.first_save(bounds, mtbf)
+    assert (first.every_steps, first.every_seconds, first.reason) == (steps, seconds, reason)
+
+
+def test_more_failures_never_delay_the_first_save():
+    firsts = [cadence.first_save(CadenceBounds(), cadence.mtbf(n, 600.0)) for n in range(8)]
+    assert {f.every_steps for f in firsts} == {cadence.FIRST_SAVE_STEPS}
+    seconds = [f.every_seconds for f in firsts]
+    assert seconds == sorted(seconds, reverse=True) and seconds[0] > seconds[-1]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"min_steps": 0}, "min_steps must be at least 1"),
     ({"min_steps": 10, "max_steps": 5}, "max_steps .5. must be at least min_steps .10."),
@@ -192,6 +234,42 @@ def test_a_relaunch_chooses_its_first_interval_from_the_runs_measured_cost(monke
     assert beats[0]["cadence"]["every_steps"] == 189
     c.tick(702, loss=None, samples=None, epoch_end=False)
     assert [b.get("event") for b in beats] == ["cadence", None, None]
+
+
+def test_a_relaunch_with_no_measured_cost_saves_early_and_soon(monkeypatch):
+    """Its earlier attempts died before any save: no RTRAIN_SAVE_COST, but the failures count.
+    The first schedule saves at step 2, at most half the observed MTBF in; that save then
+    chooses from the failures."""
+    beats = []
+    monkeypatch.setattr(save_clock.runtime, "heartbeat", lambda **kw: beats.append(kw))
+    monkeypatch.setenv(protocol.ENV_FAILURES, "2")
+    monkeypatch.setenv(protocol.ENV_RUN_SECONDS, "40")
+    monkeypatch.delenv(protocol.ENV_SAVE_COST, raising=False)
+    first = save_clock.first_schedule(CadenceBounds(), on_epoch_end=True)
+    assert first == SaveSchedule(every_steps=2, every_seconds=10.0, on_epoch_end=True)
+    t = FakeClock()
+    c = save_clock.SaveClock(first, clock=t, bounds=CadenceBounds())
+    assert c.cadence is None and beats == []  # nothing measured to choose from yet
+    t.now += 0.1
+    assert not c.tick(1, loss=None, samples=None, epoch_end=False)
+    t.now += 0.1
+    assert c.tick(2, loss=None, samples=None, epoch_end=False)
+    c.save_begins(2)
+    c.save_ended(2, stall_s=0.05)
+    # sqrt(2 * 0.05 * 20) = 1.41 s = 14 steps of 0.1 s
+    assert c.cadence.mtbf_source == "2 failures in 40 s" and c.schedule.every_steps == 14
+    assert beats[-1]["event"] == "cadence" and beats[-1]["step"] == 2
+
+
+def test_a_first_step_slower_than_half_the_mtbf_is_saved_at_once(monkeypatch):
+    monkeypatch.setattr(save_clock.runtime, "heartbeat", lambda **kw: None)
+    monkeypatch.setenv(protocol.ENV_FAILURES, "4")
+    monkeypatch.setenv(protocol.ENV_RUN_SECONDS, "200")  # MTBF 50 s: save within 25 s
+    t = FakeClock()
+    c = save_clock.SaveClock(save_clock.first_schedule(CadenceBounds(), False), clock=t,
+                             bounds=CadenceBounds())
+    t.now += 30.0
+    assert c.tick(1, loss=None, samples=None, epoch_end=False)
 
 
 @pytest.mark.parametrize("value", ["", "{}", "[1, 2]", '{"save_stall_s": 0.1}',

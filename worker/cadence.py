@@ -27,16 +27,16 @@ Rules, in order:
 uniformly within it); the restart itself comes on top.
 
 Before any save of the run has been measured (a first attempt, or a relaunch of a run that never
-got to save), the rule has no C and no step time, so `first_save` saves early to measure them:
+got to save), the rule has no C and no step time, so `first_save` saves early to measure them,
 at step `FIRST_SAVE_STEPS` (2): the first step carries the warm-up (allocations, autotuning,
 compilation), so a save after the second one times a whole ordinary step and measures C at once;
-the next interval then follows the rule. It costs one stall, the same C the rule then weighs
-against the interval; measured with the test model and a 25M-parameter one (docs/design.md,
-"Save cadence"), well under the time of a step or two. Waiting instead (10 min, as this rule
-did before) is what made a run killed every few minutes from its start never checkpoint and
-end in "crash loop". `min_steps` still holds: the first save comes at
-max(FIRST_SAVE_STEPS, min_steps) (at most max_steps), and never later than `FIRST_SAVE_S`
-(10 min, a first step longer than that is worth saving at once) or `max_seconds`. Failures
+the next interval then follows the rule. It costs one stall once per run (a relaunch that
+inherits a measured cost chooses at once): about one step's time for a 25M-parameter model
+with Adam on CPU (0.59 s against a 0.62 s step; docs/design.md, "Save cadence"). Waiting
+instead (10 min, as this rule did before) is what made a run killed every few minutes from its
+start never checkpoint and end in "crash loop". `min_steps` still holds: the first save comes
+at max(FIRST_SAVE_STEPS, min_steps) (at most max_steps), and never later than `FIRST_SAVE_S`
+(10 min: a first step longer than that is worth saving at once) or `max_seconds`. Failures
 seen already (a relaunch whose earlier attempts died before their first save) shorten that
 wall-time limit to half the observed MTBF: with failures arriving at random, about 60 % of
 attempts (e^-0.5) live that long, so a run whose steps are slow still checkpoints before its
