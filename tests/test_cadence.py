@@ -236,7 +236,7 @@ def test_a_relaunch_chooses_its_first_interval_from_the_runs_measured_cost(monke
     assert [b.get("event") for b in beats] == ["cadence", None, None]
 
 
-def test_a_relaunch_with_no_measured_cost_saves_early_and_soon(monkeypatch):
+def test_a_relaunch_with_no_measured_cost_saves_early_and_soon(monkeypatch, caplog):
     """Its earlier attempts died before any save: no RTRAIN_SAVE_COST, but the failures count.
     The first schedule saves at step 2, at most half the observed MTBF in; that save then
     chooses from the failures."""
@@ -245,8 +245,11 @@ def test_a_relaunch_with_no_measured_cost_saves_early_and_soon(monkeypatch):
     monkeypatch.setenv(protocol.ENV_FAILURES, "2")
     monkeypatch.setenv(protocol.ENV_RUN_SECONDS, "40")
     monkeypatch.delenv(protocol.ENV_SAVE_COST, raising=False)
-    first = save_clock.first_schedule(CadenceBounds(), on_epoch_end=True)
+    with caplog.at_level("INFO", logger=save_clock.__name__):
+        first = save_clock.first_schedule(CadenceBounds(), on_epoch_end=True)
     assert first == SaveSchedule(every_steps=2, every_seconds=10.0, on_epoch_end=True)
+    assert ("save cadence: saving every 2 steps until a save is measured, at most 10 s apart; "
+            "half the MTBF 20 s (2 failures in 40 s)") in caplog.messages
     t = FakeClock()
     c = save_clock.SaveClock(first, clock=t, bounds=CadenceBounds())
     assert c.cadence is None and beats == []  # nothing measured to choose from yet

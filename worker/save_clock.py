@@ -18,6 +18,7 @@ recovered from.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -30,6 +31,8 @@ from worker import cadence, runtime
 from worker.schedule import SaveSchedule
 
 LOSS_WINDOW = 256  # recent (step, loss) pairs the loss trend is read from
+
+log = logging.getLogger(__name__)
 
 
 class SaveClock:
@@ -110,6 +113,7 @@ def first_schedule(bounds: cadence.CadenceBounds, on_epoch_end: bool) -> SaveSch
     """The schedule under "auto" until a save is measured: cadence.first_save, from the
     failures the supervisor passed in."""
     first = cadence.first_save(bounds, run_mtbf())
+    log.info("save cadence: %s", first.reason)
     return SaveSchedule(every_steps=first.every_steps, every_seconds=first.every_seconds,
                         on_epoch_end=on_epoch_end)
 
