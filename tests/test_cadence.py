@@ -264,6 +264,30 @@ def test_a_relaunch_with_no_measured_cost_saves_early_and_soon(monkeypatch, capl
     assert beats[-1]["event"] == "cadence" and beats[-1]["step"] == 2
 
 
+def test_a_skipped_first_save_falls_back_to_its_time_limit(monkeypatch):
+    """The save at step 2 was skipped (a full disk): not retried every 2 steps, but after the
+    first schedule's time limit; the save that then succeeds chooses the interval."""
+    monkeypatch.setattr(save_clock.runtime, "heartbeat", lambda **kw: None)
+    monkeypatch.delenv(protocol.ENV_FAILURES, raising=False)
+    t = FakeClock()
+    c = save_clock.SaveClock(save_clock.first_schedule(CadenceBounds(), False), clock=t,
+                             bounds=CadenceBounds())
+    run_between_saves(c, t, 1, 1)
+    t.now += 0.1
+    assert c.tick(2, loss=None, samples=None, epoch_end=False)
+    c.save_begins(2)  # ... and no save_ended: skipped
+    due = []
+    for step in range(3, 30):
+        t.now += 0.1
+        due.append(c.tick(step, loss=None, samples=None, epoch_end=False))
+    assert not any(due) and c.schedule.every_steps is None
+    t.now += cadence.FIRST_SAVE_S
+    assert c.tick(30, loss=None, samples=None, epoch_end=False)
+    c.save_begins(30)
+    c.save_ended(30, stall_s=0.05)
+    assert c.cadence is not None and c.schedule.every_steps == c.cadence.every_steps
+
+
 def test_a_first_step_slower_than_half_the_mtbf_is_saved_at_once(monkeypatch):
     monkeypatch.setattr(save_clock.runtime, "heartbeat", lambda **kw: None)
     monkeypatch.setenv(protocol.ENV_FAILURES, "4")

@@ -51,6 +51,7 @@ class SaveClock:
         self._step_time: float | None = None  # measured up to the last save begun
         self._losses: deque[tuple[int, float]] = deque(maxlen=LOSS_WINDOW)
         self._announce = False  # a choice made before any step: reported at the first tick
+        self._pending = False  # a save began under the first schedule and has not ended
         carried = _carried_cost() if bounds is not None else None
         if carried is not None:
             self._choose(*carried)
@@ -60,6 +61,12 @@ class SaveClock:
              epoch_end: bool) -> bool:
         """Send this step's heartbeat; whether a save is due at it."""
         now = self.clock()
+        if self._pending:
+            # That save was skipped (no room, a storage error): saving every few steps until
+            # one succeeds would retry the failing write that often. The first schedule's
+            # time limit stays; a save that succeeds chooses the interval.
+            self._pending = False
+            self.schedule = replace(self.schedule, every_steps=None)
         if self.bounds is not None:
             if self._since is None:
                 self._since = (step, now)
@@ -81,6 +88,7 @@ class SaveClock:
         """A save starts: a request is served, and timed saves count from now."""
         self.requested = False
         self.last_time = self.clock()
+        self._pending = self.bounds is not None and self.cadence is None
         if self._since is not None and step is not None and step > self._since[0]:
             # Steps between saves only: the stall is measured on its own.
             self._step_time = (self.last_time - self._since[1]) / (step - self._since[0])
@@ -89,6 +97,7 @@ class SaveClock:
     def save_ended(self, step: int, stall_s: float) -> None:
         """A save committed (or went to the background) after blocking training `stall_s`:
         under "auto", choose the next interval from it."""
+        self._pending = False
         if self.bounds is None or self._step_time is None:
             return  # no step timed yet (a save at the first step): keep the schedule
         self._choose(stall_s, self._step_time)
