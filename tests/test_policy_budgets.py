@@ -80,6 +80,23 @@ def test_fifty_failures_in_a_month_with_progress_never_give_up(tmp_path, kinds, 
     assert sim.t > 29 * DAY and sim.step >= 50 * 200
 
 
+@pytest.mark.parametrize("steps, save_every, restart", [
+    (25, 2, {}),  # kills seconds apart, each after forgive_after_steps steps: forgiven
+    (3, 2, {"max_restarts": 1000}),  # a step or two past a save each time: no crash loop
+], ids=["forgiven", "crash-loop-rule-only"])
+def test_kills_seconds_apart_that_each_commit_a_newer_checkpoint_never_give_up(
+        steps, save_every, restart):
+    """A run SIGKILLed every few seconds from its start whose every attempt commits a newer
+    checkpoint (the early first save under every="auto" makes that possible) is never ended
+    by the crash-loop rule, however many kills."""
+    sim = Sim(cfg(**restart), save_every=save_every)
+    for i in range(60):
+        d = sim.attempt(K.CRASH, steps, seconds=4.0)
+        assert d.action is Action.RELAUNCH, (i, d.reason)
+        assert d.history.stalled == ()
+    assert sim.step >= 60 * (steps // save_every * save_every)
+
+
 def test_three_failures_without_progress_give_up_by_the_crash_loop_rule():
     sim = Sim(cfg())
     sim.attempt(K.CRASH, 500)  # got somewhere first: checkpoint 500

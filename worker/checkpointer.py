@@ -39,12 +39,11 @@ from worker import (
     runtime,
 )
 from worker.async_write import BackgroundSave
-from worker.cadence import FIRST_SAVE_S, CadenceBounds
 from worker.capture import Components, FrozenBase, Moving, capture, environment, moving, number
 from worker.memory_tier import MemoryTier
 from worker.options import Every, Keep, Restoring, Saving
 from worker.retention import Retention
-from worker.save_clock import SaveClock
+from worker.save_clock import SaveClock, first_schedule
 from worker.save_target import Capture, SaveTarget, write_local
 from worker.schedule import SaveSchedule
 
@@ -129,8 +128,7 @@ class Checkpointer:
         self.sampler = data.bare_sampler(self.data)  # check-resume's evidence looks for it
         bounds = self.every.bounds()
         if bounds is not None:
-            self.schedule = _first_auto_schedule(bounds, self.every.total_steps,
-                                                 self.every.epoch_end)
+            self.schedule = first_schedule(bounds, self.every.epoch_end)
         else:
             self.schedule = SaveSchedule(every_steps=self.every.steps,
                                          every_seconds=self.every.seconds,
@@ -420,21 +418,6 @@ class Checkpointer:
         self.last_saved = self.ckpt_dir / f"checkpoint-{step}"
         # The child wrote and hashed it; the next forked child inherits this record.
         self._retention.remember(self.last_saved)
-
-
-def _first_auto_schedule(bounds: CadenceBounds, total_steps: int | None,
-                         on_epoch_end: bool) -> SaveSchedule:
-    """Until the first save has measured its stall and the step time: about 20 saves over
-    the run when its length is known (the rule before the cadence followed cost and risk),
-    else the first save after FIRST_SAVE_S; never longer apart than the bounds allow."""
-    seconds = bounds.max_seconds if total_steps else min(bounds.max_seconds, FIRST_SAVE_S)
-    if not total_steps:
-        return SaveSchedule(every_seconds=seconds, on_epoch_end=on_epoch_end)
-    first = SaveSchedule.auto(total_steps, on_epoch_end).every_steps or 1
-    if bounds.max_steps is not None:
-        first = min(first, bounds.max_steps)
-    return SaveSchedule(every_steps=max(first, bounds.min_steps), every_seconds=seconds,
-                        on_epoch_end=on_epoch_end)
 
 
 def _empty_cuda_cache() -> str | None:

@@ -34,13 +34,14 @@ class Every:
     Attributes:
         steps: Save when the step is a multiple of this. "auto" re-chooses the interval after
             every save from the measured save stall, the step time, the run's failures (passed
-            in by rtrain) and the loss trend, within `min_steps`..`max_steps` (docs/design.md,
-            "Save cadence"). None: no step schedule.
+            in by rtrain) and the loss trend, within `min_steps`..`max_steps`; until a save is
+            measured it saves at step 2 to measure one (docs/design.md, "Save cadence").
+            None: no step schedule.
         seconds: Save when this much wall time has passed since the last save. With
             steps="auto" it is the longest time between saves (default 1800).
         epoch_end: Also save when `maybe_save(..., epoch_end=True)` is called.
-        total_steps: The run's length in steps. With steps="auto" the saves before the first
-            measured one come about 20 times over the run instead of after 10 minutes.
+        total_steps: The run's length in steps. Kept for compatibility: steps="auto" no
+            longer uses it (its first save comes at step 2 whatever the length).
         min_steps: steps="auto" only: never save more often than every this many steps.
         max_steps: steps="auto" only: never save less often than every this many steps
             (None: no step limit).
