@@ -8,8 +8,9 @@ tracker's own matter; these helpers do what its API offers:
 - TensorBoard: `SummaryWriter(log_dir, purge_step=ckpt.resumed_step)`; TensorBoard drops what
   earlier attempts logged from that step on.
 - W&B: `wandb_init(ckpt, ...)` rewinds the run to the step before the resumed one
-  (`resume_from="<id>?_step=<k-1>"`, W&B's rewind), so the replayed steps replace the earlier
-  attempt's instead of being refused; a fresh attempt continues the run (`resume="allow"`).
+  (`resume_from="<id>?_step=<k-1>"`, W&B's rewind, a preview its server must allow), so the
+  replayed steps replace the earlier attempt's instead of being refused; a fresh attempt, or
+  one whose rewind W&B refuses, continues the run (`resume="allow"`).
 - MLflow keeps every value logged and has no way to drop one: `mlflow_start_run` continues the
   run (by `MLFLOW_RUN_ID`, else its `rtrain.run` tag) and `mlflow_log_metrics` leaves out the
   steps the run already holds, so the earlier attempt's values stand for the replayed steps.
@@ -63,29 +64,41 @@ def _resumed(ckpt: Any, resumed_step: int | None) -> int | None:
 
 # --- Weights & Biases -------------------------------------------------------------------------
 
-def wandb_init(ckpt: Any = None, *, resumed_step: int | None = None, **kwargs: Any) -> Any:
+def wandb_init(ckpt: Any = None, *, resumed_step: int | None = None, rewind: bool = True,
+               **kwargs: Any) -> Any:
     """`wandb.init(**kwargs)` continuing the run across attempts: the run id is `id=`, else
     $WANDB_RUN_ID (rtrain sets it to the run identity where you did not). In an attempt that
     resumed from step k (`ckpt.resumed_step`, or `resumed_step`) the run is rewound to step
-    k-1, so the steps the attempt runs again replace those logged before; log with
-    `run.log(..., step=step)` where `step` is the loop's index (`for step in range(start, n)`).
-    W&B's rewind needs a run that has logged up to k-1 (any step later than that is dropped)
-    and cannot be combined with your own `resume=`/$WANDB_RESUME: with either, the run is
-    continued as you asked, and W&B refuses the replayed steps (it logs a warning for each)."""
+    k-1 (W&B's rewind, `resume_from`), so the steps the attempt runs again replace those
+    logged before; log with `run.log(..., step=step)` where `step` is the loop's index
+    (`for step in range(start, n)`).
+
+    W&B's rewind is a preview its server must allow for the project. Where it refuses (or with
+    `rewind=False`, or your own `resume=`/$WANDB_RESUME, which W&B does not combine with it)
+    the run is continued as it is and W&B refuses the replayed steps, with a warning each: the
+    earlier attempt's values stand for them."""
     import wandb
 
     run = kwargs.pop("id", None) or os.environ.get("WANDB_RUN_ID") or run_id()
     k = _resumed(ckpt, resumed_step)
     chosen = {"resume", "resume_from", "fork_from"} & kwargs.keys()
     users_resume = "WANDB_RESUME" in os.environ and not _set_by_rtrain("WANDB_RESUME")
-    if run and k and not chosen and not users_resume:
-        os.environ.pop("WANDB_RESUME", None)  # rtrain's `allow`: W&B refuses it with a rewind
-        kwargs["resume_from"] = f"{run}?_step={k - 1}"
-    elif run:
-        kwargs["id"] = run
-        if not chosen and "WANDB_RESUME" not in os.environ:
-            kwargs["resume"] = "allow"
-    return wandb.init(**kwargs)
+    if not run:
+        return wandb.init(**kwargs)
+    continued = {**kwargs, "id": run}
+    if not chosen and not users_resume:
+        continued["resume"] = "allow"
+    if not (rewind and k and not chosen and not users_resume):
+        return wandb.init(**continued)
+    ours = os.environ.pop("WANDB_RESUME", None)  # rtrain's `allow`: W&B refuses it with a rewind
+    try:
+        return wandb.init(**kwargs, resume_from=f"{run}?_step={k - 1}")
+    except Exception as e:  # the server's refusal has no type of its own; said, not hidden
+        log.warning("W&B refused to rewind run %s to step %d (%s): continuing it as it is; "
+                    "W&B refuses the steps from %d to the last one it holds", run, k - 1, e, k)
+        if ours is not None:
+            os.environ["WANDB_RESUME"] = ours
+        return wandb.init(**continued)
 
 
 # --- MLflow -----------------------------------------------------------------------------------
