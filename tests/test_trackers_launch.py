@@ -179,23 +179,73 @@ def _wandb_attempts(out: Path) -> list[tuple[str, int | None, list[dict]]]:
     return runs
 
 
-def test_wandb_rewinds_the_run_at_each_resume(tracked):
-    run, out = tracked
-    attempts = _wandb_attempts(out)
-    assert {a[0] for a in attempts} == {runid.read(run / "checkpoints")}
-    assert [a[1] for a in attempts] == [None] + [k - 1 for k in RESUMED[1:]]
-    # Each killed attempt logged past the step the next one rewinds to.
-    assert all(max(r["_step"] for r in rows) > nxt[1]
-               for (_, _, rows), nxt in itertools.pairwise(attempts))
-    # The run as W&B keeps it: a rewind drops what follows its step, then the attempt appends.
+def _wandb_history(attempts) -> list[dict]:
+    """The run as W&B keeps it: a rewind drops what follows its step, then the attempt
+    appends its rows."""
     history: list[dict] = []
     for _, branch, rows in attempts:
         if branch is not None:
             history = [h for h in history if h["_step"] <= branch]
         history += rows
+    return history
+
+
+def test_wandb_rewinds_the_run_at_each_resume(tracked):
+    run, out = tracked
+    attempts = _wandb_attempts(out)[:len(RESUMED)]  # the fresh machine's may follow
+    assert {a[0] for a in attempts} == {runid.read(run / "checkpoints")}
+    assert [a[1] for a in attempts] == [None] + [k - 1 for k in RESUMED[1:]]
+    # Each killed attempt logged past the step the next one rewinds to.
+    assert all(max(r["_step"] for r in rows) > nxt[1]
+               for (_, _, rows), nxt in itertools.pairwise(attempts))
+    history = _wandb_history(attempts[:len(RESUMED)])
     assert [h["_step"] for h in history] == list(range(STEPS))
     # The replayed steps are the degraded attempt's: batch size 4 from its resumed step on.
     assert [h["batch_size"] for h in history[RESUMED[3] - 1:RESUMED[3] + 1]] == [8, 4]
     marks = [h for h in history if "rtrain/attempt" in h]
     assert [h["rtrain/attempt"] for h in marks] == [1, 2, 3]
     assert "oom_gpu" in marks[2]["rtrain/restart"]
+
+
+# --- A fresh machine ------------------------------------------------------------------------------
+
+MORE = 27  # the continuation runs on to this step
+
+
+@pytest.fixture(scope="module")
+def continued(tracked):
+    """The run continued on a fresh machine: a new run dir and checkpoint dir, resuming from
+    the first machine's checkpoint-20 as a resume from the mirror does (`--resume PATH`)."""
+    run, out = tracked
+    fresh = run.parent / "fresh-run"
+    r = launch(fresh, "--ckpt-dir", str(run.parent / "fresh-ckpt"), "--resume",
+               str(run / "checkpoints" / "checkpoint-20"), "--set", "batch_size=4",
+               "--set", "grad_accum=2", str(CHILDREN / "tracker_train.py"), str(MORE),
+               str(out), "-1", "-1", "-1", env=TRACKERS_ENV, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run, fresh, out
+
+
+def test_a_fresh_machine_continues_the_same_tracker_runs(continued, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run, fresh, out = continued
+    ident = runid.read(run / "checkpoints")
+    assert runid.read(fresh.parent / "fresh-ckpt") == ident
+    last = _attempts(out)[-1]
+    assert (last["attempt"], last["resumed_step"], last["RTRAIN_RUN_ID"]) == (0, 20, ident)
+    assert last["MLFLOW_RUN_ID"] is None  # no record in the new run dir: found by its tag
+
+    client, runs = _mlflow(out)
+    assert len(runs) == 1
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == list(
+        range(MORE))
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [s.step for s in acc.Scalars("loss")] == list(range(MORE))
+
+    attempts = _wandb_attempts(out)
+    assert attempts[-1][:2] == (ident, 19)
+    assert [h["_step"] for h in _wandb_history(attempts)] == list(range(MORE))
