@@ -165,3 +165,24 @@ def test_resumed_step_is_the_checkpoints_step(tmp_path, monkeypatch):
     again = worker.Checkpointer(model=model, ckpt_dir=tmp_path / "ck")
     assert (again.restore(), again.resumed_step) == (7, 7)
     again.close()
+
+
+@pytest.mark.slow
+def test_the_helpers_import_no_tracker_nor_torch_until_called(tmp_path):
+    """A script that uses one tracker pays for no other: `import worker.trackers`, a Restarts
+    and a restart written to a callable import none of them."""
+    import subprocess
+    import sys
+
+    from harness import REPO, child_env
+
+    code = ("import sys\nfrom worker import trackers\n"
+            "r = trackers.fold([{'kind': 'recovery', 'attempt': 1, 'failed_attempt': 0,"
+            " 'failure': 'crash'}], 1, -1)\n"
+            "trackers.write(lambda r: print(r.sentence()), r, 3)\ntrackers.Restarts().poll()\n"
+            "loaded = {'wandb', 'mlflow', 'tensorboard', 'tensorboardX', 'torch'} & set("
+            "sys.modules)\nassert not loaded, loaded\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=child_env(PYTHONPATH=str(REPO)), timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "after attempt 0 crash" in r.stdout
