@@ -3,8 +3,8 @@ local file store) under `rtrain launch`, SIGKILLed twice and out of memory once 
 back with each tracker's own reader (tests/children/tracker_train.py). Each resumed attempt
 logs again the steps from its checkpoint to the failure; every reader sees one run, each step
 once and in order, and the three restarts marked. A second launch on a fresh run dir and
-checkpoint dir, resuming from the first's checkpoint as a new machine resuming from the mirror
-does, continues the same tracker runs."""
+checkpoint dir, resuming from the mirror as a new machine does, continues the same tracker
+runs."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 from harness import CHILDREN, events, launch
 
 from supervisor.ckpt import runid
+from supervisor.mirror.store import open_mirror
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trackers")]
 
@@ -216,16 +217,20 @@ MORE = 27  # the continuation runs on to this step
 @pytest.fixture(scope="module")
 def continued(tracked):
     """The run continued on a fresh machine: a new run dir and checkpoint dir, resuming from
-    the first machine's checkpoint-20 as a resume from the mirror does (`--resume PATH`)."""
+    the mirror, which holds the first machine's checkpoint-20."""
     run, first = tracked
+    mirror = run.parent / "mirror"
+    open_mirror(str(mirror)).upload(run / "checkpoints" / "checkpoint-20")
     out = run.parent / "fresh-out"  # the trackers' files as the first machine left them
     shutil.copytree(first, out)
     fresh = run.parent / "fresh-run"
-    r = launch(fresh, "--ckpt-dir", str(run.parent / "fresh-ckpt"), "--resume",
-               str(run / "checkpoints" / "checkpoint-20"), "--set", "batch_size=4",
-               "--set", "grad_accum=2", str(CHILDREN / "tracker_train.py"), str(MORE),
-               str(out), "-1", "-1", "-1", env=TRACKERS_ENV, timeout=120)
+    r = launch(fresh, "--ckpt-dir", str(run.parent / "fresh-ckpt"), "--mirror", str(mirror),
+               "--set", "batch_size=4", "--set", "grad_accum=2",
+               str(CHILDREN / "tracker_train.py"), str(MORE), str(out), "-1", "-1", "-1",
+               env={**TRACKERS_ENV, "RTRAIN_CACHE_DIR": str(run.parent / "cache")},
+               timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert [e["kind"] for e in events(fresh, "mirror_downloaded")] == ["mirror_downloaded"]
     return run, fresh, out
 
 
