@@ -221,7 +221,8 @@ class Restarts:
     SummaryWriter, the `mlflow` module, or a callable taking the Restart) and does nothing
     more. The failures logged are those since the last attempt that logged its own: none is
     logged twice, none lost when a relaunch dies before its first step. Outside `rtrain
-    launch`, and in a run's first attempt, it does nothing."""
+    launch`, and in a run's first attempt, it does nothing. Under torchrun, use it where the
+    tracker is (rank 0): the first rank to log marks the attempt as done."""
 
     def __init__(self) -> None:
         run_dir, status = os.environ.get(ENV_RUN_DIR), os.environ.get(ENV_STATUS)
