@@ -140,6 +140,10 @@ class Checkpointer:
         self.encryption = _encryption_key(encryption_key)
         self.step = 0
         self.epoch = 0
+        # The step `restore` resumed from, which the attempt runs again first: an experiment
+        # tracker's steps from here on were logged by an earlier attempt and are replayed
+        # (TensorBoard's SummaryWriter(purge_step=...), worker/trackers.py). None: started fresh.
+        self.resumed_step: int | None = None
         self.extra: dict[str, Any] = {}
         self.last_saved: Path | None = None
         self._clock = SaveClock(self.schedule, bounds=bounds)
@@ -206,6 +210,7 @@ class Checkpointer:
             if from_supervisor:
                 restore.report_bad_checkpoint(os.environ[ENV_RESUME_FROM], e.reason)
             raise
+        self.resumed_step = None if loaded is None else loaded.manifest["step"]
         if loaded is None:
             log.info("no checkpoint to resume from in %s: starting fresh", self.ckpt_dir)
             # No step: a step would tell the supervisor that training started (startup rule).

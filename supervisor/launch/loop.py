@@ -279,7 +279,8 @@ class Loop:
                            run_dir=self.run_dir, ckpt_dir=self.ckpt_dir,
                            attempt_dir=self.run_dir / "attempts" / str(attempt),
                            failures=failures, run_s=run_s,
-                           save_cost=self.timeline.save_cost if self.timeline else None)
+                           save_cost=self.timeline.save_cost if self.timeline else None,
+                           run=self.checkpoints.run)
         if plan.attempt_dir.exists():  # state.json was lost or reset: keep the old logs aside
             move_aside(plan.attempt_dir, self.seams.wall())
         argv = child_env.argv(self.spec.command, self.spec.resume_args, plan)
