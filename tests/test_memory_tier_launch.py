@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
-from harness import CHILDREN, child_env, events, invoke_rtrain, launch
+from harness import CHILDREN, child_env, events, gone, invoke_rtrain, launch, launch_cmd
 from references import cached
 
 from supervisor.ckpt.layout import list_checkpoints
@@ -77,3 +78,44 @@ def test_a_killed_process_resumes_from_its_last_snapshot_in_memory_bitwise(tmp_p
     assert f'rtrain_snapshots_persisted_total{{run_dir="{run.resolve()}"}} {len(persisted)}' \
         in prom
     assert 'tier="memory"} 1' in prom and "rtrain_memory_tier_every_steps" in prom
+
+
+def test_snapshots_left_by_a_sigkilled_rtrain_are_committed_by_the_next_launch(tmp_path):
+    """rtrain SIGKILLed (its child goes with it) persists nothing; the snapshots stay in
+    memory, and the next launch commits the newest before its pick, resumes from it, read from
+    memory, and ends bitwise-identical to an uninterrupted run."""
+    run, out = tmp_path / "run", tmp_path / "out.pt"
+    ckpts = run / "checkpoints"
+    args = (SCRIPT, str(ckpts), str(out), "40", "0", "--every", "100", "--memory", "1",
+            "--step-sleep", "0.05")
+    proc = subprocess.Popen(launch_cmd(run, *args), cwd=tmp_path, env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    shm = shmdir.path_for(ckpts)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            steps = [s for s, _ in list_checkpoints(shm)] if shm.exists() else []
+            if steps and steps[0] >= 15:
+                break
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.02)
+        child = events(run, "launch")[0]["pid"]
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert gone(child, timeout=10), "the child outlived its SIGKILLed supervisor"
+    assert list_checkpoints(ckpts) == []  # nothing reached the disk tier
+    left = [s for s, _ in list_checkpoints(shm)]
+    assert left and left[0] >= 15
+
+    r = launch(run, *args, timeout=180)
+    assert r.returncode == 0, r.stderr
+    found = [e for e in events(run, "snapshot_persisted") if e["why"] == "found at launch"]
+    assert [e["step"] for e in found] == [left[0]]
+    relaunch = events(run, "launch")[-1]
+    assert relaunch["tier"] == "memory" and relaunch["resume_from"].endswith(f"-{left[0]}")
+    final, ref = torch.load(out), _reference(40)
+    for k, v in ref["model"].items():
+        assert torch.equal(final["model"][k], v), k
+    assert not shm.exists()

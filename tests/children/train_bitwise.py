@@ -7,6 +7,7 @@ Exits abruptly (os._exit, no save) after step DIE_AT, like a killed process; DIE
 import argparse
 import os
 import random
+import time
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ p.add_argument("--every", type=int, default=3)
 p.add_argument("--batch", type=int, default=8)
 p.add_argument("--memory", type=int, default=None, help="the memory tier: a snapshot every N")
 p.add_argument("--die-once", action="store_true", help="die at DIE_AT in attempt 0 only")
+p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step also takes")
 args = p.parse_args()
 
 torch.manual_seed(1234)
@@ -52,6 +54,8 @@ while step < args.total:
         opt.step()
         sched.step()
         step += 1
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         ckpt.maybe_save(step, metrics={"loss": loss.item()})
         if step == args.die_at and not (args.die_once and os.environ.get("RTRAIN_ATTEMPT", "0")
                                         != "0"):
