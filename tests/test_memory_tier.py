@@ -261,3 +261,27 @@ def test_a_snapshot_removed_while_pinned_is_refused_not_half_copied(tmp_path, sh
     snap.rmdir()
     with pytest.raises(persist.SnapshotRefused, match="removed"):
         persist.persist(v, tmp_path / "ckpts")
+
+
+def test_auto_spaces_snapshots_so_none_waits_for_the_previous_write(tmp_path, shm, monkeypatch):
+    """Under "auto", a write that takes several steps (slowed down here) spreads the snapshots
+    out instead of making every step wait for the previous one."""
+    from supervisor.ckpt.commit import PendingCheckpoint
+
+    write = PendingCheckpoint.write_bytes
+
+    def slow(self, *a, **kw):
+        time.sleep(0.15)  # state.json: after the copy, so the optimizer never waits for it
+        return write(self, *a, **kw)
+
+    monkeypatch.setattr(PendingCheckpoint, "write_bytes", slow)
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=worker.Saving(memory="auto"))
+    taken = []
+    real = ckpt._memory.snapshot
+    ckpt._memory.snapshot = lambda cap: (taken.append(cap.step), real(cap))
+    _train(m, opt, ckpt, 30, between=lambda step: time.sleep(0.02))
+    ckpt.close()
+    assert ckpt._memory.every >= 4, ckpt._memory.every  # 0.15 s writes over ~0.03 s steps
+    assert taken[0] == 1 and len(taken) < 12, taken

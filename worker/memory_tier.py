@@ -180,7 +180,9 @@ class MemoryTier:
             return False
         if isinstance(self.opts.every, int):
             return step % self.every == 0
-        return self.last_step is None or step - self.last_step >= self.every
+        # From the last snapshot started, committed or not: a first one still being written
+        # must not make every step after it wait for it.
+        return self._last_call is None or step - self._last_call[0] >= self.every
 
     def snapshot(self, cap: Capture) -> None:
         """Start writing `cap` (taken at this step boundary); returns once the training
