@@ -28,6 +28,7 @@ class MemoryTierDir:
         self.path = path if path is not None else shmdir.path_for(ckpt_dir)
         self.unusable: str | None = None
         self.attempt = 0
+        self._dropped: int | None = None  # the attempt whose tier was dropped
 
     def env(self) -> dict[str, str]:
         """What the attempt's environment gets: the directory, unless it cannot be used."""
@@ -98,9 +99,10 @@ class MemoryTierDir:
             self.say(f"attempt {attempt}: memory tier off: {off}")
 
     def drop(self, attempt: int, why: str) -> None:
-        """Memory pressure: no more snapshots in this attempt, the ones there freed."""
-        if self.unusable:
+        """Memory pressure: no more snapshots in this attempt, the ones there freed (once)."""
+        if self.unusable or self._dropped == attempt:
             return
+        self._dropped = attempt
         freed = shmdir.drop(self.path)
         self.emit("memory_tier", attempt=attempt, step=None, state="dropped", every=None,
                   stall_s=None, write_s=None, reason=why)
