@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import os
+import queue
 import threading
 import time
 from pathlib import Path
@@ -148,7 +149,13 @@ class MemoryTier:
         self.last_step: int | None = None  # the newest committed snapshot's step
         self.stall_s: float | None = None  # the newest snapshot's stall, gate wait included
         self.write_s: float | None = None  # the newest snapshot's write, start to commit
+        # One writer thread for the process's life, started at the first snapshot: starting a
+        # thread per snapshot cost the training thread several ms on a loaded machine.
         self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[Capture | None] = queue.SimpleQueue()
+        self._pending = False  # a snapshot was handed to the writer and not waited for
+        self._idle = threading.Event()  # set while the writer has nothing in hand
+        self._idle.set()
         self._read = threading.Event()  # set once the running snapshot read the live tensors
         self._read.set()
         self._gate_wait = 0.0  # the optimizer step's wait for the running snapshot
@@ -194,7 +201,7 @@ class MemoryTier:
         if (self.dir / MEMORY_DROPPED).exists():
             self.stop("rtrain dropped it (memory pressure); the disk tier goes on", cap.step)
             return
-        if self.last_step is None and self._thread is None:
+        if self.last_step is None and not self._pending:
             why = refusal(cap.nbytes, budget_bytes(self.opts), _free_bytes(self.dir))
             if why is not None:
                 self.stop(why, cap.step)
@@ -205,25 +212,32 @@ class MemoryTier:
         cap.fields.setdefault("info", {})["memory_snapshot"] = True
         self._pace(cap.step, began)
         self._read.clear()
+        self._idle.clear()
         self._gate_wait = 0.0
-        self._thread = threading.Thread(target=self._write, args=(cap,),
-                                        name="rtrain-memory-snapshot", daemon=True)
-        self._thread.start()
+        self._pending = True
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rtrain-memory-snapshot",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put(cap)
         if not self.overlap:
             self._read.wait()
         self.stall_s = time.monotonic() - began
 
     def wait(self) -> None:
         """The running snapshot committed (or failed: the tier is then off)."""
-        t = self._thread
-        if t is not None:
-            t.join()
-            self._thread = None
+        if self._pending:
+            self._idle.wait()
+            self._pending = False
             if self.stall_s is not None:
                 self.stall_s += self._gate_wait  # the stall that snapshot cost the loop
 
     def close(self) -> None:
         self.wait()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -242,6 +256,13 @@ class MemoryTier:
             t0 = time.monotonic()
             self._read.wait()
             self._gate_wait += time.monotonic() - t0
+
+    def _run(self) -> None:
+        while (cap := self._jobs.get()) is not None:
+            try:
+                self._write(cap)
+            finally:
+                self._idle.set()
 
     def _write(self, cap: Capture) -> None:
         t0 = time.monotonic()
