@@ -285,3 +285,35 @@ def test_auto_spaces_snapshots_so_none_waits_for_the_previous_write(tmp_path, sh
     ckpt.close()
     assert ckpt._memory.every >= 4, ckpt._memory.every  # 0.15 s writes over ~0.03 s steps
     assert taken[0] == 1 and len(taken) < 12, taken
+
+
+def test_only_the_snapshot_rtrain_handed_over_is_mapped_unhashed(tmp_path, shm, monkeypatch):
+    """RTRAIN_RESUME_FROM inside RTRAIN_MEMORY_DIR: mapped, the restore exact. The same
+    snapshot named any other way (a path given to restore(), a copy elsewhere) is read hashed,
+    so a byte changed in it is caught."""
+    from supervisor.core.errors import CorruptCheckpoint
+    from supervisor.core.protocol import ENV_RESUME_FROM
+    from worker.restore import handed_over_from_memory
+
+    snap = _snapshot(tmp_path, shm, steps=3)
+    monkeypatch.setenv(ENV_RESUME_FROM, str(snap))
+    assert handed_over_from_memory(snap)
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck")
+    assert ckpt.restore() == 3
+    saved = load_file(snap / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in m.state_dict().items() if k in saved)
+    _train(m, opt, ckpt, 2, start=3)  # the optimizer writes its mapped state: copy-on-write
+    assert torch.equal(load_file(snap / "model.safetensors")["0.weight"], saved["0.weight"])
+
+    elsewhere = tmp_path / "copy" / snap.name
+    import shutil
+    shutil.copytree(snap, elsewhere)
+    assert not handed_over_from_memory(elsewhere)
+    f = elsewhere / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    monkeypatch.delenv(ENV_RESUME_FROM)
+    with pytest.raises(CorruptCheckpoint):
+        worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck").restore(elsewhere)
