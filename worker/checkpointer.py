@@ -13,7 +13,7 @@ import os
 import textwrap
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -251,6 +251,11 @@ class Checkpointer:
             self._boundary = _Boundary(step, self._epoch_now(), moving(self._parts()),
                                        self._watch.marks(), metrics or {}, extra or {})
         stop = runtime.should_stop()
+        if self._memory is not None and self._memory.persist_lost:
+            self._memory.persist_lost = False  # the disk save rtrain was to make: made here
+            self._clock.requested = True
+        # An explicit request stays a direct disk write, durable before this call returns.
+        requested = self._clock.requested
         samples = self.data.samples_seen if self.data is not None else None
         due = self._clock.tick(step, loss=number((metrics or {}).get("loss")), samples=samples,
                                epoch_end=epoch_end)
@@ -262,7 +267,9 @@ class Checkpointer:
             began = time.monotonic()
             stop, due = dist.any_of([stop, due])
             runtime.boundary_wait(time.monotonic() - began)
-        if stop or due:
+        if due and not (stop or requested) and self._hand_to_rtrain(step, metrics, extra):
+            path = self.ckpt_dir / f"checkpoint-{step}"  # the path rtrain will commit it as
+        elif stop or due:
             path = self.save(step, metrics=metrics, extra=extra)
         elif self._memory is not None and self._memory.due(step):
             self._memory.snapshot(capture(self._parts(), step, self._epoch_now(), self._lr_scale,
@@ -275,6 +282,29 @@ class Checkpointer:
             raise SystemExit(ExitCode.PREEMPTED)
         return path
 
+    def _hand_to_rtrain(self, step: int, metrics: dict[str, float] | None,
+                        extra: dict[str, Any] | None) -> bool:
+        """A scheduled disk save under the memory tier: snapshot this step and let rtrain copy
+        it to the checkpoint dir in the background (docs/design.md, "The memory tier"). False
+        when the tier cannot take it: the caller saves to disk itself.
+
+        The cadence's cost is what this costs the training thread (the capture and the
+        snapshot's start): rtrain's copy runs beside training, and requests that come faster
+        than it copies are merged into the newest, so a short interval never stalls the loop."""
+        if self._memory is None or self._memory.off is not None or dist.world() is not None:
+            return False
+        began = self._clock.clock()
+        self._clock.save_begins(step)
+        self.epoch = self._epoch_now()
+        cap = capture(self._parts(), step, self.epoch, self._lr_scale, metrics or {}, extra or {})
+        if self._check is not None and "info" in cap.fields:
+            cap.fields["info"]["check_resume"] = self._check.evidence()
+        if not self._memory.snapshot(cap, persist=asdict(self.keep.policy())):
+            return False
+        self._clock.last_step = step
+        self._clock.save_ended(step, self._clock.clock() - began)
+        return True
+
     def request_save(self) -> None:
         """Save at the next `maybe_save`, whatever the schedule says."""
         self._clock.requested = True
@@ -286,7 +316,8 @@ class Checkpointer:
         # The stall counts from here: waiting for the save before is training time lost too.
         began = self._clock.clock()
         self._bg.wait()
-        if self._clock.last_step == step and self.last_saved is not None:
+        if self._clock.last_step == step and self.last_saved is not None \
+                and self.last_saved.name == f"checkpoint-{step}":
             return self.last_saved  # already saved at this step (e.g. on schedule, then on stop)
         self._clock.save_begins(step)
         self.epoch = epoch if epoch is not None else self._epoch_now()

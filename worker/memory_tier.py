@@ -152,7 +152,9 @@ class MemoryTier:
         # One writer thread for the process's life, started at the first snapshot: starting a
         # thread per snapshot cost the training thread several ms on a loaded machine.
         self._thread: threading.Thread | None = None
-        self._jobs: queue.SimpleQueue[Capture | None] = queue.SimpleQueue()
+        # Each job: the capture, and the Keep policy's fields when rtrain is to persist it.
+        self._jobs: queue.SimpleQueue[tuple[Capture, dict[str, Any] | None] | None] = \
+            queue.SimpleQueue()
         self._pending = False  # a snapshot was handed to the writer and not waited for
         self._idle = threading.Event()  # set while the writer has nothing in hand
         self._idle.set()
@@ -161,6 +163,9 @@ class MemoryTier:
         self._gate_wait = 0.0  # the optimizer step's wait for the running snapshot
         self._last_call: tuple[int, float] | None = None  # (step, time) of the previous snapshot
         self._said: dict[str, Any] | None = None  # the interval last told to rtrain
+        # A snapshot rtrain was to persist as a disk save failed: the Checkpointer saves to
+        # disk itself at the next step boundary instead.
+        self.persist_lost = False
         self._hook = (optimizer.register_step_pre_hook(self._gate)
                       if self.overlap and optimizer is not None else None)
 
@@ -191,21 +196,23 @@ class MemoryTier:
         # must not make every step after it wait for it.
         return self._last_call is None or step - self._last_call[0] >= self.every
 
-    def snapshot(self, cap: Capture) -> None:
+    def snapshot(self, cap: Capture, persist: dict[str, Any] | None = None) -> bool:
         """Start writing `cap` (taken at this step boundary); returns once the training
-        thread may go on (see the module docstring)."""
+        thread may go on (see the module docstring), False when the tier took nothing.
+        `persist` (the Keep policy's fields): once committed, ask rtrain to copy the snapshot
+        to the checkpoint dir, as the disk save of this step."""
         began = time.monotonic()
         self.wait()
         if self.off is not None:
-            return
+            return False
         if (self.dir / MEMORY_DROPPED).exists():
             self.stop("rtrain dropped it (memory pressure); the disk tier goes on", cap.step)
-            return
+            return False
         if self.last_step is None and not self._pending:
             why = refusal(cap.nbytes, budget_bytes(self.opts), _free_bytes(self.dir))
             if why is not None:
                 self.stop(why, cap.step)
-                return
+                return False
         if self.overlap:
             _copy_unguarded(cap, _storages(_guarded(self.model, self.optimizer)),
                             _storages(_module_tensors(self.model)))
@@ -219,10 +226,11 @@ class MemoryTier:
             self._thread = threading.Thread(target=self._run, name="rtrain-memory-snapshot",
                                             daemon=True)
             self._thread.start()
-        self._jobs.put(cap)
+        self._jobs.put((cap, persist))
         if not self.overlap:
             self._read.wait()
         self.stall_s = time.monotonic() - began
+        return True
 
     def wait(self) -> None:
         """The running snapshot committed (or failed: the tier is then off)."""
@@ -258,23 +266,25 @@ class MemoryTier:
             self._gate_wait += time.monotonic() - t0
 
     def _run(self) -> None:
-        while (cap := self._jobs.get()) is not None:
+        while (job := self._jobs.get()) is not None:
             try:
-                self._write(cap)
+                self._write(*job)
             finally:
                 self._idle.set()
 
-    def _write(self, cap: Capture) -> None:
+    def _write(self, cap: Capture, persist: dict[str, Any] | None = None) -> None:
         t0 = time.monotonic()
         try:
             path = write_snapshot(self.target, cap, self._read)
         except OSError as e:  # a failed snapshot costs the tier, never the training
             why = os.strerror(e.errno) if e.errno in STORAGE_ERRNOS else f"{e}"
             self.stop(f"the snapshot of step {cap.step} could not be written: {why}", cap.step)
+            self.persist_lost = self.persist_lost or (persist is not None)
             return
         except BaseException as e:
             self.stop(f"the snapshot of step {cap.step} failed: {type(e).__name__}: {e}",
                       cap.step)
+            self.persist_lost = self.persist_lost or (persist is not None)
             return
         finally:
             self._read.set()
@@ -286,6 +296,8 @@ class MemoryTier:
                     remove_dir(older)  # double buffering: only after the newer one committed
                 except OSError:
                     pass  # rtrain took it away (it pins what it copies) or removed the dir
+        if persist is not None:  # only now: rtrain copies the newest snapshot at this step or later
+            runtime.heartbeat(step=cap.step, event="persist", persist=persist)
 
     def _pace(self, step: int, now: float) -> None:
         """Under "auto", choose the next interval from what the previous snapshot measured,

@@ -64,6 +64,7 @@ class Kind(str, Enum):
     MEMORY_TIER = "memory_tier"
     SNAPSHOT_PERSISTED = "snapshot_persisted"
     SNAPSHOT_REFUSED = "snapshot_refused"
+    SNAPSHOT_NOT_PERSISTED = "snapshot_not_persisted"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -247,11 +248,16 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.SNAPSHOT_PERSISTED: KindSpec(
         fields=("attempt", "step", "path", "bytes", "seconds", "why"),
         meaning="rtrain committed a memory-tier snapshot to the checkpoint dir (`why`: the "
-                "attempt ended, the run ended, found at launch)"),
+                "attempt ended, the run ended, found at launch, disk cadence)"),
     Kind.SNAPSHOT_REFUSED: KindSpec(
         fields=("attempt", "step", "path", "reason"),
         meaning="a memory-tier snapshot failed its check (a file that does not match its "
                 "manifest, a bad manifest): not persisted, not resumed from"),
+    Kind.SNAPSHOT_NOT_PERSISTED: KindSpec(
+        fields=("attempt", "step", "reason"),
+        meaning="rtrain could not copy a memory-tier snapshot the worker asked it to persist "
+                "as its disk save (a full disk): it stays in memory, the next request retries; "
+                "said once until a copy succeeds"),
 }
 DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
 HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)

@@ -101,6 +101,8 @@ class Heartbeat:
     the attempt's token were refused: `reason` says how many), `cadence` (with `cadence`: the
     save interval `every="auto"` chose, worker/cadence.py), `backoff` (with `settings`),
     `snapshot` (with `snapshot`: the memory tier started, changed its interval or stopped),
+    `persist` (with `persist`: a disk save under the memory tier; the snapshot of `step` is
+    committed in memory and rtrain is to copy it, or a newer one, to the checkpoint dir),
     `relieved` (after a relieve request: `reason` says what was freed, `settings` what the
     worker now uses), `exception` (with `reason`: the type of the uncaught exception ending the
     process, sent as it begins its way out) or `stop`. The first `start` (the worker installed)
@@ -133,6 +135,9 @@ class Heartbeat:
     # `snapshot` heartbeats (the memory tier, worker/memory_tier.py): {"every", "stall_s",
     # "write_s", "bytes"} when the tier starts or its interval changes; {"off": why} when it stops.
     snapshot: dict[str, Any] | None = None
+    # `persist` heartbeats: the worker's Keep policy as RetentionPolicy's fields ({"keep",
+    # "keep_best", "metric", "mode", "milestone_every"}), applied by rtrain after the copy.
+    persist: dict[str, Any] | None = None
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:

@@ -251,7 +251,8 @@ class Loop:
         before = self.checkpoints.snapshot()
         outcome, duration_s, wall = self._attempt(history.attempt, settings, chosen, signals)
         # Before anything reads the checkpoint dir (the progress rule, the next pick): the
-        # memory tier's newest snapshot, if newer, is the newest verified state now.
+        # memory tier's newest snapshot, if newer, is the newest verified state now (a disk
+        # save rtrain was copying for the worker is finished first).
         self.memtier.commit_newest(self.checkpoints.newest_step(), "attempt ended")
         result = AttemptResult(
             seen=outcome.seen, duration_s=duration_s, resumed=resumed,
@@ -271,7 +272,7 @@ class Loop:
         """Run one attempt: spawn it (or hand it to the standby) and watch it to its end; what
         the watch saw, how long it ran, and the stop planned before the job's time limit."""
         failures, run_s = self._failure_record()
-        self.memtier.attempt_starting(attempt)
+        self.memtier.attempt_starting(attempt, chosen.step if chosen is not None else None)
         in_memory = self.memtier.resume_path(chosen)  # the same checkpoint, read from memory
         source = in_memory if in_memory is not None else chosen.path if chosen else None
         plan = AttemptPlan(attempt=attempt, settings=settings,
@@ -409,6 +410,7 @@ class Loop:
     def _on_sample(self, sample: Sample) -> None:
         self.standby.tick(sample.tree)
         self.checkpoints.watch_keep()
+        self.memtier.poll()
         if self.mirroring is not None:
             self.mirroring.poll()
         self.observers.sample(sample)

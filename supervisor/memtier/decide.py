@@ -1,4 +1,5 @@
-"""What to do with the memory tier's snapshot when an attempt ends or starts: pure.
+"""What to do with the memory tier's snapshot when an attempt ends or starts, and with the
+worker's requests to persist one as its disk save: pure.
 
 A snapshot (worker/memory_tier.py) is the newest verified state once the training process is
 gone, so rtrain commits it to the checkpoint dir before anything reads that dir (the policy's
@@ -9,6 +10,9 @@ when it is the checkpoint the pick chose (same step), reading shared memory inst
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from supervisor.retention.decide import RetentionPolicy
 
 
 @dataclass(frozen=True)
@@ -37,3 +41,58 @@ def resume_from_memory(snapshot_step: int | None, chosen_step: int | None, *,
     checkpoint (same step, the same files by their hashes: the disk copy was made from it and
     the pick verified that copy)."""
     return (snapshot_step is not None and snapshot_step == chosen_step and same_files)
+
+
+# The disk cadence under the memory tier: the worker's scheduled disk saves are snapshots it
+# asks rtrain to persist (a `persist` heartbeat), one copy at a time, in rtrain's background.
+
+
+@dataclass(frozen=True)
+class Request:
+    """Persist the newest snapshot at `step` or later, then prune with `policy` (None: the
+    worker's policy could not be read, nothing is pruned)."""
+
+    step: int
+    policy: RetentionPolicy | None
+
+
+@dataclass(frozen=True)
+class Queue:
+    """The persist running (its request's step) and the one request remembered meanwhile."""
+
+    running: int | None = None
+    pending: Request | None = None
+
+
+def requested(q: Queue, new: Request) -> tuple[Queue, Request | None]:
+    """A `persist` heartbeat arrived: the queue after it, and the request to start now (None:
+    it waits, or what runs or waits already covers it). One copy runs at a time; a request
+    at or below the running one's step is covered by it (it copies the newest snapshot at its
+    step or later); a newer one replaces whatever was waiting (older requests are dropped:
+    their snapshots are gone from memory once a newer one commits)."""
+    if q.running is None:
+        return Queue(running=new.step), new
+    if new.step <= q.running or (q.pending is not None and new.step <= q.pending.step):
+        return q, None
+    return Queue(q.running, new), None
+
+
+def finished(q: Queue, committed: int | None) -> tuple[Queue, Request | None]:
+    """The running persist ended, having committed the snapshot of `committed` (None: none):
+    the waiting request to start next, unless that commit covers it."""
+    p = q.pending
+    if p is None or (committed is not None and p.step <= committed):
+        return Queue(), None
+    return Queue(running=p.step), p
+
+
+def policy_of(fields: Any) -> RetentionPolicy | None:
+    """The worker's Keep policy from its heartbeat (RetentionPolicy's fields); None when it
+    does not read as one (nothing is pruned then: deleting on a misread rule loses work)."""
+    if not isinstance(fields, dict):
+        return None
+    names = RetentionPolicy.__dataclass_fields__
+    try:
+        return RetentionPolicy(**{k: v for k, v in fields.items() if k in names})
+    except (TypeError, ValueError):
+        return None

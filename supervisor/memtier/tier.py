@@ -15,6 +15,7 @@ from supervisor.ckpt.verify import Verdict
 from supervisor.core.filemode import DEFAULT_FILE_MODE
 from supervisor.core.protocol import ENV_MEMORY_DIR, Heartbeat
 from supervisor.memtier import decide, persist, shmdir
+from supervisor.memtier.diskcadence import DiskCadence
 
 
 class MemoryTierDir:
@@ -29,13 +30,17 @@ class MemoryTierDir:
         self.unusable: str | None = None
         self.attempt = 0
         self._dropped: int | None = None  # the attempt whose tier was dropped
+        # The worker's disk saves while the tier is on: copied here, in the background.
+        self.disk = DiskCadence(self.path, ckpt_dir, key, file_mode=file_mode, emit=emit,
+                                say=say)
 
     def env(self) -> dict[str, str]:
         """What the attempt's environment gets: the directory, unless it cannot be used."""
         return {} if self.unusable else {ENV_MEMORY_DIR: str(self.path)}
 
-    def attempt_starting(self, attempt: int) -> None:
+    def attempt_starting(self, attempt: int, resumed: int | None = None) -> None:
         self.attempt = attempt
+        self.disk.attempt_starting(attempt, resumed)
         if self.unusable:
             return
         try:
@@ -47,6 +52,7 @@ class MemoryTierDir:
     def commit_newest(self, disk_newest: int | None, why: str) -> int | None:
         """Commit the newest good snapshot when it is newer than the checkpoint dir's newest;
         its step, else None."""
+        self.disk.settle()  # a disk-cadence copy in flight commits (or fails) first
         snap = self._newest()
         if snap is None:
             return None
@@ -86,7 +92,12 @@ class MemoryTierDir:
         return None
 
     def heartbeat(self, attempt: int, hb: Heartbeat) -> None:
-        """The worker's `snapshot` heartbeats: the tier started, changed interval or stopped."""
+        """The worker's `snapshot` heartbeats (the tier started, changed interval or stopped)
+        and `persist` heartbeats (a disk save, copied in the background)."""
+        if hb.event == "persist":
+            self.disk.request(hb.step, hb.persist)
+            return
+        self.disk.poll()  # the next copy starts as soon as the loop hears anything
         s = hb.snapshot
         if hb.event != "snapshot" or not isinstance(s, dict):
             return
@@ -97,6 +108,10 @@ class MemoryTierDir:
                   reason=str(off) if off else None)
         if off:
             self.say(f"attempt {attempt}: memory tier off: {off}")
+
+    def poll(self) -> None:
+        """At each watch sample: report a finished disk-cadence copy, start the next."""
+        self.disk.poll()
 
     def drop(self, attempt: int, why: str) -> None:
         """Memory pressure: no more snapshots in this attempt, the ones there freed (once)."""

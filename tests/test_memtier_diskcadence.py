@@ -1,0 +1,213 @@
+"""The disk cadence under the memory tier: a scheduled disk save is a snapshot that rtrain is
+asked to persist (the worker's side), the request bookkeeping (one copy at a time, the newest
+request waiting), and rtrain's copy with retention and a full disk (supervisor/memtier/
+diskcadence.py). The launch with real processes is tests/test_memory_tier_launch.py."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+import worker
+from supervisor.ckpt.layout import list_checkpoints
+from supervisor.ckpt.verify import Level, verify
+from supervisor.core.protocol import ENV_HEARTBEAT, ENV_MEMORY_DIR
+from supervisor.memtier import decide
+from supervisor.memtier.diskcadence import DiskCadence
+from supervisor.proc.heartbeat import HeartbeatReceiver
+from supervisor.retention.decide import RetentionPolicy
+
+KEEP_1 = {"keep": 1, "keep_best": 0, "metric": None, "mode": "min", "milestone_every": 0}
+
+
+def _req(step):
+    return decide.Request(step, RetentionPolicy(keep=2))
+
+
+def test_one_copy_at_a_time_and_only_the_newest_request_waits():
+    q, start = decide.requested(decide.Queue(), _req(4))
+    assert start == _req(4) and q.running == 4
+    q, start = decide.requested(q, _req(8))
+    assert start is None and q.pending == _req(8)
+    q, start = decide.requested(q, _req(12))  # replaces 8: its snapshot is gone by now
+    assert start is None and q.pending == _req(12)
+    q, start = decide.requested(q, _req(4))  # covered by the copy running (newest at 4 or later)
+    q, start2 = decide.requested(q, _req(10))  # older than the one waiting
+    assert start is None and start2 is None and q.pending == _req(12)
+    q, nxt = decide.finished(q, 8)  # the copy took the newest snapshot then, step 8
+    assert nxt == _req(12) and q == decide.Queue(running=12)
+    q, nxt = decide.finished(q, None)  # nothing was committed: nothing waits
+    assert nxt is None and q == decide.Queue()
+
+
+def test_a_commit_that_covers_the_waiting_request_ends_the_queue():
+    q, _ = decide.requested(decide.Queue(), _req(4))
+    q, _ = decide.requested(q, _req(8))
+    q, nxt = decide.finished(q, 9)  # the copy of request 4 found step 9 already
+    assert nxt is None and q == decide.Queue()
+
+
+@pytest.mark.parametrize("fields, expected", [
+    (KEEP_1, RetentionPolicy(keep=1)),
+    ({**KEEP_1, "keep": None, "milestone_every": 10},
+     RetentionPolicy(keep=None, milestone_every=10)),
+    ({**KEEP_1, "newer_field": 1}, RetentionPolicy(keep=1)),  # a newer worker's extra
+    ({**KEEP_1, "keep": 0}, None),  # no valid rule: nothing is pruned
+    ({**KEEP_1, "keep": "three"}, None),
+    ({**KEEP_1, "keep_best": 2}, None),  # best without a metric
+    ("keep 3", None),
+    (None, None),
+])
+def test_the_workers_keep_policy_is_read_or_nothing_is_pruned(fields, expected):
+    assert decide.policy_of(fields) == expected
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    d = tmp_path / "shm"
+    d.mkdir(mode=0o700)
+    monkeypatch.setenv(ENV_MEMORY_DIR, str(d))
+    return d
+
+
+def _model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 1))
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+def _train(m, opt, ckpt, steps, start=0):
+    paths = []
+    for step in range(start, start + steps):
+        loss = m(torch.randn(16, 32)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        paths.append(ckpt.maybe_save(step + 1))
+    return paths
+
+
+def _persist_heartbeats(receiver, n, timeout=5.0):
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got += [hb for hb in receiver.drain() if hb.event == "persist"]
+        time.sleep(0.02)
+    return got
+
+
+def test_a_scheduled_disk_save_under_the_tier_is_a_snapshot_rtrain_is_asked_to_persist(
+        tmp_path, shm, monkeypatch):
+    """every=2 with the memory tier: the worker writes nothing to the checkpoint dir on
+    schedule; each due step is snapshotted and a `persist` heartbeat carries its Keep policy,
+    sent once the snapshot committed. An explicit save() and request_save() stay disk writes."""
+    ck = tmp_path / "ck"
+    with HeartbeatReceiver() as receiver:
+        monkeypatch.setenv(ENV_HEARTBEAT, receiver.name)
+        m, opt = _model()
+        ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=ck, every=2, keep=2,
+                                   saving=worker.Saving(memory=100))
+        paths = _train(m, opt, ckpt, 4)
+        ckpt._memory.wait()
+        assert paths == [None, ck / "checkpoint-2", None, ck / "checkpoint-4"]
+        assert list_checkpoints(ck) == []  # rtrain writes those
+        assert [s for s, _ in list_checkpoints(shm)] == [4]
+        got = _persist_heartbeats(receiver, 2)
+        assert [hb.step for hb in got] == [2, 4]
+        assert decide.policy_of(got[0].persist) == RetentionPolicy(keep=2)
+        assert ckpt._clock.last_step == 4  # the schedule counts it as saved: next due at 6
+        assert _train(m, opt, ckpt, 1, start=4) == [None]
+        assert ckpt.save(5) == ck / "checkpoint-5"  # explicit: durable before it returns
+        ckpt.request_save()
+        assert _train(m, opt, ckpt, 1, start=5) == [ck / "checkpoint-6"]
+        ckpt.close()
+        assert _persist_heartbeats(receiver, 1, timeout=0.3) == []
+    assert [s for s, _ in list_checkpoints(ck)] == [6, 5]
+
+
+def test_without_a_working_tier_the_scheduled_save_goes_to_disk(tmp_path, shm):
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck", every=2,
+                               saving=worker.Saving(memory=worker.Memory(every=1,
+                                                                          budget_mb=0.01)))
+    _train(m, opt, ckpt, 2)  # the state does not fit the budget: the tier turns off
+    ckpt.close()
+    assert [s for s, _ in list_checkpoints(tmp_path / "ck")] == [2]
+
+
+def _snapshots(tmp_path, shm, disk_steps, snap_at):
+    """Checkpoints of `disk_steps` written by the worker itself, then a snapshot at `snap_at`
+    in shared memory; the checkpoint dir carries the run identity the snapshot names."""
+    ck = tmp_path / "ck"
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=ck, keep=None,
+                               saving=worker.Saving(memory=snap_at))
+    for step in range(1, snap_at + 1):
+        _train(m, opt, ckpt, 1, start=step - 1)
+        if step in disk_steps:
+            ckpt.save(step)
+    ckpt.close()
+    assert [s for s, _ in list_checkpoints(shm)] == [snap_at]
+    return ck
+
+
+def _disk(shm, ckpts, seen, said, resumed=None):
+    d = DiskCadence(shm, ckpts, None, file_mode=0o600,
+                    emit=lambda kind, **f: seen.append((kind, f)), say=said.append)
+    d.attempt_starting(3, resumed)
+    return d
+
+
+def test_rtrain_persists_the_snapshot_and_prunes_with_the_workers_policy(tmp_path, shm):
+    ck = _snapshots(tmp_path, shm, disk_steps={1, 2, 3}, snap_at=6)
+    seen, said = [], []
+    d = _disk(shm, ck, seen, said, resumed=1)
+    d.request(6, KEEP_1)
+    d.settle()
+    [(kind, f)] = seen
+    assert kind == "snapshot_persisted" and f["why"] == "disk cadence" and f["step"] == 6
+    assert f["attempt"] == 3 and f["bytes"] > 0
+    # keep=1: the newest (just committed) and the attempt's own checkpoint stay
+    assert [s for s, _ in list_checkpoints(ck)] == [6, 1]
+    v = verify(ck / "checkpoint-6", Level.FULL, None)
+    assert v.ok and v.manifest["info"]["memory_snapshot"] is True
+    d.request(4, KEEP_1)  # an older request: the disk has its step's successor already
+    d.settle()
+    assert len(seen) == 1 and said == []
+
+
+def test_a_full_disk_is_said_once_and_the_next_request_tries_again(tmp_path, shm,
+                                                                    small_tmpfs):
+    disk = small_tmpfs("1m")
+    ck = disk / "ck"
+    src = _snapshots(tmp_path, shm, disk_steps={1}, snap_at=2)
+    shutil.copytree(src, ck)
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:  # the disk fills up for real
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    seen, said = [], []
+    d = _disk(shm, ck, seen, said)
+    d.request(2, KEEP_1)
+    d.settle()
+    d.request(2, KEEP_1)
+    d.settle()
+    assert [k for k, _ in seen] == ["snapshot_not_persisted"]  # once, not per request
+    assert seen[0][1]["step"] == 2 and "No space left" in seen[0][1]["reason"]
+    assert len(said) == 1 and "stays in memory" in said[0]
+    assert [s for s, _ in list_checkpoints(shm)] == [2]  # nothing lost from memory
+    assert not [p for p in ck.iterdir() if p.name.startswith(".")]  # no half copy left
+    os.unlink(filler)
+    d.request(2, KEEP_1)
+    d.settle()
+    assert [k for k, _ in seen] == ["snapshot_not_persisted", "snapshot_persisted"]
+    assert [s for s, _ in list_checkpoints(ck)] == [2]  # keep=1 pruned step 1
