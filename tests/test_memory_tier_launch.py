@@ -17,6 +17,7 @@ from harness import CHILDREN, child_env, events, gone, invoke_rtrain, launch, la
 from references import cached
 
 from supervisor.ckpt.layout import list_checkpoints
+from supervisor.ckpt.verify import Level, verify
 from supervisor.memtier import shmdir
 
 pytestmark = pytest.mark.slow
@@ -119,3 +120,44 @@ def test_snapshots_left_by_a_sigkilled_rtrain_are_committed_by_the_next_launch(t
     for k, v in ref["model"].items():
         assert torch.equal(final["model"][k], v), k
     assert not shm.exists()
+
+
+def test_disk_saves_under_the_memory_tier_are_written_by_rtrain_while_the_child_runs(tmp_path):
+    """every=4 with snapshots every 4: each scheduled disk save is a snapshot that rtrain
+    copies into the checkpoint dir while the child trains on, prunes with the worker's keep=2
+    (never the checkpoint the attempt resumed from) and the mirror uploads as it would a
+    worker's save. A death after step 10 resumes from the snapshot of step 8, in memory; the
+    run ends bitwise-identical to an uninterrupted one."""
+    run, out, mirror = tmp_path / "run", tmp_path / "out.pt", tmp_path / "mirror"
+    ckpts = run / "checkpoints"
+    mirror.mkdir()
+    r = launch(run, "--mirror", str(mirror), SCRIPT, str(ckpts), str(out), "20", "10",
+               "--die-once", "--every", "4", "--memory", "4", "--step-sleep", "0.1", timeout=180)
+    assert r.returncode == 0, r.stderr
+    persisted = events(run, "snapshot_persisted")
+    by_rtrain = [e for e in persisted if e["why"] == "disk cadence"]
+    assert all(e["step"] % 4 == 0 for e in persisted), persisted  # the disk cadence's steps
+    assert [e["step"] for e in by_rtrain][-1] == 20
+    # While each attempt ran, not only at its end: before that attempt's exit event.
+    exits = {e["attempt"]: e["seq"] for e in events(run, "exit")}
+    during = [e for e in by_rtrain if e["seq"] < exits[e["attempt"]]]
+    assert {e["attempt"] for e in during} == {0, 1} and len(during) >= 3, persisted
+    launches = events(run, "launch")
+    assert len(launches) == 2 and launches[1].get("tier") == "memory"
+    resumed = int(launches[1]["resume_from"].rsplit("-", 1)[1])
+    assert resumed in (4, 8)
+    # Every checkpoint on disk is a snapshot rtrain copied (the worker wrote none itself);
+    # keep=2 of all that were committed, plus the one attempt 1 resumed from.
+    on_disk = {s: p for s, p in list_checkpoints(ckpts)}
+    committed = {e["step"] for e in persisted}
+    assert set(on_disk) == set(sorted(committed)[-2:]) | {resumed}, (on_disk, committed)
+    for p in on_disk.values():
+        assert verify(p, Level.FULL, None).manifest["info"].get("memory_snapshot") is True
+    # The mirror took rtrain's copies as they came, not only the last at the run's end.
+    uploaded = {e["step"] for e in events(run, "mirror_uploaded")}
+    assert uploaded & {e["step"] for e in during if e["step"] < 20}, (uploaded, persisted)
+    assert events(run, "mirror_final")[-1]["step"] == 20
+    final, ref = torch.load(out), _reference(20)
+    assert final["step"] == 20
+    for k, v in ref["model"].items():
+        assert torch.equal(final["model"][k], v), k

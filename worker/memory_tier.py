@@ -29,6 +29,14 @@ leaves the tier off, with a warning that says what to change. The pages count ag
 run's memory cgroup; rtrain drops the tier before the training process would be OOM-killed
 (writing `dropped` into the directory). A snapshot that fails (no space) turns the tier off
 and training goes on: the disk tier is untouched.
+
+The disk cadence. While the tier is on, a disk save due on the schedule (`every=`) is a
+snapshot of that step followed, once it committed, by a `persist` heartbeat with the Keep
+policy: rtrain copies it into the checkpoint dir in the background and prunes
+(supervisor/memtier/diskcadence.py), so the loop pays the snapshot, not the disk write. A stop
+request, `request_save()`, `save()` and the save at a failure still write to disk from this
+process: they must be durable before it goes on or exits. A snapshot rtrain was to persist that
+fails makes the next step boundary save to disk here instead (`persist_lost`).
 """
 
 from __future__ import annotations
