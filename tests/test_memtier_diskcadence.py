@@ -211,3 +211,29 @@ def test_a_full_disk_is_said_once_and_the_next_request_tries_again(tmp_path, shm
     d.settle()
     assert [k for k, _ in seen] == ["snapshot_not_persisted", "snapshot_persisted"]
     assert [s for s, _ in list_checkpoints(ck)] == [2]  # keep=1 pruned step 1
+
+
+def test_a_step_saved_again_replaces_its_earlier_save_not_a_later_one(tmp_path, shm):
+    """The worker's own save of step 6, made after the snapshot, stays; a replay of step 6
+    (other values, snapshotted later) replaces it, as the worker's own save would."""
+    ck = _snapshots(tmp_path, shm, disk_steps={6}, snap_at=6)
+    own = (ck / "checkpoint-6" / "manifest.json").read_bytes()
+    seen, said = [], []
+    d = _disk(shm, ck, seen, said)
+    d.request(6, KEEP_1)
+    d.settle()
+    assert seen == [] and (ck / "checkpoint-6" / "manifest.json").read_bytes() == own
+    m, opt = _model()
+    with torch.no_grad():
+        m[0].weight.add_(1.0)  # the replay took another path (a lower learning rate, say)
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "replay",
+                               saving=worker.Saving(memory=6))
+    _train(m, opt, ckpt, 6)
+    ckpt.close()
+    [(_, snap)] = list_checkpoints(shm)
+    d.request(6, KEEP_1)
+    d.settle()
+    assert [k for k, _ in seen] == ["snapshot_persisted"]
+    assert (ck / "checkpoint-6" / "manifest.json").read_bytes() == \
+        (snap / "manifest.json").read_bytes()
+    assert verify(ck / "checkpoint-6", Level.FULL, None).ok

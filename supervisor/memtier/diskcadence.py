@@ -5,7 +5,9 @@ With the memory tier on, a disk save that falls due on the worker's schedule is 
 that step or later into the checkpoint dir in a thread of its own (persist.py: hashed as it is
 copied, pinned against the worker's removal), then prunes with the worker's Keep policy, never
 the step just committed nor the one the attempt resumed from. So the training thread pays the
-snapshot, not the disk write. One copy runs at a time; a request that comes meanwhile waits,
+snapshot, not the disk write. A step on disk already is left alone unless it is an earlier
+save of it (a replay after a resume from an older checkpoint), replaced as the worker's own
+save would replace it. One copy runs at a time; a request that comes meanwhile waits,
 a newer one replacing it (decide.requested). The thread never writes events: what it did is
 reported from the loop's thread (`poll`, `settle`), where every event is written.
 
@@ -24,8 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.ckpt import manifest as mf
 from supervisor.ckpt import runid
-from supervisor.ckpt.layout import list_checkpoints
+from supervisor.ckpt.commit import remove_dir
+from supervisor.ckpt.layout import MANIFEST, checkpoint_name
 from supervisor.ckpt.verify import Level, Verdict, VerifiedCache, verify
 from supervisor.memtier import decide, persist, shmdir
 from supervisor.retention.prune_dir import prune
@@ -166,11 +170,18 @@ class DiskCadence:
                     shmdir.discard_snapshot(v.path)
             if snap is None or snap.step < done.request.step:
                 return  # dropped (memory pressure) or already taken by an attempt's end
-            disk = next((s for s, _ in list_checkpoints(self.ckpt_dir)), None)
-            plan = decide.persist(snap.step, disk, why=WHY,
+            # Newer checkpoints on disk do not matter: the worker asked for this step (after a
+            # rollback it replays steps saved before), as its own save would have written it.
+            plan = decide.persist(snap.step, None, why=WHY,
                                   same_run=runid.of(snap.manifest) == runid.read(self.ckpt_dir))
             if plan is None:
                 return
+            final = self.ckpt_dir / checkpoint_name(snap.step)
+            if snap.step != self.resumed and _replayed(final, snap):
+                try:
+                    remove_dir(final)  # as the worker's commit does with a step saved again
+                except FileNotFoundError:
+                    pass
             t0 = time.monotonic()
             try:
                 out = persist.persist(snap, self.ckpt_dir, mode=self.file_mode)
@@ -186,3 +197,16 @@ class DiskCadence:
             done.step, done.path, done.bytes = snap.step, out.path, out.bytes
             done.seconds = time.monotonic() - t0
             return
+
+
+def _replayed(final: Path, snap: Verdict) -> bool:
+    """`final` (the snapshot's step on disk) is an earlier save of that step, which a replay
+    after a resume from an older checkpoint replaces: other files, written before the
+    snapshot. One written after it (the worker's own save of the step) stays."""
+    try:
+        old = mf.load(final)
+        before = ((final / MANIFEST).stat().st_mtime_ns
+                  < (snap.path / MANIFEST).stat().st_mtime_ns)
+    except (OSError, mf.ManifestError):
+        return False
+    return before and old.get("files") != (snap.manifest or {}).get("files")
