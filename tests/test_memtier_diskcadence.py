@@ -149,6 +149,7 @@ def _snapshots(tmp_path, shm, disk_steps, snap_at):
     for step in range(1, snap_at + 1):
         _train(m, opt, ckpt, 1, start=step - 1)
         if step in disk_steps:
+            ckpt._memory.wait()  # the snapshot of this step, if any, commits first
             ckpt.save(step)
     ckpt.close()
     assert [s for s, _ in list_checkpoints(shm)] == [snap_at]
