@@ -6,6 +6,7 @@ diskcadence.py). The launch with real processes is tests/test_memory_tier_launch
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import shutil
 import time
@@ -238,3 +239,32 @@ def test_a_step_saved_again_replaces_its_earlier_save_not_a_later_one(tmp_path, 
     assert (ck / "checkpoint-6" / "manifest.json").read_bytes() == \
         (snap / "manifest.json").read_bytes()
     assert verify(ck / "checkpoint-6", Level.FULL, None).ok
+
+
+def test_the_automatic_cadence_goes_on_choosing_from_what_the_hand_off_costs(tmp_path, shm,
+                                                                               monkeypatch):
+    """every="auto" under the memory tier: each hand-off is a save to the clock (it counts
+    from it, and chooses the next interval from its stall, which is the snapshot's, not a
+    disk write's), and the saves keep coming at the interval chosen."""
+    with HeartbeatReceiver() as receiver:
+        monkeypatch.setenv(ENV_HEARTBEAT, receiver.name)
+        m, opt = _model()
+        ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                                   every=worker.Every(steps="auto", total_steps=40,
+                                                      max_steps=3),
+                                   saving=worker.Saving(memory=100))
+        beats = []
+        for step in range(12):  # read as rtrain does, before the socket's queue fills
+            _train(m, opt, ckpt, 1, start=step)
+            beats += receiver.drain()
+        ckpt.close()
+        time.sleep(0.2)
+        beats += receiver.drain()
+    persists = [hb.step for hb in beats if hb.event == "persist"]
+    cadences = [hb.cadence for hb in beats if hb.event == "cadence"]
+    assert list_checkpoints(tmp_path / "ck") == []
+    assert len(persists) >= 4 and all(b - a <= 3 for a, b in itertools.pairwise(persists))
+    assert cadences and all(c["every_steps"] <= 3 for c in cadences)
+    assert ckpt._clock.last_step == persists[-1]
+    # What the loop paid at the hand-off: well under a second for this small state.
+    assert all(0 <= c["save_stall_s"] < 1.0 for c in cadences)
