@@ -288,9 +288,11 @@ class Checkpointer:
         it to the checkpoint dir in the background (docs/design.md, "The memory tier"). False
         when the tier cannot take it: the caller saves to disk itself.
 
-        The cadence's cost is what this costs the training thread (the capture and the
-        snapshot's start): rtrain's copy runs beside training, and requests that come faster
-        than it copies are merged into the newest, so a short interval never stalls the loop."""
+        The cadence's cost is what this costs the training thread: the capture and the
+        snapshot's start, plus the optimizer step's wait for the previous snapshot to read the
+        state (this one's is not known yet; they hold the same state). rtrain's copy runs
+        beside training, and requests that come faster than it copies are merged into the
+        newest, so a short interval never stalls the loop."""
         if self._memory is None or self._memory.off is not None or dist.world() is not None:
             return False
         began = self._clock.clock()
@@ -302,7 +304,7 @@ class Checkpointer:
         if not self._memory.snapshot(cap, persist=asdict(self.keep.policy())):
             return False
         self._clock.last_step = step
-        self._clock.save_ended(step, self._clock.clock() - began)
+        self._clock.save_ended(step, self._clock.clock() - began + self._memory.gate_s)
         return True
 
     def request_save(self) -> None:

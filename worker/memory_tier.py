@@ -169,6 +169,7 @@ class MemoryTier:
         self._read = threading.Event()  # set once the running snapshot read the live tensors
         self._read.set()
         self._gate_wait = 0.0  # the optimizer step's wait for the running snapshot
+        self.gate_s = 0.0  # that wait, for the last snapshot that finished
         self._last_call: tuple[int, float] | None = None  # (step, time) of the previous snapshot
         self._said: dict[str, Any] | None = None  # the interval last told to rtrain
         # A snapshot rtrain was to persist as a disk save failed: the Checkpointer saves to
@@ -247,6 +248,7 @@ class MemoryTier:
             self._pending = False
             if self.stall_s is not None:
                 self.stall_s += self._gate_wait  # the stall that snapshot cost the loop
+            self.gate_s = self._gate_wait
 
     def close(self) -> None:
         self.wait()
