@@ -271,7 +271,7 @@ def test_auto_spaces_snapshots_so_none_waits_for_the_previous_write(tmp_path, sh
     write = PendingCheckpoint.write_bytes
 
     def slow(self, *a, **kw):
-        time.sleep(0.15)  # state.json: after the copy, so the optimizer never waits for it
+        time.sleep(0.5)  # state.json: after the copy, so the optimizer never waits for it
         return write(self, *a, **kw)
 
     monkeypatch.setattr(PendingCheckpoint, "write_bytes", slow)
@@ -283,8 +283,9 @@ def test_auto_spaces_snapshots_so_none_waits_for_the_previous_write(tmp_path, sh
     ckpt._memory.snapshot = lambda cap: (taken.append(cap.step), real(cap))
     _train(m, opt, ckpt, 30, between=lambda step: time.sleep(0.02))
     ckpt.close()
-    assert ckpt._memory.every >= 4, ckpt._memory.every  # 0.15 s writes over ~0.03 s steps
-    assert taken[0] == 1 and len(taken) < 12, taken
+    # 0.5 s writes over steps of a few tens of ms (more on a loaded machine): spread out.
+    assert ckpt._memory.every >= 2, ckpt._memory.every
+    assert taken[0] == 1 and len(taken) <= 15, taken
 
 
 def test_only_the_snapshot_rtrain_handed_over_is_mapped_unhashed(tmp_path, shm, monkeypatch):
