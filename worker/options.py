@@ -189,12 +189,11 @@ class Restoring:
 class Memory:
     """The memory tier: snapshots in shared memory, taken every few steps between disk saves.
     `Saving(memory=5)` is `Saving(memory=Memory(every=5))`; `memory="auto"` is `Memory()`.
-    Under `rtrain launch` only
-    (it gives the directory and persists the snapshots): when the process dies by any cause,
-    rtrain commits the newest complete snapshot to the checkpoint dir and the relaunch restores
-    from memory. Under rtrain, scheduled disk saves are then snapshots too, copied to the
-    checkpoint dir by rtrain in the background. Single process only; a warning says when the
-    tier stays off.
+    Under `rtrain launch` only (it gives the directory and persists the snapshots): when the
+    process dies by any cause, rtrain commits the newest complete snapshot to the checkpoint
+    dir and the relaunch restores from memory. Scheduled disk saves are then snapshots too,
+    copied to the checkpoint dir by rtrain in the background. Single process only; a warning
+    says when the tier stays off.
 
     Attributes:
         every: Snapshot when the step is a multiple of this. "auto" snapshots at the first
