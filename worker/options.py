@@ -129,6 +129,13 @@ class Saving:
             state since the last step boundary, commit that step's checkpoint (single
             process; docs/design.md, "Save at failure").
         failure_timeout_s: The longest the failing process waits for that save.
+        compile_cache: Also save torch.compile's portable cache artifacts beside each
+            checkpoint (`compile-cache.bin`, torch.compiler.save_cache_artifacts), so a
+            relaunch on a fresh node compiles warm. Loaded at restore only from a signed
+            checkpoint (or with Restoring(allow_pickle=True)) of the same torch version and
+            device kind (docs/design.md, "Compile caches"). Nothing is written when nothing
+            was compiled or torch has no such API.
+        compile_cache_max_mb: Artifacts larger than this are neither saved nor loaded.
     """
 
     async_mode: AsyncMode = "off"
@@ -137,8 +144,13 @@ class Saving:
     trainable_only: bool = False
     on_failure: bool = True
     failure_timeout_s: float = FAILURE_SAVE_TIMEOUT_S
+    compile_cache: bool = True
+    compile_cache_max_mb: float = 512.0
 
     def __post_init__(self) -> None:
+        if not self.compile_cache_max_mb > 0:
+            raise ValueError(f"Saving(compile_cache_max_mb=) must be positive, not "
+                             f"{self.compile_cache_max_mb!r}")
         if self.async_mode not in ("off", "auto", "fork", "thread"):
             raise ValueError(f"Saving(async_mode=) is 'off', 'auto', 'fork' or 'thread', not "
                              f"{self.async_mode!r}")

@@ -87,6 +87,8 @@ class Heartbeat:
     `reason` says how many were saved), `control_refused` (requests on the control FIFO without
     the attempt's token were refused: `reason` says how many), `cadence` (with `cadence`: the
     save interval `every="auto"` chose, worker/cadence.py), `backoff` (with `settings`),
+    `compile_cache_loaded` / `compile_cache_ignored` (at restore, with `reason`: the checkpoint's
+    compile cache was loaded, its size; or ignored, why: worker/compile_cache.py),
     `relieved` (after a relieve request: `reason` says what was freed, `settings` what the
     worker now uses), `exception` (with `reason`: the type of the uncaught exception ending the
     process, sent as it begins its way out) or `stop`. The first `start` (the worker installed)
