@@ -200,11 +200,12 @@ class Checkpointer:
                                                             self._lr_scale)
                 self._judge_hyperparams(changes)
                 # Before the first compiled step: torch fills its local caches from it.
-                compile_cache.restore(loaded.path, loaded.manifest, loaded.alg,
-                                      signed=self.key is not None
-                                      and "signature" in loaded.manifest,
-                                      allow_pickle=r.allow_pickle, model=self.model,
-                                      max_mb=self.saving.compile_cache_max_mb, enc=loaded.enc)
+                if self.saving.compile_cache:
+                    compile_cache.restore(
+                        loaded.path, loaded.manifest, loaded.alg,
+                        signed=self.key is not None and "signature" in loaded.manifest,
+                        allow_pickle=r.allow_pickle, model=self.model,
+                        max_mb=self.saving.compile_cache_max_mb, enc=loaded.enc)
         except CorruptCheckpoint as e:
             if from_supervisor:
                 restore.report_bad_checkpoint(os.environ[ENV_RESUME_FROM], e.reason)

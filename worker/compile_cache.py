@@ -3,10 +3,12 @@
 A relaunch on the same node finds what `torch.compile` compiled in the run dir's cache
 (supervisor/launch/compile_dirs.py). A fresh node (a Slurm requeue elsewhere, a new pod) has
 none, so at each save the worker also writes torch's "mega-cache"
-(`torch.compiler.save_cache_artifacts()`) beside the checkpoint as `compile-cache.bin`, listed
-and hashed in its manifest like every file (so the mirror carries it), and at restore hands
-those bytes to `torch.compiler.load_cache_artifacts()`, which fills the local caches before the
-first compiled step. A torch without that API saves and loads nothing.
+(`torch.compiler.save_cache_artifacts()`) and the compiled kernels of inductor's cache dir
+(which the mega-cache leaves out on a CPU: worker/compile_pack.py) beside the checkpoint as
+`compile-cache.bin`, listed and hashed in its manifest like every file (so the mirror carries
+it), and at restore hands the mega-cache to `torch.compiler.load_cache_artifacts()` and puts
+the kernels back, which fills the local caches before the first compiled step. A torch without
+that API saves and loads nothing; `Saving(compile_cache=False)` neither saves nor loads.
 
 What torch's loader does with the bytes (torch 2.13, torch/compiler/_cache.py): it parses a
 framed list of (artifact type, key, content) with no pickle, then each artifact's
@@ -22,6 +24,7 @@ threat model's promise that bytes in the checkpoint dir never execute unless tru
   `Restoring(allow_pickle=True)` (the user trusts the checkpoint dir with code already);
 - only the bytes the manifest lists, read once and hashed as they are read (verified_read), so
   the bytes checked are the bytes loaded; no larger than `Saving(compile_cache_max_mb=)`;
+- only kernel files named as inductor names them, written only inside its cache dir;
 - only from the same torch version and device kind (CPU architecture, or CUDA compute
   capability) that wrote them: anything else would miss anyway, or worse, load code built for
   another machine.
@@ -33,7 +36,9 @@ a `compile_cache` event): the checkpoint itself still loads, and the first step 
 from __future__ import annotations
 
 import logging
+import os
 import platform
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,11 +47,12 @@ import torch
 
 from supervisor.ckpt import crypt
 from supervisor.ckpt.verified_read import LoadError, read_listed
-from worker import runtime
+from worker import compile_pack, runtime
 
 log = logging.getLogger(__name__)
 
 FILE = "compile-cache.bin"
+UNSIGNED = "the checkpoint is not signed"
 INFO_KEY = "compile_cache"  # manifest info.compile_cache: {bytes, torch, device, artifacts}
 
 
@@ -76,9 +82,19 @@ class Artifacts:
     info: dict[str, Any]
 
 
+def inductor_cache_dir() -> Path:
+    """Where inductor keeps its caches in this process (rtrain sets it to the run dir's)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        return Path(cache_dir())
+    except (ImportError, OSError):
+        return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tempfile.gettempdir())
+
+
 def collect(model: torch.nn.Module | None, max_mb: float) -> Artifacts | None:
-    """This process's compile artifacts so far (everything it compiled or loaded from a cache),
-    or None: nothing compiled, no API, or more than `max_mb` (said once in the log)."""
+    """This process's compile artifacts so far (everything it compiled or loaded from a cache)
+    and the kernels in inductor's cache dir, packed (worker/compile_pack.py); None: nothing
+    compiled, no API, or more than `max_mb` (said in the log)."""
     if not available():
         return None
     try:
@@ -89,14 +105,26 @@ def collect(model: torch.nn.Module | None, max_mb: float) -> Artifacts | None:
         return None
     if got is None:
         return None
-    data, cache_info = got
-    if len(data) > max_mb * 2**20:
+    torch_bytes, cache_info = got
+    limit = max_mb * 2**20
+    kernels: dict[str, bytes] = {}
+    total = len(torch_bytes)
+    for name, path in compile_pack.kernel_files(inductor_cache_dir()):
+        try:
+            kernels[name] = path.read_bytes()
+        except OSError:
+            continue  # removed or being written meanwhile: it is rebuilt if needed
+        total += len(kernels[name])
+        if total > limit:
+            break
+    data = compile_pack.pack(torch_bytes, kernels)
+    if len(data) > limit:
         log.warning("compile cache not saved with the checkpoint: %.1f MiB is over "
                     "Saving(compile_cache_max_mb=%g)", len(data) / 2**20, max_mb)
         return None
     kinds = getattr(cache_info, "artifacts", {}) or {}
     info = {"bytes": len(data), "torch": torch.__version__, "device": device_kind(model),
-            "artifacts": {str(k): len(v) for k, v in kinds.items()}}
+            "artifacts": {str(k): len(v) for k, v in kinds.items()}, "kernels": len(kernels)}
     return Artifacts(bytes(data), info)
 
 
@@ -109,7 +137,7 @@ def judge(manifest: dict[str, Any], *, signed: bool, allow_pickle: bool, torch_v
     if not isinstance(info, dict) or not isinstance(entry, dict):
         return "the manifest does not list it"
     if not (signed or allow_pickle):
-        return ("the checkpoint is not signed: loading it would run code from the checkpoint "
+        return (f"{UNSIGNED}: loading it would run code from the checkpoint "
                 "dir (sign checkpoints with RTRAIN_SIGNING_KEY, or trust the dir with "
                 "Restoring(allow_pickle=True))")
     if info.get("torch") != torch_version:
@@ -137,26 +165,38 @@ def restore(path: Path, manifest: dict[str, Any], alg: str, *, signed: bool,
                 torch_version=torch.__version__, device=device_kind(model),
                 max_bytes=int(max_mb * 2**20))
     if why is not None:
-        return _ignored(path, why)
+        # Unsigned is the default, not a mistake: said in the event, not warned at every resume.
+        return _ignored(path, why, quiet=why.startswith(UNSIGNED))
     try:
         data = read_listed(path, FILE, manifest, alg, limit=int(max_mb * 2**20), enc=enc)
     except (LoadError, OSError) as e:
         return _ignored(path, f"cannot read it: {e}")
     try:
-        loaded = torch.compiler.load_cache_artifacts(data)
+        torch_bytes, kernels = compile_pack.unpack(data)
+    except compile_pack.PackError as e:
+        return _ignored(path, f"not a compile cache rtrain wrote: {e}")
+    try:
+        loaded = torch.compiler.load_cache_artifacts(torch_bytes)
     except Exception as e:  # a cache torch cannot take is a cold compile
         return _ignored(path, f"torch refused it ({type(e).__name__}: {str(e)[:200]})")
     if loaded is None:
         return _ignored(path, "torch could not parse it")
+    try:
+        placed = compile_pack.place(inductor_cache_dir(), kernels)
+    except OSError as e:
+        log.warning("compile cache of %s: kernels not placed (%s); they are rebuilt",
+                    path.name, e)
+        placed = 0
     kinds = getattr(loaded, "artifacts", {}) or {}
     count = sum(len(v) for v in kinds.values())
-    detail = f"{len(data) / 2**20:.1f} MiB, {count} artifacts"
+    detail = f"{len(data) / 2**20:.1f} MiB, {count} artifacts, {placed} kernels"
     log.info("compile cache of %s loaded (%s)", path.name, detail)
     runtime.heartbeat(event="compile_cache_loaded", reason=detail)
     return True
 
 
-def _ignored(path: Path, why: str) -> bool:
-    log.warning("compile cache of %s ignored: %s; the first step compiles cold", path.name, why)
+def _ignored(path: Path, why: str, quiet: bool = False) -> bool:
+    log.log(logging.INFO if quiet else logging.WARNING,
+            "compile cache of %s ignored: %s; the first step compiles cold", path.name, why)
     runtime.heartbeat(event="compile_cache_ignored", reason=why)
     return False
