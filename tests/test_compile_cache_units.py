@@ -130,3 +130,18 @@ def test_a_cache_torch_cannot_take_is_ignored_and_the_checkpoint_restores(
     assert ck2.restore() == 2
     assert torch.equal(model2.weight, saved)
     assert why in caplog.text and "compiles cold" in caplog.text
+
+
+def test_inspect_shows_the_compile_caches_size(tmp_path):
+    from harness import invoke_rtrain
+
+    model, opt = make()
+    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).save(2)
+    data = compile_pack.pack(b"\0" * 3000, {})
+    _forge(tmp_path / "checkpoint-2", data, None, artifacts={"inductor": 2}, kernels=5)
+    r = invoke_rtrain("inspect", str(tmp_path / "checkpoint-2"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stdout.splitlines() if "compile cache" in ln]
+    assert f"torch {torch.__version__}" in line and "2 artifacts, 5 kernels" in line
+    assert "KiB" in line or "kB" in line
+    assert "compile_cache" not in r.stdout  # not repeated inside `info`

@@ -74,7 +74,8 @@ while step < args.total:
     ckpt.maybe_save(step, metrics={"loss": loss.item()})
     if step == args.die_at:
         os._exit(9)
-    if args.arm and os.path.exists(args.arm) and not os.path.exists(args.arm + ".crashed"):
+    if (args.arm and step > args.every and os.path.exists(args.arm)
+            and not os.path.exists(args.arm + ".crashed")):
         open(args.arm + ".crashed", "w").close()
         mark("crash")
         raise RuntimeError("injected crash")
