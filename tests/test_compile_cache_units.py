@@ -145,3 +145,25 @@ def test_inspect_shows_the_compile_caches_size(tmp_path):
     assert f"torch {torch.__version__}" in line and "2 artifacts, 5 kernels" in line
     assert "KiB" in line or "kB" in line
     assert "compile_cache" not in r.stdout  # not repeated inside `info`
+
+
+def test_the_mirror_carries_the_compile_cache(tmp_path):
+    """A fresh machine resuming from the mirror gets the compile cache with the checkpoint:
+    it is one of the manifest's files, uploaded and fetched (and verified) like the others."""
+    from supervisor.ckpt.verify import Level, verify
+    from supervisor.mirror import transfer
+    from supervisor.mirror.store import open_mirror
+
+    key = hashing.derive_key(b"k")
+    model, opt = make()
+    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path / "a",
+                        signing_key=key).save(2)
+    data = compile_pack.pack(b"\1" * 5000, {"inductor/ab/k.so": b"kernel"})
+    _forge(tmp_path / "a" / "checkpoint-2", data, key)
+    mirror = open_mirror(f"file://{tmp_path / 'mirror'}")
+    transfer.upload(mirror, tmp_path / "a" / "checkpoint-2")
+    (tmp_path / "fresh").mkdir()
+    transfer.download(mirror, "checkpoint-2", tmp_path / "fresh", key=key)
+    got = tmp_path / "fresh" / "checkpoint-2"
+    assert (got / compile_cache.FILE).read_bytes() == data
+    assert verify(got, Level.FULL, key).ok
