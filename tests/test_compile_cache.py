@@ -116,6 +116,9 @@ def test_attempts_under_rtrain_share_the_run_dirs_compile_cache(tmp_path):
     launches = events(run_dir, "launch")
     assert [e["attempt"] for e in launches] == [0, 1]
     assert launches[1]["resume_from"] and launches[1]["standby"], launches[1]
+    # The standby had imported inductor's compile path: the script names torch.compile.
+    ready = events(run_dir, "standby_ready")
+    assert ready and "torch._inductor.compile_fx" in ready[0]["modules"], ready
     # Unsigned: the checkpoint's own cache is not loaded, and the event says why.
     (ev,) = events(run_dir, "compile_cache")
     assert ev["attempt"] == 1 and ev["outcome"] == "ignored"

@@ -167,3 +167,14 @@ def test_the_mirror_carries_the_compile_cache(tmp_path):
     got = tmp_path / "fresh" / "checkpoint-2"
     assert (got / compile_cache.FILE).read_bytes() == data
     assert verify(got, Level.FULL, key).ok
+
+
+def test_the_standby_preloads_the_compile_path_only_for_scripts_that_compile(tmp_path):
+    from supervisor.standby import child_program
+
+    plain, compiled = tmp_path / "plain.py", tmp_path / "compiled.py"
+    plain.write_text("import torch\nmodel = torch.nn.Linear(2, 2)\n")
+    compiled.write_text("import torch\nmodel = torch.compile(torch.nn.Linear(2, 2))\n")
+    assert not child_program.compiles({str(plain)})
+    assert child_program.compiles({str(plain), str(compiled)})
+    assert not child_program.compiles({str(tmp_path / "gone.py")})
