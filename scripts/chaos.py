@@ -1,13 +1,14 @@
 """Inject faults at random into real supervised training runs for N minutes; print a summary.
 
     python scripts/chaos.py --minutes 15 [--seed S] [--jobs J] [--dir DIR] [--kinds K,K]
-                            [--cadence auto|N]
+                            [--cadence auto|N] [--memory auto|N]
 
 Each episode is one supervised run of tests/children/chaos_train.py (a small deterministic
 training loop that logs every step it executes) from a fresh run directory, with a random plan
 of faults, one per attempt, then a clean attempt that finishes. It saves every 4 steps, or with
 `--cadence auto` at the interval worker/cadence.py chooses from the measured save stall and the
-run's failures. Kinds:
+run's failures; `--memory` adds the memory tier (`Saving(memory=...)`: snapshots in shared
+memory every N steps, or "auto", which rtrain commits when the process dies). Kinds:
 
     kill            SIGKILL the training child at a random moment (start-up or training)
     kill_in_save    SIGKILL it between two files of a checkpoint save (RTRAIN_FAULTS)
@@ -338,6 +339,11 @@ def cadence_line(eps: list[Episode]) -> str:
             f"{chosen[len(chosen) // 2]}")
 
 
+def memory_line() -> str:
+    m = SETTINGS.get("memory", 0)
+    return "off" if not m else "auto" if m == -1 else f"a snapshot every {m} step(s)"
+
+
 def table(eps: list[Episode], minutes: float, seed: int, wall: float) -> str:
     injected, recovered, lost = Counter(), Counter(), Counter()
     for ep in eps:
@@ -361,6 +367,7 @@ def table(eps: list[Episode], minutes: float, seed: int, wall: float) -> str:
         f"| supervised runs (episodes) | {runs}, {finished} finished (exit 0) |",
         f"| wall time | {wall / 60:.1f} min (asked {minutes:g}), seed {seed} |",
         f"| save cadence | {cadence_line(eps)} |",
+        f"| memory tier | {memory_line()} |",
         f"| final weights + optimizer bitwise-identical to the uninterrupted run | "
         f"{sum(ep.bitwise for ep in bit)} of {len(bit)} runs |",
         f"| runs with oom/nonfinite (batch split or lr changed on purpose): every sample of "
@@ -394,7 +401,16 @@ def main() -> int:
                    help="draw only these kinds, e.g. crash,crash_forward,oom,oom_forward")
     p.add_argument("--cadence", default=str(SETTINGS["save_every"]),
                    help="save every N steps, or auto (every=\"auto\")")
+    p.add_argument("--memory", default=None,
+                   help="the memory tier: a snapshot every N steps, or auto (default: off)")
     args = p.parse_args()
+    if args.memory is not None:
+        if args.memory == "auto":
+            SETTINGS["memory"] = -1
+        elif args.memory.isdigit() and int(args.memory) > 0:
+            SETTINGS["memory"] = int(args.memory)
+        else:
+            p.error("--memory: a positive number of steps, or auto")
     if args.cadence == "auto":
         SETTINGS["save_every"] = 0
     elif args.cadence.isdigit() and int(args.cadence) > 0:

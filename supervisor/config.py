@@ -80,9 +80,10 @@ def _bool(where: str, value: Any) -> None:
 class RestartConfig:
     """`[restart]`: how many failures the run may survive, and when a loop is a loop.
 
-    Every relaunch after a failure is charged to its kind's budget and to `max_restarts`; once
-    the run has made progress since (a newer verified checkpoint and `forgive_after_steps` steps
-    or `forgive_after_s` seconds of training), the charges are forgiven. So the limits count
+    Every relaunch after a failure that did not advance the newest verified checkpoint is
+    charged to its kind's budget and to `max_restarts` (one that did is not charged); once the
+    run has made progress since (a newer verified checkpoint and `forgive_after_steps` steps or
+    `forgive_after_s` seconds of training), the charges are forgiven. So the limits count
     failures without progress in between, and a run that keeps advancing never runs out.
     """
 

@@ -3,12 +3,20 @@ it, the supervisor's failure record (timeline, child env) and what `rtrain statu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import random
 import re
+import signal
+import subprocess
 import sys
+import threading
+import time
+from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 
 from supervisor.commands.status import render_text, summarize
@@ -112,6 +120,48 @@ def test_more_failures_never_lengthen_the_interval():
     assert steps == sorted(steps, reverse=True) and steps[0] > steps[-1]
 
 
+# bounds, MTBF -> the first schedule before any save is measured: every_steps, seconds, reason
+FIRST = [
+    # a fresh run: step 2 (one timed step after the warm-up one), at most 10 min in
+    (CadenceBounds(), PRIOR, 2, 600.0,
+     "saving every 2 steps until a save is measured, at most 10 min apart"),
+    (CadenceBounds(min_steps=50), PRIOR, 50, 600.0,
+     "saving every 50 steps until a save is measured, at most 10 min apart; raised to "
+     "min_steps 50"),
+    (CadenceBounds(max_steps=1), PRIOR, 1, 600.0,
+     "saving every 1 step until a save is measured, at most 10 min apart; capped at "
+     "max_steps 1"),
+    (CadenceBounds(max_seconds=60.0), PRIOR, 2, 60.0,
+     "saving every 2 steps until a save is measured, at most 1 min apart"),
+    # the run went long without failing: no reason to wait longer or shorter
+    (CadenceBounds(), cadence.mtbf(0, 3 * DAY), 2, 600.0,
+     "saving every 2 steps until a save is measured, at most 10 min apart"),
+    # failures before any save: half the observed MTBF
+    (CadenceBounds(), cadence.mtbf(3, 12.0), 2, 5.0,
+     "saving every 2 steps until a save is measured, at most 5 s apart; half the MTBF 10 s "
+     "(3 failures in 12 s)"),
+    (CadenceBounds(), cadence.mtbf(2, 240.0), 2, 60.0,
+     "saving every 2 steps until a save is measured, at most 1 min apart; half the MTBF "
+     "2 min (2 failures in 4 min)"),
+    (CadenceBounds(min_steps=10), cadence.mtbf(1, 3600.0), 10, 600.0,  # rare: 10 min holds
+     "saving every 10 steps until a save is measured, at most 10 min apart; raised to "
+     "min_steps 10"),
+]
+
+
+@pytest.mark.parametrize("bounds, mtbf, steps, seconds, reason", FIRST)
+def test_first_save(bounds, mtbf, steps, seconds, reason):
+    first = cadence.first_save(bounds, mtbf)
+    assert (first.every_steps, first.every_seconds, first.reason) == (steps, seconds, reason)
+
+
+def test_more_failures_never_delay_the_first_save():
+    firsts = [cadence.first_save(CadenceBounds(), cadence.mtbf(n, 600.0)) for n in range(8)]
+    assert {f.every_steps for f in firsts} == {cadence.FIRST_SAVE_STEPS}
+    seconds = [f.every_seconds for f in firsts]
+    assert seconds == sorted(seconds, reverse=True) and seconds[0] > seconds[-1]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"min_steps": 0}, "min_steps must be at least 1"),
     ({"min_steps": 10, "max_steps": 5}, "max_steps .5. must be at least min_steps .10."),
@@ -184,6 +234,69 @@ def test_a_relaunch_chooses_its_first_interval_from_the_runs_measured_cost(monke
     assert beats[0]["cadence"]["every_steps"] == 189
     c.tick(702, loss=None, samples=None, epoch_end=False)
     assert [b.get("event") for b in beats] == ["cadence", None, None]
+
+
+def test_a_relaunch_with_no_measured_cost_saves_early_and_soon(monkeypatch, caplog):
+    """Its earlier attempts died before any save: no RTRAIN_SAVE_COST, but the failures count.
+    The first schedule saves at step 2, at most half the observed MTBF in; that save then
+    chooses from the failures."""
+    beats = []
+    monkeypatch.setattr(save_clock.runtime, "heartbeat", lambda **kw: beats.append(kw))
+    monkeypatch.setenv(protocol.ENV_FAILURES, "2")
+    monkeypatch.setenv(protocol.ENV_RUN_SECONDS, "40")
+    monkeypatch.delenv(protocol.ENV_SAVE_COST, raising=False)
+    with caplog.at_level("INFO", logger=save_clock.__name__):
+        first = save_clock.first_schedule(CadenceBounds(), on_epoch_end=True)
+    assert first == SaveSchedule(every_steps=2, every_seconds=10.0, on_epoch_end=True)
+    assert ("save cadence: saving every 2 steps until a save is measured, at most 10 s apart; "
+            "half the MTBF 20 s (2 failures in 40 s)") in caplog.messages
+    t = FakeClock()
+    c = save_clock.SaveClock(first, clock=t, bounds=CadenceBounds())
+    assert c.cadence is None and beats == []  # nothing measured to choose from yet
+    t.now += 0.1
+    assert not c.tick(1, loss=None, samples=None, epoch_end=False)
+    t.now += 0.1
+    assert c.tick(2, loss=None, samples=None, epoch_end=False)
+    c.save_begins(2)
+    c.save_ended(2, stall_s=0.05)
+    # sqrt(2 * 0.05 * 20) = 1.41 s = 14 steps of 0.1 s
+    assert c.cadence.mtbf_source == "2 failures in 40 s" and c.schedule.every_steps == 14
+    assert beats[-1]["event"] == "cadence" and beats[-1]["step"] == 2
+
+
+def test_a_skipped_first_save_falls_back_to_its_time_limit(monkeypatch):
+    """The save at step 2 was skipped (a full disk): not retried every 2 steps, but after the
+    first schedule's time limit; the save that then succeeds chooses the interval."""
+    monkeypatch.setattr(save_clock.runtime, "heartbeat", lambda **kw: None)
+    monkeypatch.delenv(protocol.ENV_FAILURES, raising=False)
+    t = FakeClock()
+    c = save_clock.SaveClock(save_clock.first_schedule(CadenceBounds(), False), clock=t,
+                             bounds=CadenceBounds())
+    run_between_saves(c, t, 1, 1)
+    t.now += 0.1
+    assert c.tick(2, loss=None, samples=None, epoch_end=False)
+    c.save_begins(2)  # ... and no save_ended: skipped
+    due = []
+    for step in range(3, 30):
+        t.now += 0.1
+        due.append(c.tick(step, loss=None, samples=None, epoch_end=False))
+    assert not any(due) and c.schedule.every_steps is None
+    t.now += cadence.FIRST_SAVE_S
+    assert c.tick(30, loss=None, samples=None, epoch_end=False)
+    c.save_begins(30)
+    c.save_ended(30, stall_s=0.05)
+    assert c.cadence is not None and c.schedule.every_steps == c.cadence.every_steps
+
+
+def test_a_first_step_slower_than_half_the_mtbf_is_saved_at_once(monkeypatch):
+    monkeypatch.setattr(save_clock.runtime, "heartbeat", lambda **kw: None)
+    monkeypatch.setenv(protocol.ENV_FAILURES, "4")
+    monkeypatch.setenv(protocol.ENV_RUN_SECONDS, "200")  # MTBF 50 s: save within 25 s
+    t = FakeClock()
+    c = save_clock.SaveClock(save_clock.first_schedule(CadenceBounds(), False), clock=t,
+                             bounds=CadenceBounds())
+    t.now += 30.0
+    assert c.tick(1, loss=None, samples=None, epoch_end=False)
 
 
 @pytest.mark.parametrize("value", ["", "{}", "[1, 2]", '{"save_stall_s": 0.1}',
@@ -322,3 +435,80 @@ def test_the_interval_shrinks_after_failures_under_rtrain(tmp_path):
     assert re.search(rf"save cadence: +every {last['every_steps']:,} step", status.stdout)
     assert "(2 failures in " in status.stdout
     assert "expected work lost per failure:" in status.stdout
+
+
+class KillAfterLaunch(threading.Thread):
+    """SIGKILLs each of the first `planned` attempts of a run a random 2-6 s after its launch,
+    but not before it finished two steps: on a loaded machine the imports alone can take 2 s,
+    and a kill before the first steps leaves nothing any cadence could have saved."""
+
+    def __init__(self, run_dir: Path, log: Path, planned: int, seed: int) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.log, self.planned = run_dir, log, planned
+        self.rng = random.Random(seed)
+        self.kills: list[tuple[int, float]] = []  # (attempt, seconds after its launch)
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from chaos_util import Tail
+
+        launches, steps = Tail(self.run_dir / "events.jsonl"), Tail(self.log)
+        stepped: Counter[int] = Counter()  # steps each attempt finished
+        while not self.done.is_set() and len(self.kills) < self.planned:
+            for e in launches.read():
+                if e["kind"] != "launch":
+                    continue
+                t0, delay = time.monotonic(), self.rng.uniform(2.0, 6.0)
+                while not self.done.is_set():
+                    stepped.update(r["a"] for r in steps.read())
+                    if time.monotonic() - t0 >= delay and stepped[e["attempt"]] >= 2:
+                        break
+                    time.sleep(0.01)
+                with contextlib.suppress(psutil.Error):
+                    psutil.Process(e["pid"]).send_signal(signal.SIGKILL)
+                    self.kills.append((e["attempt"], time.monotonic() - t0))
+                if len(self.kills) >= self.planned:
+                    return
+            time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_three_kills_seconds_apart_from_a_fresh_start_do_not_end_the_run(tmp_path):
+    """every="auto" with no total_steps, SIGKILLed three times 2-6 s after each launch: the
+    first attempt saves after its first steps (measuring the save), each later one chooses a
+    short interval from the failures, every attempt resumes from a newer checkpoint than the
+    one before, and the run finishes instead of ending in "crash loop"."""
+    from harness import CHILDREN, events, launch_cmd
+    from harness import child_env as test_env
+
+    run_dir, log = tmp_path / "run", tmp_path / "steps.jsonl"
+    argv = launch_cmd(run_dir, "--", sys.executable, str(CHILDREN / "auto_plain.py"), "450",
+                      "0.02", str(log))
+    killer = KillAfterLaunch(run_dir, log, planned=3, seed=4)  # 2.9, 2.4, 3.6 s
+    killer.start()
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=test_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        killer.done.set()
+        if proc.poll() is None:
+            proc.kill()
+    give_up = [e["reason"] for e in events(run_dir, "give_up")]
+    assert proc.returncode == 0, (give_up, err[-2000:])
+    assert [a for a, _ in killer.kills] == [0, 1, 2], killer.kills
+    assert [e["attempt"] for e in events(run_dir, "exit") if e["signal"] == "SIGKILL"] == [0, 1, 2]
+    resumed = [None if e["resume_from"] is None else int(Path(e["resume_from"]).name.split("-")[1])
+               for e in events(run_dir, "launch")]
+    # Attempt 0 saved at step 2 to measure the save, then (24 h prior) not again so soon.
+    assert resumed == [None, cadence.FIRST_SAVE_STEPS, *resumed[2:]], resumed
+    first = events(run_dir, "cadence")[0]
+    assert (first["attempt"], first["step"]) == (0, cadence.FIRST_SAVE_STEPS)
+    assert first["mtbf_source"] == "prior"
+    # The later attempts chose from the kills counted so far (none of them after a save of
+    # their own: the supervisor counts kills before any save), so they saved seconds apart.
+    for e in events(run_dir, "cadence"):
+        if e["attempt"] > 0:
+            assert e["mtbf_source"].startswith(f"{e['attempt']} failure"), e
+            assert e["every_steps"] * 0.02 < 10, e
+    assert resumed[1] <= resumed[2] <= resumed[3] and resumed[1] < resumed[3], resumed

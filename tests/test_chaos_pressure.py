@@ -112,6 +112,29 @@ def test_a_child_that_frees_nothing_is_stopped_and_degraded_before_the_kill(tmp_
 
 
 @pytest.mark.slow
+def test_pressure_drops_the_memory_tier_before_anything_is_asked_of_the_training(
+        tmp_path, memory_cgroup):
+    """The memory tier's snapshots count against the run's cgroup: when the watch asks the
+    child to relieve, rtrain has dropped the tier first (its snapshots freed, no more in that
+    attempt), and still no OOM kill and no step run twice."""
+    run, lines = _launch_in(memory_cgroup, tmp_path, {**SETTINGS, "memory": 1})
+    assert _oom_kills(memory_cgroup) == 0
+    kinds = [(e["kind"], e.get("state")) for e in events(run)
+             if e["kind"] in ("memory_tier", "memory_pressure") and e.get("attempt") == 0]
+    assert kinds[0] == ("memory_tier", "on"), kinds
+    first_ask = kinds.index(next(k for k in kinds if k[0] == "memory_pressure"))
+    assert ("memory_tier", "dropped") in kinds[:first_ask], kinds
+    [dropped] = [e for e in events(run, "memory_tier") if e["state"] == "dropped"
+                 and e["attempt"] == 0]
+    assert dropped["reason"].startswith("memory pressure: ")
+    stopped = [e for e in events(run, "memory_tier") if e["state"] == "off"
+               and e["attempt"] == 0]
+    assert stopped and "rtrain dropped it" in stopped[0]["reason"]  # no snapshot after it
+    steps = [ln["step"] for ln in lines if "step" in ln]
+    assert steps == list(range(1, SETTINGS["steps"] + 1)), "a step ran twice or never"
+
+
+@pytest.mark.slow
 def test_a_child_that_frees_its_cache_trains_on_at_its_batch_size(tmp_path, memory_cgroup):
     run, lines = _launch_in(memory_cgroup, tmp_path, {**SETTINGS, "free_on_relieve": True})
 

@@ -57,9 +57,9 @@ def test_design_md_lists_the_registry():
     ("| `give_up` | `reason`, `exit_code` | yes |", "| `give_up` | `reason`, `exit_code` | |",
      "give_up"),
     ("| `launch` | `attempt`, `argv`, `settings`, `level`, `resume_from`, `pid`, `ckpt_dir`, "
-     "`standby`, `start_s`, `slurm?`, `spawn_at?`, `spawn_s?` |", "| `launch` | `attempt`, "
-     "`argv`, `settings`, `level`, `resume_from`, `pid`, `ckpt_dir`, `standby`, `start_s`, "
-     "`slurm`, `spawn_at?`, `spawn_s?` |", "launch"),
+     "`standby`, `start_s`, `slurm?`, `spawn_at?`, `spawn_s?`, `tier?` |", "| `launch` | "
+     "`attempt`, `argv`, `settings`, `level`, `resume_from`, `pid`, `ckpt_dir`, `standby`, "
+     "`start_s`, `slurm`, `spawn_at?`, `spawn_s?`, `tier?` |", "launch"),
 ])
 def test_a_drifted_design_row_is_found(old, new, drifted):
     text = DESIGN.read_text()

@@ -3,7 +3,7 @@ histories (a simulated month), table by table. Pure: no processes, a fed-in cloc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -36,6 +36,8 @@ class Sim:
     def attempt(self, kind: FailureKind, steps: int, *, hours: float = 0.0, seconds: float = 60.0,
                 stop: bool = False) -> Decision:
         resumed = self.step
+        if self.history.launch_step is None and resumed:  # as the launch loop sets it
+            self.history = replace(self.history, launch_step=resumed)
         last = resumed + steps
         self.step = max(self.step, last // self.save_every * self.save_every)
         self.t += hours * 3600 + seconds
@@ -72,12 +74,29 @@ def test_fifty_failures_in_a_month_with_progress_never_give_up(tmp_path, kinds, 
     for i in range(50):
         d = sim.attempt(kinds[i % len(kinds)], 250, hours=30 * 24 / 50)
         assert d.action is Action.RELAUNCH, (i, d.reason)
-        assert d.history.total_restarts == 1  # earlier failures forgiven: only this one counts
+        assert d.history.total_restarts == 0  # each advanced the newest checkpoint: no charge
         if requeues and i % 5 == 4:
             sim.requeue()
     h = sim.history
-    assert h.forgiven == 49 and sum(h.budgets_used.values()) == 1
+    assert h.budgets_used == {}
     assert sim.t > 29 * DAY and sim.step >= 50 * 200
+
+
+@pytest.mark.parametrize("steps, save_every, restart", [
+    (25, 2, {}),  # kills seconds apart, each after forgive_after_steps steps: forgiven
+    (3, 2, {"max_restarts": 1000}),  # a step or two past a save each time: no crash loop
+], ids=["forgiven", "crash-loop-rule-only"])
+def test_kills_seconds_apart_that_each_commit_a_newer_checkpoint_never_give_up(
+        steps, save_every, restart):
+    """A run SIGKILLed every few seconds from its start whose every attempt commits a newer
+    checkpoint (the early first save under every="auto" makes that possible) is never ended
+    by the crash-loop rule, however many kills."""
+    sim = Sim(cfg(**restart), save_every=save_every)
+    for i in range(60):
+        d = sim.attempt(K.CRASH, steps, seconds=4.0)
+        assert d.action is Action.RELAUNCH, (i, d.reason)
+        assert d.history.stalled == ()
+    assert sim.step >= 60 * (steps // save_every * save_every)
 
 
 def test_three_failures_without_progress_give_up_by_the_crash_loop_rule():
@@ -115,15 +134,31 @@ def test_what_counts_as_progress(steps, seconds, forgiven):
     sim.attempt(K.CRASH, 10)
     d = sim.attempt(K.CRASH, steps, seconds=seconds)
     assert (d.history.forgiven == 1) is forgiven
-    assert d.history.budgets_used == {"crash": 1 if forgiven else 2}
+    # A failure after a newer checkpoint is not charged; one without is.
+    assert d.history.budgets_used == ({} if forgiven else {"crash": 2})
 
 
 def test_minutes_of_training_count_when_steps_are_few():
     config = cfg(forgive_after_steps=1000, forgive_after_s=600)
-    sim = Sim(config, save_every=10)
-    sim.attempt(K.CRASH, 15)
-    assert sim.attempt(K.CRASH, 15, seconds=60).history.forgiven == 0  # checkpoint, 15 steps
-    assert sim.attempt(K.CRASH, 15, seconds=700).history.forgiven == 2  # ... and 700 s
+    sim = Sim(config, save_every=10, step=100)
+    sim.attempt(K.CRASH, 5)  # no newer checkpoint: charged
+    sim.attempt(K.CRASH, 5)
+    d = sim.attempt(K.CRASH, 15, seconds=60)  # a newer checkpoint, 15 steps: not charged...
+    assert d.history.forgiven == 0 and d.history.budgets_used == {"crash": 2}  # ...nor forgiving
+    d = sim.attempt(K.CRASH, 15, seconds=700)  # ... and 700 s: the earlier two forgiven
+    assert d.history.forgiven == 2 and d.history.budgets_used == {}
+
+
+def test_attempts_that_each_advance_a_little_never_spend_a_budget():
+    """Kills every few seconds, each attempt committing a checkpoint one step newer and
+    training far fewer than forgive_after_steps: never charged, never ended (the crash budget
+    is 3)."""
+    sim = Sim(cfg(), save_every=1, step=10)
+    for i in range(40):
+        d = sim.attempt(K.CRASH, 1, seconds=3.0)
+        assert d.action is Action.RELAUNCH and d.history.budgets_used == {}, (i, d.reason)
+    assert sim.step == 50
+    assert sim.attempt(K.CRASH, 0).history.budgets_used == {"crash": 1}  # no step: charged
 
 
 def test_rate_guard_reports_then_stops_when_configured():
@@ -153,7 +188,7 @@ def test_preemptions_are_free_and_progress_carries_across_them(tmp_path):
     sim.requeue()  # trains 30 steps, no checkpoint
     sim.requeue()
     d = sim.attempt(K.CRASH, 150)  # with the 60 steps before: a newer checkpoint, 210 steps
-    assert d.history.forgiven == 1 and d.history.total_restarts == 1
+    assert d.history.forgiven == 1 and d.history.total_restarts == 0
 
 
 # ------------------------------------------------------------ --max-restarts means what it says

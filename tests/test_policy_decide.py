@@ -222,8 +222,8 @@ def test_climb_back_only_when_the_recorded_peak_fits(peak, limit_now, climbs):
 
 
 def test_memory_pressure_goes_one_rung_down_on_the_oom_budget():
-    d = decide(fail(K.MEMORY_PRESSURE, returncode=75, last_step=40), History(), cfg(), rand=0,
-               newest_step=40)
+    d = decide(fail(K.MEMORY_PRESSURE, returncode=75, last_step=40), History(launch_step=40),
+               cfg(), rand=0, newest_step=40)
     assert d.action is Action.RELAUNCH and d.level == 1
     assert d.settings["batch_size"] == 32 and d.settings["grad_accum"] == 2
     assert d.history.budgets_used == {"oom": 1} and d.ladder_change

@@ -11,6 +11,7 @@ import worker
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.verify import verify
 from supervisor.core.errors import CheckpointError, CorruptCheckpoint, StateMismatch
+from worker import cadence
 
 
 def make(seed=0, width=8):
@@ -173,28 +174,21 @@ def test_epoch_end_and_request(tmp_path):
     assert sorted(s for s, _ in list_checkpoints(tmp_path)) == [2, 3]
 
 
-def test_auto_cadence():
-    from worker.schedule import SaveSchedule
-
-    s = SaveSchedule.auto(10_000)
-    assert s.every_steps == 500 and s.every_seconds == 1800
-    with pytest.raises(ValueError, match="total_steps"):
-        SaveSchedule.auto(0)
-
-
 @pytest.mark.parametrize("async_save", [False, True])
 def test_auto_cadence_follows_the_measured_save(tmp_path, async_save):
-    """The first interval is the 20-per-run rule; after the first save the measured stall and
-    step time choose it (async: the thread snapshot, not the write), within the bounds."""
+    """The first save comes at step 2, whatever the run's length, to measure its stall and the
+    step time, which then choose the interval (async: the thread snapshot, not the write),
+    within the bounds."""
     model, opt = make()
     ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
                              every=worker.Every(steps="auto", total_steps=100),
                              saving=worker.Saving(async_mode="thread" if async_save else "off"))
-    assert ck.schedule.every_steps == 5
+    assert ck.schedule.every_steps == cadence.FIRST_SAVE_STEPS
     for step in range(1, 6):
         train_steps(model, opt, 1)
         ck.maybe_save(step, metrics={"loss": 1.0 / step})
     ck.close()
+    assert sorted(s for s, _ in list_checkpoints(tmp_path))[0] == 2
     chosen = ck._clock.cadence
     assert chosen is not None and chosen.mtbf_source == "prior"
     assert ck._clock.schedule.every_steps == chosen.every_steps
@@ -204,7 +198,7 @@ def test_auto_cadence_follows_the_measured_save(tmp_path, async_save):
     bounded = worker.Checkpointer(model=model, ckpt_dir=tmp_path / "b", keep=None,
                                   every=worker.Every(steps="auto", min_steps=2, max_steps=3,
                                                      seconds=60.0))
-    assert bounded.schedule.every_seconds == 60.0  # no total_steps: the first save by time
+    assert bounded.schedule.every_steps == 2  # first save at step 2 (min_steps 2)
     for step in range(1, 8):
         bounded.maybe_save(step)
     bounded.save(8)

@@ -29,7 +29,7 @@ check_order.seed_entropy()
 _GUARDS = ("NonFiniteGuard", "OOMBackoff", "SkipBadSamples", "DataError", "skip_none_collate",
            "install_excepthook")
 _LAZY = {"Checkpointer": "worker.checkpointer", "CadenceBounds": "worker.cadence",
-         **dict.fromkeys(("Every", "Keep", "Restoring", "Saving"), "worker.options"),
+         **dict.fromkeys(("Every", "Keep", "Memory", "Restoring", "Saving"), "worker.options"),
          "ResumableSampler": "worker.sampler",
          "DistributedResumableSampler": "worker.sampler",
          **dict.fromkeys(("sample_generator", "sample_seed", "seeded"), "worker.sample_rng"),
@@ -37,8 +37,8 @@ _LAZY = {"Checkpointer": "worker.checkpointer", "CadenceBounds": "worker.cadence
 
 # CadenceBounds stays importable for the deprecated `every_steps=CadenceBounds(...)`.
 __all__ = ["Checkpointer", "DataError", "DistributedResumableSampler", "Every",
-           "Keep", "NonFiniteGuard", "OOMBackoff", "Restoring", "ResumableSampler", "Saving",
-           "Settings", "SkipBadSamples",
+           "Keep", "Memory", "NonFiniteGuard", "OOMBackoff", "Restoring", "ResumableSampler",
+           "Saving", "Settings", "SkipBadSamples",
            "__version__", "heartbeat", "install_excepthook", "on_pressure", "relieve_pressure",
            "request_stop", "sample_generator", "sample_seed", "seeded", "settings",
            "should_stop", "skip_none_collate", "write_exit_record"]

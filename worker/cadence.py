@@ -25,6 +25,22 @@ Rules, in order:
 
 `expected_loss_s`, the work a failure loses on average, is half the interval (failures land
 uniformly within it); the restart itself comes on top.
+
+Before any save of the run has been measured (a first attempt, or a relaunch of a run that never
+got to save), the rule has no C and no step time, so `first_save` saves early to measure them,
+at step `FIRST_SAVE_STEPS` (2): the first step carries the warm-up (allocations, autotuning,
+compilation), so a save after the second one times a whole ordinary step and measures C at once;
+the next interval then follows the rule. It costs one stall once per run (a relaunch that
+inherits a measured cost chooses at once): about one step's time for a 25M-parameter model
+with Adam on CPU (0.59 s against a 0.62 s step; docs/design.md, "Save cadence"). Waiting
+instead (10 min, as this rule did before) is what made a run killed every few minutes from its
+start never checkpoint and end in "crash loop". `min_steps` still holds: the first save comes
+at max(FIRST_SAVE_STEPS, min_steps) (at most max_steps), and never later than `FIRST_SAVE_S`
+(10 min: a first step longer than that is worth saving at once) or `max_seconds`. Failures
+seen already (a relaunch whose earlier attempts died before their first save) shorten that
+wall-time limit to half the observed MTBF: with failures arriving at random, about 60 % of
+attempts (e^-0.5) live that long, so a run whose steps are slow still checkpoints before its
+next failure more often than not.
 """
 
 from __future__ import annotations
@@ -36,7 +52,8 @@ from typing import Any
 
 PRIOR_MTBF_S = 24 * 3600.0
 MIN_MTBF_S = 10.0  # below this an attempt is mostly its own start-up, not a failure rate
-FIRST_SAVE_S = 600.0  # before a save is measured and with no total_steps: the first save's time
+FIRST_SAVE_STEPS = 2  # before a save is measured: the first save's step (see the docstring)
+FIRST_SAVE_S = 600.0  # ... and the longest time before it
 MAX_SECONDS = 1800.0
 LOSS_FALL_REF = 0.01
 LOSS_FACTOR_MIN, LOSS_FACTOR_MAX = 0.5, 2.0
@@ -92,6 +109,33 @@ class Cadence:
 
     def fields(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FirstSave:
+    """When the first save comes before any save has been measured (`first_save`)."""
+
+    every_steps: int
+    every_seconds: float
+    reason: str
+    """"saving every 2 steps until a save is measured, at most 10 min apart" and any bound."""
+
+
+def first_save(bounds: CadenceBounds, mtbf: Mtbf) -> FirstSave:
+    """The schedule until a save has measured its stall and the step time (the module's
+    docstring): early, to measure, within the bounds; failures seen shorten its time limit."""
+    steps, why = FIRST_SAVE_STEPS, ""
+    if bounds.min_steps > steps:
+        steps, why = bounds.min_steps, f"; raised to min_steps {bounds.min_steps}"
+    if bounds.max_steps is not None and bounds.max_steps < steps:
+        steps, why = bounds.max_steps, f"; capped at max_steps {bounds.max_steps}"
+    seconds = min(bounds.max_seconds, FIRST_SAVE_S)
+    if mtbf.observed and mtbf.seconds / 2 < seconds:
+        seconds = mtbf.seconds / 2
+        why += f"; half the MTBF {span(mtbf.seconds)} ({mtbf.source})"
+    return FirstSave(every_steps=steps, every_seconds=seconds,
+                     reason=f"saving every {steps:,} step{'s' if steps > 1 else ''} until a "
+                            f"save is measured, at most {span(seconds)} apart{why}")
 
 
 def mtbf(failures: int | None, run_s: float | None, prior_s: float = PRIOR_MTBF_S) -> Mtbf:

@@ -40,11 +40,11 @@ from worker import (
     runtime,
 )
 from worker.async_write import BackgroundSave
-from worker.cadence import FIRST_SAVE_S, CadenceBounds
 from worker.capture import Components, FrozenBase, Moving, capture, environment, moving, number
+from worker.memory_tier import MemoryTier
 from worker.options import Every, Keep, Restoring, Saving
 from worker.retention import Retention
-from worker.save_clock import SaveClock
+from worker.save_clock import SaveClock, first_schedule
 from worker.save_target import Capture, SaveTarget, write_local
 from worker.schedule import SaveSchedule
 
@@ -129,8 +129,7 @@ class Checkpointer:
         self.sampler = data.bare_sampler(self.data)  # check-resume's evidence looks for it
         bounds = self.every.bounds()
         if bounds is not None:
-            self.schedule = _first_auto_schedule(bounds, self.every.total_steps,
-                                                 self.every.epoch_end)
+            self.schedule = first_schedule(bounds, self.every.epoch_end)
         else:
             self.schedule = SaveSchedule(every_steps=self.every.steps,
                                          every_seconds=self.every.seconds,
@@ -142,6 +141,10 @@ class Checkpointer:
         self.encryption = _encryption_key(encryption_key)
         self.step = 0
         self.epoch = 0
+        # The step `restore` resumed from, which the attempt runs again first: an experiment
+        # tracker's steps from here on were logged by an earlier attempt and are replayed
+        # (TensorBoard's SummaryWriter(purge_step=...), worker/trackers.py). None: started fresh.
+        self.resumed_step: int | None = None
         self.extra: dict[str, Any] = {}
         self.last_saved: Path | None = None
         self._clock = SaveClock(self.schedule, bounds=bounds)
@@ -153,6 +156,9 @@ class Checkpointer:
         mode = self.saving.async_mode
         self._bg = BackgroundSave("auto" if mode == "off" else mode, self._write, self._target,
                                   self._child_saved)
+        self._memory = MemoryTier.open(self.saving.memory, distributed=dist.world() is not None,
+                                       key=self.key, encryption=self.encryption, model=model,
+                                       optimizer=optimizer)
         self._watch = (failsave.Watch(model, optimizer, scheduler, scaler)
                        if self.saving.on_failure else None)
         self._boundary: _Boundary | None = None
@@ -189,6 +195,8 @@ class Checkpointer:
         from_supervisor = path is None and bool(os.environ.get(ENV_RESUME_FROM))
         began = time.monotonic()  # the load's cost goes to the supervisor (restore_s)
         self._boundary = None  # the state is replaced: what was kept no longer describes it
+        if self._memory is not None:
+            self._memory.wait()  # a snapshot reading the state finishes before it is replaced
         parts = self._parts()
         r = self.restoring
         source = restore.Source(self.ckpt_dir, r.level, self.key, r.allow_resize,
@@ -210,6 +218,7 @@ class Checkpointer:
             if from_supervisor:
                 restore.report_bad_checkpoint(os.environ[ENV_RESUME_FROM], e.reason)
             raise
+        self.resumed_step = None if loaded is None else loaded.manifest["step"]
         if loaded is None:
             log.info("no checkpoint to resume from in %s: starting fresh", self.ckpt_dir)
             # No step: a step would tell the supervisor that training started (startup rule).
@@ -263,6 +272,9 @@ class Checkpointer:
             runtime.boundary_wait(time.monotonic() - began)
         if stop or due:
             path = self.save(step, metrics=metrics, extra=extra)
+        elif self._memory is not None and self._memory.due(step):
+            self._memory.snapshot(capture(self._parts(), step, self._epoch_now(), self._lr_scale,
+                                          metrics or {}, extra or {}))
         if stop and self.exit_on_stop:
             self.close()
             log.info("stop requested: checkpoint at step %d committed, exiting %d", step,
@@ -340,6 +352,8 @@ class Checkpointer:
         if self._check is not None:
             self._check.finish()
         self._bg.wait()
+        if self._memory is not None:
+            self._memory.close()
         if self._watch is not None:
             self._watch.close()
             self._watch = None
@@ -429,21 +443,6 @@ class Checkpointer:
         self.last_saved = self.ckpt_dir / f"checkpoint-{step}"
         # The child wrote and hashed it; the next forked child inherits this record.
         self._retention.remember(self.last_saved)
-
-
-def _first_auto_schedule(bounds: CadenceBounds, total_steps: int | None,
-                         on_epoch_end: bool) -> SaveSchedule:
-    """Until the first save has measured its stall and the step time: about 20 saves over
-    the run when its length is known (the rule before the cadence followed cost and risk),
-    else the first save after FIRST_SAVE_S; never longer apart than the bounds allow."""
-    seconds = bounds.max_seconds if total_steps else min(bounds.max_seconds, FIRST_SAVE_S)
-    if not total_steps:
-        return SaveSchedule(every_seconds=seconds, on_epoch_end=on_epoch_end)
-    first = SaveSchedule.auto(total_steps, on_epoch_end).every_steps or 1
-    if bounds.max_steps is not None:
-        first = min(first, bounds.max_steps)
-    return SaveSchedule(every_steps=max(first, bounds.min_steps), every_seconds=seconds,
-                        on_epoch_end=on_epoch_end)
 
 
 def _empty_cuda_cache() -> str | None:

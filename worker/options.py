@@ -1,4 +1,5 @@
-"""The Checkpointer's option groups: when to save, what to keep, how to save, how to restore.
+"""The Checkpointer's option groups: when to save, what to keep, how to save, how to restore,
+and the memory tier.
 
 Each group is a frozen dataclass with defaults, so the common case passes none of them and a
 script that changes one setting names only that one: `saving=Saving(async_mode="fork")`. The
@@ -33,13 +34,14 @@ class Every:
     Attributes:
         steps: Save when the step is a multiple of this. "auto" re-chooses the interval after
             every save from the measured save stall, the step time, the run's failures (passed
-            in by rtrain) and the loss trend, within `min_steps`..`max_steps` (docs/design.md,
-            "Save cadence"). None: no step schedule.
+            in by rtrain) and the loss trend, within `min_steps`..`max_steps`; until a save is
+            measured it saves at step 2 to measure one (docs/design.md, "Save cadence").
+            None: no step schedule.
         seconds: Save when this much wall time has passed since the last save. With
             steps="auto" it is the longest time between saves (default 1800).
         epoch_end: Also save when `maybe_save(..., epoch_end=True)` is called.
-        total_steps: The run's length in steps. With steps="auto" the saves before the first
-            measured one come about 20 times over the run instead of after 10 minutes.
+        total_steps: The run's length in steps. Kept for compatibility: steps="auto" no
+            longer uses it (its first save comes at step 2 whatever the length).
         min_steps: steps="auto" only: never save more often than every this many steps.
         max_steps: steps="auto" only: never save less often than every this many steps
             (None: no step limit).
@@ -129,6 +131,8 @@ class Saving:
             state since the last step boundary, commit that step's checkpoint (single
             process; docs/design.md, "Save at failure").
         failure_timeout_s: The longest the failing process waits for that save.
+        memory: Also snapshot into shared memory between disk saves (the memory tier): a
+            number of steps, "auto", or a Memory (below). None: off.
         compile_cache: Also save torch.compile's portable cache artifacts beside each
             checkpoint (`compile-cache.bin`, torch.compiler.save_cache_artifacts), so a
             relaunch on a fresh node compiles warm. Loaded at restore only from a signed
@@ -144,10 +148,12 @@ class Saving:
     trainable_only: bool = False
     on_failure: bool = True
     failure_timeout_s: float = FAILURE_SAVE_TIMEOUT_S
+    memory: Memory | int | Literal["auto"] | None = None
     compile_cache: bool = True
     compile_cache_max_mb: float = 512.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "memory", as_memory(self.memory))
         if not self.compile_cache_max_mb > 0:
             raise ValueError(f"Saving(compile_cache_max_mb=) must be positive, not "
                              f"{self.compile_cache_max_mb!r}")
@@ -191,6 +197,42 @@ class Restoring:
         return Level(self.verify)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Memory:
+    """The memory tier: snapshots in shared memory, taken every few steps between disk saves.
+    `Saving(memory=5)` is `Saving(memory=Memory(every=5))`; `memory="auto"` is `Memory()`.
+    Under `rtrain launch` only
+    (it gives the directory and persists the snapshots): when the process dies by any cause,
+    rtrain commits the newest complete snapshot to the checkpoint dir and the relaunch restores
+    from memory. Single process only; a warning says when the tier stays off.
+
+    Attributes:
+        every: Snapshot when the step is a multiple of this. "auto" snapshots at the first
+            step, then picks the interval from what snapshots measured: the stall at most 5%
+            of the step time, and a snapshot never waiting for the previous one's write.
+        overlap: Copy the model and optimizer state from a background thread while the next
+            step's forward and backward run; the optimizer's next `step()` waits until the
+            copy is done, so the stall is what the copy does not hide. False when the loop
+            changes weights or optimizer state outside `optimizer.step()` (an EMA written
+            into the model, weights clipped before the step): the copy then finishes inside
+            `maybe_save`.
+        budget_mb: Host memory the tier may hold: two snapshots (the newest complete one and
+            the one being written). None: half of the memory available when it starts. A
+            state that does not fit twice leaves the tier off, with a warning.
+    """
+
+    every: int | Literal["auto"] = "auto"
+    overlap: bool = True
+    budget_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.every != "auto" and (not _is_int(self.every) or self.every < 1):
+            raise ValueError(f"Memory(every=) takes a whole number of at least 1 or 'auto', "
+                             f"not {self.every!r}")
+        if self.budget_mb is not None and not self.budget_mb > 0:
+            raise ValueError(f"Memory(budget_mb=) must be positive, not {self.budget_mb!r}")
+
+
 def as_every(value: Any) -> Every:
     """`every=`: a number of steps, "auto", an Every, or None (no schedule)."""
     if value is None:
@@ -215,6 +257,16 @@ def as_keep(value: Any) -> Keep:
                     f"not {value!r}")
 
 
+def as_memory(value: Any) -> Memory | None:
+    """`Saving(memory=)`: None (no memory tier), a number of steps, "auto", or a Memory."""
+    if value is None or isinstance(value, Memory):
+        return value
+    if value == "auto" or _is_int(value):
+        return Memory(every=value)
+    raise TypeError(f"Saving(memory=) takes a number of steps, 'auto' or a Memory(...), not "
+                    f"{value!r}")
+
+
 def as_group(cls: type, value: Any, name: str) -> Any:
     """`saving=`/`restoring=`: an instance of the group's class, or None for its defaults."""
     if value is None:
@@ -225,7 +277,7 @@ def as_group(cls: type, value: Any, name: str) -> Any:
 
 
 
-GROUPS = (Every, Keep, Saving, Restoring)
+GROUPS = (Every, Keep, Saving, Restoring, Memory)
 
 
 def reference() -> str:

@@ -33,7 +33,7 @@ from supervisor.core.errors import (
     KeyMismatch,
     StateMismatch,
 )
-from supervisor.core.protocol import ENV_RESUME_FROM, ENV_RUN_DIR
+from supervisor.core.protocol import ENV_MEMORY_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
 from supervisor.decide.failures import FailureKind
 from worker import dist, dist_ckpt, hyperparams, runtime, state
 from worker.capture import Components
@@ -184,12 +184,25 @@ class Source:
         name = f"{stem}.safetensors"
         if name not in m["files"]:
             return {}
-        tensors, _ = load_listed(path, name, m, alg, self.enc)
+        tensors, _ = load_listed(path, name, m, alg, self.enc,
+                                 hashed_already=handed_over_from_memory(path))
         # RNG states must stay on the CPU; the rest may go straight to the training device.
         device = torch.device("cpu" if stem == "extra" else self.map_location)
         if device.type == "cpu":
             return tensors
         return {k: v.to(device) for k, v in tensors.items()}
+
+
+def handed_over_from_memory(path: Path) -> bool:
+    """`path` is the memory-tier snapshot rtrain chose (RTRAIN_RESUME_FROM inside
+    RTRAIN_MEMORY_DIR). rtrain points there only at a snapshot whose every byte it hashed
+    against the manifest as it committed it to the checkpoint dir, in a directory of this user
+    alone: its tensor files are read without hashing again (supervisor/memtier/tier.py)."""
+    mem, chosen = os.environ.get(ENV_MEMORY_DIR), os.environ.get(ENV_RESUME_FROM)
+    if not mem or not chosen:
+        return False
+    here = path.resolve()
+    return here == Path(chosen).resolve() and here.parent == Path(mem).resolve()
 
 
 def read_state(path: Path, m: dict[str, Any], alg: str,

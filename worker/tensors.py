@@ -8,12 +8,14 @@ loading never unpickles. Tuples and non-string dict keys are tagged so the round
 from __future__ import annotations
 
 import math
+import mmap
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from supervisor.ckpt.safetensors_io import TensorBlob, read_tensors
+from supervisor.ckpt.st_concat import PlainFile
 from supervisor.ckpt.verified_read import LoadError, open_listed
 from worker.hostmem import fresh_bytes
 
@@ -77,7 +79,8 @@ def read_any(f: Any) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str, enc: Any = None
+def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str, enc: Any = None,
+                *, hashed_already: bool = False
                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors of the safetensors file `name` of a checkpoint, and its `__metadata__`.
 
@@ -86,10 +89,18 @@ def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str, enc: 
     was read) must be the manifest's `tensors` entry, so checks made from the manifest hold
     for the file. An encrypted file is decrypted with `enc` (its chunks authenticated) on the
     way. Raises LoadError with the reason.
+
+    `hashed_already`: the caller knows every byte was hashed against the manifest by someone
+    it trusts (rtrain, for a memory-tier snapshot it handed over): the file is mapped instead
+    of read (`_Mapped`), its size still checked (an encrypted file is still read, decrypted and
+    authenticated).
     """
-    with open_listed(root, name, manifest, alg, enc) as f:
+    mapped = hashed_already and manifest.get("encryption") is None
+    opened = _mapped(root, name, manifest) if mapped else open_listed(root, name, manifest,
+                                                                       alg, enc)
+    with opened as f:
         try:
-            tensors, meta = read_tensors(f, _alloc, _make)
+            tensors, meta = read_tensors(f, f.alloc if mapped else _alloc, _make)
         except LoadError:
             raise
         except ValueError as e:
@@ -101,6 +112,44 @@ def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str, enc: 
     if listed is not None:
         _same_as_manifest(name, tensors, listed)
     return tensors, meta
+
+
+class _Mapped(PlainFile):
+    """A memory-tier snapshot's file, its data section mapped copy-on-write as the tensors'
+    memory: nothing is copied or allocated at the load (the pages are the snapshot's, in shared
+    memory), a tensor the training then changes gets its pages copied as it writes them, and
+    the snapshot's file never changes."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, follow_symlinks=False)
+        self.map = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
+
+    def alloc(self, entries: dict[str, Any], nbytes: int) -> tuple[torch.Tensor, memoryview]:
+        _alloc(entries, 0)  # the dtype checks
+        start = self.pos  # the data section follows the header just read
+        if self.map is None or start + nbytes != self.size:
+            raise LoadError(f"{self.name}: the data section does not end the file")
+        buffer = torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=start)
+        self._data_mapped = True
+        return buffer, memoryview(b"")
+
+    def readinto(self, buf: memoryview) -> None:
+        if getattr(self, "_data_mapped", False):
+            self.pos = self.size  # the data section is the mapping: nothing to read
+            return
+        super().readinto(buf)
+
+
+def _mapped(root: Path, name: str, manifest: dict[str, Any]) -> _Mapped:
+    entry = manifest.get("files", {}).get(name)
+    try:
+        f = _Mapped(root / name)
+    except OSError as e:
+        raise LoadError(f"{name}: {e}") from None
+    if not isinstance(entry, dict) or f.size != entry.get("size"):
+        f.close()
+        raise LoadError(f"{name} has {f.size} bytes, not the manifest's {entry!r}")
+    return f
 
 
 def _same_as_manifest(file: str, tensors: dict[str, torch.Tensor], listed: Any) -> None:

@@ -98,16 +98,18 @@ def write_file(
     blobs: Iterable[TensorBlob],
     metadata: dict[str, str] | None = None,
     fsync: bool = True,
-    hash_alg: str = HASH_ALG,
+    hash_alg: str | None = HASH_ALG,
     seal: tuple[crypt.EncryptionKey, str] | None = None,
 ) -> Written:
-    """Write one safetensors file; returns its size and content hash (`hash_alg`).
+    """Write one safetensors file; returns its size and content hash (`hash_alg`; None: no
+    hash, "" returned: the caller hashes the file later, as the memory tier does once the
+    training may go on).
 
     `seal` (key, name in the checkpoint): the file written is the encrypted form
     (`ckpt/encrypted_file.py`), and the size and hash returned are of those bytes.
     """
     blobs = list(blobs)
-    hasher = new_hasher(hash_alg)
+    hasher = new_hasher(hash_alg) if hash_alg is not None else _NoHash()
     header = build_header(blobs, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     out = _Out(fd, hasher)
@@ -129,6 +131,14 @@ def write_file(
             enc.close()
         os.close(fd)
     return Written(size=size, hash=hasher.hexdigest())
+
+
+class _NoHash:
+    def update(self, data: Any) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return ""
 
 
 class _Out:

@@ -63,6 +63,8 @@ class AttemptRow:
     duration_s: float | None = None
     resume_from: str | None = None
     """Name of the checkpoint it resumed from; None for a fresh start."""
+    tier: str | None = None
+    """Where that checkpoint was read from: "memory" (the memory tier's snapshot) or "disk"."""
     settings: dict[str, Any] = field(default_factory=dict)
     level: int = 0
     returncode: int | None = None
@@ -130,6 +132,8 @@ def _row(a: AttemptRecord) -> AttemptRow:
     launch = a.launch
     row = AttemptRow(attempt=a.number, start=launch["time"],
                      resume_from=_name(launch.get("resume_from")),
+                     tier=launch.get("tier") if launch.get("tier") in ("memory", "disk")
+                     else None,
                      settings=dict(launch.get("settings") or {}), level=_int(launch.get("level")))
     row.last_step = a.last_step if a.last_step is not None else _resumed_step(row)
     if a.exit is not None:

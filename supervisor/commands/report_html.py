@@ -61,7 +61,8 @@ def _row(a: AttemptRow) -> str:
     settings = " ".join(f"{k}={v}" for k, v in a.settings.items()) or "-"
     cells = [str(a.attempt), _when(a.start),
              human_duration(a.duration_s) if a.duration_s is not None else "-",
-             a.resume_from or "fresh", f"{a.level}: {settings}",
+             (f"{a.resume_from} (from {a.tier})" if a.tier and a.resume_from
+              else a.resume_from or "fresh"), f"{a.level}: {settings}",
              "-" if a.last_step is None else f"{a.last_step:,}", end]
     return ("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells)
             + f"<td>{_chip(a.outcome)}</td><td>{_esc(a.reason or '-')}{_stuck(a)}</td>"

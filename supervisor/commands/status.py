@@ -26,6 +26,7 @@ from supervisor.core.errors import UsageError
 from supervisor.core.event_schema import KINDS, Kind
 from supervisor.core.pid_alive import pid_alive
 from supervisor.core.untrusted_text import safe
+from supervisor.memtier import shmdir
 from supervisor.records import recovery
 from supervisor.records.lock import HOLDER_MAX, LOCK_NAME
 from supervisor.records.runstate import STATE_FILE, load_state
@@ -122,6 +123,11 @@ class RunSummary:
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     """Ranks the newest attempt found slower than the others (`straggler` events): rank, host,
     ratio, step, detail."""
+    memory_tier: dict[str, Any] | None = None
+    """The memory tier, once the run has a `memory_tier` event: state (on, off, dropped),
+    every, stall_s, write_s, reason (the newest attempt's event); snapshot_step and
+    snapshot_age_s (the newest snapshot in shared memory now, if any); persisted (snapshots
+    rtrain committed), last_persisted (step, why), resumes (launches by tier read from)."""
     slurm: dict[str, Any] | None = None
     """Under Slurm, from the newest launch: job_id, restart_count, end_time (the job's time
     limit ends, unix time), stop_at (rtrain stops the attempt then; null: not armed), margin_s."""
@@ -275,6 +281,7 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
     s.restored = _pick(timeline.last(Kind.FOREIGN_RESTORED), "path", "reason", "step",
                        "verified_at", "time")
     s.stragglers = _stragglers(timeline, launch)
+    s.memory_tier = _memory_tier(timeline, s.ckpt_dir, key, now)
     job = launch.get("slurm") if launch else None
     if isinstance(job, dict):
         s.slurm = {k: job.get(k) for k in ("job_id", "restart_count", "end_time", "stop_at",
@@ -299,6 +306,44 @@ def _stragglers(timeline: Timeline, launch: dict[str, Any] | None) -> list[dict[
         return []
     return [{k: e.get(k) for k in ("rank", "host", "ratio", "step", "detail")}
             for e in timeline.stragglers if e.get("attempt") == launch.get("attempt")]
+
+
+def _memory_tier(timeline: Timeline, ckpt_dir: Path, key: bytes | None,
+                 now: float) -> dict[str, Any] | None:
+    last = timeline.last(Kind.MEMORY_TIER)
+    if last is None:
+        return None
+    out = _pick(last, "state", "every", "stall_s", "write_s", "reason") or {}
+    snap, _ = shmdir.newest(shmdir.path_for(ckpt_dir), key)
+    created = (snap.manifest or {}).get("created") if snap is not None else None
+    out["snapshot_step"] = snap.step if snap is not None else None
+    out["snapshot_age_s"] = max(0.0, now - created) if finite(created) else None
+    out["persisted"] = timeline.snapshots_persisted
+    out["last_persisted"] = _pick(timeline.last(Kind.SNAPSHOT_PERSISTED), "step", "why")
+    out["resumes"] = dict(timeline.resumes)
+    return out
+
+
+def _memory_row(m: dict[str, Any]) -> str:
+    if m.get("state") != "on":
+        text = f"{m.get('state')}: {m.get('reason')}"
+    else:
+        text = f"a snapshot every {m.get('every')} step(s)"
+        if finite(m.get("stall_s")):
+            text += f" (stall {m['stall_s'] * 1e3:.0f} ms)"
+    if m.get("snapshot_step") is not None:
+        age = (f", {human_duration(m['snapshot_age_s'])} ago"
+               if m.get("snapshot_age_s") is not None else "")
+        text += f"; newest snapshot step {m['snapshot_step']}{age}"
+    if m.get("persisted"):
+        last = m.get("last_persisted") or {}
+        text += (f"; {m['persisted']} committed by rtrain (the last: step {last.get('step')}, "
+                 f"{last.get('why')})")
+    resumes = m.get("resumes") or {}
+    if resumes:
+        text += "; resumes read from " + ", ".join(f"{k} {n}" for k, n in sorted(
+            resumes.items()))
+    return text
 
 
 def _standby(timeline: Timeline, launch: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -436,6 +481,8 @@ def render_text(s: RunSummary) -> str:
         rows += _mirror_rows(s.mirror)
     rows += [("straggler" if i == 0 else "", str(e.get("detail") or ""))
              for i, e in enumerate(s.stragglers)]
+    if s.memory_tier is not None:
+        rows.append(("memory tier", _memory_row(s.memory_tier)))
     if s.standby is not None:
         rows.append(("standby", _standby_row(s.standby, running=s.status == "running")))
     if s.slurm is not None:

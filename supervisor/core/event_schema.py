@@ -62,6 +62,9 @@ class Kind(str, Enum):
     STANDBY_FAILED = "standby_failed"
     CHECKPOINTS_ELSEWHERE = "checkpoints_elsewhere"
     STRAGGLER = "straggler"
+    MEMORY_TIER = "memory_tier"
+    SNAPSHOT_PERSISTED = "snapshot_persisted"
+    SNAPSHOT_REFUSED = "snapshot_refused"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,9 +88,10 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.LAUNCH: KindSpec(
         fields=("attempt", "argv", "settings", "level", "resume_from", "pid", "ckpt_dir",
                 "standby", "start_s"),
-        optional=("slurm", "spawn_at", "spawn_s"), durable=True,
+        optional=("slurm", "spawn_at", "spawn_s", "tier"), durable=True,
         meaning="an attempt was started: in the warm standby (`standby` true) or a new "
-                "process; `start_s` from the spawn or the hand-off until it was running"),
+                "process; `start_s` from the spawn or the hand-off until it was running; "
+                "`tier` where its checkpoint is read from (memory or disk)"),
     Kind.SKIPPED_CHECKPOINT: KindSpec(
         fields=("path", "reason"),
         meaning="resume selection passed over a checkpoint, or a worker could not load it"),
@@ -242,6 +246,18 @@ KINDS: dict[Kind, KindSpec] = {
         meaning="a rank was consistently slower than the others over the window ([straggler]): "
                 "its median busy time per step (`busy_s`) is `ratio` times the other ranks' "
                 "median (`others_busy_s`); `host` is the node it runs on"),
+    Kind.MEMORY_TIER: KindSpec(
+        fields=("attempt", "step", "state", "every", "stall_s", "write_s", "reason"),
+        meaning="the memory tier started, changed its interval or stopped (`state` on, off "
+                "or dropped; `reason` why it is off)"),
+    Kind.SNAPSHOT_PERSISTED: KindSpec(
+        fields=("attempt", "step", "path", "bytes", "seconds", "why"),
+        meaning="rtrain committed a memory-tier snapshot to the checkpoint dir (`why`: the "
+                "attempt ended, the run ended, found at launch)"),
+    Kind.SNAPSHOT_REFUSED: KindSpec(
+        fields=("attempt", "step", "path", "reason"),
+        meaning="a memory-tier snapshot failed its check (a file that does not match its "
+                "manifest, a bad manifest): not persisted, not resumed from"),
 }
 DURABLE_KINDS = frozenset(k.value for k, spec in KINDS.items() if spec.durable)
 HOOKABLE_KINDS = tuple(k.value for k, spec in KINDS.items() if spec.hookable)

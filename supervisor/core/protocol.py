@@ -27,6 +27,13 @@ ENV_STOP_SIGNAL = "RTRAIN_STOP_SIGNAL"
 ENV_HEARTBEAT = "RTRAIN_HEARTBEAT"
 ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
 ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's checkpoint generation (ckpt/generation.py)
+# The run identity (ckpt/runid.py: 32 hex digits), the same in every attempt of the run, after a
+# requeue and on a fresh machine resuming from the mirror: experiment trackers continue one run
+# under it (launch/tracker_env.py, worker/trackers.py).
+ENV_RUN_ID = "RTRAIN_RUN_ID"
+# The names of the trackers' own variables rtrain set for the attempt (comma-separated), so the
+# worker's tracker helpers know which ones the user chose and which they may override.
+ENV_TRACKER_VARS = "RTRAIN_TRACKER_VARS"
 # The run's failure record so far, for the worker's save cadence (worker/cadence.py): failures
 # that lost work, and the seconds its attempts ran.
 ENV_FAILURES = "RTRAIN_FAILURES"
@@ -41,6 +48,12 @@ ENV_SAVE_COST = "RTRAIN_SAVE_COST"
 # step (worker/resume_check.py).
 ENV_CHECK_RESUME = "RTRAIN_CHECK_RESUME"
 ENV_RELIEVE_SIGNAL = "RTRAIN_RELIEVE_SIGNAL"
+# The memory tier's directory (supervisor/memtier/): an owner-only directory in shared memory
+# (/dev/shm) where `Saving(memory=...)` commits snapshots in the checkpoint format, which
+# rtrain persists to the checkpoint dir when the child dies and resumes from without a disk read.
+# A file `dropped` in it says rtrain dropped the tier (memory pressure): no more snapshots.
+ENV_MEMORY_DIR = "RTRAIN_MEMORY_DIR"
+MEMORY_DROPPED = "dropped"
 # A FIFO the worker creates in its status dir (RTRAIN_STATUS) and reads from a thread of its
 # own: requests that must be served while the training thread is stuck (worker/hang_save.py).
 # Each request is one line, `<what> <token>`: the worker serves only those that carry
@@ -87,6 +100,7 @@ class Heartbeat:
     `reason` says how many were saved), `control_refused` (requests on the control FIFO without
     the attempt's token were refused: `reason` says how many), `cadence` (with `cadence`: the
     save interval `every="auto"` chose, worker/cadence.py), `backoff` (with `settings`),
+    `snapshot` (with `snapshot`: the memory tier started, changed its interval or stopped),
     `compile_cache_loaded` / `compile_cache_ignored` (at restore, with `reason`: the checkpoint's
     compile cache was loaded, its size; or ignored, why: worker/compile_cache.py),
     `relieved` (after a relieve request: `reason` says what was freed, `settings` what the
@@ -118,6 +132,9 @@ class Heartbeat:
     step_s: float | None = None
     wait_s: float | None = None
     host: str | None = None  # the node this rank runs on (its hostname)
+    # `snapshot` heartbeats (the memory tier, worker/memory_tier.py): {"every", "stall_s",
+    # "write_s", "bytes"} when the tier starts or its interval changes; {"off": why} when it stops.
+    snapshot: dict[str, Any] | None = None
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:

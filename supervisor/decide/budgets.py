@@ -1,11 +1,14 @@
 """Restart budgets that refill with progress, and the failure-rate guard. Pure functions.
 
-A relaunch after a failure is *charged*: one unit to its kind's budget (`crash`, `oom`, ...)
-and one to `max_restarts`. Charges are *forgiven*, all of them, once the run has made real
-progress since the last one: a verified checkpoint newer than the newest at that failure, and
-`forgive_after_steps` steps (or `forgive_after_s` seconds) of training. So a limit counts the
-failures without progress in between: a week-long run whose node flakes every few days never
-runs out, and one that fails without advancing still stops (the crash-loop rule stops it first).
+A relaunch after a failure that did not advance the newest verified checkpoint is *charged*:
+one unit to its kind's budget (`crash`, `oom`, ...) and one to `max_restarts` (policy.py); a
+failure after a newer checkpoint is not charged at all, so a run that advances between kills,
+however little each time, never runs out. Charges are *forgiven*, all of them, once the run has
+made real progress since the last one: a verified checkpoint newer than the newest at that
+failure, and `forgive_after_steps` steps (or `forgive_after_s` seconds) of training. So a limit
+counts the failures without progress in between: a week-long run whose node flakes every few
+days never runs out, and one that fails without advancing still stops (the crash-loop rule
+stops it first).
 A script that reports no steps (it does not use the worker library: no heartbeats) shows its
 training only by its checkpoints: new verified content in a foreign checkpoint since the last
 charge (`progressed`, ckpt/progress.py) is both the newer checkpoint and the training.

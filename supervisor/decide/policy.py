@@ -113,7 +113,11 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
     spent = _out_of_budget(failure, history, nxt, config, settings, alarm)
     if spent is not None:
         return spent
-    nxt = budgets.charge(nxt, _budget_name(kind), newest_step)
+    # An attempt that advanced the newest verified checkpoint (the crash-loop rule's
+    # high-water mark) is not charged: the budgets count failures without progress, so a run
+    # that keeps advancing between kills, however little each time, never runs out.
+    if nxt.stalled:
+        nxt = budgets.charge(nxt, _budget_name(kind), newest_step)
     if committed is None:
         committed = newest_step is not None and (resumed is None or resumed.step is None
                                                  or newest_step > resumed.step)

@@ -17,7 +17,7 @@ from typing import Any
 
 from supervisor.ckpt import generation
 from supervisor.core import filemode, protocol
-from supervisor.launch import argv_templates, compile_dirs
+from supervisor.launch import argv_templates, compile_dirs, tracker_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +37,8 @@ class AttemptPlan:
     """Seconds the run's attempts have run so far."""
     save_cost: dict[str, float] | None = None
     """The save stall and step time the newest `cadence` event measured (None: none yet)."""
+    run: str | None = None
+    """The run identity (ckpt/runid.py), the same in every attempt; None: none settled."""
 
 
 def argv(command: list[str], resume_args: tuple[str, ...], plan: AttemptPlan) -> list[str]:
@@ -83,6 +85,12 @@ def environment(plan: AttemptPlan, *, stop_signal: str, heartbeat_addr: str, dum
         env[protocol.ENV_RESUME_FROM] = plan.resume_from
     else:
         env.pop(protocol.ENV_RESUME_FROM, None)
+    # Only names rtrain sets are its own: an environment handed down (a nested launch) keeps
+    # none of an earlier run's.
+    for name in (protocol.ENV_RUN_ID, protocol.ENV_TRACKER_VARS):
+        env.pop(name, None)
+    env.update(tracker_env.variables(
+        plan.run, env, tracker_env.read_mlflow_run(plan.run_dir, plan.run)))
     return env
 
 

@@ -45,6 +45,7 @@ from supervisor.launch.rundir import (
     refuse_planted,
 )
 from supervisor.launch.spec import LaunchSpec, Seams, child_command
+from supervisor.memtier.tier import MemoryTierDir
 from supervisor.mirror import launch_uploads
 from supervisor.pressure.monitor import PressureNote
 from supervisor.proc import slurm
@@ -161,6 +162,8 @@ class Loop:
         self.record.load(spec.command, spec.cwd, fresh=spec.fresh, retry=spec.retry)
         self.checkpoints = Checkpoints(self.ckpt_dir, self.cfg, load_signing_key(), self.events,
                                        self.say, enc=encryption_key(), run_dir=run_dir)
+        self.memtier = MemoryTierDir(self.ckpt_dir, self.checkpoints.key, self.events.emit,
+                                     self.say, file_mode=self.cfg.file_mode)
         self.gpu = seams.gpu if seams.gpu is not None else NvmlReader()
         self.hb = HeartbeatReceiver()
         self.watch_cfg = WatchConfig.from_config(self.cfg)
@@ -178,6 +181,8 @@ class Loop:
             say=self.say, monotonic=seams.monotonic)
 
     def close(self) -> None:
+        # The child is gone: its newest snapshot is the newest state, if newer than the disk's.
+        self.memtier.close(self.checkpoints.newest_step())
         self.standby.close()
         self.checkpoints.settle_copy()  # a copy in flight is the next launch's safety net
         if self.mirroring is not None:
@@ -204,6 +209,9 @@ class Loop:
         resume, first = ResumeMode.LATEST, self.record.new_run
         if first and self.cfg.resume == "never":
             history = self.checkpoints.start_over(history, self.seams.wall(), self.spec.command)
+            self.memtier.discard()
+        else:  # snapshots an rtrain that ended without persisting them left in memory
+            self.memtier.commit_newest(self.checkpoints.newest_step(), "found at launch")
         with SignalCatcher() as signals:
             while True:
                 selection = self.checkpoints.pick(history, resume, first=first)
@@ -242,6 +250,9 @@ class Loop:
         started = time.time()  # compared with checkpoint mtimes: the real clock, not a seam
         before = self.checkpoints.snapshot()
         outcome, duration_s, wall = self._attempt(history.attempt, settings, chosen, signals)
+        # Before anything reads the checkpoint dir (the progress rule, the next pick): the
+        # memory tier's newest snapshot, if newer, is the newest verified state now.
+        self.memtier.commit_newest(self.checkpoints.newest_step(), "attempt ended")
         result = AttemptResult(
             seen=outcome.seen, duration_s=duration_s, resumed=resumed,
             resumed_identity=foreign.resume_identity(chosen) if chosen is not None else None,
@@ -260,12 +271,16 @@ class Loop:
         """Run one attempt: spawn it (or hand it to the standby) and watch it to its end; what
         the watch saw, how long it ran, and the stop planned before the job's time limit."""
         failures, run_s = self._failure_record()
+        self.memtier.attempt_starting(attempt)
+        in_memory = self.memtier.resume_path(chosen)  # the same checkpoint, read from memory
+        source = in_memory if in_memory is not None else chosen.path if chosen else None
         plan = AttemptPlan(attempt=attempt, settings=settings,
-                           resume_from=str(chosen.path.resolve()) if chosen else None,
+                           resume_from=str(source.resolve()) if source else None,
                            run_dir=self.run_dir, ckpt_dir=self.ckpt_dir,
                            attempt_dir=self.run_dir / "attempts" / str(attempt),
                            failures=failures, run_s=run_s,
-                           save_cost=self.timeline.save_cost if self.timeline else None)
+                           save_cost=self.timeline.save_cost if self.timeline else None,
+                           run=self.checkpoints.run)
         if plan.attempt_dir.exists():  # state.json was lost or reset: keep the old logs aside
             move_aside(plan.attempt_dir, self.seams.wall())
         argv = child_env.argv(self.spec.command, self.spec.resume_args, plan)
@@ -275,6 +290,7 @@ class Loop:
                                     relieve_signal=self.watch_cfg.relieve_signal,
                                     file_mode=self.cfg.file_mode)
         env.update(flight.environment(env, plan.attempt_dir, gpu=self.gpu.available))
+        env.update(self.memtier.env())
         child_env.fence_earlier_writers(env, self.ckpt_dir, self.say)
         self.hb.drain()  # stale heartbeats of the previous attempt
         level = self.record.state.history.level
@@ -300,6 +316,8 @@ class Loop:
             how += f": {note}"
         if chosen is not None and self.checkpoints.restored:
             how += ", restored from rtrain's copy"
+        if in_memory is not None:
+            how += ", read from the memory tier"
         where = " in the warm standby" if warm else ""
         self.say(f"attempt {attempt}: launched pid {child.pid}{where} ({how}), settings "
                  f"{json.dumps(settings)}")
@@ -307,7 +325,9 @@ class Loop:
                          resume_from=plan.resume_from, pid=child.pid,
                          ckpt_dir=str(self.ckpt_dir), standby=warm,
                          start_s=round(start_s, 4), spawn_at=round(spawn_at, 6),
-                         spawn_s=round(spawn_s, 6), **slurm_field(wall))
+                         spawn_s=round(spawn_s, 6), **slurm_field(wall),
+                         **({"tier": "memory"} if in_memory is not None else
+                            {"tier": "disk"} if chosen is not None else {}))
         self._say_wall(wall)
         self.elsewhere.attempt_started(attempt)
         sizes = resize.WorldWatch(resize.saved_world_size(chosen.manifest if chosen else None))
@@ -330,13 +350,17 @@ class Loop:
         """Memory pressure: the warm standby goes first (it counts where the run's memory
         does), then what the watch asked of the child is recorded."""
         if note.reading.source in ("cgroup", "host"):
-            self.standby.make_room(note.why or note.reading.describe())
+            why = note.why or note.reading.describe()
+            self.standby.make_room(why)
+            if note.action != "rising":  # the standby went first; now the snapshots
+                self.memtier.drop(attempt, f"memory pressure: {why}")
         if note.action != "rising":
             self.observers.pressure(attempt, note)
 
     def _heartbeat(self, attempt: int, hb: Heartbeat, sizes: resize.WorldWatch,
                    chosen: Verdict | None) -> None:
         self.standby.heartbeat()
+        self.memtier.heartbeat(attempt, hb)
         self.observers.heartbeat(attempt, hb)
         self.recovery.heartbeat(attempt, hb)
         self._recoveries()

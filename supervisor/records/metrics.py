@@ -20,12 +20,16 @@ file: no fsync (a lost write is replaced seconds later).
     rtrain_stragglers_total{run_dir}               ranks found slower than the others
     rtrain_straggler_ratio{run_dir,rank,host}      the newest attempt's stragglers: how many
                                                    times slower than the other ranks
+    rtrain_memory_tier_every_steps{run_dir}        the memory tier's interval (0: off, dropped)
+    rtrain_snapshots_persisted_total{run_dir}      memory-tier snapshots rtrain committed to disk
+    rtrain_resumes_total{run_dir,tier}             relaunches by where the checkpoint was read
     rtrain_mirror_uploaded_step{run_dir}           newest checkpoint step on the mirror
     rtrain_mirror_lag_steps{run_dir}               newest local checkpoint's step minus that
     rtrain_mirror_seconds_since_upload{run_dir}    since the last upload finished
     rtrain_mirror_failures_total{run_dir}          failed uploads, listings and downloads
 
-The mirror's series appear once the log has a mirror event (runs with `--mirror`).
+The mirror's series appear once the log has a mirror event (runs with `--mirror`); the memory
+tier's once it has a `memory_tier` event (`Saving(memory=...)`).
 
 A value not known yet (no heartbeat, no checkpoint) is left out rather than invented.
 """
@@ -70,6 +74,12 @@ _HELP = {
     "rtrain_stragglers_total": ("counter", "Ranks found consistently slower than the others"),
     "rtrain_straggler_ratio": ("gauge", "The newest attempt's stragglers: busy time per step "
                                         "over the other ranks' median"),
+    "rtrain_memory_tier_every_steps": ("gauge", "Steps between memory-tier snapshots (0: the "
+                                                "tier is off or was dropped)"),
+    "rtrain_snapshots_persisted_total": ("counter", "Memory-tier snapshots rtrain committed to "
+                                                    "the checkpoint dir"),
+    "rtrain_resumes_total": ("counter", "Relaunches that resumed, by where the checkpoint was "
+                                        "read (memory, disk)"),
     "rtrain_mirror_uploaded_step": ("gauge", "Step of the newest checkpoint on the mirror"),
     "rtrain_mirror_lag_steps": ("gauge",
                                 "Newest local checkpoint's step minus the newest on the mirror"),
@@ -191,6 +201,14 @@ class MetricsFile:
              e["ratio"]) for e in self.timeline.stragglers
             if launch is not None and e.get("attempt") == launch.get("attempt")
             and isinstance(e.get("ratio"), (int, float)) and math.isfinite(e["ratio"])]
+        if (tier := self.timeline.last(Kind.MEMORY_TIER)) is not None:
+            every = tier.get("every") if tier.get("state") == "on" else 0
+            values["rtrain_memory_tier_every_steps"] = (
+                [(run, every)] if isinstance(every, int) else [])
+            values["rtrain_snapshots_persisted_total"] = [(run,
+                                                           self.timeline.snapshots_persisted)]
+            values["rtrain_resumes_total"] = [(f'{run},tier="{t}"', n) for t, n in
+                                              sorted(self.timeline.resumes.items())]
         if (m := self.timeline.mirror) is not None:
             up = m.uploaded_step
             values["rtrain_mirror_uploaded_step"] = [(run, up)] if up is not None else []

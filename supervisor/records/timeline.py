@@ -153,6 +153,10 @@ class Timeline:
     """Every `recovery` event (what each failure cost), in order: one per relaunch."""
     stragglers: list[Event] = field(default_factory=list)
     """Every `straggler` event (a rank slower than the others), in order."""
+    snapshots_persisted: int = 0
+    """Memory-tier snapshots rtrain committed to the checkpoint dir (`snapshot_persisted`)."""
+    resumes: Counter[str] = field(default_factory=Counter)
+    """Launches that resumed, by where the checkpoint was read (`launch.tier`: memory, disk)."""
     _last_skipped: Event | None = None
     _unsaved: str | None = None
     _current: int | None = None  # the attempt named by the newest event that names one
@@ -191,6 +195,8 @@ class Timeline:
             if number == 0:
                 self.run_s, self.work_lost = 0.0, 0
                 self._record_start = self._count
+            if event.get("tier") in ("memory", "disk"):
+                self.resumes[event["tier"]] += 1
         elif kind == Kind.CLASSIFICATION:
             self.failures[failure_kind(event)] += 1
             self.work_lost += failure_kind(event) not in NO_WORK_LOST
@@ -202,6 +208,8 @@ class Timeline:
             self.recoveries.append(event)
         elif kind == Kind.STRAGGLER:
             self.stragglers.append(event)
+        elif kind == Kind.SNAPSHOT_PERSISTED:
+            self.snapshots_persisted += 1
         elif kind == Kind.CHECKPOINT_AT_FAILURE:
             self.failure_saves += 1
             self.last_failure_save = event

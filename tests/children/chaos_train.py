@@ -7,7 +7,8 @@ every="auto", the cadence chosen from the save cost and the run's failures), lr,
 samples, keep, workers (DataLoader worker processes; the loader is then handed to the
 Checkpointer), mem_mb (MiB of host memory touched per sample of a micro-batch, so memory use
 scales with batch_size), step_sleep (seconds per step), fill_at / unfill_at / fill_path (fill
-the filesystem holding fill_path at that step, delete the filler at that step).
+the filesystem holding fill_path at that step, delete the filler at that step), memory (the
+memory tier: a snapshot every N steps; 0 off, -1 "auto").
 
 Writes to OUT_DIR:
   steps.jsonl  one line per executed step, flushed before the step's maybe_save:
@@ -44,7 +45,7 @@ out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 s = worker.settings(batch_size=8, grad_accum=1, steps=120, save_every=4, lr=0.01, samples=64,
                     keep=3, workers=0, mem_mb=0, step_sleep=0.0, fill_at=0, unfill_at=0,
-                    fill_path="")
+                    fill_path="", memory=0)
 worker.install_excepthook()
 attempt = worker.runtime.attempt()
 log = open(out / "steps.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the whole run
@@ -80,7 +81,9 @@ sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
 loader = DataLoader(ds, batch_size=s.batch_size, sampler=sampler, num_workers=s.workers)
 ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched,
                            loader=loader if s.workers else sampler, keep=s.keep,
-                           every=worker.Every(steps=s.save_every or "auto", total_steps=s.steps))
+                           every=worker.Every(steps=s.save_every or "auto", total_steps=s.steps),
+                           saving=worker.Saving(memory={0: None, -1: "auto"}.get(s.memory,
+                                                                                  s.memory)))
 resume_from = os.environ.get(ENV_RESUME_FROM)
 ok = verify(resume_from, Level.FULL).ok if resume_from else None
 start = ckpt.restore()

@@ -30,7 +30,7 @@ from supervisor.proc.cgroup import memory_cgroup
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 s = worker.settings(batch_size=16, grad_accum=1, steps=200, grow_kb=256, step_sleep=0.05,
-                    save_every=50, free_on_relieve=False, fill_to=0.0)
+                    save_every=50, free_on_relieve=False, fill_to=0.0, memory=0)
 attempt = worker.runtime.attempt()
 log = open(out / "steps.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the whole run
 cache: list[bytearray] = []
@@ -48,7 +48,8 @@ torch.manual_seed(0)
 model = torch.nn.Linear(16, 4)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 worker.on_pressure(on_pressure)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, every=s.save_every, keep=2)
+ckpt = worker.Checkpointer(model=model, optimizer=opt, every=s.save_every, keep=2,
+                           saving=worker.Saving(memory=s.memory or None))
 start = ckpt.restore()
 held: list[bytearray] = []
 group = memory_cgroup(os.getpid()) if s.fill_to else None

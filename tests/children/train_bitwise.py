@@ -1,12 +1,13 @@
 """A small real training loop written the way people write it, for the bitwise-resume tests.
 
-usage: train_bitwise.py CKPT_DIR OUT TOTAL_STEPS DIE_AT [--async] [--every N]
+usage: train_bitwise.py CKPT_DIR OUT TOTAL_STEPS DIE_AT [--async] [--every N] [--memory N]
 Exits abruptly (os._exit, no save) after step DIE_AT, like a killed process; DIE_AT=0 never.
 """
 
 import argparse
 import os
 import random
+import time
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ p.add_argument("die_at", type=int)
 p.add_argument("--async", dest="async_save", action="store_true")
 p.add_argument("--every", type=int, default=3)
 p.add_argument("--batch", type=int, default=8)
+p.add_argument("--memory", type=int, default=None, help="the memory tier: a snapshot every N")
+p.add_argument("--die-once", action="store_true", help="die at DIE_AT in attempt 0 only")
+p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step also takes")
 args = p.parse_args()
 
 torch.manual_seed(1234)
@@ -37,7 +41,8 @@ sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
 loader = DataLoader(ds, batch_size=args.batch, sampler=sampler)
 ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=sampler,
                            ckpt_dir=args.ckpt_dir, every=args.every, keep=2,
-                           saving=worker.Saving(async_mode="auto" if args.async_save else "off"))
+                           saving=worker.Saving(async_mode="auto" if args.async_save else "off",
+                                                memory=args.memory))
 step = ckpt.restore()
 while step < args.total:
     for x, y in loader:
@@ -49,8 +54,11 @@ while step < args.total:
         opt.step()
         sched.step()
         step += 1
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         ckpt.maybe_save(step, metrics={"loss": loss.item()})
-        if step == args.die_at:
+        if step == args.die_at and not (args.die_once and os.environ.get("RTRAIN_ATTEMPT", "0")
+                                        != "0"):
             os._exit(9)
         if step >= args.total:
             break

@@ -1,0 +1,172 @@
+"""Memory-tier benchmark: the training thread's stall per snapshot against today's async disk
+save, and a restore from memory against one from disk, measured in the same run.
+
+    python scripts/bench_memory_tier.py [--gib 1.0] [--rounds 5] [--dir bench-out]
+
+A model of 8 linear layers with Adam, whose weights and optimizer state together are about
+--gib GiB, trains on CPU; rounds alternate between
+  snapshot    `Saving(memory=1)`: the time `maybe_save` blocks, plus the optimizer step's wait
+              for the copy (the tier's own `stall_s`)                    (target <= 0.1 s and
+                                                                          <= 0.1x the async save)
+  async save  `Saving(async_mode="auto")` (a forked writer): the time `save` blocks
+and each is followed by one training step, timed against a step with neither (what the copy in
+the background, or the copy-on-write faults after a fork, cost the step that follows).
+Then the restore of the same checkpoint, taken in turn (medians of --rounds):
+  from memory   the snapshot in /dev/shm, as a relaunch reads it           (target <= 0.3x)
+  from disk     its persisted copy in --dir, from page cache, and cold (its pages dropped
+                with posix_fadvise first, as after a reboot or on another node)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch import nn
+
+from supervisor.core.protocol import ENV_MEMORY_DIR, ENV_RESUME_FROM
+
+SHM = Path(tempfile.mkdtemp(prefix="rtrain-bench-", dir="/dev/shm"))
+os.environ[ENV_MEMORY_DIR] = str(SHM)
+
+import worker  # noqa: E402  (after the memory dir is set: the tier reads it at construction)
+from supervisor.ckpt.layout import list_checkpoints  # noqa: E402
+from supervisor.memtier.persist import persist  # noqa: E402
+from supervisor.memtier.shmdir import newest  # noqa: E402
+
+
+def build(gib: float) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """Weights + Adam's two moments = 3 x the weights: about `gib` GiB in all."""
+    n_layers = 8
+    side = int((gib * (1 << 30) / 4 / 3 / n_layers) ** 0.5)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(side, side, bias=False) for _ in range(n_layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    return model, opt, side
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, side: int) -> float:
+    t0 = time.perf_counter()
+    loss = model(torch.randn(4, side)).pow(2).mean()
+    opt.zero_grad(set_to_none=False)
+    loss.backward()
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    for st in opt.state.values():
+        n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+    return n
+
+
+def drop_pages(path: Path) -> None:
+    for f in path.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed_restore(model: nn.Module, opt: torch.optim.Optimizer, side: int, path: Path,
+                  ckpt_dir: Path) -> tuple[float, float]:
+    """The restore as a relaunch runs it (RTRAIN_RESUME_FROM), and it with the first step after
+    it (a snapshot's pages are mapped, so the first writes to them copy them: counted there)."""
+    os.environ[ENV_RESUME_FROM] = str(path)
+    try:
+        ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir)
+        t0 = time.perf_counter()
+        ck.restore()
+        restored = time.perf_counter() - t0
+        train_step(model, opt, side)
+        return restored, time.perf_counter() - t0
+    finally:
+        del os.environ[ENV_RESUME_FROM]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", default="bench-out")
+    args = ap.parse_args()
+    out = Path(args.dir)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    model, opt, side = build(args.gib)
+    for _ in range(2):  # Adam's state exists, the allocator is warm
+        train_step(model, opt, side)
+    nbytes = state_bytes(model, opt)
+    print(f"state: {nbytes / 2**30:.2f} GiB (weights {side}x{side} x 8, Adam), "
+          f"torch {torch.__version__}, {os.cpu_count()} cores")
+
+    mem = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "unused",
+                              saving=worker.Saving(memory=1))
+    disk = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "disk", keep=1,
+                               saving=worker.Saving(async_mode="auto"))
+    plain, snap_stall, snap_block, snap_next, save_stall, save_next = [], [], [], [], [], []
+    step = 2
+    for _ in range(args.rounds):
+        plain.append(train_step(model, opt, side))
+        step += 1
+        t0 = time.perf_counter()
+        mem.maybe_save(step)
+        snap_block.append(time.perf_counter() - t0)
+        snap_next.append(train_step(model, opt, side))
+        mem._memory.wait()
+        snap_stall.append(mem._memory.stall_s)
+        step += 1
+        t0 = time.perf_counter()
+        disk.save(step)
+        save_stall.append(time.perf_counter() - t0)
+        save_next.append(train_step(model, opt, side))
+        disk._bg.wait()
+    mem.close()
+    disk.close()
+
+    med = statistics.median
+    p_s = med(plain)
+    print(f"\ntraining step alone: {p_s:.3f} s (median of {args.rounds})")
+    print(f"snapshot: blocked in maybe_save {med(snap_block) * 1e3:.1f} ms; stall with the "
+          f"optimizer's wait {med(snap_stall) * 1e3:.1f} ms; the next step "
+          f"{med(snap_next):.3f} s ({med(snap_next) / p_s:.2f}x)")
+    print(f"async disk save: blocked in save {med(save_stall) * 1e3:.1f} ms; the next step "
+          f"{med(save_next):.3f} s ({med(save_next) / p_s:.2f}x)")
+    ratio = med(snap_stall) / med(save_stall)
+    print(f"snapshot stall vs async save stall: {ratio:.2f}x (target <= 0.1x, and <= 0.1 s)")
+
+    snap, _ = newest(SHM, None)
+    assert snap is not None
+    persisted = persist(snap, out / "persisted").path
+    runs: dict[str, list[tuple[float, float]]] = {"memory": [], "warm": [], "cold": []}
+    for _ in range(args.rounds):
+        runs["memory"].append(timed_restore(model, opt, side, snap.path, out / "unused"))
+        runs["warm"].append(timed_restore(model, opt, side, persisted, out / "persisted"))
+        drop_pages(persisted)
+        runs["cold"].append(timed_restore(model, opt, side, persisted, out / "persisted"))
+    for i, what in enumerate(("restore", "restore + first step")):
+        m, w, c = (med(r[i] for r in runs[k]) for k in ("memory", "warm", "cold"))
+        print(f"{what}: from memory {m:.3f} s; from disk, page cache {w:.3f} s ({m / w:.2f}x), "
+              f"cold {c:.3f} s ({m / c:.2f}x)" + (" (target <= 0.3x)" if i == 0 else ""))
+    assert [s for s, _ in list_checkpoints(out / "persisted")]
+    shutil.rmtree(SHM, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        shutil.rmtree(SHM, ignore_errors=True)

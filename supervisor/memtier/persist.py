@@ -1,0 +1,128 @@
+"""Committing a memory-tier snapshot to the checkpoint dir: rtrain's copy, byte for byte.
+
+The snapshot is copied as it is (its manifest, signature and encryption stay valid: they cover
+these very bytes), each file hashed as it is read and compared with the manifest before the
+commit, so a snapshot torn or changed in memory is refused, never committed. The copy goes
+into a temp dir, is fsynced file by file, and is renamed into place like any commit. A step
+the checkpoint dir already holds is left alone (the worker's own save of it came first).
+
+While it copies, rtrain holds hard links to the snapshot's files in a pin dir of its own: the
+worker removes its older snapshot once a newer one commits (double buffering), and the pin
+keeps the pages readable until the copy is done.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.ckpt import manifest as mf
+from supervisor.ckpt import safeio
+from supervisor.ckpt.commit import fsync_dir
+from supervisor.ckpt.hashing import new_hasher
+from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name
+from supervisor.ckpt.verify import Verdict
+from supervisor.core import filemode
+
+CHUNK = 8 << 20
+
+
+class SnapshotRefused(Exception):
+    """The snapshot does not match its manifest (the message says which file and how)."""
+
+
+@dataclass(frozen=True)
+class Persisted:
+    path: Path
+    bytes: int
+    already: bool = False
+    """The checkpoint dir held the step already: nothing was copied."""
+
+
+def persist(snap: Verdict, ckpt_dir: Path, *, fsync: bool = True,
+            mode: int = filemode.DEFAULT_FILE_MODE) -> Persisted:
+    """Commit `snap` (its manifest checked) into `ckpt_dir`. Raises SnapshotRefused, or
+    OSError when the checkpoint dir cannot take it (nothing is left behind either way)."""
+    m = snap.manifest
+    assert m is not None
+    final = ckpt_dir / checkpoint_name(snap.step)
+    if os.path.lexists(final):
+        return Persisted(final, 0, already=True)
+    pin = _pin(snap.path)
+    tmp = ckpt_dir / tmp_name(snap.step)
+    try:
+        if mf.load(pin) != m:
+            raise SnapshotRefused("its manifest changed after it was checked")
+        filemode.make_dir(ckpt_dir, mode)
+        os.mkdir(tmp, 0o700)
+        copied = 0
+        for name, entry in m["files"].items():
+            copied += _copy_checked(pin, name, entry, m["hash_alg"], tmp, fsync)
+        _copy_checked(pin, MANIFEST, None, m["hash_alg"], tmp, fsync)
+        filemode.apply_tree(tmp, mode)
+        if fsync:
+            fsync_dir(tmp)
+        if os.path.lexists(final):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return Persisted(final, 0, already=True)
+        os.rename(tmp, final)
+        if fsync:
+            fsync_dir(ckpt_dir)
+        return Persisted(final, copied)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(pin, ignore_errors=True)
+
+
+def _pin(snapshot: Path) -> Path:
+    """Hard links to the snapshot's files, in a dir of rtrain's beside it."""
+    pin = snapshot.parent / f".pin-{snapshot.name}-{os.getpid()}-{os.urandom(4).hex()}"
+    os.mkdir(pin, 0o700)
+    try:
+        for entry in os.scandir(snapshot):
+            if entry.is_file(follow_symlinks=False):
+                os.link(entry.path, pin / entry.name, follow_symlinks=False)
+    except FileNotFoundError:
+        shutil.rmtree(pin, ignore_errors=True)
+        raise SnapshotRefused("it was removed while rtrain took it (a newer one replaced "
+                              "it)") from None
+    except BaseException:
+        shutil.rmtree(pin, ignore_errors=True)
+        raise
+    return pin
+
+
+def _copy_checked(src_dir: Path, name: str, entry: dict | None, alg: str, dst_dir: Path,
+                  fsync: bool) -> int:
+    """Copy one file, hashing what is read; compare with the manifest's entry (None: the
+    manifest itself, compared as the caller did)."""
+    h = new_hasher(alg)
+    size = 0
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    try:
+        src = safeio.open_beneath(src_dir, name, buffering=0)
+    except (FileNotFoundError, safeio.UnsafeFile) as e:
+        raise SnapshotRefused(f"{name}: {e}") from None
+    dst_path = dst_dir / name
+    dst_path.parent.mkdir(parents=True, exist_ok=True)
+    with src, open(dst_path, "xb", buffering=0) as dst:
+        while n := src.readinto(buf):
+            h.update(view[:n])
+            _write_all(dst, view[:n])
+            size += n
+        if fsync:
+            os.fsync(dst.fileno())
+    if entry is not None and (size != entry.get("size") or h.hexdigest() != entry.get("hash")):
+        raise SnapshotRefused(f"{name} does not match its manifest "
+                              f"({'size' if size != entry.get('size') else 'content hash'})")
+    return size
+
+
+def _write_all(f, view: memoryview) -> None:
+    while view:
+        view = view[f.write(view):]

@@ -1,0 +1,132 @@
+"""The memory tier as a launch runs it: the directory each attempt gets, the snapshot committed
+when an attempt ends (before the next pick reads the checkpoint dir), the relaunch pointed at
+the snapshot when it is the checkpoint picked, the tier dropped on memory pressure, and the
+directory removed when the launch ends (docs/design.md, "The memory tier")."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from supervisor.ckpt import runid
+from supervisor.ckpt.verify import Verdict
+from supervisor.core.filemode import DEFAULT_FILE_MODE
+from supervisor.core.protocol import ENV_MEMORY_DIR, Heartbeat
+from supervisor.memtier import decide, persist, shmdir
+
+
+class MemoryTierDir:
+    """One launch's use of the run's memory-tier directory."""
+
+    def __init__(self, ckpt_dir: Path, key: bytes | None, emit: Callable[..., Any],
+                 say: Callable[[str], None], *, file_mode: int = DEFAULT_FILE_MODE,
+                 path: Path | None = None) -> None:
+        self.ckpt_dir, self.key, self.emit, self.say = ckpt_dir, key, emit, say
+        self.file_mode = file_mode
+        self.path = path if path is not None else shmdir.path_for(ckpt_dir)
+        self.unusable: str | None = None
+        self.attempt = 0
+        self._dropped: int | None = None  # the attempt whose tier was dropped
+
+    def env(self) -> dict[str, str]:
+        """What the attempt's environment gets: the directory, unless it cannot be used."""
+        return {} if self.unusable else {ENV_MEMORY_DIR: str(self.path)}
+
+    def attempt_starting(self, attempt: int) -> None:
+        self.attempt = attempt
+        if self.unusable:
+            return
+        try:
+            shmdir.prepare(self.path, runid.read(self.ckpt_dir))
+        except (shmdir.Unusable, OSError) as e:
+            self.unusable = str(e)
+            self.say(f"memory tier unavailable for this launch: {e}")
+
+    def commit_newest(self, disk_newest: int | None, why: str) -> int | None:
+        """Commit the newest good snapshot when it is newer than the checkpoint dir's newest;
+        its step, else None."""
+        snap = self._newest()
+        if snap is None:
+            return None
+        same_run = runid.of(snap.manifest) == runid.read(self.ckpt_dir)
+        plan = decide.persist(snap.step, disk_newest, same_run=same_run, why=why)
+        if plan is None:
+            return None
+        t0 = time.monotonic()
+        try:
+            done = persist.persist(snap, self.ckpt_dir, mode=self.file_mode)
+        except persist.SnapshotRefused as e:
+            self._refused(snap, str(e))
+            return None
+        except OSError as e:
+            self.say(f"could not commit the memory snapshot of step {snap.step} to "
+                     f"{self.ckpt_dir}: {e.strerror or e}; it stays in memory for the relaunch")
+            return None
+        seconds = time.monotonic() - t0
+        if done.already:
+            return None
+        self.emit("snapshot_persisted", attempt=self.attempt, step=snap.step,
+                  path=str(done.path), bytes=done.bytes, seconds=round(seconds, 4), why=why)
+        self.say(f"committed the memory snapshot of step {snap.step} as {done.path.name} "
+                 f"({why}; {done.bytes / 2**20:.0f} MiB in {seconds:.2f} s)")
+        return snap.step
+
+    def resume_path(self, chosen: Verdict | None) -> Path | None:
+        """The snapshot to resume from instead of `chosen` (the same checkpoint, in memory)."""
+        if chosen is None or chosen.manifest is None or self.unusable:
+            return None
+        snap = self._newest()
+        if snap is None or snap.manifest is None:
+            return None
+        same = snap.manifest.get("files") == chosen.manifest.get("files")
+        if decide.resume_from_memory(snap.step, chosen.step, same_files=same):
+            return snap.path
+        return None
+
+    def heartbeat(self, attempt: int, hb: Heartbeat) -> None:
+        """The worker's `snapshot` heartbeats: the tier started, changed interval or stopped."""
+        s = hb.snapshot
+        if hb.event != "snapshot" or not isinstance(s, dict):
+            return
+        off = s.get("off")
+        self.emit("memory_tier", attempt=attempt, step=hb.step,
+                  state="off" if off else "on", every=s.get("every"),
+                  stall_s=s.get("stall_s"), write_s=s.get("write_s"),
+                  reason=str(off) if off else None)
+        if off:
+            self.say(f"attempt {attempt}: memory tier off: {off}")
+
+    def drop(self, attempt: int, why: str) -> None:
+        """Memory pressure: no more snapshots in this attempt, the ones there freed (once)."""
+        if self.unusable or self._dropped == attempt:
+            return
+        self._dropped = attempt
+        freed = shmdir.drop(self.path)
+        self.emit("memory_tier", attempt=attempt, step=None, state="dropped", every=None,
+                  stall_s=None, write_s=None, reason=why)
+        self.say(f"attempt {attempt}: memory tier dropped ({freed / 2**20:.0f} MiB freed): "
+                 f"{why}")
+
+    def discard(self) -> None:
+        """A run that starts over (`--resume never`): an earlier run's snapshots go."""
+        shmdir.remove(self.path)
+
+    def close(self, disk_newest: int | None) -> None:
+        """The launch ends: the newest snapshot committed if it is newer, the directory removed."""
+        self.commit_newest(disk_newest, "run ended")
+        shmdir.remove(self.path)
+
+    def _newest(self) -> Verdict | None:
+        snap, refused = shmdir.newest(self.path, self.key)
+        for v in refused:
+            self._refused(v, v.reason)
+        return snap
+
+    def _refused(self, snap: Verdict, reason: str) -> None:
+        self.emit("snapshot_refused", attempt=self.attempt, step=snap.step, path=str(snap.path),
+                  reason=reason)
+        self.say(f"memory snapshot of step {snap.step} refused: {reason}; resuming from the "
+                 "disk tier")
+        shmdir.discard_snapshot(snap.path)

@@ -1,0 +1,319 @@
+"""The memory tier's units: the pure rules, a snapshot that describes its step boundary while
+training goes on, the budget, rtrain's drop, and the persisting copy's checks. The launch with
+real kills is tests/test_memory_tier_launch.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import worker
+from supervisor.ckpt.layout import list_checkpoints
+from supervisor.ckpt.verify import Level, verify
+from supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
+from supervisor.memtier import decide, persist, shmdir
+from supervisor.memtier.tier import MemoryTierDir
+from worker import memory_tier
+
+
+@pytest.mark.parametrize("snap, disk, same_run, expected", [
+    (None, 5, True, None),
+    (7, None, True, 7),
+    (7, 5, True, 7),
+    (5, 5, True, None),  # the disk has it already
+    (4, 5, True, None),  # older than the disk: adds nothing
+    (7, 5, False, None),  # another run's (the dir started over)
+])
+def test_persist_only_a_newer_snapshot_of_this_run(snap, disk, same_run, expected):
+    plan = decide.persist(snap, disk, same_run=same_run, why="attempt ended")
+    assert (plan.step if plan else None) == expected
+
+
+@pytest.mark.parametrize("snap, chosen, same, expected", [
+    (7, 7, True, True), (7, 5, True, False), (7, 7, False, False), (None, 7, True, False),
+    (7, None, True, False),
+])
+def test_resume_from_memory_only_the_checkpoint_picked(snap, chosen, same, expected):
+    assert decide.resume_from_memory(snap, chosen, same_files=same) is expected
+
+
+@pytest.mark.parametrize("stall, write, step, expected", [
+    (0.001, 0.01, 0.1, 1),  # cheap and quick: every step
+    (0.01, 0.01, 0.1, 2),  # a 10 ms stall on a 100 ms step: every 2 (5 %)
+    (0.001, 0.35, 0.1, 4),  # the write takes 3.5 steps: every 4, never queued
+    (0.0, 0.0, 0.0, 1),  # nothing measured yet
+])
+def test_auto_interval(stall, write, step, expected):
+    assert memory_tier.interval(stall, write, step) == expected
+
+
+def test_refusal_says_what_to_change():
+    assert memory_tier.refusal(1 << 20, 1 << 30, 1 << 30) is None
+    assert "budget_mb" in memory_tier.refusal(1 << 30, 1 << 30, 4 << 30)
+    assert "--shm-size" in memory_tier.refusal(1 << 30, 8 << 30, 1 << 30)
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    d = tmp_path / "shm"
+    d.mkdir(mode=0o700)
+    monkeypatch.setenv(ENV_MEMORY_DIR, str(d))
+    return d
+
+
+def _model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64),
+                            torch.nn.Linear(64, 1))
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+def _train(m, opt, ckpt, steps, start=0, between=None):
+    for step in range(start, start + steps):
+        loss = m(torch.randn(16, 32)).pow(2).mean()
+        if between is not None:
+            between(step)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ckpt.maybe_save(step + 1)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_snapshot_is_its_step_boundary_while_training_goes_on(tmp_path, shm, overlap,
+                                                                 monkeypatch):
+    """Snapshots every 3 steps; the state at step 3 is recorded at the boundary; the training
+    changes the weights (optimizer) and the batch-norm statistics (forward) right after, while
+    the snapshot's writes are slowed down. The snapshot must hold step 3's values, every byte:
+    the optimizer's pre-hook held its step, the buffers were copied at the boundary."""
+    from supervisor.ckpt.commit import PendingCheckpoint
+
+    write = PendingCheckpoint.write_tensors
+
+    def slow(self, *a, **kw):
+        time.sleep(0.2)
+        return write(self, *a, **kw)
+
+    monkeypatch.setattr(PendingCheckpoint, "write_tensors", slow)
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=worker.Saving(memory=worker.Memory(every=3,
+                                                                          overlap=overlap)))
+    _train(m, opt, ckpt, 3)
+    at3 = copy.deepcopy(m.state_dict())
+    opt3 = copy.deepcopy(opt.state_dict())
+    _train(m, opt, ckpt, 2, start=3)  # the step-3 snapshot is written meanwhile
+    ckpt._memory.wait()
+    [(step, snap)] = list_checkpoints(shm)
+    assert step == 3
+    assert verify(snap, Level.FULL, None).ok
+    saved = load_file(snap / "model.safetensors")
+    for name, t in at3.items():
+        assert torch.equal(saved[name], t), name
+    assert not torch.equal(saved["0.weight"], m.state_dict()["0.weight"])  # it did move on
+    saved_opt = load_file(snap / "optimizer.safetensors")
+    exp_avg = [v for k, v in saved_opt.items() if k.endswith("exp_avg")]
+    assert exp_avg and any(torch.equal(e, opt3["state"][0]["exp_avg"]) for e in exp_avg)
+    ckpt.close()
+    assert not list((tmp_path / "ck").glob("checkpoint-*"))  # the disk tier saw nothing
+
+
+def test_double_buffering_keeps_only_the_newest_complete_snapshot(tmp_path, shm):
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=worker.Saving(memory=1))
+    _train(m, opt, ckpt, 6)
+    ckpt.close()
+    assert [s for s, _ in list_checkpoints(shm)] == [6]
+    assert [p.name for p in shm.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_state_that_does_not_fit_twice_leaves_the_tier_off(tmp_path, shm, caplog):
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=worker.Saving(memory=worker.Memory(every=1,
+                                                                          budget_mb=0.01)))
+    with caplog.at_level(logging.WARNING):
+        _train(m, opt, ckpt, 3)
+    ckpt.close()
+    assert list_checkpoints(shm) == []
+    assert "memory tier off" in caplog.text and "Memory(budget_mb=)" in caplog.text
+
+
+def test_rtrain_dropping_the_tier_stops_snapshots(tmp_path, shm, caplog):
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=worker.Saving(memory=1))
+    _train(m, opt, ckpt, 2)
+    ckpt._memory.wait()
+    assert shmdir.drop(shm) > 0
+    with caplog.at_level(logging.WARNING):
+        _train(m, opt, ckpt, 3, start=2)
+    ckpt.close()
+    assert list_checkpoints(shm) == [] and (shm / MEMORY_DROPPED).exists()
+    assert "rtrain dropped it" in caplog.text
+
+
+def test_outside_rtrain_the_tier_is_off_with_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv(ENV_MEMORY_DIR, raising=False)
+    m, opt = _model()
+    with caplog.at_level(logging.WARNING):
+        ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                                   saving=worker.Saving(memory="auto"))
+    assert ckpt._memory is None and "rtrain launch" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [0, -1, "often", 1.5])
+def test_bad_memory_values_fail_where_they_are_written(bad):
+    with pytest.raises((ValueError, TypeError), match=r"(?i)memory"):
+        worker.Saving(memory=bad)
+
+
+def _snapshot(tmp_path, shm, steps=2):
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=worker.Saving(memory=1))
+    _train(m, opt, ckpt, steps)
+    ckpt.close()
+    [(_, snap)] = list_checkpoints(shm)
+    return snap
+
+
+def _events(into):
+    return lambda kind, **f: into.append((kind, f))
+
+
+def test_persisting_copies_a_snapshot_that_verifies_like_any_checkpoint(tmp_path, shm):
+    snap = _snapshot(tmp_path, shm)
+    ckpts = tmp_path / "ckpts"
+    seen: list = []
+    tier = MemoryTierDir(ckpts, None, _events(seen), lambda s: None, path=shm)
+    assert tier.commit_newest(None, "attempt ended") == 2
+    v = verify(ckpts / "checkpoint-2", Level.FULL, None)
+    assert v.ok and v.manifest["info"]["memory_snapshot"] is True
+    assert [k for k, _ in seen] == ["snapshot_persisted"]
+    assert seen[0][1]["why"] == "attempt ended" and seen[0][1]["bytes"] > 0
+    assert tier.commit_newest(2, "attempt ended") is None  # the disk has it now
+    assert tier.resume_path(v) == snap  # the relaunch reads it from memory
+    assert [p.name for p in shm.iterdir() if p.name.startswith(".pin")] == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "manifest"])
+def test_a_damaged_snapshot_is_refused_and_the_disk_left_alone(tmp_path, shm, damage):
+    snap = _snapshot(tmp_path, shm)
+    f = snap / "model.safetensors"
+    if damage == "flip":
+        raw = bytearray(f.read_bytes())
+        raw[-3] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        os.truncate(f, f.stat().st_size - 10)
+    else:
+        m = json.loads((snap / "manifest.json").read_text())
+        m["step"] = 99
+        (snap / "manifest.json").write_text(json.dumps(m))
+    ckpts = tmp_path / "ckpts"
+    seen: list = []
+    said: list = []
+    tier = MemoryTierDir(ckpts, None, _events(seen), said.append, path=shm)
+    assert tier.commit_newest(None, "attempt ended") is None
+    assert [k for k, _ in seen] == ["snapshot_refused"]
+    assert list_checkpoints(ckpts) == [] and list_checkpoints(shm) == []
+    assert not any(p.name.startswith(".tmp") for p in ckpts.iterdir()) if ckpts.exists() else True
+    assert "resuming from the disk tier" in said[0]
+
+
+def test_a_signed_snapshot_from_another_key_is_refused(tmp_path, shm):
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=worker.Saving(memory=1), signing_key="someone else")
+    _train(m, opt, ckpt, 2)
+    ckpt.close()
+    seen: list = []
+    tier = MemoryTierDir(tmp_path / "ckpts", b"k" * 32, _events(seen), lambda s: None,
+                         path=shm)
+    assert tier.commit_newest(None, "attempt ended") is None
+    assert [k for k, _ in seen] == ["snapshot_refused"]
+
+
+def test_the_directory_is_owner_only_and_a_link_is_refused(tmp_path):
+    d = tmp_path / "rtrain-x"
+    shmdir.prepare(d, None)
+    assert (d.stat().st_mode & 0o777) == 0o700
+    link = tmp_path / "rtrain-link"
+    link.symlink_to(d)
+    with pytest.raises(shmdir.Unusable, match="not a directory of this user"):
+        shmdir.prepare(link, None)
+
+
+def test_a_snapshot_removed_while_pinned_is_refused_not_half_copied(tmp_path, shm):
+    snap = _snapshot(tmp_path, shm)
+    v = verify(snap, Level.QUICK, None)
+    for f in snap.iterdir():
+        f.unlink()
+    snap.rmdir()
+    with pytest.raises(persist.SnapshotRefused, match="removed"):
+        persist.persist(v, tmp_path / "ckpts")
+
+
+def test_auto_spaces_snapshots_so_none_waits_for_the_previous_write(tmp_path, shm, monkeypatch):
+    """Under "auto", a write that takes several steps (slowed down here) spreads the snapshots
+    out instead of making every step wait for the previous one."""
+    from supervisor.ckpt.commit import PendingCheckpoint
+
+    write = PendingCheckpoint.write_bytes
+
+    def slow(self, *a, **kw):
+        time.sleep(0.15)  # state.json: after the copy, so the optimizer never waits for it
+        return write(self, *a, **kw)
+
+    monkeypatch.setattr(PendingCheckpoint, "write_bytes", slow)
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=worker.Saving(memory="auto"))
+    taken = []
+    real = ckpt._memory.snapshot
+    ckpt._memory.snapshot = lambda cap: (taken.append(cap.step), real(cap))
+    _train(m, opt, ckpt, 30, between=lambda step: time.sleep(0.02))
+    ckpt.close()
+    assert ckpt._memory.every >= 4, ckpt._memory.every  # 0.15 s writes over ~0.03 s steps
+    assert taken[0] == 1 and len(taken) < 12, taken
+
+
+def test_only_the_snapshot_rtrain_handed_over_is_mapped_unhashed(tmp_path, shm, monkeypatch):
+    """RTRAIN_RESUME_FROM inside RTRAIN_MEMORY_DIR: mapped, the restore exact. The same
+    snapshot named any other way (a path given to restore(), a copy elsewhere) is read hashed,
+    so a byte changed in it is caught."""
+    from supervisor.core.errors import CorruptCheckpoint
+    from supervisor.core.protocol import ENV_RESUME_FROM
+    from worker.restore import handed_over_from_memory
+
+    snap = _snapshot(tmp_path, shm, steps=3)
+    monkeypatch.setenv(ENV_RESUME_FROM, str(snap))
+    assert handed_over_from_memory(snap)
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck")
+    assert ckpt.restore() == 3
+    saved = load_file(snap / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in m.state_dict().items() if k in saved)
+    _train(m, opt, ckpt, 2, start=3)  # the optimizer writes its mapped state: copy-on-write
+    assert torch.equal(load_file(snap / "model.safetensors")["0.weight"], saved["0.weight"])
+
+    elsewhere = tmp_path / "copy" / snap.name
+    import shutil
+    shutil.copytree(snap, elsewhere)
+    assert not handed_over_from_memory(elsewhere)
+    f = elsewhere / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    monkeypatch.delenv(ENV_RESUME_FROM)
+    with pytest.raises(CorruptCheckpoint):
+        worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck").restore(elsewhere)
