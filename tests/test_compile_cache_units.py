@@ -114,7 +114,10 @@ def _forge(ckpt: Path, data: bytes, key: bytes | None, **info: object) -> None:
     (compile_pack.pack(b"\0" * 16, {}), False, "not signed"),
 ])
 def test_a_cache_torch_cannot_take_is_ignored_and_the_checkpoint_restores(
-        tmp_path, caplog, data, signed, why):
+        tmp_path, caplog, monkeypatch, data, signed, why):
+    # inductor writes its cache dir into os.environ when it first resolves it: kept to this
+    # test, or every later child of this process would inherit it as the user's own.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     key = hashing.derive_key(b"k")
     model, opt = make()
     ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, signing_key=key)
