@@ -25,6 +25,7 @@ from supervisor.core.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
 from worker import (
     check_order,
+    compile_cache,
     data,
     dist,
     dist_ckpt,
@@ -206,6 +207,13 @@ class Checkpointer:
                 changes, self._lr_scale = restore.apply_all(loaded, parts, r.allow_pickle,
                                                             self._lr_scale)
                 self._judge_hyperparams(changes)
+                # Before the first compiled step: torch fills its local caches from it.
+                if self.saving.compile_cache:
+                    compile_cache.restore(
+                        loaded.path, loaded.manifest, loaded.alg,
+                        signed=self.key is not None and "signature" in loaded.manifest,
+                        allow_pickle=r.allow_pickle, model=self.model,
+                        max_mb=self.saving.compile_cache_max_mb, enc=loaded.enc)
         except CorruptCheckpoint as e:
             if from_supervisor:
                 restore.report_bad_checkpoint(os.environ[ENV_RESUME_FROM], e.reason)
@@ -301,6 +309,7 @@ class Checkpointer:
         cap = capture(self._parts(), step, self.epoch, self._lr_scale, metrics or {}, extra or {})
         if self._check is not None and "info" in cap.fields:
             cap.fields["info"]["check_resume"] = self._check.evidence()
+        self._add_compile_cache(cap)  # rtrain's disk copy carries it, as a disk save would
         if not self._memory.snapshot(cap, persist=asdict(self.keep.policy())):
             return False
         self._clock.last_step = step
@@ -326,6 +335,7 @@ class Checkpointer:
         cap = capture(self._parts(), step, self.epoch, self._lr_scale, metrics or {}, extra or {})
         if self._check is not None and "info" in cap.fields:
             cap.fields["info"]["check_resume"] = self._check.evidence()
+        self._add_compile_cache(cap)
         if cap.world is None:  # under torch.distributed, rank 0 makes room inside the collective
             short = self._retention.make_room(cap.nbytes)
             if short is not None:
@@ -422,6 +432,7 @@ class Checkpointer:
         cap = capture(self._parts(), b.step, b.epoch, self._lr_scale, b.metrics, b.extra,
                       taken=b.moving)
         cap.fields["info"].update(saved_at_failure=True, failure=type(exc).__name__)
+        self._add_compile_cache(cap)
         short = self._retention.make_room(cap.nbytes)
         if short is not None:
             self._target.skip(b.step, short)
@@ -435,6 +446,16 @@ class Checkpointer:
                         type(exc).__name__)
             runtime.heartbeat(step=b.step, event="saved_at_failure", reason=type(exc).__name__)
         return path
+
+    def _add_compile_cache(self, cap: Capture) -> None:
+        """torch's compile artifacts beside the checkpoint, for a relaunch on a fresh node
+        (one process only: under torch.distributed each rank compiles its own)."""
+        if not self.saving.compile_cache or cap.world is not None or "info" not in cap.fields:
+            return
+        found = compile_cache.collect(self.model, self.saving.compile_cache_max_mb)
+        if found is not None:
+            cap.compile_cache = found.data
+            cap.fields["info"][compile_cache.INFO_KEY] = found.info
 
     def _parts(self) -> Components:
         return Components(self.model, self.optimizer, self.scheduler, self.scaler, self.data,

@@ -58,7 +58,7 @@ from supervisor.ckpt.commit import PendingCheckpoint, remove_dir
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.core.atomic_write import STORAGE_ERRNOS
 from supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
-from worker import faults, runtime
+from worker import compile_cache, faults, runtime
 from worker.options import Memory
 from worker.save_target import FILES, Capture, SaveTarget
 from worker.tensors import to_blob
@@ -137,6 +137,8 @@ def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event) ->
             pending.add_file(name, path.stat().st_size,
                              hashing.hash_file(path, pending.hash_alg), listed)
         pending.write_bytes("state.json", json.dumps(cap.state_json).encode())
+        if cap.compile_cache is not None:  # a disk-cadence snapshot's (worker/compile_cache.py)
+            pending.write_bytes(compile_cache.FILE, cap.compile_cache)
         return pending.commit(cap.fields, target.key)
     except BaseException:
         pending.abort()

@@ -133,6 +133,13 @@ class Saving:
         failure_timeout_s: The longest the failing process waits for that save.
         memory: Also snapshot into shared memory between disk saves (the memory tier): a
             number of steps, "auto", or a Memory (below). None: off.
+        compile_cache: Also save torch.compile's portable cache artifacts beside each
+            checkpoint (`compile-cache.bin`, torch.compiler.save_cache_artifacts), so a
+            relaunch on a fresh node compiles warm. Loaded at restore only from a signed
+            checkpoint (or with Restoring(allow_pickle=True)) of the same torch version and
+            device kind (docs/design.md, "Compile caches"). Nothing is written when nothing
+            was compiled or torch has no such API.
+        compile_cache_max_mb: Artifacts larger than this are neither saved nor loaded.
     """
 
     async_mode: AsyncMode = "off"
@@ -142,9 +149,14 @@ class Saving:
     on_failure: bool = True
     failure_timeout_s: float = FAILURE_SAVE_TIMEOUT_S
     memory: Memory | int | Literal["auto"] | None = None
+    compile_cache: bool = True
+    compile_cache_max_mb: float = 512.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory", as_memory(self.memory))
+        if not self.compile_cache_max_mb > 0:
+            raise ValueError(f"Saving(compile_cache_max_mb=) must be positive, not "
+                             f"{self.compile_cache_max_mb!r}")
         if self.async_mode not in ("off", "auto", "fork", "thread"):
             raise ValueError(f"Saving(async_mode=) is 'off', 'auto', 'fork' or 'thread', not "
                              f"{self.async_mode!r}")

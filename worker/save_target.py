@@ -21,7 +21,7 @@ import torch
 from supervisor.ckpt import crypt, hashing
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.core.atomic_write import STORAGE_ERRNOS
-from worker import dist, faults, runtime
+from worker import compile_cache, dist, faults, runtime
 from worker.tensors import to_blob
 
 log = logging.getLogger(__name__)
@@ -45,10 +45,12 @@ class Capture:
     world: dist.World | None = None  # set when a process group is initialised
     rank_rng: dict[str, Any] | None = None  # this rank's python/numpy RNG (rng-rank<R> file)
     sharded: dict[str, Any] | None = None  # state written with torch.distributed.checkpoint
+    compile_cache: bytes | None = None  # torch's compile artifacts (worker/compile_cache.py)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for f in self.tensors.values() for t in f.values())
+        return (sum(t.numel() * t.element_size() for f in self.tensors.values()
+                    for t in f.values()) + len(self.compile_cache or b""))
 
 
 @dataclass
@@ -88,6 +90,8 @@ def write_local(target: SaveTarget, cap: Capture) -> Path | None:
             pending.write_tensors(f"{stem}.safetensors", blobs)
             faults.on_save_write(cap.step)
         pending.write_bytes("state.json", json.dumps(cap.state_json).encode())
+        if cap.compile_cache is not None:
+            pending.write_bytes(compile_cache.FILE, cap.compile_cache)
         return pending.commit(cap.fields, target.key)
     except OSError as e:
         if pending is not None:

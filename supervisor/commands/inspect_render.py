@@ -134,6 +134,30 @@ def _world(info: Any) -> list[tuple[str, str]]:
              + (f", {layout}" if isinstance(layout, str) else ""))]
 
 
+# info.compile_cache (worker/compile_cache.py): torch's compile artifacts and kernels saved
+# beside the checkpoint; shown on a line of its own rather than inside `info`.
+COMPILE_CACHE = "compile_cache"
+
+
+def _compile_cache(info: Any) -> list[tuple[str, str]]:
+    """The compile cache's size and what it was built with (a fresh node loads it only from
+    the same torch and device kind)."""
+    cc = info.get(COMPILE_CACHE) if isinstance(info, dict) else None
+    if not isinstance(cc, dict):
+        return []
+    size = cc.get("bytes")
+    arts = cc.get("artifacts") if isinstance(cc.get("artifacts"), dict) else {}
+    graphs = sum(n for n in arts.values() if isinstance(n, int) and not isinstance(n, bool))
+    return [("compile cache",
+             f"{human_size(size) if isinstance(size, int) else '?'} (torch {cc.get('torch')}, "
+             f"{cc.get('device')}, {graphs} artifacts, {cc.get('kernels', 0)} kernels)")]
+
+
+def _info_rest(info: Any) -> Any:
+    return {k: v for k, v in info.items() if k != COMPILE_CACHE} if isinstance(info, dict) \
+        else info
+
+
 def render_one(d: Detail) -> str:
     v = d.verdict
     sig = d.meta("signature")
@@ -151,13 +175,14 @@ def render_one(d: Detail) -> str:
         ("size", f"{human_size(d.size)} in {len(d.files)} files"
                  + (" (+ manifest)" if v.format == "rtrain" else "")),
         *_world(d.meta("info")),
+        *_compile_cache(d.meta("info")),
         ("fingerprint", str(d.meta("fingerprint", "-"))),
         ("signed", f"yes ({sig.get('alg')})" if isinstance(sig, dict) else "no"),
         *([("encrypted", _encrypted(d.meta("encryption")))] if v.format == "rtrain" else []),
         ("metrics", pairs(d.meta("metrics"))),
         ("settings", pairs(d.meta("settings"))),
         ("environment", pairs(d.meta("environment"))),
-        ("info", pairs(d.meta("info"))),
+        ("info", pairs(_info_rest(d.meta("info")))),
     ]
     lines = [safe(d.where)] + [f"  {k:<12}{safe(val)}" for k, val in fields]
     if d.files:

@@ -43,6 +43,7 @@ class Kind(str, Enum):
     CADENCE = "cadence"
     CHECKPOINT_AT_FAILURE = "checkpoint_at_failure"
     CONTROL_REFUSED = "control_refused"
+    COMPILE_CACHE = "compile_cache"
     FINAL_STATE_UNSAVED = "final_state_unsaved"
     MIRROR_UPLOADED = "mirror_uploaded"
     MIRROR_FAILED = "mirror_failed"
@@ -175,6 +176,11 @@ KINDS: dict[Kind, KindSpec] = {
         fields=("attempt", "rank", "reason"),
         meaning="the worker refused requests on its control FIFO that did not carry the "
                 "attempt's token (someone other than rtrain asked for a save at a hang)"),
+    Kind.COMPILE_CACHE: KindSpec(
+        fields=("attempt", "rank", "outcome", "detail"),
+        meaning="the worker loaded the checkpoint's compile cache (outcome `loaded`) or "
+                "ignored it (`ignored`, detail says why: unsigned, another torch or device, "
+                "too large, unreadable); the first step then compiles cold"),
     Kind.FINAL_STATE_UNSAVED: KindSpec(
         fields=("last_step", "checkpoint_step", "skipped_saves", "reason"), durable=True,
         meaning="the run stops with its last steps in no checkpoint"),

@@ -103,6 +103,8 @@ class Heartbeat:
     `snapshot` (with `snapshot`: the memory tier started, changed its interval or stopped),
     `persist` (with `persist`: a disk save under the memory tier; the snapshot of `step` is
     committed in memory and rtrain is to copy it, or a newer one, to the checkpoint dir),
+    `compile_cache_loaded` / `compile_cache_ignored` (at restore, with `reason`: the checkpoint's
+    compile cache was loaded, its size; or ignored, why: worker/compile_cache.py),
     `relieved` (after a relieve request: `reason` says what was freed, `settings` what the
     worker now uses), `exception` (with `reason`: the type of the uncaught exception ending the
     process, sent as it begins its way out) or `stop`. The first `start` (the worker installed)

@@ -118,6 +118,9 @@ class Observers:
         if hb.event == "control_refused":
             self.events.emit("control_refused", attempt=attempt, rank=hb.rank, reason=hb.reason)
             self.say(f"the training process refused requests rtrain did not make: {hb.reason}")
+        if hb.event in ("compile_cache_loaded", "compile_cache_ignored"):
+            self.events.emit(Kind.COMPILE_CACHE, attempt=attempt, rank=hb.rank,
+                             outcome=hb.event.rpartition("_")[2], detail=hb.reason)
         if hb.event == "saved_at_failure":
             self.events.emit("checkpoint_at_failure", attempt=attempt, step=hb.step,
                              rank=hb.rank, exception=hb.reason)

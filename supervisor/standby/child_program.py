@@ -41,6 +41,11 @@ import types
 # Imported by torch on first use rather than with torch: torch.optim's first optimizer imports
 # torch._dynamo (hundreds of modules, seconds), so every script with an optimizer pays for it.
 TORCH_LAZY = ("torch._dynamo",)
+# A script that calls torch.compile imports inductor's compile path at its first compiled step
+# (2.4 s on two loaded cores): paid here instead, when the script or one of its own modules
+# names torch.compile. Imports only: they start no worker pool, touch no CUDA, set no variable.
+TORCH_COMPILE_LAZY = ("torch._functorch.aot_autograd", "torch._inductor.codecache",
+                      "torch._inductor.compile_fx")
 # rtrain's own packages read the attempt's RTRAIN_* variables at import (worker.faults arms
 # the faults of one attempt): importing them before the hand-off would bind the wrong attempt.
 NEVER_PRELOAD = ("supervisor", "worker")
@@ -106,6 +111,18 @@ def top_imports(script: str, path0: str, depth: int = 3,
 
     scan(script, depth)
     return out
+
+
+def compiles(paths: set[str]) -> bool:
+    """Whether one of these files (the script and its own modules) names torch.compile."""
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                if b"torch.compile" in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def find_main_file(mode: str, target: str, path0: str) -> str | None:
@@ -302,7 +319,8 @@ def main(argv: list[str]) -> None:
         modules.append(name)
     torch = sys.modules.get("torch")
     if torch is not None and preload_json == "null":
-        for name in TORCH_LAZY:  # what torch would import on first use anyway
+        lazy = TORCH_LAZY + (TORCH_COMPILE_LAZY if compiles(scanned) else ())
+        for name in lazy:  # what torch would import on first use anyway
             try:
                 importlib.import_module(name)
             except BaseException as e:  # the script would fail the same way when it uses it
