@@ -288,10 +288,10 @@ def test_auto_spaces_snapshots_so_none_waits_for_the_previous_write(tmp_path, sh
     assert taken[0] == 1 and len(taken) <= 15, taken
 
 
-def test_only_the_snapshot_rtrain_handed_over_is_mapped_unhashed(tmp_path, shm, monkeypatch):
-    """RTRAIN_RESUME_FROM inside RTRAIN_MEMORY_DIR: mapped, the restore exact. The same
-    snapshot named any other way (a path given to restore(), a copy elsewhere) is read hashed,
-    so a byte changed in it is caught."""
+def test_only_the_snapshot_rtrain_handed_over_is_read_unhashed(tmp_path, shm, monkeypatch):
+    """RTRAIN_RESUME_FROM inside RTRAIN_MEMORY_DIR: read unhashed (the model's file mapped),
+    the restore exact. The same snapshot named any other way (a path given to restore(), a
+    copy elsewhere) is read hashed, so a byte changed in it is caught."""
     from supervisor.core.errors import CorruptCheckpoint
     from supervisor.core.protocol import ENV_RESUME_FROM
     from worker.restore import handed_over_from_memory

@@ -184,8 +184,9 @@ class Source:
         name = f"{stem}.safetensors"
         if name not in m["files"]:
             return {}
-        tensors, _ = load_listed(path, name, m, alg, self.enc,
-                                 hashed_already=handed_over_from_memory(path))
+        handed = handed_over_from_memory(path)
+        tensors, _ = load_listed(path, name, m, alg, self.enc, hashed_already=handed,
+                                 map_data=handed and stem == "model")
         # RNG states must stay on the CPU; the rest may go straight to the training device.
         device = torch.device("cpu" if stem == "extra" else self.map_location)
         if device.type == "cpu":

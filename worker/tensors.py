@@ -80,7 +80,7 @@ def read_any(f: Any) -> dict[str, torch.Tensor]:
 
 
 def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str, enc: Any = None,
-                *, hashed_already: bool = False
+                *, hashed_already: bool = False, map_data: bool = False
                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors of the safetensors file `name` of a checkpoint, and its `__metadata__`.
 
@@ -91,16 +91,22 @@ def load_listed(root: Path, name: str, manifest: dict[str, Any], alg: str, enc: 
     way. Raises LoadError with the reason.
 
     `hashed_already`: the caller knows every byte was hashed against the manifest by someone
-    it trusts (rtrain, for a memory-tier snapshot it handed over): the file is mapped instead
-    of read (`_Mapped`), its size still checked (an encrypted file is still read, decrypted and
-    authenticated).
+    it trusts (rtrain, for a memory-tier snapshot it handed over): the file is read without
+    hashing, its size still checked (an encrypted file is still decrypted and authenticated);
+    with `map_data` it is mapped instead of read (`_Mapped`), for tensors that are only copied
+    from (into the model's parameters): tensors that become state (the optimizer's) are read
+    into fresh memory, which their first writes would otherwise fault in page by page.
     """
-    mapped = hashed_already and manifest.get("encryption") is None
-    opened = _mapped(root, name, manifest) if mapped else open_listed(root, name, manifest,
-                                                                       alg, enc)
+    alloc: Any = _alloc
+    if hashed_already and manifest.get("encryption") is None:
+        opened: Any = _unhashed(root, name, manifest, _Mapped if map_data else PlainFile)
+        if map_data:
+            alloc = opened.alloc
+    else:
+        opened = open_listed(root, name, manifest, alg, enc)
     with opened as f:
         try:
-            tensors, meta = read_tensors(f, f.alloc if mapped else _alloc, _make)
+            tensors, meta = read_tensors(f, alloc, _make)
         except LoadError:
             raise
         except ValueError as e:
@@ -120,8 +126,8 @@ class _Mapped(PlainFile):
     memory), a tensor the training then changes gets its pages copied as it writes them, and
     the snapshot's file never changes."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, follow_symlinks=False)
+    def __init__(self, path: Path, *, follow_symlinks: bool = False) -> None:
+        super().__init__(path, follow_symlinks=follow_symlinks)
         self.map = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
 
     def alloc(self, entries: dict[str, Any], nbytes: int) -> tuple[torch.Tensor, memoryview]:
@@ -140,10 +146,10 @@ class _Mapped(PlainFile):
         super().readinto(buf)
 
 
-def _mapped(root: Path, name: str, manifest: dict[str, Any]) -> _Mapped:
+def _unhashed(root: Path, name: str, manifest: dict[str, Any], kind: type) -> Any:
     entry = manifest.get("files", {}).get(name)
     try:
-        f = _Mapped(root / name)
+        f = kind(root / name, follow_symlinks=False)
     except OSError as e:
         raise LoadError(f"{name}: {e}") from None
     if not isinstance(entry, dict) or f.size != entry.get("size"):
