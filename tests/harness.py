@@ -33,8 +33,11 @@ def child_env(**extra: str) -> dict[str, str]:
     """Our environment for a child: without RTRAIN_* (a supervisor sets those) or torchrun's
     TORCHELASTIC_*, with rtrain importable, one thread per process (the machine is shared, and
     torch's spinning pool threads make a step of a tiny model 30x slower under load), plus
-    `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RTRAIN_", "TORCHELASTIC"))}
+    `extra`. Without the compile-cache variables too: inductor sets TORCHINDUCTOR_CACHE_DIR in
+    its own process the first time it computes its cache dir, so an earlier in-process test
+    would hand it to every later child as if a user had set it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RTRAIN_", "TORCHELASTIC"))
+           and k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.update(extra)
     return env
