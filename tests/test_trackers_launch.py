@@ -33,7 +33,9 @@ TRACKERS_ENV = {
 }
 
 
-@pytest.fixture(scope="module")
+# Session-wide: xdist keeps the group on one worker but may run another module's tests between
+# two of these, which would end a module-scoped fixture and run the whole launch again.
+@pytest.fixture(scope="session")
 def tracked(tmp_path_factory):
     base = tmp_path_factory.mktemp("trackers")
     out = base / "out"
@@ -234,6 +236,7 @@ def continued(tracked):
     return run, fresh, out
 
 
+@pytest.mark.soak  # a second launch on fresh dirs; the identity's survival is table-tested
 def test_a_fresh_machine_continues_the_same_tracker_runs(continued, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     run, fresh, out = continued
