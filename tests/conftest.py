@@ -19,6 +19,7 @@ from harness import invoke_rtrain
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.ckpt.hashing import alg_for
 from supervisor.ckpt.safetensors_io import TensorBlob
+from supervisor.core.protocol import ENV_MEMORY_DIR
 
 # The soak tier and --soak (tiers.py); stacks of a hung test's processes, no leftovers (hangs.py).
 pytest_plugins = ["tiers", "hangs"]
@@ -62,6 +63,15 @@ def build_checkpoint(ckpt_dir: str | os.PathLike, step: int, *,
                 "settings": settings if settings is not None else {"batch_size": 32},
                 "metrics": {} if metrics is None else metrics, "info": {}, **fields}
     return pending.commit(manifest, key=key)
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    """A memory-tier directory as rtrain gives one (RTRAIN_MEMORY_DIR), owner-only."""
+    d = tmp_path / "shm"
+    d.mkdir(mode=0o700)
+    monkeypatch.setenv(ENV_MEMORY_DIR, str(d))
+    return d
 
 
 @pytest.fixture

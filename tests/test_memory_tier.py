@@ -60,14 +60,6 @@ def test_refusal_says_what_to_change():
     assert "--shm-size" in memory_tier.refusal(1 << 30, 8 << 30, 1 << 30)
 
 
-@pytest.fixture
-def shm(tmp_path, monkeypatch):
-    d = tmp_path / "shm"
-    d.mkdir(mode=0o700)
-    monkeypatch.setenv(ENV_MEMORY_DIR, str(d))
-    return d
-
-
 def _model():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64),

@@ -17,7 +17,7 @@ import torch
 import worker
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.verify import Level, verify
-from supervisor.core.protocol import ENV_HEARTBEAT, ENV_MEMORY_DIR
+from supervisor.core.protocol import ENV_HEARTBEAT
 from supervisor.memtier import decide
 from supervisor.memtier.diskcadence import DiskCadence
 from supervisor.proc.heartbeat import HeartbeatReceiver
@@ -66,14 +66,6 @@ def test_a_commit_that_covers_the_waiting_request_ends_the_queue():
 ])
 def test_the_workers_keep_policy_is_read_or_nothing_is_pruned(fields, expected):
     assert decide.policy_of(fields) == expected
-
-
-@pytest.fixture
-def shm(tmp_path, monkeypatch):
-    d = tmp_path / "shm"
-    d.mkdir(mode=0o700)
-    monkeypatch.setenv(ENV_MEMORY_DIR, str(d))
-    return d
 
 
 def _model():

@@ -73,7 +73,7 @@ except (OSError, AttributeError):  # not Linux/glibc: the final fsync does all t
     _sync_file_range = None
 
 
-def _write_all(fd: int, view: memoryview, hasher, offset: int) -> int:
+def write_hashed(fd: int, view: memoryview, hasher, offset: int) -> int:
     """Hash and write `view` in 32 MiB chunks, starting the write-back of each chunk at once.
 
     Without that, the kernel holds up to ~1 GiB dirty and the final fsync writes it all while
@@ -142,13 +142,13 @@ class _NoHash:
 
 
 class _Out:
-    """The file's bytes in order: hashed and written (`_write_all`)."""
+    """The file's bytes in order: hashed and written (`write_hashed`)."""
 
     def __init__(self, fd: int, hasher: Any) -> None:
         self.fd, self.hasher, self.offset = fd, hasher, 0
 
     def write(self, view: memoryview) -> None:
-        self.offset = _write_all(self.fd, view, self.hasher, self.offset)
+        self.offset = write_hashed(self.fd, view, self.hasher, self.offset)
 
 
 # Bits per element of each safetensors dtype (the sub-byte float formats included).

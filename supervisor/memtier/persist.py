@@ -23,6 +23,7 @@ from supervisor.ckpt import safeio
 from supervisor.ckpt.commit import fsync_dir
 from supervisor.ckpt.hashing import new_hasher
 from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name
+from supervisor.ckpt.safetensors_io import write_hashed
 from supervisor.ckpt.verify import Verdict
 from supervisor.core import filemode
 
@@ -112,17 +113,10 @@ def _copy_checked(src_dir: Path, name: str, entry: dict | None, alg: str, dst_di
     dst_path.parent.mkdir(parents=True, exist_ok=True)
     with src, open(dst_path, "xb", buffering=0) as dst:
         while n := src.readinto(buf):
-            h.update(view[:n])
-            _write_all(dst, view[:n])
-            size += n
+            size = write_hashed(dst.fileno(), view[:n], h, size)
         if fsync:
             os.fsync(dst.fileno())
     if entry is not None and (size != entry.get("size") or h.hexdigest() != entry.get("hash")):
         raise SnapshotRefused(f"{name} does not match its manifest "
                               f"({'size' if size != entry.get('size') else 'content hash'})")
     return size
-
-
-def _write_all(f, view: memoryview) -> None:
-    while view:
-        view = view[f.write(view):]
