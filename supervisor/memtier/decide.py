@@ -15,24 +15,14 @@ from typing import Any
 from supervisor.retention.decide import RetentionPolicy
 
 
-@dataclass(frozen=True)
-class Persist:
-    """Commit the snapshot of `step` to the checkpoint dir (`why` goes into the event)."""
-
-    step: int
-    why: str
-
-
-def persist(snapshot_step: int | None, disk_newest: int | None, *, same_run: bool,
-            why: str) -> Persist | None:
-    """The snapshot to commit: only this run's (the directory is the checkpoint dir's, but a
-    run that started over there has a new identity), and only one newer than every checkpoint
-    on disk (an older one would add nothing; one of the same step is already there)."""
+def worth_persisting(snapshot_step: int | None, disk_newest: int | None, *,
+                     same_run: bool) -> bool:
+    """Commit the snapshot? Only this run's (the directory is the checkpoint dir's, but a run
+    that started over there has a new identity), and only one newer than every checkpoint on
+    disk (an older one would add nothing; one of the same step is already there)."""
     if snapshot_step is None or not same_run:
-        return None
-    if disk_newest is not None and snapshot_step <= disk_newest:
-        return None
-    return Persist(snapshot_step, why)
+        return False
+    return disk_newest is None or snapshot_step > disk_newest
 
 
 def resume_from_memory(snapshot_step: int | None, chosen_step: int | None, *,

@@ -172,9 +172,8 @@ class DiskCadence:
                 return  # dropped (memory pressure) or already taken by an attempt's end
             # Newer checkpoints on disk do not matter: the worker asked for this step (after a
             # rollback it replays steps saved before), as its own save would have written it.
-            plan = decide.persist(snap.step, None, why=WHY,
-                                  same_run=runid.of(snap.manifest) == runid.read(self.ckpt_dir))
-            if plan is None:
+            if not decide.worth_persisting(snap.step, None, same_run=runid.of(snap.manifest)
+                                           == runid.read(self.ckpt_dir)):
                 return
             final = self.ckpt_dir / checkpoint_name(snap.step)
             if snap.step != self.resumed and _replayed(final, snap):

@@ -57,8 +57,7 @@ class MemoryTierDir:
         if snap is None:
             return None
         same_run = runid.of(snap.manifest) == runid.read(self.ckpt_dir)
-        plan = decide.persist(snap.step, disk_newest, same_run=same_run, why=why)
-        if plan is None:
+        if not decide.worth_persisting(snap.step, disk_newest, same_run=same_run):
             return None
         t0 = time.monotonic()
         try:
