@@ -309,3 +309,30 @@ def test_only_the_snapshot_rtrain_handed_over_is_read_unhashed(tmp_path, shm, mo
     monkeypatch.delenv(ENV_RESUME_FROM)
     with pytest.raises(CorruptCheckpoint):
         worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck").restore(elsewhere)
+
+
+def test_an_encrypted_snapshot_is_persisted_and_restored_under_its_key(tmp_path, shm,
+                                                                        monkeypatch):
+    """Encrypted as the run's disk checkpoints are: rtrain copies it byte for byte (the
+    manifest's hashes are of the sealed bytes), and the relaunch handed it over decrypts and
+    authenticates it (nothing read unhashed), exactly."""
+    from supervisor.core.protocol import ENV_RESUME_FROM
+
+    key = "a passphrase for the memory tier"
+    m, opt = _model()
+    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=worker.Saving(memory=1), encryption_key=key)
+    _train(m, opt, ckpt, 3)
+    ckpt.close()
+    [(_, snap)] = list_checkpoints(shm)
+    assert "encryption" in json.loads((snap / "manifest.json").read_text())
+    ckpts = tmp_path / "ckpts"
+    tier = MemoryTierDir(ckpts, None, _events([]), lambda s: None, path=shm)
+    assert tier.commit_newest(None, "attempt ended") == 3
+    assert verify(ckpts / "checkpoint-3", Level.FULL, None).ok
+    monkeypatch.setenv(ENV_RESUME_FROM, str(snap))
+    m2, opt2 = _model()
+    assert worker.Checkpointer(model=m2, optimizer=opt2, ckpt_dir=ckpts,
+                               encryption_key=key).restore() == 3
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(),
+                                                 m2.state_dict().values(), strict=True))
