@@ -226,7 +226,7 @@ class MemoryTier:
                 return False
         if self.overlap:
             _copy_unguarded(cap, _storages(_guarded(self.model, self.optimizer)),
-                            _storages(_module_tensors(self.model)))
+                            _storages(_buffers(self.model)))
         cap.fields.setdefault("info", {})["memory_snapshot"] = True
         self._pace(cap.step, began)
         self._read.clear()
@@ -339,15 +339,17 @@ def _guarded(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | N
     return out
 
 
-def _module_tensors(model: torch.nn.Module | None) -> list[torch.Tensor]:
-    return list(model.state_dict().values()) if model is not None else []
+def _buffers(model: torch.nn.Module | None) -> list[torch.Tensor]:
+    """What a module changes outside the optimizer's step (batch-norm statistics in the
+    forward): its buffers. Walked directly, not through a second state_dict()."""
+    return list(model.buffers()) if model is not None else []
 
 
 def _storages(tensors: list[torch.Tensor]) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if t.device.type == "cpu"}
 
 
-def _copy_unguarded(cap: Capture, guarded: set[int], module: set[int]) -> None:
+def _copy_unguarded(cap: Capture, guarded: set[int], buffers: set[int]) -> None:
     """Copy, now, every captured tensor that may change before the optimizer's step: module
     buffers, and anything in the extras file (the user's own tensors). Parameters and the
     optimizer state stay shared: the optimizer's pre-hook guards them. Tensors the capture made
@@ -357,7 +359,7 @@ def _copy_unguarded(cap: Capture, guarded: set[int], module: set[int]) -> None:
             ptr = t.untyped_storage().data_ptr()
             if ptr in guarded:
                 continue
-            if ptr in module or stem == "extra":
+            if ptr in buffers or stem == "extra":
                 tensors[name] = t.clone()
 
 
