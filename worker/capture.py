@@ -105,8 +105,8 @@ def _capture_dist(parts: Components, w: dist.World, step: int, epoch: int, lr_sc
                              components=not sharded)
         cap.fields["info"].update(world_size=w.size,
                                   layout="sharded" if sharded else "replicated")
-    else:
-        cap = Capture(step, {}, {}, {})
+    else:  # what a rank's own memory-tier part says of itself (its manifest's fields)
+        cap = Capture(step, {}, {}, {"epoch": epoch, "samples_seen": parts.samples() or 0})
     stem = dist_ckpt.rng_stem(w.rank)
     cap.tensors[stem] = {k: cpu_contiguous(v) for k, v in rng_tensors.items()}
     cap.world, cap.rank_rng, cap.sharded = w, rng_plain, sharded_sd

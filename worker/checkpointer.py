@@ -156,7 +156,7 @@ class Checkpointer:
         mode = self.saving.async_mode
         self._bg = BackgroundSave("auto" if mode == "off" else mode, self._write, self._target,
                                   self._child_saved)
-        self._memory = MemoryTier.open(self.saving.memory, distributed=dist.world() is not None,
+        self._memory = MemoryTier.open(self.saving.memory, world=dist.world(),
                                        key=self.key, encryption=self.encryption, model=model,
                                        optimizer=optimizer)
         self._watch = (failsave.Watch(model, optimizer, scheduler, scaler)
@@ -267,19 +267,21 @@ class Checkpointer:
         samples = self.data.samples_seen if self.data is not None else None
         due = self._clock.tick(step, loss=number((metrics or {}).get("loss")), samples=samples,
                                epoch_end=epoch_end)
+        snap = self._memory is not None and self._memory.due(step)
         path = None
         if dist.world() is not None:
             # A stop signal or a timed save reaches ranks at different steps; saving is
-            # collective, so one rank's reason is every rank's.
+            # collective, so one rank's reason is every rank's. So is a memory snapshot's:
+            # a step is restored from memory only when every rank has its part of it.
             # Its wait is how long this rank was ahead of the slowest (straggler rule).
             began = time.monotonic()
-            stop, due = dist.any_of([stop, due])
+            stop, due, snap = dist.any_of([stop, due, snap])
             runtime.boundary_wait(time.monotonic() - began)
         if due and not (stop or requested) and self._hand_to_rtrain(step, metrics, extra):
             path = self.ckpt_dir / f"checkpoint-{step}"  # the path rtrain will commit it as
         elif stop or due:
             path = self.save(step, metrics=metrics, extra=extra)
-        elif self._memory is not None and self._memory.due(step):
+        elif self._memory is not None and snap:
             self._memory.snapshot(capture(self._parts(), step, self._epoch_now(), self._lr_scale,
                                           metrics or {}, extra or {}))
         if stop and self.exit_on_stop:

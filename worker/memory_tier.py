@@ -53,14 +53,15 @@ from typing import Any
 
 import torch
 
-from supervisor.ckpt import hashing, safetensors_io
+from supervisor.ckpt import hashing, runid, safetensors_io
 from supervisor.ckpt.commit import PendingCheckpoint, remove_dir
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.core.atomic_write import STORAGE_ERRNOS
 from supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
-from worker import compile_cache, faults, runtime
+from supervisor.memtier import parts
+from worker import compile_cache, dist, dist_ckpt, faults, runtime
 from worker.options import Memory
-from worker.save_target import FILES, Capture, SaveTarget
+from worker.save_target import Capture, SaveTarget
 from worker.tensors import to_blob
 
 log = logging.getLogger(__name__)
@@ -99,15 +100,17 @@ def available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def refusal(nbytes: int, budget: int, shm_free: int) -> str | None:
-    """Why a state of `nbytes` cannot have a memory tier (None: it fits twice)."""
-    need = 2 * (nbytes + _HEADROOM)
+def refusal(nbytes: int, budget: int, shm_free: int, copies: int = 2) -> str | None:
+    """Why a state of `nbytes` cannot have a memory tier (None: it fits `copies` times: the
+    snapshots kept and the one being written)."""
+    need = copies * (nbytes + _HEADROOM)
     gib = 2**30
+    times = {2: "twice", 3: "three times"}.get(copies, f"{copies} times")
     if need > budget:
-        return (f"the state ({nbytes / gib:.2f} GiB) does not fit twice in the tier's budget "
+        return (f"the state ({nbytes / gib:.2f} GiB) does not fit {times} in the tier's budget "
                 f"({budget / gib:.2f} GiB): raise Memory(budget_mb=) or free host memory")
     if need > shm_free:
-        return (f"the state ({nbytes / gib:.2f} GiB) does not fit twice in the shared-memory "
+        return (f"the state ({nbytes / gib:.2f} GiB) does not fit {times} in the shared-memory "
                 f"filesystem's free space ({shm_free / gib:.2f} GiB): give it more (a "
                 f"container's --shm-size) or set memory=None")
     return None
@@ -122,13 +125,15 @@ def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event) ->
                                 encryption=target.encryption)
     try:
         later = []
-        for stem in FILES:
+        for stem, tensors in cap.tensors.items():  # FILES, and a rank's rng-rank<R> file
             name = f"{stem}.safetensors"
-            blobs = [to_blob(n, t) for n, t in cap.tensors[stem].items()]
+            blobs = [to_blob(n, t) for n, t in tensors.items()]
+            meta = _rank_rng_meta(cap, stem)
             if target.encryption is not None:
-                pending.write_tensors(name, blobs)  # encrypted and hashed in one pass
+                pending.write_tensors(name, blobs, metadata=meta)  # encrypted and hashed at once
                 continue
-            safetensors_io.write_file(pending.tmp / name, blobs, fsync=False, hash_alg=None)
+            safetensors_io.write_file(pending.tmp / name, blobs, metadata=meta, fsync=False,
+                                      hash_alg=None)
             faults.on_save_write(cap.step)  # chaos: a death between two files of a snapshot
             later.append((name, {b.name: [b.dtype, list(b.shape)] for b in blobs}))
         copied.set()  # the live state may change from here on
@@ -136,7 +141,8 @@ def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event) ->
             path = pending.tmp / name
             pending.add_file(name, path.stat().st_size,
                              hashing.hash_file(path, pending.hash_alg), listed)
-        pending.write_bytes("state.json", json.dumps(cap.state_json).encode())
+        if cap.world is None or cap.world.leader:
+            pending.write_bytes("state.json", json.dumps(cap.state_json).encode())
         if cap.compile_cache is not None:  # a disk-cadence snapshot's (worker/compile_cache.py)
             pending.write_bytes(compile_cache.FILE, cap.compile_cache)
         return pending.commit(cap.fields, target.key)
@@ -145,15 +151,30 @@ def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event) ->
         raise
 
 
+def _rank_rng_meta(cap: Capture, stem: str) -> dict[str, str] | None:
+    """A rank's part carries its python/numpy RNG in its RNG file's metadata, as on disk."""
+    if cap.world is None or stem != dist_ckpt.rng_stem(cap.world.rank):
+        return None
+    return {"rng": json.dumps(cap.rank_rng)}
+
+
 class MemoryTier:
     """Snapshots into RTRAIN_MEMORY_DIR at the `Memory` option's cadence, one at a time."""
 
     def __init__(self, opts: Memory, directory: Path, key: bytes | None, encryption: Any,
-                 model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
+                 model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                 kept: int = 1) -> None:
         self.opts, self.dir = opts, directory
+        # rtrain's `dropped` lies in the node's memory dir, above a rank's own directory.
+        self.dropped = (directory.parent if parts.RANK_DIR.fullmatch(directory.name)
+                        else directory) / MEMORY_DROPPED
         self.model, self.optimizer = model, optimizer
         self.target = SaveTarget(directory, False, key, lambda n: None, encryption=encryption)
         self.overlap = opts.overlap and optimizer is not None
+        # Committed snapshots kept. A rank's part keeps the one before its newest too: the
+        # ranks snapshot the same steps, but one may commit a step as another dies before
+        # committing it, and the group resumes from a step every rank holds (three buffers).
+        self.kept = kept
         self.every = opts.every if isinstance(opts.every, int) else 1
         self.off: str | None = None
         self.last_step: int | None = None  # the newest committed snapshot's step
@@ -181,10 +202,12 @@ class MemoryTier:
                       if self.overlap and optimizer is not None else None)
 
     @classmethod
-    def open(cls, opts: Memory | None, *, distributed: bool, key: bytes | None,
+    def open(cls, opts: Memory | None, *, world: dist.World | None, key: bytes | None,
              encryption: Any, model: torch.nn.Module | None,
              optimizer: torch.optim.Optimizer | None) -> MemoryTier | None:
-        """The tier, or None (with a warning) where it cannot run."""
+        """The tier, or None (with a warning) where it cannot run. Under a process group each
+        rank snapshots its own part into `rank-<R>/` of the node's memory dir
+        (supervisor/memtier/parts.py)."""
         if opts is None:
             return None
         where = os.environ.get(ENV_MEMORY_DIR)
@@ -192,11 +215,19 @@ class MemoryTier:
             log.warning("memory tier off: it runs under `rtrain launch`, which persists the "
                         "snapshots; this process saves to disk only")
             return None
-        if distributed:
-            log.warning("memory tier off: snapshots are for a single process in this release; "
-                        "the ranks save to disk")
-            return None
-        return cls(opts, Path(where), key, encryption, model, optimizer)
+        directory, kept = Path(where), 1
+        if world is not None:
+            if dist.is_sharded(model):
+                log.warning("memory tier off: sharded (FSDP/DTensor) state is saved by DCP; in "
+                            "this release the ranks save it to disk only")
+                return None
+            try:
+                directory, kept = _rank_dir(directory, world.rank), 2
+            except OSError as e:
+                log.warning("memory tier off: cannot create this rank's directory in %s: %s",
+                            where, e.strerror or e)
+                return None
+        return cls(opts, directory, key, encryption, model, optimizer, kept)
 
     def due(self, step: int) -> bool:
         if self.off is not None:
@@ -216,18 +247,26 @@ class MemoryTier:
         self.wait()
         if self.off is not None:
             return False
-        if (self.dir / MEMORY_DROPPED).exists():
+        if cap.sharded is not None:
+            self.stop("sharded (FSDP/DTensor) state is saved by DCP; in this release the ranks "
+                      "save it to disk only", cap.step)
+            return False
+        if self.dropped.exists():
             self.stop("rtrain dropped it (memory pressure); the disk tier goes on", cap.step)
             return False
         if self.last_step is None and not self._pending:
-            why = refusal(cap.nbytes, budget_bytes(self.opts), _free_bytes(self.dir))
+            why = refusal(cap.nbytes, budget_bytes(self.opts), _free_bytes(self.dir),
+                          self.kept + 1)
             if why is not None:
                 self.stop(why, cap.step)
                 return False
         if self.overlap:
             _copy_unguarded(cap, _storages(_guarded(self.model, self.optimizer)),
                             _storages(_buffers(self.model)))
-        cap.fields.setdefault("info", {})["memory_snapshot"] = True
+        info = cap.fields.setdefault("info", {})
+        info["memory_snapshot"] = True
+        if cap.world is not None:
+            info.update(parts.part_fields(cap.world.rank, cap.world.size))
         self._pace(cap.step, began)
         self._read.clear()
         self._idle.clear()
@@ -287,7 +326,7 @@ class MemoryTier:
     def _write(self, cap: Capture, persist: dict[str, Any] | None = None) -> None:
         t0 = time.monotonic()
         try:
-            path = write_snapshot(self.target, cap, self._read)
+            write_snapshot(self.target, cap, self._read)
         except OSError as e:  # a failed snapshot costs the tier, never the training
             why = os.strerror(e.errno) if e.errno in STORAGE_ERRNOS else f"{e}"
             self.stop(f"the snapshot of step {cap.step} could not be written: {why}", cap.step)
@@ -302,12 +341,11 @@ class MemoryTier:
             self._read.set()
         self.write_s = time.monotonic() - t0
         self.last_step = cap.step
-        for _, older in list_checkpoints(self.dir):
-            if older != path:
-                try:
-                    remove_dir(older)  # double buffering: only after the newer one committed
-                except OSError:
-                    pass  # rtrain took it away (it pins what it copies) or removed the dir
+        for _, older in list_checkpoints(self.dir)[self.kept:]:  # newest first
+            try:
+                remove_dir(older)  # double buffering: only after the newer one committed
+            except OSError:
+                pass  # rtrain took it away (it pins what it copies) or removed the dir
         if persist is not None:  # only now: rtrain copies the newest snapshot at this step or later
             runtime.heartbeat(step=cap.step, event="persist", persist=persist)
 
@@ -361,6 +399,17 @@ def _copy_unguarded(cap: Capture, guarded: set[int], buffers: set[int]) -> None:
                 continue
             if ptr in buffers or stem == "extra":
                 tensors[name] = t.clone()
+
+
+def _rank_dir(memory_dir: Path, rank: int) -> Path:
+    """This rank's part of the node's memory dir, owner-only, with the run identity rtrain
+    put in the memory dir (each part's manifest names the run)."""
+    path = parts.rank_dir(memory_dir, rank)
+    path.mkdir(mode=0o700, exist_ok=True)
+    run = runid.read(memory_dir)
+    if run is not None and runid.read(path) != run:
+        runid.write(path, run)
+    return path
 
 
 def _free_bytes(path: Path) -> int:

@@ -35,7 +35,7 @@ from supervisor.core.errors import (
 )
 from supervisor.core.protocol import ENV_MEMORY_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
 from supervisor.decide.failures import FailureKind
-from worker import dist, dist_ckpt, hyperparams, runtime, state
+from worker import dist, dist_ckpt, hyperparams, memory_resume, runtime, state
 from worker.capture import Components
 from worker.save_target import FILES
 from worker.settings import current as current_settings
@@ -79,8 +79,34 @@ class Source:
         """The checkpoint to resume from, read and verified; None to start fresh."""
         if w is None and path is None and not os.environ.get(ENV_RESUME_FROM):
             return self.first_loadable(parts)
+        if w is not None and path is None and memory_resume.memory_dir() is not None:
+            loaded = self.from_memory(w, parts)  # collective: every rank takes part
+            if loaded is not None:
+                return loaded
         found = self.agree(path, w)
         return None if found is None else self.read(*found, w, parts)
+
+    def from_memory(self, w: dist.World, parts: Components) -> Loaded | None:
+        """The group's resume from the memory tier's parts (worker/memory_resume.py), or None:
+        no step whole on every node newer than the disk's, or a part that did not read on
+        some rank (then every rank goes to the disk tier together)."""
+        step = memory_resume.agree(w, self.key)
+        if step is None:
+            return None
+        loaded, why = None, ""
+        try:
+            leader, own = memory_resume.parts_for(step, w.rank, self.key)
+            loaded = self.read(leader.path, leader.manifest, w, parts,
+                               rng_from=(own.path, own.manifest))
+        except Exception as e:  # every rank must reach the all-reduce below
+            why = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
+        if not dist.all_ok(loaded is not None):
+            log.warning("the memory snapshot of step %d did not load on every rank%s: the "
+                        "group resumes from the disk tier", step, f" ({why})" if why else "")
+            return None
+        log.info("resuming from the memory snapshot of step %d (rank %d's part from %s)", step,
+                 w.rank, own.path.parent.parent.name if own.origin == "held" else "this node")
+        return loaded
 
     def agree(self, path: str | os.PathLike | None, w: dist.World | None
               ) -> tuple[Path, dict[str, Any]] | None:
@@ -148,10 +174,12 @@ class Source:
         return isinstance(entry, dict) and entry.get("key_fingerprint") == self.enc.fingerprint
 
     def read(self, path: Path, m: dict[str, Any], w: dist.World | None,
-             parts: Components) -> Loaded:
+             parts: Components, rng_from: tuple[Path, dict[str, Any]] | None = None
+             ) -> Loaded:
         """Read everything a restore needs from `path`, verified; nothing is applied yet, so a
         checkpoint that fails here leaves the model as it was. KeyMismatch (before any file is
-        read) when it is encrypted and this process has no key or another one."""
+        read) when it is encrypted and this process has no key or another one. `rng_from`:
+        this rank's RNG lies in another checkpoint (its memory-tier part)."""
         try:
             problem = crypt.key_problem(m, self.enc)
         except crypt.CryptError as e:
@@ -166,8 +194,12 @@ class Source:
             st = read_state(path, m, alg, self.enc)
             tensors = {stem: self._load_tensors(path, stem, m, alg) for stem in FILES}
             check_state(st, m, tensors, sharded=layout == "sharded")
-            rng = dist_ckpt.load_rank_rng(path, m, st, tensors["extra"], w.rank if w else 0, alg,
-                                          self.enc)
+            rng_path, rng_m = rng_from or (path, m)
+            if rng_from is not None and (problem := crypt.key_problem(rng_m, self.enc)):
+                raise KeyMismatch(str(rng_path), problem)
+            rng = dist_ckpt.load_rank_rng(rng_path, rng_m, st, tensors["extra"],
+                                          w.rank if w else 0,
+                                          hashing.manifest_alg(rng_m, self.key), self.enc)
             if rng is not None and (bad := state_schema.rng_problems(rng[1], "rng")):
                 raise LoadError(f"this rank's RNG state: {'; '.join(bad)}")
             try:

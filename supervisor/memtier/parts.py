@@ -29,7 +29,7 @@ from supervisor.ckpt.verify import Level, verify
 
 HELD = "held"
 OWN, KEPT = "own", "held"  # a part's origin: written here, or held (copied or kept)
-_RANK_DIR = re.compile(r"rank-(0|[1-9][0-9]{0,5})")
+RANK_DIR = re.compile(r"rank-(0|[1-9][0-9]{0,5})")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def list_parts(memory_dir: Path, key: bytes | None, *, origins: Iterable[str] = 
     for origin in origins:
         base = memory_dir / HELD if origin == KEPT else memory_dir
         try:
-            names = sorted(p.name for p in base.iterdir() if _RANK_DIR.fullmatch(p.name))
+            names = sorted(p.name for p in base.iterdir() if RANK_DIR.fullmatch(p.name))
         except OSError:
             continue
         for name in names:

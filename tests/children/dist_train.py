@@ -2,7 +2,7 @@
 
 usage: dist_train.py OUT_PREFIX TOTAL_STEPS [--fsdp] [--every N] [--die-at S --die-rank R]
                      [--workers W] [--step-sleep S] [--slow-rank R --slow-sleep S]
-                     [--jitter J] [--scripted-flight-recorder]
+                     [--jitter J] [--scripted-flight-recorder] [--memory N]
 Writes OUT_PREFIX-rank<R>.pt (the rank's local model/optimizer state and RNG) at the end.
 --die-at: in attempt 0, rank R writes an exit record and SIGKILLs itself after step S.
 --workers: each rank loads its share through a DistributedResumableSampler and a DataLoader with
@@ -15,6 +15,7 @@ optimizer step, so the others wait for it at the step boundary. --jitter J: each
 up to +-J of itself, at random per step (ranks that differ by noise).
 --scripted-flight-recorder: each rank serves an NCCL flight recorder dump pipe as PyTorch does
 on a GPU (TORCH_NCCL_DEBUG_INFO_PIPE_FILE, TORCH_NCCL_DEBUG_INFO_TEMP_FILE).
+--memory N: the memory tier, a snapshot every N steps (each rank its part).
 RTRAIN_FAULTS=hang_forward@step=N,rank=R hangs rank R inside its forward of step N.
 """
 
@@ -48,6 +49,7 @@ p.add_argument("--slow-rank", type=int, default=-1)
 p.add_argument("--slow-sleep", type=float, default=0.0)
 p.add_argument("--jitter", type=float, default=0.0)
 p.add_argument("--scripted-flight-recorder", action="store_true")
+p.add_argument("--memory", type=int, default=0)
 args = p.parse_args()
 
 
@@ -111,6 +113,7 @@ else:
     tracked = loader
 ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=tracked,
                            every=args.every, keep=2,
+                           saving=worker.Saving(memory=args.memory or None),
                            ckpt_dir=os.environ.get("RTRAIN_CKPT_DIR", "checkpoints"))
 step = ckpt.restore()
 while step < args.total:
