@@ -23,6 +23,9 @@ def test_a_killed_rank_resumes_from_the_groups_memory_snapshot_bitwise(tmp_path)
     # Rank 1 died right after step 7's snapshot began: the group resumes from 6 or 7, whichever
     # every rank committed (never one rank's 7 with another's 6).
     assert rec["resumed_step"] in (6, 7), rec
+    (resumed,) = events(run, "snapshot_resumed")
+    assert resumed["step"] == rec["resumed_step"] and resumed["origin"] == "node", resumed
+    assert "resumed from the memory snapshot of step" in r.stderr
     for rank in (0, 1):
         a, b = rank_state(ref, rank), rank_state(run, rank)
         assert a["step"] == b["step"] == 12

@@ -35,6 +35,7 @@ from supervisor.core.errors import (
 )
 from supervisor.core.protocol import ENV_MEMORY_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
 from supervisor.decide.failures import FailureKind
+from supervisor.memtier.parts import OWN
 from worker import dist, dist_ckpt, hyperparams, memory_resume, runtime, state
 from worker.capture import Components
 from worker.save_target import FILES
@@ -104,8 +105,11 @@ class Source:
             log.warning("the memory snapshot of step %d did not load on every rank%s: the "
                         "group resumes from the disk tier", step, f" ({why})" if why else "")
             return None
-        log.info("resuming from the memory snapshot of step %d (rank %d's part from %s)", step,
-                 w.rank, own.path.parent.parent.name if own.origin == "held" else "this node")
+        peer = dist.any_of([leader.origin != OWN or own.origin != OWN])[0]
+        log.info("resuming from the memory snapshot of step %d", step)
+        if w.leader:
+            runtime.heartbeat(step=step, event="snapshot",
+                              snapshot={"resumed": step, "origin": "peer" if peer else "node"})
         return loaded
 
     def agree(self, path: str | os.PathLike | None, w: dist.World | None

@@ -26,7 +26,7 @@ from supervisor.core.errors import UsageError
 from supervisor.core.event_schema import KINDS, Kind
 from supervisor.core.pid_alive import pid_alive
 from supervisor.core.untrusted_text import safe
-from supervisor.memtier import shmdir
+from supervisor.memtier import parts, shmdir
 from supervisor.records import recovery
 from supervisor.records.lock import HOLDER_MAX, LOCK_NAME
 from supervisor.records.runstate import STATE_FILE, load_state
@@ -314,7 +314,10 @@ def _memory_tier(timeline: Timeline, ckpt_dir: Path, key: bytes | None,
     if last is None:
         return None
     out = _pick(last, "state", "every", "stall_s", "write_s", "reason") or {}
-    snap, _ = shmdir.newest(shmdir.path_for(ckpt_dir), key)
+    where = shmdir.path_for(ckpt_dir)
+    snap, _ = shmdir.newest(where, key)
+    if snap is None:  # under torchrun: the newest step whole across the ranks' parts
+        snap = parts.newest_whole(where, key)
     created = (snap.manifest or {}).get("created") if snap is not None else None
     out["snapshot_step"] = snap.step if snap is not None else None
     out["snapshot_age_s"] = max(0.0, now - created) if finite(created) else None

@@ -66,6 +66,7 @@ class Kind(str, Enum):
     SNAPSHOT_PERSISTED = "snapshot_persisted"
     SNAPSHOT_REFUSED = "snapshot_refused"
     SNAPSHOT_NOT_PERSISTED = "snapshot_not_persisted"
+    SNAPSHOT_RESUMED = "snapshot_resumed"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -255,6 +256,11 @@ KINDS: dict[Kind, KindSpec] = {
         fields=("attempt", "step", "path", "bytes", "seconds", "why"),
         meaning="rtrain committed a memory-tier snapshot to the checkpoint dir (`why`: the "
                 "attempt ended, the run ended, found at launch, disk cadence)"),
+    Kind.SNAPSHOT_RESUMED: KindSpec(
+        fields=("attempt", "step", "origin"), durable=True,
+        meaning="under torchrun, the group resumed from the memory tier's parts of `step` (whole "
+                "on every node; `origin` \"node\": each node's own, \"peer\": some copied from a "
+                "peer node)"),
     Kind.SNAPSHOT_REFUSED: KindSpec(
         fields=("attempt", "step", "path", "reason"),
         meaning="a memory-tier snapshot failed its check (a file that does not match its "

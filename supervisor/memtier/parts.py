@@ -103,6 +103,14 @@ def whole_steps(parts: Iterable[tuple[int, int, int, str | None]], run: str | No
     return sorted(whole, key=lambda k: (-k[0], k[1]))
 
 
+def newest_whole(memory_dir: Path, key: bytes | None) -> Part | None:
+    """Rank 0's part of the newest step whole in `memory_dir` (what `rtrain status` shows)."""
+    found = list_parts(memory_dir, key)
+    run = runid.read(memory_dir)
+    whole = whole_steps([(p.rank, p.step, p.world_size, p.run) for p in found], run)
+    return pick(found, whole[0][0], 0) if whole else None
+
+
 def pick(parts: Iterable[Part], step: int, rank: int) -> Part | None:
     """The part of `rank` at `step` (its own copy first)."""
     found = [p for p in parts if p.step == step and p.rank == rank]

@@ -23,6 +23,7 @@ from supervisor.ckpt.commit import remove_dir
 from supervisor.ckpt.layout import list_checkpoints
 from supervisor.ckpt.verify import Level, Verdict, verify
 from supervisor.core.protocol import MEMORY_DROPPED
+from supervisor.memtier import parts
 
 ENV_SHM_ROOT = "RTRAIN_SHM_ROOT"
 SHM_ROOT = "/dev/shm"
@@ -87,7 +88,7 @@ def drop(path: Path) -> int:
     with open(path / MEMORY_DROPPED, "w"):
         pass
     freed = 0
-    for _, p in list_checkpoints(path):
+    for p in _snapshots(path):
         freed += _size(p)
         try:
             remove_dir(p)
@@ -107,6 +108,20 @@ def discard_snapshot(snapshot: Path) -> None:
 def remove(path: Path) -> None:
     if _own_dir(path):
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _snapshots(path: Path) -> list[Path]:
+    """Every committed snapshot in the directory: a single process's, and the ranks' parts
+    under torchrun (supervisor/memtier/parts.py), their own and the ones held for a peer."""
+    out = [p for _, p in list_checkpoints(path)]
+    for base in (path, path / parts.HELD):
+        try:
+            dirs = [d for d in base.iterdir() if parts.RANK_DIR.fullmatch(d.name)]
+        except OSError:
+            continue
+        for d in dirs:
+            out += [p for _, p in list_checkpoints(d)]
+    return out
 
 
 def _own_dir(path: Path) -> bool:

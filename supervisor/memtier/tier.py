@@ -100,6 +100,12 @@ class MemoryTierDir:
         s = hb.snapshot
         if hb.event != "snapshot" or not isinstance(s, dict):
             return
+        if "resumed" in s:  # a process group resumed from its parts (worker/memory_resume.py)
+            origin = "peer" if s.get("origin") == "peer" else "node"
+            self.emit("snapshot_resumed", attempt=attempt, step=hb.step, origin=origin)
+            self.say(f"attempt {attempt}: resumed from the memory snapshot of step {hb.step}"
+                     f"{' (parts copied from a peer node)' if origin == 'peer' else ''}")
+            return
         off = s.get("off")
         self.emit("memory_tier", attempt=attempt, step=hb.step,
                   state="off" if off else "on", every=s.get("every"),

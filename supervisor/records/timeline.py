@@ -210,6 +210,11 @@ class Timeline:
             self.stragglers.append(event)
         elif kind == Kind.SNAPSHOT_PERSISTED:
             self.snapshots_persisted += 1
+        elif kind == Kind.SNAPSHOT_RESUMED:
+            # The group read memory, whatever its launch's pick was.
+            if record is not None and record.launch.get("tier") == "disk":
+                self.resumes["disk"] -= 1
+            self.resumes["memory"] += 1
         elif kind == Kind.CHECKPOINT_AT_FAILURE:
             self.failure_saves += 1
             self.last_failure_save = event
