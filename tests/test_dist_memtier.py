@@ -3,10 +3,22 @@ group resumes from the newest step whole on every node, bitwise, without a disk 
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
 import pytest
 from bitwise import assert_bitwise_equal
-from harness import events, launch_2_ranks
+from harness import CHILDREN, child_env, events, launch_2_ranks, launch_cmd
 from references import rank_state, two_ranks
+from s3server import free_port
+
+TRAIN = str(CHILDREN / "dist_train.py")
 
 
 @pytest.mark.slow
@@ -30,3 +42,115 @@ def test_a_killed_rank_resumes_from_the_groups_memory_snapshot_bitwise(tmp_path)
         a, b = rank_state(ref, rank), rank_state(run, rank)
         assert a["step"] == b["step"] == 12
         assert_bitwise_equal(a, b, f"rank{rank}")
+
+
+# ---------------------------------------------------------------- two nodes, one lost whole
+
+
+def _node(tmp: Path, name: str, port: int, shm: Path, *args: str,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    """One node's `rtrain launch`: one rank, the shared checkpoint dir, its own shared memory
+    (RTRAIN_SHM_ROOT: each machine has its own /dev/shm)."""
+    cmd = launch_cmd(tmp / f"run-{name}", "--ckpt-dir", str(tmp / "ck"), "--nproc-per-node", "1",
+                     "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", TRAIN, *args)
+    shm.mkdir(exist_ok=True)
+    with open(tmp / f"{name}.err", "wb") as err:
+        return subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=err,
+                                env=child_env(RTRAIN_SHM_ROOT=str(shm), **(env or {})))
+
+
+def _lose_node(sup: subprocess.Popen) -> None:
+    """The whole node at once: its supervisor and every process below it."""
+    procs = [psutil.Process(sup.pid), *psutil.Process(sup.pid).children(recursive=True)]
+    for p in procs:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sup.wait(timeout=10)
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _finish(sup: subprocess.Popen, tmp: Path, name: str, timeout: float = 240) -> None:
+    try:
+        rc = sup.wait(timeout=timeout)
+    finally:
+        if sup.poll() is None:
+            _lose_node(sup)
+    assert rc == 0, (tmp / f"{name}.err").read_text()[-3000:]
+
+
+def _wait_event(run: Path, kind: str, timeout: float = 120, **match) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run / "events.jsonl").exists():
+            for e in events(run, kind):
+                if all(e.get(k) == v for k, v in match.items()):
+                    return e
+        time.sleep(0.05)
+    pytest.fail(f"no {kind} {match} in {run} within {timeout} s")
+
+
+@pytest.fixture
+def shm_roots():
+    """Two machines' /dev/shm, and the replacement's, empty."""
+    base = Path(tempfile.mkdtemp(prefix="rtrain-test-nodes-", dir="/dev/shm"))
+    try:
+        yield base / "a", base / "b", base / "b2"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_node_lost_whole_is_restored_from_its_peers_memory_bitwise(tmp_path, shm_roots):
+    shm_a, shm_b, shm_b2 = shm_roots
+    ref = two_ranks("18")
+    port = free_port()
+    # No disk checkpoint before the end (every 100): the steps reached live only in memory.
+    args = ("18", "--every", "100", "--memory", "1", "--sleep", "0.4")
+    a = _node(tmp_path, "a", port, shm_a, str(tmp_path / "out-a"), *args)
+    b = _node(tmp_path, "b", port, shm_b, str(tmp_path / "out-b"), *args)
+    b2 = None
+    try:
+        # Each node copies the other's parts; wait until node a holds some of b's.
+        _wait_event(tmp_path / "run-a", "peer_copy", state="replicating")
+        _wait_event(tmp_path / "run-a", "heartbeat_summary", timeout=120)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and max(_steps(tmp_path, "out-a"), default=0) < 7:
+            time.sleep(0.1)
+        _lose_node(b)
+        reached = max(_steps(tmp_path, "out-a"))
+        assert not list((tmp_path / "ck").glob("checkpoint-*")), "a disk checkpoint was made"
+        # A new machine: empty shared memory, an empty run dir, the same checkpoint dir.
+        b2 = _node(tmp_path, "b2", port, shm_b2, str(tmp_path / "out-b2"), *args)
+        _finish(a, tmp_path, "a")
+        _finish(b2, tmp_path, "b2")
+    finally:
+        for p in (a, b, b2):
+            if p is not None and p.poll() is None:
+                _lose_node(p)
+    (gathered,) = [e for e in events(tmp_path / "run-b2", "peer_copy")
+                   if e["state"] == "gathered"]
+    resumed = events(tmp_path / "run-a", "snapshot_resumed") + events(
+        tmp_path / "run-b2", "snapshot_resumed")
+    assert len(resumed) == 1, resumed  # said by the node of rank 0
+    step = resumed[0]["step"]
+    assert step == gathered["step"] and reached - 2 <= step <= reached, (step, reached)
+    (rec,) = events(tmp_path / "run-a", "recovery")
+    assert rec["resumed_step"] == step, rec
+    # Where each rank ran, the final states are those of an uninterrupted run.
+    outs = {r: p for p in ("out-a", "out-b2") for r in (0, 1)
+            if Path(f"{tmp_path / p}-rank{r}.pt").exists()}
+    assert set(outs) == {0, 1}, outs
+    for rank, out in outs.items():
+        a_, b_ = rank_state(ref, rank), rank_state(tmp_path / out, rank)
+        assert a_["step"] == b_["step"] == 18
+        assert_bitwise_equal(a_, b_, f"rank{rank}")
+
+
+def _steps(tmp: Path, out: str) -> list[int]:
+    """Steps node `out`'s rank ran (children/dist_train.py's .steps file, any rank)."""
+    found = []
+    for f in tmp.glob(f"{out}-rank*.steps"):
+        found += [int(line.split()[1]) for line in f.read_text().splitlines() if line.strip()]
+    return found

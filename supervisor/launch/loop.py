@@ -45,10 +45,11 @@ from supervisor.launch.rundir import (
     refuse_planted,
 )
 from supervisor.launch.spec import LaunchSpec, Seams, child_command
+from supervisor.memtier.peerside import serving_address
 from supervisor.memtier.tier import MemoryTierDir
 from supervisor.mirror import launch_uploads
 from supervisor.pressure.monitor import PressureNote
-from supervisor.proc import slurm
+from supervisor.proc import slurm, torchrun
 from supervisor.proc.console import best_effort_console
 from supervisor.proc.gpu import NvmlReader
 from supervisor.proc.heartbeat import HeartbeatReceiver
@@ -164,6 +165,8 @@ class Loop:
                                        self.say, enc=encryption_key(), run_dir=run_dir)
         self.memtier = MemoryTierDir(self.ckpt_dir, self.checkpoints.key, self.events.emit,
                                      self.say, file_mode=self.cfg.file_mode)
+        if torchrun.several_nodes(spec.command):  # the memory tier's copies on peer nodes
+            self.memtier.enable_peers(*serving_address(torchrun.rdzv_host(spec.command)))
         self.gpu = seams.gpu if seams.gpu is not None else NvmlReader()
         self.hb = HeartbeatReceiver()
         self.watch_cfg = WatchConfig.from_config(self.cfg)

@@ -21,6 +21,7 @@ from supervisor.config import Config
 from supervisor.core.errors import UsageError
 from supervisor.core.untrusted_text import safe
 from supervisor.decide.policy import History, Resumed, ResumeMode
+from supervisor.proc.torchrun import several_nodes
 from supervisor.records.events import EventLog
 
 if TYPE_CHECKING:
@@ -127,7 +128,7 @@ class Checkpoints:
         move the group's new checkpoints. Said, and the dir left as it is."""
         history = replace(history, started_over=now)
         self._looked_remote = True  # this launch's picks: the local dir has all the run wrote
-        if _several_nodes(command):
+        if several_nodes(command):
             self.say(f"--resume never under several nodes: checkpoints already in {self.dir} "
                      "are not set aside, and a relaunch may resume from them: start a run "
                      "over in an empty --ckpt-dir")
@@ -428,16 +429,6 @@ def _made_since(m: dict, since: float) -> bool:
     created = m.get("created")
     return isinstance(created, (int, float)) and not isinstance(created, bool) and (
         created >= since)
-
-
-def _several_nodes(command: list[str]) -> bool:
-    """torchrun's `--nnodes` above 1 in the child's command (rtrain's --nnodes puts it there)."""
-    for i, arg in enumerate(command):
-        value = (arg.split("=", 1)[1] if arg.startswith("--nnodes=")
-                 else command[i + 1] if arg == "--nnodes" and i + 1 < len(command) else None)
-        if value is not None and value.strip() not in ("1", "1:1"):
-            return True
-    return False
 
 
 def encryption_key() -> crypt.EncryptionKey | None:

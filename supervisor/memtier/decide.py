@@ -86,3 +86,46 @@ def policy_of(fields: Any) -> RetentionPolicy | None:
         return RetentionPolicy(**{k: v for k, v in fields.items() if k in names})
     except (TypeError, ValueError):
         return None
+
+
+# Peer copies under several nodes (supervisor/memtier/peerside.py): what to copy from a peer.
+
+KEEP_HELD_STEPS = 2
+"""Steps of held parts kept (the newest two): the nodes' newest steps may differ by one while a
+copy runs, and the group resumes from a step every node holds whole."""
+
+
+def next_copy(source: list[tuple[int, int]], held: set[tuple[int, int]]
+              ) -> tuple[int, list[int]] | None:
+    """The source node's newest step (its own parts: (rank, step)) and the ranks of it this
+    node does not hold yet; None when it holds them all or the source has none. Only the
+    newest: an older step is superseded before it could help."""
+    if not source:
+        return None
+    step = max(s for _, s in source)
+    missing = sorted(r for r, s in source if s == step and (r, step) not in held)
+    return (step, missing) if missing else None
+
+
+def held_to_drop(steps: set[int], keep: int = KEEP_HELD_STEPS) -> list[int]:
+    """Held steps beyond the newest `keep`."""
+    return sorted(steps, reverse=True)[keep:]
+
+
+def gather_plan(local: set[tuple[int, int, int]], remote: dict[str, set[tuple[int, int, int]]]
+                ) -> list[tuple[int, int, dict[int, list[str]]]]:
+    """At an attempt's start: the steps whole across this node and the peers (parts as
+    (rank, step, world size)) newer than any step whole here already, newest first, each with
+    the peers that offer each rank this node lacks of it. Empty: nothing to copy."""
+    def whole(parts: set[tuple[int, int, int]]) -> list[tuple[int, int]]:
+        have: dict[tuple[int, int], set[int]] = {}
+        for r, s, w in parts:
+            have.setdefault((s, w), set()).add(r)
+        return sorted((k for k, rs in have.items() if len(rs) == k[1] and max(rs) < k[1]),
+                      reverse=True)
+
+    here = whole(local)
+    union = set(local).union(*remote.values()) if remote else set(local)
+    return [(step, size, {r: [n for n in sorted(remote) if (r, step, size) in remote[n]]
+                          for r in range(size) if (r, step, size) not in local})
+            for step, size in whole(union) if not here or step > here[0][0]]

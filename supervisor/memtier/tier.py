@@ -16,6 +16,7 @@ from supervisor.core.filemode import DEFAULT_FILE_MODE
 from supervisor.core.protocol import ENV_MEMORY_DIR, Heartbeat
 from supervisor.memtier import decide, persist, shmdir
 from supervisor.memtier.diskcadence import DiskCadence
+from supervisor.memtier.peerside import PeerSide
 
 
 class MemoryTierDir:
@@ -33,6 +34,12 @@ class MemoryTierDir:
         # The worker's disk saves while the tier is on: copied here, in the background.
         self.disk = DiskCadence(self.path, ckpt_dir, key, file_mode=file_mode, emit=emit,
                                 say=say)
+        self.peers: PeerSide | None = None  # several nodes: copies to and from peer nodes
+
+    def enable_peers(self, host: str, port: int = 0) -> None:
+        """Several nodes: serve this node's snapshots to peers and copy theirs (peerside.py)."""
+        self.peers = PeerSide(self.path, self.ckpt_dir, self.key, host, self.emit, self.say,
+                              port=port)
 
     def env(self) -> dict[str, str]:
         """What the attempt's environment gets: the directory, unless it cannot be used."""
@@ -43,11 +50,22 @@ class MemoryTierDir:
         self.disk.attempt_starting(attempt, resumed)
         if self.unusable:
             return
+        run = runid.read(self.ckpt_dir)
         try:
-            shmdir.prepare(self.path, runid.read(self.ckpt_dir))
+            shmdir.prepare(self.path, run)
         except (shmdir.Unusable, OSError) as e:
             self.unusable = str(e)
             self.say(f"memory tier unavailable for this launch: {e}")
+            return
+        if self.peers is not None:
+            try:
+                self.peers.start(run)
+            except OSError as e:
+                self.say(f"peer copies of the memory tier off for this launch: cannot serve "
+                         f"on {self.peers.host}: {e.strerror or e}")
+                self.peers = None
+                return
+            self.peers.gather(attempt)  # before the ranks start: they pick from what is here
 
     def commit_newest(self, disk_newest: int | None, why: str) -> int | None:
         """Commit the newest good snapshot when it is newer than the checkpoint dir's newest;
@@ -115,8 +133,11 @@ class MemoryTierDir:
             self.say(f"attempt {attempt}: memory tier off: {off}")
 
     def poll(self) -> None:
-        """At each watch sample: report a finished disk-cadence copy, start the next."""
+        """At each watch sample: report a finished disk-cadence copy, start the next; the
+        peer copies' news."""
         self.disk.poll()
+        if self.peers is not None:
+            self.peers.poll()
 
     def drop(self, attempt: int, why: str) -> None:
         """Memory pressure: no more snapshots in this attempt, the ones there freed (once)."""
@@ -136,6 +157,8 @@ class MemoryTierDir:
     def close(self, disk_newest: int | None) -> None:
         """The launch ends: the newest snapshot committed if it is newer, the directory removed."""
         self.commit_newest(disk_newest, "run ended")
+        if self.peers is not None:
+            self.peers.close()
         shmdir.remove(self.path)
 
     def _newest(self) -> Verdict | None:

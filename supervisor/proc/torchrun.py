@@ -42,6 +42,36 @@ class TorchrunSpec:
                              "HOST:PORT (the same on every node)")
 
 
+def several_nodes(command: list[str]) -> bool:
+    """torchrun's `--nnodes` above 1 in the child's command (rtrain's --nnodes puts it there)."""
+    value = _option(command, "--nnodes")
+    return value is not None and value.strip() not in ("1", "1:1")
+
+
+def rdzv_host(command: list[str]) -> str | None:
+    """The host of the rendezvous endpoint in the child's command (`--rdzv-endpoint` or
+    torchrun's older `--rdzv_endpoint`), None when it names none."""
+    value = _option(command, "--rdzv-endpoint") or _option(command, "--rdzv_endpoint")
+    if not value:
+        return None
+    if value.startswith("["):  # [v6 address]:port
+        host = value[1:].partition("]")[0]
+    else:
+        host = value.rpartition(":")[0] if value.count(":") == 1 else value
+    return host or None
+
+
+def _option(command: list[str], name: str) -> str | None:
+    """The value of `name` in `command` (`--name=V` or `--name V`); the last one wins."""
+    found = None
+    for i, arg in enumerate(command):
+        if arg.startswith(name + "="):
+            found = arg.split("=", 1)[1]
+        elif arg == name and i + 1 < len(command):
+            found = command[i + 1]
+    return found
+
+
 def torchrun_command(spec: TorchrunSpec, script: str | None, module: str | None,
                      args: list[str], python: str | None = None) -> list[str]:
     """The argv that runs `script` (or `-m module`) under torchrun with `python`."""

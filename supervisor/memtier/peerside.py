@@ -1,0 +1,276 @@
+"""Peer copies of the memory tier under several nodes: this node's side (docs/design.md, "Peer
+copies of the memory tier").
+
+Each node's rtrain serves its memory dir's parts (peerserver.py) and registers where in the
+shared checkpoint dir (registry.py). A thread copies, continually, the newest parts of one
+peer, the ring predecessor among the run's live nodes, into `held/` (`replicate_once`), and
+keeps this node's own parts of that step beside them (hard links: no second copy), so that
+after a node is lost whole its successor holds the step whole: the lost node's parts and its
+own. At each attempt's start (`gather`), before the ranks start, the node copies from its
+peers whatever it lacks of the newest step whole across them: a replacement node, which starts
+with an empty memory dir, pulls the group's state from the survivors' memory, not from shared
+storage. The ranks then agree on the step themselves (worker/memory_resume.py): a part that
+failed to copy leaves its step incomplete, and the group resumes from an older one or the disk.
+
+Everything a peer sends is checked as it arrives (size and hash of every file against the
+manifest, the signature under the run's key, the run identity, the rank and step asked for);
+what fails is refused with its reason and costs a tier, never the run. Nothing waits for a
+peer longer than its socket timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from supervisor.ckpt.layout import checkpoint_name, tmp_name
+from supervisor.memtier import decide, parts, peerfetch, registry
+from supervisor.memtier.peerserver import PeerServer
+
+REFRESH_S = 5.0  # how often the registry entry is refreshed (registry.STALE_S is the limit)
+ENV_PEER_HOST = "RTRAIN_PEER_HOST"
+ENV_PEER_PORT = "RTRAIN_PEER_PORT"
+
+
+def serving_address(rdzv_host: str | None, env: dict[str, str] | None = None
+                    ) -> tuple[str, int]:
+    """Where this node serves its snapshots: RTRAIN_PEER_HOST / RTRAIN_PEER_PORT, else the
+    address this machine reaches the rendezvous endpoint from (the network the ranks use), on
+    a port the OS picks. Finding it sends nothing: a UDP socket's connect only routes."""
+    env = os.environ if env is None else env
+    port = int(env.get(ENV_PEER_PORT) or 0)
+    if env.get(ENV_PEER_HOST):
+        return env[ENV_PEER_HOST], port
+    if not rdzv_host:
+        return "127.0.0.1", port
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(rdzv_host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0], port
+    except (OSError, UnicodeError):
+        return socket.gethostname(), port
+
+
+class PeerSide:
+    """One launch's peer copies: server, registry entry, copying thread, gather at start."""
+
+    def __init__(self, memory_dir: Path, ckpt_dir: Path, key: bytes | None, host: str,
+                 emit: Callable[..., Any], say: Callable[[str], None], *,
+                 interval_s: float = 0.5, port: int = 0) -> None:
+        self.memory_dir, self.ckpt_dir, self.key = memory_dir, ckpt_dir, key
+        self.host, self.port, self.interval_s = host, port, interval_s
+        self.emit, self.say = emit, say
+        self.run: str | None = None
+        self.me = registry.node_id()
+        self.attempt = 0
+        self._server: PeerServer | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        # What the copying thread has to say, emitted on the loop's thread (`poll`): the
+        # event log keeps one writer.
+        self._notes: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._said: dict[str, str] = {}  # per peer: the last state told (said once each)
+        self._registered = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, run: str | None) -> None:
+        """Serve and register (once per launch), and start copying from the ring predecessor."""
+        if self._server is not None:
+            return
+        self.run = run
+        self._server = PeerServer(self.memory_dir, run, self.key, self.host, self.port)
+        self._server.start()
+        self._register()
+        self._thread = threading.Thread(target=self._loop, name="rtrain-peer-copy", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+            registry.unregister(self.ckpt_dir, self.me)
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        return self._server.address if self._server is not None else None
+
+    # ------------------------------------------------------------------ at an attempt's start
+
+    def gather(self, attempt: int) -> int | None:
+        """Copy what this node lacks of the newest step whole across it and its live peers;
+        that step, else None (nothing newer to copy, or no step could be completed)."""
+        self.attempt = attempt
+        local = {(p.rank, p.step, p.world_size) for p in self._parts() if p.run == self.run}
+        offers: dict[str, dict[tuple[int, int, int], peerfetch.RemotePart]] = {}
+        nodes = {n.node: n for n in self._peers()}
+        for name, node in nodes.items():
+            try:
+                listed = peerfetch.list_remote((node.host, node.port), self.run, self.key)
+            except peerfetch.PeerError as e:
+                self._failed(name, None, f"cannot list its snapshots: {e}")
+                continue
+            offers[name] = {(p.rank, p.step, p.world_size): p for p in listed}
+        plan = decide.gather_plan(local, {n: set(o) for n, o in offers.items()})
+        for step, size, lacking in plan:
+            t0, copied, ranks = time.monotonic(), 0, []
+            for rank, offering in sorted(lacking.items()):
+                got = None
+                for name in offering:
+                    node = nodes[name]
+                    try:
+                        got = self._fetch((node.host, node.port), offers[name][(rank, step, size)])
+                    except peerfetch.PeerError as e:
+                        self._failed(name, step, f"rank {rank}'s part: {e}")
+                        continue
+                    break
+                if got is None:
+                    break
+                copied, ranks = copied + got, [*ranks, rank]
+            else:
+                seconds = round(time.monotonic() - t0, 4)
+                self.emit("peer_copy", attempt=attempt, state="gathered",
+                          peer=",".join(sorted({n for r in ranks for n in lacking[r][:1]})),
+                          step=step, ranks=ranks, bytes=copied, seconds=seconds, reason=None)
+                self.say(f"attempt {attempt}: copied ranks {_ranks(ranks)} of the memory "
+                         f"snapshot of step {step} from a peer node ({copied / 2**20:.1f} MiB "
+                         f"in {seconds:.2f} s)")
+                return step
+        return None
+
+    # ------------------------------------------------------------------ the copying thread
+
+    def poll(self) -> None:
+        """At each watch sample: the copying thread's news, as events."""
+        while True:
+            try:
+                note = self._notes.get_nowait()
+            except queue.Empty:
+                return
+            self.emit("peer_copy", attempt=self.attempt, **note)
+            if note["state"] == "failed":
+                self.say(f"attempt {self.attempt}: peer copy from {note['peer']}: "
+                         f"{note['reason']}")
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                if time.monotonic() - self._registered >= REFRESH_S:
+                    self._register()
+                self.replicate_once()
+            except OSError as e:  # a full /dev/shm, a registry that cannot be written
+                self._note("failed", "this node", None, f"{e.strerror or e}")
+
+    def replicate_once(self) -> int | None:
+        """Copy the source node's newest parts not held yet; the step copied, else None."""
+        source = registry.source_of(self._live(), self.me)
+        if source is None:
+            return None
+        addr = (source.host, source.port)
+        try:
+            listed = [p for p in peerfetch.list_remote(addr, self.run, self.key)
+                      if p.origin == parts.OWN]
+        except peerfetch.PeerError as e:
+            self._note("failed", source.node, None, f"cannot list its snapshots: {e}")
+            return None
+        held = {(p.rank, p.step) for p in self._parts(parts.KEPT)}
+        todo = decide.next_copy([(p.rank, p.step) for p in listed], held)
+        if todo is None:
+            return None
+        step, ranks = todo
+        self._keep_own(step)
+        for p in listed:
+            if p.step == step and p.rank in ranks:
+                try:
+                    self._fetch(addr, p)
+                except peerfetch.PeerError as e:
+                    self._note("failed", source.node, step, f"rank {p.rank}'s part: {e}")
+                    return None
+        self._note("replicating", source.node, step, None, ranks=ranks)
+        self._prune()
+        return step
+
+    # ------------------------------------------------------------------ helpers
+
+    def _fetch(self, addr: tuple[str, int], part: peerfetch.RemotePart) -> int:
+        dest = parts.rank_dir(self.memory_dir, part.rank, held=True) / checkpoint_name(part.step)
+        dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if dest.exists():
+            return 0
+        peerfetch.fetch_part(addr, part, dest, self.run, self.key)
+        return part.bytes
+
+    def _keep_own(self, step: int) -> None:
+        """This node's own parts of `step`, linked into `held/` beside the peer's copy: the
+        worker removes its older parts as it goes on, and the step stays whole here."""
+        for p in self._parts(parts.OWN):
+            if p.step != step or p.run != self.run:
+                continue
+            dest = parts.rank_dir(self.memory_dir, p.rank, held=True) / checkpoint_name(step)
+            if dest.exists():
+                continue
+            dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = dest.parent / tmp_name(step)
+            try:
+                os.mkdir(tmp, 0o700)
+                for entry in os.scandir(p.path):
+                    if entry.is_file(follow_symlinks=False):
+                        os.link(entry.path, tmp / entry.name, follow_symlinks=False)
+                os.rename(tmp, dest)
+            except OSError:  # removed by the worker meanwhile: this step is not whole here
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _prune(self) -> None:
+        held = self._parts(parts.KEPT)
+        for step in decide.held_to_drop({p.step for p in held}):
+            for p in held:
+                if p.step == step:
+                    shutil.rmtree(p.path, ignore_errors=True)
+
+    def _parts(self, *origins: str) -> list[parts.Part]:
+        return parts.list_parts(self.memory_dir, self.key,
+                                origins=origins or (parts.OWN, parts.KEPT))
+
+    def _live(self) -> list[registry.Node]:
+        return registry.live_nodes(self.ckpt_dir, self.run, time.time())
+
+    def _peers(self) -> list[registry.Node]:
+        return [n for n in self._live() if n.node != self.me]
+
+    def _register(self) -> None:
+        assert self._server is not None
+        host, port = self._server.address
+        registry.register(self.ckpt_dir, registry.Node(self.me, host, port, self.run,
+                                                       time.time()))
+        self._registered = time.monotonic()
+
+    def _note(self, state: str, peer: str, step: int | None, reason: str | None,
+              ranks: list[int] | None = None) -> None:
+        said = state if state == "replicating" else f"{state}: {reason}"
+        if self._said.get(peer) == said:  # each change once, not every half second
+            return
+        self._said[peer] = said
+        self._notes.put({"state": state, "peer": peer, "step": step, "ranks": ranks or [],
+                         "bytes": None, "seconds": None, "reason": reason})
+
+    def _failed(self, peer: str, step: int | None, reason: str) -> None:
+        """On the loop's thread (gather): at once."""
+        self.emit("peer_copy", attempt=self.attempt, state="failed", peer=peer, step=step,
+                  ranks=[], bytes=None, seconds=None, reason=reason)
+        self.say(f"attempt {self.attempt}: peer copy from {peer}: {reason}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
