@@ -437,3 +437,11 @@ def test_each_node_copies_from_its_ring_predecessor():
     nodes = [three, one, two]  # the order given does not matter
     assert [registry.source_of(nodes, n).node for n in ("n1", "n2", "n3")] == ["n3", "n1", "n2"]
     assert registry.source_of([one, three], "n2") == one  # not registered yet: its place counts
+
+
+def test_a_memory_dir_that_cannot_be_listed_is_said_not_dropped(tmp_path):
+    make_part(tmp_path, 0, 1, 5)
+    (tmp_path / "rank-3").write_text("a file where a rank dir goes")
+    with serving(tmp_path) as server, \
+            pytest.raises(PeerRefused, match="would not list: cannot list the memory dir"):
+        list_remote(server.address, RUN, None)

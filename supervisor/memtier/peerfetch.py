@@ -114,7 +114,7 @@ class Session:
                               f"{peerwire.one_line(answer.get('error'))}")
         if not peerwire.mac_ok(key, "server", nonce, run, answer.get("mac")):
             raise PeerRefused(f"{self.who} does not prove it holds the run's signing key "
-                              "(a bad or missing mac)")
+                              "(its answer to our nonce does not match)")
 
     def request(self, req: dict[str, Any], limit: int = REQUEST_LIMIT) -> dict[str, Any]:
         self.wire.send_line(req)

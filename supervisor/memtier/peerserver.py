@@ -142,6 +142,8 @@ class PeerServer:
             log.info("peer server: %s", e)
         except OSError as e:  # the memory dir, not the wire (Wire raises PeerError)
             log.warning("peer server: %s: %s", who, e.strerror or e)
+        except Exception:  # a bug: said with its traceback, the server goes on serving others
+            log.exception("peer server: serving %s failed", who)
         finally:
             with self._lock:
                 self._conns.discard(conn)
@@ -190,14 +192,21 @@ class _Session:
                 self.wire.send_line({"error": f"unknown op {peerwire.one_line(op, 40)!r}"})
 
     def _listed(self, origins: tuple[str, ...] = (parts.OWN, parts.KEPT)) -> list[parts.Part]:
+        """This run's parts; OSError when the memory dir cannot be listed (a file where a
+        rank dir should be)."""
         s = self.server
         return [p for p in parts.list_parts(s.memory_dir, s.key, origins=origins)
                 if p.run == s.run]
 
     def _list(self) -> None:
+        try:
+            found = self._listed()
+        except OSError as e:
+            self.wire.send_line({"error": f"cannot list the memory dir: {e.strerror or e}"})
+            return
         listing = [{"rank": p.rank, "step": p.step, "world_size": p.world_size,
                     "origin": p.origin, "bytes": p.bytes, "manifest": p.manifest}
-                   for p in self._listed()]
+                   for p in found]
         data = json.dumps({"parts": listing}, separators=(",", ":")).encode() + b"\n"
         if len(data) > LIST_LIMIT:
             self.wire.send_line({"error": f"the listing is larger than {LIST_LIMIT >> 20} MiB"})
@@ -253,7 +262,11 @@ class _Session:
         """The listed part asked for, or why there is none."""
         key = (rank, step, origin)
         if key not in self._found:
-            found = [p for p in self._listed((origin,)) if p.rank == rank and p.step == step]
+            try:
+                listed = self._listed((origin,))
+            except OSError as e:
+                return f"cannot list the memory dir: {e.strerror or e}"
+            found = [p for p in listed if p.rank == rank and p.step == step]
             if not found:
                 return self._why_not(rank, step, origin)
             self._found[key] = found[0]
