@@ -90,11 +90,11 @@ class PeerServer:
     def close(self) -> None:
         """Stop accepting, close the listening socket and the connections being served."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * _ACCEPT_POLL_S + 1)  # then no connection is added
         with self._lock:
             listener, self._listener = self._listener, None
             conns = list(self._conns)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * _ACCEPT_POLL_S + 1)
         if listener is not None:
             listener.close()
         for conn in conns:  # their threads see the connection end and give their slot back
