@@ -1,0 +1,85 @@
+"""Peer copy benchmark: how fast one node copies a memory-tier part from another's server.
+
+    python scripts/bench_memtier_peer.py [--mib 512] [--rounds 3] [--signed] [--root /dev/shm]
+
+A part of about --mib MiB (two tensor files, as a rank writes one) is committed into a memory
+dir under --root; a `PeerServer` serves it on 127.0.0.1 and `fetch_part` copies it into a
+second memory dir, each file hashed as received (xxh3-128, or blake3 with --signed). Printed:
+the listing's time and each copy's seconds and MiB/s (median of --rounds). Loopback measures
+the protocol and hashing, not a network: between nodes the link's rate is the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+from supervisor.ckpt import hashing, runid
+from supervisor.ckpt.commit import PendingCheckpoint
+from supervisor.ckpt.layout import checkpoint_name
+from supervisor.ckpt.safetensors_io import TensorBlob
+from supervisor.memtier import parts
+from supervisor.memtier.peerfetch import fetch_part, list_remote
+from supervisor.memtier.peerserver import PeerServer
+
+
+def make_part(memory_dir: Path, mib: int, run: str, key: bytes | None) -> None:
+    d = parts.rank_dir(memory_dir, 0)
+    d.mkdir(parents=True)
+    runid.write(d, run)
+    pending = PendingCheckpoint(d, 100, fsync=False, hash_alg=hashing.alg_for(key))
+    rng = np.random.default_rng(0)
+    for name, share in (("model.safetensors", 0.25), ("optimizer.safetensors", 0.75)):
+        a = rng.standard_normal(int(mib * share * (1 << 20)) // 4).astype(np.float32)
+        pending.write_tensors(name, [TensorBlob("t", "F32", a.shape, memoryview(a))])
+    pending.commit({"epoch": 0, "samples_seen": 0,
+                    "info": {"memory_snapshot": True, **parts.part_fields(0, 1)}}, key)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--signed", action="store_true")
+    ap.add_argument("--root", default="/dev/shm")
+    args = ap.parse_args()
+    key = hashing.derive_key(b"bench") if args.signed else None
+    run = runid.new()
+    root = Path(tempfile.mkdtemp(prefix="rtrain-peer-bench-", dir=args.root))
+    try:
+        make_part(root / "a", args.mib, run, key)
+        server = PeerServer(root / "a", run, key)
+        server.start()
+        try:
+            t = time.perf_counter()
+            (part,) = list_remote(server.address, run, key)
+            listed = time.perf_counter() - t
+            times = []
+            for i in range(args.rounds):
+                dest = parts.rank_dir(root / f"b{i}", 0, held=True) / checkpoint_name(part.step)
+                t = time.perf_counter()
+                fetch_part(server.address, part, dest, run, key)
+                times.append(time.perf_counter() - t)
+                shutil.rmtree(root / f"b{i}")
+        finally:
+            server.close()
+        s = statistics.median(times)
+        mib = part.bytes / (1 << 20)
+        print(f"list {listed * 1000:.1f} ms; copy of {mib:.0f} MiB "
+              f"({'blake3, signed' if key else 'xxh3-128'}): median {s:.2f} s, "
+              f"{mib / s:.0f} MiB/s (rounds: {', '.join(f'{x:.2f}' for x in times)} s)")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
