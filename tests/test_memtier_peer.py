@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import socket
 import stat
 import threading
@@ -424,8 +425,9 @@ def test_the_registry_lists_the_live_nodes_of_the_run(tmp_path):
 
 def test_node_ids_are_unique_per_launch_and_name_the_host():
     a, b = registry.node_id(), registry.node_id()
-    assert a != b and f"-{os.getpid()}-" in a
-    assert a.startswith(socket.gethostname().replace(" ", "_")[:20].split(".")[0][:8])
+    host, pid, tail = a.rsplit("-", 2)
+    assert a != b and pid == str(os.getpid()) and re.fullmatch("[0-9a-f]{4}", tail)
+    assert host == re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:150]
 
 
 def test_each_node_copies_from_its_ring_predecessor():

@@ -130,8 +130,15 @@ class PeerServer:
                 continue
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, who), daemon=True,
-                             name="rtrain-peer-client").start()
+            try:
+                threading.Thread(target=self._serve, args=(conn, who), daemon=True,
+                                 name="rtrain-peer-client").start()
+            except RuntimeError as e:  # no thread to be had: this client is not served
+                log.warning("peer server: cannot serve %s (%s)", who, e)
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
+                self._slots.release()
 
     def _serve(self, conn: socket.socket, who: str) -> None:
         try:
