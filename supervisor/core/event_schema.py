@@ -67,6 +67,7 @@ class Kind(str, Enum):
     SNAPSHOT_REFUSED = "snapshot_refused"
     SNAPSHOT_NOT_PERSISTED = "snapshot_not_persisted"
     SNAPSHOT_RESUMED = "snapshot_resumed"
+    PEER_COPY = "peer_copy"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -257,10 +258,15 @@ KINDS: dict[Kind, KindSpec] = {
         meaning="rtrain committed a memory-tier snapshot to the checkpoint dir (`why`: the "
                 "attempt ended, the run ended, found at launch, disk cadence)"),
     Kind.SNAPSHOT_RESUMED: KindSpec(
-        fields=("attempt", "step", "origin"), durable=True,
+        fields=("attempt", "step", "origin"),
         meaning="under torchrun, the group resumed from the memory tier's parts of `step` (whole "
                 "on every node; `origin` \"node\": each node's own, \"peer\": some copied from a "
                 "peer node)"),
+    Kind.PEER_COPY: KindSpec(
+        fields=("attempt", "state", "peer", "step", "ranks", "bytes", "seconds", "reason"),
+        meaning="several nodes: this node copies a peer's memory-tier parts (`replicating`, once "
+                "per peer), copied what it lacked of a step at an attempt's start (`gathered`), "
+                "or a copy failed or was refused (`failed`, with the reason, once per reason)"),
     Kind.SNAPSHOT_REFUSED: KindSpec(
         fields=("attempt", "step", "path", "reason"),
         meaning="a memory-tier snapshot failed its check (a file that does not match its "

@@ -64,7 +64,7 @@ class PeerSide:
 
     def __init__(self, memory_dir: Path, ckpt_dir: Path, key: bytes | None, host: str,
                  emit: Callable[..., Any], say: Callable[[str], None], *,
-                 interval_s: float = 0.5, port: int = 0) -> None:
+                 interval_s: float = 0.2, port: int = 0) -> None:
         self.memory_dir, self.ckpt_dir, self.key = memory_dir, ckpt_dir, key
         self.host, self.port, self.interval_s = host, port, interval_s
         self.emit, self.say = emit, say
