@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from harness import invoke_rtrain
 
+from supervisor.ckpt import runid
 from supervisor.ckpt.commit import PendingCheckpoint
 from supervisor.ckpt.hashing import alg_for
 from supervisor.ckpt.safetensors_io import TensorBlob
 from supervisor.core.protocol import ENV_MEMORY_DIR
+from supervisor.memtier import parts
 
 # The soak tier and --soak (tiers.py); stacks of a hung test's processes, no leftovers (hangs.py).
 pytest_plugins = ["tiers", "hangs"]
@@ -263,3 +265,19 @@ def s3_mirror(s3_server, monkeypatch, request):
         s3_server.start()
     prefix = f"{request.node.name}-{os.urandom(4).hex()}".replace("[", "-").replace("]", "")
     return f"s3://{s3_server.bucket}/{prefix}", s3_server.env
+
+
+def make_part(memory_dir: Path, rank: int, world: int, step: int, *, run: str | None = "1" * 32,
+              key: bytes | None = None, held: bool = False) -> Path:
+    """A part as a rank writes it: its own files, `info` naming rank and world size, the run
+    identity taken from the rank dir. The model file is over a chunk (1 MiB), so it streams."""
+    d = parts.rank_dir(memory_dir, rank, held=held)
+    d.mkdir(parents=True, exist_ok=True)
+    if run is not None:
+        runid.write(d, run)
+    rng = np.random.default_rng(step * 10 + rank)
+    tensors = {"model.safetensors": [blob("w", rng.standard_normal(300_000).astype(np.float32))],
+               f"rng-rank{rank}.safetensors": [blob("state", rng.integers(0, 255, 64,
+                                                                         np.uint8))]}
+    return build_checkpoint(d, step, key=key, tensors=tensors,
+                            info={"memory_snapshot": True, **parts.part_fields(rank, world)})

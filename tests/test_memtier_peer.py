@@ -16,11 +16,10 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from conftest import blob, build_checkpoint
+from conftest import make_part
 
-from supervisor.ckpt import hashing, runid
+from supervisor.ckpt import hashing
 from supervisor.ckpt.layout import MANIFEST, checkpoint_name
 from supervisor.ckpt.verify import Level, verify
 from supervisor.memtier import parts, peerfetch, registry
@@ -39,23 +38,7 @@ RUN = "1" * 32
 OTHER_RUN = "2" * 32
 KEY = hashing.derive_key(b"the run's secret")
 WRONG_KEY = hashing.derive_key(b"another secret")
-MODEL = "model.safetensors"
-
-
-def make_part(memory_dir: Path, rank: int, world: int, step: int, *, run: str | None = RUN,
-              key: bytes | None = None, held: bool = False) -> Path:
-    """A part as a rank writes it: its own files, `info` naming rank and world size, the run
-    identity taken from the rank dir. The model file is over a chunk (1 MiB), so it streams."""
-    d = parts.rank_dir(memory_dir, rank, held=held)
-    d.mkdir(parents=True, exist_ok=True)
-    if run is not None:
-        runid.write(d, run)
-    rng = np.random.default_rng(step * 10 + rank)
-    tensors = {MODEL: [blob("w", rng.standard_normal(300_000).astype(np.float32))],
-               f"rng-rank{rank}.safetensors": [blob("state", rng.integers(0, 255, 64,
-                                                                         np.uint8))]}
-    return build_checkpoint(d, step, key=key, tensors=tensors,
-                            info={"memory_snapshot": True, **parts.part_fields(rank, world)})
+MODEL = "model.safetensors"  # make_part's file over a chunk, so it streams
 
 
 @contextlib.contextmanager
@@ -441,9 +424,9 @@ def test_each_node_copies_from_its_ring_predecessor():
     assert registry.source_of([one, three], "n2") == one  # not registered yet: its place counts
 
 
-def test_a_memory_dir_that_cannot_be_listed_is_said_not_dropped(tmp_path):
+def test_a_file_where_a_rank_dir_goes_is_passed_over(tmp_path):
     make_part(tmp_path, 0, 1, 5)
     (tmp_path / "rank-3").write_text("a file where a rank dir goes")
-    with serving(tmp_path) as server, \
-            pytest.raises(PeerRefused, match="would not list: cannot list the memory dir"):
-        list_remote(server.address, RUN, None)
+    (tmp_path / "rank-4").symlink_to(tmp_path / "rank-0")
+    with serving(tmp_path) as server:
+        assert [(p.rank, p.step) for p in list_remote(server.address, RUN, None)] == [(0, 5)]

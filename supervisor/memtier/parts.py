@@ -65,7 +65,8 @@ def list_parts(memory_dir: Path, key: bytes | None, *, origins: Iterable[str] = 
     for origin in origins:
         base = memory_dir / HELD if origin == KEPT else memory_dir
         try:
-            names = sorted(p.name for p in base.iterdir() if RANK_DIR.fullmatch(p.name))
+            names = sorted(p.name for p in base.iterdir() if RANK_DIR.fullmatch(p.name)
+                           and p.is_dir() and not p.is_symlink())
         except OSError:
             continue
         for name in names:

@@ -64,9 +64,10 @@ class PeerSide:
 
     def __init__(self, memory_dir: Path, ckpt_dir: Path, key: bytes | None, host: str,
                  emit: Callable[..., Any], say: Callable[[str], None], *,
-                 interval_s: float = 0.2, port: int = 0) -> None:
+                 interval_s: float = 0.2, port: int = 0, timeout_s: float = 5.0) -> None:
         self.memory_dir, self.ckpt_dir, self.key = memory_dir, ckpt_dir, key
         self.host, self.port, self.interval_s = host, port, interval_s
+        self.timeout_s = timeout_s  # per socket operation: a silent peer costs at most this
         self.emit, self.say = emit, say
         self.run: str | None = None
         self.me = registry.node_id()
@@ -118,7 +119,8 @@ class PeerSide:
         nodes = {n.node: n for n in self._peers()}
         for name, node in nodes.items():
             try:
-                listed = peerfetch.list_remote((node.host, node.port), self.run, self.key)
+                listed = peerfetch.list_remote((node.host, node.port), self.run, self.key,
+                                                timeout_s=self.timeout_s)
             except peerfetch.PeerError as e:
                 self._failed(name, None, f"cannot list its snapshots: {e}")
                 continue
@@ -180,7 +182,8 @@ class PeerSide:
             return None
         addr = (source.host, source.port)
         try:
-            listed = [p for p in peerfetch.list_remote(addr, self.run, self.key)
+            listed = [p for p in peerfetch.list_remote(addr, self.run, self.key,
+                                                       timeout_s=self.timeout_s)
                       if p.origin == parts.OWN]
         except peerfetch.PeerError as e:
             self._note("failed", source.node, None, f"cannot list its snapshots: {e}")
@@ -209,7 +212,7 @@ class PeerSide:
         dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if dest.exists():
             return 0
-        peerfetch.fetch_part(addr, part, dest, self.run, self.key)
+        peerfetch.fetch_part(addr, part, dest, self.run, self.key, timeout_s=self.timeout_s)
         return part.bytes
 
     def _keep_own(self, step: int) -> None:

@@ -1,0 +1,232 @@
+"""A node's side of the memory tier's peer copies (supervisor/memtier/peerside.py): copying the
+ring predecessor's newest parts and keeping its own beside them, a replacement node gathering
+the newest whole step at its start, and what a bad peer costs (a tampered part, another run, a
+peer that says nothing): refused with a reason, an older step or the disk tier, no hang. Real
+servers on 127.0.0.1 and real parts, threads only; the pure decisions table tested."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_part
+
+from supervisor.ckpt import runid
+from supervisor.ckpt.layout import checkpoint_name
+from supervisor.memtier import decide, parts, registry
+from supervisor.memtier.peerserver import PeerServer
+from supervisor.memtier.peerside import PeerSide, serving_address
+from worker import memory_resume
+
+RUN = "1" * 32
+OTHER = "2" * 32
+
+
+class Events:
+    def __init__(self) -> None:
+        self.got: list[dict] = []
+        self.said: list[str] = []
+
+    def emit(self, kind: str, **fields) -> None:
+        self.got.append({"kind": kind, **fields})
+
+    def of(self, state: str) -> list[dict]:
+        return [e for e in self.got if e["kind"] == "peer_copy" and e["state"] == state]
+
+
+@pytest.fixture
+def ck(tmp_path):
+    d = tmp_path / "ck"
+    d.mkdir()
+    runid.write(d, RUN)
+    return d
+
+
+def side(ck: Path, memory_dir: Path, ev: Events, **kw) -> PeerSide:
+    memory_dir.mkdir(exist_ok=True)
+    # A long interval: the tests call replicate_once themselves.
+    p = PeerSide(memory_dir, ck, None, "127.0.0.1", ev.emit, ev.said.append,
+                 interval_s=3600, timeout_s=kw.pop("timeout_s", 2.0), **kw)
+    p.start(kw.pop("run", RUN))
+    return p
+
+
+def whole(memory_dir: Path) -> list[tuple[int, int]]:
+    found = parts.list_parts(memory_dir, None)
+    return parts.whole_steps([(p.rank, p.step, p.world_size, p.run) for p in found], RUN)
+
+
+def test_a_node_copies_its_predecessors_newest_parts_and_keeps_its_own_beside_them(tmp_path, ck):
+    ev = Events()
+    ma, mb = tmp_path / "a", tmp_path / "b"
+    for step in (4, 5):
+        make_part(ma, 0, 2, step)
+        make_part(mb, 1, 2, step)
+    a, b = side(ck, ma, ev), side(ck, mb, Events())
+    try:
+        assert whole(ma) == []  # its own parts only
+        assert a.replicate_once() == 5
+        assert a.replicate_once() is None  # nothing newer
+        own = parts.rank_dir(ma, 0) / checkpoint_name(5) / "model.safetensors"
+        kept = parts.rank_dir(ma, 0, held=True) / checkpoint_name(5) / "model.safetensors"
+        assert os.stat(own).st_ino == os.stat(kept).st_ino  # a link, not a second copy
+        # The worker goes on and removes its part of 5: the step stays whole here.
+        for f in own.parent.iterdir():
+            f.unlink()
+        own.parent.rmdir()
+        assert whole(ma) == [(5, 2)]
+        a.poll()
+        (rep,) = ev.of("replicating")
+        assert rep["step"] == 5 and rep["ranks"] == [1] and rep["peer"] == b.me
+        # Newer steps: the held ones beyond the newest two go.
+        for step in (6, 7):
+            make_part(ma, 0, 2, step)
+            make_part(mb, 1, 2, step)
+            assert a.replicate_once() == step
+        assert sorted({p.step for p in parts.list_parts(ma, None, origins=(parts.KEPT,))}) == \
+            [6, 7]
+        assert ev.of("replicating") == [rep]  # said once per peer
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_replacement_gathers_the_newest_whole_step_from_a_survivor(tmp_path, ck):
+    ev = Events()
+    ma, mc = tmp_path / "a", tmp_path / "c"
+    for step in (4, 5):  # what a survivor holds: its own part and the lost node's copy
+        make_part(ma, 0, 2, step, held=True)
+        make_part(ma, 1, 2, step, held=True)
+    make_part(ma, 0, 2, 6)  # its own newer part: 6 is not whole anywhere
+    a, c = side(ck, ma, Events()), side(ck, mc, ev)
+    try:
+        assert c.gather(attempt=0) == 5
+        assert whole(mc) == [(5, 2)]
+        (g,) = ev.of("gathered")
+        assert g["step"] == 5 and g["ranks"] == [0, 1] and g["bytes"] > 2 * 1_200_000
+        assert c.gather(attempt=1) is None  # whole here already
+        assert a.gather(attempt=1) is None  # the survivor lacks nothing newer
+    finally:
+        a.close()
+        c.close()
+
+
+def test_a_tampered_part_is_refused_and_an_older_step_gathered(tmp_path, ck):
+    ev = Events()
+    ma, mc = tmp_path / "a", tmp_path / "c"
+    for step in (4, 5):
+        make_part(ma, 0, 2, step, held=True)
+        make_part(ma, 1, 2, step, held=True)
+    bad = parts.rank_dir(ma, 1, held=True) / checkpoint_name(5) / "model.safetensors"
+    with open(bad, "r+b") as f:  # one byte, the size kept: only the content hash can tell
+        f.seek(5000)
+        byte = f.read(1)
+        f.seek(5000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    a, c = side(ck, ma, Events()), side(ck, mc, ev)
+    try:
+        assert c.gather(attempt=0) == 4
+        (failed,) = ev.of("failed")
+        assert failed["step"] == 5 and "rank 1's part" in failed["reason"]
+        assert "model.safetensors" in failed["reason"], failed
+        assert whole(mc) == [(4, 2)]  # 5 is not whole here: the ranks resume from 4
+        assert not list((parts.rank_dir(mc, 1, held=True)).glob("*5*"))  # nothing half-copied
+    finally:
+        a.close()
+        c.close()
+
+
+def test_another_runs_peer_is_refused_with_a_reason(tmp_path, ck):
+    ev = Events()
+    mo, mc = tmp_path / "other", tmp_path / "c"
+    make_part(mo, 0, 1, 9, run=OTHER)
+    # A server of another run registered under this run's name (a stale or hostile entry).
+    server = PeerServer(mo, OTHER, None, "127.0.0.1")
+    server.start()
+    registry.register(ck, registry.Node("z-other", *server.address, RUN, time.time()))
+    c = side(ck, mc, ev)
+    try:
+        assert c.gather(attempt=0) is None
+        (failed,) = ev.of("failed")
+        assert failed["peer"] == "z-other" and "run" in failed["reason"], failed
+        assert whole(mc) == []
+    finally:
+        c.close()
+        server.close()
+
+
+def test_a_peer_that_says_nothing_costs_its_timeout_not_a_hang(tmp_path, ck):
+    ev = Events()
+    silent = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(silent.accept()[0]), daemon=True).start()
+    registry.register(ck, registry.Node("z-silent", *silent.getsockname()[:2], RUN, time.time()))
+    c = side(ck, tmp_path / "c", ev, timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        assert c.gather(attempt=0) is None
+        assert time.monotonic() - t0 < 3
+        (failed,) = ev.of("failed")
+        assert failed["peer"] == "z-silent" and "cannot list" in failed["reason"], failed
+    finally:
+        c.close()
+        silent.close()
+        for s in accepted:
+            s.close()
+
+
+def test_the_serving_address_is_the_one_that_reaches_the_rendezvous():
+    assert serving_address("127.0.0.1", {}) == ("127.0.0.1", 0)
+    assert serving_address(None, {}) == ("127.0.0.1", 0)
+    assert serving_address("127.0.0.1", {"RTRAIN_PEER_HOST": "10.1.2.3",
+                                         "RTRAIN_PEER_PORT": "7070"}) == ("10.1.2.3", 7070)
+
+
+# ---------------------------------------------------------------- pure decisions
+
+
+@pytest.mark.parametrize("source, held, want", [
+    ([], set(), None),
+    ([(1, 4), (1, 5)], set(), (5, [1])),
+    ([(1, 5), (2, 5)], {(1, 5)}, (5, [2])),
+    ([(1, 5)], {(1, 5)}, None),
+    ([(1, 4), (1, 5)], {(1, 4)}, (5, [1])),  # only the newest: an older one is superseded
+])
+def test_next_copy(source, held, want):
+    assert decide.next_copy(source, held) == want
+
+
+def test_held_to_drop_keeps_the_newest_two():
+    assert decide.held_to_drop({3, 7, 5, 6}) == [5, 3]
+    assert decide.held_to_drop({5}) == []
+
+
+@pytest.mark.parametrize("local, remote, want", [
+    # A replacement: nothing here, a survivor holds 5 whole and 6 of rank 0 only.
+    (set(), {"a": {(0, 5, 2), (1, 5, 2), (0, 6, 2)}}, [(5, 2, {0: ["a"], 1: ["a"]})]),
+    # Whole here already at 5: only newer steps are worth copying.
+    ({(0, 5, 2), (1, 5, 2)}, {"a": {(0, 5, 2), (1, 5, 2)}}, []),
+    # Two survivors each hold a part; this node holds rank 2.
+    ({(2, 8, 3)}, {"a": {(0, 8, 3)}, "b": {(0, 8, 3), (1, 8, 3)}},
+     [(8, 3, {0: ["a", "b"], 1: ["b"]})]),
+    # A world size that changed: parts of one size never make another's step.
+    (set(), {"a": {(0, 9, 2), (1, 9, 3), (0, 9, 3)}}, []),
+])
+def test_gather_plan(local, remote, want):
+    assert decide.gather_plan(local, remote) == want
+
+
+@pytest.mark.parametrize("every_rank, size, disk, want", [
+    ([[(7, 2), (6, 2)], [(6, 2), (5, 2)]], 2, None, 6),  # the newest whole on every rank
+    ([[(7, 2)], [(6, 2)]], 2, None, None),  # no step in common: the disk tier
+    ([[(7, 2)], [(7, 2)]], 2, 7, None),  # not newer than the disk's
+    ([[(7, 2)], [(7, 2)]], 2, 5, 7),
+    ([[(7, 3)], [(7, 3)]], 2, None, None),  # another world size's parts
+    ([[], [(7, 2)]], 2, None, None),  # a rank whose node has none
+])
+def test_the_group_step_from_memory(every_rank, size, disk, want):
+    assert memory_resume.choose(every_rank, size, disk) == want
