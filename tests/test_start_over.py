@@ -21,7 +21,8 @@ from supervisor.ckpt import keepcopy, setaside
 from supervisor.ckpt.layout import EARLIER_PREFIX, list_checkpoints
 from supervisor.config import load_config
 from supervisor.decide.policy import History, ResumeMode
-from supervisor.launch.resume import Checkpoints, _several_nodes
+from supervisor.launch.resume import Checkpoints
+from supervisor.proc.torchrun import several_nodes
 from supervisor.records.events import EventLog, read_events
 
 pytestmark = pytest.mark.usefixtures("unsupervised")
@@ -114,10 +115,10 @@ def test_every_checkpoint_a_pick_could_consider_is_set_aside_and_nothing_else(tm
 
 
 def test_several_nodes_are_told_and_the_dir_left_as_it_is():
-    assert _several_nodes(["python", "-m", "torch.distributed.run", "--nnodes=2", "t.py"])
-    assert _several_nodes(["torchrun", "--nnodes", "1:4", "t.py"])
-    assert not _several_nodes(["torchrun", "--nnodes=1", "--nproc-per-node=2", "t.py"])
-    assert not _several_nodes(["python", "train.py", "--nnodes"])
+    assert several_nodes(["python", "-m", "torch.distributed.run", "--nnodes=2", "t.py"])
+    assert several_nodes(["torchrun", "--nnodes", "1:4", "t.py"])
+    assert not several_nodes(["torchrun", "--nnodes=1", "--nproc-per-node=2", "t.py"])
+    assert not several_nodes(["python", "train.py", "--nnodes"])
 
 
 def test_rtrain_s_copy_of_an_earlier_run_s_file_is_forgotten(tmp_path):
