@@ -189,20 +189,27 @@ def test_the_serving_address_is_the_one_that_reaches_the_rendezvous():
 # ---------------------------------------------------------------- pure decisions
 
 
-@pytest.mark.parametrize("source, held, want", [
-    ([], set(), None),
-    ([(1, 4), (1, 5)], set(), (5, [1])),
-    ([(1, 5), (2, 5)], {(1, 5)}, (5, [2])),
-    ([(1, 5)], {(1, 5)}, None),
-    ([(1, 4), (1, 5)], {(1, 4)}, (5, [1])),  # only the newest: an older one is superseded
+@pytest.mark.parametrize("source, held, own, want", [
+    ([], set(), set(), None),
+    ([(1, 4), (1, 5)], set(), set(), (5, [1])),
+    ([(1, 5), (2, 5)], {(1, 5)}, set(), (5, [2])),
+    ([(1, 5)], {(1, 5)}, set(), None),
+    ([(1, 4), (1, 5)], {(1, 4)}, set(), (5, [1])),  # only the newest: an older is superseded
+    # The source a step ahead of this node: the newest step both have, so the copy and this
+    # node's own parts make one step.
+    ([(1, 5), (1, 6)], set(), {4, 5}, (5, [1])),
+    ([(1, 6)], set(), {4, 5}, None),  # nothing in common yet
 ])
-def test_next_copy(source, held, want):
-    assert decide.next_copy(source, held) == want
+def test_next_copy(source, held, own, want):
+    assert decide.next_copy(source, held, own) == want
 
 
-def test_held_to_drop_keeps_the_newest_two():
-    assert decide.held_to_drop({3, 7, 5, 6}) == [5, 3]
-    assert decide.held_to_drop({5}) == []
+def test_held_to_drop_keeps_the_newest_two_complete_and_the_newest():
+    assert decide.held_to_drop({3, 5, 6, 7}, {3, 5, 6, 7}) == [5, 3]
+    # 7 was pinned but its copy failed: 5 and 6 stay whole, 7 may complete yet, 3 goes.
+    assert decide.held_to_drop({3, 5, 6, 7}, {3, 5, 6}) == [3]
+    assert decide.held_to_drop({3, 5, 6, 7}, set()) == [6, 5, 3]
+    assert decide.held_to_drop({5}, set()) == []
 
 
 @pytest.mark.parametrize("local, remote, want", [

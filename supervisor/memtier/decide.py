@@ -91,25 +91,35 @@ def policy_of(fields: Any) -> RetentionPolicy | None:
 # Peer copies under several nodes (supervisor/memtier/peerside.py): what to copy from a peer.
 
 KEEP_HELD_STEPS = 2
-"""Steps of held parts kept (the newest two): the nodes' newest steps may differ by one while a
-copy runs, and the group resumes from a step every node holds whole."""
+"""Complete held steps kept (the newest two): the nodes' newest steps may differ by one while
+a copy runs, and the group resumes from a step every node holds whole."""
 
 
-def next_copy(source: list[tuple[int, int]], held: set[tuple[int, int]]
-              ) -> tuple[int, list[int]] | None:
-    """The source node's newest step (its own parts: (rank, step)) and the ranks of it this
-    node does not hold yet; None when it holds them all or the source has none. Only the
-    newest: an older step is superseded before it could help."""
-    if not source:
+def next_copy(source: list[tuple[int, int]], held: set[tuple[int, int]],
+              own: set[int] | None = None) -> tuple[int, list[int]] | None:
+    """The step to copy from the source node (its own parts: (rank, step)) and the ranks of it
+    this node does not hold yet; None when it holds them all or the source has none. The
+    source's newest step that this node also has its own parts of (`own`; any step when it
+    has none): the copy and this node's own parts then make one step, since the worker keeps
+    its two newest and the source may be a step ahead. Only the newest such step: an older one
+    is superseded before it could help."""
+    steps = {s for _, s in source}
+    shared = steps & own if own else steps
+    if not shared:
         return None
-    step = max(s for _, s in source)
+    step = max(shared)
     missing = sorted(r for r, s in source if s == step and (r, step) not in held)
     return (step, missing) if missing else None
 
 
-def held_to_drop(steps: set[int], keep: int = KEEP_HELD_STEPS) -> list[int]:
-    """Held steps beyond the newest `keep`."""
-    return sorted(steps, reverse=True)[keep:]
+def held_to_drop(steps: set[int], complete: set[int], keep: int = KEEP_HELD_STEPS
+                 ) -> list[int]:
+    """Held steps to remove: all but the newest `keep` complete ones (every part copied and
+    this node's own kept) and the newest step (a copy that may complete yet)."""
+    kept = set(sorted(steps & complete, reverse=True)[:keep])
+    if steps:
+        kept.add(max(steps))
+    return sorted(steps - kept, reverse=True)
 
 
 def gather_plan(local: set[tuple[int, int, int]], remote: dict[str, set[tuple[int, int, int]]]

@@ -42,6 +42,7 @@ from supervisor.memtier.peerwire import (
     PeerRefused,
     PeerUnreachable,
     Wire,
+    no_delay,
 )
 
 __all__ = ["NoRoom", "PeerBusy", "PeerError", "PeerRefused", "PeerUnreachable", "RemotePart",
@@ -74,6 +75,7 @@ class Session:
                                   f"{timeout_s:g} s") from None
         except OSError as e:
             raise PeerUnreachable(f"cannot connect to {self.who}: {e.strerror or e}") from None
+        no_delay(sock)
         self.wire = Wire(sock, timeout_s, self.who)
         try:
             self._handshake(run, key)
@@ -167,11 +169,13 @@ def list_remote(addr: tuple[str, int], run: str | None, key: bytes | None, *,
 
 
 def fetch_part(addr: tuple[str, int], part: RemotePart, dest: Path, run: str | None,
-               key: bytes | None, *, timeout_s: float = 10.0, fsync: bool = False) -> Path:
+               key: bytes | None, *, timeout_s: float = 10.0, fsync: bool = False,
+               session: Session | None = None) -> Path:
     """Copy `part` from the peer at `addr` into `dest` (its committed path, e.g.
     `parts.rank_dir(memory_dir, R, held=True) / checkpoint_name(S)`). Returns `dest`, also
     when it exists already (held). Raises PeerUnreachable, PeerRefused or NoRoom (a
-    PeerRefused), with nothing left behind."""
+    PeerRefused), with nothing left behind. `session`: an open one to that peer (the listing's:
+    a copy every fraction of a second pays no second handshake)."""
     dest = Path(dest)
     if os.path.lexists(dest):
         return dest
@@ -183,7 +187,9 @@ def fetch_part(addr: tuple[str, int], part: RemotePart, dest: Path, run: str | N
         _make_dirs(dest.parent)
         _check_room(dest.parent, part, m)  # before a byte is received
         os.mkdir(tmp, 0o700)
-        with Session(addr, run, key, timeout_s=timeout_s) as s:
+        opened = contextlib.nullcontext(session) if session is not None else Session(
+            addr, run, key, timeout_s=timeout_s)
+        with opened as s:
             raw = _receive_manifest(s, part)
             for name, entry in m["files"].items():
                 _receive_file(s, part, name, entry, alg, tmp, fsync)

@@ -42,7 +42,14 @@ from supervisor.ckpt.layout import MANIFEST, checkpoint_name
 from supervisor.ckpt.manifest import ManifestError
 from supervisor.ckpt.verify import Level, Status, check_name, verify
 from supervisor.memtier import parts, peerwire
-from supervisor.memtier.peerwire import CHUNK, LIST_LIMIT, REQUEST_LIMIT, PeerError, Wire
+from supervisor.memtier.peerwire import (
+    CHUNK,
+    LIST_LIMIT,
+    REQUEST_LIMIT,
+    PeerError,
+    Wire,
+    no_delay,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +132,7 @@ class PeerServer:
                 self._stop.wait(_ACCEPT_POLL_S)  # e.g. out of file descriptors: not a spin
                 continue
             who = f"peer {peer[0]}:{peer[1]}"
+            no_delay(conn)
             if not self._slots.acquire(blocking=False):
                 _refuse_busy(conn, self.max_clients)
                 continue

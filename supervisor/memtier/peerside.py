@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.ckpt.layout import checkpoint_name, tmp_name
+from supervisor.core.protocol import MEMORY_DROPPED
 from supervisor.memtier import decide, parts, peerfetch, registry
 from supervisor.memtier.peerserver import PeerServer
 
@@ -80,6 +81,7 @@ class PeerSide:
         self._notes: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._said: dict[str, str] = {}  # per peer: the last state told (said once each)
         self._registered = 0.0
+        self._complete: set[int] = set()  # held steps copied whole, own parts kept beside
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -93,6 +95,18 @@ class PeerSide:
         self._register()
         self._thread = threading.Thread(target=self._loop, name="rtrain-peer-copy", daemon=True)
         self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._server is not None
+
+    def wanted(self, run: str | None) -> bool:
+        """Whether to start before the worker said it snapshots: this node holds parts (an
+        earlier attempt's), or a node of the run serves its own (a replacement joining a run
+        whose ranks snapshot). A run without the memory tier opens no port."""
+        if any(parts.list_parts(self.memory_dir, self.key)):
+            return True
+        return bool(registry.live_nodes(self.ckpt_dir, run, time.time()))
 
     def close(self) -> None:
         self._stop.set()
@@ -177,42 +191,45 @@ class PeerSide:
 
     def replicate_once(self) -> int | None:
         """Copy the source node's newest parts not held yet; the step copied, else None."""
+        if (self.memory_dir / MEMORY_DROPPED).exists():
+            return None  # rtrain dropped the tier (memory pressure): hold nothing more
         source = registry.source_of(self._live(), self.me)
         if source is None:
             return None
         addr = (source.host, source.port)
-        try:
-            listed = [p for p in peerfetch.list_remote(addr, self.run, self.key,
-                                                       timeout_s=self.timeout_s)
-                      if p.origin == parts.OWN]
-        except peerfetch.PeerError as e:
-            self._note("failed", source.node, None, f"cannot list its snapshots: {e}")
-            return None
-        held = {(p.rank, p.step) for p in self._parts(parts.KEPT)}
-        todo = decide.next_copy([(p.rank, p.step) for p in listed], held)
-        if todo is None:
-            return None
-        step, ranks = todo
-        self._keep_own(step)
-        for p in listed:
-            if p.step == step and p.rank in ranks:
-                try:
-                    self._fetch(addr, p)
-                except peerfetch.PeerError as e:
-                    self._note("failed", source.node, step, f"rank {p.rank}'s part: {e}")
+        step: int | None = None
+        try:  # one connection: the listing and the copy, several times a second
+            with peerfetch.Session(addr, self.run, self.key, timeout_s=self.timeout_s) as s:
+                listed = [p for p in s.list() if p.origin == parts.OWN]
+                held = {(p.rank, p.step) for p in self._parts(parts.KEPT)}
+                own = {p.step for p in self._parts(parts.OWN) if p.run == self.run}
+                todo = decide.next_copy([(p.rank, p.step) for p in listed], held, own)
+                if todo is None:
                     return None
+                step, ranks = todo
+                self._keep_own(step)
+                for p in listed:
+                    if p.step == step and p.rank in ranks:
+                        self._fetch(addr, p, s)
+        except peerfetch.PeerError as e:
+            what = "cannot list its snapshots" if step is None else f"step {step}"
+            self._note("failed", source.node, step, f"{what}: {e}")
+            return None
+        self._complete.add(step)
         self._note("replicating", source.node, step, None, ranks=ranks)
         self._prune()
         return step
 
     # ------------------------------------------------------------------ helpers
 
-    def _fetch(self, addr: tuple[str, int], part: peerfetch.RemotePart) -> int:
+    def _fetch(self, addr: tuple[str, int], part: peerfetch.RemotePart,
+               session: peerfetch.Session | None = None) -> int:
         dest = parts.rank_dir(self.memory_dir, part.rank, held=True) / checkpoint_name(part.step)
         dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if dest.exists():
             return 0
-        peerfetch.fetch_part(addr, part, dest, self.run, self.key, timeout_s=self.timeout_s)
+        peerfetch.fetch_part(addr, part, dest, self.run, self.key, timeout_s=self.timeout_s,
+                             session=session)
         return part.bytes
 
     def _keep_own(self, step: int) -> None:
@@ -237,7 +254,7 @@ class PeerSide:
 
     def _prune(self) -> None:
         held = self._parts(parts.KEPT)
-        for step in decide.held_to_drop({p.step for p in held}):
+        for step in decide.held_to_drop({p.step for p in held}, self._complete):
             for p in held:
                 if p.step == step:
                     shutil.rmtree(p.path, ignore_errors=True)

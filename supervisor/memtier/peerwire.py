@@ -21,6 +21,7 @@ it keeps runs apart by accident, it is no secret (see docs/design.md, "Peer copi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -180,3 +181,10 @@ class Wire:
     def _timed_out(self, what: str) -> PeerUnreachable:
         return PeerUnreachable(f"{self.who} stopped sending {what} ({self.timeout_s:g} s "
                                "without progress: timed out)")
+
+
+def no_delay(sock: socket.socket) -> None:
+    """Requests and replies are short lines, one waiting for the other: without TCP_NODELAY
+    each would wait out the peer's delayed ACK (tens of ms), and a copy makes several."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -57,15 +57,22 @@ class MemoryTierDir:
             self.unusable = str(e)
             self.say(f"memory tier unavailable for this launch: {e}")
             return
-        if self.peers is not None:
-            try:
-                self.peers.start(run)
-            except OSError as e:
-                self.say(f"peer copies of the memory tier off for this launch: cannot serve "
-                         f"on {self.peers.host}: {e.strerror or e}")
-                self.peers = None
-                return
-            self.peers.gather(attempt)  # before the ranks start: they pick from what is here
+        peers = self.peers
+        if peers is not None and (peers.started or peers.wanted(run)) and self._start_peers(run):
+            peers.gather(attempt)  # before the ranks start: they pick from what is here
+
+    def _start_peers(self, run: str | None) -> bool:
+        """Serve and copy (once per launch); False when this node cannot serve."""
+        if self.peers is None:
+            return False
+        try:
+            self.peers.start(run)
+        except OSError as e:
+            self.say(f"peer copies of the memory tier off for this launch: cannot serve on "
+                     f"{self.peers.host}: {e.strerror or e}")
+            self.peers = None
+            return False
+        return True
 
     def commit_newest(self, disk_newest: int | None, why: str) -> int | None:
         """Commit the newest good snapshot when it is newer than the checkpoint dir's newest;
@@ -125,6 +132,8 @@ class MemoryTierDir:
                      f"{' (parts copied from a peer node)' if origin == 'peer' else ''}")
             return
         off = s.get("off")
+        if not off and self.peers is not None and not self.unusable:
+            self._start_peers(runid.read(self.ckpt_dir))  # the ranks' parts have a peer now
         self.emit("memory_tier", attempt=attempt, step=hb.step,
                   state="off" if off else "on", every=s.get("every"),
                   stall_s=s.get("stall_s"), write_s=s.get("write_s"),
