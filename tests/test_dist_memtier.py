@@ -103,6 +103,29 @@ def shm_roots():
 
 @pytest.mark.slow
 def test_a_node_lost_whole_is_restored_from_its_peers_memory_bitwise(tmp_path, shm_roots):
+    step, reached, gathered, _ = _lose_a_node_and_replace_it(tmp_path, shm_roots)
+    assert reached - 3 <= step <= reached, (step, reached)
+    assert gathered["ranks"] == [0, 1], gathered  # the replacement started with nothing
+
+
+@pytest.mark.slow
+@pytest.mark.soak  # the same two nodes and a third; the copy's refusal is tested in process too
+def test_a_tampered_peer_copy_is_refused_and_the_group_resumes_a_step_earlier(tmp_path,
+                                                                            shm_roots):
+    step, _, _, tampered = _lose_a_node_and_replace_it(tmp_path, shm_roots, tamper=True)
+    assert step < tampered, (step, tampered)
+    failed = [e for e in events(tmp_path / "run-b2", "peer_copy") if e["state"] == "failed"
+              and e["step"] == tampered]
+    assert failed and "does not match" in failed[0]["reason"], failed
+
+
+def _lose_a_node_and_replace_it(tmp_path: Path, shm_roots, tamper: bool = False
+                                ) -> tuple[int, int, dict, int | None]:
+    """Two nodes train with a snapshot every step and no disk checkpoint; node b is lost whole
+    after step 7 and replaced by an empty machine. With `tamper`, a byte of the survivor's copy
+    of b's newest part is flipped first. Checks the run ends bitwise as an uninterrupted one;
+    returns (the step resumed, the step reached, the replacement's `gathered`, the step
+    tampered)."""
     shm_a, shm_b, shm_b2 = shm_roots
     ref = two_ranks("18")
     port = free_port()
@@ -110,17 +133,18 @@ def test_a_node_lost_whole_is_restored_from_its_peers_memory_bitwise(tmp_path, s
     args = ("18", "--every", "100", "--memory", "1", "--sleep", "0.4")
     a = _node(tmp_path, "a", port, shm_a, str(tmp_path / "out-a"), *args)
     b = _node(tmp_path, "b", port, shm_b, str(tmp_path / "out-b"), *args)
-    b2 = None
+    b2, tampered = None, None
     try:
         # Each node copies the other's parts; wait until node a holds some of b's.
         _wait_event(tmp_path / "run-a", "peer_copy", state="replicating")
-        _wait_event(tmp_path / "run-a", "heartbeat_summary", timeout=120)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and max(_steps(tmp_path, "out-a"), default=0) < 7:
             time.sleep(0.1)
         _lose_node(b)
         reached = max(_steps(tmp_path, "out-a"))
         assert not list((tmp_path / "ck").glob("checkpoint-*")), "a disk checkpoint was made"
+        if tamper:
+            tampered = _flip_a_byte_of_the_newest_copy(shm_a, shm_b)
         # A new machine: empty shared memory, an empty run dir, the same checkpoint dir.
         b2 = _node(tmp_path, "b2", port, shm_b2, str(tmp_path / "out-b2"), *args)
         _finish(a, tmp_path, "a")
@@ -135,7 +159,7 @@ def test_a_node_lost_whole_is_restored_from_its_peers_memory_bitwise(tmp_path, s
         tmp_path / "run-b2", "snapshot_resumed")
     assert len(resumed) == 1, resumed  # said by the node of rank 0
     step = resumed[0]["step"]
-    assert step == gathered["step"] and reached - 3 <= step <= reached, (step, reached)
+    assert step == gathered["step"], (resumed, gathered)
     (rec,) = events(tmp_path / "run-a", "recovery")
     assert rec["resumed_step"] == step, rec
     # Where each rank ran, the final states are those of an uninterrupted run.
@@ -146,6 +170,22 @@ def test_a_node_lost_whole_is_restored_from_its_peers_memory_bitwise(tmp_path, s
         a_, b_ = rank_state(ref, rank), rank_state(tmp_path / out, rank)
         assert a_["step"] == b_["step"] == 18
         assert_bitwise_equal(a_, b_, f"rank{rank}")
+    return step, reached, gathered, tampered
+
+
+def _flip_a_byte_of_the_newest_copy(shm_a: Path, shm_b: Path) -> int:
+    """In node a's copy of lost node b's newest part, one byte of its largest file flipped (the
+    size kept, so only the content hash can tell); that part's step."""
+    (b_rank,) = {d.name for d in shm_b.glob("rtrain-*/rank-*")}
+    copies = sorted(shm_a.glob(f"rtrain-*/held/{b_rank}/checkpoint-*"),
+                    key=lambda p: int(p.name.split("-")[1]))
+    newest = copies[-1]
+    target = max((f for f in newest.iterdir() if f.suffix == ".safetensors"),
+                 key=lambda f: f.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0xFF
+    target.write_bytes(bytes(data))
+    return int(newest.name.split("-")[1])
 
 
 def _steps(tmp: Path, out: str) -> list[int]:
