@@ -179,6 +179,16 @@ def test_a_peer_that_says_nothing_costs_its_timeout_not_a_hang(tmp_path, ck):
             s.close()
 
 
+def test_entries_of_nodes_gone_for_an_hour_are_forgotten(ck):
+    now = time.time()
+    registry.register(ck, registry.Node("gone", "127.0.0.1", 1, RUN, now - 7200))
+    registry.register(ck, registry.Node("here", "127.0.0.1", 2, RUN, now))
+    old = ck / registry.REGISTRY / "gone.json"
+    os.utime(old, (now - 7200, now - 7200))
+    assert registry.forget_stale(ck, now) == 1
+    assert not old.exists() and (ck / registry.REGISTRY / "here.json").exists()
+
+
 def test_the_serving_address_is_the_one_that_reaches_the_rendezvous():
     assert serving_address("127.0.0.1", {}) == ("127.0.0.1", 0)
     assert serving_address(None, {}) == ("127.0.0.1", 0)

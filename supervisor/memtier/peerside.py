@@ -92,6 +92,7 @@ class PeerSide:
         self.run = run
         self._server = PeerServer(self.memory_dir, run, self.key, self.host, self.port)
         self._server.start()
+        registry.forget_stale(self.ckpt_dir, time.time())
         self._register()
         self._thread = threading.Thread(target=self._loop, name="rtrain-peer-copy", daemon=True)
         self._thread.start()

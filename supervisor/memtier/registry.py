@@ -83,6 +83,30 @@ def unregister(ckpt_dir: Path, node: str) -> None:
     _path(ckpt_dir, node).unlink(missing_ok=True)
 
 
+FORGET_S = 3600.0
+
+
+def forget_stale(ckpt_dir: Path, now: float, older_s: float = FORGET_S) -> int:
+    """Remove entries not refreshed for `older_s` (by the file's mtime): nodes lost whole,
+    which cannot remove their own, would otherwise pile up over a long run's launches.
+    Returns how many went."""
+    gone = 0
+    try:
+        with os.scandir(Path(ckpt_dir) / REGISTRY) as entries:
+            old = [e.path for e in entries
+                   if e.name.endswith(_SUFFIX) and e.is_file(follow_symlinks=False)
+                   and now - e.stat(follow_symlinks=False).st_mtime > older_s]
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    for path in old:
+        try:
+            os.unlink(path)
+            gone += 1
+        except OSError:
+            pass
+    return gone
+
+
 def live_nodes(ckpt_dir: Path, run: str | None, now: float) -> list[Node]:
     """The nodes of `run` refreshed within STALE_S of `now`, sorted by node id. Files that do
     not read or check are ignored."""
