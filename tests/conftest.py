@@ -51,13 +51,15 @@ def build_checkpoint(ckpt_dir: str | os.PathLike, step: int, *,
                      files: dict[str, bytes] | None = None,
                      tensors: dict[str, list[TensorBlob]] | None = None,
                      settings: dict[str, Any] | None = None, key: bytes | None = None,
-                     **fields: Any) -> Path:
-    """Commit `checkpoint-<step>` with tensors (default: a tiny model), a state.json, `files`
-    (extra raw files) and manifest `fields` (epoch, samples_seen, ... override the defaults)."""
+                     state: bool = True, **fields: Any) -> Path:
+    """Commit `checkpoint-<step>` with tensors (default: a tiny model), a state.json (unless
+    `state=False`), `files` (extra raw files) and manifest `fields` (epoch, samples_seen, ...
+    override the defaults)."""
     pending = PendingCheckpoint(ckpt_dir, step, fsync=False, hash_alg=alg_for(key))
     for name, blobs in (default_tensors(step) if tensors is None else tensors).items():
         pending.write_tensors(name, blobs)
-    pending.write_json("state.json", {"step": step})
+    if state:
+        pending.write_json("state.json", {"step": step})
     for name, data in (files or {}).items():
         pending.write_bytes(name, data)
     manifest = {"epoch": step // 100, "samples_seen": step * 32, "fingerprint": "f" * 32,
@@ -268,9 +270,10 @@ def s3_mirror(s3_server, monkeypatch, request):
 
 
 def make_part(memory_dir: Path, rank: int, world: int, step: int, *, run: str | None = "1" * 32,
-              key: bytes | None = None, held: bool = False) -> Path:
+              key: bytes | None = None, held: bool = False, model: bool = True) -> Path:
     """A part as a rank writes it: its own files, `info` naming rank and world size, the run
-    identity taken from the rank dir. The model file is over a chunk (1 MiB), so it streams."""
+    identity taken from the rank dir. The model file is over a chunk (1 MiB), so it streams;
+    `model=False`: the RNG file only, no state.json (a rank other than 0 under DDP)."""
     d = parts.rank_dir(memory_dir, rank, held=held)
     d.mkdir(parents=True, exist_ok=True)
     if run is not None:
@@ -279,5 +282,7 @@ def make_part(memory_dir: Path, rank: int, world: int, step: int, *, run: str | 
     tensors = {"model.safetensors": [blob("w", rng.standard_normal(300_000).astype(np.float32))],
                f"rng-rank{rank}.safetensors": [blob("state", rng.integers(0, 255, 64,
                                                                          np.uint8))]}
-    return build_checkpoint(d, step, key=key, tensors=tensors,
+    if not model:
+        del tensors["model.safetensors"]
+    return build_checkpoint(d, step, key=key, tensors=tensors, state=model,
                             info={"memory_snapshot": True, **parts.part_fields(rank, world)})

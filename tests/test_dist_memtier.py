@@ -18,6 +18,8 @@ from harness import CHILDREN, child_env, events, launch_2_ranks, launch_cmd
 from references import rank_state, two_ranks
 from s3server import free_port
 
+from supervisor.ckpt.verify import Level, verify
+
 TRAIN = str(CHILDREN / "dist_train.py")
 
 
@@ -29,14 +31,23 @@ def test_a_killed_rank_resumes_from_the_groups_memory_snapshot_bitwise(tmp_path)
     r = launch_2_ranks(run, str(run), "12", "--every", "100", "--memory", "1", "--die-at", "7",
                        "--die-rank", "1")
     assert r.returncode == 0, r.stderr[-3000:]
-    launches = events(run, "launch")
-    assert len(launches) == 2 and launches[1]["resume_from"] is None, launches
     (rec,) = events(run, "recovery")
     # Rank 1 died right after step 7's snapshot began: the group resumes from 6 or 7, whichever
     # every rank committed (never one rank's 7 with another's 6).
-    assert rec["resumed_step"] in (6, 7), rec
+    step = rec["resumed_step"]
+    assert step in (6, 7), rec
+    # rtrain committed that step, the ranks' parts as one checkpoint, before the pick ...
+    persisted = events(run, "snapshot_persisted")
+    assert [(e["attempt"], e["step"], e["why"]) for e in persisted] == [
+        (0, step, "attempt ended"), (1, 12, "attempt ended")], persisted  # 12: the run's end
+    launches = events(run, "launch")
+    assert len(launches) == 2 and launches[1]["resume_from"].endswith(f"checkpoint-{step}")
+    v = verify(run / "checkpoints" / f"checkpoint-{step}", Level.FULL)
+    assert v.ok and v.manifest["info"]["world_size"] == 2, v.reason
+    assert {"rng-rank0.safetensors", "rng-rank1.safetensors"} <= set(v.manifest["files"])
+    # ... and the group read it from memory, where it was whole.
     (resumed,) = events(run, "snapshot_resumed")
-    assert resumed["step"] == rec["resumed_step"] and resumed["origin"] == "node", resumed
+    assert resumed["step"] == step and resumed["origin"] == "node", resumed
     assert "resumed from the memory snapshot of step" in r.stderr
     for rank in (0, 1):
         a, b = rank_state(ref, rank), rank_state(run, rank)

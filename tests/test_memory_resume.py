@@ -13,7 +13,7 @@ from torch import nn
 import worker
 from supervisor.ckpt import runid
 from supervisor.ckpt.layout import checkpoint_name
-from supervisor.core.protocol import ENV_RESUME_FROM
+from supervisor.core.protocol import ENV_MEMORY_RESUME, ENV_RESUME_FROM
 from supervisor.memtier import parts
 
 RUN = "3" * 32
@@ -51,6 +51,7 @@ def _setup(tmp_path, shm, monkeypatch):
     runid.write(shm, RUN)  # rtrain copies the run identity into the memory dir
     trained, _ = _train(ckpt_dir, 5)  # disk at 3, parts at 4 and 5
     monkeypatch.setenv(ENV_RESUME_FROM, str(ckpt_dir / checkpoint_name(3)))
+    monkeypatch.setenv(ENV_MEMORY_RESUME, "1")  # rtrain's pick was the newest (no rollback)
     return ckpt_dir, trained
 
 
@@ -78,5 +79,12 @@ def test_another_runs_parts_are_never_resumed(tmp_path, gloo_group, shm, monkeyp
     ckpt_dir, _ = _setup(tmp_path, shm, monkeypatch)
     assert sorted(p.step for p in parts.list_parts(shm, None)) == [4, 5]
     runid.write(shm, "4" * 32)  # the memory dir now says another run: its parts are not ours
+    step, _ = _resume(ckpt_dir)
+    assert step == 3
+
+
+def test_a_rollback_is_never_overridden_by_newer_parts(tmp_path, gloo_group, shm, monkeypatch):
+    ckpt_dir, _ = _setup(tmp_path, shm, monkeypatch)
+    monkeypatch.setenv(ENV_MEMORY_RESUME, "0")  # rtrain rolled back: the newer state is suspect
     step, _ = _resume(ckpt_dir)
     assert step == 3

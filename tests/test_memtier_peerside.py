@@ -240,7 +240,8 @@ def test_gather_plan(local, remote, want):
 @pytest.mark.parametrize("every_rank, size, disk, want", [
     ([[(7, 2), (6, 2)], [(6, 2), (5, 2)]], 2, None, 6),  # the newest whole on every rank
     ([[(7, 2)], [(6, 2)]], 2, None, None),  # no step in common: the disk tier
-    ([[(7, 2)], [(7, 2)]], 2, 7, None),  # not newer than the disk's
+    ([[(7, 2)], [(7, 2)]], 2, 8, None),  # older than the disk's
+    ([[(7, 2)], [(7, 2)]], 2, 7, 7),  # the disk's step: the same state, read from memory
     ([[(7, 2)], [(7, 2)]], 2, 5, 7),
     ([[(7, 3)], [(7, 3)]], 2, None, None),  # another world size's parts
     ([[], [(7, 2)]], 2, None, None),  # a rank whose node has none

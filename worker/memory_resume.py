@@ -6,7 +6,8 @@ node's memory dir holds its own ranks' parts and the parts rtrain copied from a 
 a relaunch may place rank 2 on another node, and a replacement node starts with what it pulled
 from its peer. Every rank lists the steps whose parts are whole in its node's memory dir (every
 rank 0..W-1 of this world size, this run's, the manifest checked); rank 0 takes the newest
-step whole on every rank and newer than the disk checkpoint rtrain picked, and broadcasts it.
+step whole on every rank and at least as new as the disk checkpoint rtrain picked, and
+broadcasts it (only where rtrain allows it: RTRAIN_MEMORY_RESUME, never on a rollback).
 Each rank then reads the replicated state from rank 0's part and its RNG from its own, hashed as
 read; unless every rank read its parts, the group resumes from the disk checkpoint instead:
 a step is never mixed across ranks, and one bad copy costs a tier, not the run.
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from supervisor.ckpt import runid
 from supervisor.ckpt.layout import parse_step
-from supervisor.core.protocol import ENV_MEMORY_DIR, ENV_RESUME_FROM
+from supervisor.core.protocol import ENV_MEMORY_DIR, ENV_MEMORY_RESUME, ENV_RESUME_FROM
 from supervisor.memtier import parts
 from worker import dist
 
@@ -30,6 +31,11 @@ log = logging.getLogger(__name__)
 def memory_dir() -> Path | None:
     where = os.environ.get(ENV_MEMORY_DIR)
     return Path(where) if where else None
+
+
+def allowed() -> bool:
+    """rtrain lets the group resume from memory: not on a rollback, nor from a named path."""
+    return memory_dir() is not None and os.environ.get(ENV_MEMORY_RESUME) == "1"
 
 
 def whole_here(where: Path | None, key: bytes | None) -> list[tuple[int, int]]:
@@ -48,7 +54,9 @@ def disk_step() -> int | None:
 
 
 def choose(every_rank: list[list[tuple[int, int]]], size: int, disk: int | None) -> int | None:
-    """The newest step whole on every rank at this world size, when newer than `disk`: pure."""
+    """The newest step whole on every rank at this world size, when at least as new as `disk`
+    (at the same step the parts hold the state the disk checkpoint holds, and memory is read
+    faster): pure."""
     common: set[int] | None = None
     for whole in every_rank:
         steps = {step for step, world in whole if world == size}
@@ -56,7 +64,7 @@ def choose(every_rank: list[list[tuple[int, int]]], size: int, disk: int | None)
     if not common:
         return None
     best = max(common)
-    return best if disk is None or best > disk else None
+    return best if disk is None or best >= disk else None
 
 
 def agree(w: dist.World, key: bytes | None) -> int | None:

@@ -80,7 +80,7 @@ class Source:
         """The checkpoint to resume from, read and verified; None to start fresh."""
         if w is None and path is None and not os.environ.get(ENV_RESUME_FROM):
             return self.first_loadable(parts)
-        if w is not None and path is None and memory_resume.memory_dir() is not None:
+        if w is not None and path is None and memory_resume.allowed():
             loaded = self.from_memory(w, parts)  # collective: every rank takes part
             if loaded is not None:
                 return loaded

@@ -54,6 +54,10 @@ ENV_RELIEVE_SIGNAL = "RTRAIN_RELIEVE_SIGNAL"
 # A file `dropped` in it says rtrain dropped the tier (memory pressure): no more snapshots.
 ENV_MEMORY_DIR = "RTRAIN_MEMORY_DIR"
 MEMORY_DROPPED = "dropped"
+# "1" when a process group may resume from its ranks' parts in the memory dir newer than
+# RTRAIN_RESUME_FROM: not on a rollback (the newer state may be the bad one) nor when the user
+# named the checkpoint (--resume PATH).
+ENV_MEMORY_RESUME = "RTRAIN_MEMORY_RESUME"
 # A FIFO the worker creates in its status dir (RTRAIN_STATUS) and reads from a thread of its
 # own: requests that must be served while the training thread is stuck (worker/hang_save.py).
 # Each request is one line, `<what> <token>`: the worker serves only those that carry

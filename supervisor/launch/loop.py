@@ -218,7 +218,9 @@ class Loop:
         with SignalCatcher() as signals:
             while True:
                 selection = self.checkpoints.pick(history, resume, first=first)
+                named = first and self.cfg.resume != "auto"  # --resume PATH
                 first = False
+                self.memtier.newest_allowed = resume is ResumeMode.LATEST and not named
                 if self.mirroring is not None:
                     # After the first pick, which settles the run identity it uploads under.
                     self.mirroring.start()

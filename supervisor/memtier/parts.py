@@ -112,6 +112,46 @@ def newest_whole(memory_dir: Path, key: bytes | None) -> Part | None:
     return pick(found, whole[0][0], 0) if whole else None
 
 
+class NotOneStep(ValueError):
+    """Parts that do not make one checkpoint (the message says which field differs)."""
+
+
+_PART_ONLY = ("part", "rank")  # what a part's info says of itself, not of the step
+
+
+def group_manifest(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest of the disk checkpoint the parts of one whole step make (pure): rank 0's,
+    its `info` without the part's own fields, listing every part's files (each rank's RNG file
+    beside rank 0's replicated state, the layout a collective disk save writes). Unsigned: the
+    caller signs it. Raises NotOneStep when the parts do not agree on the step, run, hash,
+    encryption or world size, a rank is missing or doubled, or two parts list one name."""
+    by_rank = {m.get("info", {}).get("rank"): m for m in manifests}
+    first = by_rank.get(0)
+    if first is None:
+        raise NotOneStep("no part of rank 0")
+    size = first["info"].get("world_size")
+    if sorted(by_rank) != list(range(size)) or len(manifests) != size:
+        raise NotOneStep(f"ranks {sorted(map(str, by_rank))} are not 0..{size - 1} once each")
+    for key in ("step", "run", "hash_alg", "encryption"):
+        if any(m.get(key) != first.get(key) for m in manifests):
+            raise NotOneStep(f"the parts differ in {key}")
+    if any(m["info"].get("world_size") != size for m in manifests):
+        raise NotOneStep("the parts differ in world size")
+    out = {k: v for k, v in first.items() if k not in ("signature", "files", "tensors")}
+    out["info"] = {k: v for k, v in first["info"].items() if k not in _PART_ONLY}
+    out["files"], tensors = {}, {}
+    for rank in range(size):
+        m = by_rank[rank]
+        for name, entry in m["files"].items():
+            if name in out["files"]:
+                raise NotOneStep(f"{name} is listed by two parts")
+            out["files"][name] = entry
+        tensors.update(m.get("tensors") or {})
+    if "tensors" in first:
+        out["tensors"] = tensors
+    return out
+
+
 def pick(parts: Iterable[Part], step: int, rank: int) -> Part | None:
     """The part of `rank` at `step` (its own copy first)."""
     found = [p for p in parts if p.step == step and p.rank == rank]

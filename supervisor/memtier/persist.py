@@ -26,6 +26,7 @@ from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name
 from supervisor.ckpt.safetensors_io import write_hashed
 from supervisor.ckpt.verify import Verdict
 from supervisor.core import filemode
+from supervisor.memtier import parts
 
 CHUNK = 8 << 20
 
@@ -52,16 +53,65 @@ def persist(snap: Verdict, ckpt_dir: Path, *, fsync: bool = True,
     if os.path.lexists(final):
         return Persisted(final, 0, already=True)
     pin = _pin(snap.path)
-    tmp = ckpt_dir / tmp_name(snap.step)
     try:
         if mf.load(pin) != m:
             raise SnapshotRefused("its manifest changed after it was checked")
+        return _commit(dict.fromkeys(m["files"], pin), m, None, pin, snap.step, ckpt_dir,
+                       fsync, mode)
+    finally:
+        shutil.rmtree(pin, ignore_errors=True)
+
+
+def persist_group(group: list[parts.Part], ckpt_dir: Path, key: bytes | None, *,
+                  fsync: bool = True, mode: int = filemode.DEFAULT_FILE_MODE) -> Persisted:
+    """Commit the parts of one whole step of a process group (supervisor/memtier/parts.py) as
+    the disk checkpoint a collective save writes: every part's files, each hashed as copied
+    against its part's manifest, under one manifest (`parts.group_manifest`) that rtrain signs
+    with the run's key. Raises SnapshotRefused, or OSError."""
+    try:
+        m = parts.group_manifest([p.manifest for p in group])
+    except parts.NotOneStep as e:
+        raise SnapshotRefused(str(e)) from None
+    if key is not None:
+        mf.sign_manifest(m, key)
+    final = ckpt_dir / checkpoint_name(m["step"])
+    if os.path.lexists(final):
+        return Persisted(final, 0, already=True)
+    pins: list[Path] = []
+    try:
+        sources: dict[str, Path] = {}
+        for p in group:
+            pins.append(_pin(p.path))
+            if mf.load(pins[-1]) != p.manifest:
+                raise SnapshotRefused(f"rank {p.rank}'s manifest changed after it was checked")
+            sources.update(dict.fromkeys(p.manifest["files"], pins[-1]))
+        return _commit(sources, m, mf.dumps(m), None, m["step"], ckpt_dir, fsync, mode)
+    finally:
+        for pin in pins:
+            shutil.rmtree(pin, ignore_errors=True)
+
+
+def _commit(sources: dict[str, Path], m: dict, manifest: bytes | None, manifest_dir: Path | None,
+            step: int, ckpt_dir: Path, fsync: bool, mode: int) -> Persisted:
+    """Copy every file of `m` from its pinned source dir into a temp dir, checked; the
+    manifest (`manifest` bytes, or copied from `manifest_dir`); rename into place."""
+    final = ckpt_dir / checkpoint_name(step)
+    tmp = ckpt_dir / tmp_name(step)
+    try:
         filemode.make_dir(ckpt_dir, mode)
         os.mkdir(tmp, 0o700)
         copied = 0
         for name, entry in m["files"].items():
-            copied += _copy_checked(pin, name, entry, m["hash_alg"], tmp, fsync)
-        _copy_checked(pin, MANIFEST, None, m["hash_alg"], tmp, fsync)
+            copied += _copy_checked(sources[name], name, entry, m["hash_alg"], tmp, fsync)
+        if manifest is None:
+            assert manifest_dir is not None
+            _copy_checked(manifest_dir, MANIFEST, None, m["hash_alg"], tmp, fsync)
+        else:
+            with open(tmp / MANIFEST, "xb") as f:
+                f.write(manifest)
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
         filemode.apply_tree(tmp, mode)
         if fsync:
             fsync_dir(tmp)
@@ -75,8 +125,6 @@ def persist(snap: Verdict, ckpt_dir: Path, *, fsync: bool = True,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        shutil.rmtree(pin, ignore_errors=True)
 
 
 def _pin(snapshot: Path) -> Path:

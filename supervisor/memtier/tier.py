@@ -13,8 +13,8 @@ from typing import Any
 from supervisor.ckpt import runid
 from supervisor.ckpt.verify import Verdict
 from supervisor.core.filemode import DEFAULT_FILE_MODE
-from supervisor.core.protocol import ENV_MEMORY_DIR, Heartbeat
-from supervisor.memtier import decide, persist, shmdir
+from supervisor.core.protocol import ENV_MEMORY_DIR, ENV_MEMORY_RESUME, Heartbeat
+from supervisor.memtier import decide, parts, persist, shmdir
 from supervisor.memtier.diskcadence import DiskCadence
 from supervisor.memtier.peerside import PeerSide
 
@@ -35,6 +35,9 @@ class MemoryTierDir:
         self.disk = DiskCadence(self.path, ckpt_dir, key, file_mode=file_mode, emit=emit,
                                 say=say)
         self.peers: PeerSide | None = None  # several nodes: copies to and from peer nodes
+        # Whether the next attempt's process group may resume from parts newer than the pick
+        # (not on a rollback, nor from a checkpoint the user named).
+        self.newest_allowed = True
 
     def enable_peers(self, host: str, port: int = 0) -> None:
         """Several nodes: serve this node's snapshots to peers and copy theirs (peerside.py)."""
@@ -43,7 +46,10 @@ class MemoryTierDir:
 
     def env(self) -> dict[str, str]:
         """What the attempt's environment gets: the directory, unless it cannot be used."""
-        return {} if self.unusable else {ENV_MEMORY_DIR: str(self.path)}
+        if self.unusable:
+            return {}
+        return {ENV_MEMORY_DIR: str(self.path),
+                ENV_MEMORY_RESUME: "1" if self.newest_allowed else "0"}
 
     def attempt_starting(self, attempt: int, resumed: int | None = None) -> None:
         self.attempt = attempt
@@ -76,32 +82,62 @@ class MemoryTierDir:
 
     def commit_newest(self, disk_newest: int | None, why: str) -> int | None:
         """Commit the newest good snapshot when it is newer than the checkpoint dir's newest;
-        its step, else None."""
+        its step, else None. Under torchrun: the newest step the ranks' parts make whole."""
         self.disk.settle()  # a disk-cadence copy in flight commits (or fails) first
         snap = self._newest()
         if snap is None:
-            return None
+            return self._commit_group(disk_newest, why)
         same_run = runid.of(snap.manifest) == runid.read(self.ckpt_dir)
         if not decide.worth_persisting(snap.step, disk_newest, same_run=same_run):
             return None
-        t0 = time.monotonic()
         try:
-            done = persist.persist(snap, self.ckpt_dir, mode=self.file_mode)
+            return self._committed(snap.step, why, lambda: persist.persist(
+                snap, self.ckpt_dir, mode=self.file_mode))
         except persist.SnapshotRefused as e:
             self._refused(snap, str(e))
             return None
+
+    def _commit_group(self, disk_newest: int | None, why: str) -> int | None:
+        """A process group's newest whole step, as the checkpoint a collective save writes. Not
+        under several nodes: the survivors' parts then resume the group from memory, and each
+        node's copy would race the others' on the shared dir (docs/design.md)."""
+        if self.unusable or self.peers is not None:
+            return None
+        run = runid.read(self.ckpt_dir)
+        found = [p for p in parts.list_parts(self.path, self.key) if p.run == run]
+        whole = parts.whole_steps([(p.rank, p.step, p.world_size, p.run) for p in found], run)
+        if not whole or not decide.worth_persisting(whole[0][0], disk_newest, same_run=True):
+            return None
+        step, size = whole[0]
+        group = [p for r in range(size) if (p := parts.pick(found, step, r)) is not None]
+        try:
+            return self._committed(step, why, lambda: persist.persist_group(
+                group, self.ckpt_dir, self.key, mode=self.file_mode))
+        except persist.SnapshotRefused as e:
+            self.emit("snapshot_refused", attempt=self.attempt, step=step,
+                      path=str(self.path), reason=str(e))
+            self.say(f"memory snapshot of step {step} (the ranks' parts) refused: {e}; "
+                     "resuming from the disk tier")
+            return None
+
+    def _committed(self, step: int, why: str, commit: Callable[[], persist.Persisted]
+                   ) -> int | None:
+        """Run `commit`; said and recorded as `snapshot_persisted`; the step, else None."""
+        t0 = time.monotonic()
+        try:
+            done = commit()
         except OSError as e:
-            self.say(f"could not commit the memory snapshot of step {snap.step} to "
+            self.say(f"could not commit the memory snapshot of step {step} to "
                      f"{self.ckpt_dir}: {e.strerror or e}; it stays in memory for the relaunch")
             return None
         seconds = time.monotonic() - t0
         if done.already:
             return None
-        self.emit("snapshot_persisted", attempt=self.attempt, step=snap.step,
+        self.emit("snapshot_persisted", attempt=self.attempt, step=step,
                   path=str(done.path), bytes=done.bytes, seconds=round(seconds, 4), why=why)
-        self.say(f"committed the memory snapshot of step {snap.step} as {done.path.name} "
+        self.say(f"committed the memory snapshot of step {step} as {done.path.name} "
                  f"({why}; {done.bytes / 2**20:.0f} MiB in {seconds:.2f} s)")
-        return snap.step
+        return step
 
     def resume_path(self, chosen: Verdict | None) -> Path | None:
         """The snapshot to resume from instead of `chosen` (the same checkpoint, in memory)."""
