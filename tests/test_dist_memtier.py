@@ -3,6 +3,7 @@ group resumes from the newest step whole on every node, bitwise, without a disk 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from bitwise import assert_bitwise_equal
-from harness import CHILDREN, child_env, events, launch_2_ranks, launch_cmd
+from harness import CHILDREN, child_env, events, invoke_rtrain, launch_2_ranks, launch_cmd
 from references import rank_state, two_ranks
 from s3server import free_port
 
@@ -117,6 +118,14 @@ def test_a_node_lost_whole_is_restored_from_its_peers_memory_bitwise(tmp_path, s
     step, reached, gathered, _ = _lose_a_node_and_replace_it(tmp_path, shm_roots)
     assert reached - 3 <= step <= reached, (step, reached)
     assert gathered["ranks"] == [0, 1], gathered  # the replacement started with nothing
+    # Visible where people look: the replacement's status says where its state came from.
+    st = invoke_rtrain("status", "--json", str(tmp_path / "run-b2"))
+    assert st.returncode == 0, st.stderr
+    peer = json.loads(st.stdout)["memory_tier"]["peer"]
+    assert peer["state"] in ("gathered", "replicating", "failed"), peer
+    text = invoke_rtrain("status", str(tmp_path / "run-b2")).stdout
+    [row] = [line for line in text.splitlines() if line.strip().startswith("memory tier:")]
+    assert "peer copy" in row or "copying node" in row or "gathered step" in row, row
 
 
 @pytest.mark.slow

@@ -189,6 +189,18 @@ def test_entries_of_nodes_gone_for_an_hour_are_forgotten(ck):
     assert not old.exists() and (ck / registry.REGISTRY / "here.json").exists()
 
 
+@pytest.mark.parametrize("peer, says", [
+    ({"state": "replicating", "peer": "n2", "step": 4, "reason": None}, "copying node n2's parts"),
+    ({"state": "gathered", "peer": "n1", "step": 6, "reason": None}, "gathered step 6 from n1"),
+    ({"state": "failed", "peer": "n2", "step": None, "reason": "cannot list its snapshots"},
+     "peer copy from n2 failed: cannot list its snapshots"),
+])
+def test_status_says_the_peer_copies_last_news(peer, says):
+    from supervisor.commands.status import _memory_row
+
+    assert says in _memory_row({"state": "on", "every": 1, "peer": peer})
+
+
 def test_the_serving_address_is_the_one_that_reaches_the_rendezvous():
     assert serving_address("127.0.0.1", {}) == ("127.0.0.1", 0)
     assert serving_address(None, {}) == ("127.0.0.1", 0)

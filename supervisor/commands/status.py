@@ -324,6 +324,7 @@ def _memory_tier(timeline: Timeline, ckpt_dir: Path, key: bytes | None,
     out["persisted"] = timeline.snapshots_persisted
     out["last_persisted"] = _pick(timeline.last(Kind.SNAPSHOT_PERSISTED), "step", "why")
     out["resumes"] = dict(timeline.resumes)
+    out["peer"] = _pick(timeline.last(Kind.PEER_COPY), "state", "peer", "step", "reason")
     return out
 
 
@@ -346,6 +347,12 @@ def _memory_row(m: dict[str, Any]) -> str:
     if resumes:
         text += "; resumes read from " + ", ".join(f"{k} {n}" for k, n in sorted(
             resumes.items()))
+    peer = m.get("peer") or {}
+    if peer:  # several nodes: the peer copies' last news
+        text += {"replicating": f"; copying node {peer.get('peer')}'s parts",
+                 "gathered": f"; gathered step {peer.get('step')} from {peer.get('peer')}",
+                 }.get(str(peer.get("state")),
+                       f"; peer copy from {peer.get('peer')} failed: {peer.get('reason')}")
     return text
 
 
