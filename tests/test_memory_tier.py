@@ -53,6 +53,17 @@ def test_auto_interval(stall, write, step, expected):
     assert memory_tier.interval(stall, write, step) == expected
 
 
+@pytest.mark.parametrize("writer, process, wall, cores, expected", [
+    (0.4, 2.4, 1.0, 2, 0.4),  # the step fills both cores: all of the writer's time is lost
+    (0.4, 1.4, 1.0, 2, 0.2),  # one core idle on average: half of it
+    (0.4, 0.9, 1.0, 64, 0.4 * 0.5 / 64),  # a big node, a light loop: next to nothing
+    (0.0, 2.0, 1.0, 2, 0.0),  # nothing written yet
+    (0.4, 2.4, 0.0, 2, 0.0),  # no time measured
+])
+def test_the_writers_competition_for_the_cores(writer, process, wall, cores, expected):
+    assert memory_tier.competition(writer, process, wall, cores) == pytest.approx(expected)
+
+
 def test_refusal_says_what_to_change():
     assert memory_tier.refusal(1 << 20, 1 << 30, 1 << 30) is None
     assert "budget_mb" in memory_tier.refusal(1 << 30, 1 << 30, 4 << 30)

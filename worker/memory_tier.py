@@ -81,6 +81,18 @@ def interval(stall_s: float, write_s: float, step_s: float) -> int:
     return max(1, by_stall, by_write)
 
 
+def competition(writer_cpu_s: float, process_cpu_s: float, wall_s: float, cores: int) -> float:
+    """Seconds of training the writer thread's CPU time took (pure): its copy and hashing run
+    beside the next steps, and cost the training only where the cores are busy. The rest of the
+    process used `process_cpu_s - writer_cpu_s` over `wall_s`; the busier the cores, the more
+    of the writer's time came out of the training (all of it on a machine whose cores the step
+    fills, none where cores are idle)."""
+    if not (wall_s > 0 and cores > 0 and writer_cpu_s > 0):
+        return 0.0
+    busy = max(0.0, process_cpu_s - writer_cpu_s) / wall_s / cores
+    return writer_cpu_s * min(1.0, busy)
+
+
 def budget_bytes(opts: Memory) -> int:
     """The tier's memory budget: `budget_mb`, else half of what the host has available."""
     if opts.budget_mb is not None:
@@ -193,7 +205,11 @@ class MemoryTier:
         self._read.set()
         self._gate_wait = 0.0  # the optimizer step's wait for the running snapshot
         self.gate_s = 0.0  # that wait, for the last snapshot that finished
-        self._last_call: tuple[int, float] | None = None  # (step, time) of the previous snapshot
+        # (step, time, process CPU time) of the previous snapshot
+        self._last_call: tuple[int, float, float] | None = None
+        self.writer_cpu_s = 0.0  # the writer thread's CPU time for the newest snapshot
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
         self._said: dict[str, Any] | None = None  # the interval last told to rtrain
         # A snapshot rtrain was to persist as a disk save failed: the Checkpointer saves to
         # disk itself at the next step boundary instead.
@@ -324,7 +340,7 @@ class MemoryTier:
                 self._idle.set()
 
     def _write(self, cap: Capture, persist: dict[str, Any] | None = None) -> None:
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         try:
             write_snapshot(self.target, cap, self._read)
         except OSError as e:  # a failed snapshot costs the tier, never the training
@@ -340,6 +356,7 @@ class MemoryTier:
         finally:
             self._read.set()
         self.write_s = time.monotonic() - t0
+        self.writer_cpu_s = time.thread_time() - cpu0
         self.last_step = cap.step
         for _, older in list_checkpoints(self.dir)[self.kept:]:  # newest first
             try:
@@ -352,11 +369,14 @@ class MemoryTier:
     def _pace(self, step: int, now: float) -> None:
         """Under "auto", choose the next interval from what the previous snapshot measured,
         and tell rtrain when it starts or changes."""
-        prev, self._last_call = self._last_call, (step, now)
+        prev, self._last_call = self._last_call, (step, now, time.process_time())
         if prev is not None and self.stall_s is not None and self.write_s is not None \
                 and step > prev[0] and not isinstance(self.opts.every, int):
             step_s = (now - prev[1]) / (step - prev[0])
-            self.every = interval(self.stall_s, self.write_s, step_s)
+            # The stall, and what the writer's copy and hashing took from the steps beside it.
+            cost = self.stall_s + competition(self.writer_cpu_s, self._last_call[2] - prev[2],
+                                              now - prev[1], self.cores)
+            self.every = interval(cost, self.write_s, step_s)
         said = {"every": self.every,
                 "stall_s": None if self.stall_s is None else round(self.stall_s, 6),
                 "write_s": None if self.write_s is None else round(self.write_s, 6)}
