@@ -188,6 +188,15 @@ def _snapshot(tmp_path, shm, steps=2):
     return snap
 
 
+def test_an_earlier_attempts_newer_snapshot_goes_with_the_first_new_one(tmp_path, shm,
+                                                                        make_ckpt):
+    """After a rollback the snapshots of the steps beyond it are what failed: the first
+    snapshot of the new attempt replaces them, however high their step."""
+    make_ckpt(shm, 100)
+    snap = _snapshot(tmp_path, shm)  # asserts that its own step 2 is the only one left
+    assert snap.name == "checkpoint-2"
+
+
 def _events(into):
     return lambda kind, **f: into.append((kind, f))
 

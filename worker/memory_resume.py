@@ -2,7 +2,7 @@
 
 Under torchrun each rank's snapshot is a part of the step (supervisor/memtier/parts.py); the
 node's memory dir holds its own ranks' parts and the parts rtrain copied from a peer node
-(supervisor/memtier/replicate.py), so the ranks of a node need not be the ones that wrote them:
+(supervisor/memtier/peerside.py), so the ranks of a node need not be the ones that wrote them:
 a relaunch may place rank 2 on another node, and a replacement node starts with what it pulled
 from its peer. Every rank lists the steps whose parts are whole in its node's memory dir (every
 rank 0..W-1 of this world size, this run's, the manifest checked); rank 0 takes the newest

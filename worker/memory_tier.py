@@ -187,6 +187,7 @@ class MemoryTier:
         # ranks snapshot the same steps, but one may commit a step as another dies before
         # committing it, and the group resumes from a step every rank holds (three buffers).
         self.kept = kept
+        self._committed: list[Path] = []  # this process's newest snapshots, oldest first
         self.every = opts.every if isinstance(opts.every, int) else 1
         self.off: str | None = None
         self.last_step: int | None = None  # the newest committed snapshot's step
@@ -342,7 +343,7 @@ class MemoryTier:
     def _write(self, cap: Capture, persist: dict[str, Any] | None = None) -> None:
         t0, cpu0 = time.monotonic(), time.thread_time()
         try:
-            write_snapshot(self.target, cap, self._read)
+            path = write_snapshot(self.target, cap, self._read)
         except OSError as e:  # a failed snapshot costs the tier, never the training
             why = os.strerror(e.errno) if e.errno in STORAGE_ERRNOS else f"{e}"
             self.stop(f"the snapshot of step {cap.step} could not be written: {why}", cap.step)
@@ -358,11 +359,16 @@ class MemoryTier:
         self.write_s = time.monotonic() - t0
         self.writer_cpu_s = time.thread_time() - cpu0
         self.last_step = cap.step
-        for _, older in list_checkpoints(self.dir)[self.kept:]:  # newest first
-            try:
-                remove_dir(older)  # double buffering: only after the newer one committed
-            except OSError:
-                pass  # rtrain took it away (it pins what it copies) or removed the dir
+        # Double buffering: the others go only after the newer one committed; anything this
+        # process did not just write goes too (an earlier attempt's, e.g. steps beyond a
+        # rollback's: never the newest in memory again).
+        self._committed = [*self._committed, path][-self.kept:]
+        for _, older in list_checkpoints(self.dir):
+            if older not in self._committed:
+                try:
+                    remove_dir(older)
+                except OSError:
+                    pass  # rtrain took it away (it pins what it copies) or removed the dir
         if persist is not None:  # only now: rtrain copies the newest snapshot at this step or later
             runtime.heartbeat(step=cap.step, event="persist", persist=persist)
 

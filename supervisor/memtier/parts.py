@@ -9,7 +9,7 @@ its own (manifest, hashes, signature, run identity), committed by rename:
     <memory dir>/rank-<R>/checkpoint-<S>/        written by this node's rank R
     <memory dir>/held/rank-<R>/checkpoint-<S>/   copied from a peer node, or this node's own
                                                  part kept (a hard link) beside the peer's copy
-                                                 of the same step (supervisor/memtier/replicate.py)
+                                                 of the same step (supervisor/memtier/peerside.py)
 
 A step is restored from memory only when every rank 0..W-1 of one world size has a part of it
 (`whole_steps`): the group never mixes steps across ranks.
