@@ -118,6 +118,8 @@ class MemoryTierDir:
                       path=str(self.path), reason=str(e))
             self.say(f"memory snapshot of step {step} (the ranks' parts) refused: {e}; "
                      "resuming from the disk tier")
+            for p in group:  # never read again
+                shmdir.discard_snapshot(p.path)
             return None
 
     def _committed(self, step: int, why: str, commit: Callable[[], persist.Persisted]
