@@ -89,7 +89,7 @@ class Source:
 
     def from_memory(self, w: dist.World, parts: Components) -> Loaded | None:
         """The group's resume from the memory tier's parts (worker/memory_resume.py), or None:
-        no step whole on every node newer than the disk's, or a part that did not read on
+        no step whole on every node as new as the disk's, or a part that did not read on
         some rank (then every rank goes to the disk tier together)."""
         step = memory_resume.agree(w, self.key)
         if step is None:
