@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -366,3 +367,33 @@ esac
 exit 0
 """)
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
+
+
+def node_cmd(tmp: Path, name: str, port: int, nnodes: str, *args: str) -> list[str]:
+    """One simulated node's `rtrain launch` on this machine: one rank, its own run dir
+    `run-<name>`, the shared checkpoint dir `ck`, the rendezvous on 127.0.0.1:`port`."""
+    return launch_cmd(tmp / f"run-{name}", "--ckpt-dir", str(tmp / "ck"), "--nproc-per-node",
+                      "1", "--nnodes", nnodes, "--rdzv-endpoint", f"127.0.0.1:{port}", *args)
+
+
+def lose_node(sup: subprocess.Popen) -> None:
+    """A node lost whole, at once: its supervisor and every process below it SIGKILLed."""
+    procs = [psutil.Process(sup.pid), *psutil.Process(sup.pid).children(recursive=True)]
+    for p in procs:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sup.wait(timeout=10)
+    psutil.wait_procs(procs, timeout=10)
+
+
+def finish_node(sup: subprocess.Popen, err: Path, timeout: float = 300) -> None:
+    """The node's rtrain ends with 0 within `timeout` (else it is lost, and the test fails with
+    the end of its stderr, `err`)."""
+    try:
+        rc = sup.wait(timeout=timeout)
+    finally:
+        if sup.poll() is None:
+            lose_node(sup)
+    assert rc == 0, err.read_text()[-3000:]

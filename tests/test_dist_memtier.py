@@ -4,18 +4,24 @@ group resumes from the newest step whole on every node, bitwise, without a disk 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from bitwise import assert_bitwise_equal
-from harness import CHILDREN, child_env, events, invoke_rtrain, launch_2_ranks, launch_cmd
+from harness import (
+    CHILDREN,
+    child_env,
+    events,
+    finish_node,
+    invoke_rtrain,
+    launch_2_ranks,
+    lose_node,
+    node_cmd,
+)
 from references import rank_state, two_ranks
 from s3server import free_port
 
@@ -59,37 +65,14 @@ def test_a_killed_rank_resumes_from_the_groups_memory_snapshot_bitwise(tmp_path)
 # ---------------------------------------------------------------- two nodes, one lost whole
 
 
-def _node(tmp: Path, name: str, port: int, shm: Path, *args: str,
-          env: dict[str, str] | None = None) -> subprocess.Popen:
-    """One node's `rtrain launch`: one rank, the shared checkpoint dir, its own shared memory
-    (RTRAIN_SHM_ROOT: each machine has its own /dev/shm)."""
-    cmd = launch_cmd(tmp / f"run-{name}", "--ckpt-dir", str(tmp / "ck"), "--nproc-per-node", "1",
-                     "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", TRAIN, *args)
+def _node(tmp: Path, name: str, port: int, shm: Path, *args: str) -> subprocess.Popen:
+    """One node's `rtrain launch` with its own shared memory (RTRAIN_SHM_ROOT: each machine
+    has its own /dev/shm)."""
     shm.mkdir(exist_ok=True)
     with open(tmp / f"{name}.err", "wb") as err:
-        return subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=err,
-                                env=child_env(RTRAIN_SHM_ROOT=str(shm), **(env or {})))
-
-
-def _lose_node(sup: subprocess.Popen) -> None:
-    """The whole node at once: its supervisor and every process below it."""
-    procs = [psutil.Process(sup.pid), *psutil.Process(sup.pid).children(recursive=True)]
-    for p in procs:
-        try:
-            os.kill(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    sup.wait(timeout=10)
-    psutil.wait_procs(procs, timeout=10)
-
-
-def _finish(sup: subprocess.Popen, tmp: Path, name: str, timeout: float = 240) -> None:
-    try:
-        rc = sup.wait(timeout=timeout)
-    finally:
-        if sup.poll() is None:
-            _lose_node(sup)
-    assert rc == 0, (tmp / f"{name}.err").read_text()[-3000:]
+        return subprocess.Popen(node_cmd(tmp, name, port, "2", TRAIN, *args), cwd=tmp,
+                                stdout=subprocess.DEVNULL, stderr=err,
+                                env=child_env(RTRAIN_SHM_ROOT=str(shm)))
 
 
 def _wait_event(run: Path, kind: str, timeout: float = 120, **match) -> dict:
@@ -160,19 +143,19 @@ def _lose_a_node_and_replace_it(tmp_path: Path, shm_roots, tamper: bool = False
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and max(_steps(tmp_path, "out-a"), default=0) < 7:
             time.sleep(0.1)
-        _lose_node(b)
+        lose_node(b)
         reached = max(_steps(tmp_path, "out-a"))
         assert not list((tmp_path / "ck").glob("checkpoint-*")), "a disk checkpoint was made"
         if tamper:
             tampered = _flip_a_byte_of_the_newest_copy(shm_a, shm_b)
         # A new machine: empty shared memory, an empty run dir, the same checkpoint dir.
         b2 = _node(tmp_path, "b2", port, shm_b2, str(tmp_path / "out-b2"), *args)
-        _finish(a, tmp_path, "a")
-        _finish(b2, tmp_path, "b2")
+        finish_node(a, tmp_path / "a.err", 240)
+        finish_node(b2, tmp_path / "b2.err", 240)
     finally:
         for p in (a, b, b2):
             if p is not None and p.poll() is None:
-                _lose_node(p)
+                lose_node(p)
     (gathered,) = [e for e in events(tmp_path / "run-b2", "peer_copy")
                    if e["state"] == "gathered"]
     resumed = events(tmp_path / "run-a", "snapshot_resumed") + events(

@@ -10,16 +10,13 @@ back is not waited for past the rendezvous' last call: the survivor goes on alon
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from bitwise import assert_bitwise_equal
-from harness import CHILDREN, child_env, events, launch_cmd, wait_for
+from harness import CHILDREN, child_env, events, finish_node, lose_node, node_cmd, wait_for
 from references import rank_state, two_ranks
 from s3server import free_port
 
@@ -29,33 +26,10 @@ TRAIN = str(CHILDREN / "dist_train.py")
 
 
 def _node(tmp: Path, name: str, port: int, nnodes: str, *args: str) -> subprocess.Popen:
-    """One node's `rtrain launch`: one rank, the shared checkpoint dir, output to files."""
-    cmd = launch_cmd(tmp / f"run-{name}", "--ckpt-dir", str(tmp / "ck"), "--nproc-per-node", "1",
-                     "--nnodes", nnodes, "--rdzv-endpoint", f"127.0.0.1:{port}", *args)
+    """One node's `rtrain launch`, output to files."""
     with open(tmp / f"{name}.err", "wb") as err:
-        return subprocess.Popen(cmd, cwd=tmp, env=child_env(), stdout=subprocess.DEVNULL,
-                                stderr=err)
-
-
-def _lose_node(sup: subprocess.Popen) -> None:
-    """The whole node at once: its supervisor and every process below it."""
-    procs = [psutil.Process(sup.pid), *psutil.Process(sup.pid).children(recursive=True)]
-    for p in procs:
-        try:
-            os.kill(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    sup.wait(timeout=10)
-    psutil.wait_procs(procs, timeout=10)
-
-
-def _finish(sup: subprocess.Popen, tmp: Path, name: str, timeout: float = 300) -> None:
-    try:
-        rc = sup.wait(timeout=timeout)
-    finally:
-        if sup.poll() is None:
-            _lose_node(sup)
-    assert rc == 0, (tmp / f"{name}.err").read_text()[-3000:]
+        return subprocess.Popen(node_cmd(tmp, name, port, nnodes, *args), cwd=tmp,
+                                env=child_env(), stdout=subprocess.DEVNULL, stderr=err)
 
 
 @pytest.mark.soak  # a minute of two nodes and a third; two nodes are test_dist_nodes_preempt's
@@ -66,16 +40,16 @@ def test_a_lost_node_replaced_by_a_new_one_resumes_with_the_survivor(tmp_path):
     b = _node(tmp_path, "b", port, "2", TRAIN, str(tmp_path / "out-b"), "18", "--sleep", "0.4")
     try:
         wait_for(tmp_path / "ck" / "checkpoint-6" / "manifest.json", timeout=180)
-        _lose_node(b)
+        lose_node(b)
         # A new machine: nothing of node b's run dir, the same checkpoint dir.
         b2 = _node(tmp_path, "b2", port, "2", TRAIN, str(tmp_path / "out-b2"), "18", "--sleep",
                    "0.4")
-        _finish(a, tmp_path, "a")
-        _finish(b2, tmp_path, "b2")
+        finish_node(a, tmp_path / "a.err")
+        finish_node(b2, tmp_path / "b2.err")
     finally:
         for p in (a, b):
             if p.poll() is None:
-                _lose_node(p)
+                lose_node(p)
     a_launches = events(tmp_path / "run-a", "launch")
     (b2_launch,) = events(tmp_path / "run-b2", "launch")
     assert len(a_launches) == 2
@@ -103,12 +77,12 @@ def test_a_node_that_never_comes_back_leaves_the_survivor_alone(tmp_path):
               "0.4")
     try:
         wait_for(tmp_path / "ck" / "checkpoint-4" / "manifest.json", timeout=180)
-        _lose_node(b)
-        _finish(a, tmp_path, "a")
+        lose_node(b)
+        finish_node(a, tmp_path / "a.err")
     finally:
         for p in (a, b):
             if p.poll() is None:
-                _lose_node(p)
+                lose_node(p)
     launches = events(tmp_path / "run-a", "launch")
     assert len(launches) == 2
     resumed = Path(launches[1]["resume_from"]).name
