@@ -95,12 +95,19 @@ def test_a_node_copies_its_predecessors_newest_parts_and_keeps_its_own_beside_th
         b.close()
 
 
-def test_a_replacement_gathers_the_newest_whole_step_from_a_survivor(tmp_path, ck):
-    ev = Events()
-    ma, mc = tmp_path / "a", tmp_path / "c"
-    for step in (4, 5):  # what a survivor holds: its own part and the lost node's copy
+def _survivor(tmp_path: Path) -> Path:
+    """The memory dir of a node whose peer was lost: steps 4 and 5 whole in `held/` (its own
+    part kept beside the lost node's copy)."""
+    ma = tmp_path / "a"
+    for step in (4, 5):
         make_part(ma, 0, 2, step, held=True)
         make_part(ma, 1, 2, step, held=True)
+    return ma
+
+
+def test_a_replacement_gathers_the_newest_whole_step_from_a_survivor(tmp_path, ck):
+    ev = Events()
+    ma, mc = _survivor(tmp_path), tmp_path / "c"
     make_part(ma, 0, 2, 6)  # its own newer part: 6 is not whole anywhere
     a, c = side(ck, ma, Events()), side(ck, mc, ev)
     try:
@@ -117,10 +124,7 @@ def test_a_replacement_gathers_the_newest_whole_step_from_a_survivor(tmp_path, c
 
 def test_a_tampered_part_is_refused_and_an_older_step_gathered(tmp_path, ck):
     ev = Events()
-    ma, mc = tmp_path / "a", tmp_path / "c"
-    for step in (4, 5):
-        make_part(ma, 0, 2, step, held=True)
-        make_part(ma, 1, 2, step, held=True)
+    ma, mc = _survivor(tmp_path), tmp_path / "c"
     bad = parts.rank_dir(ma, 1, held=True) / checkpoint_name(5) / "model.safetensors"
     with open(bad, "r+b") as f:  # one byte, the size kept: only the content hash can tell
         f.seek(5000)
