@@ -23,8 +23,9 @@ from supervisor.ckpt.safetensors_io import TensorBlob
 from supervisor.core.protocol import ENV_MEMORY_DIR
 from supervisor.memtier import parts
 
-# The soak tier and --soak (tiers.py); stacks of a hung test's processes, no leftovers (hangs.py).
-pytest_plugins = ["tiers", "hangs"]
+# The soak tier and --soak (tiers.py); stacks of a hung test's processes, no leftovers (hangs.py);
+# the project's bytecode compiled once for every process the tests start (bytecode.py).
+pytest_plugins = ["tiers", "hangs", "bytecode"]
 
 NUMPY_TO_ST = {np.dtype("float32"): "F32", np.dtype("float64"): "F64",
                np.dtype("int64"): "I64", np.dtype("int32"): "I32", np.dtype("uint8"): "U8",

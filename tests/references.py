@@ -16,11 +16,12 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import REPO, launch_2_ranks
+from harness import CHILDREN, REPO, child_env, launch_2_ranks, run_child
 
 CACHE = REPO / ".pytest_cache" / "rtrain-references"
 DONE = ".complete"  # written last: a directory without it is a run that did not finish
@@ -75,6 +76,18 @@ def two_ranks(*args: str) -> Path:
         assert r.returncode == 0, r.stderr[-3000:]
 
     return cached("dist_train", {"args": list(args)}, make) / "ref"
+
+
+def bitwise_run(steps: int) -> Path:
+    """final.pt of an uninterrupted run of children/train_bitwise.py for `steps` steps, saving
+    every 3 in the foreground (its checkpoints in ckpt/ beside it). The same entry as the mirror
+    and memory tier tests' own reference of that script: one run per step count for the suite."""
+    def make(out: Path) -> None:
+        r = run_child([sys.executable, str(CHILDREN / "train_bitwise.py"), str(out / "ckpt"),
+                       str(out / "final.pt"), str(steps), "0"], env=child_env(), timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return cached("train_bitwise", {"steps": steps}, make) / "final.pt"
 
 
 def rank_state(out: Path | str, rank: int) -> dict:

@@ -58,6 +58,10 @@ def assert_resumed_from_the_previous_one(run_dir: Path, r: subprocess.CompletedP
     assert len(bad) == 1 and bad[0].startswith(str(ckpts / "checkpoint-4") + "|")
 
 
+# Soak: the worker refusing this checkpoint and restoring the one before is
+# test_hostile_restore.py's, in-process; what a launch does with a worker's bad_checkpoint is
+# the same for every reason, and the two tests below keep it in the default tier.
+@pytest.mark.soak
 def test_header_claiming_8_gib_resumes_from_the_previous_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     good_checkpoints(run_dir / "checkpoints")
@@ -95,6 +99,7 @@ def test_file_swapped_after_verification_is_caught_by_the_worker(tmp_path):
     assert_resumed_from_the_previous_one(run_dir, r, "content hash does not match")
 
 
+@pytest.mark.soak  # as the 8 GiB header: test_hostile_restore.py's state.json cases, in-process
 def test_state_json_symlinked_and_unlisted_gives_a_reason_not_a_traceback(tmp_path):
     run_dir = tmp_path / "run"
     good_checkpoints(run_dir / "checkpoints")

@@ -134,8 +134,10 @@ def test_grandchildren_left_behind_are_swept(tmp_path):
 def test_hang_is_detected_stacks_dumped_and_relaunched(tmp_path, how):
     # selfstop: the child stops itself, and the stop signal that ends its hang (SIGCONT follows
     # it) lets it save and exit 75: still a hang, charged to the hang budget, not a preemption.
+    # silent and sigstop cannot act on the stop signal and wait out the whole grace: a short one
+    # (this child, without torch, exits within milliseconds of the signal when it can).
     (tmp_path / "rtrain.toml").write_text(
-        "[hang]\nfloor_s = 1.0\nmultiple = 2.0\nwarmup_steps = 3\n")
+        "[hang]\nfloor_s = 1.0\nmultiple = 2.0\nwarmup_steps = 3\ngrace_s = 4.0\n")
     run = tmp_path / "run"
     t0 = time.monotonic()
     r = launch(run, str(CHILDREN / "heartbeat_steps.py"), "120", how, "80")

@@ -41,7 +41,13 @@ def _steps(ckpts) -> list[int]:
     return [s for s, _ in list_checkpoints(ckpts)]
 
 
-@pytest.mark.parametrize("verify", ["full", "quick"])
+@pytest.mark.parametrize("verify", [
+    # The launch's own pick (full verification, the default) passing over this checkpoint is
+    # tested in-process (test_state_schema.py, through the pick the launch calls), and end to
+    # end for a newest checkpoint that fails verification (test_chaos_faults.py): soak here.
+    pytest.param("full", marks=pytest.mark.soak),
+    "quick",  # the worker meets it: bad_checkpoint, and the next attempt goes on
+])
 def test_a_hand_edited_state_json_is_passed_over_for_the_checkpoint_before(tmp_path, verify):
     run, out = tmp_path / "run", tmp_path / "out.pt"
     ckpts = run / "checkpoints"

@@ -8,8 +8,10 @@ runs."""
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -33,18 +35,29 @@ TRACKERS_ENV = {
 }
 
 
-# Session-wide: xdist keeps the group on one worker but may run another module's tests between
-# two of these, which would end a module-scoped fixture and run the whole launch again.
 @pytest.fixture(scope="session")
 def tracked(tmp_path_factory):
-    base = tmp_path_factory.mktemp("trackers")
-    out = base / "out"
-    out.mkdir()
-    run = base / "run"
-    r = launch(run, "--set", "batch_size=8", "--set", "grad_accum=1",
-               str(CHILDREN / "tracker_train.py"), str(STEPS), str(out), str(KILL0),
-               str(KILL1), str(OOM), env=TRACKERS_ENV, timeout=150)
-    assert r.returncode == 0, r.stderr[-3000:]
+    """The launch every test here reads, made once per pytest session. Under pytest-xdist these
+    tests can land on several workers (--dist loadgroup's xdist_group is lost with pytest 9.2:
+    pytest-xdist issue 1386), and each worker has its own session fixtures: the first makes the
+    run in the session's shared temporary dir while the others wait on a lock, then read it."""
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent  # every worker's basetemp is a folder of the session's
+    base = shared / "trackers"
+    out, run, result = base / "out", base / "run", base / "launch.json"
+    with open(shared / "trackers.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            shutil.rmtree(base, ignore_errors=True)  # a worker that died half-way
+            out.mkdir(parents=True)
+            r = launch(run, "--set", "batch_size=8", "--set", "grad_accum=1",
+                       str(CHILDREN / "tracker_train.py"), str(STEPS), str(out), str(KILL0),
+                       str(KILL1), str(OOM), env=TRACKERS_ENV, timeout=150)
+            result.write_text(json.dumps({"returncode": r.returncode,
+                                          "stderr": r.stderr[-3000:]}))
+    launched = json.loads(result.read_text())
+    assert launched["returncode"] == 0, launched["stderr"]
     return run, out
 
 

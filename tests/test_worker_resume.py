@@ -7,6 +7,7 @@ import pytest
 import torch
 from bitwise import assert_bitwise_equal
 from harness import CHILDREN, child_env
+from references import bitwise_run
 
 SCRIPT = CHILDREN / "train_bitwise.py"
 
@@ -18,13 +19,10 @@ def run(ckpt_dir, out, total, die_at, *extra):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted():
     """The final state of the run never killed. Saving in the background or not changes no
     value a step trains on, so both modes below are compared with this one run."""
-    tmp = tmp_path_factory.mktemp("whole")
-    ref = run(tmp / "ref", tmp / "ref.pt", 31, 0)
-    assert ref.returncode == 0, ref.stderr
-    return torch.load(tmp / "ref.pt")
+    return torch.load(bitwise_run(31))
 
 
 @pytest.mark.slow

@@ -39,7 +39,17 @@ say() { echo "local-cluster: $*" >&2; }
 cannot() { say "cannot start: $*"; exit 3; }
 
 running() {  # running PIDFILE: the pid in it is alive
-  [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+  [ -s "$1" ] && alive "$(cat "$1")"
+}
+
+# A daemon that exited is a zombie until its parent reaps it, and kill -0 still finds it. Its
+# parent is init, or a subreaper above us that may never reap it (pytest is one once rtrain ran
+# in-process): `stop` would wait its 10 s for each daemon that had long exited.
+alive() {  # alive PID: the process exists and has not exited
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }  # the state follows the command name, which may hold spaces
+  [ "${stat%% *}" != Z ]
 }
 
 install_packages() {
@@ -203,7 +213,7 @@ stop_pidfile() {  # stop_pidfile NAME PIDFILE: SIGTERM, wait up to 10 s, then SI
   pid=$(cat "$pidfile")
   kill -TERM "$pid" 2>/dev/null || true
   for i in $(seq 100); do
-    kill -0 "$pid" 2>/dev/null || { say "stopped $name"; rm -f "$pidfile"; return 0; }
+    alive "$pid" || { say "stopped $name"; rm -f "$pidfile"; return 0; }
     sleep 0.1
   done
   kill -KILL "$pid" 2>/dev/null || true
