@@ -234,7 +234,8 @@ def _header_file(path, header: bytes, length: int | None = None) -> None:
 @pytest.mark.parametrize("header, length, words", [
     (b"[" * 100_000 + b"]" * 100_000, None, "nested more than"),
     (b"{}", 8 << 30, "does not fit"),
-])
+], ids=["deep", "8-GiB-length"])  # ids: pytest < 9.2 names a case by its bytes, and the child
+# inherits the name in PYTEST_CURRENT_TEST, past the kernel's limit on one variable (E2BIG)
 def test_safetensors_header_bomb_in_one_checkpoint(three, header, length, words):
     ckpt = three / "checkpoint-300"
     _header_file(ckpt / "model.safetensors", header, length)
@@ -263,7 +264,8 @@ def test_metrics_file_passes_over_a_fifo_manifest(three, tmp_path):
     assert "rtrain_last_checkpoint_age_seconds" in out.read_text()
 
 
-@pytest.mark.parametrize("raw", [b'"\\' * 2_000_000, b'"' * 4_000_000, b"[" * 4_000_000])
+@pytest.mark.parametrize("raw", [b'"\\' * 2_000_000, b'"' * 4_000_000, b"[" * 4_000_000],
+                         ids=["escapes", "quotes", "brackets"])
 def test_bomb_screening_is_linear(raw):
     """4 MB of quotes, backslashes or brackets: refused in about a second, where a quadratic
     scan (or the recursive parser) would take hours (or overflow)."""
