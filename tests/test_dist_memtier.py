@@ -163,8 +163,10 @@ def _lose_a_node_and_replace_it(tmp_path: Path, shm_roots, tamper: bool = False
     assert len(resumed) == 1, resumed  # said by the node of rank 0
     step = resumed[0]["step"]
     assert step == gathered["step"], (resumed, gathered)
-    (rec,) = events(tmp_path / "run-a", "recovery")
-    assert rec["resumed_step"] == step, rec
+    # Node a's rtrain relaunched its group (a `recovery` from that step), or, when its rank was
+    # still waiting in a collective as the replacement joined, torchrun restarted the rank in
+    # place (a membership change: no relaunch, the same memory resume).
+    assert all(r["resumed_step"] == step for r in events(tmp_path / "run-a", "recovery"))
     # Where each rank ran, the final states are those of an uninterrupted run.
     outs = {r: p for p in ("out-a", "out-b2") for r in (0, 1)
             if Path(f"{tmp_path / p}-rank{r}.pt").exists()}
