@@ -314,6 +314,7 @@ def test_check_resume_says_the_vision_example_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # check-resume end to end: the vision example's test; the causes: unit tests
 def test_a_prefetched_batch_is_named(tmp_path):
     r = check(str(CHILDREN / "resume_order.py"), "--stop", "kill", "--json", "--",
               "--prefetch", cwd=tmp_path, tmp=tmp_path)

@@ -35,6 +35,7 @@ def test_stateful_dataloader_iterable_with_own_state_and_sharding(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # an iterable resumed exactly: test_iterable_fast_forward_with_sharding_warns
 def test_iterable_with_own_state_no_workers(tmp_path):
     assert split_vs_whole(tmp_path, ["--data", "stream", "--workers", "0"], (5, 13)) is None
     state = json.loads((tmp_path / "split" / "checkpoint-18" / "state.json").read_text())

@@ -75,6 +75,7 @@ def test_the_worst_case_of_one_call_is_stated_and_bounded():
 
 
 @pytest.mark.slow  # not a process, but seconds of waiting on purpose
+@pytest.mark.soak  # the same timeouts bound the default tier's silent mirror at a relaunch
 def test_a_probe_of_a_silent_endpoint_gives_up_within_its_default_timeouts(monkeypatch):
     from supervisor.mirror.store import Unreachable, open_mirror
 

@@ -140,6 +140,7 @@ def test_worker_reports_each_skipped_save_to_the_supervisor(read_only_dir, monke
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # skipped saves reported end to end: the one-process tests of this file
 def test_distributed_skipped_saves_are_reported_once_by_rank_0(tmp_path, read_only_dir):
     """Two ranks (gloo) saving collectively into a read-only dir: one event per save."""
     run = tmp_path / "run"
