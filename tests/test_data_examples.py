@@ -27,8 +27,11 @@ def final_state(ckpt, step):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("script", "knobs"), [
-    ("vision/train.py", {"steps": 12, "save_every": 3, "samples": 72, "batch_size": 8,
-                         "resolution": 16, "workers": 2}),
+    # Soak too: loader workers resumed mid-epoch exactly are test_data_workers' in the default
+    # tier, and the vision example's recovery test_examples'.
+    pytest.param("vision/train.py", {"steps": 12, "save_every": 3, "samples": 72,
+                                     "batch_size": 8, "resolution": 16, "workers": 2},
+                 marks=pytest.mark.soak),
     pytest.param("charlm/train.py", {"steps": 10, "save_every": 3, "seq_len": 16,
                                      "batch_size": 8, "workers": 2}, marks=pytest.mark.soak),
 ])
