@@ -38,12 +38,19 @@ def allowed() -> bool:
     return memory_dir() is not None and os.environ.get(ENV_MEMORY_RESUME) == "1"
 
 
-def whole_here(where: Path | None, key: bytes | None) -> list[tuple[int, int]]:
-    """(step, world size) of every step whole in this node's memory dir, newest first."""
+def this_runs_parts(key: bytes | None) -> list[parts.Part]:
+    """The parts in this node's memory dir of the run it names (listed once per restore: each
+    part's manifest is read and checked)."""
+    where = memory_dir()
     if where is None:
         return []
     run = runid.read(where)
-    found = parts.list_parts(where, key)
+    return [p for p in parts.list_parts(where, key) if p.run == run]
+
+
+def whole(found: list[parts.Part]) -> list[tuple[int, int]]:
+    """(step, world size) of every step whole among `found`, newest first."""
+    run = found[0].run if found else None
     return parts.whole_steps([(p.rank, p.step, p.world_size, p.run) for p in found], run)
 
 
@@ -67,21 +74,16 @@ def choose(every_rank: list[list[tuple[int, int]]], size: int, disk: int | None)
     return best if disk is None or best >= disk else None
 
 
-def agree(w: dist.World, key: bytes | None) -> int | None:
+def agree(w: dist.World, found: list[parts.Part]) -> int | None:
     """Collective: the step the group resumes from memory, or None (the disk tier)."""
-    mine = whole_here(memory_dir(), key)
-    every = dist.gather(mine)
+    every = dist.gather(whole(found))
     step = choose(every, w.size, disk_step()) if every is not None else None
     return dist.broadcast(step)
 
 
-def parts_for(step: int, rank: int, key: bytes | None) -> tuple[parts.Part, parts.Part]:
+def parts_for(found: list[parts.Part], step: int, rank: int) -> tuple[parts.Part, parts.Part]:
     """(rank 0's part: the replicated state, this rank's part: its RNG) at `step`. Raises
     LookupError when this node lacks one (another rank's listing said it was whole)."""
-    where = memory_dir()
-    found = parts.list_parts(where, key) if where is not None else []
-    run = runid.read(where) if where is not None else None
-    found = [p for p in found if p.run == run]
     leader, own = parts.pick(found, step, 0), parts.pick(found, step, rank)
     if leader is None or own is None:
         raise LookupError(f"the memory snapshot of step {step} lacks rank "

@@ -91,12 +91,13 @@ class Source:
         """The group's resume from the memory tier's parts (worker/memory_resume.py), or None:
         no step whole on every node as new as the disk's, or a part that did not read on
         some rank (then every rank goes to the disk tier together)."""
-        step = memory_resume.agree(w, self.key)
+        found = memory_resume.this_runs_parts(self.key)
+        step = memory_resume.agree(w, found)
         if step is None:
             return None
         loaded, why = None, ""
         try:
-            leader, own = memory_resume.parts_for(step, w.rank, self.key)
+            leader, own = memory_resume.parts_for(found, step, w.rank)
             loaded = self.read(leader.path, leader.manifest, w, parts,
                                rng_from=(own.path, own.manifest))
         except Exception as e:  # every rank must reach the all-reduce below

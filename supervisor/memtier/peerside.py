@@ -34,6 +34,7 @@ from supervisor.ckpt.layout import checkpoint_name, tmp_name
 from supervisor.core.protocol import MEMORY_DROPPED
 from supervisor.memtier import decide, parts, peerfetch, registry
 from supervisor.memtier.peerserver import PeerServer
+from supervisor.memtier.persist import link_files
 
 REFRESH_S = 5.0  # how often the registry entry is refreshed (registry.STALE_S is the limit)
 ENV_PEER_HOST = "RTRAIN_PEER_HOST"
@@ -202,13 +203,14 @@ class PeerSide:
         try:  # one connection: the listing and the copy, several times a second
             with peerfetch.Session(addr, self.run, self.key, timeout_s=self.timeout_s) as s:
                 listed = [p for p in s.list() if p.origin == parts.OWN]
-                held = {(p.rank, p.step) for p in self._parts(parts.KEPT)}
-                own = {p.step for p in self._parts(parts.OWN) if p.run == self.run}
+                here = self._parts()  # once a cycle: each part's manifest is read and checked
+                held = {(p.rank, p.step) for p in here if p.origin == parts.KEPT}
+                own = {p.step for p in here if p.origin == parts.OWN and p.run == self.run}
                 todo = decide.next_copy([(p.rank, p.step) for p in listed], held, own)
                 if todo is None:
                     return None
                 step, ranks = todo
-                self._keep_own(step)
+                self._keep_own(step, here)
                 for p in listed:
                     if p.step == step and p.rank in ranks:
                         self._fetch(addr, p, s)
@@ -218,7 +220,7 @@ class PeerSide:
             return None
         self._complete.add(step)
         self._note("replicating", source.node, step, None, ranks=ranks)
-        self._prune()
+        self._prune([p for p in here if p.origin == parts.KEPT], step)
         return step
 
     # ------------------------------------------------------------------ helpers
@@ -233,11 +235,11 @@ class PeerSide:
                              session=session)
         return part.bytes
 
-    def _keep_own(self, step: int) -> None:
+    def _keep_own(self, step: int, here: list[parts.Part]) -> None:
         """This node's own parts of `step`, linked into `held/` beside the peer's copy: the
         worker removes its older parts as it goes on, and the step stays whole here."""
-        for p in self._parts(parts.OWN):
-            if p.step != step or p.run != self.run:
+        for p in here:
+            if p.origin != parts.OWN or p.step != step or p.run != self.run:
                 continue
             dest = parts.rank_dir(self.memory_dir, p.rank, held=True) / checkpoint_name(step)
             if dest.exists():
@@ -245,17 +247,15 @@ class PeerSide:
             dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp = dest.parent / tmp_name(step)
             try:
-                os.mkdir(tmp, 0o700)
-                for entry in os.scandir(p.path):
-                    if entry.is_file(follow_symlinks=False):
-                        os.link(entry.path, tmp / entry.name, follow_symlinks=False)
+                link_files(p.path, tmp)
                 os.rename(tmp, dest)
             except OSError:  # removed by the worker meanwhile: this step is not whole here
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def _prune(self) -> None:
-        held = self._parts(parts.KEPT)
-        for step in decide.held_to_drop({p.step for p in held}, self._complete):
+    def _prune(self, held: list[parts.Part], copied: int) -> None:
+        """Held steps beyond those kept (`decide.held_to_drop`); `held` was listed before this
+        cycle's copy of `copied`, which is the newest and is kept."""
+        for step in decide.held_to_drop({p.step for p in held} | {copied}, self._complete):
             for p in held:
                 if p.step == step:
                     shutil.rmtree(p.path, ignore_errors=True)

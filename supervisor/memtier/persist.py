@@ -127,14 +127,21 @@ def _commit(sources: dict[str, Path], m: dict, manifest: bytes | None, manifest_
         raise
 
 
+def link_files(src: Path, dst: Path) -> None:
+    """A new owner-only dir `dst` holding hard links to `src`'s files: the same pages, kept
+    readable whatever removes `src` meanwhile. Raises OSError (FileNotFoundError: `src`, or
+    one of its files, went first); `dst` may then be left for the caller to remove."""
+    os.mkdir(dst, 0o700)
+    for entry in os.scandir(src):
+        if entry.is_file(follow_symlinks=False):
+            os.link(entry.path, dst / entry.name, follow_symlinks=False)
+
+
 def _pin(snapshot: Path) -> Path:
     """Hard links to the snapshot's files, in a dir of rtrain's beside it."""
     pin = snapshot.parent / f".pin-{snapshot.name}-{os.getpid()}-{os.urandom(4).hex()}"
-    os.mkdir(pin, 0o700)
     try:
-        for entry in os.scandir(snapshot):
-            if entry.is_file(follow_symlinks=False):
-                os.link(entry.path, pin / entry.name, follow_symlinks=False)
+        link_files(snapshot, pin)
     except FileNotFoundError:
         shutil.rmtree(pin, ignore_errors=True)
         raise SnapshotRefused("it was removed while rtrain took it (a newer one replaced "
