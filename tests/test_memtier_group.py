@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 from conftest import make_part
 
-from supervisor.ckpt import hashing
+from supervisor.ckpt import hashing, runid
 from supervisor.ckpt import manifest as mf
 from supervisor.ckpt.layout import checkpoint_name
 from supervisor.ckpt.verify import Level, verify
 from supervisor.memtier import parts, persist
 
 KEY = hashing.derive_key(b"the run's key")
+RUN = "1" * 32  # make_part's run
 
 
 def _group(memory_dir, step=5, world=3, key=None, **kw):
@@ -67,3 +68,23 @@ def test_parts_that_do_not_make_one_step_are_refused(tmp_path, change, why):
     change(ms)
     with pytest.raises(parts.NotOneStep, match=why):
         parts.group_manifest(ms)
+
+
+def test_a_group_step_refused_at_the_attempts_end_is_said_and_discarded(tmp_path):
+    from supervisor.memtier.tier import MemoryTierDir
+
+    mem, ck = tmp_path / "mem", tmp_path / "ck"
+    ck.mkdir()
+    runid.write(ck, RUN)
+    group = _group(mem, run=RUN)
+    f = group[2].path / "rng-rank2.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    seen: list = []
+    tier = MemoryTierDir(ck, None, lambda kind, **kw: seen.append((kind, kw)), lambda s: None,
+                         path=mem)
+    assert tier.commit_newest(None, "attempt ended") is None
+    (kind, ev), = seen
+    assert kind == "snapshot_refused" and "rng-rank2.safetensors" in ev["reason"], ev
+    assert parts.list_parts(mem, None) == [] and list(ck.iterdir()) == [ck / ".rtrain-run"]

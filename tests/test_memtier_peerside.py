@@ -183,6 +183,19 @@ def test_a_peer_that_says_nothing_costs_its_timeout_not_a_hang(tmp_path, ck):
             s.close()
 
 
+def test_a_run_without_the_memory_tier_opens_no_port(tmp_path, ck):
+    mem = tmp_path / "m"
+    mem.mkdir()
+    p = PeerSide(mem, ck, None, "127.0.0.1", Events().emit, print)
+    assert not p.wanted(RUN)  # no parts here, no node of the run registered
+    registry.register(ck, registry.Node("other", "127.0.0.1", 1, RUN, time.time()))
+    assert p.wanted(RUN)  # a replacement joining a run whose ranks snapshot
+    assert not p.wanted(OTHER)
+    make_part(mem, 0, 1, 3)  # an earlier attempt's parts: wanted whatever is registered
+    assert p.wanted(OTHER)
+    assert not p.started
+
+
 def test_entries_of_nodes_gone_for_an_hour_are_forgotten(ck):
     now = time.time()
     registry.register(ck, registry.Node("gone", "127.0.0.1", 1, RUN, now - 7200))
