@@ -19,17 +19,14 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from torch import nn
 
-import worker
-from supervisor.ckpt.verify import verify
+import rtrain
+from rtrain.supervisor.ckpt.verify import verify
 
 
 def build(gib: float) -> nn.Module:
@@ -70,13 +67,13 @@ def torch_save(model: nn.Module, path: Path) -> float:
 
 
 def rtrain_sync(model: nn.Module, d: Path) -> float:
-    ck = worker.Checkpointer(model=model, ckpt_dir=d, keep=1)
+    ck = rtrain.Checkpointer(model=model, ckpt_dir=d, keep=1)
     t0 = time.perf_counter()
     ck.save(1)
     return time.perf_counter() - t0
 
 
-def rtrain_async(model: nn.Module, d: Path, ck: worker.Checkpointer, step: int) -> float:
+def rtrain_async(model: nn.Module, d: Path, ck: rtrain.Checkpointer, step: int) -> float:
     t0 = time.perf_counter()
     ck.save(step)
     blocked = time.perf_counter() - t0
@@ -112,8 +109,8 @@ def load_speeds(model: nn.Module, ckpt: Path, signed: Path, key: bytes, repeat: 
                 t.copy_(tensors[name])
 
     def restorer(path: Path, k: bytes | None):
-        ck = worker.Checkpointer(model=model, ckpt_dir=path.parent, signing_key=k,
-                                 restoring=worker.Restoring(verify="quick"))
+        ck = rtrain.Checkpointer(model=model, ckpt_dir=path.parent, signing_key=k,
+                                 restoring=rtrain.Restoring(verify="quick"))
         return lambda: ck.restore(path)
 
     methods = [("plain", plain), ("restore", restorer(ckpt, None)),
@@ -148,8 +145,8 @@ def main() -> None:
     model = build(args.gib)
     nbytes = state_bytes(model)
     times: dict[str, list[float]] = {"raw": [], "torch": [], "sync": [], "async": []}
-    ck_async = worker.Checkpointer(model=model, ckpt_dir=root / "async", keep=1,
-                                   saving=worker.Saving(async_mode="auto"))
+    ck_async = rtrain.Checkpointer(model=model, ckpt_dir=root / "async", keep=1,
+                                   saving=rtrain.Saving(async_mode="auto"))
     rtrain_async(model, root / "async", ck_async, 1)  # first call allocates the buffers
     def run_raw(i: int) -> float:
         t = raw_write(model, root / "raw.bin")
@@ -177,7 +174,7 @@ def main() -> None:
     if os.environ.get("BENCH_VERBOSE"):
         print({k: [round(x, 3) for x in v] for k, v in times.items()})
     ckpt = root / "sync" / "checkpoint-1"
-    signer = worker.Checkpointer(model=model, ckpt_dir=root / "signed", keep=1,
+    signer = rtrain.Checkpointer(model=model, ckpt_dir=root / "signed", keep=1,
                                  signing_key="bench")
     signed = signer.save(1)
     ver = verify_speed(ckpt, None, args.repeat)

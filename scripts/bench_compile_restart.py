@@ -3,7 +3,7 @@ model, under rtrain and under torchrun, on the same script, measured in the same
 
     python scripts/bench_compile_restart.py [--repeat 3] [--layers 6] [--width 256]
 
-The script (tests/children/train_compiled.py: an MLP under torch.compile, worker.Checkpointer,
+The script (tests/children/train_compiled.py: an MLP under torch.compile, rtrain.Checkpointer,
 signed checkpoints) runs
 - on the same node: crash -> first resumed step, as scripts/bench_recovery.py measures it:
     rtrain launch               (the run dir's compile cache, the warm standby)
@@ -42,7 +42,7 @@ def env(tmp: Path) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items()
          if not k.startswith(("RTRAIN_", "TORCHELASTIC", "TORCHINDUCTOR_", "TRITON_"))}
     tmp.mkdir(parents=True, exist_ok=True)
-    e.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TMPDIR=str(tmp),
+    e.update(OMP_NUM_THREADS="1", TMPDIR=str(tmp),
              RTRAIN_SIGNING_KEY=KEY)
     return e
 
@@ -56,7 +56,7 @@ def marks(path: Path) -> dict[str, float]:
 
 
 def rtrain(run_dir: Path, *more: str) -> list[str]:
-    return [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run_dir), "-q",
+    return [sys.executable, "-m", "rtrain", "launch", "--run-dir", str(run_dir), "-q",
             "--no-backoff", *more]
 
 

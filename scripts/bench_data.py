@@ -25,7 +25,6 @@ import argparse
 import importlib.util
 import pickle
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,11 +34,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, RandomSampler
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import worker  # noqa: E402
-from worker.data_iter import Counted  # noqa: E402
-from worker.sampler import SampleIndex  # noqa: E402
+import rtrain  # noqa: E402
+from rtrain.worker.data_iter import Counted  # noqa: E402
+from rtrain.worker.sampler import SampleIndex  # noqa: E402
 
 
 def load_vision():
@@ -65,7 +63,7 @@ def make_loop(exact: bool, args, ckpt_dir: Path):
     torch.manual_seed(0)
     if exact:
         ds = vision.SyntheticImages(args.samples, args.resolution, 0)
-        sampler = worker.ResumableSampler(len(ds), seed=0)
+        sampler = rtrain.ResumableSampler(len(ds), seed=0)
     else:
         ds = PlainIndexImages(args.samples, args.resolution, 0)
         sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(0))
@@ -73,7 +71,7 @@ def make_loop(exact: bool, args, ckpt_dir: Path):
                         persistent_workers=args.workers > 0)
     model = vision.make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, loader=loader if exact else None,
+    ckpt = rtrain.Checkpointer(model=model, optimizer=opt, loader=loader if exact else None,
                                ckpt_dir=ckpt_dir / ("exact" if exact else "plain"))
     state = {"step": 0, "it": None}
 
@@ -145,7 +143,7 @@ def worker_cost(n: int = 5000) -> float:
     base = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in range(n):
-        g = worker.sample_generator(SampleIndex(i, 0, 0))
+        g = rtrain.sample_generator(SampleIndex(i, 0, 0))
         torch.rand((), generator=g)
         torch.randint(-2, 3, (2,), generator=g)
     return (time.perf_counter() - t0 - base) / n

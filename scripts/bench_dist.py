@@ -28,7 +28,7 @@ KIDS = ROOT / "scripts" / "bench_children"
 
 def env() -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    e.update(OMP_NUM_THREADS="1")
     return e
 
 
@@ -46,14 +46,14 @@ def relaunch(tmp: Path) -> tuple[float, float, float]:
     """(kill -> attempt's exit seen, kill -> relaunch, kill -> first step of the new attempt)"""
     out = tmp / "relaunch"
     out.mkdir()
-    cmd = [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(out / "run"), "-q",
+    cmd = [sys.executable, "-m", "rtrain", "launch", "--run-dir", str(out / "run"), "-q",
            "--no-backoff", "--nproc-per-node", "2", str(KIDS / "dist_relaunch.py"), str(out),
            "25", "60"]
     r = subprocess.run(cmd, env=env(), cwd=out, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise SystemExit(r.stderr[-3000:])
     killed = float((out / "killed").read_text())
-    from supervisor.records.events import read_events
+    from rtrain.supervisor.records.events import read_events
 
     evs = read_events(out / "run" / "events.jsonl")
     exit_t = next(e["time"] for e in evs if e["kind"] == "exit")
@@ -91,7 +91,7 @@ def node_loss(tmp: Path, nnodes: str, replace: bool) -> dict[str, float]:
     port = free_port()
 
     def node(name: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(out / f"run-{name}"),
+        cmd = [sys.executable, "-m", "rtrain", "launch", "--run-dir", str(out / f"run-{name}"),
                "--ckpt-dir", str(out / "ck"), "-q", "--no-backoff", "--nproc-per-node", "1",
                "--nnodes", nnodes, "--rdzv-endpoint", f"127.0.0.1:{port}",
                str(KIDS / "dist_node.py"), str(out), name, "400"]
@@ -116,7 +116,7 @@ def node_loss(tmp: Path, nnodes: str, replace: bool) -> dict[str, float]:
         for p in (a, b, spare):
             if p is not None and p.poll() is None:
                 lose_node(p)
-    from supervisor.records.events import read_events
+    from rtrain.supervisor.records.events import read_events
 
     evs = read_events(out / "run-a" / "events.jsonl")
     exit_t = next(e["time"] for e in evs if e["kind"] == "exit")

@@ -16,23 +16,20 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from bench_checkpoint import build, state_bytes
 
-import worker
+import rtrain
 
 KEY = "0f" * 32  # a raw 32-byte key: no passphrase stretching in the timings
 
 
 def save(model: torch.nn.Module, d: Path, key: str | None) -> float:
     shutil.rmtree(d, ignore_errors=True)
-    ck = worker.Checkpointer(model=model, ckpt_dir=d, keep=1, encryption_key=key)
+    ck = rtrain.Checkpointer(model=model, ckpt_dir=d, keep=1, encryption_key=key)
     os.sync()
     t0 = time.perf_counter()
     ck.save(1)
@@ -40,8 +37,8 @@ def save(model: torch.nn.Module, d: Path, key: str | None) -> float:
 
 
 def restore(model: torch.nn.Module, d: Path, key: str | None) -> float:
-    ck = worker.Checkpointer(model=model, ckpt_dir=d, encryption_key=key,
-                             restoring=worker.Restoring(verify="quick"))
+    ck = rtrain.Checkpointer(model=model, ckpt_dir=d, encryption_key=key,
+                             restoring=rtrain.Restoring(verify="quick"))
     t0 = time.perf_counter()
     ck.restore(d / "checkpoint-1")
     return time.perf_counter() - t0

@@ -21,11 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from supervisor.ckpt.commit import PendingCheckpoint  # noqa: E402
-from supervisor.ckpt.safetensors_io import TensorBlob  # noqa: E402
+from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
 
 TARGET_S = 0.3
 
@@ -50,10 +47,10 @@ def make_checkpoints(root: Path, count: int) -> None:
 
 def run_inspect(ckpt_dir: Path, level: str, *extra: str,
                 command: str = "inspect") -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = dict(os.environ)
     # prune with --dry-run: the same verification and planning, nothing removed between runs.
     args = ["--keep", "3", "--dry-run"] if command == "prune" else []
-    return subprocess.run([sys.executable, *extra, "-m", "supervisor", command, str(ckpt_dir),
+    return subprocess.run([sys.executable, *extra, "-m", "rtrain", command, str(ckpt_dir),
                            "--verify", level, *args], env=env, capture_output=True, text=True,
                           check=True)
 

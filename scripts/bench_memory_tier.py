@@ -23,25 +23,22 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 from torch import nn
 
-from supervisor.core.protocol import ENV_MEMORY_DIR, ENV_RESUME_FROM
+from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_RESUME_FROM
 
 SHM = Path(tempfile.mkdtemp(prefix="rtrain-bench-", dir="/dev/shm"))
 os.environ[ENV_MEMORY_DIR] = str(SHM)
 
-import worker  # noqa: E402  (after the memory dir is set: the tier reads it at construction)
-from supervisor.ckpt.layout import list_checkpoints  # noqa: E402
-from supervisor.memtier.persist import persist  # noqa: E402
-from supervisor.memtier.shmdir import newest  # noqa: E402
+import rtrain  # noqa: E402  (after the memory dir is set: the tier reads it at construction)
+from rtrain.supervisor.ckpt.layout import list_checkpoints  # noqa: E402
+from rtrain.supervisor.memtier.persist import persist  # noqa: E402
+from rtrain.supervisor.memtier.shmdir import newest  # noqa: E402
 
 
 def build(gib: float) -> tuple[nn.Module, torch.optim.Optimizer, int]:
@@ -86,7 +83,7 @@ def timed_restore(model: nn.Module, opt: torch.optim.Optimizer, side: int, path:
     it (a snapshot's pages are mapped, so the first writes to them copy them: counted there)."""
     os.environ[ENV_RESUME_FROM] = str(path)
     try:
-        ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir)
+        ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir)
         t0 = time.perf_counter()
         ck.restore()
         restored = time.perf_counter() - t0
@@ -112,10 +109,10 @@ def main() -> None:
     print(f"state: {nbytes / 2**30:.2f} GiB (weights {side}x{side} x 8, Adam), "
           f"torch {torch.__version__}, {os.cpu_count()} cores")
 
-    mem = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "unused",
-                              saving=worker.Saving(memory=1))
-    disk = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "disk", keep=1,
-                               saving=worker.Saving(async_mode="auto"))
+    mem = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "unused",
+                              saving=rtrain.Saving(memory=1))
+    disk = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "disk", keep=1,
+                               saving=rtrain.Saving(async_mode="auto"))
     plain, snap_stall, snap_block, snap_next, save_stall, save_next = [], [], [], [], [], []
     step = 2
     for _ in range(args.rounds):

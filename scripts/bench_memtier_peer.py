@@ -17,23 +17,20 @@ import argparse
 import shutil
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 
-from supervisor.ckpt import hashing, runid
-from supervisor.ckpt.commit import PendingCheckpoint
-from supervisor.ckpt.layout import checkpoint_name
-from supervisor.ckpt.safetensors_io import TensorBlob
-from supervisor.memtier import parts
-from supervisor.memtier.peerfetch import fetch_part, list_remote
-from supervisor.memtier.peerserver import PeerServer
+from rtrain.supervisor.ckpt import hashing, runid
+from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+from rtrain.supervisor.ckpt.layout import checkpoint_name
+from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
+from rtrain.supervisor.memtier import parts
+from rtrain.supervisor.memtier.peerfetch import fetch_part, list_remote
+from rtrain.supervisor.memtier.peerserver import PeerServer
 
 
 def make_part(memory_dir: Path, mib: int, run: str, key: bytes | None) -> None:

@@ -30,8 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from supervisor.ckpt.commit import PendingCheckpoint  # noqa: E402
-from supervisor.ckpt.safetensors_io import TensorBlob  # noqa: E402
+from rtrain.supervisor.ckpt.commit import PendingCheckpoint  # noqa: E402
+from rtrain.supervisor.ckpt.safetensors_io import TensorBlob  # noqa: E402
 from tests.s3server import BUCKET, S3Server  # noqa: E402
 
 MIB = 2**20
@@ -39,7 +39,7 @@ MIB = 2**20
 
 def env(server: S3Server, **extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **server.env, **extra)
+    e.update(OMP_NUM_THREADS="1", **server.env, **extra)
     return e
 
 
@@ -54,7 +54,7 @@ def make_checkpoint(ckpt_dir: Path, step: int, size_mib: int, parts: int = 4) ->
 
 
 def upload_throughput(tmp: Path, server: S3Server, size_mib: int, rounds: int) -> None:
-    from supervisor.mirror.store import open_mirror
+    from rtrain.supervisor.mirror.store import open_mirror
 
     os.environ.update(server.env)
     ckpt = make_checkpoint(tmp / "up", 1, size_mib)
@@ -83,7 +83,7 @@ def upload_throughput(tmp: Path, server: S3Server, size_mib: int, rounds: int) -
 def _run_vision(tmp: Path, server: S3Server, steps: int, mirror: str | None) -> float:
     """Seconds per step of examples/vision between its first logged step and its last."""
     run = tmp / f"vision-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run), "--no-backoff",
+    cmd = [sys.executable, "-m", "rtrain", "launch", "--run-dir", str(run), "--no-backoff",
            "--config", str(ROOT / "examples/vision/rtrain.toml"),
            "--set", f"steps={steps}", "--set", "save_every=10", "--set", "log_every=1"]
     if mirror:
@@ -117,7 +117,7 @@ FIRST_LINE = "import sys; print('started', flush=True); sys.exit(0)"
 
 
 def _time_to_child(tmp: Path, server: S3Server, run: Path, mirror: str | None) -> float:
-    cmd = [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run), "--no-backoff",
+    cmd = [sys.executable, "-m", "rtrain", "launch", "--run-dir", str(run), "--no-backoff",
            "--ckpt-dir", str(run / "checkpoints")]
     if mirror:
         cmd += ["--mirror", mirror]
@@ -137,7 +137,7 @@ def _time_to_child(tmp: Path, server: S3Server, run: Path, mirror: str | None) -
 
 
 def resume_time(tmp: Path, server: S3Server, sizes: list[int]) -> None:
-    from supervisor.mirror.store import open_mirror
+    from rtrain.supervisor.mirror.store import open_mirror
 
     os.environ.update(server.env)
     print("resume on an empty machine: rtrain launch -> the child's first line")

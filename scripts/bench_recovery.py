@@ -33,7 +33,7 @@ SCRIPT = ROOT / "scripts" / "bench_children" / "recover_train.py"
 def env() -> dict[str, str]:
     e = {k: v for k, v in os.environ.items()
          if not k.startswith(("RTRAIN_", "TORCHELASTIC"))}
-    e.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    e.update(OMP_NUM_THREADS="1")
     return e
 
 
@@ -80,7 +80,7 @@ def one(tmp: Path, mode: str, settle: float) -> float:
         cmd = [str(torchrun), "--nproc-per-node", "1", "--max-restarts", "1",
                "--monitor-interval", "0.1", *args]
     else:
-        cmd = [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(work / "run"),
+        cmd = [sys.executable, "-m", "rtrain", "launch", "--run-dir", str(work / "run"),
                "-q", "--no-backoff", *(["--no-standby"] if mode == "cold" else []), *args]
     log = work / "output.log"
     with open(log, "wb") as out:

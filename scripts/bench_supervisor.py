@@ -24,18 +24,17 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 KIDS = ROOT / "scripts" / "bench_children"
 
-from supervisor.config import Config, HangConfig  # noqa: E402
-from supervisor.proc.heartbeat import HangPolicy, HeartbeatReceiver  # noqa: E402
-from supervisor.proc.spawn import ChildSpec, spawn  # noqa: E402
-from supervisor.proc.watch import WatchConfig, watch  # noqa: E402
+from rtrain.supervisor.config import Config, HangConfig  # noqa: E402
+from rtrain.supervisor.proc.heartbeat import HangPolicy, HeartbeatReceiver  # noqa: E402
+from rtrain.supervisor.proc.spawn import ChildSpec, spawn  # noqa: E402
+from rtrain.supervisor.proc.watch import WatchConfig, watch  # noqa: E402
 
 
 def env(**extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    e.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+    e.update(OMP_NUM_THREADS="1", **extra)
     return e
 
 
@@ -69,7 +68,7 @@ def relaunch_rtrain(tmp: Path, n: int) -> list[float]:
         f"[restart]\nmax_restarts = {n + 5}\ncrash_loop_k = 0\n[restart.budgets]\n"
         f"crash = {n + 5}\n[backoff]\nenabled = false\n")
     log = tmp / "relaunch-rtrain.log"
-    subprocess.run([sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run), "-q",
+    subprocess.run([sys.executable, "-m", "rtrain", "launch", "--run-dir", str(run), "-q",
                     str(KIDS / "relaunch_child.py"), str(log), str(n)], env=env(), cwd=tmp,
                    check=True, capture_output=True)
     (tmp / "rtrain.toml").unlink()
@@ -108,7 +107,7 @@ def first_step(tmp: Path, n: int) -> tuple[float, float]:
                        check=True)
         bare.append(float(mark.read_text()) - t0)
         t0 = time.time()
-        subprocess.run([sys.executable, "-m", "supervisor", "launch", "--run-dir",
+        subprocess.run([sys.executable, "-m", "rtrain", "launch", "--run-dir",
                         str(tmp / f"fs-run{i}"), "-q", str(KIDS / "first_step.py"), str(mark)],
                        env=env(), cwd=tmp, check=True, capture_output=True)
         sup.append(float(mark.read_text()) - t0)
@@ -118,7 +117,7 @@ def first_step(tmp: Path, n: int) -> tuple[float, float]:
 def supervisor_cpu(tmp: Path, seconds: float = 8.0) -> float:
     import psutil
 
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor", "launch", "--run-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "rtrain", "launch", "--run-dir",
                              str(tmp / "cpu-run"), "-q", str(KIDS / "busy.py"), str(seconds)],
                             env=env(), cwd=tmp, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

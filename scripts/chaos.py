@@ -77,7 +77,7 @@ from chaos_util import (  # noqa: E402
 )
 from harness import child_env, events  # noqa: E402
 
-from supervisor.records.runstate import load_state  # noqa: E402
+from rtrain.supervisor.records.runstate import load_state  # noqa: E402
 
 KINDS = ("kill", "kill_in_save", "crash", "crash_forward", "oom", "oom_forward", "hang",
          "hang_forward", "nonfinite", "corrupt_newest", "preempt", "supervisor_kill")

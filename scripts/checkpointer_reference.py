@@ -1,4 +1,4 @@
-"""The README's Checkpointer reference is `help(worker.Checkpointer)`'s text: written here.
+"""The README's Checkpointer reference is `help(rtrain.Checkpointer)`'s text: written here.
 
     python scripts/checkpointer_reference.py --write   # after changing a docstring
     python scripts/checkpointer_reference.py --check   # exit 1 when the README differs
@@ -19,8 +19,7 @@ END = "<!-- end checkpointer-reference -->"
 
 
 def render() -> str:
-    sys.path.insert(0, str(ROOT))
-    from worker.checkpointer import Checkpointer
+    from rtrain.worker.checkpointer import Checkpointer
 
     return f"{BEGIN}\n```text\n{inspect.getdoc(Checkpointer)}\n```\n{END}"
 
@@ -43,7 +42,7 @@ def main() -> int:
     if args.write:
         path.write_text(new)
     elif args.check and new != readme:
-        print("README.md's Checkpointer reference differs from help(worker.Checkpointer): run "
+        print("README.md's Checkpointer reference differs from help(rtrain.Checkpointer): run "
               "python scripts/checkpointer_reference.py --write")
         return 1
     elif not args.check:

@@ -13,7 +13,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check --config-settings editable_mode=compat -e .
+.venv/bin/python -m pip install -q --disable-pip-version-check -e .
 RTRAIN=.venv/bin/rtrain
 rm -rf "$RUN"
 

@@ -33,7 +33,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # The CPU build of torch, pinned: an open range could pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check --config-settings editable_mode=compat -e '.[dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
 if [ -n "$apt_pid" ] && ! wait "$apt_pid"; then
   echo "note: could not install ${debs[*]}; the tests that need them will skip" >&2
 fi

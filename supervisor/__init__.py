@@ -1,3 +1,2 @@
-"""rtrain supervisor: the torch-free half of rtrain (CLI, supervision, checkpoint format)."""
-
-__version__ = "0.1.0"
+"""rtrain.supervisor: the `rtrain` command and the torch-free half of rtrain (the CLI,
+supervision, the checkpoint format)."""

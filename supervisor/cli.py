@@ -20,10 +20,10 @@ from typing import Annotated, Any
 
 import typer
 
-from supervisor import __version__
-from supervisor.commands.fast_typer import FastTyper
-from supervisor.core.errors import RtrainError
-from supervisor.proc import reaper
+from rtrain import __version__
+from rtrain.supervisor.commands.fast_typer import FastTyper
+from rtrain.supervisor.core.errors import RtrainError
+from rtrain.supervisor.proc import reaper
 
 app = FastTyper(
     name="rtrain",
@@ -62,7 +62,7 @@ def echo_json(obj: Any) -> None:
 
 
 def _signing_key() -> bytes | None:
-    from supervisor.ckpt.hashing import load_signing_key
+    from rtrain.supervisor.ckpt.hashing import load_signing_key
 
     return load_signing_key()
 
@@ -70,7 +70,7 @@ def _signing_key() -> bytes | None:
 def _ckpt_dir(target: Path | None) -> Path:
     if target is not None:
         return target
-    from supervisor.records.paths import default_ckpt_dir
+    from rtrain.supervisor.records.paths import default_ckpt_dir
 
     return default_ckpt_dir()
 
@@ -97,7 +97,7 @@ MirrorTarget = Annotated[str | None, typer.Argument(
 
 def _url(target: str | None) -> str | None:
     """`target` when it names a mirror; the mirror code loads only then."""
-    from supervisor.mirror.url import is_url
+    from rtrain.supervisor.mirror.url import is_url
 
     return target if target is not None and is_url(target) else None
 
@@ -113,15 +113,15 @@ def inspect(
 ) -> None:
     """List checkpoints and which one resume would pick, or show one checkpoint in detail."""
     with reported():
-        from supervisor.ckpt.verify import Level
-        from supervisor.commands import inspect_render as render
-        from supervisor.commands import inspecting as insp
+        from rtrain.supervisor.ckpt.verify import Level
+        from rtrain.supervisor.commands import inspect_render as render
+        from rtrain.supervisor.commands import inspecting as insp
 
         level = Level((verify or VerifyLevel.quick).value)
         key = _signing_key()
         result: Any
         if url := _url(target):
-            from supervisor.mirror import url_commands
+            from rtrain.supervisor.mirror import url_commands
 
             one = url_commands.is_one_checkpoint(url)
             result = (url_commands.inspect_mirror_one if one else url_commands.inspect_mirror)(
@@ -160,14 +160,14 @@ def prune(
 ) -> None:
     """Remove checkpoints the retention policy does not keep, and abandoned temp dirs."""
     with reported():
-        from supervisor.ckpt.verify import Level
-        from supervisor.retention import prune_command
+        from rtrain.supervisor.ckpt.verify import Level
+        from rtrain.supervisor.retention import prune_command
 
         policy = prune_command.policy_from_options(
             keep=keep, keep_best=keep_best, metric=metric, mode=mode and mode.value,
             milestone_every=milestone_every)
         if url := _url(target):
-            from supervisor.mirror import url_commands
+            from rtrain.supervisor.mirror import url_commands
 
             remote = url_commands.prune_mirror(url, policy=policy, verify=Level(verify.value),
                                                key=_signing_key(), dry_run=dry_run)
@@ -271,9 +271,9 @@ def launch(
 ) -> None:
     """Run a training script under supervision: restart on failure, degrade on OOM."""
     with reported():
-        from supervisor.config import load_config
-        from supervisor.launch.loop import LaunchSpec, child_command
-        from supervisor.launch.loop import launch as run_launch
+        from rtrain.supervisor.config import load_config
+        from rtrain.supervisor.launch.loop import LaunchSpec, child_command
+        from rtrain.supervisor.launch.loop import launch as run_launch
 
         cwd = Path.cwd()
         # Option -> config key; each option's help states the key's default (config.py owns
@@ -290,15 +290,15 @@ def launch(
                      "standby": False if no_standby or nproc_per_node is not None else None}
         cfg = load_config(overrides, config, cwd)
         if retry and fresh:
-            from supervisor.core.errors import UsageError
+            from rtrain.supervisor.core.errors import UsageError
 
             raise UsageError("--retry continues the run, --fresh starts it over: pass one")
         if nproc_per_node is None and (nnodes or rdzv_endpoint or rdzv_backend):
-            from supervisor.core.errors import UsageError
+            from rtrain.supervisor.core.errors import UsageError
 
             raise UsageError("--nnodes/--rdzv-* need --nproc-per-node N")
         if nproc_per_node is not None:
-            from supervisor.proc.torchrun import TorchrunSpec, torchrun_command
+            from rtrain.supervisor.proc.torchrun import TorchrunSpec, torchrun_command
 
             spec = TorchrunSpec(nproc_per_node=nproc_per_node, nnodes=nnodes,
                                 rdzv_endpoint=rdzv_endpoint, rdzv_backend=rdzv_backend)
@@ -313,7 +313,7 @@ def launch(
 def _split_resume_args(items: list[str] | None) -> tuple[str, ...]:
     import shlex
 
-    from supervisor.core.errors import UsageError
+    from rtrain.supervisor.core.errors import UsageError
 
     out: list[str] = []
     for item in items or []:
@@ -325,7 +325,7 @@ def _split_resume_args(items: list[str] | None) -> tuple[str, ...]:
 
 
 def _parse_sets(items: list[str]) -> dict[str, Any]:
-    from supervisor.core.errors import UsageError
+    from rtrain.supervisor.core.errors import UsageError
 
     out: dict[str, Any] = {}
     for item in items:
@@ -351,7 +351,7 @@ def check_resume(
     ctx: typer.Context,
     script: Annotated[str, typer.Argument(
         metavar="SCRIPT [ARGS]...", show_default=False,
-        help="A training script that uses worker.Checkpointer and ends by itself, then its "
+        help="A training script that uses rtrain.Checkpointer and ends by itself, then its "
              "arguments (`{ckpt_dir}` and `{knob}` templates as in launch).")],
     at: Annotated[int | None, typer.Option(
         "--at", metavar="STEP", show_default=False,
@@ -380,8 +380,8 @@ def check_resume(
     with reported():
         import sys
 
-        from supervisor.checkresume import check as cr
-        from supervisor.config import load_config
+        from rtrain.supervisor.checkresume import check as cr
+        from rtrain.supervisor.config import load_config
 
         cwd = Path.cwd()
         settings = load_config({"settings": _parse_sets(sets or []) or None}, config,
@@ -406,8 +406,8 @@ def status(
 ) -> None:
     """Summarise a run from its files: attempts, failures, rung, checkpoint, progress."""
     with reported():
-        from supervisor.commands import status as st
-        from supervisor.records.paths import default_run_dir
+        from rtrain.supervisor.commands import status as st
+        from rtrain.supervisor.records.paths import default_run_dir
 
         summary = st.summarize(run_dir or default_run_dir(), key=_signing_key())
         echo_json(st.to_json(summary)) if as_json else typer.echo(st.render_text(summary))
@@ -425,8 +425,8 @@ def report(
 ) -> None:
     """Write a self-contained HTML report: curves, failures, degradations, checkpoints."""
     with reported():
-        from supervisor.commands.report_html import write_report
-        from supervisor.records.paths import default_run_dir
+        from rtrain.supervisor.commands.report_html import write_report
+        from rtrain.supervisor.records.paths import default_run_dir
 
         root = run_dir or default_run_dir()
         written = write_report(root, output or root / "report.html", key=_signing_key())
@@ -457,7 +457,7 @@ def export(
 ) -> None:
     """Write a checkpoint's model weights as safetensors or a torch.save state dict."""
     with reported():
-        from supervisor.commands import exporting
+        from rtrain.supervisor.commands import exporting
 
         done = exporting.export_checkpoint(checkpoint=checkpoint, out=out,
                                            fmt=fmt and fmt.value, optimizer=optimizer,

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from supervisor.core.config_file import find_config
-from supervisor.core.errors import ConfigError, did_you_mean
-from supervisor.core.filemode import DEFAULT_FILE_MODE, parse_mode
-from supervisor.decide.ladder import DEFAULT_LADDER, Rung, parse_ladder
-from supervisor.hooks.hook_spec import HookSpec, parse_hooks
+from rtrain.supervisor.core.config_file import find_config
+from rtrain.supervisor.core.errors import ConfigError, did_you_mean
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE, parse_mode
+from rtrain.supervisor.decide.ladder import DEFAULT_LADDER, Rung, parse_ladder
+from rtrain.supervisor.hooks.hook_spec import HookSpec, parse_hooks
 
 # Budget names: oom_gpu, oom_host and memory_pressure share "oom" (each spent unit is one
 # ladder step).
@@ -337,7 +337,7 @@ def _check_preload(value: Any) -> None:
     for name in value:
         if not isinstance(name, str) or not all(p.isidentifier() for p in name.split(".")):
             raise ConfigError(f"preload: {name!r} is not a module name")
-        if name.split(".")[0] in ("supervisor", "worker"):
+        if name.split(".")[0] == "rtrain":
             raise ConfigError(f"preload: {name!r} reads the attempt's RTRAIN_* variables when "
                               "imported, so it cannot be imported before the attempt; remove it")
 

@@ -1,6 +1,6 @@
 """Helpers for the end-to-end fault tests (tests/test_chaos_*.py) and scripts/chaos.py.
 
-Each test runs `python -m supervisor launch` on tests/children/chaos_train.py, a small
+Each test runs `python -m rtrain launch` on tests/children/chaos_train.py, a small
 deterministic training run that logs every step it executes (with its sample ids) and saves its
 final model and optimizer state, and compares that with an uninterrupted run of the same script.
 """
@@ -68,7 +68,7 @@ def write_config(path: Path, settings: dict[str, Any], **overrides: Any) -> Path
 
 def rtrain_cmd(run_dir: Path, *args: str) -> list[str]:
     """`rtrain launch` of the chaos script, whose OUT_DIR is the run dir."""
-    return [sys.executable, "-m", "supervisor", "launch", "--run-dir", str(run_dir), "-q",
+    return [sys.executable, "-m", "rtrain", "launch", "--run-dir", str(run_dir), "-q",
             *args, str(SCRIPT), "{run_dir}"]
 
 

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from harness import invoke_rtrain
 
-from supervisor.ckpt import runid
-from supervisor.ckpt.commit import PendingCheckpoint
-from supervisor.ckpt.hashing import alg_for
-from supervisor.ckpt.safetensors_io import TensorBlob
-from supervisor.core.protocol import ENV_MEMORY_DIR
-from supervisor.memtier import parts
+from rtrain.supervisor.ckpt import runid
+from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+from rtrain.supervisor.ckpt.hashing import alg_for
+from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
+from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR
+from rtrain.supervisor.memtier import parts
 
 # The soak tier and --soak (tiers.py); stacks of a hung test's processes, no leftovers (hangs.py);
 # the project's bytecode compiled once for every process the tests start (bytecode.py).
@@ -115,7 +115,7 @@ def gloo_group(tmp_path, unsupervised):
     that could steer a restore; destroyed after the test."""
     import torch.distributed
 
-    from worker import dist
+    from rtrain.worker import dist
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
                                          world_size=1)
@@ -141,7 +141,7 @@ _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal
 def _isolate_worker_runtime():
     """In-process Checkpointers install the worker's stop handlers in pytest itself; give every
     test the process's original handlers and a fresh runtime state."""
-    from worker import runtime
+    from rtrain.worker import runtime
 
     handlers = {s: signal.getsignal(s) for s in _HANDLED}
     state = runtime._state
@@ -287,3 +287,11 @@ def make_part(memory_dir: Path, rank: int, world: int, step: int, *, run: str | 
         del tensors["model.safetensors"]
     return build_checkpoint(d, step, key=key, tensors=tensors, state=model,
                             info={"memory_snapshot": True, **parts.part_fields(rank, world)})
+
+
+@pytest.fixture(scope="session")
+def shipped(tmp_path_factory):
+    """This checkout's wheel and sdist, built once per test process (tests/built.py)."""
+    from built import build_checkout
+
+    return build_checkout(tmp_path_factory.mktemp("shipped"))

@@ -22,9 +22,9 @@ from typing import Any
 import psutil
 import pytest
 
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.proc.spawn import ChildSpec
-from supervisor.records.events import EventLog, read_events
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.supervisor.proc.spawn import ChildSpec
+from rtrain.supervisor.records.events import EventLog, read_events
 
 REPO = Path(__file__).resolve().parent.parent
 CHILDREN = REPO / "tests" / "children"  # the small scripts tests run as children
@@ -32,14 +32,14 @@ CHILDREN = REPO / "tests" / "children"  # the small scripts tests run as childre
 
 def child_env(**extra: str) -> dict[str, str]:
     """Our environment for a child: without RTRAIN_* (a supervisor sets those) or torchrun's
-    TORCHELASTIC_*, with rtrain importable, one thread per process (the machine is shared, and
+    TORCHELASTIC_*, one thread per process (the machine is shared, and
     torch's spinning pool threads make a step of a tiny model 30x slower under load), plus
     `extra`. Without the compile-cache variables too: inductor sets TORCHINDUCTOR_CACHE_DIR in
     its own process the first time it computes its cache dir, so an earlier in-process test
     would hand it to every later child as if a user had set it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RTRAIN_", "TORCHELASTIC"))
            and k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.update(OMP_NUM_THREADS="1")
     env.update(extra)
     return env
 
@@ -132,8 +132,8 @@ def run_child(argv: list[str], *, timeout: float, **kw: Any) -> subprocess.Compl
 
 
 def rtrain_cmd(*args: str) -> list[str]:
-    """`rtrain ARGS` as an argv: this interpreter running `-m supervisor`."""
-    return [sys.executable, "-m", "supervisor", *args]
+    """`rtrain ARGS` as an argv: this interpreter running `-m rtrain`."""
+    return [sys.executable, "-m", "rtrain", *args]
 
 
 def launch_cmd(run_dir: str | os.PathLike, *args: str, quiet: bool = True) -> list[str]:
@@ -160,7 +160,7 @@ def invoke_rtrain(*args: str, cwd: str | os.PathLike | None = None,
     other than the CLI's own exit is raised here, where a subprocess would print a traceback."""
     from typer.testing import CliRunner
 
-    from supervisor.cli import app
+    from rtrain.supervisor.cli import app
 
     environ: dict[str, str | None] = {k: None for k in os.environ
                                        if k.startswith(("RTRAIN_", "TORCHELASTIC"))}

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from conftest import NUMPY_TO_ST
 
-import worker
-from supervisor.ckpt import hashing
-from supervisor.ckpt.safetensors_io import TensorBlob, build_header
+import rtrain
+from rtrain.supervisor.ckpt import hashing
+from rtrain.supervisor.ckpt.safetensors_io import TensorBlob, build_header
 
 
 def manifest(ckpt: Path) -> dict[str, Any]:
@@ -87,9 +87,9 @@ def make(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def two_checkpoints(ckpt_dir: Path, **checkpointer: Any
                     ) -> tuple[dict[int, torch.Tensor], torch.optim.Optimizer]:
     """checkpoint-2 and checkpoint-4 of `make()`'s model trained a little (Checkpointer keywords
-    as given, e.g. saving=worker.Saving(sharded=True)): their weights by step, and the optimizer."""
+    as given, e.g. saving=rtrain.Saving(sharded=True)): their weights by step, and the optimizer."""
     model, opt = make()
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, keep=None,
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, keep=None,
                              **checkpointer)
     weights = {}
     for step in (2, 4):

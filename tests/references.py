@@ -34,7 +34,7 @@ def code_digest() -> str:
     import torch
 
     h = hashlib.sha256(torch.__version__.encode())
-    for folder in ("worker", "supervisor", "tests/children"):
+    for folder in ("rtrain", "worker", "supervisor", "tests/children"):
         for path in sorted((REPO / folder).rglob("*.py")):
             h.update(str(path.relative_to(REPO)).encode())
             h.update(path.read_bytes())

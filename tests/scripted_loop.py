@@ -8,15 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from supervisor.config import load_config
-from supervisor.decide.observation import Observation
-from supervisor.launch.loop import LaunchSpec, Seams, launch
-from supervisor.proc.gpu import NullReader
-from supervisor.proc.signals import SignalCatcher
-from supervisor.proc.spawn import ChildSpec
-from supervisor.proc.stop import StopResult
-from supervisor.proc.watch_outcome import Outcome
-from supervisor.records.events import read_events
+from rtrain.supervisor.config import load_config
+from rtrain.supervisor.decide.observation import Observation
+from rtrain.supervisor.launch.loop import LaunchSpec, Seams, launch
+from rtrain.supervisor.proc.gpu import NullReader
+from rtrain.supervisor.proc.signals import SignalCatcher
+from rtrain.supervisor.proc.spawn import ChildSpec
+from rtrain.supervisor.proc.stop import StopResult
+from rtrain.supervisor.proc.watch_outcome import Outcome
+from rtrain.supervisor.records.events import read_events
 
 PID0 = 4_200_000  # above any pid_max: no process can have it, so nothing real is touched
 

@@ -3,11 +3,11 @@ remembered in state.json (pure parts; the end-to-end runs are in test_hostile_la
 
 from __future__ import annotations
 
-from supervisor.config import Config, RestartConfig
-from supervisor.decide.classify import classify
-from supervisor.decide.failures import Evidence, Failure, FailureKind
-from supervisor.decide.policy import Action, History, decide
-from supervisor.records.runstate import RunState, load_state, save_state
+from rtrain.supervisor.config import Config, RestartConfig
+from rtrain.supervisor.decide.classify import classify
+from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.policy import Action, History, decide
+from rtrain.supervisor.records.runstate import RunState, load_state, save_state
 
 BAD = {"kind": "bad_checkpoint", "reason": "checkpoint-8: cannot load: model.safetensors: content "
        "hash does not match the manifest", "rank": 1, "time": 2.0,

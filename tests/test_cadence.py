@@ -1,4 +1,4 @@
-"""every_steps="auto": the pure interval (worker/cadence.py) by table, the save clock that feeds
+"""every="auto": the pure interval (worker/cadence.py) by table, the save clock that feeds
 it, the supervisor's failure record (timeline, child env) and what `rtrain status` shows."""
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.commands.status import render_text, summarize
-from supervisor.core import protocol
-from supervisor.launch import child_env
-from supervisor.records.events import EventLog
-from supervisor.records.timeline import Timeline
-from worker import cadence, save_clock
-from worker.cadence import CadenceBounds, Mtbf
-from worker.schedule import SaveSchedule
+from rtrain.supervisor.commands.status import render_text, summarize
+from rtrain.supervisor.core import protocol
+from rtrain.supervisor.launch import child_env
+from rtrain.supervisor.records.events import EventLog
+from rtrain.supervisor.records.timeline import Timeline
+from rtrain.worker import cadence, save_clock
+from rtrain.worker.cadence import CadenceBounds, Mtbf
+from rtrain.worker.schedule import SaveSchedule
 
 PRIOR = cadence.mtbf(None, None)
 DAY = 86400.0
@@ -474,7 +474,7 @@ class KillAfterLaunch(threading.Thread):
 
 @pytest.mark.slow
 def test_three_kills_seconds_apart_from_a_fresh_start_do_not_end_the_run(tmp_path):
-    """every="auto" with no total_steps, SIGKILLed three times 2-6 s after each launch: the
+    """every="auto" alone, SIGKILLed three times 2-6 s after each launch: the
     first attempt saves after its first steps (measuring the save), each later one chooses a
     short interval from the failures, every attempt resumes from a newer checkpoint than the
     one before, and the run finishes instead of ending in "crash loop"."""

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from harness import child_spec
 
-from supervisor.config import Config
-from supervisor.decide.observation import evidence
-from supervisor.proc.cgroup import MemoryCgroup, limited_v1_group, memory_cgroup
-from supervisor.proc.spawn import spawn
-from supervisor.proc.watch import WatchConfig, watch
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.decide.observation import evidence
+from rtrain.supervisor.proc.cgroup import MemoryCgroup, limited_v1_group, memory_cgroup
+from rtrain.supervisor.proc.spawn import spawn
+from rtrain.supervisor.proc.watch import WatchConfig, watch
 
 
 def test_counter_parsing(tmp_path):

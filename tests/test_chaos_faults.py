@@ -17,8 +17,8 @@ from chaos_util import (
 )
 from harness import events
 
-from supervisor.ckpt.verify import Level, verify
-from supervisor.records.recovery import PHASES
+from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.supervisor.records.recovery import PHASES
 
 HANG_TIMEOUT_S = 3.0
 

@@ -22,7 +22,7 @@ from chaos_util import (
 )
 from harness import events, gone
 
-from supervisor.records.runstate import load_state
+from rtrain.supervisor.records.runstate import load_state
 
 SETTINGS = {"steps": 120, "save_every": 10, "step_sleep": 0.02}
 GRACE_S = 20.0

@@ -15,13 +15,13 @@ from conftest import blob, build_checkpoint
 from harness import CHILDREN, REPO, invoke_rtrain
 from torch import nn
 
-import worker
-from supervisor.checkresume import causes as why
-from supervisor.checkresume.compare import Contents, Tensor, compare, read, tensor_difference
-from supervisor.ckpt import manifest
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.core.protocol import ENV_CHECK_RESUME, ENV_CKPT_DIR
-from worker import check_order
+import rtrain
+from rtrain.supervisor.checkresume import causes as why
+from rtrain.supervisor.checkresume.compare import Contents, Tensor, compare, read, tensor_difference
+from rtrain.supervisor.ckpt import manifest
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.supervisor.core.protocol import ENV_CHECK_RESUME, ENV_CKPT_DIR
+from rtrain.worker import check_order
 
 # ------------------------------------------------------------------ the comparison
 
@@ -154,7 +154,7 @@ def test_a_bad_order_is_refused(monkeypatch, value):
 
 
 def test_the_original_runs_share_their_entropy_and_a_resumed_run_draws_its_own(tmp_path):
-    from supervisor.checkresume.check import Options, command
+    from rtrain.supervisor.checkresume.check import Options, command
 
     opts = Options("train.py", args=("--out", "{ckpt_dir}"), settings={"steps": 8},
                    python="py")
@@ -197,7 +197,7 @@ def _train(ckpt_dir, steps, *, prefetch, start_seed=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.25), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, every=2)
+    ckpt = rtrain.Checkpointer(model=model, optimizer=opt, every=2)
     step = ckpt.restore()
     if start_seed is not None:
         torch.manual_seed(start_seed)
@@ -248,7 +248,7 @@ def test_a_checkpointer_writing_elsewhere_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_CHECK_RESUME, "{}")
     monkeypatch.setenv(ENV_CKPT_DIR, str(tmp_path / "given"))
     with pytest.raises(Exception, match="RTRAIN_CKPT_DIR"):
-        worker.Checkpointer(model=nn.Linear(2, 2), ckpt_dir=tmp_path / "own")
+        rtrain.Checkpointer(model=nn.Linear(2, 2), ckpt_dir=tmp_path / "own")
 
 
 def test_usage_errors_exit_2_in_one_line(tmp_path):
@@ -260,7 +260,7 @@ def test_usage_errors_exit_2_in_one_line(tmp_path):
 
 
 def test_the_cli_hands_over_the_script_its_arguments_and_the_settings(tmp_path, monkeypatch):
-    from supervisor.checkresume import check as cr
+    from rtrain.supervisor.checkresume import check as cr
 
     seen = []
 
@@ -352,4 +352,4 @@ def test_a_script_without_the_worker_library_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("rtrain: error:")]
     assert "saved no checkpoint where check-resume asked (RTRAIN_CKPT_DIR): the script must " \
-           "use worker.Checkpointer" in line
+           "use rtrain.Checkpointer" in line

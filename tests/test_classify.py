@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.config import Config
-from supervisor.decide.classify import classify
-from supervisor.decide.failures import Evidence, FailureKind
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.decide.classify import classify
+from rtrain.supervisor.decide.failures import Evidence, FailureKind
 
 FRACTION = Config().memory_pressure_fraction  # what rtrain launch classifies with
 

@@ -1,4 +1,4 @@
-"""`rtrain inspect`, run as a user runs it: `python -m supervisor` in a subprocess."""
+"""`rtrain inspect`, run as a user runs it: `python -m rtrain` in a subprocess."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 from harness import run_rtrain
 
-from supervisor.ckpt.layout import MANIFEST, host_name
+from rtrain.supervisor.ckpt.layout import MANIFEST, host_name
 
 
 def flip_last_byte(path) -> None:
@@ -151,7 +151,7 @@ def test_inspect_does_not_import_torch(run_dir):
                env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert r.returncode == 0
     imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}
-    assert "supervisor.commands.inspecting" in imported  # the trace works
+    assert "rtrain.supervisor.commands.inspecting" in imported  # the trace works
     assert not {m for m in imported if m.split(".")[0] in ("torch", "pydantic", "rich")}
 
 

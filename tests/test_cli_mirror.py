@@ -8,7 +8,7 @@ import pytest
 from conftest import build_checkpoint
 from harness import run_rtrain
 
-from supervisor.mirror.store import open_mirror
+from rtrain.supervisor.mirror.store import open_mirror
 
 
 def filled(url: str, tmp_path) -> None:
@@ -135,10 +135,11 @@ def test_fsspec_loads_only_for_a_url(tmp_path, url):
         return {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}
 
     local = imported(str(tmp_path / "ckpts"))
-    assert "supervisor.commands.inspecting" in local  # the trace works
+    assert "rtrain.supervisor.commands.inspecting" in local  # the trace works
     assert not {m for m in local if m.split(".")[0] in ("fsspec", "s3fs", "botocore",
                                                          "aiobotocore", "boto3")}
     assert not {m for m in local if m.startswith((
-        "supervisor.mirror.store", "supervisor.mirror.backend", "supervisor.mirror.transfer",
-        "supervisor.mirror.url_commands"))}
+        "rtrain.supervisor.mirror.store", "rtrain.supervisor.mirror.backend",
+        "rtrain.supervisor.mirror.transfer",
+        "rtrain.supervisor.mirror.url_commands"))}
     assert "fsspec" in imported(url)

@@ -1,12 +1,12 @@
-"""`rtrain prune` in a subprocess, and the no-DIR lookup of supervisor.records.paths."""
+"""`rtrain prune` in a subprocess, and the no-DIR lookup of rtrain.supervisor.records.paths."""
 
 from __future__ import annotations
 
 import pytest
 from harness import checkpoint_steps
 
-from supervisor.ckpt.layout import host_name
-from supervisor.records.paths import default_ckpt_dir
+from rtrain.supervisor.ckpt.layout import host_name
+from rtrain.supervisor.records.paths import default_ckpt_dir
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_keep_is_required(rtrain, ckpts):
     assert r.returncode == 2 and "Missing option '--keep'" in r.stderr
 
 
-# --- supervisor.records.paths ---------------------------------------------------------------------
+# --- rtrain.supervisor.records.paths --------------------------------------------------------------
 
 
 def test_default_is_checkpoints_in_cwd(tmp_path):
@@ -121,7 +121,7 @@ def test_pyproject_tool_rtrain(tmp_path):
 
 
 def test_bad_value_is_a_config_error(tmp_path):
-    from supervisor.core.errors import ConfigError
+    from rtrain.supervisor.core.errors import ConfigError
 
     (tmp_path / "rtrain.toml").write_text("ckpt_dir = 3\n")
     with pytest.raises(ConfigError, match="ckpt_dir must be a non-empty string"):

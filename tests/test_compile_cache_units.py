@@ -12,11 +12,11 @@ import pytest
 import torch
 from hostile import make, manifest, relist, write_manifest
 
-import worker
-from supervisor.ckpt import hashing
-from supervisor.ckpt.manifest import sign_manifest
-from supervisor.launch import compile_dirs
-from worker import compile_cache, compile_pack
+import rtrain
+from rtrain.supervisor.ckpt import hashing
+from rtrain.supervisor.ckpt.manifest import sign_manifest
+from rtrain.supervisor.launch import compile_dirs
+from rtrain.worker import compile_cache, compile_pack
 
 HERE = {"torch": torch.__version__, "device": "cpu/x86_64"}
 
@@ -94,7 +94,7 @@ def test_attempts_share_the_run_dirs_compile_cache(tmp_path):
 
 def test_saving_refuses_a_size_limit_that_is_not_positive():
     with pytest.raises(ValueError, match="compile_cache_max_mb"):
-        worker.Saving(compile_cache_max_mb=0)
+        rtrain.Saving(compile_cache_max_mb=0)
 
 
 def _forge(ckpt: Path, data: bytes, key: bytes | None, **info: object) -> None:
@@ -120,16 +120,16 @@ def test_a_cache_torch_cannot_take_is_ignored_and_the_checkpoint_restores(
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     key = hashing.derive_key(b"k")
     model, opt = make()
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, signing_key=key)
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, signing_key=key)
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     ck.save(2)
     saved = model.weight.detach().clone()
     _forge(tmp_path / "checkpoint-2", data, key if signed else None)
     model2, opt2 = make(seed=1)
-    ck2 = worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
+    ck2 = rtrain.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
                               signing_key=key if signed else None)
-    caplog.set_level(logging.INFO, logger="worker.compile_cache")
+    caplog.set_level(logging.INFO, logger="rtrain.worker.compile_cache")
     assert ck2.restore() == 2
     assert torch.equal(model2.weight, saved)
     assert why in caplog.text and "compiles cold" in caplog.text
@@ -139,7 +139,7 @@ def test_inspect_shows_the_compile_caches_size(tmp_path):
     from harness import invoke_rtrain
 
     model, opt = make()
-    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).save(2)
+    rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).save(2)
     data = compile_pack.pack(b"\0" * 3000, {})
     _forge(tmp_path / "checkpoint-2", data, None, artifacts={"inductor": 2}, kernels=5)
     r = invoke_rtrain("inspect", str(tmp_path / "checkpoint-2"))
@@ -153,13 +153,13 @@ def test_inspect_shows_the_compile_caches_size(tmp_path):
 def test_the_mirror_carries_the_compile_cache(tmp_path):
     """A fresh machine resuming from the mirror gets the compile cache with the checkpoint:
     it is one of the manifest's files, uploaded and fetched (and verified) like the others."""
-    from supervisor.ckpt.verify import Level, verify
-    from supervisor.mirror import transfer
-    from supervisor.mirror.store import open_mirror
+    from rtrain.supervisor.ckpt.verify import Level, verify
+    from rtrain.supervisor.mirror import transfer
+    from rtrain.supervisor.mirror.store import open_mirror
 
     key = hashing.derive_key(b"k")
     model, opt = make()
-    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path / "a",
+    rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path / "a",
                         signing_key=key).save(2)
     data = compile_pack.pack(b"\1" * 5000, {"inductor/ab/k.so": b"kernel"})
     _forge(tmp_path / "a" / "checkpoint-2", data, key)
@@ -173,7 +173,7 @@ def test_the_mirror_carries_the_compile_cache(tmp_path):
 
 
 def test_the_standby_preloads_the_compile_path_only_for_scripts_that_compile(tmp_path):
-    from supervisor.standby import child_program
+    from rtrain.supervisor.standby import child_program
 
     plain, compiled = tmp_path / "plain.py", tmp_path / "compiled.py"
     plain.write_text("import torch\nmodel = torch.nn.Linear(2, 2)\n")

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import DEFAULT_BUDGETS, load_config
-from supervisor.core.errors import ConfigError, ExitCode
-from supervisor.decide.ladder import DEFAULT_LADDER, Action
+from rtrain.supervisor.config import DEFAULT_BUDGETS, load_config
+from rtrain.supervisor.core.errors import ConfigError, ExitCode
+from rtrain.supervisor.decide.ladder import DEFAULT_LADDER, Action
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:

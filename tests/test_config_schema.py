@@ -13,8 +13,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from supervisor import cli
-from supervisor.config import (
+from rtrain.supervisor import cli
+from rtrain.supervisor.config import (
     DEFAULT_BUDGETS,
     BackoffConfig,
     Config,
@@ -24,11 +24,11 @@ from supervisor.config import (
     SlurmConfig,
     StragglerConfig,
 )
-from supervisor.core.filemode import parse_mode
-from supervisor.decide.ladder import DEFAULT_LADDER
-from supervisor.hooks.runner import HookSpec
-from supervisor.proc.heartbeat import HangPolicy
-from supervisor.proc.watch import WatchConfig
+from rtrain.supervisor.core.filemode import parse_mode
+from rtrain.supervisor.decide.ladder import DEFAULT_LADDER
+from rtrain.supervisor.hooks.runner import HookSpec
+from rtrain.supervisor.proc.heartbeat import HangPolicy
+from rtrain.supervisor.proc.watch import WatchConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -205,7 +205,7 @@ def test_launch_help_mentions_of_other_keys_state_their_defaults():
 def test_launch_option_sets_its_config_key(option, monkeypatch, tmp_path):
     seen = []
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("supervisor.launch.loop.launch", lambda spec: seen.append(spec) or 0)
+    monkeypatch.setattr("rtrain.supervisor.launch.loop.launch", lambda spec: seen.append(spec) or 0)
     given, expected = EXAMPLES[option]
     args = ["launch", option, *([] if given is None else [given]), "-m", "train"]
     result = CliRunner().invoke(cli.app, args)
@@ -231,8 +231,8 @@ def test_runtime_objects_have_no_defaults_for_settings():
 def test_functions_that_take_a_setting_have_no_default_for_it():
     import inspect
 
-    from supervisor.decide.classify import classify
-    from supervisor.proc.logcap import CappedLog
+    from rtrain.supervisor.decide.classify import classify
+    from rtrain.supervisor.proc.logcap import CappedLog
 
     param = inspect.signature(classify).parameters["memory_pressure_fraction"]
     assert param.default is inspect.Parameter.empty
@@ -269,7 +269,7 @@ def test_a_zero_save_allowance_is_accepted_by_both():
 
 
 def test_design_md_numbers_for_what_is_not_a_setting():
-    from supervisor.core.protocol import MAX_INTERVAL_WARMUP_STEPS
+    from rtrain.supervisor.core.protocol import MAX_INTERVAL_WARMUP_STEPS
 
     text = " ".join(DESIGN.read_text().split())
     assert f"`protocol.MAX_INTERVAL_WARMUP_STEPS`, {MAX_INTERVAL_WARMUP_STEPS} steps" in text

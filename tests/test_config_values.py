@@ -79,7 +79,7 @@ def test_bad_value_on_the_command_line(tmp_path, rtrain, args, needle):
 
 
 def test_good_values_still_pass(tmp_path):
-    from supervisor.config import load_config
+    from rtrain.supervisor.config import load_config
 
     (tmp_path / "rtrain.toml").write_text(
         'grace_s = 0\nstop_signal = "usr1"\nfile_mode = 0o640\nsample_interval_s = 0.01\n'

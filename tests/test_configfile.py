@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.config import load_config
-from supervisor.core.config_file import find_config
-from supervisor.core.errors import ConfigError
-from supervisor.records.paths import default_ckpt_dir, default_run_dir
+from rtrain.supervisor.config import load_config
+from rtrain.supervisor.core.config_file import find_config
+from rtrain.supervisor.core.errors import ConfigError
+from rtrain.supervisor.records.paths import default_ckpt_dir, default_run_dir
 
 PYPROJECT = '[project]\nname = "x"\n[tool.rtrain]\nrun_dir = "from-pyproject"\n'
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from harness import CHILDREN, child_env, launch_cmd
 
-from supervisor.records.events import read_events
-from supervisor.records.runstate import load_state
+from rtrain.supervisor.records.events import read_events
+from rtrain.supervisor.records.runstate import load_state
 
 CHATTY = CHILDREN / "chatty.py"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from supervisor.proc.console import PENDING_MAX, BestEffortWriter
+from rtrain.supervisor.proc.console import PENDING_MAX, BestEffortWriter
 
 
 def _drain(fd: int) -> bytes:

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from supervisor.ckpt import crypt, encrypted_file
-from supervisor.ckpt.crypt import CryptError, EncryptionKey
-from supervisor.ckpt.encrypted_file import Decryptor
-from supervisor.core.errors import UsageError
+from rtrain.supervisor.ckpt import crypt, encrypted_file
+from rtrain.supervisor.ckpt.crypt import CryptError, EncryptionKey
+from rtrain.supervisor.ckpt.encrypted_file import Decryptor
+from rtrain.supervisor.core.errors import UsageError
 
 KEY = EncryptionKey(bytes(range(32)))
 OTHER = EncryptionKey(bytes(range(1, 33)))
@@ -227,6 +227,6 @@ def test_key_problem_names_both_fingerprints() -> None:
 
 
 def test_the_encryption_key_is_a_secret_hooks_never_get() -> None:
-    from supervisor.ckpt.hashing import SECRET_ENV
+    from rtrain.supervisor.ckpt.hashing import SECRET_ENV
 
     assert "RTRAIN_ENCRYPTION_KEY" in SECRET_ENV

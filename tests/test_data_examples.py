@@ -1,5 +1,5 @@
 """The examples load data with worker processes and stay exact: a run that crashes mid-epoch and
-resumes ends bitwise-identical to one that did not (augmentation from worker.sample_generator)."""
+resumes ends bitwise-identical to one that did not (augmentation from rtrain.sample_generator)."""
 
 import json
 import subprocess

@@ -6,7 +6,7 @@ import pytest
 from chaos_util import launch_chaos, starts, step_log, surviving, write_config
 from harness import events
 
-import worker
+import rtrain
 
 SETTINGS = {"batch_size": 8, "grad_accum": 1, "steps": 14, "samples": 64, "save_every": 3,
             "workers": 2}
@@ -33,7 +33,7 @@ def test_oom_mid_epoch_with_workers_keeps_the_sample_stream(tmp_path):
     stream = [i for s in range(1, 15) for i in traj[s]["ids"]]
     expected = []
     for epoch in range(2):  # the order a fresh sampler hands out, epoch after epoch
-        sampler = worker.ResumableSampler(64, seed=7)
+        sampler = rtrain.ResumableSampler(64, seed=7)
         sampler.set_epoch(epoch)
         expected += [int(i) for i in sampler]
     expected = expected[:len(stream)]

@@ -1,6 +1,6 @@
 """With DataLoader workers, a run split into processes (save, die, new process, restore, fresh
 iter(loader)) ends bitwise-identical to an uninterrupted one: the position counts the samples the
-loop consumed, not those prefetched. Augmentation in the workers uses worker.sample_generator.
+loop consumed, not those prefetched. Augmentation in the workers uses rtrain.sample_generator.
 
 How many workers load a map-style dataset, and how they prefetch or pin, changes no value a step
 trains on: the split runs below with batches of 8 are all compared with one uninterrupted run
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from data_split import TOTAL, run, split_vs_whole, whole
 
-from worker import data_workers
+from rtrain.worker import data_workers
 
 SOAK = pytest.mark.soak  # the worker matrix; its densest configuration is the default tier's
 DENSEST = ["--workers", "2", "--persistent", "--pin", "--prefetch", "3"]
@@ -123,7 +123,7 @@ def test_a_stop_that_reaches_a_worker_before_its_init_is_left_to_the_training_pr
     from torch.utils.data._utils import signal_handling
     from torch.utils.data._utils import worker as torch_worker
 
-    import worker
+    import rtrain
 
     real_loop = torch_worker._worker_loop
 
@@ -135,8 +135,8 @@ def test_a_stop_that_reaches_a_worker_before_its_init_is_left_to_the_training_pr
     monkeypatch.setattr(torch_worker, "_worker_loop", loop_stopped_at_birth)
     data = TensorDataset(torch.arange(32))
     loader = DataLoader(data, batch_size=4, num_workers=2,
-                        sampler=worker.ResumableSampler(len(data), seed=0))
-    ck = worker.Checkpointer(model=torch.nn.Linear(1, 1), loader=loader)
+                        sampler=rtrain.ResumableSampler(len(data), seed=0))
+    ck = rtrain.Checkpointer(model=torch.nn.Linear(1, 1), loader=loader)
     for _epoch in range(2):  # the second epoch starts its workers anew
         assert sorted(i for (b,) in loader for i in b.tolist()) == list(range(32))
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # as it was

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from harness import CHILDREN, child_env, fill_disk, launch_cmd, wait_for_text
 
-from supervisor.records.events import read_events
-from supervisor.records.runstate import load_state
+from rtrain.supervisor.records.events import read_events
+from rtrain.supervisor.records.runstate import load_state
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Hang detection across ranks: one silent rank is a hang even while the others report."""
 
-from supervisor.core.protocol import Heartbeat
-from supervisor.proc.heartbeat import HangClock, HangPolicy
+from rtrain.supervisor.core.protocol import Heartbeat
+from rtrain.supervisor.proc.heartbeat import HangClock, HangPolicy
 
 P = HangPolicy(startup_s=100.0, warmup_steps=0, multiple=10.0, floor_s=5.0, ceiling_s=50.0,
                save_allowance_s=900.0, plain_timeout_s=1800.0)

@@ -14,7 +14,7 @@ from bitwise import assert_bitwise_equal
 from harness import CHILDREN, child_env, events, launch_cmd, rank_steps
 from references import rank_state, two_ranks
 
-from supervisor.records.runstate import load_state
+from rtrain.supervisor.records.runstate import load_state
 
 TOTAL = "12"
 GRACE_S = 60.0  # torchrun, two torch imports and a save on a shared machine

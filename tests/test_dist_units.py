@@ -8,19 +8,19 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from supervisor import cli
-from supervisor.ckpt import generation
-from supervisor.config import Config
-from supervisor.core.errors import StateMismatch
-from supervisor.decide.classify import classify
-from supervisor.decide.failures import Evidence
-from supervisor.launch import resize
+from rtrain.supervisor import cli
+from rtrain.supervisor.ckpt import generation
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.core.errors import StateMismatch
+from rtrain.supervisor.decide.classify import classify
+from rtrain.supervisor.decide.failures import Evidence
+from rtrain.supervisor.launch import resize
 
 
 @pytest.fixture
 def launched(monkeypatch, tmp_path):
     seen = {}
-    import supervisor.launch.loop as launch_mod
+    import rtrain.supervisor.launch.loop as launch_mod
 
     def fake(spec, seams=None):
         seen["argv"] = spec.command
@@ -66,8 +66,8 @@ def test_own_torchrun_command_after_double_dash_runs_as_is(launched):
 
 def test_world_size_rule():
     pytest.importorskip("torch")
-    from worker.dist import World
-    from worker.dist_ckpt import check_world
+    from rtrain.worker.dist import World
+    from rtrain.worker.dist_ckpt import check_world
 
     sharded = {"world_size": 4, "layout": "sharded"}
     assert check_world(sharded, World(0, 2), True, False, "checkpoint-9") == "sharded"

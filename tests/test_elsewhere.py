@@ -12,13 +12,13 @@ import pytest
 from harness import events, launch, run_rtrain, write_events
 from scripted_loop import Script, crash, success
 
-from supervisor.commands.status import render_text, summarize
-from supervisor.config import load_config
-from supervisor.elsewhere.decide import Seen, Written, judge
-from supervisor.elsewhere.scan import ElsewhereWatch, scan, shown_path
-from supervisor.launch.loop import LaunchSpec
-from supervisor.launch.loop import launch as launch_loop
-from supervisor.records.events import EventLog
+from rtrain.supervisor.commands.status import render_text, summarize
+from rtrain.supervisor.config import load_config
+from rtrain.supervisor.elsewhere.decide import Seen, Written, judge
+from rtrain.supervisor.elsewhere.scan import ElsewhereWatch, scan, shown_path
+from rtrain.supervisor.launch.loop import LaunchSpec
+from rtrain.supervisor.launch.loop import launch as launch_loop
+from rtrain.supervisor.records.events import EventLog
 
 CHILDREN = Path(__file__).resolve().parent / "children"
 CKPT = Written(path="out/ckpt.pt", mtime=100.0)

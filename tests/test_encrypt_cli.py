@@ -13,8 +13,8 @@ import pytest
 from conftest import blob
 from harness import events
 
-from supervisor.ckpt import crypt
-from supervisor.ckpt.commit import PendingCheckpoint
+from rtrain.supervisor.ckpt import crypt
+from rtrain.supervisor.ckpt.commit import PendingCheckpoint
 
 KEY = crypt.EncryptionKey(bytes(range(32)))
 KEY_HEX = bytes(range(32)).hex()
@@ -103,12 +103,11 @@ def test_inspect_and_the_launch_check_never_import_the_cipher_or_torch(tmp_path)
     import subprocess
     import sys
 
-    from harness import REPO
 
     _encrypted(tmp_path / "run" / "checkpoints", 7)
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('never started')\n")
-    code = ("import sys\nfrom supervisor.cli import main\n"
+    code = ("import sys\nfrom rtrain.supervisor.cli import main\n"
             "for argv in (['inspect', sys.argv[1], '--verify', 'full'],\n"
             "             ['launch', '--run-dir', sys.argv[2], '-q', sys.argv[3]]):\n"
             "    sys.argv = ['rtrain', *argv]\n"
@@ -116,7 +115,7 @@ def test_inspect_and_the_launch_check_never_import_the_cipher_or_torch(tmp_path)
             "assert 'torch' not in sys.modules, 'torch imported'\n"
             "assert 'cryptography' not in sys.modules, 'cryptography imported'\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    env.update(PYTHONPATH=str(REPO), RTRAIN_ENCRYPTION_KEY=OTHER_HEX)
+    env.update(RTRAIN_ENCRYPTION_KEY=OTHER_HEX)
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run" / "checkpoints"),
                         str(tmp_path / "run"), str(script)], capture_output=True, text=True,
                        env=env, timeout=60, cwd=tmp_path)
@@ -184,7 +183,7 @@ def test_a_newer_checkpoint_of_another_key_is_skipped_with_the_reason(tmp_path, 
 ])
 def test_when_none_of_the_run_s_checkpoints_opens_the_launch_stops(tmp_path, monkeypatch, older,
                                                                    key_hex):
-    from supervisor.core.errors import UsageError
+    from rtrain.supervisor.core.errors import UsageError
 
     ckpts = tmp_path / "run" / "checkpoints"
     if older == "other":

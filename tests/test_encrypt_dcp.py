@@ -10,10 +10,10 @@ import pytest
 import torch
 from hostile import make, relist, two_checkpoints
 
-import worker
-from supervisor.ckpt import crypt, encrypted_file
-from supervisor.ckpt.verify import verify
-from supervisor.core.errors import CorruptCheckpoint, KeyMismatch
+import rtrain
+from rtrain.supervisor.ckpt import crypt, encrypted_file
+from rtrain.supervisor.ckpt.verify import verify
+from rtrain.supervisor.core.errors import CorruptCheckpoint, KeyMismatch
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),
@@ -23,15 +23,15 @@ KEY = "7e" * 32
 
 def restore(ckpt_dir, path=None, allow_pickle=False, **kw):
     model, opt = make(7)
-    step = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir,
-                               saving=worker.Saving(sharded=True),
-                               restoring=worker.Restoring(allow_pickle=allow_pickle),
+    step = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir,
+                               saving=rtrain.Saving(sharded=True),
+                               restoring=rtrain.Restoring(allow_pickle=allow_pickle),
                                **kw).restore(path)
     return step, model, opt
 
 
 def test_sharded_files_are_sealed_and_load_with_the_key(gloo_group, tmp_path):
-    weights, _ = two_checkpoints(tmp_path / "ckpt", saving=worker.Saving(sharded=True),
+    weights, _ = two_checkpoints(tmp_path / "ckpt", saving=rtrain.Saving(sharded=True),
                                  encryption_key=KEY)
     path = tmp_path / "ckpt" / "checkpoint-4"
     m = json.loads((path / "manifest.json").read_text())
@@ -48,7 +48,7 @@ def test_sharded_files_are_sealed_and_load_with_the_key(gloo_group, tmp_path):
 
 
 def test_sharded_without_the_key_or_tampered_is_refused(gloo_group, tmp_path):
-    two_checkpoints(tmp_path / "ckpt", saving=worker.Saving(sharded=True), encryption_key=KEY)
+    two_checkpoints(tmp_path / "ckpt", saving=rtrain.Saving(sharded=True), encryption_key=KEY)
     path = tmp_path / "ckpt" / "checkpoint-4"
     with pytest.raises(KeyMismatch, match="fingerprint"):
         restore(tmp_path / "ckpt")

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.core.event_schema import DURABLE_KINDS, KINDS, Kind
-from supervisor.hooks.hook_spec import HOOKABLE
-from supervisor.records import events as ev
-from supervisor.records.events import EventLog, EventSchemaError, read_events
+from rtrain.supervisor.core.event_schema import DURABLE_KINDS, KINDS, Kind
+from rtrain.supervisor.hooks.hook_spec import HOOKABLE
+from rtrain.supervisor.records import events as ev
+from rtrain.supervisor.records.events import EventLog, EventSchemaError, read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 # Written by EventLog itself (not through emit) once a full disk has room again.

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from supervisor.records.events import EVENTS_VERSION, EventLog, EventLogError, read_events
+from rtrain.supervisor.records.events import EVENTS_VERSION, EventLog, EventLogError, read_events
 
 
 class FakeClock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from harness import fill_disk
 
-from supervisor.records.events import EventLog, read_events
+from rtrain.supervisor.records.events import EventLog, read_events
 
 
 def test_events_wait_for_room_and_keep_their_order(small_tmpfs):

@@ -2,7 +2,7 @@
 state dict, compared bitwise with the model and optimizer that were saved; damaged checkpoints
 refused with the verifier's reason; a malicious pickle refused and never run; OUT never
 overwritten without --force. The safetensors export of rtrain's format runs in this process
-(torch-free); the torch side (`worker.export`) is called in-process here and through the real
+(torch-free); the torch side (`rtrain.worker.export`) is called in-process here and through the real
 command in the tests marked slow."""
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import REPO, run_rtrain
+from harness import run_rtrain
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_foreign_verify import flip
 from torch import nn
 
-import worker
-from supervisor.core.errors import CheckpointError
-from worker import export as wexport
+import rtrain
+from rtrain.supervisor.core.errors import CheckpointError
+from rtrain.worker import export as wexport
 
 pytestmark = pytest.mark.usefixtures("unsupervised")
 
@@ -39,7 +39,7 @@ def trained(tmp_path: Path, steps: int = 3, **ck) -> tuple[nn.Module, torch.opti
         opt.zero_grad()
         loss.backward()
         opt.step()
-    path = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path / "ckpt",
+    path = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path / "ckpt",
                                **ck).save(steps)
     return model, opt, path
 
@@ -106,8 +106,8 @@ def test_an_encrypted_checkpoint_exports_with_its_key_only(rtrain, tmp_path, mon
 def test_bytes_changed_after_verification_are_caught_while_copied(tmp_path, make_ckpt):
     """The copy hashes what it copies: a file changed between the verification and the copy
     (here: before the copy, the manifest already read) fails, and nothing is published."""
-    from supervisor.ckpt import manifest, st_concat
-    from supervisor.ckpt.verified_read import open_listed
+    from rtrain.supervisor.ckpt import manifest, st_concat
+    from rtrain.supervisor.ckpt.verified_read import open_listed
 
     path = make_ckpt(tmp_path / "ckpt", 100)
     m = manifest.load(path)
@@ -411,13 +411,12 @@ def test_lightning_ckpt_and_trainer_bin_through_the_command(rtrain, tmp_path):
 @pytest.mark.slow
 def test_the_safetensors_export_of_rtrains_format_never_imports_torch(tmp_path, make_ckpt):
     path = make_ckpt(tmp_path / "ckpt", 100)
-    code = ("import sys\nfrom supervisor.cli import main\n"
+    code = ("import sys\nfrom rtrain.supervisor.cli import main\n"
             "sys.argv = ['rtrain', 'export', sys.argv[1], sys.argv[2], '--format', "
             "'safetensors']\n"
             "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")}
-    env["PYTHONPATH"] = str(REPO)
     r = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "w.st")],
                        capture_output=True, text=True, env=env, timeout=60, check=False)
     assert r.returncode == 0, r.stderr

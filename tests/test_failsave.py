@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import worker
-from supervisor.ckpt.layout import list_checkpoints
-from worker import failsave
-from worker.capture import moving
-from worker.failsave import Marks, Verdict, decide
+import rtrain
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.worker import failsave
+from rtrain.worker.capture import moving
+from rtrain.worker.failsave import Marks, Verdict, decide
 
 M = Marks(optimizer_steps=3, versions=(1, 2), scheduler=(3, 0.1), scaler=7)
 
@@ -69,11 +69,11 @@ def _setup(tmp_path, opt_cls=torch.optim.AdamW, every=100, **saving):
                           nn.Linear(16, 3))
     opt = opt_cls(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    sampler = worker.ResumableSampler(len(ds), seed=3)
+    sampler = rtrain.ResumableSampler(len(ds), seed=3)
     loader = DataLoader(ds, batch_size=4, sampler=sampler)
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=sampler,
+    ckpt = rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=sampler,
                                ckpt_dir=tmp_path / "ck", every=every,
-                               saving=worker.Saving(**saving))
+                               saving=rtrain.Saving(**saving))
     return model, opt, sched, iter(loader), ckpt
 
 
@@ -145,7 +145,7 @@ def test_a_change_after_the_boundary_commits_nothing(tmp_path, change):
     model, opt, sched, _, ckpt = _setup(tmp_path)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(torch.tensor(1.0))  # the scale exists from the first scale()
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, scaler=scaler,
+    ckpt = rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched, scaler=scaler,
                                ckpt_dir=tmp_path / "ck2", every=100)
     ckpt.maybe_save(1)
     if change == "sched":
@@ -221,8 +221,8 @@ def test_what_a_boundary_keeps_costs_microseconds():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32))
                             for _ in range(25)])
     opt = torch.optim.AdamW(model.parameters())
-    sampler = worker.ResumableSampler(100, seed=1)
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, loader=sampler, every=10**9)
+    sampler = rtrain.ResumableSampler(100, seed=1)
+    ckpt = rtrain.Checkpointer(model=model, optimizer=opt, loader=sampler, every=10**9)
     watch, parts = failsave.Watch(model, opt, None, None), ckpt._parts()
     watch.marks()
     n = 200

@@ -1,4 +1,5 @@
-"""worker.faults: RTRAIN_FAULTS parsing, each fault in the right attempt only, free when off."""
+"""rtrain.worker.faults: RTRAIN_FAULTS parsing, each fault in the right attempt only, free when
+off."""
 
 import importlib
 import json
@@ -11,10 +12,10 @@ import pytest
 import torch
 from harness import CHILDREN, child_env
 
-import worker
-from supervisor.ckpt.layout import list_checkpoints, list_leftovers
-from supervisor.ckpt.verify import select_rtrain_resume, verify
-from worker import faults, guards
+import rtrain
+from rtrain.supervisor.ckpt.layout import list_checkpoints, list_leftovers
+from rtrain.supervisor.ckpt.verify import select_rtrain_resume, verify
+from rtrain.worker import faults, guards
 
 CHILD = CHILDREN / "checkpointer_every_step.py"
 
@@ -25,7 +26,8 @@ def faults_env(spec: str, attempt: int = 0) -> dict[str, str]:
 
 @pytest.fixture
 def arm(monkeypatch):
-    """Re-import worker.faults under an RTRAIN_FAULTS spec; put the unarmed module back after."""
+    """Re-import rtrain.worker.faults under an RTRAIN_FAULTS spec; put the unarmed module back
+    after."""
 
     def _arm(spec, attempt=0, settings=None):
         monkeypatch.setenv("RTRAIN_FAULTS", spec)
@@ -72,7 +74,7 @@ def test_any_attempt(arm):
 
 def test_crash_through_the_checkpointer(arm, tmp_path):
     f = arm("crash@step=2")
-    ck = worker.Checkpointer(model=torch.nn.Linear(2, 2), ckpt_dir=tmp_path, every=1)
+    ck = rtrain.Checkpointer(model=torch.nn.Linear(2, 2), ckpt_dir=tmp_path, every=1)
     ck.maybe_save(1)
     with pytest.raises(RuntimeError, match="step 2"):
         ck.maybe_save(2)
@@ -126,7 +128,7 @@ def test_nonfinite_for_count_steps(arm):
 
 def test_corrupt_newest_then_crash(arm, tmp_path):
     arm("corrupt_newest@step=2")
-    ck = worker.Checkpointer(model=torch.nn.Linear(2, 2), ckpt_dir=tmp_path, every=1)
+    ck = rtrain.Checkpointer(model=torch.nn.Linear(2, 2), ckpt_dir=tmp_path, every=1)
     ck.maybe_save(1)
     ck.maybe_save(2)  # committed inside this call, after the hook ran
     with pytest.raises(RuntimeError, match="corrupting checkpoint-2"):

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from supervisor.ckpt import foreign, keepcopy, pickle_scan, progress, torchzip
-from supervisor.ckpt.verify import Level
-from supervisor.config import Config
-from supervisor.decide import budgets
-from supervisor.decide.failures import Evidence, Failure, FailureKind
-from supervisor.decide.policy import Action, Decision, History, decide
+from rtrain.supervisor.ckpt import foreign, keepcopy, pickle_scan, progress, torchzip
+from rtrain.supervisor.ckpt.verify import Level
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.decide import budgets
+from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.policy import Action, Decision, History, decide
 
 
 class Evil:

@@ -52,7 +52,7 @@ def test_inspect_of_foreign_checkpoints_never_imports_torch(tmp_path):
     hf_checkpoint(tmp_path / "hf", 4)
     (tmp_path / "pl").mkdir()
     torch_file(tmp_path / "pl" / "epoch=0-step=4.ckpt", 4)
-    code = ("import sys\nfrom supervisor.cli import main\n"
+    code = ("import sys\nfrom rtrain.supervisor.cli import main\n"
             "for d in sys.argv[1:]:\n"
             "    sys.argv = ['rtrain', 'inspect', d, '--verify', 'full']\n"
             "    try:\n        main()\n    except SystemExit as e:\n        assert not e.code\n"

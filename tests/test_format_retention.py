@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from harness import checkpoint_steps
 
-from supervisor.ckpt import commit
-from supervisor.ckpt.layout import host_name, list_checkpoints, list_leftovers
-from supervisor.retention import prune_dir as prune_mod
-from supervisor.retention.decide import Candidate, RetentionPolicy, plan
+from rtrain.supervisor.ckpt import commit
+from rtrain.supervisor.ckpt.layout import host_name, list_checkpoints, list_leftovers
+from rtrain.supervisor.retention import prune_dir as prune_mod
+from rtrain.supervisor.retention.decide import Candidate, RetentionPolicy, plan
 
 
 def cands(*specs) -> list[Candidate]:

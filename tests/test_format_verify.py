@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.ckpt import hashing
-from supervisor.ckpt.layout import MANIFEST
-from supervisor.ckpt.verify import Level, Status, select_rtrain_resume, verify
+from rtrain.supervisor.ckpt import hashing
+from rtrain.supervisor.ckpt.layout import MANIFEST
+from rtrain.supervisor.ckpt.verify import Level, Status, select_rtrain_resume, verify
 
 
 @pytest.fixture

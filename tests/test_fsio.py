@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from supervisor.core.atomic_write import write_atomic, write_json_atomic
+from rtrain.supervisor.core.atomic_write import write_atomic, write_json_atomic
 
 
 def test_replaces_with_the_given_mode(tmp_path):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import logging
 
-from supervisor.proc.gpu import (
+from rtrain.supervisor.proc.gpu import (
     NO_GPU,
     DeviceMemory,
     GpuReading,
@@ -32,7 +32,7 @@ def test_scripted_reader_plays_readings_in_order_then_repeats_last():
 
 
 def test_nvml_without_gpu_says_so_once_and_reads_nothing(caplog):
-    caplog.set_level(logging.INFO, logger="supervisor.proc.gpu")
+    caplog.set_level(logging.INFO, logger="rtrain.supervisor.proc.gpu")
     first, second = NvmlReader(), NvmlReader()
     if first.available:  # a machine with a GPU: the real reader must read it
         reading = first.read({1})

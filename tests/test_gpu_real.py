@@ -17,8 +17,8 @@ import torch
 from chaos_util import write_config
 from harness import CHILDREN, child_env, events, launch, rtrain_cmd
 
-import worker
-from supervisor.proc.gpu import NvmlReader
+import rtrain
+from rtrain.supervisor.proc.gpu import NvmlReader
 
 NO_GPU = "needs a CUDA GPU (torch.cuda.is_available() is False): run scripts/gpu_check.sh there"
 pytestmark = [pytest.mark.gpu,
@@ -72,7 +72,7 @@ def test_the_in_process_backoff_survives_a_real_oom():
     free, _ = torch.cuda.mem_get_info()
     per_row = free // 24  # 32 rows at once need more than the device has; 8 rows fit
     model = torch.nn.Linear(4, 1).cuda()
-    backoff = worker.OOMBackoff(settings={"batch_size": 32, "grad_accum": 1})
+    backoff = rtrain.OOMBackoff(settings={"batch_size": 32, "grad_accum": 1})
 
     def loss_fn(mb: torch.Tensor) -> torch.Tensor:
         scratch = torch.empty(len(mb) * per_row, dtype=torch.uint8, device="cuda")
@@ -112,8 +112,8 @@ def test_async_save_of_cuda_state_restores_bitwise(tmp_path, mode):
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     model, opt = build(0)
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, every=None,
-                             saving=worker.Saving(async_mode=mode))
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path, every=None,
+                             saving=rtrain.Saving(async_mode=mode))
     for _ in range(3):
         model(torch.randn(16, 64, device="cuda")).square().mean().backward()
         opt.step()
@@ -127,8 +127,8 @@ def test_async_save_of_cuda_state_restores_bitwise(tmp_path, mode):
     opt.step()
     ck.close()
     model2, opt2 = build(1)
-    ck2 = worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
-                              restoring=worker.Restoring(map_location="cuda"))
+    ck2 = rtrain.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
+                              restoring=rtrain.Restoring(map_location="cuda"))
     assert ck2.restore() == 3
     for k, v in model2.state_dict().items():
         assert v.is_cuda and torch.equal(v, want[k]), k

@@ -1,4 +1,5 @@
-"""worker.guards: non-finite skips, OOM back-off, bad samples, exit records of uncaught errors."""
+"""rtrain.worker.guards: non-finite skips, OOM back-off, bad samples, exit records of uncaught
+errors."""
 
 import json
 import sys
@@ -7,8 +8,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import worker
-from worker import guards
+import rtrain
+from rtrain.worker import guards
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +39,7 @@ def model_and_grads(nan=False):
 
 
 def test_finite_steps_pass_and_reset_the_streak():
-    guard = worker.NonFiniteGuard(max_consecutive=2)
+    guard = rtrain.NonFiniteGuard(max_consecutive=2)
     assert guard.skip(torch.tensor(float("inf")))
     assert not guard.skip(torch.tensor(1.0), model=model_and_grads())
     assert guard.skip(torch.tensor(float("nan")))  # a new streak of 1, no exit
@@ -46,7 +47,7 @@ def test_finite_steps_pass_and_reset_the_streak():
 
 
 def test_nan_gradients_are_a_skip_and_are_dropped():
-    guard = worker.NonFiniteGuard()
+    guard = rtrain.NonFiniteGuard()
     model = model_and_grads(nan=True)
     assert guard.skip(torch.tensor(0.5), model=model)
     assert all(p.grad is None for p in model.parameters())
@@ -55,14 +56,14 @@ def test_nan_gradients_are_a_skip_and_are_dropped():
 def test_scaler_backs_off_and_grad_overflow_is_left_to_it():
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale(torch.tensor(1.0))
-    guard = worker.NonFiniteGuard()
+    guard = rtrain.NonFiniteGuard()
     assert not guard.skip(torch.tensor(1.0), model=model_and_grads(nan=True), scaler=scaler)
     assert guard.skip(torch.tensor(float("nan")), scaler=scaler)
     assert scaler.get_scale() == 512.0
 
 
 def test_consecutive_skips_end_the_attempt_as_nonfinite(status_dir):
-    guard = worker.NonFiniteGuard(max_consecutive=3)
+    guard = rtrain.NonFiniteGuard(max_consecutive=3)
     guard.skip(torch.tensor(float("nan")), step=10)
     guard.skip(torch.tensor(float("nan")), step=11)
     with pytest.raises(SystemExit) as e:
@@ -102,7 +103,7 @@ def test_oom_backoff_splits_with_the_same_gradients():
     ref_loss.backward()
     ref = _grads(model)
     model.zero_grad()
-    backoff = worker.OOMBackoff(settings={"batch_size": 16, "grad_accum": 2})
+    backoff = rtrain.OOMBackoff(settings={"batch_size": 16, "grad_accum": 2})
     sizes = []
     loss = backoff.run(_loss_fn(model, lambda n, _: n > 4, sizes), batch)
     assert sizes == [16, 8, 4, 4, 4, 4]
@@ -122,7 +123,7 @@ def test_oom_halfway_through_the_batch_runs_only_the_rest_smaller():
     torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
     ref = _grads(model)
     model.zero_grad()
-    backoff = worker.OOMBackoff(settings={})
+    backoff = rtrain.OOMBackoff(settings={})
     backoff.micro = 8
     sizes = []
     backoff.run(_loss_fn(model, lambda n, call: call == 2, sizes), batch)
@@ -135,20 +136,20 @@ def test_oom_at_micro_batch_one_and_other_errors_are_raised():
     model, batch = _setup()
     sizes = []
     with pytest.raises(torch.OutOfMemoryError):
-        worker.OOMBackoff().run(_loss_fn(model, lambda n, _: True, sizes), batch)
+        rtrain.OOMBackoff().run(_loss_fn(model, lambda n, _: True, sizes), batch)
     assert sizes == [16, 8, 4, 2, 1]
     assert guards.effective_settings()["batch_size"] == 1
 
     def bad(mb):
         raise RuntimeError("shape mismatch")
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        worker.OOMBackoff().run(bad, batch)
+        rtrain.OOMBackoff().run(bad, batch)
 
 
 def test_dict_batches_and_a_custom_backward():
     model, (x, y) = _setup()
     seen = []
-    loss = worker.OOMBackoff().run(
+    loss = rtrain.OOMBackoff().run(
         lambda mb: torch.nn.functional.cross_entropy(model(mb["x"]), mb["y"]),
         {"x": x, "y": y, "name": "b0"}, backward=lambda t: seen.append(t) or t.backward())
     assert len(seen) == 1 and torch.isfinite(loss)
@@ -171,18 +172,18 @@ class Flaky(torch.utils.data.Dataset):
 
 
 def test_bad_samples_are_dropped_and_counted():
-    ds = worker.SkipBadSamples(Flaky({3, 17}), max_rate=0.2, min_samples=10)
-    loader = DataLoader(ds, batch_size=8, collate_fn=worker.skip_none_collate)
+    ds = rtrain.SkipBadSamples(Flaky({3, 17}), max_rate=0.2, min_samples=10)
+    loader = DataLoader(ds, batch_size=8, collate_fn=rtrain.skip_none_collate)
     got = torch.cat(list(loader)).flatten().tolist()
     assert len(got) == 38 and 3 not in got and 17 not in got
     assert (ds.bad, ds.fetched) == (2, 40)
-    assert worker.skip_none_collate([None, None]) is None
+    assert rtrain.skip_none_collate([None, None]) is None
 
 
 def test_too_many_bad_samples_end_the_attempt_as_data(status_dir):
-    ds = worker.SkipBadSamples(Flaky(set(range(0, 40, 3))), max_rate=0.1, min_samples=10)
-    with pytest.raises(worker.DataError, match="samples failed to load") as e:
-        list(DataLoader(ds, batch_size=4, collate_fn=worker.skip_none_collate))
+    ds = rtrain.SkipBadSamples(Flaky(set(range(0, 40, 3))), max_rate=0.1, min_samples=10)
+    with pytest.raises(rtrain.DataError, match="samples failed to load") as e:
+        list(DataLoader(ds, batch_size=4, collate_fn=rtrain.skip_none_collate))
     rec = record(status_dir)
     assert rec["kind"] == "data" and "cannot decode image" in rec["reason"]
     # The excepthook does not overwrite it with "crash".
@@ -209,8 +210,8 @@ def test_too_many_bad_samples_end_the_attempt_as_data(status_dir):
 def test_excepthook_writes_the_kind_then_chains(status_dir, monkeypatch, exc, kind):
     calls = []
     monkeypatch.setattr(sys, "excepthook", lambda *a: calls.append(a))
-    worker.install_excepthook()
-    worker.install_excepthook()  # twice is once
+    rtrain.install_excepthook()
+    rtrain.install_excepthook()  # twice is once
     guards._overrides["batch_size"] = 4
     sys.excepthook(type(exc), exc, None)
     rec = record(status_dir)

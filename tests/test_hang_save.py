@@ -18,9 +18,9 @@ from chaos_util import final_state_diff, launch_chaos, reference, replayed_steps
 from chaos_util import write_config as write_chaos_config
 from harness import child_env, events, launch_cmd
 
-from supervisor.core.protocol import CONTROL_FAILSAVE, CONTROL_FIFO
-from supervisor.proc.control import ask_failure_save
-from worker import failsave, hang_save
+from rtrain.supervisor.core.protocol import CONTROL_FAILSAVE, CONTROL_FIFO
+from rtrain.supervisor.proc.control import ask_failure_save
+from rtrain.worker import failsave, hang_save
 
 TOKEN = "5e" * 16
 
@@ -128,7 +128,7 @@ def test_only_requests_with_the_attempts_token_are_served_the_rest_reported(tmp_
 ASKS_ITSELF = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from worker import hang_save, runtime
+    from rtrain.worker import hang_save, runtime
     Path(sys.argv[1]).write_text(os.environ.get("RTRAIN_CONTROL_TOKEN", ""))  # not in the run dir
     runtime.install()
     assert hang_save.start(lambda: [])

@@ -9,14 +9,14 @@ import os
 from pathlib import Path
 
 import pytest
-from harness import CHILDREN, REPO, fake_scontrol
+from harness import CHILDREN, fake_scontrol
 
-from supervisor.config import load_config
-from supervisor.launch.loop import LaunchSpec, Seams, child_command, launch
-from supervisor.proc.gpu import DeviceMemory, GpuReading, NvmlReader, ScriptedReader
-from supervisor.proc.gpu_health import DeviceHealth, describe, problems
-from supervisor.records.events import read_events
-from supervisor.records.runstate import load_state
+from rtrain.supervisor.config import load_config
+from rtrain.supervisor.launch.loop import LaunchSpec, Seams, child_command, launch
+from rtrain.supervisor.proc.gpu import DeviceMemory, GpuReading, NvmlReader, ScriptedReader
+from rtrain.supervisor.proc.gpu_health import DeviceHealth, describe, problems
+from rtrain.supervisor.records.events import read_events
+from rtrain.supervisor.records.runstate import load_state
 
 GIB = 1 << 30
 ONE_GPU = GpuReading(devices=(DeviceMemory(0, 1 * GIB, 80 * GIB),))
@@ -39,7 +39,6 @@ def test_which_readings_fail_a_device(health, expected):
 
 
 def run(tmp_path: Path, health, monkeypatch, **cfg) -> tuple[int, list[dict], ScriptedReader]:
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
     config = load_config({"run_dir": tmp_path / "run", "backoff.enabled": False,
                           "gpu_release_wait_s": 0.5, **cfg}, None, tmp_path)
     reader = ScriptedReader([ONE_GPU], health=health)

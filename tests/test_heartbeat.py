@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from supervisor.core.protocol import Heartbeat, socket_address
-from supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
+from rtrain.supervisor.core.protocol import Heartbeat, socket_address
+from rtrain.supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
 
 P = HangPolicy(
     startup_s=100,

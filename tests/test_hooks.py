@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from harness import CHILDREN, launch
 
-from supervisor.config import load_config
-from supervisor.core.errors import ConfigError
-from supervisor.hooks.hook_spec import HookSpec, parse_hooks
-from supervisor.hooks.runner import HookRunner
-from supervisor.proc.proctree import ProcTree
-from supervisor.records.events import EventLog, read_events
+from rtrain.supervisor.config import load_config
+from rtrain.supervisor.core.errors import ConfigError
+from rtrain.supervisor.hooks.hook_spec import HookSpec, parse_hooks
+from rtrain.supervisor.hooks.runner import HookRunner
+from rtrain.supervisor.proc.proctree import ProcTree
+from rtrain.supervisor.records.events import EventLog, read_events
 
 PY = sys.executable
 SAVE_STDIN = "import sys; open(sys.argv[1], 'a').write(sys.stdin.read())"

@@ -9,9 +9,9 @@ import pytest
 import torch
 from hostile import code_running_pickle, make, relist, two_checkpoints
 
-import worker
-from supervisor.ckpt.verify import Level, verify
-from supervisor.core.errors import CorruptCheckpoint
+import rtrain
+from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.supervisor.core.errors import CorruptCheckpoint
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),
@@ -19,14 +19,14 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
 
 
 def sharded_checkpoints(ckpt_dir):
-    return two_checkpoints(ckpt_dir, saving=worker.Saving(sharded=True))
+    return two_checkpoints(ckpt_dir, saving=rtrain.Saving(sharded=True))
 
 
 def restore(ckpt_dir, path=None, allow_pickle=False, **kw):
     model, opt = make(7)
-    step = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir,
-                               saving=worker.Saving(sharded=True),
-                               restoring=worker.Restoring(allow_pickle=allow_pickle),
+    step = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir,
+                               saving=rtrain.Saving(sharded=True),
+                               restoring=rtrain.Restoring(allow_pickle=allow_pickle),
                                **kw).restore(path)
     return step, model, opt
 

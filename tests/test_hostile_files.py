@@ -19,9 +19,9 @@ import time
 import pytest
 from harness import REPO, child_env
 
-from supervisor.ckpt import hashing
-from supervisor.ckpt.layout import MANIFEST, list_checkpoints
-from supervisor.ckpt.manifest import dumps
+from rtrain.supervisor.ckpt import hashing
+from rtrain.supervisor.ckpt.layout import MANIFEST, list_checkpoints
+from rtrain.supervisor.ckpt.manifest import dumps
 
 HANG_S = 30  # far above a normal run, even on a loaded machine
 
@@ -36,7 +36,7 @@ def run_bounded(*argv: str) -> subprocess.CompletedProcess:
 
 
 def rtrain_bounded(*args: str) -> subprocess.CompletedProcess:
-    return run_bounded("-m", "supervisor", *args)
+    return run_bounded("-m", "rtrain", *args)
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_fifo_in_a_trainer_checkpoint(tmp_path, make_ckpt):
 def test_restore_skips_a_fifo_manifest(three):
     (three / "checkpoint-300" / MANIFEST).unlink()
     os.mkfifo(three / "checkpoint-300" / MANIFEST)
-    r = run_bounded("-c", "import sys; from worker import Checkpointer; "
+    r = run_bounded("-c", "import sys; from rtrain import Checkpointer; "
                           "print(Checkpointer(ckpt_dir=sys.argv[1]).restore())", str(three))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[-1] == "200"
@@ -151,7 +151,7 @@ def test_symlinked_checkpoint_dir_is_reported_and_prune_never_follows_it(three, 
 
 
 def test_open_regular_refuses_what_is_not_a_regular_file(tmp_path):
-    from supervisor.ckpt import safeio
+    from rtrain.supervisor.ckpt import safeio
 
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "real").write_bytes(b"x")
@@ -220,7 +220,7 @@ def test_manifest_bomb_is_one_corrupt_row_among_good_ones(three, bomb):
 @pytest.mark.slow
 def test_restore_passes_over_a_nested_manifest(three):
     _nested_manifest(three / "checkpoint-300")
-    r = run_bounded("-c", "import sys; from worker import Checkpointer; "
+    r = run_bounded("-c", "import sys; from rtrain import Checkpointer; "
                           "print(Checkpointer(ckpt_dir=sys.argv[1]).restore())", str(three))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[-1] == "200"
@@ -256,7 +256,7 @@ def test_metrics_file_passes_over_a_fifo_manifest(three, tmp_path):
     os.mkfifo(three / "checkpoint-300" / MANIFEST)
     out = tmp_path / "m.prom"
     r = run_bounded("-c", "import sys; from pathlib import Path; "
-                          "from supervisor.records.metrics import MetricsFile; "
+                          "from rtrain.supervisor.records.metrics import MetricsFile; "
                           "MetricsFile(Path(sys.argv[1]), run_dir=Path(sys.argv[2]), "
                           "ckpt_dir=Path(sys.argv[3])).heartbeat(step=1)",
                     str(out), str(tmp_path), str(three))
@@ -269,7 +269,7 @@ def test_metrics_file_passes_over_a_fifo_manifest(three, tmp_path):
 def test_bomb_screening_is_linear(raw):
     """4 MB of quotes, backslashes or brackets: refused in about a second, where a quadratic
     scan (or the recursive parser) would take hours (or overflow)."""
-    from supervisor.ckpt import safeio
+    from rtrain.supervisor.ckpt import safeio
 
     t0 = time.process_time()
     with pytest.raises(ValueError):
@@ -284,8 +284,8 @@ def test_a_save_replaces_a_link_with_its_name_and_leaves_the_target(three, tmp_p
     saved = make_ckpt(three, 400)  # the run saves step 400 again
     assert not saved.is_symlink() and saved.is_dir()
     assert (outside / MANIFEST).is_file() and (outside / "model.safetensors").is_file()
-    from supervisor.retention import prune_dir as prune_mod
-    from supervisor.retention.decide import RetentionPolicy
+    from rtrain.supervisor.retention import prune_dir as prune_mod
+    from rtrain.supervisor.retention.decide import RetentionPolicy
 
     prune_mod.prune(three, RetentionPolicy(keep=4))
     assert not os.path.lexists(three / ".trash-checkpoint-9-abcd")
@@ -301,7 +301,7 @@ def test_launch_resumes_from_the_newest_good_one_past_a_fifo_and_a_bomb(three, t
     _nested_manifest(three / "checkpoint-300")
     (tmp_path / "echo.py").write_text(
         "import os; print('FROM', os.environ.get('RTRAIN_RESUME_FROM'))\n")
-    r = run_bounded("-m", "supervisor", "launch", "--run-dir", str(tmp_path / "run"), "-q",
+    r = run_bounded("-m", "rtrain", "launch", "--run-dir", str(tmp_path / "run"), "-q",
                     "--no-backoff", "--ckpt-dir", str(three), str(tmp_path / "echo.py"))
     assert r.returncode == 0, r.stderr
     assert "skipping checkpoint-400: corrupt: manifest.json is a FIFO" in r.stderr

@@ -14,8 +14,8 @@ import torch
 from harness import CHILDREN, events, launch, run_rtrain
 from hostile import claim_huge_header, code_running_pickle, manifest, relist
 
-import worker
-from supervisor.records.runstate import load_state
+import rtrain
+from rtrain.supervisor.records.runstate import load_state
 
 CHILD = CHILDREN / "checkpointer_resume.py"
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ def good_checkpoints(ckpt_dir: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, keep=None)
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, keep=None)
     for step in (2, 4):
         model(torch.randn(3, 4)).pow(2).mean().backward()
         opt.step()

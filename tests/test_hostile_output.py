@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from supervisor.records.events import EventLog
+from rtrain.supervisor.records.events import EventLog
 
 ESC_TITLE = "\x1b]0;pwned\x07"
 CLEAR = "\x1b[2J"
@@ -80,7 +80,7 @@ def test_status_escapes_reasons_and_settings(rtrain, tmp_path, hostile):
 
 
 def test_safe_leaves_printable_text_alone():
-    from supervisor.core.untrusted_text import safe
+    from rtrain.supervisor.core.untrusted_text import safe
 
     assert safe("checkpoint-100 loss=0.5 (ok)") == "checkpoint-100 loss=0.5 (ok)"
     assert safe("a\nb") == "'a\\nb'"

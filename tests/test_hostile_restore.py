@@ -24,10 +24,10 @@ from hostile import (
 from hostile import table as tensor_table
 from hostile import two_checkpoints as shared_two_checkpoints
 
-import worker
-import worker.restore as restore_module
-from supervisor.ckpt.verify import Level, verify
-from supervisor.core.errors import CorruptCheckpoint, ExitCode, StateMismatch
+import rtrain
+import rtrain.worker.restore as restore_module
+from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.supervisor.core.errors import CorruptCheckpoint, ExitCode, StateMismatch
 
 pytestmark = pytest.mark.usefixtures("unsupervised")
 
@@ -38,7 +38,7 @@ def two_checkpoints(ckpt_dir):
 
 def restored(ckpt_dir, path=None):
     model, opt = make(seed=7)
-    step = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir).restore(path)
+    step = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir).restore(path)
     return step, model
 
 
@@ -125,7 +125,7 @@ def test_same_size_swap_after_the_quick_check_is_caught_while_loading(tmp_path, 
     model, opt = make(seed=7)
     before = model.weight.detach().clone()
     with pytest.raises(SystemExit) as e:
-        worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path / "ckpt").restore()
+        rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path / "ckpt").restore()
     assert e.value.code == ExitCode.BAD_CHECKPOINT
     assert torch.equal(model.weight, before), "weights other than the verified ones were loaded"
     assert not torch.equal(model.weight, weights[2])
@@ -137,25 +137,25 @@ def test_signed_checkpoints_hash_their_files_with_blake3(tmp_path, monkeypatch):
     import blake3
 
     model, opt = make()
-    signed = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path / "s",
+    signed = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path / "s",
                                  signing_key="secret").save(1)
     m = manifest(signed)
     assert m["hash_alg"] == "blake3" and m["signature"]["alg"] == "blake3-keyed"
     for name, entry in m["files"].items():
         assert entry["hash"] == blake3.blake3((signed / name).read_bytes()).hexdigest()
-    unsigned = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path / "u").save(1)
+    unsigned = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path / "u").save(1)
     assert manifest(unsigned)["hash_alg"] == "xxh3-128"
     monkeypatch.setenv("RTRAIN_SIGNING_KEY", "secret")
-    assert verify(signed, Level.FULL, worker.Checkpointer(ckpt_dir=tmp_path).key).ok
+    assert verify(signed, Level.FULL, rtrain.Checkpointer(ckpt_dir=tmp_path).key).ok
     model2, opt2 = make(seed=3)
-    assert worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path / "s").restore() == 1
+    assert rtrain.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path / "s").restore() == 1
     assert torch.equal(model2.weight, model.weight)
 
 
 def test_a_signed_manifest_over_xxh3_hashes_is_refused_under_a_key(tmp_path, monkeypatch,
                                                                     make_ckpt):
-    from supervisor.ckpt import hashing
-    from supervisor.ckpt import manifest as mf
+    from rtrain.supervisor.ckpt import hashing
+    from rtrain.supervisor.ckpt import manifest as mf
 
     key = hashing.derive_key(b"secret")
     ckpt = make_ckpt(tmp_path, 3)  # unsigned, xxh3-128: what an older rtrain wrote
@@ -200,7 +200,7 @@ def test_a_tensor_that_does_not_fit_is_refused_naming_both(tmp_path, array, mess
     model, opt = make(seed=7)
     before = model.weight.detach().clone()
     with pytest.raises(StateMismatch) as e:
-        worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).restore()
+        rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).restore()
     assert message in str(e.value)
     assert torch.equal(model.weight, before)
 
@@ -231,7 +231,7 @@ def test_optimizer_state_that_does_not_fit_its_parameter_is_refused(tmp_path):
     before = model.weight.detach().clone()
     with pytest.raises(StateMismatch, match=r"state 'weight/exp_avg' shape mismatch: "
                                             r"parameter \[2, 4\], checkpoint \[4\]"):
-        worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).restore()
+        rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).restore()
     assert torch.equal(model.weight, before)
 
 

@@ -16,13 +16,13 @@ import pytest
 from harness import invoke_rtrain, write_events
 from scripted_loop import Script, run, success
 
-from supervisor.config import load_config
-from supervisor.core.errors import AlreadySupervised, ExitCode
-from supervisor.decide.policy import History
-from supervisor.launch.loop import LaunchSpec, launch
-from supervisor.records.events import EventLog, EventLogError, read_events
-from supervisor.records.lock import LOCK_NAME, RunLock
-from supervisor.records.runstate import RunState, StateError, load_state, save_state
+from rtrain.supervisor.config import load_config
+from rtrain.supervisor.core.errors import AlreadySupervised, ExitCode
+from rtrain.supervisor.decide.policy import History
+from rtrain.supervisor.launch.loop import LaunchSpec, launch
+from rtrain.supervisor.records.events import EventLog, EventLogError, read_events
+from rtrain.supervisor.records.lock import LOCK_NAME, RunLock
+from rtrain.supervisor.records.runstate import RunState, StateError, load_state, save_state
 
 LAUNCH = {"attempt": 0, "argv": ["train.py"], "settings": {}, "level": 0, "resume_from": None,
           "pid": 1}

@@ -25,18 +25,18 @@ import pytest
 from harness import child_spec, invoke_rtrain, write_events
 from scripted_loop import Script, run, success
 
-from supervisor.ckpt import generation, keepcopy, quarantine
-from supervisor.ckpt.generation import GENERATION_FILE
-from supervisor.ckpt.quarantine import QUARANTINE_FILE
-from supervisor.core import ownfiles
-from supervisor.proc.leftovers import PROCS_FILE
-from supervisor.proc.logcap import CappedLog
-from supervisor.proc.spawn import spawn
-from supervisor.proc.stacks import dump_stacks
-from supervisor.records.events import EventLog
-from supervisor.records.lock import LOCK_NAME, RunLock
-from supervisor.records.runstate import STATE_FILE, load_state
-from worker import runtime
+from rtrain.supervisor.ckpt import generation, keepcopy, quarantine
+from rtrain.supervisor.ckpt.generation import GENERATION_FILE
+from rtrain.supervisor.ckpt.quarantine import QUARANTINE_FILE
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.proc.leftovers import PROCS_FILE
+from rtrain.supervisor.proc.logcap import CappedLog
+from rtrain.supervisor.proc.spawn import spawn
+from rtrain.supervisor.proc.stacks import dump_stacks
+from rtrain.supervisor.records.events import EventLog
+from rtrain.supervisor.records.lock import LOCK_NAME, RunLock
+from rtrain.supervisor.records.runstate import STATE_FILE, load_state
+from rtrain.worker import runtime
 
 VICTIM_TEXT = "the user's own file: rtrain must never change it\n"
 

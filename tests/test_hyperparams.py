@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-import worker
-from worker.hyperparams import Change, describe, split
+import rtrain
+from rtrain.worker.hyperparams import Change, describe, split
 
 pytestmark = pytest.mark.usefixtures("unsupervised")
 HEAD = "optimizer hyper-parameters differ from the script's and the checkpoint's values are used: "
@@ -36,7 +36,7 @@ def saved(tmp_path, **opt_kw) -> None:
     opt = torch.optim.AdamW(groups, **{"lr": 1e-3, "weight_decay": 0.0, **opt_kw})
     for _ in range(3):
         step(model, opt)
-    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).save(3)
+    rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).save(3)
 
 
 def lines(caplog, level: int) -> list[str]:
@@ -49,7 +49,7 @@ def test_a_value_changed_in_the_script_is_one_warning_after_an_iteration(tmp_pat
     saved(tmp_path)
     model, groups = model_and_groups(1)
     opt = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1)  # the person changed it
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path)
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path)
     with caplog.at_level(logging.INFO):
         assert ck.restore() == 3
         assert lines(caplog, logging.WARNING) == []     # the verdict waits for the script
@@ -74,7 +74,7 @@ def test_a_learning_rate_the_script_sets_every_step_is_no_warning(tmp_path, capl
 
     model, groups = model_and_groups(1)
     opt = torch.optim.AdamW(groups, lr=6e-4, weight_decay=0.0)
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path)
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path)
     with caplog.at_level(logging.INFO):
         start = ck.restore()
         for it in range(start, start + 4):
@@ -99,7 +99,7 @@ def test_everything_that_differs_is_one_line(tmp_path, caplog):
     model, groups = model_and_groups(1)
     groups[1]["lr"], groups[1]["betas"] = 5e-4, (0.8, 0.95)
     opt = torch.optim.AdamW(groups, lr=2e-3, weight_decay=0.0, eps=1e-6)
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path)
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path)
     with caplog.at_level(logging.WARNING):
         ck.restore()
         for s in range(3, 5):
@@ -121,9 +121,9 @@ def test_under_a_scheduler_the_initial_lr_is_judged(tmp_path, caplog):
     model, opt, sched = build(0.1)
     step(model, opt)
     sched.step()
-    worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, ckpt_dir=tmp_path).save(1)
+    rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched, ckpt_dir=tmp_path).save(1)
     model, opt, sched = build(0.2)
-    ck = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, ckpt_dir=tmp_path)
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched, ckpt_dir=tmp_path)
     with caplog.at_level(logging.INFO):
         ck.restore()
         for s in range(1, 4):
@@ -138,7 +138,7 @@ def test_a_script_that_stops_before_its_steps_hears_it_at_close(tmp_path, caplog
     saved(tmp_path)
     model, groups = model_and_groups(1)
     opt = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1)
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path)
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path)
     with caplog.at_level(logging.WARNING):
         ck.restore()
         step(model, opt)                                  # one step: no verdict yet
@@ -152,7 +152,7 @@ def test_nothing_changed_nothing_said(tmp_path, caplog):
     saved(tmp_path)
     model, groups = model_and_groups(1)
     opt = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.0)
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path)
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path)
     with caplog.at_level(logging.INFO):
         ck.restore()
         for _ in range(3):

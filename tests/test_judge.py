@@ -7,15 +7,15 @@ from dataclasses import FrozenInstanceError, replace
 
 import pytest
 
-from supervisor.config import Config
-from supervisor.core.protocol import Heartbeat
-from supervisor.decide.attempt import AttemptResult, Event, Say, judge
-from supervisor.decide.failures import FailureKind
-from supervisor.decide.history import History
-from supervisor.decide.observation import Heartbeats, Observation, evidence
-from supervisor.decide.policy import Action
-from supervisor.decide.streak import Resumed
-from supervisor.timelimit.decide import WHY, WallPlan
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.core.protocol import Heartbeat
+from rtrain.supervisor.decide.attempt import AttemptResult, Event, Say, judge
+from rtrain.supervisor.decide.failures import FailureKind
+from rtrain.supervisor.decide.history import History
+from rtrain.supervisor.decide.observation import Heartbeats, Observation, evidence
+from rtrain.supervisor.decide.policy import Action
+from rtrain.supervisor.decide.streak import Resumed
+from rtrain.supervisor.timelimit.decide import WHY, WallPlan
 
 K = FailureKind
 PID = 4_200_000

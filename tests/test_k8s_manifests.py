@@ -22,8 +22,8 @@ import typer
 import yaml
 from kubernetes import client as k8s  # the dev extras pin it
 
-from supervisor.config import Config
-from supervisor.core.errors import ExitCode
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.core.errors import ExitCode
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
@@ -87,7 +87,7 @@ def documents(path: Path) -> list[dict[str, Any]]:
 def launch_options(args: list[str]) -> dict[str, Any]:
     """`rtrain launch ARGS` parsed by rtrain's own command line (unknown options and bad
     values fail here, as they would in the pod)."""
-    from supervisor.cli import app
+    from rtrain.supervisor.cli import app
 
     launch = typer.main.get_command(app).commands["launch"]  # type: ignore[attr-defined]
     try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.core.errors import ConfigError
-from supervisor.decide.ladder import (
+from rtrain.supervisor.core.errors import ConfigError
+from rtrain.supervisor.decide.ladder import (
     DEFAULT_LADDER,
     Floor,
     Rung,

@@ -16,7 +16,7 @@ import psutil
 import pytest
 from harness import CHILDREN, child_env, events, gone, kinds, launch, launch_cmd, wait_for_text
 
-from supervisor.records.runstate import load_state
+from rtrain.supervisor.records.runstate import load_state
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from scripted_loop import PID0, Script, crash, run, success
 
-from supervisor.core.errors import ExitCode
-from supervisor.records.runstate import load_state
+from rtrain.supervisor.core.errors import ExitCode
+from rtrain.supervisor.records.runstate import load_state
 
 CRASH_LOOP_2 = {"restart.crash_loop_k": 2}
 

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from harness import CHILDREN
 
-from supervisor.config import load_config
-from supervisor.launch.loop import LaunchSpec, Seams, child_command, launch
-from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
-from supervisor.records.events import read_events
+from rtrain.supervisor.config import load_config
+from rtrain.supervisor.launch.loop import LaunchSpec, Seams, child_command, launch
+from rtrain.supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
+from rtrain.supervisor.records.events import read_events
 
 GIB = 1 << 30
 
@@ -22,7 +20,6 @@ def reading(used_gib: float, lost: bool = False) -> GpuReading:
 
 @pytest.mark.slow
 def test_lost_device_is_classified_and_relaunched(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent))
     cfg = load_config({"run_dir": tmp_path / "run", "backoff.enabled": False,
                        "sample_interval_s": 0.1, "gpu_release_wait_s": 1.0}, None, tmp_path)
     reader = ScriptedReader([reading(40), reading(64), reading(79.5),

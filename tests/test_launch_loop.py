@@ -10,9 +10,9 @@ from dataclasses import replace
 
 from scripted_loop import PID0, Script, crash, run, success
 
-from supervisor.decide.observation import Heartbeats, Observation
-from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
-from supervisor.records.runstate import RunStatus, load_state
+from rtrain.supervisor.decide.observation import Heartbeats, Observation
+from rtrain.supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
+from rtrain.supervisor.records.runstate import RunStatus, load_state
 
 
 def kinds(events: list[dict]) -> list[str]:

@@ -18,9 +18,9 @@ import psutil
 import pytest
 from harness import CHILDREN, child_env, gone, launch_cmd, wait_for
 
-from supervisor.ckpt import generation
-from supervisor.proc import leftovers, userkey
-from supervisor.records.events import read_events
+from rtrain.supervisor.ckpt import generation
+from rtrain.supervisor.proc import leftovers, userkey
+from rtrain.supervisor.records.events import read_events
 
 LEAVE = CHILDREN / "leave_behind_on_kill.py"
 
@@ -95,8 +95,8 @@ def test_next_launch_ends_what_a_killed_rtrain_left(tmp_path):
 WRITER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from supervisor.ckpt.commit import PendingCheckpoint
-    from supervisor.ckpt.generation import StaleWriter
+    from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+    from rtrain.supervisor.ckpt.generation import StaleWriter
     d = Path(sys.argv[1])
     pending = PendingCheckpoint(os.environ["RTRAIN_CKPT_DIR"], int(sys.argv[2]), fsync=False)
     pending.write_json("state.json", {"step": int(sys.argv[2])})

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from harness import REPO
 
-from supervisor.core.errors import AlreadySupervised, ExitCode
-from supervisor.records.lock import LOCK_NAME, RunLock
+from rtrain.supervisor.core.errors import AlreadySupervised, ExitCode
+from rtrain.supervisor.records.lock import LOCK_NAME, RunLock
 
 HOLDER = """
 import sys, time
-from supervisor.records.lock import RunLock
+from rtrain.supervisor.records.lock import RunLock
 with RunLock(sys.argv[1]):
     print("locked", flush=True)
     sys.stdin.read()  # hold until the test closes our stdin
@@ -74,7 +74,7 @@ def test_stale_lock_of_a_dead_pid_is_taken_over(tmp_path):
 
 ORPHANING_HOLDER = """
 import os, subprocess, sys
-from supervisor.records.lock import RunLock
+from rtrain.supervisor.records.lock import RunLock
 RunLock(sys.argv[1]).acquire()
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], close_fds=False,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

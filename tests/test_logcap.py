@@ -12,7 +12,7 @@ import subprocess
 import pytest
 from harness import CHILDREN, child_env, launch_cmd
 
-from supervisor.proc.logcap import CappedLog
+from rtrain.supervisor.proc.logcap import CappedLog
 
 CHATTY = CHILDREN / "chatty.py"
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from scripted_loop import Script, run, success
 
-from supervisor.decide.observation import Heartbeats, Observation
-from supervisor.records.runstate import RunStatus, load_state
+from rtrain.supervisor.decide.observation import Heartbeats, Observation
+from rtrain.supervisor.records.runstate import RunStatus, load_state
 
 
 def kinds(events: list[dict]) -> list[str]:

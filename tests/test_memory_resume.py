@@ -10,21 +10,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import worker
-from supervisor.ckpt import runid
-from supervisor.ckpt.layout import checkpoint_name
-from supervisor.core.protocol import ENV_MEMORY_RESUME, ENV_RESUME_FROM
-from supervisor.memtier import parts
+import rtrain
+from rtrain.supervisor.ckpt import runid
+from rtrain.supervisor.ckpt.layout import checkpoint_name
+from rtrain.supervisor.core.protocol import ENV_MEMORY_RESUME, ENV_RESUME_FROM
+from rtrain.supervisor.memtier import parts
 
 RUN = "3" * 32
 
 
-def _train(ckpt_dir, steps: int) -> tuple[nn.Module, worker.Checkpointer]:
+def _train(ckpt_dir, steps: int) -> tuple[nn.Module, rtrain.Checkpointer]:
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=3,
-                             saving=worker.Saving(memory=1, async_mode="off"))
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=3,
+                             saving=rtrain.Saving(memory=1, async_mode="off"))
     for step in range(1, steps + 1):
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
@@ -38,7 +38,7 @@ def _resume(ckpt_dir) -> tuple[int, nn.Module]:
     torch.manual_seed(1)  # other weights: what a resume must replace
     model = nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=3)
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=3)
     step = ck.restore()
     ck.close()
     return step, model

@@ -14,13 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import worker
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.ckpt.verify import Level, verify
-from supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
-from supervisor.memtier import decide, persist, shmdir
-from supervisor.memtier.tier import MemoryTierDir
-from worker import memory_tier
+import rtrain
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
+from rtrain.supervisor.memtier import decide, persist, shmdir
+from rtrain.supervisor.memtier.tier import MemoryTierDir
+from rtrain.worker import memory_tier
 
 
 @pytest.mark.parametrize("snap, disk, same_run, expected", [
@@ -95,7 +95,7 @@ def test_a_snapshot_is_its_step_boundary_while_training_goes_on(tmp_path, shm, o
     changes the weights (optimizer) and the batch-norm statistics (forward) right after, while
     the snapshot's writes are slowed down. The snapshot must hold step 3's values, every byte:
     the optimizer's pre-hook held its step, the buffers were copied at the boundary."""
-    from supervisor.ckpt.commit import PendingCheckpoint
+    from rtrain.supervisor.ckpt.commit import PendingCheckpoint
 
     write = PendingCheckpoint.write_tensors
 
@@ -105,8 +105,8 @@ def test_a_snapshot_is_its_step_boundary_while_training_goes_on(tmp_path, shm, o
 
     monkeypatch.setattr(PendingCheckpoint, "write_tensors", slow)
     m, opt = _model()
-    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
-                               saving=worker.Saving(memory=worker.Memory(every=3,
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=rtrain.Saving(memory=rtrain.Memory(every=3,
                                                                           overlap=overlap)))
     _train(m, opt, ckpt, 3)
     at3 = copy.deepcopy(m.state_dict())
@@ -129,8 +129,8 @@ def test_a_snapshot_is_its_step_boundary_while_training_goes_on(tmp_path, shm, o
 
 def test_double_buffering_keeps_only_the_newest_complete_snapshot(tmp_path, shm):
     m, opt = _model()
-    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
-                               saving=worker.Saving(memory=1))
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=rtrain.Saving(memory=1))
     _train(m, opt, ckpt, 6)
     ckpt.close()
     assert [s for s, _ in list_checkpoints(shm)] == [6]
@@ -139,8 +139,8 @@ def test_double_buffering_keeps_only_the_newest_complete_snapshot(tmp_path, shm)
 
 def test_a_state_that_does_not_fit_twice_leaves_the_tier_off(tmp_path, shm, caplog):
     m, opt = _model()
-    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
-                               saving=worker.Saving(memory=worker.Memory(every=1,
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=rtrain.Saving(memory=rtrain.Memory(every=1,
                                                                           budget_mb=0.01)))
     with caplog.at_level(logging.WARNING):
         _train(m, opt, ckpt, 3)
@@ -151,8 +151,8 @@ def test_a_state_that_does_not_fit_twice_leaves_the_tier_off(tmp_path, shm, capl
 
 def test_rtrain_dropping_the_tier_stops_snapshots(tmp_path, shm, caplog):
     m, opt = _model()
-    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
-                               saving=worker.Saving(memory=1))
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=rtrain.Saving(memory=1))
     _train(m, opt, ckpt, 2)
     ckpt._memory.wait()
     assert shmdir.drop(shm) > 0
@@ -167,21 +167,21 @@ def test_outside_rtrain_the_tier_is_off_with_a_warning(tmp_path, monkeypatch, ca
     monkeypatch.delenv(ENV_MEMORY_DIR, raising=False)
     m, opt = _model()
     with caplog.at_level(logging.WARNING):
-        ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
-                                   saving=worker.Saving(memory="auto"))
+        ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                                   saving=rtrain.Saving(memory="auto"))
     assert ckpt._memory is None and "rtrain launch" in caplog.text
 
 
 @pytest.mark.parametrize("bad", [0, -1, "often", 1.5])
 def test_bad_memory_values_fail_where_they_are_written(bad):
     with pytest.raises((ValueError, TypeError), match=r"(?i)memory"):
-        worker.Saving(memory=bad)
+        rtrain.Saving(memory=bad)
 
 
 def _snapshot(tmp_path, shm, steps=2):
     m, opt = _model()
-    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
-                               saving=worker.Saving(memory=1))
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=rtrain.Saving(memory=1))
     _train(m, opt, ckpt, steps)
     ckpt.close()
     [(_, snap)] = list_checkpoints(shm)
@@ -243,8 +243,8 @@ def test_a_damaged_snapshot_is_refused_and_the_disk_left_alone(tmp_path, shm, da
 
 def test_a_signed_snapshot_from_another_key_is_refused(tmp_path, shm):
     m, opt = _model()
-    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
-                               saving=worker.Saving(memory=1), signing_key="someone else")
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=rtrain.Saving(memory=1), signing_key="someone else")
     _train(m, opt, ckpt, 2)
     ckpt.close()
     seen: list = []
@@ -277,7 +277,7 @@ def test_a_snapshot_removed_while_pinned_is_refused_not_half_copied(tmp_path, sh
 def test_auto_spaces_snapshots_so_none_waits_for_the_previous_write(tmp_path, shm, monkeypatch):
     """Under "auto", a write that takes several steps (slowed down here) spreads the snapshots
     out instead of making every step wait for the previous one."""
-    from supervisor.ckpt.commit import PendingCheckpoint
+    from rtrain.supervisor.ckpt.commit import PendingCheckpoint
 
     write = PendingCheckpoint.write_bytes
 
@@ -287,8 +287,8 @@ def test_auto_spaces_snapshots_so_none_waits_for_the_previous_write(tmp_path, sh
 
     monkeypatch.setattr(PendingCheckpoint, "write_bytes", slow)
     m, opt = _model()
-    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
-                               saving=worker.Saving(memory="auto"))
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=rtrain.Saving(memory="auto"))
     taken = []
     real = ckpt._memory.snapshot
     ckpt._memory.snapshot = lambda cap: (taken.append(cap.step), real(cap))
@@ -303,15 +303,15 @@ def test_only_the_snapshot_rtrain_handed_over_is_read_unhashed(tmp_path, shm, mo
     """RTRAIN_RESUME_FROM inside RTRAIN_MEMORY_DIR: read unhashed (the model's file mapped),
     the restore exact. The same snapshot named any other way (a path given to restore(), a
     copy elsewhere) is read hashed, so a byte changed in it is caught."""
-    from supervisor.core.errors import CorruptCheckpoint
-    from supervisor.core.protocol import ENV_RESUME_FROM
-    from worker.restore import handed_over_from_memory
+    from rtrain.supervisor.core.errors import CorruptCheckpoint
+    from rtrain.supervisor.core.protocol import ENV_RESUME_FROM
+    from rtrain.worker.restore import handed_over_from_memory
 
     snap = _snapshot(tmp_path, shm, steps=3)
     monkeypatch.setenv(ENV_RESUME_FROM, str(snap))
     assert handed_over_from_memory(snap)
     m, opt = _model()
-    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck")
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck")
     assert ckpt.restore() == 3
     saved = load_file(snap / "model.safetensors")
     assert all(torch.equal(saved[k], v) for k, v in m.state_dict().items() if k in saved)
@@ -328,7 +328,7 @@ def test_only_the_snapshot_rtrain_handed_over_is_read_unhashed(tmp_path, shm, mo
     f.write_bytes(bytes(raw))
     monkeypatch.delenv(ENV_RESUME_FROM)
     with pytest.raises(CorruptCheckpoint):
-        worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck").restore(elsewhere)
+        rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck").restore(elsewhere)
 
 
 def test_an_encrypted_snapshot_is_persisted_and_restored_under_its_key(tmp_path, shm,
@@ -336,12 +336,12 @@ def test_an_encrypted_snapshot_is_persisted_and_restored_under_its_key(tmp_path,
     """Encrypted as the run's disk checkpoints are: rtrain copies it byte for byte (the
     manifest's hashes are of the sealed bytes), and the relaunch handed it over decrypts and
     authenticates it (nothing read unhashed), exactly."""
-    from supervisor.core.protocol import ENV_RESUME_FROM
+    from rtrain.supervisor.core.protocol import ENV_RESUME_FROM
 
     key = "a passphrase for the memory tier"
     m, opt = _model()
-    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
-                               saving=worker.Saving(memory=1), encryption_key=key)
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=rtrain.Saving(memory=1), encryption_key=key)
     _train(m, opt, ckpt, 3)
     ckpt.close()
     [(_, snap)] = list_checkpoints(shm)
@@ -352,7 +352,7 @@ def test_an_encrypted_snapshot_is_persisted_and_restored_under_its_key(tmp_path,
     assert verify(ckpts / "checkpoint-3", Level.FULL, None).ok
     monkeypatch.setenv(ENV_RESUME_FROM, str(snap))
     m2, opt2 = _model()
-    assert worker.Checkpointer(model=m2, optimizer=opt2, ckpt_dir=ckpts,
+    assert rtrain.Checkpointer(model=m2, optimizer=opt2, ckpt_dir=ckpts,
                                encryption_key=key).restore() == 3
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(),
                                                  m2.state_dict().values(), strict=True))

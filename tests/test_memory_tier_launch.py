@@ -16,9 +16,9 @@ import torch
 from harness import CHILDREN, child_env, events, gone, invoke_rtrain, launch, launch_cmd
 from references import cached
 
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.ckpt.verify import Level, verify
-from supervisor.memtier import shmdir
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.supervisor.memtier import shmdir
 
 pytestmark = pytest.mark.slow
 

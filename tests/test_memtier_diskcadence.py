@@ -14,14 +14,14 @@ import time
 import pytest
 import torch
 
-import worker
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.ckpt.verify import Level, verify
-from supervisor.core.protocol import ENV_HEARTBEAT
-from supervisor.memtier import decide
-from supervisor.memtier.diskcadence import DiskCadence
-from supervisor.proc.heartbeat import HeartbeatReceiver
-from supervisor.retention.decide import RetentionPolicy
+import rtrain
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.supervisor.core.protocol import ENV_HEARTBEAT
+from rtrain.supervisor.memtier import decide
+from rtrain.supervisor.memtier.diskcadence import DiskCadence
+from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
+from rtrain.supervisor.retention.decide import RetentionPolicy
 
 KEEP_1 = {"keep": 1, "keep_best": 0, "metric": None, "mode": "min", "milestone_every": 0}
 
@@ -102,8 +102,8 @@ def test_a_scheduled_disk_save_under_the_tier_is_a_snapshot_rtrain_is_asked_to_p
     with HeartbeatReceiver() as receiver:
         monkeypatch.setenv(ENV_HEARTBEAT, receiver.name)
         m, opt = _model()
-        ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=ck, every=2, keep=2,
-                                   saving=worker.Saving(memory=100))
+        ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=ck, every=2, keep=2,
+                                   saving=rtrain.Saving(memory=100))
         paths = _train(m, opt, ckpt, 4)
         ckpt._memory.wait()
         assert paths == [None, ck / "checkpoint-2", None, ck / "checkpoint-4"]
@@ -124,8 +124,8 @@ def test_a_scheduled_disk_save_under_the_tier_is_a_snapshot_rtrain_is_asked_to_p
 
 def test_without_a_working_tier_the_scheduled_save_goes_to_disk(tmp_path, shm):
     m, opt = _model()
-    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck", every=2,
-                               saving=worker.Saving(memory=worker.Memory(every=1,
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck", every=2,
+                               saving=rtrain.Saving(memory=rtrain.Memory(every=1,
                                                                           budget_mb=0.01)))
     _train(m, opt, ckpt, 2)  # the state does not fit the budget: the tier turns off
     ckpt.close()
@@ -137,8 +137,8 @@ def _snapshots(tmp_path, shm, disk_steps, snap_at):
     in shared memory; the checkpoint dir carries the run identity the snapshot names."""
     ck = tmp_path / "ck"
     m, opt = _model()
-    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=ck, keep=None,
-                               saving=worker.Saving(memory=snap_at))
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=ck, keep=None,
+                               saving=rtrain.Saving(memory=snap_at))
     for step in range(1, snap_at + 1):
         _train(m, opt, ckpt, 1, start=step - 1)
         if step in disk_steps:
@@ -220,8 +220,8 @@ def test_a_step_saved_again_replaces_its_earlier_save_not_a_later_one(tmp_path, 
     m, opt = _model()
     with torch.no_grad():
         m[0].weight.add_(1.0)  # the replay took another path (a lower learning rate, say)
-    ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "replay",
-                               saving=worker.Saving(memory=6))
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "replay",
+                               saving=rtrain.Saving(memory=6))
     _train(m, opt, ckpt, 6)
     ckpt.close()
     [(_, snap)] = list_checkpoints(shm)
@@ -241,10 +241,9 @@ def test_the_automatic_cadence_goes_on_choosing_from_what_the_hand_off_costs(tmp
     with HeartbeatReceiver() as receiver:
         monkeypatch.setenv(ENV_HEARTBEAT, receiver.name)
         m, opt = _model()
-        ckpt = worker.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
-                                   every=worker.Every(steps="auto", total_steps=40,
-                                                      max_steps=3),
-                                   saving=worker.Saving(memory=100))
+        ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                                   every=rtrain.Every(steps="auto", max_steps=3),
+                                   saving=rtrain.Saving(memory=100))
         beats = []
         for step in range(12):  # read as rtrain does, before the socket's queue fills
             _train(m, opt, ckpt, 1, start=step)

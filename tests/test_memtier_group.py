@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from conftest import make_part
 
-from supervisor.ckpt import hashing, runid
-from supervisor.ckpt import manifest as mf
-from supervisor.ckpt.layout import checkpoint_name
-from supervisor.ckpt.verify import Level, verify
-from supervisor.memtier import parts, persist
+from rtrain.supervisor.ckpt import hashing, runid
+from rtrain.supervisor.ckpt import manifest as mf
+from rtrain.supervisor.ckpt.layout import checkpoint_name
+from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.supervisor.memtier import parts, persist
 
 KEY = hashing.derive_key(b"the run's key")
 RUN = "1" * 32  # make_part's run
@@ -71,7 +71,7 @@ def test_parts_that_do_not_make_one_step_are_refused(tmp_path, change, why):
 
 
 def test_a_group_step_refused_at_the_attempts_end_is_said_and_discarded(tmp_path):
-    from supervisor.memtier.tier import MemoryTierDir
+    from rtrain.supervisor.memtier.tier import MemoryTierDir
 
     mem, ck = tmp_path / "mem", tmp_path / "ck"
     ck.mkdir()

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from conftest import make_part
 
-from supervisor.ckpt import hashing
-from supervisor.ckpt.layout import MANIFEST, checkpoint_name
-from supervisor.ckpt.verify import Level, verify
-from supervisor.memtier import parts, peerfetch, registry
-from supervisor.memtier.peerfetch import (
+from rtrain.supervisor.ckpt import hashing
+from rtrain.supervisor.ckpt.layout import MANIFEST, checkpoint_name
+from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.supervisor.memtier import parts, peerfetch, registry
+from rtrain.supervisor.memtier.peerfetch import (
     NoRoom,
     PeerBusy,
     PeerRefused,
@@ -32,7 +32,7 @@ from supervisor.memtier.peerfetch import (
     fetch_part,
     list_remote,
 )
-from supervisor.memtier.peerserver import PeerServer
+from rtrain.supervisor.memtier.peerserver import PeerServer
 
 RUN = "1" * 32
 OTHER_RUN = "2" * 32

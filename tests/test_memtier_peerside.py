@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from conftest import make_part
 
-from supervisor.ckpt import runid
-from supervisor.ckpt.layout import checkpoint_name
-from supervisor.memtier import decide, parts, registry
-from supervisor.memtier.peerserver import PeerServer
-from supervisor.memtier.peerside import PeerSide, serving_address
-from worker import memory_resume
+from rtrain.supervisor.ckpt import runid
+from rtrain.supervisor.ckpt.layout import checkpoint_name
+from rtrain.supervisor.memtier import decide, parts, registry
+from rtrain.supervisor.memtier.peerserver import PeerServer
+from rtrain.supervisor.memtier.peerside import PeerSide, serving_address
+from rtrain.worker import memory_resume
 
 RUN = "1" * 32
 OTHER = "2" * 32
@@ -213,7 +213,7 @@ def test_entries_of_nodes_gone_for_an_hour_are_forgotten(ck):
      "peer copy from n2 failed: cannot list its snapshots"),
 ])
 def test_status_says_the_peer_copies_last_news(peer, says):
-    from supervisor.commands.status import _memory_row
+    from rtrain.supervisor.commands.status import _memory_row
 
     assert says in _memory_row({"state": "on", "every": 1, "peer": peer})
 

@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 from conftest import build_checkpoint
 
-from supervisor.ckpt import manifest as mf
-from supervisor.ckpt import runid
-from supervisor.ckpt.hashing import derive_key
-from supervisor.config import Config
-from supervisor.decide.history import History
-from supervisor.decide.policy import ResumeMode
-from supervisor.launch.resume import Checkpoints
-from supervisor.mirror import outgoing
-from supervisor.mirror.store import CorruptLocal, OtherRun, open_mirror
-from supervisor.mirror.uploader import Spec, Uploader
-from supervisor.records.events import EventLog, read_events
+from rtrain.supervisor.ckpt import manifest as mf
+from rtrain.supervisor.ckpt import runid
+from rtrain.supervisor.ckpt.hashing import derive_key
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.decide.history import History
+from rtrain.supervisor.decide.policy import ResumeMode
+from rtrain.supervisor.launch.resume import Checkpoints
+from rtrain.supervisor.mirror import outgoing
+from rtrain.supervisor.mirror.store import CorruptLocal, OtherRun, open_mirror
+from rtrain.supervisor.mirror.uploader import Spec, Uploader
+from rtrain.supervisor.records.events import EventLog, read_events
 
 KEY = derive_key(b"a signing key for the tests")
 

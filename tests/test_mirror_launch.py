@@ -41,7 +41,7 @@ class Mirror:
         self.url, self.env = url, env
 
     def open(self):
-        from supervisor.mirror.store import open_mirror
+        from rtrain.supervisor.mirror.store import open_mirror
 
         return open_mirror(self.url)
 
@@ -239,7 +239,7 @@ def test_sigkill_of_rtrain_mid_upload_leaves_no_manifest_without_its_files(tmp_p
         proc.kill()
     m.fs.invalidate_cache()
     assert _remote_state(m, 1) == (True, 5)
-    from supervisor.mirror.verify_remote import verify_remote
+    from rtrain.supervisor.mirror.verify_remote import verify_remote
 
     [rc] = m.list()
     assert verify_remote(m, rc, "full", None).ok
@@ -335,7 +335,7 @@ def test_a_store_down_at_a_relaunch_does_not_stop_training_but_stops_a_new_run(t
 def test_encrypted_checkpoints_travel_encrypted_and_resume_bitwise(tmp_path):
     import torch
 
-    from supervisor.ckpt.encrypted_file import MAGIC
+    from rtrain.supervisor.ckpt.encrypted_file import MAGIC
 
     key = {"RTRAIN_ENCRYPTION_KEY": "ab" * 32, "RTRAIN_CACHE_DIR": str(tmp_path / "cache")}
     mirror = tmp_path / "shared-fs"
@@ -378,7 +378,7 @@ def test_an_upload_outlives_the_child_killed_during_it(tmp_path, s3, monkeypatch
     assert killed["signal"] == "SIGKILL"
     assert uploaded["step"] == 1 and uploaded["time"] > killed["time"], (uploaded, killed)
     m = Mirror(url, s3.env).open()
-    from supervisor.mirror.verify_remote import verify_remote
+    from rtrain.supervisor.mirror.verify_remote import verify_remote
 
     [rc] = m.list()
     assert rc.committed and verify_remote(m, rc, "full", None).ok

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import Config, ConfigError
-from supervisor.mirror import backend
+from rtrain.supervisor.config import Config, ConfigError
+from rtrain.supervisor.mirror import backend
 from tests.harness import CHILDREN, child_env, events, launch_cmd
 
 BIG = str(CHILDREN / "commit_big.py")
@@ -77,7 +77,7 @@ def test_the_worst_case_of_one_call_is_stated_and_bounded():
 @pytest.mark.slow  # not a process, but seconds of waiting on purpose
 @pytest.mark.soak  # the same timeouts bound the default tier's silent mirror at a relaunch
 def test_a_probe_of_a_silent_endpoint_gives_up_within_its_default_timeouts(monkeypatch):
-    from supervisor.mirror.store import Unreachable, open_mirror
+    from rtrain.supervisor.mirror.store import Unreachable, open_mirror
 
     with Silent() as silent:
         for k, v in silent.env.items():

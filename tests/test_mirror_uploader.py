@@ -18,8 +18,8 @@ import pytest
 from conftest import build_checkpoint
 from harness import REPO, child_env
 
-from supervisor.ckpt import runid
-from supervisor.mirror.uploader import Spec
+from rtrain.supervisor.ckpt import runid
+from rtrain.supervisor.mirror.uploader import Spec
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ class Uploader:
         spec = Spec(ckpt_dir=ckpt_dir, url=str(mirror), keep_remote=kw.get("keep_remote", 3),
                     milestone_every=kw.get("milestone_every", 0), parallel=2)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.mirror.uploader", spec.dumps()], cwd=REPO,
+            [sys.executable, "-m", "rtrain.supervisor.mirror.uploader", spec.dumps()], cwd=REPO,
             env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.seen: list[dict] = []
         self._lines: queue.Queue[str] = queue.Queue()
@@ -162,7 +162,7 @@ def test_a_link_and_a_renamed_copy_never_go_up_and_never_supersede_the_real_ones
 
 
 def test_an_earlier_runs_higher_step_on_the_mirror_is_said_and_this_runs_go_up(tmp_path):
-    from supervisor.mirror.store import open_mirror
+    from rtrain.supervisor.mirror.store import open_mirror
 
     mirror = tmp_path / "mirror"
     open_mirror(str(mirror)).upload(build_checkpoint(identified(tmp_path / "earlier"), 1000))

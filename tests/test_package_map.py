@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("supervisor", "worker")
+PACKAGES = ("rtrain", "supervisor", "worker")
 
 
 def mapped_modules(design: str) -> set[str]:

@@ -70,7 +70,7 @@ def test_rtrain_as_pid_1_reaps_orphans_and_stops_on_sigterm_with_a_checkpoint(tm
         pytest.skip(why)
     run, ckpts = tmp_path / "run", tmp_path / "ckpts"
     cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "--", sys.executable,
-           "-m", "supervisor", "launch", "--run-dir", str(run), "-q", "--no-backoff",
+           "-m", "rtrain", "launch", "--run-dir", str(run), "-q", "--no-backoff",
            str(CHILDREN / "orphans_then_train.py"), str(ckpts), "1000", str(ORPHANS)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from supervisor.config import Config, RestartConfig, load_config
-from supervisor.decide.failures import Evidence, Failure, FailureKind
-from supervisor.decide.policy import Action, Decision, History, decide, note_progress
-from supervisor.records.runstate import RunState, load_state, save_state
+from rtrain.supervisor.config import Config, RestartConfig, load_config
+from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.policy import Action, Decision, History, decide, note_progress
+from rtrain.supervisor.records.runstate import RunState, load_state, save_state
 
 K = FailureKind
 DAY = 86400.0
@@ -239,7 +239,7 @@ CKPT = "/ckpts/checkpoint-40"
     ([(K.CRASH, 44), (K.CRASH, 41), (K.CRASH, 41)], True),
 ])
 def test_which_streaks_quarantine_a_checkpoint(attempts, quarantined):
-    from supervisor.decide.policy import Resumed
+    from rtrain.supervisor.decide.policy import Resumed
 
     config = cfg(crash_loop_k=0)
     h = History(launch_step=40)
@@ -265,7 +265,7 @@ def test_which_streaks_quarantine_a_checkpoint(attempts, quarantined):
     (None, False, True),
 ])
 def test_outside_kills_never_quarantine(signal, hang, quarantined):
-    from supervisor.decide.policy import Resumed
+    from rtrain.supervisor.decide.policy import Resumed
 
     config, h = cfg(crash_loop_k=0), History(launch_step=40)
     resumed = Resumed(path=CKPT, id="7-1", step=40)

@@ -6,9 +6,16 @@ from dataclasses import replace
 
 import pytest
 
-from supervisor.config import BackoffConfig, Config, RestartConfig
-from supervisor.decide.failures import Evidence, Failure, FailureKind
-from supervisor.decide.policy import Action, History, ResumeMode, backoff_s, decide, note_progress
+from rtrain.supervisor.config import BackoffConfig, Config, RestartConfig
+from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.policy import (
+    Action,
+    History,
+    ResumeMode,
+    backoff_s,
+    decide,
+    note_progress,
+)
 
 K = FailureKind
 SETTINGS = {"batch_size": 64, "grad_accum": 1, "lr": 0.1}

@@ -22,7 +22,7 @@ from chaos_util import (
 )
 from harness import events
 
-from supervisor.records.runstate import load_state
+from rtrain.supervisor.records.runstate import load_state
 
 SETTINGS = {"steps": 360, "save_every": 4, "step_sleep": 0.01}
 KILLS = 6

@@ -12,11 +12,11 @@ import gc
 
 import pytest
 
-from supervisor.config import PressureConfig
-from supervisor.core.protocol import Heartbeat
-from supervisor.decide.classify import classify
-from supervisor.decide.failures import Evidence, FailureKind
-from supervisor.pressure.decide import (
+from rtrain.supervisor.config import PressureConfig
+from rtrain.supervisor.core.protocol import Heartbeat
+from rtrain.supervisor.decide.classify import classify
+from rtrain.supervisor.decide.failures import Evidence, FailureKind
+from rtrain.supervisor.pressure.decide import (
     PRIOR_SAVE_S,
     PRIOR_STEP_S,
     Act,
@@ -30,11 +30,11 @@ from supervisor.pressure.decide import (
     rung_peak,
     worst,
 )
-from supervisor.pressure.monitor import _Durations, host_reading, readings
-from supervisor.proc.cgroup import MemoryCgroup
-from supervisor.proc.gpu import DeviceMemory, GpuReading
-from supervisor.proc.proctree import TreeSample
-from worker import runtime
+from rtrain.supervisor.pressure.monitor import _Durations, host_reading, readings
+from rtrain.supervisor.proc.cgroup import MemoryCgroup
+from rtrain.supervisor.proc.gpu import DeviceMemory, GpuReading
+from rtrain.supervisor.proc.proctree import TreeSample
+from rtrain.worker import runtime
 
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -273,7 +273,7 @@ def test_a_failing_or_dead_callback_does_not_stop_relief(fresh_runtime):
 def test_oom_backoff_steps_its_micro_batch_down_on_relief(fresh_runtime, monkeypatch):
     import torch
 
-    from worker import guards
+    from rtrain.worker import guards
 
     monkeypatch.setattr(guards, "_overrides", {})
     backoff = guards.OOMBackoff(settings={"batch_size": 16, "grad_accum": 1})

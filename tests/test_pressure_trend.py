@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import Config, PressureConfig
-from supervisor.pressure.decide import (
+from rtrain.supervisor.config import Config, PressureConfig
+from rtrain.supervisor.pressure.decide import (
     PRIOR_SAVE_S,
     PRIOR_STEP_S,
     Act,
@@ -25,7 +25,7 @@ from supervisor.pressure.decide import (
     answered,
     forecast,
 )
-from supervisor.pressure.monitor import rule_of
+from rtrain.supervisor.pressure.monitor import rule_of
 
 MIB = 1 << 20
 CURVES = json.loads((Path(__file__).parent / "pressure_curves.json").read_text())["curves"]
@@ -181,7 +181,7 @@ def test_the_slowest_memory_to_run_out_is_not_the_one_acted_on():
     ({"peak_window_s": 0}, "peak_window_s must be above 0"),
 ])
 def test_trend_settings_are_validated(kwargs, words):
-    from supervisor.config import ConfigError
+    from rtrain.supervisor.config import ConfigError
 
     with pytest.raises(ConfigError, match=words):
         PressureConfig(**kwargs)

@@ -13,10 +13,10 @@ import time
 import pytest
 from harness import checkpoint_steps
 
-from supervisor.ckpt.manifest import dumps
-from supervisor.ckpt.verify import Level, verify
-from supervisor.retention import prune_dir as prune_mod
-from supervisor.retention.decide import RetentionPolicy
+from rtrain.supervisor.ckpt.manifest import dumps
+from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.supervisor.retention import prune_dir as prune_mod
+from rtrain.supervisor.retention.decide import RetentionPolicy
 
 
 def flip_a_byte(ckpt) -> None:
@@ -73,7 +73,7 @@ def test_best_by_metric_is_verified_fully_before_the_others_go(four):
 
 
 def test_only_what_is_relied_on_is_hashed(four, monkeypatch):
-    from supervisor.ckpt import hashing
+    from rtrain.supervisor.ckpt import hashing
 
     hashed = []
     real = hashing.hash_file
@@ -85,18 +85,18 @@ def test_only_what_is_relied_on_is_hashed(four, monkeypatch):
 
 def test_in_process_retention_verifies_fully(tmp_path, caplog, monkeypatch):
     torch = pytest.importorskip("torch")
-    import worker
+    import rtrain
 
     for k in ("RTRAIN_RUN_DIR", "RTRAIN_RESUME_FROM", "RTRAIN_CKPT_DIR", "RTRAIN_SIGNING_KEY",
               "RTRAIN_SIGNING_KEY_FILE"):
         monkeypatch.delenv(k, raising=False)
     model = torch.nn.Linear(64, 64)
-    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path, keep=2)
+    ck = rtrain.Checkpointer(model=model, ckpt_dir=tmp_path, keep=2)
     ck.save(1)
     ck.save(2)
     time.sleep(0.05)  # a later clock tick: the rewrite shows in the file's ctime
     flip_a_byte(tmp_path / "checkpoint-2")
-    with caplog.at_level(logging.INFO, logger="worker"):
+    with caplog.at_level(logging.INFO, logger="rtrain.worker"):
         ck.save(3)
     # checkpoint-2 passed the quick check but not the full one: it is not one of the two kept.
     assert checkpoint_steps(tmp_path) == [1, 3]

@@ -10,10 +10,10 @@ import pytest
 from conftest import build_checkpoint
 from harness import CHILDREN, events, launch, run_rtrain
 
-from supervisor.ckpt import quarantine
-from supervisor.records.runstate import load_state
-from supervisor.retention.decide import RetentionPolicy
-from supervisor.retention.prune_dir import prune
+from rtrain.supervisor.ckpt import quarantine
+from rtrain.supervisor.records.runstate import load_state
+from rtrain.supervisor.retention.decide import RetentionPolicy
+from rtrain.supervisor.retention.prune_dir import prune
 
 
 @pytest.mark.slow
@@ -74,8 +74,8 @@ def test_inspect_shows_quarantined_and_resume_skips_it(tmp_path):
 
 @pytest.mark.slow
 def test_retry_lifts_the_quarantine(tmp_path):
-    from supervisor.decide.policy import History
-    from supervisor.records.runstate import RunState, RunStatus, save_state
+    from rtrain.supervisor.decide.policy import History
+    from rtrain.supervisor.records.runstate import RunState, RunStatus, save_state
 
     run = tmp_path / "run"
     ckpts = _quarantined_dir(run)  # run/ckpts: 5 and the quarantined 10

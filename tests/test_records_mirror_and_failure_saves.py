@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from harness import T0, read_metrics_text, write_events
 
-from supervisor.commands.status import render_text, summarize, to_json
-from supervisor.records.metrics import MetricsFile
+from rtrain.supervisor.commands.status import render_text, summarize, to_json
+from rtrain.supervisor.records.metrics import MetricsFile
 
 LAUNCH = {"attempt": 0, "argv": ["python", "train.py"], "settings": {}, "level": 0,
           "resume_from": None, "pid": 1, "ckpt_dir": "checkpoints"}
@@ -80,8 +80,8 @@ def test_metrics_carry_the_mirror_lag(tmp_path, make_ckpt):
 
 
 def test_the_report_shows_the_mirror(tmp_path, make_ckpt):
-    from supervisor.commands.report import gather
-    from supervisor.commands.report_html import render
+    from rtrain.supervisor.commands.report import gather
+    from rtrain.supervisor.commands.report_html import render
 
     run_dir = _run(tmp_path, make_ckpt, [
         ("mirror_uploaded", {"step": 20, "bytes": 1, "seconds": 0.1, "files": 2}),

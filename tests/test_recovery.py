@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 from harness import write_events
 
-from supervisor.commands.report import gather
-from supervisor.commands.report_html import render
-from supervisor.commands.status import render_text, summarize, to_json
-from supervisor.core.protocol import Heartbeat
-from supervisor.records.metrics import MetricsFile
-from supervisor.records.recovery import (
+from rtrain.supervisor.commands.report import gather
+from rtrain.supervisor.commands.report_html import render
+from rtrain.supervisor.commands.status import render_text, summarize, to_json
+from rtrain.supervisor.core.protocol import Heartbeat
+from rtrain.supervisor.records.metrics import MetricsFile
+from rtrain.supervisor.records.recovery import (
     PHASES,
     Marks,
     RecoveryTracker,
@@ -236,7 +236,7 @@ def test_report_has_a_time_lost_table_per_kind(recovered):
 
 def test_metrics_file_has_seconds_lost_per_kind_and_the_last_phases(recovered):
     run, _ = recovered
-    from supervisor.records.events import read_events
+    from rtrain.supervisor.records.events import read_events
 
     m = MetricsFile(run / "m.prom", run_dir=run, ckpt_dir=run / "checkpoints")
     for e in read_events(run / "events.jsonl"):
@@ -250,16 +250,16 @@ def test_metrics_file_has_seconds_lost_per_kind_and_the_last_phases(recovered):
 def test_restore_tells_the_supervisor_how_long_the_load_took(tmp_path, monkeypatch):
     import torch
 
-    import worker
-    from supervisor.proc.heartbeat import HeartbeatReceiver
+    import rtrain
+    from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
 
     with HeartbeatReceiver() as receiver:
         monkeypatch.setenv("RTRAIN_HEARTBEAT", receiver.name)
-        first = worker.Checkpointer(model=torch.nn.Linear(4, 4), ckpt_dir=tmp_path, keep=None)
+        first = rtrain.Checkpointer(model=torch.nn.Linear(4, 4), ckpt_dir=tmp_path, keep=None)
         assert first.restore() == 0  # fresh: no step, which would say training started
         first.save(3)
         first.close()
-        second = worker.Checkpointer(model=torch.nn.Linear(4, 4), ckpt_dir=tmp_path)
+        second = rtrain.Checkpointer(model=torch.nn.Linear(4, 4), ckpt_dir=tmp_path)
         assert second.restore() == 3
         got = receiver.drain()
     assert [(hb.event, hb.step) for hb in got if hb.restore_s is not None] == [

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 from harness import CHILDREN, child_env, events, invoke_rtrain, rtrain_cmd
 
-from supervisor.records.recovery import PHASES
+from rtrain.supervisor.records.recovery import PHASES
 
 pytestmark = pytest.mark.slow
 

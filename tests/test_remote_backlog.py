@@ -2,8 +2,8 @@
 
 import pytest
 
-from supervisor.mirror.backlog import Plan, next_upload
-from supervisor.mirror.uploader import retry_after
+from rtrain.supervisor.mirror.backlog import Plan, next_upload
+from rtrain.supervisor.mirror.uploader import retry_after
 
 CASES = [
     # local, remote, milestone_every, given_up -> plan

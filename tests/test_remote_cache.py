@@ -8,9 +8,9 @@ from pathlib import Path
 
 from conftest import build_checkpoint
 
-from supervisor.ckpt.hashing import XXH3, hash_file
-from supervisor.ckpt.manifest import load
-from supervisor.mirror.cache import BlobCache, default_root, local_blobs
+from rtrain.supervisor.ckpt.hashing import XXH3, hash_file
+from rtrain.supervisor.ckpt.manifest import load
+from rtrain.supervisor.mirror.cache import BlobCache, default_root, local_blobs
 
 H1, H2, H3 = "1" * 32, "2" * 32, "3" * 32
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from conftest import build_checkpoint
 
-from supervisor.ckpt.verify import Status, Verdict
-from supervisor.mirror.prune_remote import UNFINISHED, plan_remote, prune_remote
-from supervisor.mirror.store import RemoteCheckpoint, open_mirror
+from rtrain.supervisor.ckpt.verify import Status, Verdict
+from rtrain.supervisor.mirror.prune_remote import UNFINISHED, plan_remote, prune_remote
+from rtrain.supervisor.mirror.store import RemoteCheckpoint, open_mirror
 
 
 def listing(spec: str) -> list[RemoteCheckpoint]:

@@ -11,20 +11,20 @@ from pathlib import Path
 import pytest
 from conftest import build_checkpoint
 
-from supervisor.ckpt import layout
-from supervisor.ckpt.commit import PendingCheckpoint
-from supervisor.ckpt.hashing import derive_key, new_hasher
-from supervisor.ckpt.verify import Level, verify
-from supervisor.mirror import backend, transfer
-from supervisor.mirror.cache import BlobCache
-from supervisor.mirror.store import (
+from rtrain.supervisor.ckpt import layout
+from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+from rtrain.supervisor.ckpt.hashing import derive_key, new_hasher
+from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.supervisor.mirror import backend, transfer
+from rtrain.supervisor.mirror.cache import BlobCache
+from rtrain.supervisor.mirror.store import (
     CorruptLocal,
     CorruptRemote,
     MirrorError,
     RemoteCheckpoint,
     open_mirror,
 )
-from supervisor.mirror.url import redact
+from rtrain.supervisor.mirror.url import redact
 
 
 @pytest.fixture(params=[pytest.param("s3", marks=pytest.mark.slow), "local"])

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from harness import CHILDREN, launch
 
-from supervisor.commands.report import gather
-from supervisor.commands.report_html import write_report
-from supervisor.records.events import EventLog
+from rtrain.supervisor.commands.report import gather
+from rtrain.supervisor.commands.report_html import write_report
+from rtrain.supervisor.records.events import EventLog
 
 DEMO = CHILDREN / "report_demo.py"
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium"

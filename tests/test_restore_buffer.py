@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-import worker
-from supervisor.ckpt import hashing
-from supervisor.ckpt.safetensors_io import read_header
-from supervisor.ckpt.verified_read import _PARALLEL_FROM, ListedFile, LoadError
-from supervisor.core.errors import CorruptCheckpoint
+import rtrain
+from rtrain.supervisor.ckpt import hashing
+from rtrain.supervisor.ckpt.safetensors_io import read_header
+from rtrain.supervisor.ckpt.verified_read import _PARALLEL_FROM, ListedFile, LoadError
+from rtrain.supervisor.core.errors import CorruptCheckpoint
 
 BIG = _PARALLEL_FROM + (5 << 20) + 123  # over the threshold, not a whole number of chunks
 
@@ -85,7 +85,7 @@ def big_model(seed: int) -> nn.Module:
 
 def test_a_large_checkpoint_swapped_after_verification_leaves_the_model_untouched(tmp_path):
     model = big_model(0)
-    path = worker.Checkpointer(model=model, ckpt_dir=tmp_path).save(1)
+    path = rtrain.Checkpointer(model=model, ckpt_dir=tmp_path).save(1)
     size = (path / "model.safetensors").stat().st_size
     assert size > _PARALLEL_FROM
     with open(path / "model.safetensors", "r+b") as out:  # same size, last chunk differs
@@ -93,8 +93,8 @@ def test_a_large_checkpoint_swapped_after_verification_leaves_the_model_untouche
         out.write(b"\x7f\x7f\x7f\x7f\x7f")
     other = big_model(1)
     before = {k: v.clone() for k, v in other.state_dict().items()}
-    ck = worker.Checkpointer(model=other, ckpt_dir=tmp_path,
-                             restoring=worker.Restoring(verify="quick"))
+    ck = rtrain.Checkpointer(model=other, ckpt_dir=tmp_path,
+                             restoring=rtrain.Restoring(verify="quick"))
     with pytest.raises(CorruptCheckpoint, match="content hash does not match"):
         ck.restore(path)
     for k, v in other.state_dict().items():
@@ -108,12 +108,12 @@ def test_tensors_that_start_off_their_element_boundary_load_exactly(tmp_path):
     extra = {"a": torch.tensor([1, 2, 3], dtype=torch.uint8),
              "b": torch.arange(5, dtype=torch.float64) / 3,
              "c": torch.tensor([True, False]), "d": torch.arange(3, dtype=torch.int32)}
-    path = worker.Checkpointer(model=model, ckpt_dir=tmp_path).save(1, extra=extra)
+    path = rtrain.Checkpointer(model=model, ckpt_dir=tmp_path).save(1, extra=extra)
     header = read_header(path / "extra.safetensors")
     sizes = {"F64": 8, "I32": 4}
     assert any(e["data_offsets"][0] % sizes[e["dtype"]] for e in header.values()
                if isinstance(e, dict) and e.get("dtype") in sizes), "no misaligned tensor"
-    ck = worker.Checkpointer(model=nn.Linear(2, 2), ckpt_dir=tmp_path)
+    ck = rtrain.Checkpointer(model=nn.Linear(2, 2), ckpt_dir=tmp_path)
     assert ck.restore(path) == 1
     for k, v in extra.items():
         assert ck.extra[k].dtype == v.dtype and torch.equal(ck.extra[k], v)
@@ -134,10 +134,10 @@ def test_restore_fills_its_buffers_without_a_page_fault_per_4_kib(tmp_path):
     """Faulting in fresh memory 4 KiB at a time was most of a restore's cost (262144 faults
     per GiB); the buffer is advised as huge pages, so a restore of 36 MB takes far fewer."""
     model = big_model(0)
-    path = worker.Checkpointer(model=model, ckpt_dir=tmp_path).save(1)
+    path = rtrain.Checkpointer(model=model, ckpt_dir=tmp_path).save(1)
     target = big_model(1)
-    ck = worker.Checkpointer(model=target, ckpt_dir=tmp_path,
-                             restoring=worker.Restoring(verify="quick"))
+    ck = rtrain.Checkpointer(model=target, ckpt_dir=tmp_path,
+                             restoring=rtrain.Restoring(verify="quick"))
     ck.restore(path)  # code and allocator warm
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     ck.restore(path)

@@ -10,11 +10,11 @@ from pathlib import Path
 from scripted_loop import Script, run, success
 from test_foreign_verify import hf_checkpoint
 
-from supervisor.ckpt import foreign
-from supervisor.ckpt.verify import select_rtrain_resume
-from supervisor.commands.status import summarize
-from supervisor.decide.policy import History
-from supervisor.records.runstate import RunState, save_state
+from rtrain.supervisor.ckpt import foreign
+from rtrain.supervisor.ckpt.verify import select_rtrain_resume
+from rtrain.supervisor.commands.status import summarize
+from rtrain.supervisor.decide.policy import History
+from rtrain.supervisor.records.runstate import RunState, save_state
 
 
 def resumed_by_launch(tmp_path: Path) -> str | None:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from supervisor.decide.policy import History
-from supervisor.records.runstate import (
+from rtrain.supervisor.decide.policy import History
+from rtrain.supervisor.records.runstate import (
     RunState,
     RunStatus,
     StateError,

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from supervisor.core.protocol import ExitRecord
-from supervisor.proc.heartbeat import HeartbeatReceiver
-from worker import progress, runtime
+from rtrain.supervisor.core.protocol import ExitRecord
+from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
+from rtrain.worker import progress, runtime
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -148,7 +148,7 @@ def test_frequent_saves_do_not_starve_step_heartbeats(receiver, monkeypatch):
 
 def _fill(receiver) -> int:
     """Fill the receiver's datagram queue (net.unix.max_dgram_qlen) as a busy supervisor would."""
-    from supervisor.core.protocol import socket_address
+    from rtrain.supervisor.core.protocol import socket_address
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as other:
         for n in range(10_000):
             try:
@@ -233,7 +233,7 @@ def test_stop_stays_the_last_word(receiver):
 
 def test_every_step_reaches_the_progress_board_even_when_its_heartbeat_is_held(
         receiver, tmp_path, monkeypatch):
-    from supervisor.stuck.collect import read_boards
+    from rtrain.supervisor.stuck.collect import read_boards
 
     monkeypatch.setenv("RANK", "3")
     runtime.install()

@@ -13,7 +13,7 @@ from chaos_util import launch_chaos, write_config
 from conftest import remount_read_only
 from harness import CHILDREN, events, launch, read_metrics_text
 
-from supervisor.proc.heartbeat import HeartbeatReceiver
+from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
 
 TRAIN = {"steps": 16, "save_every": 2}
 
@@ -119,12 +119,12 @@ def test_worker_reports_each_skipped_save_to_the_supervisor(read_only_dir, monke
     training process, in a forked writer process, in a writer thread."""
     import torch
 
-    import worker
+    import rtrain
 
     with HeartbeatReceiver() as receiver:
         monkeypatch.setenv("RTRAIN_HEARTBEAT", receiver.name)
-        ck = worker.Checkpointer(model=torch.nn.Linear(4, 4), ckpt_dir=read_only_dir,
-                                 saving=worker.Saving(async_mode="off" if mode == "sync"
+        ck = rtrain.Checkpointer(model=torch.nn.Linear(4, 4), ckpt_dir=read_only_dir,
+                                 saving=rtrain.Saving(async_mode="off" if mode == "sync"
                                                       else mode))
         ck.save(3)
         ck.close()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.core.protocol import ENV_SETTINGS
-from worker.settings import current, settings
+from rtrain.supervisor.core.protocol import ENV_SETTINGS
+from rtrain.worker.settings import current, settings
 
 
 def test_the_supervisors_values_overlay_the_defaults_keeping_types(monkeypatch):

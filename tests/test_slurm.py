@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from harness import REPO
 
-from supervisor.proc import slurm
-from supervisor.records.events import read_events
-from supervisor.records.runstate import load_state
+from rtrain.supervisor.proc import slurm
+from rtrain.supervisor.records.events import read_events
+from rtrain.supervisor.records.runstate import load_state
 
 # One cluster per machine (its daemons, /etc/slurm): every test that starts one runs on one
 # pytest-xdist worker (scripts/test.sh runs --dist loadgroup), one module after the other, and
@@ -164,8 +164,8 @@ class Job:
         bin_dir.mkdir()
         # `rtrain` on the job's PATH, as after `pip install`: this checkout, this interpreter.
         wrapper = bin_dir / "rtrain"
-        wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(REPO))} "
-                           f"exec {shlex.quote(sys.executable)} -m supervisor \"$@\"\n")
+        wrapper.write_text(f"#!/bin/sh\n"
+                           f"exec {shlex.quote(sys.executable)} -m rtrain \"$@\"\n")
         wrapper.chmod(0o755)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")
                and (not k.startswith("SLURM_") or k == "SLURM_CONF")}

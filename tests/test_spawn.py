@@ -7,8 +7,8 @@ import sys
 import pytest
 from harness import child_spec, gone, wait_for
 
-from supervisor.proc.spawn import STDERR_TAIL_BYTES, ChildSpec, spawn
-from supervisor.proc.stop import stop_group
+from rtrain.supervisor.proc.spawn import STDERR_TAIL_BYTES, ChildSpec, spawn
+from rtrain.supervisor.proc.stop import stop_group
 
 
 def _run_to_end(child):
@@ -111,7 +111,7 @@ def test_child_dies_with_a_killed_supervisor(tmp_path):
 
 @pytest.mark.slow
 def test_joins_the_given_cgroup(tmp_path):
-    from supervisor.proc.cgroup import limited_v1_group, memory_cgroup
+    from rtrain.supervisor.proc.cgroup import limited_v1_group, memory_cgroup
 
     try:
         cm = limited_v1_group(512 * 1024 * 1024)

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from supervisor.proc.stacks import dump_stacks
+from rtrain.supervisor.proc.stacks import dump_stacks
 
 # What py-spy does at its worst: its ptrace attach stops the target, and it dies (killed at the
 # dump's timeout) before resuming it.

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from harness import CHILDREN, child_env, events, launch, run_to_end
 
-from supervisor.config import Config
-from supervisor.proc.proctree import TreeSample
-from supervisor.proc.spawn import ChildSpec, spawn
-from supervisor.records.events import EventLog
-from supervisor.standby.slot import StandbySlot
-from supervisor.standby.warm_child import WarmChild, strip_attempt_vars, target_of
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.proc.proctree import TreeSample
+from rtrain.supervisor.proc.spawn import ChildSpec, spawn
+from rtrain.supervisor.records.events import EventLog
+from rtrain.supervisor.standby.slot import StandbySlot
+from rtrain.supervisor.standby.warm_child import WarmChild, strip_attempt_vars, target_of
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +106,7 @@ def test_cuda_initialised_while_preloading_fails_the_standby(tmp_path):
     (tmp_path / "touches_cuda.py").write_text(
         "import torch\ntorch.cuda._initialized = True\n")
     env = _attempt_env(0)
-    env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+    env["PYTHONPATH"] = str(tmp_path)
     warm = _warm(tmp_path, env, preload=["torch", "touches_cuda"])
     assert warm.ready["cuda"] is True
     assert warm.popen.wait(10) == 1  # it leaves by itself; never handed an attempt
@@ -261,7 +261,7 @@ def test_the_standby_imports_at_the_lowest_priority_and_trains_at_a_cold_childs(
 def test_a_stop_signal_is_not_delayed_by_a_standby_still_importing(tmp_path):
     (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(60)\n")
     env = _attempt_env(0)
-    env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+    env["PYTHONPATH"] = str(tmp_path)
     keeper, log = _keeper(tmp_path, preload=["slow_import"])
     keeper.start(_spec(tmp_path, "a0", env=env), 0)
     keeper.heartbeat()  # spawns it

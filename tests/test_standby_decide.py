@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import Config
-from supervisor.core.errors import ConfigError
-from supervisor.standby import decide as sb
-from supervisor.standby.warm_child import Target, same_target, strip_attempt_vars, target_of
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.core.errors import ConfigError
+from rtrain.supervisor.standby import decide as sb
+from rtrain.supervisor.standby.warm_child import Target, same_target, strip_attempt_vars, target_of
 
 GIB = 2**30
 
@@ -117,7 +117,7 @@ def test_a_copy_that_kept_the_old_mtime_is_a_changed_file(tmp_path):
     the ctime to tell, and it does."""
     import shutil
 
-    from supervisor.standby.child_program import file_stamp
+    from rtrain.supervisor.standby.child_program import file_stamp
 
     core = tmp_path / "core.py"
     core.write_text('VALUE = "old"\n')
@@ -141,7 +141,7 @@ def test_a_copy_that_kept_the_old_mtime_is_a_changed_file(tmp_path):
 def test_the_standby_records_every_file_a_package_runs_from(tmp_path, monkeypatch):
     """Not only the package's top file: the modules its __init__ imports, and the shared
     libraries mapped into the interpreter."""
-    from supervisor.standby.child_program import imported_files
+    from rtrain.supervisor.standby.child_program import imported_files
 
     pkg = tmp_path / "mypkg_i23"
     pkg.mkdir()
@@ -174,7 +174,7 @@ def test_the_standby_records_every_file_a_package_runs_from(tmp_path, monkeypatc
 ])
 def test_the_attempt_starts_with_what_the_preload_did_to_the_environment(
         before, after, attempt, started_with):
-    from supervisor.standby.child_program import attempt_environ, env_changes
+    from rtrain.supervisor.standby.child_program import attempt_environ, env_changes
 
     assert attempt_environ(attempt, env_changes(before, after)) == started_with
 
@@ -222,8 +222,8 @@ def test_standby_is_on_by_default_and_preload_is_checked():
     assert Config(preload=["torch", "transformers.models"]).preload == [
         "torch", "transformers.models"]
     for bad, says in [("torch", "must be a list"), (["a b"], "not a module name"),
-                      ([3], "not a module name"), (["worker"], "cannot be imported before"),
-                      (["supervisor.cli"], "cannot be imported before")]:
+                      ([3], "not a module name"), (["rtrain.worker"], "cannot be imported before"),
+                      (["rtrain.supervisor.cli"], "cannot be imported before")]:
         with pytest.raises(ConfigError, match=says):
             Config(preload=bad)
     with pytest.raises(ConfigError, match="standby must be true or false"):
@@ -231,7 +231,7 @@ def test_standby_is_on_by_default_and_preload_is_checked():
 
 
 def test_no_standby_and_torchrun_turn_it_off(rtrain, tmp_path):
-    from supervisor.config import load_config
+    from rtrain.supervisor.config import load_config
 
     assert load_config({"standby": False}, None, tmp_path).standby is False
     (tmp_path / "rtrain.toml").write_text('preload = "torch"\n')
@@ -241,13 +241,13 @@ def test_no_standby_and_torchrun_turn_it_off(rtrain, tmp_path):
 
 
 def test_the_default_preload_is_found_in_the_script_and_its_own_modules(tmp_path):
-    from supervisor.standby.child_program import top_imports
+    from rtrain.supervisor.standby.child_program import top_imports
 
     (tmp_path / "model.py").write_text("import numpy\nfrom . import x\nimport helpers\n")
     (tmp_path / "helpers.py").write_text("import yaml\nimport model\n")  # a cycle is fine
     (tmp_path / "train.py").write_text(
         "import os, sys\nimport json\nfrom pathlib import Path\nimport model\n"
-        "import worker\nfrom supervisor import cli\nimport pytest\nimport no_such_module_x\n"
+        "import rtrain\nfrom rtrain.worker import runtime\nimport pytest\nimport no_such_module_x\n"
         "def f():\n    import psutil\n"
         "try:\n    import typer\nexcept ImportError:\n    pass\n")
     found = top_imports(str(tmp_path / "train.py"), str(tmp_path.resolve()))
@@ -259,7 +259,7 @@ def test_the_default_preload_is_found_in_the_script_and_its_own_modules(tmp_path
 def test_a_script_that_imports_no_library_gets_no_standby(tmp_path):
     import sys
 
-    from supervisor.standby.warm_child import worth_keeping
+    from rtrain.supervisor.standby.warm_child import worth_keeping
 
     (tmp_path / "plain.py").write_text("import os, json\nimport helper\n")
     (tmp_path / "helper.py").write_text("import sys\n")

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from harness import child_env, events, run_to_end
 
-from supervisor.config import Config
-from supervisor.proc.proctree import TreeSample
-from supervisor.proc.spawn import ChildSpec, spawn
-from supervisor.records.events import EventLog
-from supervisor.standby.slot import StandbySlot
-from supervisor.standby.warm_child import LOG_NAME, WarmChild, strip_attempt_vars, target_of
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.proc.proctree import TreeSample
+from rtrain.supervisor.proc.spawn import ChildSpec, spawn
+from rtrain.supervisor.records.events import EventLog
+from rtrain.supervisor.standby.slot import StandbySlot
+from rtrain.supervisor.standby.warm_child import LOG_NAME, WarmChild, strip_attempt_vars, target_of
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def _package(tmp: Path) -> tuple[Path, Path, dict[str, str]]:
     (app / "train.py").write_text("import mypkg\nprint(mypkg.core.VALUE, flush=True)\n")
     # No bytecode cache: a copy that keeps the size and mtime of the source would otherwise
     # load the old .pyc in a cold start too (Python checks only those two).
-    env = child_env(PYTHONPATH=f"{child_env()['PYTHONPATH']}{os.pathsep}{tmp / 'lib'}",
+    env = child_env(PYTHONPATH=str(tmp / "lib"),
                     PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
     return lib / "core.py", app, env
 
@@ -210,7 +210,7 @@ with open(sys.argv[1], "w") as f:
 
 
 def _fx_env(tmp: Path, attempt: int) -> dict[str, str]:
-    return child_env(PYTHONPATH=f"{child_env()['PYTHONPATH']}{os.pathsep}{tmp / 'lib'}",
+    return child_env(PYTHONPATH=str(tmp / "lib"),
                      PYTHONUNBUFFERED="1", RTRAIN_ATTEMPT=str(attempt),
                      IMPORTFX_OVER="attempt", IMPORTFX_DEFAULT="attempt",
                      IMPORTFX_DROP="attempt")

@@ -17,13 +17,13 @@ import pytest
 from conftest import build_checkpoint
 from scripted_loop import Script, crash, run, success
 
-from supervisor.ckpt import keepcopy, setaside
-from supervisor.ckpt.layout import EARLIER_PREFIX, list_checkpoints
-from supervisor.config import load_config
-from supervisor.decide.policy import History, ResumeMode
-from supervisor.launch.resume import Checkpoints
-from supervisor.proc.torchrun import several_nodes
-from supervisor.records.events import EventLog, read_events
+from rtrain.supervisor.ckpt import keepcopy, setaside
+from rtrain.supervisor.ckpt.layout import EARLIER_PREFIX, list_checkpoints
+from rtrain.supervisor.config import load_config
+from rtrain.supervisor.decide.policy import History, ResumeMode
+from rtrain.supervisor.launch.resume import Checkpoints
+from rtrain.supervisor.proc.torchrun import several_nodes
+from rtrain.supervisor.records.events import EventLog, read_events
 
 pytestmark = pytest.mark.usefixtures("unsupervised")
 
@@ -140,7 +140,7 @@ def test_rtrain_s_copy_of_an_earlier_run_s_file_is_forgotten(tmp_path):
 
 
 def _with_mirror(tmp_path):
-    from supervisor.mirror.store import open_mirror
+    from rtrain.supervisor.mirror.store import open_mirror
 
     remote = tmp_path / "mirror"
     remote.mkdir()

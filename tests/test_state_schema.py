@@ -15,12 +15,12 @@ import pytest
 import torch
 from hostile import relist
 
-import worker
-from supervisor.ckpt import foreign
-from supervisor.ckpt import state_schema as schema
-from supervisor.ckpt.verify import Level, Status, verify
-from supervisor.commands.inspecting import inspect_dir
-from supervisor.core.errors import CorruptCheckpoint, ExitCode, StateMismatch
+import rtrain
+from rtrain.supervisor.ckpt import foreign
+from rtrain.supervisor.ckpt import state_schema as schema
+from rtrain.supervisor.ckpt.verify import Level, Status, verify
+from rtrain.supervisor.commands.inspecting import inspect_dir
+from rtrain.supervisor.core.errors import CorruptCheckpoint, ExitCode, StateMismatch
 
 pytestmark = pytest.mark.usefixtures("unsupervised")
 
@@ -30,15 +30,15 @@ def _parts(seed: int = 0):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
-    sampler = worker.ResumableSampler(10, seed=3)
+    sampler = rtrain.ResumableSampler(10, seed=3)
     return model, opt, sched, sampler
 
 
 def _checkpointer(ckpt_dir, parts, verify="full"):
     model, opt, sched, sampler = parts
-    return worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=sampler,
+    return rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=sampler,
                                ckpt_dir=ckpt_dir, keep=None,
-                               restoring=worker.Restoring(verify=verify))
+                               restoring=rtrain.Restoring(verify=verify))
 
 
 def _train_and_save(ckpt_dir, steps=(1, 2)):
@@ -226,7 +226,7 @@ def test_a_checkpoint_that_does_not_fit_the_data_stays_a_mismatch(saved, tmp_pat
     ckpts, _ = saved
     _under_rtrain(monkeypatch, tmp_path, ckpts / "checkpoint-2")
     model, opt, sched, _ = _parts(seed=5)
-    other = (model, opt, sched, worker.ResumableSampler(11, seed=3))
+    other = (model, opt, sched, rtrain.ResumableSampler(11, seed=3))
     with pytest.raises(StateMismatch, match="the dataset has 11 samples") as e:
         _checkpointer(ckpts, other).restore()
     assert isinstance(e.value, ValueError)  # what callers caught before

@@ -9,12 +9,12 @@ import os
 import pytest
 from harness import T0, run_rtrain, write_events
 
-from supervisor.commands.status import render_text, summarize, to_json
-from supervisor.core.errors import ConfigError, UsageError
-from supervisor.decide.policy import History
-from supervisor.records.lock import LOCK_NAME
-from supervisor.records.paths import default_ckpt_dir, default_run_dir
-from supervisor.records.runstate import RunState, save_state
+from rtrain.supervisor.commands.status import render_text, summarize, to_json
+from rtrain.supervisor.core.errors import ConfigError, UsageError
+from rtrain.supervisor.decide.policy import History
+from rtrain.supervisor.records.lock import LOCK_NAME
+from rtrain.supervisor.records.paths import default_ckpt_dir, default_run_dir
+from rtrain.supervisor.records.runstate import RunState, save_state
 
 GIB = 1024**3
 
@@ -160,7 +160,7 @@ def test_status_imports_no_torch_or_rich(run):
     r = run_rtrain("status", str(run), env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert r.returncode == 0
     imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}
-    assert "supervisor.commands.status" in imported  # the trace works
+    assert "rtrain.supervisor.commands.status" in imported  # the trace works
     assert not {m for m in imported if m.split(".")[0] in ("torch", "pydantic", "rich")}
 
 

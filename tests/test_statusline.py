@@ -7,8 +7,8 @@ import io
 
 import pytest
 
-from supervisor.commands.human_units import human_bytes, human_duration, human_rate
-from supervisor.launch.statusline import (
+from rtrain.supervisor.commands.human_units import human_bytes, human_duration, human_rate
+from rtrain.supervisor.launch.statusline import (
     CLEAR,
     LOG_INTERVAL_S,
     PARTIAL_QUIET_S,

@@ -5,9 +5,9 @@ import signal
 import pytest
 from harness import child_spec, gone, wait_for
 
-from supervisor.proc.proctree import ProcTree
-from supervisor.proc.spawn import spawn
-from supervisor.proc.stop import stop_group
+from rtrain.supervisor.proc.proctree import ProcTree
+from rtrain.supervisor.proc.spawn import spawn
+from rtrain.supervisor.proc.stop import stop_group
 
 
 def _ready(child):

@@ -9,15 +9,15 @@ import random
 import pytest
 from harness import read_metrics_text, write_events
 
-from supervisor.commands.report import gather
-from supervisor.commands.report_html import render
-from supervisor.commands.status import render_text, summarize
-from supervisor.config import Config, StragglerConfig
-from supervisor.core.errors import ConfigError
-from supervisor.core.protocol import Heartbeat
-from supervisor.records.metrics import MetricsFile
-from supervisor.straggler.decide import StepSample, StragglerRule, stragglers
-from supervisor.straggler.track import StragglerTracker
+from rtrain.supervisor.commands.report import gather
+from rtrain.supervisor.commands.report_html import render
+from rtrain.supervisor.commands.status import render_text, summarize
+from rtrain.supervisor.config import Config, StragglerConfig
+from rtrain.supervisor.core.errors import ConfigError
+from rtrain.supervisor.core.protocol import Heartbeat
+from rtrain.supervisor.records.metrics import MetricsFile
+from rtrain.supervisor.straggler.decide import StepSample, StragglerRule, stragglers
+from rtrain.supervisor.straggler.track import StragglerTracker
 
 RULE = StragglerRule(factor=1.2, window_steps=20, min_samples=5)
 
@@ -181,7 +181,7 @@ def test_report_lists_every_straggler(run):
 
 
 def test_metrics_count_stragglers_and_show_the_newest_attempts(run, tmp_path):
-    from supervisor.records.events import read_events
+    from rtrain.supervisor.records.events import read_events
 
     m = MetricsFile(tmp_path / "m.prom", run_dir=run, ckpt_dir=run / "checkpoints")
     for event in read_events(run / "events.jsonl"):
@@ -196,8 +196,8 @@ def test_metrics_count_stragglers_and_show_the_newest_attempts(run, tmp_path):
 def test_worker_step_heartbeats_carry_step_time_wait_and_host(monkeypatch):
     import socket
 
-    from supervisor.proc.heartbeat import HeartbeatReceiver
-    from worker import runtime
+    from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
+    from rtrain.worker import runtime
 
     now = [100.0]
     monkeypatch.setattr(runtime, "_clock", lambda: now[0])

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 
-from supervisor.core.progress_board import SIZE, board_name, pack, unpack
-from supervisor.stuck.collect import read_boards, report
-from worker.progress import Board
+from rtrain.supervisor.core.progress_board import SIZE, board_name, pack, unpack
+from rtrain.supervisor.stuck.collect import read_boards, report
+from rtrain.worker.progress import Board
 
 
 def test_board_round_trip(tmp_path):

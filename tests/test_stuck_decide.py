@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.stuck.decide import Frame, RankState, parse_stacks, ranges, summarise
+from rtrain.supervisor.stuck.decide import Frame, RankState, parse_stacks, ranges, summarise
 
 SITE = "/home/u/venv/lib/python3.11/site-packages"
 ROOTS = ("/home/u/rtrain/worker", "/home/u/rtrain/supervisor", "/usr/lib/python3.11")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from supervisor.stuck import flight
+from rtrain.supervisor.stuck import flight
 
 
 def test_environment_only_on_gpu_and_only_what_the_user_left_unset(tmp_path):

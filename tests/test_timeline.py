@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from harness import read_metrics_text
 
-from supervisor.commands.report import gather
-from supervisor.commands.status import summarize
-from supervisor.core.event_schema import Kind
-from supervisor.records.events import EventLog, read_events
-from supervisor.records.metrics import MetricsFile
-from supervisor.records.timeline import Timeline, read_timeline
+from rtrain.supervisor.commands.report import gather
+from rtrain.supervisor.commands.status import summarize
+from rtrain.supervisor.core.event_schema import Kind
+from rtrain.supervisor.records.events import EventLog, read_events
+from rtrain.supervisor.records.metrics import MetricsFile
+from rtrain.supervisor.records.timeline import Timeline, read_timeline
 
 SMALL = {"batch_size": 16}
 

@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
-from supervisor.core import protocol
-from supervisor.launch import child_env, tracker_env
-from worker import trackers
-from worker.trackers import Restart, Restarts, fold
+from rtrain import trackers
+from rtrain.supervisor.core import protocol
+from rtrain.supervisor.launch import child_env, tracker_env
+from rtrain.worker.trackers import Restart, Restarts, fold
 
 RUN = "0123456789abcdef0123456789abcdef"
 OTHER = "fedcba9876543210fedcba9876543210"
@@ -154,29 +154,29 @@ def test_write_refuses_what_it_cannot_log_to():
 def test_resumed_step_is_the_checkpoints_step(tmp_path, monkeypatch):
     for name in (protocol.ENV_RESUME_FROM, protocol.ENV_CKPT_DIR):
         monkeypatch.delenv(name, raising=False)
-    import worker
+    import rtrain
 
     model = torch.nn.Linear(2, 2)
-    ck = worker.Checkpointer(model=model, ckpt_dir=tmp_path / "ck", saving=worker.Saving(
+    ck = rtrain.Checkpointer(model=model, ckpt_dir=tmp_path / "ck", saving=rtrain.Saving(
         async_mode="off"))
     assert (ck.restore(), ck.resumed_step) == (0, None)
     ck.save(7)
     ck.close()
-    again = worker.Checkpointer(model=model, ckpt_dir=tmp_path / "ck")
+    again = rtrain.Checkpointer(model=model, ckpt_dir=tmp_path / "ck")
     assert (again.restore(), again.resumed_step) == (7, 7)
     again.close()
 
 
 @pytest.mark.slow
 def test_the_helpers_import_no_tracker_nor_torch_until_called(tmp_path):
-    """A script that uses one tracker pays for no other: `import worker.trackers`, a Restarts
+    """A script that uses one tracker pays for no other: `import rtrain.trackers`, a Restarts
     and a restart written to a callable import none of them."""
     import subprocess
     import sys
 
     from harness import REPO, child_env
 
-    code = ("import sys\nfrom worker import trackers\n"
+    code = ("import sys\nfrom rtrain import trackers\n"
             "r = trackers.fold([{'kind': 'recovery', 'attempt': 1, 'failed_attempt': 0,"
             " 'failure': 'crash'}], 1, -1)\n"
             "trackers.write(lambda r: print(r.sentence()), r, 3)\ntrackers.Restarts().poll()\n"

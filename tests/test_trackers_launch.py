@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from harness import CHILDREN, events, launch
 
-from supervisor.ckpt import runid
-from supervisor.mirror.store import open_mirror
+from rtrain.supervisor.ckpt import runid
+from rtrain.supervisor.mirror.store import open_mirror
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trackers")]
 

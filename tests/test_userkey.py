@@ -11,7 +11,7 @@ import stat
 
 import pytest
 
-from supervisor.proc import leftovers, userkey
+from rtrain.supervisor.proc import leftovers, userkey
 
 
 @pytest.fixture

@@ -11,17 +11,17 @@ import pytest
 from scripted_loop import Script, run
 from test_watch import _watch
 
-from supervisor.commands.status import render_text, summarize, to_json
-from supervisor.config import SlurmConfig
-from supervisor.core.protocol import Heartbeat
-from supervisor.decide.observation import Heartbeats, Observation, evidence
-from supervisor.proc import slurm
-from supervisor.proc.heartbeat import HeartbeatReceiver
-from supervisor.proc.slurm import JobTimes, parse_job_times
-from supervisor.records.events import EventLog
-from supervisor.timelimit import planner
-from supervisor.timelimit.decide import Margin, Observed, learn_margin, measured, plan_stop
-from supervisor.timelimit.planner import WallClock, observed_in
+from rtrain.supervisor.commands.status import render_text, summarize, to_json
+from rtrain.supervisor.config import SlurmConfig
+from rtrain.supervisor.core.protocol import Heartbeat
+from rtrain.supervisor.decide.observation import Heartbeats, Observation, evidence
+from rtrain.supervisor.proc import slurm
+from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
+from rtrain.supervisor.proc.slurm import JobTimes, parse_job_times
+from rtrain.supervisor.records.events import EventLog
+from rtrain.supervisor.timelimit import planner
+from rtrain.supervisor.timelimit.decide import Margin, Observed, learn_margin, measured, plan_stop
+from rtrain.supervisor.timelimit.planner import WallClock, observed_in
 
 # `scontrol show job --oneliner` of a job submitted with --time=2 on the one-node test cluster
 # (Slurm 22.05; with or without --signal, it prints the same fields).

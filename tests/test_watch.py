@@ -10,13 +10,13 @@ from dataclasses import replace
 import pytest
 from harness import child_spec, gone, wait_for
 
-from supervisor.config import Config
-from supervisor.decide.observation import evidence
-from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
-from supervisor.proc.heartbeat import HeartbeatReceiver
-from supervisor.proc.signals import SignalCatcher
-from supervisor.proc.spawn import spawn
-from supervisor.proc.watch import WatchConfig, watch
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.decide.observation import evidence
+from rtrain.supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
+from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
+from rtrain.supervisor.proc.signals import SignalCatcher
+from rtrain.supervisor.proc.spawn import spawn
+from rtrain.supervisor.proc.watch import WatchConfig, watch
 
 
 def watch_config(*, hang=None, **changes):

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 from harness import child_spec
 
-from supervisor.config import Config, PressureConfig
-from supervisor.decide.classify import classify
-from supervisor.decide.failures import FailureKind
-from supervisor.decide.observation import evidence
-from supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
-from supervisor.proc.heartbeat import HeartbeatReceiver
-from supervisor.proc.spawn import spawn
-from supervisor.proc.watch import WatchConfig, watch
+from rtrain.supervisor.config import Config, PressureConfig
+from rtrain.supervisor.decide.classify import classify
+from rtrain.supervisor.decide.failures import FailureKind
+from rtrain.supervisor.decide.observation import evidence
+from rtrain.supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
+from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
+from rtrain.supervisor.proc.spawn import spawn
+from rtrain.supervisor.proc.watch import WatchConfig, watch
 
 GIB = 1 << 30
 CONFIG = WatchConfig.from_config(Config(

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-import worker
-from supervisor.ckpt import crypt, encrypted_file
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.ckpt.verify import verify
-from supervisor.core.errors import CorruptCheckpoint, KeyMismatch
+import rtrain
+from rtrain.supervisor.ckpt import crypt, encrypted_file
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.supervisor.ckpt.verify import verify
+from rtrain.supervisor.core.errors import CorruptCheckpoint, KeyMismatch
 
 KEY = "5a" * 32
 OTHER = "a5" * 32
@@ -41,7 +41,7 @@ def _same(a: nn.Module, b: nn.Module) -> bool:
 def test_every_file_is_sealed_and_the_manifest_says_by_which_key(tmp_path, monkeypatch):
     monkeypatch.setenv("RTRAIN_ENCRYPTION_KEY", KEY)
     model, opt = make()
-    path = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).save(
+    path = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).save(
         5, extra={"note": "a plaintext marker"})
     m = json.loads((path / "manifest.json").read_text())
     fp = crypt.EncryptionKey.from_material(KEY).fingerprint
@@ -60,10 +60,10 @@ def test_every_file_is_sealed_and_the_manifest_says_by_which_key(tmp_path, monke
 def test_round_trip_with_the_key(tmp_path, monkeypatch):
     monkeypatch.setenv("RTRAIN_ENCRYPTION_KEY", KEY)
     model, opt = make()
-    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).save(
+    rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path).save(
         5, extra={"t": torch.arange(3)})
     model2, opt2 = make(seed=1)
-    ck = worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path)
+    ck = rtrain.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path)
     assert ck.restore() == 5
     assert _same(model, model2) and torch.equal(ck.extra["t"], torch.arange(3))
 
@@ -71,13 +71,13 @@ def test_round_trip_with_the_key(tmp_path, monkeypatch):
 @pytest.mark.parametrize("key", [None, OTHER])
 def test_no_key_or_another_key_is_one_line_naming_the_fingerprints(tmp_path, monkeypatch, key):
     model, opt = make()
-    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+    rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
                         encryption_key=KEY).save(3)
-    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+    rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
                         encryption_key=KEY).save(4)
     model2, opt2 = make(seed=1)
     before = {k: v.clone() for k, v in model2.state_dict().items()}
-    ck = worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
+    ck = rtrain.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
                              encryption_key=key)
     # Never a silent fresh start, never a fall-back to an older checkpoint with the same key.
     with pytest.raises(KeyMismatch) as e:
@@ -95,31 +95,31 @@ def test_by_hand_a_newer_checkpoint_of_another_key_is_skipped(tmp_path, own, cap
     one sealed under another key was dropped in: skipped with the reason, never a KeyMismatch
     that stops the script; with only the other key's, the KeyMismatch stays."""
     model, opt = make()
-    worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+    rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
                         encryption_key=own).save(3)
     other_model, other_opt = make(seed=2)
-    worker.Checkpointer(model=other_model, optimizer=other_opt, ckpt_dir=tmp_path,
+    rtrain.Checkpointer(model=other_model, optimizer=other_opt, ckpt_dir=tmp_path,
                         encryption_key=OTHER).save(9)
     model2, opt2 = make(seed=1)
-    ck = worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
+    ck = rtrain.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
                              encryption_key=own)
     assert ck.restore() == 3 and _same(model, model2)
     assert "skipping checkpoint-9" in caplog.text
     assert crypt.EncryptionKey.from_material(OTHER).fingerprint in caplog.text
     third = "c3" * 32  # opens neither: the run's own need another key
     with pytest.raises(KeyMismatch, match="checkpoint-9"):
-        worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
+        rtrain.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
                             encryption_key=third).restore()
 
 
 def test_key_mismatch_under_rtrain_is_a_bad_checkpoint_exit(tmp_path, monkeypatch):
     model, opt = make()
-    path = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+    path = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
                                encryption_key=KEY).save(3)
     monkeypatch.setenv("RTRAIN_RESUME_FROM", str(path))
     monkeypatch.setenv("RTRAIN_STATUS", str(tmp_path / "attempt"))
     (tmp_path / "attempt").mkdir()
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
                              encryption_key=OTHER)
     with pytest.raises(SystemExit) as e:
         ck.restore()
@@ -131,7 +131,7 @@ def test_key_mismatch_under_rtrain_is_a_bad_checkpoint_exit(tmp_path, monkeypatc
 @pytest.mark.parametrize("victim", ["model.safetensors", "state.json"])
 def test_one_changed_byte_is_detected_on_load(tmp_path, victim):
     model, opt = make()
-    path = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+    path = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
                                encryption_key=KEY).save(3)
     f = path / victim
     data = bytearray(f.read_bytes())
@@ -140,11 +140,11 @@ def test_one_changed_byte_is_detected_on_load(tmp_path, victim):
     assert not verify(path, "full").ok  # the ciphertext's hash, without the key
     # A writer who also fixed the manifest's hash is caught by the tag.
     m = json.loads((path / "manifest.json").read_text())
-    from supervisor.ckpt.hashing import hash_file
+    from rtrain.supervisor.ckpt.hashing import hash_file
     m["files"][victim]["hash"] = hash_file(f, m["hash_alg"])
     (path / "manifest.json").write_text(json.dumps(m))
     assert verify(path, "full").ok
-    ck = worker.Checkpointer(model=make(1)[0], optimizer=None, ckpt_dir=tmp_path,
+    ck = rtrain.Checkpointer(model=make(1)[0], optimizer=None, ckpt_dir=tmp_path,
                              encryption_key=KEY)
     with pytest.raises(CorruptCheckpoint, match="fails authentication") as e:
         ck.restore(path)
@@ -154,14 +154,14 @@ def test_one_changed_byte_is_detected_on_load(tmp_path, victim):
 def test_tensor_names_can_be_left_out_of_the_manifest(tmp_path, monkeypatch):
     monkeypatch.setenv("RTRAIN_ENCRYPT_METADATA", "1")
     model, opt = make()
-    path = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+    path = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
                                encryption_key=KEY).save(3)
     text = (path / "manifest.json").read_text()
     m = json.loads(text)
     assert "tensors" not in m and m["encryption"]["tensors_listed"] is False
     assert "0.weight" not in text
     model2, opt2 = make(seed=1)
-    assert worker.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
+    assert rtrain.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
                                encryption_key=KEY).restore() == 3
     assert _same(model, model2)
 
@@ -169,9 +169,9 @@ def test_tensor_names_can_be_left_out_of_the_manifest(tmp_path, monkeypatch):
 def test_a_large_file_spans_many_chunks(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(1500, 1500)  # 9 MB of weights: three chunks, an unaligned tail
-    worker.Checkpointer(model=model, ckpt_dir=tmp_path, encryption_key=KEY).save(1)
+    rtrain.Checkpointer(model=model, ckpt_dir=tmp_path, encryption_key=KEY).save(1)
     model2 = nn.Linear(1500, 1500)
-    assert worker.Checkpointer(model=model2, ckpt_dir=tmp_path,
+    assert rtrain.Checkpointer(model=model2, ckpt_dir=tmp_path,
                                encryption_key=KEY).restore() == 1
     assert _same(model, model2)
 
@@ -179,8 +179,8 @@ def test_a_large_file_spans_many_chunks(tmp_path):
 @pytest.mark.parametrize("mode", [pytest.param("fork", marks=pytest.mark.slow), "thread"])
 def test_async_saves_are_encrypted(tmp_path, mode):
     model, opt = make()
-    ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
-                             saving=worker.Saving(async_mode=mode), encryption_key=KEY)
+    ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path,
+                             saving=rtrain.Saving(async_mode=mode), encryption_key=KEY)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ck.save(1)
     ck.close()
@@ -188,7 +188,7 @@ def test_async_saves_are_encrypted(tmp_path, mode):
     assert (path / "model.safetensors").read_bytes().startswith(encrypted_file.MAGIC)
     assert json.loads((path / "manifest.json").read_text())["encryption"]
     model2, _ = make(seed=3)
-    worker.Checkpointer(model=model2, ckpt_dir=tmp_path, encryption_key=KEY).restore()
+    rtrain.Checkpointer(model=model2, ckpt_dir=tmp_path, encryption_key=KEY).restore()
     assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items())
 
 
@@ -198,7 +198,7 @@ def test_missing_cryptography_is_one_line(tmp_path, monkeypatch):
                                   f"{crypt.INSTALL_HINT}")
 
     monkeypatch.setattr(crypt, "cipher", missing)
-    from supervisor.core.errors import CheckpointError
+    from rtrain.supervisor.core.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"pip install 'rtrain\[encrypt\]'"):
-        worker.Checkpointer(model=make()[0], ckpt_dir=tmp_path, encryption_key=KEY)
+        rtrain.Checkpointer(model=make()[0], ckpt_dir=tmp_path, encryption_key=KEY)

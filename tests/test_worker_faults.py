@@ -15,9 +15,9 @@ import torch
 from harness import CHILDREN, child_env
 from torch import nn
 
-import worker
-from supervisor.ckpt.layout import list_checkpoints, list_leftovers
-from supervisor.ckpt.verify import select_rtrain_resume, verify_all
+import rtrain
+from rtrain.supervisor.ckpt.layout import list_checkpoints, list_leftovers
+from rtrain.supervisor.ckpt.verify import select_rtrain_resume, verify_all
 
 
 @pytest.mark.slow
@@ -41,7 +41,7 @@ def test_sigkill_during_saves_never_leaves_a_bad_pick(tmp_path, kills):
         step = sel.chosen.step
         model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
         opt = torch.optim.Adam(model.parameters())
-        ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path)
+        ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=tmp_path)
         assert ck.restore() == step
         assert all(torch.all(p == float(step)) for p in model.parameters())
     # Only committed checkpoints are ever listed; leftovers are temp dirs, never loaded.
@@ -85,7 +85,7 @@ def _model():
 
 def test_full_disk_skips_saves_and_keeps_old_checkpoints(small_fs, caplog):
     model = _model()
-    ck = worker.Checkpointer(model=model, ckpt_dir=small_fs, keep=None)
+    ck = rtrain.Checkpointer(model=model, ckpt_dir=small_fs, keep=None)
     with caplog.at_level(logging.WARNING):
         saved = [ck.save(step) for step in range(1, 9)]
     assert saved[0] is not None and saved[-1] is None  # the disk ran out on the way
@@ -97,10 +97,10 @@ def test_full_disk_skips_saves_and_keeps_old_checkpoints(small_fs, caplog):
 
 def test_enospc_mid_save_keeps_training(small_fs, monkeypatch, caplog):
     model = _model()
-    ck = worker.Checkpointer(model=model, ckpt_dir=small_fs, keep=None)
+    ck = rtrain.Checkpointer(model=model, ckpt_dir=small_fs, keep=None)
     assert ck.save(1) is not None
     # Another writer fills the disk between the free-space check and the write.
-    monkeypatch.setattr("worker.retention.free_bytes", lambda p: 1 << 40)
+    monkeypatch.setattr("rtrain.worker.retention.free_bytes", lambda p: 1 << 40)
     ballast = small_fs / "ballast"
     free = shutil.disk_usage(small_fs).free
     with open(ballast, "wb") as f:
@@ -121,16 +121,16 @@ def test_batch_size_change_resumes_at_the_exact_next_sample(tmp_path):
 
     n = 40
     seen = []
-    sampler = worker.ResumableSampler(n, seed=3)
-    ck = worker.Checkpointer(loader=sampler, ckpt_dir=tmp_path)
+    sampler = rtrain.ResumableSampler(n, seed=3)
+    ck = rtrain.Checkpointer(loader=sampler, ckpt_dir=tmp_path)
     loader = DataLoader(list(range(n)), batch_size=8, sampler=sampler)
     for i, batch in enumerate(loader):
         seen += batch.tolist()
         if i == 2:
             ck.save(3)
             break
-    sampler2 = worker.ResumableSampler(n, seed=3)
-    worker.Checkpointer(loader=sampler2, ckpt_dir=tmp_path).restore()
+    sampler2 = rtrain.ResumableSampler(n, seed=3)
+    rtrain.Checkpointer(loader=sampler2, ckpt_dir=tmp_path).restore()
     for batch in DataLoader(list(range(n)), batch_size=4, sampler=sampler2):
         seen += batch.tolist()
     assert sorted(seen) == list(range(n))

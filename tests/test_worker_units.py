@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from worker import save_clock
-from worker.schedule import SaveSchedule
+from rtrain.worker import save_clock
+from rtrain.worker.schedule import SaveSchedule
 
 WORKER = Path(__file__).resolve().parent.parent / "worker"
 

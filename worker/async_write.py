@@ -1,4 +1,5 @@
-"""Saving in the background (`async_save=True`): at most one save in flight while training goes on.
+"""Saving in the background (`Saving(async_mode=...)`): at most one save in flight while
+training goes on.
 
 The training thread is blocked only while the state is snapshotted, one of two ways:
 - fork: a child process writes from its copy-on-write view of memory, so the snapshot costs
@@ -20,9 +21,9 @@ from typing import Literal
 
 import torch
 
-from supervisor.core.errors import CheckpointError
-from worker import dist, runtime
-from worker.save_target import Capture, SaveTarget
+from rtrain.supervisor.core.errors import CheckpointError
+from rtrain.worker import dist, runtime
+from rtrain.worker.save_target import Capture, SaveTarget
 
 _CHILD_SKIPPED = 3  # the forked writer's exit code for a save skipped (storage error, no space)
 

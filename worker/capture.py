@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-import supervisor
-from worker import dist, dist_ckpt, state
-from worker.data import Position
-from worker.save_target import FILES, Capture
-from worker.settings import current as current_settings
-from worker.tensors import cpu_contiguous, encode
+import rtrain
+from rtrain.worker import dist, dist_ckpt, state
+from rtrain.worker.data import Position
+from rtrain.worker.save_target import FILES, Capture
+from rtrain.worker.settings import current as current_settings
+from rtrain.worker.tensors import cpu_contiguous, encode
 
 
 class FrozenBase:
@@ -177,5 +177,5 @@ def environment(model: torch.nn.Module | None) -> dict[str, Any]:
         p = next(iter(model.parameters()), None)
         device = p.device.type if p is not None else "cpu"
     return {"python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "device": device, "rtrain": supervisor.__version__,
+            "cuda": torch.version.cuda, "device": device, "rtrain": rtrain.__version__,
             "host": socket.gethostname()}

@@ -6,7 +6,7 @@ are imported, and the Checkpointer saves and restores their states. A script tha
 them (most do not: they seed torch) therefore ends every run in other states of them, and two
 uninterrupted runs would differ although they trained alike. check-resume hands the processes
 that stand for the original run (the uninterrupted ones and the one it stops) the same
-`entropy`; `import worker` seeds both generators with it, before the script's code after that
+`entropy`; `import rtrain` seeds both generators with it, before the script's code after that
 import seeds or draws, so the script's own seeding still wins (a seed set before that import is
 replaced: docs/design.md's check-resume section says what that costs). A resumed run gets none,
 as a relaunch draws its own: what it draws before `restore()` replaces the states is its own, so
@@ -20,7 +20,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from supervisor.core.protocol import ENV_CHECK_RESUME
+from rtrain.supervisor.core.protocol import ENV_CHECK_RESUME
 
 STOPS = ("kill", "signal")
 
@@ -55,7 +55,7 @@ def plan() -> Plan | None:
 
 
 def seed_entropy() -> None:
-    """At `import worker`: seed python's and numpy's global generators with the order's entropy,
+    """At `import rtrain`: seed python's and numpy's global generators with the order's entropy,
     if it gives one. A bad order is left to the Checkpointer, which refuses it in one line."""
     try:
         order = plan()

@@ -1,4 +1,4 @@
-"""`worker.Checkpointer`: save and restore complete training state, atomically and verified.
+"""`rtrain.Checkpointer`: save and restore complete training state, atomically and verified.
 
 The Checkpointer holds the settings and the schedule; the work is done by one unit each:
 `capture` (the state taken at a step boundary), `save_target` (one process's commit) and
@@ -12,18 +12,17 @@ import logging
 import os
 import textwrap
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from supervisor.ckpt import crypt, hashing
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.core.errors import CheckpointError, CorruptCheckpoint, ExitCode
-from supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
-from worker import (
+from rtrain.supervisor.ckpt import crypt, hashing
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, ExitCode
+from rtrain.supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
+from rtrain.worker import (
     check_order,
     compile_cache,
     data,
@@ -33,20 +32,27 @@ from worker import (
     faults,
     guards,
     hyperparams,
-    legacy_args,
     options,
     restore,
     resume_check,
     runtime,
 )
-from worker.async_write import BackgroundSave
-from worker.capture import Components, FrozenBase, Moving, capture, environment, moving, number
-from worker.memory_tier import MemoryTier
-from worker.options import Every, Keep, Restoring, Saving
-from worker.retention import Retention
-from worker.save_clock import SaveClock, first_schedule
-from worker.save_target import Capture, SaveTarget, write_local
-from worker.schedule import SaveSchedule
+from rtrain.worker.async_write import BackgroundSave
+from rtrain.worker.capture import (
+    Components,
+    FrozenBase,
+    Moving,
+    capture,
+    environment,
+    moving,
+    number,
+)
+from rtrain.worker.memory_tier import MemoryTier
+from rtrain.worker.options import Every, Keep, Restoring, Saving
+from rtrain.worker.retention import Retention
+from rtrain.worker.save_clock import SaveClock, first_schedule
+from rtrain.worker.save_target import Capture, SaveTarget, write_local
+from rtrain.worker.schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +61,7 @@ class Checkpointer:
     """Saves and restores the whole training state together, atomically and verified: model,
     optimizer, scheduler, GradScaler, data position, every RNG state, step, epoch and extras.
 
-        ckpt = worker.Checkpointer(model=model, optimizer=opt, loader=loader, every=100)
+        ckpt = rtrain.Checkpointer(model=model, optimizer=opt, loader=loader, every=100)
         start_step = ckpt.restore()
         for step in range(start_step, total_steps):
             ...
@@ -69,7 +75,7 @@ class Checkpointer:
         scheduler: A learning-rate scheduler, or anything with state_dict/load_state_dict.
         scaler: A torch.amp GradScaler.
         loader: Where the data stream stands: a DataLoader whose sampler is a
-            worker.ResumableSampler, a DataLoader over an IterableDataset, torchdata's
+            rtrain.ResumableSampler, a DataLoader over an IterableDataset, torchdata's
             StatefulDataLoader, or the ResumableSampler itself when the loop iterates it. The
             position saved is what the loop took, not what loader workers fetched ahead.
         ckpt_dir: Where checkpoints go. Default: $RTRAIN_CKPT_DIR (rtrain launch sets it from
@@ -88,13 +94,11 @@ class Checkpointer:
             $RTRAIN_ENCRYPTION_KEY_FILE (docs/design.md, "Encryption at rest").
         exit_on_stop: After a stop request (preemption; rtrain's stop signal) `maybe_save`
             commits a checkpoint and exits 75, which rtrain reads as "preempted". False:
-            it returns, and the script ends when it likes (`worker.should_stop()`).
+            it returns, and the script ends when it likes (`rtrain.should_stop()`).
 
     An argument wins over its environment variable. Memory pressure: after a relieve request
     from rtrain, `maybe_save` frees Python garbage, the CUDA allocator's cache, an
-    OOMBackoff's micro-batch and whatever the callbacks given to `worker.on_pressure()` free.
-    The keyword arguments of rtrain 0.1 (`every_steps=`, `async_save=`, `sampler=`, ...) still
-    work, each with a DeprecationWarning naming its new spelling (worker/legacy_args.py).
+    OOMBackoff's micro-batch and whatever the callbacks given to `rtrain.on_pressure()` free.
     """
 
     def __init__(self, *, model: torch.nn.Module | None = None,
@@ -105,17 +109,7 @@ class Checkpointer:
                  keep: int | Keep | None = 3, saving: Saving | None = None,
                  restoring: Restoring | None = None, signing_key: bytes | str | None = None,
                  encryption_key: crypt.EncryptionKey | bytes | str | None = None,
-                 exit_on_stop: bool = True, **deprecated: Any) -> None:
-        sampler = None
-        if deprecated:
-            old = legacy_args.translate(deprecated, every=every, keep=keep, saving=saving,
-                                        restoring=restoring)
-            for message in old.warnings:
-                warnings.warn(message, DeprecationWarning, stacklevel=2)
-            every, keep, saving, restoring = old.every, old.keep, old.saving, old.restoring
-            sampler = old.sampler
-            if old.on_pressure is not None:
-                runtime.on_pressure(old.on_pressure)
+                 exit_on_stop: bool = True) -> None:
         self.every = options.as_every(every)
         self.keep = options.as_keep(keep)
         self.saving: Saving = options.as_group(Saving, saving, "saving")
@@ -125,7 +119,7 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler = scaler
         # The data position counts what the loop consumed (worker/data.py).
-        self.data = data.track(loader=loader, sampler=sampler)
+        self.data = data.track(loader=loader)
         self.sampler = data.bare_sampler(self.data)  # check-resume's evidence looks for it
         bounds = self.every.bounds()
         if bounds is not None:
@@ -526,6 +520,6 @@ def _encryption_key(given: crypt.EncryptionKey | bytes | str | None
     return key
 
 
-# help(worker.Checkpointer) is the reference: the option groups' fields follow its arguments.
+# help(rtrain.Checkpointer) is the reference: the option groups' fields follow its arguments.
 Checkpointer.__doc__ = (Checkpointer.__doc__ or "").rstrip() + "\n\n" + textwrap.indent(
     options.reference(), "    ") + "\n    "

@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from supervisor.ckpt import crypt
-from supervisor.ckpt.verified_read import LoadError, read_listed
-from worker import compile_pack, runtime
+from rtrain.supervisor.ckpt import crypt
+from rtrain.supervisor.ckpt.verified_read import LoadError, read_listed
+from rtrain.worker import compile_pack, runtime
 
 log = logging.getLogger(__name__)
 

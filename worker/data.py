@@ -22,7 +22,7 @@ generator when it has none: a resumed run calls `iter` where the uninterrupted o
 watched loader without a generator of its own is given one, seeded from where the iteration
 starts, so `iter(loader)` never touches the global generator. The workers' generators still
 differ after a mid-epoch resume (each advanced per sample it processed): randomness inside
-`__getitem__` must come from `worker.sample_generator` (worker/sample_rng.py) to be exact.
+`__getitem__` must come from `rtrain.sample_generator` (worker/sample_rng.py) to be exact.
 
 The class swap and the counting iterator are in worker/data_iter.py; what the loader's workers do
 with stop signals is in worker/data_workers.py.
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from worker.data_iter import Counted, seed_iteration, watch_loader
-from worker.sampler import ResumableSampler
-from worker.tensors import decode, encode
+from rtrain.worker.data_iter import Counted, seed_iteration, watch_loader
+from rtrain.worker.sampler import ResumableSampler
+from rtrain.worker.tensors import decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -221,32 +221,26 @@ class StatefulPosition:
 Position = SamplerPosition | CountedLoader | IterablePosition | StatefulPosition
 
 
-def track(*, loader: Any = None, sampler: ResumableSampler | None = None) -> Position | None:
+def track(*, loader: Any = None) -> Position | None:
     """What the Checkpointer saves and restores of the data stream (None: nothing). `loader`
-    is a loader or a bare ResumableSampler; `sampler` is the deprecated `sampler=`."""
+    is a loader or a bare ResumableSampler."""
     if isinstance(loader, ResumableSampler):
-        if sampler is not None and sampler is not loader:
-            raise ValueError("sampler= and loader= name two different samplers: pass only "
-                             "loader=")
-        loader, sampler = None, loader
+        return SamplerPosition(loader)
     if loader is None:
-        return SamplerPosition(sampler) if sampler is not None else None
+        return None
     if callable(getattr(loader, "state_dict", None)) and hasattr(loader, "load_state_dict"):
         return StatefulPosition(loader)
     if not isinstance(loader, DataLoader):
         raise TypeError(f"loader= takes a torch DataLoader, a loader with state_dict() and "
-                        f"load_state_dict(), or a worker.ResumableSampler, not "
+                        f"load_state_dict(), or a rtrain.ResumableSampler, not "
                         f"{type(loader).__name__}")
     if isinstance(loader.dataset, IterableDataset):
         return IterablePosition(loader)
     found = _resumable_sampler(loader)
     if found is None:
-        raise ValueError("loader= needs the DataLoader's sampler to be a worker.ResumableSampler "
-                         "(DataLoader(..., sampler=worker.ResumableSampler(len(dataset), "
+        raise ValueError("loader= needs the DataLoader's sampler to be a rtrain.ResumableSampler "
+                         "(DataLoader(..., sampler=rtrain.ResumableSampler(len(dataset), "
                          "seed=...)))")
-    if sampler is not None and sampler is not found:
-        raise ValueError("sampler= is not the sampler of the DataLoader given as loader=: pass "
-                         "only loader=")
     return CountedLoader(loader, found)
 
 

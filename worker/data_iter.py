@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from worker.data_workers import born_with_sigterm_blocked, worker_init
+from rtrain.worker.data_workers import born_with_sigterm_blocked, worker_init
 
 
 class Counting(Protocol):
@@ -72,7 +72,7 @@ def watch_loader(loader: Any, pos: Any) -> bool:
 
 def seed_iteration(loader: Any, seed: int, epoch: int, position: int) -> None:
     """Seed the base seeds of the iteration starting at `position` of `epoch`."""
-    from worker.sample_rng import sample_seed
+    from rtrain.worker.sample_rng import sample_seed
 
     loader.generator.manual_seed(sample_seed(position, epoch=epoch, seed=seed))
 

@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from supervisor.ckpt.commit import PendingCheckpoint, fsync_dir
-from supervisor.ckpt.hashing import alg_for
-from supervisor.ckpt.layout import MANIFEST
-from supervisor.ckpt.verified_read import LoadError
-from supervisor.core.errors import CheckpointError, CorruptCheckpoint, StateMismatch
-from worker import dist, faults
-from worker.save_target import Capture, SaveTarget, storage_error
-from worker.tensors import load_listed, to_blob
+from rtrain.supervisor.ckpt.commit import PendingCheckpoint, fsync_dir
+from rtrain.supervisor.ckpt.hashing import alg_for
+from rtrain.supervisor.ckpt.layout import MANIFEST
+from rtrain.supervisor.ckpt.verified_read import LoadError
+from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, StateMismatch
+from rtrain.worker import dist, faults
+from rtrain.worker.save_target import Capture, SaveTarget, storage_error
+from rtrain.worker.tensors import load_listed, to_blob
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def load_sharded(path: Path, m: dict[str, Any], alg: str, model: torch.nn.Module
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    from worker import dcp_safe
+    from rtrain.worker import dcp_safe
 
     sd = sharded_state(model, optimizer)
     group = dist.group() if dist.world() is not None else None

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from worker import hang_save, runtime
+from rtrain.worker import hang_save, runtime
 
 log = logging.getLogger(__name__)
 

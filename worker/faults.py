@@ -27,7 +27,7 @@ Kinds:
                     step hook while KNOB > V (read from RTRAIN_SETTINGS and in-process back-off):
                     the process dies and the supervisor degrades
     oom_step        the same from `in_step(batch_size=n)`, which a script calls inside its
-                    forward: the in-process back-off (worker.OOMBackoff) can catch it
+                    forward: the in-process back-off (rtrain.OOMBackoff) can catch it
     hang            sleep forever in the step hook; heartbeats stop
     hang_forward    sleep forever in `in_step(step=n)` (the forward), at the step crash_forward
                     would fail: the optimizer has not stepped, so a save at the hang keeps every
@@ -52,8 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.core.protocol import ENV_ATTEMPT
-from worker.settings import current as current_settings
+from rtrain.supervisor.core.protocol import ENV_ATTEMPT
+from rtrain.worker.settings import current as current_settings
 
 ENV_FAULTS = "RTRAIN_FAULTS"
 KINDS = ("crash", "crash_forward", "oom", "oom_forward", "oom_step", "hang", "hang_forward",
@@ -151,7 +151,7 @@ def _oom_error(message: str) -> BaseException:
 
 def _knob(name: str) -> Any:
     # The supervisor's values for this attempt, then what an in-process back-off settled on.
-    from worker import guards
+    from rtrain.worker import guards
 
     return guards.effective_settings(_env_settings).get(name)
 
@@ -166,7 +166,7 @@ def _sleep_forever() -> None:
 
 
 def _corrupt_newest(ckpt_dir: Path, at_least: int) -> Path | None:
-    from supervisor.ckpt.layout import list_checkpoints
+    from rtrain.supervisor.ckpt.layout import list_checkpoints
 
     for step, path in list_checkpoints(ckpt_dir):  # newest first
         if step < at_least:

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from worker import runtime
-from worker.settings import current as env_settings
+from rtrain.worker import runtime
+from rtrain.worker.settings import current as env_settings
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
 class NonFiniteGuard:
     """Skip steps whose loss (or gradients) are not finite; K in a row end the attempt.
 
-        guard = worker.NonFiniteGuard(max_consecutive=5)
+        guard = rtrain.NonFiniteGuard(max_consecutive=5)
         loss.backward()
         if not guard.skip(loss, model=model, step=step):
             optimizer.step()
@@ -140,7 +140,7 @@ def _slice(batch: Any, lo: int, hi: int) -> Any:
 class OOMBackoff:
     """Run forward+backward for a batch; on a GPU out-of-memory error, split it and go on.
 
-        backoff = worker.OOMBackoff(settings=s)       # s = worker.settings(batch_size=..., ...)
+        backoff = rtrain.OOMBackoff(settings=s)       # s = rtrain.settings(batch_size=..., ...)
         loss = backoff.run(lambda mb: F.cross_entropy(model(mb[0]), mb[1]), (x, y))
         optimizer.step()
 

@@ -38,8 +38,13 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from supervisor.core.protocol import CONTROL_FAILSAVE, CONTROL_FIFO, ENV_CONTROL_TOKEN, ENV_STATUS
-from worker import runtime
+from rtrain.supervisor.core.protocol import (
+    CONTROL_FAILSAVE,
+    CONTROL_FIFO,
+    ENV_CONTROL_TOKEN,
+    ENV_STATUS,
+)
+from rtrain.worker import runtime
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ import logging
 import os
 from pathlib import Path
 
-from supervisor.ckpt import runid
-from supervisor.ckpt.layout import parse_step
-from supervisor.core.protocol import ENV_MEMORY_DIR, ENV_MEMORY_RESUME, ENV_RESUME_FROM
-from supervisor.memtier import parts
-from worker import dist
+from rtrain.supervisor.ckpt import runid
+from rtrain.supervisor.ckpt.layout import parse_step
+from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_MEMORY_RESUME, ENV_RESUME_FROM
+from rtrain.supervisor.memtier import parts
+from rtrain.worker import dist
 
 log = logging.getLogger(__name__)
 

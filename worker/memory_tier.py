@@ -53,16 +53,16 @@ from typing import Any
 
 import torch
 
-from supervisor.ckpt import hashing, runid, safetensors_io
-from supervisor.ckpt.commit import PendingCheckpoint, remove_dir
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.core.atomic_write import STORAGE_ERRNOS
-from supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
-from supervisor.memtier import parts
-from worker import compile_cache, dist, dist_ckpt, faults, runtime
-from worker.options import Memory
-from worker.save_target import Capture, SaveTarget
-from worker.tensors import to_blob
+from rtrain.supervisor.ckpt import hashing, runid, safetensors_io
+from rtrain.supervisor.ckpt.commit import PendingCheckpoint, remove_dir
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
+from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
+from rtrain.supervisor.memtier import parts
+from rtrain.worker import compile_cache, dist, dist_ckpt, faults, runtime
+from rtrain.worker.options import Memory
+from rtrain.worker.save_target import Capture, SaveTarget
+from rtrain.worker.tensors import to_blob
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ and the memory tier.
 Each group is a frozen dataclass with defaults, so the common case passes none of them and a
 script that changes one setting names only that one: `saving=Saving(async_mode="fork")`. The
 groups check their own values when built, so a mistake fails at the line that made it. Each
-class's "Attributes:" section is the reference for its fields: `help(worker.Checkpointer)`
+class's "Attributes:" section is the reference for its fields: `help(rtrain.Checkpointer)`
 shows them all (worker/checkpointer.py appends them) and the README's reference is generated
 from that text (tests/test_checkpointer_reference.py).
 """
@@ -16,9 +16,9 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from supervisor.ckpt.verify import Level
-from supervisor.retention.decide import RetentionPolicy
-from worker.cadence import MAX_SECONDS, CadenceBounds
+from rtrain.supervisor.ckpt.verify import Level
+from rtrain.supervisor.retention.decide import RetentionPolicy
+from rtrain.worker.cadence import MAX_SECONDS, CadenceBounds
 
 if TYPE_CHECKING:
     import torch
@@ -40,8 +40,6 @@ class Every:
         seconds: Save when this much wall time has passed since the last save. With
             steps="auto" it is the longest time between saves (default 1800).
         epoch_end: Also save when `maybe_save(..., epoch_end=True)` is called.
-        total_steps: The run's length in steps. Kept for compatibility: steps="auto" no
-            longer uses it (its first save comes at step 2 whatever the length).
         min_steps: steps="auto" only: never save more often than every this many steps.
         max_steps: steps="auto" only: never save less often than every this many steps
             (None: no step limit).
@@ -50,7 +48,6 @@ class Every:
     steps: int | Literal["auto"] | None = None
     seconds: float | None = None
     epoch_end: bool = False
-    total_steps: int | None = None
     min_steps: int = 1
     max_steps: int | None = None
 
@@ -64,10 +61,6 @@ class Every:
                                  "steps='auto' or leave them out")
         if self.seconds is not None and not self.seconds > 0:
             raise ValueError(f"Every(seconds=) must be positive, not {self.seconds!r}")
-        if self.total_steps is not None and (not _is_int(self.total_steps)
-                                             or self.total_steps < 1):
-            raise ValueError(f"Every(total_steps=) must be a whole number of at least 1, not "
-                             f"{self.total_steps!r}")
         if self.steps == "auto":
             self.bounds()  # CadenceBounds checks min_steps and max_steps
 
@@ -240,9 +233,6 @@ def as_every(value: Any) -> Every:
         return Every()
     if isinstance(value, Every):
         return value
-    if isinstance(value, CadenceBounds):
-        raise TypeError("every= takes Every(steps='auto', min_steps=, max_steps=, seconds=) "
-                        "for an automatic cadence with bounds, not a CadenceBounds")
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
         return Every(steps=value)
     raise TypeError(f"every= takes a number of steps, 'auto' or an Every(...), not {value!r}")

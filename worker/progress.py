@@ -17,8 +17,8 @@ import struct
 import time
 from pathlib import Path
 
-from supervisor.core import filemode, ownfiles
-from supervisor.core.progress_board import SIZE, board_name, pack, seq_offset
+from rtrain.supervisor.core import filemode, ownfiles
+from rtrain.supervisor.core.progress_board import SIZE, board_name, pack, seq_offset
 
 log = logging.getLogger(__name__)
 

@@ -22,25 +22,25 @@ from typing import Any
 
 import torch
 
-from supervisor.ckpt import crypt, hashing, state_schema
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.ckpt.verified_read import LoadError, read_listed
-from supervisor.ckpt.verify import STATE_LIMIT, Level, Verdict, select_rtrain_resume, verify
-from supervisor.core.errors import (
+from rtrain.supervisor.ckpt import crypt, hashing, state_schema
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.supervisor.ckpt.verified_read import LoadError, read_listed
+from rtrain.supervisor.ckpt.verify import STATE_LIMIT, Level, Verdict, select_rtrain_resume, verify
+from rtrain.supervisor.core.errors import (
     CheckpointError,
     CorruptCheckpoint,
     ExitCode,
     KeyMismatch,
     StateMismatch,
 )
-from supervisor.core.protocol import ENV_MEMORY_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
-from supervisor.decide.failures import FailureKind
-from supervisor.memtier.parts import OWN
-from worker import dist, dist_ckpt, hyperparams, memory_resume, runtime, state
-from worker.capture import Components
-from worker.save_target import FILES
-from worker.settings import current as current_settings
-from worker.tensors import decode, dtype_code, load_listed
+from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
+from rtrain.supervisor.decide.failures import FailureKind
+from rtrain.supervisor.memtier.parts import OWN
+from rtrain.worker import dist, dist_ckpt, hyperparams, memory_resume, runtime, state
+from rtrain.worker.capture import Components
+from rtrain.worker.save_target import FILES
+from rtrain.worker.settings import current as current_settings
+from rtrain.worker.tensors import decode, dtype_code, load_listed
 
 log = logging.getLogger(__name__)
 

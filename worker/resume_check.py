@@ -53,10 +53,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from supervisor.core.errors import CheckpointError
-from supervisor.core.protocol import ENV_CKPT_DIR
-from worker import runtime
-from worker.check_order import Plan
+from rtrain.supervisor.core.errors import CheckpointError
+from rtrain.supervisor.core.protocol import ENV_CKPT_DIR
+from rtrain.worker import runtime
+from rtrain.worker.check_order import Plan
 
 VERSION = 1
 _MOVING = ("torch", "cuda", "python", "numpy", "data")

@@ -13,12 +13,12 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from supervisor.ckpt.commit import free_bytes
-from supervisor.ckpt.verify import Level, VerifiedCache, verify
-from supervisor.core import filemode
-from supervisor.core.atomic_write import STORAGE_ERRNOS
-from supervisor.retention.decide import RetentionPolicy
-from supervisor.retention.prune_dir import PruneReport, prune
+from rtrain.supervisor.ckpt.commit import free_bytes
+from rtrain.supervisor.ckpt.verify import Level, VerifiedCache, verify
+from rtrain.supervisor.core import filemode
+from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
+from rtrain.supervisor.retention.decide import RetentionPolicy
+from rtrain.supervisor.retention.prune_dir import PruneReport, prune
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from supervisor.core import filemode, ownfiles
-from supervisor.core.atomic_write import write_atomic
-from supervisor.core.protocol import (
+from rtrain.supervisor.core import filemode, ownfiles
+from rtrain.supervisor.core.atomic_write import write_atomic
+from rtrain.supervisor.core.protocol import (
     DUMP_SIGNAL,
     ENV_ATTEMPT,
     ENV_DUMP_SIGNAL,
@@ -53,7 +53,7 @@ from supervisor.core.protocol import (
     exit_record_name,
     socket_address,
 )
-from worker import progress
+from rtrain.worker import progress
 
 log = logging.getLogger(__name__)
 

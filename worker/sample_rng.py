@@ -7,11 +7,11 @@ batches dealt to workers from the first again), so augmentation drawn from the w
 generator cannot come back the same. Drawing from a generator made for the sample does:
 
     def __getitem__(self, i):
-        g = worker.sample_generator(i)               # i: the index a ResumableSampler yielded
+        g = rtrain.sample_generator(i)               # i: the index a ResumableSampler yielded
         crop = torch.randint(0, 8, (2,), generator=g)
 
     def __getitem__(self, i):                        # code that draws from the global RNGs
-        with worker.seeded(i):                       # (torchvision transforms, random, numpy)
+        with rtrain.seeded(i):                       # (torchvision transforms, random, numpy)
             return self.transform(self.images[i])
 """
 
@@ -45,7 +45,7 @@ def sample_seed(index: int, *, epoch: int | None = None, seed: int | None = None
     seed = getattr(index, "seed", None) if seed is None else seed
     if epoch is None or seed is None:
         raise TypeError("sample_seed needs the epoch and the run seed: use the index a "
-                        "worker.ResumableSampler yielded, or pass epoch= and seed=")
+                        "rtrain.ResumableSampler yielded, or pass epoch= and seed=")
     # Odd multipliers make each step a bijection of the 64-bit state; one finaliser spreads it.
     x = (((seed * 0xD1B54A32D192ED03 + epoch) & _MASK) * 0xAEF17502108EF2D9 + index) & _MASK
     return _mix(x) >> 1

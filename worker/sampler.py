@@ -3,7 +3,7 @@ when the batch size changed between attempts.
 
 Each index they yield is a `SampleIndex`: an `int` that also carries the epoch and the seed it
 was drawn for, so code inside a DataLoader worker can seed per-sample randomness from it
-(`worker.sample_generator`) without knowing the epoch.
+(`rtrain.sample_generator`) without knowing the epoch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from supervisor.core.errors import StateMismatch
+from rtrain.supervisor.core.errors import StateMismatch
 
 
 class PositionMismatch(StateMismatch, ValueError):

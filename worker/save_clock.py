@@ -26,9 +26,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from supervisor.core.protocol import ENV_FAILURES, ENV_RUN_SECONDS, ENV_SAVE_COST
-from worker import cadence, runtime
-from worker.schedule import SaveSchedule
+from rtrain.supervisor.core.protocol import ENV_FAILURES, ENV_RUN_SECONDS, ENV_SAVE_COST
+from rtrain.worker import cadence, runtime
+from rtrain.worker.schedule import SaveSchedule
 
 LOSS_WINDOW = 256  # recent (step, loss) pairs the loss trend is read from
 

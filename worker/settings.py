@@ -1,4 +1,4 @@
-"""`worker.settings(**defaults)`: the knob values for this attempt (contract 1)."""
+"""`rtrain.settings(**defaults)`: the knob values for this attempt (contract 1)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from supervisor.core.protocol import ENV_SETTINGS
+from rtrain.supervisor.core.protocol import ENV_SETTINGS
 
 
 class Settings(dict):

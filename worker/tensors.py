@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from supervisor.ckpt.safetensors_io import TensorBlob, read_tensors
-from supervisor.ckpt.st_concat import PlainFile
-from supervisor.ckpt.verified_read import LoadError, open_listed
-from worker.hostmem import fresh_bytes
+from rtrain.supervisor.ckpt.safetensors_io import TensorBlob, read_tensors
+from rtrain.supervisor.ckpt.st_concat import PlainFile
+from rtrain.supervisor.ckpt.verified_read import LoadError, open_listed
+from rtrain.worker.hostmem import fresh_bytes
 
 DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

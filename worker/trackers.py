@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.core import atomic_write
-from supervisor.core.protocol import (
+from rtrain.supervisor.core import atomic_write
+from rtrain.supervisor.core.protocol import (
     ENV_ATTEMPT,
     ENV_RUN_DIR,
     ENV_RUN_ID,
@@ -146,7 +146,7 @@ def mlflow_log_metrics(metrics: dict[str, float], step: int) -> dict[str, float]
 
     run = mlflow.active_run()
     if run is None:
-        raise RuntimeError("no active MLflow run: call worker.trackers.mlflow_start_run() first")
+        raise RuntimeError("no active MLflow run: call rtrain.trackers.mlflow_start_run() first")
     rid = run.info.run_id
     new = {}
     for key, value in metrics.items():

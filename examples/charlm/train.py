@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import worker
-from worker import faults
+import rtrain
+from rtrain.worker import faults
 
 STRIDE = 16  # characters between two samples' start offsets
 
@@ -69,24 +69,24 @@ def generate(model: CharGRU, vocab: list[str], prompt: str, n: int, device: str)
 
 
 def main() -> None:
-    s = worker.settings(seq_len=64, batch_size=32, grad_accum=1, lr=0.005, steps=150,
+    s = rtrain.settings(seq_len=64, batch_size=32, grad_accum=1, lr=0.005, steps=150,
                         save_every=20, log_every=10, amp=None, seed=0, workers=2)
-    worker.install_excepthook()
+    rtrain.install_excepthook()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     amp_dtype = torch.float16 if device == "cuda" else torch.bfloat16
     amp = device == "cuda" if s.amp is None else bool(s.amp)
     torch.manual_seed(s.seed)
     dataset = CharWindows((Path(__file__).parent / "data.txt").read_text(), s.seq_len)
-    sampler = worker.ResumableSampler(len(dataset), seed=s.seed)
+    sampler = rtrain.ResumableSampler(len(dataset), seed=s.seed)
     loader = DataLoader(dataset, batch_size=s.batch_size, sampler=sampler,
                         num_workers=s.workers)
     model = CharGRU(len(dataset.vocab)).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=s.lr)
     # Loss scaling is for float16 only; bfloat16 has float32's range.
     scaler = torch.amp.GradScaler(device, enabled=amp and amp_dtype == torch.float16)
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, scaler=scaler, loader=loader,
+    ckpt = rtrain.Checkpointer(model=model, optimizer=opt, scaler=scaler, loader=loader,
                                every=s.save_every,
-                               restoring=worker.Restoring(map_location=device))
+                               restoring=rtrain.Restoring(map_location=device))
     start = ckpt.restore()
     for g in opt.param_groups:
         g["lr"] = s.lr  # the lr knob wins over the checkpoint's (cut after a non-finite loss)
@@ -101,8 +101,8 @@ def main() -> None:
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / s.grad_accum
         return faults.poison_loss(loss, step)
 
-    backoff = worker.OOMBackoff(settings=s)
-    guard = worker.NonFiniteGuard(max_consecutive=5)
+    backoff = rtrain.OOMBackoff(settings=s)
+    guard = rtrain.NonFiniteGuard(max_consecutive=5)
     batches = forever(loader)
     value = float("nan")
     for step in range(start + 1, s.steps + 1):

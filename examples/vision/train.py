@@ -1,11 +1,11 @@
 """A small CNN on synthetic images, written for rtrain (see examples/README.md).
 
-Knobs come from `worker.settings` (the supervisor lowers them after an out-of-memory failure):
+Knobs come from `rtrain.settings` (the supervisor lowers them after an out-of-memory failure):
 batch_size, grad_accum, resolution, offload, lr, steps, workers. The images are generated from
 the seed and the sample index, at any resolution, so nothing is downloaded and a resumed run sees
 the same data. The DataLoader has worker processes; the Checkpointer is given the loader, so the
 position it saves is what the loop consumed, and the random augmentation draws from a generator
-made for the sample (`worker.sample_generator`), so a resume mid-epoch sees the same flips and
+made for the sample (`rtrain.sample_generator`), so a resume mid-epoch sees the same flips and
 shifts.
 """
 
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import worker
-from worker import faults
+import rtrain
+from rtrain.worker import faults
 
 CLASSES = 10
 
@@ -43,7 +43,7 @@ class SyntheticImages(Dataset):
         image = self.templates[label] + 0.5 * noise
         # Augmentation, new every epoch: a random flip and shift from the sample's generator
         # (torch's global generator in a worker would not come back the same after a resume).
-        aug = worker.sample_generator(i)
+        aug = rtrain.sample_generator(i)
         if torch.rand((), generator=aug) < 0.5:
             image = image.flip(-1)
         shift = torch.randint(-2, 3, (2,), generator=aug).tolist()
@@ -73,17 +73,17 @@ def forever(loader: DataLoader):
 
 
 def main() -> None:
-    s = worker.settings(batch_size=32, grad_accum=1, resolution=32, offload=False, lr=0.01,
+    s = rtrain.settings(batch_size=32, grad_accum=1, resolution=32, offload=False, lr=0.01,
                         steps=200, save_every=20, log_every=10, samples=4096, seed=0,
                         workers=2)
-    worker.install_excepthook()
+    rtrain.install_excepthook()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     offload = bool(s.offload) and device == "cuda"
     if s.offload and not offload:
         print("offload=True: nothing to offload on the CPU (no-op)", flush=True)
     torch.manual_seed(s.seed)
     dataset = SyntheticImages(s.samples, s.resolution, s.seed)
-    sampler = worker.ResumableSampler(len(dataset), seed=s.seed)
+    sampler = rtrain.ResumableSampler(len(dataset), seed=s.seed)
     loader = DataLoader(dataset, batch_size=s.batch_size, sampler=sampler,
                         num_workers=s.workers, persistent_workers=s.workers > 0)
     model = make_model().to(device)
@@ -93,9 +93,9 @@ def main() -> None:
         return min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / s.steps))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=loader,
+    ckpt = rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=loader,
                                every=s.save_every,
-                               restoring=worker.Restoring(map_location=device))
+                               restoring=rtrain.Restoring(map_location=device))
     start = ckpt.restore()
     # The lr knob wins over the checkpoint's: the supervisor cuts it after a non-finite loss.
     sched.base_lrs = [s.lr] * len(opt.param_groups)
@@ -112,8 +112,8 @@ def main() -> None:
         loss = F.cross_entropy(model(x), y) / s.grad_accum
         return faults.poison_loss(loss, step)
 
-    backoff = worker.OOMBackoff(settings=s)
-    guard = worker.NonFiniteGuard(max_consecutive=5)
+    backoff = rtrain.OOMBackoff(settings=s)
+    guard = rtrain.NonFiniteGuard(max_consecutive=5)
     batches = forever(loader)
     value = float("nan")
     for step in range(start + 1, s.steps + 1):

@@ -5,9 +5,10 @@ heartbeat to that file (hang latency)."""
 import sys
 import time
 
-import worker
+import rtrain
+from rtrain.worker import runtime
 
-worker.runtime.install()
+runtime.install()
 seconds = float(sys.argv[1])
 hang_file = sys.argv[2] if len(sys.argv) > 2 else None
 t0 = time.monotonic()
@@ -17,7 +18,7 @@ while time.monotonic() - t0 < seconds:
     while time.monotonic() < end:
         pass
     step += 1
-    worker.heartbeat(step=step, loss=1.0, samples=8)
+    rtrain.heartbeat(step=step, loss=1.0, samples=8)
     if time.monotonic() - last_print > 1 / 30:
         print(f"step {step}", flush=True)
         last_print = time.monotonic()

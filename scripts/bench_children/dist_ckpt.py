@@ -9,7 +9,7 @@ import time
 import torch.distributed as dist
 from torch import nn
 
-import worker
+import rtrain
 
 ckpt_dir, mib, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 dist.init_process_group("gloo")
@@ -21,7 +21,7 @@ width = 1024
 layers = max(1, mib * 2**20 // (width * width * 4))
 model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
 fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-ck = worker.Checkpointer(model=model, ckpt_dir=ckpt_dir, keep=1)
+ck = rtrain.Checkpointer(model=model, ckpt_dir=ckpt_dir, keep=1)
 saves, loads = [], []
 for i in range(repeats):
     dist.barrier()

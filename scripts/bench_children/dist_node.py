@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-import worker  # noqa: E402
+import rtrain  # noqa: E402
 
 out, node, total = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 tag = f"{node}-{os.environ.get('RTRAIN_ATTEMPT', '0')}"
@@ -24,8 +24,8 @@ dist.init_process_group("gloo")
 world = dist.get_world_size()
 model = nn.parallel.DistributedDataParallel(nn.Linear(64, 64))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-ck = worker.Checkpointer(model=model, optimizer=opt, every=10, keep=2,
-                         restoring=worker.Restoring(allow_resize=True))
+ck = rtrain.Checkpointer(model=model, optimizer=opt, every=10, keep=2,
+                         restoring=rtrain.Restoring(allow_resize=True))
 step = resumed = ck.restore()
 while step < total:
     model(torch.randn(8, 64)).sum().backward()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import worker
+import rtrain
 
 out, kill_at, total = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 dist.init_process_group("gloo")
@@ -20,7 +20,7 @@ rank = dist.get_rank()
 attempt = int(os.environ.get("RTRAIN_ATTEMPT", "0"))
 model = nn.parallel.DistributedDataParallel(nn.Linear(64, 64))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-ck = worker.Checkpointer(model=model, optimizer=opt, every=10, keep=2)
+ck = rtrain.Checkpointer(model=model, optimizer=opt, every=10, keep=2)
 step = ck.restore()
 first = True
 while step < total:

@@ -1,6 +1,6 @@
 """`rtrain check-resume`: does a training script resume exactly?
 
-The script (one that uses worker.Checkpointer and ends by itself) runs, each run with a fresh
+The script (one that uses rtrain.Checkpointer and ends by itself) runs, each run with a fresh
 checkpoint dir under the work dir and the same settings and environment. The processes that stand
 for the original run (the uninterrupted ones and the one stopped) also start from the same
 entropy (python's and numpy's global generators, PYTHONHASHSEED); a resumed process draws its
@@ -33,13 +33,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from supervisor.checkresume import causes as why
-from supervisor.checkresume.compare import Comparison, compare, read
-from supervisor.checkresume.runs import Ran, ScriptFailed, run
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.ckpt.verify import Level, Verdict, verify
-from supervisor.core.errors import UsageError
-from supervisor.core.protocol import (
+from rtrain.supervisor.checkresume import causes as why
+from rtrain.supervisor.checkresume.compare import Comparison, compare, read
+from rtrain.supervisor.checkresume.runs import Ran, ScriptFailed, run
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.supervisor.ckpt.verify import Level, Verdict, verify
+from rtrain.supervisor.core.errors import UsageError
+from rtrain.supervisor.core.protocol import (
     ENV_ATTEMPT,
     ENV_CHECK_RESUME,
     ENV_CKPT_DIR,
@@ -47,7 +47,7 @@ from supervisor.core.protocol import (
     ENV_RUN_DIR,
     ENV_SETTINGS,
 )
-from supervisor.launch.argv_templates import render
+from rtrain.supervisor.launch.argv_templates import render
 
 STOPS = ("kill", "signal")
 _HOW = {"kill": "a save, then SIGKILL", "signal": "SIGTERM (save, exit 75)"}
@@ -196,7 +196,7 @@ def _run(opts: Options, run_dir: Path, what: str, *, order: dict[str, Any] | Non
     found = list_checkpoints(ckpt_dir)
     if not found:
         raise ScriptFailed(f"the {what} of {opts.script} saved no checkpoint where check-resume "
-                           "asked (RTRAIN_CKPT_DIR): the script must use worker.Checkpointer "
+                           "asked (RTRAIN_CKPT_DIR): the script must use rtrain.Checkpointer "
                            f"and call maybe_save(step); its output: {ran.log}")
     v = verify(found[0][1], Level.FULL, opts.key)
     if not v.ok:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import manifest, safeio
-from supervisor.ckpt.safetensors_io import read_header
-from supervisor.core.errors import UsageError
-from supervisor.core.untrusted_text import safe
+from rtrain.supervisor.ckpt import manifest, safeio
+from rtrain.supervisor.ckpt.safetensors_io import read_header
+from rtrain.supervisor.core.errors import UsageError
+from rtrain.supervisor.core.untrusted_text import safe
 
 STATE = "state.json"
 # The order a person reads differences in: weights first.

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.core.errors import UsageError
-from supervisor.proc.spawn import pdeathsig_preexec
+from rtrain.supervisor.core.errors import UsageError
+from rtrain.supervisor.proc.spawn import pdeathsig_preexec
 
 
 class ScriptFailed(UsageError):

@@ -16,13 +16,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import crypt, encrypted_file, generation, runid, safetensors_io
-from supervisor.ckpt import manifest as mf
-from supervisor.ckpt.hashing import CRYPTOGRAPHIC, HASH_ALG, hash_file, new_hasher
-from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
-from supervisor.core import filemode
-from supervisor.core.ownfiles import RefusedFile
-from supervisor.core.protocol import ENV_GENERATION
+from rtrain.supervisor.ckpt import crypt, encrypted_file, generation, runid, safetensors_io
+from rtrain.supervisor.ckpt import manifest as mf
+from rtrain.supervisor.ckpt.hashing import CRYPTOGRAPHIC, HASH_ALG, hash_file, new_hasher
+from rtrain.supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
+from rtrain.supervisor.core import filemode
+from rtrain.supervisor.core.ownfiles import RefusedFile
+from rtrain.supervisor.core.protocol import ENV_GENERATION
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

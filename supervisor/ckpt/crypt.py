@@ -27,8 +27,8 @@ from typing import Any
 
 import blake3
 
-from supervisor.ckpt import hashing
-from supervisor.ckpt.verified_read import LoadError
+from rtrain.supervisor.ckpt import hashing
+from rtrain.supervisor.ckpt.verified_read import LoadError
 
 SCHEME = "aes-256-gcm-chunked-v1"
 _SCRYPT = {"n": 1 << 15, "r": 8, "p": 1, "maxmem": 64 << 20}
@@ -89,7 +89,7 @@ def load_encryption_key(env: dict[str, str] | None = None) -> EncryptionKey | No
     The key file follows the signing key file's rules (regular, at most 1 MiB, not readable by
     group or others unless RTRAIN_ALLOW_SHARED_KEY=1). Raises UsageError saying what to fix.
     """
-    from supervisor.core.errors import UsageError
+    from rtrain.supervisor.core.errors import UsageError
 
     env = os.environ if env is None else env
     hide = env.get(ENV_HIDE_TENSORS) == "1"

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from supervisor.ckpt.crypt import CryptError, EncryptionKey, cipher
+from rtrain.supervisor.ckpt.crypt import CryptError, EncryptionKey, cipher
 
 CHUNK = 4 << 20
 """4 MiB: divides the writer's 32 MiB write-back chunks and is the reader's chunk; a chunk just

@@ -32,10 +32,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from supervisor.ckpt import hf_trainer, safeio, torchzip
-from supervisor.ckpt import verify as rverify
-from supervisor.ckpt.layout import MANIFEST, parse_step
-from supervisor.ckpt.verify import (
+from rtrain.supervisor.ckpt import hf_trainer, safeio, torchzip
+from rtrain.supervisor.ckpt import verify as rverify
+from rtrain.supervisor.ckpt.layout import MANIFEST, parse_step
+from rtrain.supervisor.ckpt.verify import (
     Level,
     Selection,
     Status,

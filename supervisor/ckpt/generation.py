@@ -30,8 +30,8 @@ import uuid
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
-from supervisor.core import ownfiles
-from supervisor.core.errors import CheckpointError
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

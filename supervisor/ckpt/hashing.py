@@ -22,7 +22,7 @@ import stat
 import blake3
 import xxhash
 
-from supervisor.ckpt import safeio
+from rtrain.supervisor.ckpt import safeio
 
 XXH3 = "xxh3-128"
 BLAKE3 = "blake3"
@@ -113,7 +113,7 @@ def load_signing_key(env: dict[str, str] | None = None) -> bytes | None:
         return derive_key(secret.encode())
     key_file = env.get(ENV_SIGNING_KEY_FILE)
     if key_file:
-        from supervisor.core.errors import UsageError
+        from rtrain.supervisor.core.errors import UsageError
 
         try:
             material = read_key_file(key_file, shared_ok=env.get(ENV_ALLOW_SHARED_KEY) == "1")
@@ -142,7 +142,7 @@ def read_key_file(key_file: str, *, shared_ok: bool, what: str = "signing key fi
                   env_name: str = ENV_SIGNING_KEY_FILE) -> bytes:
     """A key file's stripped content; UsageError for one that is not a regular file, that
     group or others may access (unless `shared_ok`), or larger than 1 MiB."""
-    from supervisor.core.errors import UsageError
+    from rtrain.supervisor.core.errors import UsageError
 
     # O_NONBLOCK: a FIFO put in the key file's place must not hang us; fstat of the descriptor
     # read from, so the mode checked is the mode of the bytes used.

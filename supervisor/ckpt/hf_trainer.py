@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import safeio, safetensors_io, torchzip
-from supervisor.ckpt.verify import check_member_name
+from rtrain.supervisor.ckpt import safeio, safetensors_io, torchzip
+from rtrain.supervisor.ckpt.verify import check_member_name
 
 TRAINER_STATE = "trainer_state.json"
 SAFE_WEIGHTS = ("model.safetensors", "adapter_model.safetensors")

@@ -32,11 +32,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from supervisor.ckpt import foreign, progress, safeio
-from supervisor.ckpt.verify import Level, Status, Verdict
-from supervisor.core import ownfiles
-from supervisor.core.atomic_write import write_json_atomic
-from supervisor.core.filemode import DEFAULT_FILE_MODE
+from rtrain.supervisor.ckpt import foreign, progress, safeio
+from rtrain.supervisor.ckpt.verify import Level, Status, Verdict
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.atomic_write import write_json_atomic
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
 
 KEPT_DIR = "foreign-copy"
 RECORD = "kept.json"

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.core.pid_alive import pid_alive
+from rtrain.supervisor.core.pid_alive import pid_alive
 
 CKPT_PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"

@@ -38,8 +38,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import hashing, runid, safeio
-from supervisor.ckpt.layout import MANIFEST
+from rtrain.supervisor.ckpt import hashing, runid, safeio
+from rtrain.supervisor.ckpt.layout import MANIFEST
 
 FORMAT = "rtrain-checkpoint"
 VERSION = 1

@@ -20,9 +20,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import safeio
-from supervisor.core.atomic_write import write_json_atomic
-from supervisor.core.filemode import DEFAULT_FILE_MODE
+from rtrain.supervisor.ckpt import safeio
+from rtrain.supervisor.core.atomic_write import write_json_atomic
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
 
 log = logging.getLogger(__name__)
 

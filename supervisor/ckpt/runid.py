@@ -31,8 +31,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import safeio
-from supervisor.core import atomic_write, filemode
+from rtrain.supervisor.ckpt import safeio
+from rtrain.supervisor.core import atomic_write, filemode
 
 RUN_FILE = ".rtrain-run"
 _RUN_RE = re.compile(r"[0-9a-f]{32}")

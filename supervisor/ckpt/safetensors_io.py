@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.ckpt import crypt, encrypted_file, safeio
-from supervisor.ckpt.hashing import HASH_ALG, new_hasher
+from rtrain.supervisor.ckpt import crypt, encrypted_file, safeio
+from rtrain.supervisor.ckpt.hashing import HASH_ALG, new_hasher
 
 MAX_HEADER = 100 << 20
 

@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.ckpt import foreign
-from supervisor.ckpt.layout import EARLIER_PREFIX
-from supervisor.core import filemode
+from rtrain.supervisor.ckpt import foreign
+from rtrain.supervisor.ckpt.layout import EARLIER_PREFIX
+from rtrain.supervisor.core import filemode
 
 NOTE = "NOTE.txt"
 

@@ -25,7 +25,7 @@ import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from supervisor.ckpt import pickle_scan, safeio
+from rtrain.supervisor.ckpt import pickle_scan, safeio
 
 if TYPE_CHECKING:
     import zipfile

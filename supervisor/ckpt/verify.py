@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import hashing, manifest, quarantine, safeio, state_schema
-from supervisor.ckpt.layout import MANIFEST, list_checkpoints, parse_step
+from rtrain.supervisor.ckpt import hashing, manifest, quarantine, safeio, state_schema
+from rtrain.supervisor.ckpt.layout import MANIFEST, list_checkpoints, parse_step
 
 
 class Level(str, enum.Enum):

@@ -8,9 +8,10 @@ directory of checkpoints exports the one a launch would resume from. Then one of
 - `copy`, torch-free, in this process: safetensors out of safetensors in (rtrain's model and
   optimizer files, a Trainer's model.safetensors or shards). A new header over the same bytes
   (`ckpt/st_concat.py`), each rtrain file hashed against its manifest as it is copied.
-- `torch`, in `python -m worker.export` (`worker/export.py`): every export to a torch.save file
-  and every source that is a pickle, which is loaded with `torch.load(weights_only=True)` only.
-  rtrain stays torch-free; the child runs the worker that ships with this rtrain.
+- `torch`, in `python -m rtrain.worker.export` (`worker/export.py`): every export to a
+  torch.save file and every source that is a pickle, which is loaded with
+  `torch.load(weights_only=True)` only. rtrain stays torch-free; the child runs the worker that
+  ships with this rtrain.
 
 Either way the output is written to a temp file beside OUT, fsynced, then published: renamed
 over OUT with --force, else linked to OUT's name, which fails if OUT appeared meanwhile. An
@@ -30,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import crypt, foreign, hashing, hf_trainer
-from supervisor.ckpt.layout import parse_step
-from supervisor.ckpt.verify import Level, Selection, Verdict
-from supervisor.core.errors import CheckpointError, ExitCode, RtrainError, UsageError
-from supervisor.core.untrusted_text import safe
+from rtrain.supervisor.ckpt import crypt, foreign, hashing, hf_trainer
+from rtrain.supervisor.ckpt.layout import parse_step
+from rtrain.supervisor.ckpt.verify import Level, Selection, Verdict
+from rtrain.supervisor.core.errors import CheckpointError, ExitCode, RtrainError, UsageError
+from rtrain.supervisor.core.untrusted_text import safe
 
 FORMATS = ("safetensors", "torch")
 SUFFIXES = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
@@ -45,14 +46,14 @@ METADATA = {"format": "pt"}
 
 class Way(str, enum.Enum):
     COPY = "copy"  # torch-free, in this process: safetensors from safetensors
-    TORCH = "torch"  # in `python -m worker.export`
+    TORCH = "torch"  # in `python -m rtrain.worker.export`
 
 
 @dataclass(frozen=True)
 class Plan:
     """How one export is made. `copy`: the checkpoint's safetensors `files` (name, tensor
     prefix) concatenated here, with state.json's optimizer entry in the metadata when
-    `optimizer_meta`. `torch`: `request` for worker.export."""
+    `optimizer_meta`. `torch`: `request` for rtrain.worker.export."""
 
     how: Way
     files: tuple[tuple[str, str], ...] = ()
@@ -167,7 +168,7 @@ def _notes(verdict: Verdict) -> tuple[str, ...]:
 def resolve(checkpoint: Path, key: bytes | None) -> tuple[Verdict, Selection | None]:
     """The checkpoint to export, verified fully: `checkpoint` itself, or for a directory of
     checkpoints the newest that verifies (as a launch would pick it)."""
-    from supervisor.commands.inspecting import is_checkpoint_dir
+    from rtrain.supervisor.commands.inspecting import is_checkpoint_dir
 
     if not os.path.lexists(checkpoint):
         raise UsageError(f"no checkpoint at {safe(str(checkpoint))}")
@@ -268,8 +269,8 @@ def _publish(tmp: Path, out: Path, force: bool, mode: int) -> None:
 
 def _copy(verdict: Verdict, how: Plan, tmp: Path, key: bytes | None) -> int:
     """safetensors from rtrain's or a Trainer's safetensors files, torch-free."""
-    from supervisor.ckpt import st_concat
-    from supervisor.ckpt.verified_read import LoadError, open_listed, read_listed
+    from rtrain.supervisor.ckpt import st_concat
+    from rtrain.supervisor.ckpt.verified_read import LoadError, open_listed, read_listed
 
     root, name = verdict.path, safe(verdict.path.name)
     metadata = dict(METADATA)
@@ -312,8 +313,8 @@ def _opener(fn: Any, *args: Any) -> Any:
 
 
 def _plain(path: Path) -> Any:
-    from supervisor.ckpt.st_concat import PlainFile
-    from supervisor.ckpt.verify import check_member_name
+    from rtrain.supervisor.ckpt.st_concat import PlainFile
+    from rtrain.supervisor.ckpt.verify import check_member_name
 
     return PlainFile(check_member_name(path.parent, path.name))
 
@@ -321,20 +322,20 @@ def _plain(path: Path) -> Any:
 # ---------------------------------------------------------------- the torch side
 
 def worker_root() -> Path:
-    """The directory holding this rtrain's `supervisor` and `worker` packages: the child runs
-    the worker shipped with this rtrain, whatever else is on its path."""
-    import supervisor
+    """The directory holding this rtrain's package: the child runs the worker shipped with this
+    rtrain, whatever else is on its path."""
+    import rtrain
 
-    return Path(supervisor.__file__).resolve().parent.parent
+    return Path(rtrain.__file__).resolve().parent.parent
 
 
 def run_worker(request: dict[str, Any]) -> dict[str, Any]:
-    """Run `python -m worker.export` with the same interpreter; its one JSON line, or the
+    """Run `python -m rtrain.worker.export` with the same interpreter; its one JSON line, or the
     error it reports (exit code kept)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(worker_root()),
                                                     env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "worker.export", json.dumps(request)],
+    proc = subprocess.run([sys.executable, "-m", "rtrain.worker.export", json.dumps(request)],
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
                           check=False)
     result = _last_json(proc.stdout)
@@ -368,7 +369,7 @@ def _last_json(stdout: str) -> dict[str, Any] | None:
 # ---------------------------------------------------------------- output text
 
 def render(e: Exported) -> str:
-    from supervisor.commands.inspect_render import human_size
+    from rtrain.supervisor.commands.inspect_render import human_size
 
     v = e.verdict
     lines = []

@@ -8,10 +8,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from supervisor.ckpt.verify import Verdict
-from supervisor.commands.human_units import human_bytes
-from supervisor.commands.inspecting import Detail, DirReport, Entry, Leftover
-from supervisor.core.untrusted_text import safe
+from rtrain.supervisor.ckpt.verify import Verdict
+from rtrain.supervisor.commands.human_units import human_bytes
+from rtrain.supervisor.commands.inspecting import Detail, DirReport, Entry, Leftover
+from rtrain.supervisor.core.untrusted_text import safe
 
 
 def human_size(n: int) -> str:

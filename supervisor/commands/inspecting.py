@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import foreign, hashing, hf_trainer, safeio, safetensors_io
-from supervisor.ckpt.layout import (
+from rtrain.supervisor.ckpt import foreign, hashing, hf_trainer, safeio, safetensors_io
+from rtrain.supervisor.ckpt.layout import (
     MANIFEST,
     TMP_PREFIX,
     TRASH_PREFIX,
@@ -20,10 +20,10 @@ from supervisor.ckpt.layout import (
     list_leftovers,
     parse_step,
 )
-from supervisor.ckpt.manifest import ManifestError
-from supervisor.ckpt.verify import Level, Status, Verdict, check_member_name
-from supervisor.core.errors import CheckpointError, UsageError
-from supervisor.core.untrusted_text import safe
+from rtrain.supervisor.ckpt.manifest import ManifestError
+from rtrain.supervisor.ckpt.verify import Level, Status, Verdict, check_member_name
+from rtrain.supervisor.core.errors import CheckpointError, UsageError
+from rtrain.supervisor.core.untrusted_text import safe
 
 
 @dataclass

@@ -26,12 +26,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import manifest as mf
-from supervisor.ckpt.layout import list_checkpoints, parse_step
-from supervisor.commands.status import finite, json_safe, summarize
-from supervisor.core.event_schema import Kind
-from supervisor.records.recovery import KindCost, costs_by_kind
-from supervisor.records.timeline import AttemptRecord, failure_kind, read_timeline
+from rtrain.supervisor.ckpt import manifest as mf
+from rtrain.supervisor.ckpt.layout import list_checkpoints, parse_step
+from rtrain.supervisor.commands.status import finite, json_safe, summarize
+from rtrain.supervisor.core.event_schema import Kind
+from rtrain.supervisor.records.recovery import KindCost, costs_by_kind
+from rtrain.supervisor.records.timeline import AttemptRecord, failure_kind, read_timeline
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from supervisor.commands.human_units import human_duration
-from supervisor.commands.report import AttemptRow, Report, gather
-from supervisor.core.atomic_write import write_atomic
-from supervisor.core.errors import UsageError
-from supervisor.records.recovery import PHASES, seconds
+from rtrain.supervisor.commands.human_units import human_duration
+from rtrain.supervisor.commands.report import AttemptRow, Report, gather
+from rtrain.supervisor.core.atomic_write import write_atomic
+from rtrain.supervisor.core.errors import UsageError
+from rtrain.supervisor.records.recovery import PHASES, seconds
 
 # One colour per failure kind (FailureKind values), shared by markers, chips and the table.
 KIND_COLORS = {
@@ -380,8 +380,8 @@ function chart(holder, field){
   }
   if (!pts.length) {
     el("text", {class: "empty", x: W / 2, y: H / 2, "text-anchor": "middle"}, svg,
-       field === "loss" ? "no loss reported (worker.heartbeat(loss=...) sends it)"
-                        : "no throughput reported (worker.heartbeat(samples=...))");
+       field === "loss" ? "no loss reported (rtrain.heartbeat(loss=...) sends it)"
+                        : "no throughput reported (rtrain.heartbeat(samples=...))");
   }
 }
 

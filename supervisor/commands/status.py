@@ -17,20 +17,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import keepcopy, quarantine
-from supervisor.ckpt.foreign import select_resume_any_format
-from supervisor.ckpt.verify import Level, Status
-from supervisor.commands.human_units import human_bytes, human_duration, human_rate
-from supervisor.core import ownfiles
-from supervisor.core.errors import UsageError
-from supervisor.core.event_schema import KINDS, Kind
-from supervisor.core.pid_alive import pid_alive
-from supervisor.core.untrusted_text import safe
-from supervisor.memtier import parts, shmdir
-from supervisor.records import recovery
-from supervisor.records.lock import HOLDER_MAX, LOCK_NAME
-from supervisor.records.runstate import STATE_FILE, load_state
-from supervisor.records.timeline import Timeline, failure_kind, read_timeline
+from rtrain.supervisor.ckpt import keepcopy, quarantine
+from rtrain.supervisor.ckpt.foreign import select_resume_any_format
+from rtrain.supervisor.ckpt.verify import Level, Status
+from rtrain.supervisor.commands.human_units import human_bytes, human_duration, human_rate
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.errors import UsageError
+from rtrain.supervisor.core.event_schema import KINDS, Kind
+from rtrain.supervisor.core.pid_alive import pid_alive
+from rtrain.supervisor.core.untrusted_text import safe
+from rtrain.supervisor.memtier import parts, shmdir
+from rtrain.supervisor.records import recovery
+from rtrain.supervisor.records.lock import HOLDER_MAX, LOCK_NAME
+from rtrain.supervisor.records.runstate import STATE_FILE, load_state
+from rtrain.supervisor.records.timeline import Timeline, failure_kind, read_timeline
 
 
 @dataclass(kw_only=True)

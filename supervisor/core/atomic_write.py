@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from supervisor.core.filemode import DEFAULT_FILE_MODE, set_mode
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE, set_mode
 
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from supervisor.core.errors import ConfigError
+from rtrain.supervisor.core.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

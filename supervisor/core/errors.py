@@ -15,7 +15,7 @@ class ExitCode(enum.IntEnum):
     """Every exit status with a meaning: `rtrain`'s own (documented in README and
     docs/design.md) and the ones a worker exits with on purpose (contract 2). PREEMPTED is both:
     the worker exits 75 after saving on a stop request, and so does rtrain when it stops for
-    preemption. The worker imports these through `supervisor.core.protocol` (torch-free)."""
+    preemption. The worker imports these through `rtrain.supervisor.core.protocol` (torch-free)."""
 
     OK = 0
     GAVE_UP = 1  # launch: budget, crash loop or ladder floor; inspect: a verification failed

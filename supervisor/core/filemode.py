@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from supervisor.core.errors import ConfigError
+from rtrain.supervisor.core.errors import ConfigError
 
 ENV_FILE_MODE = "RTRAIN_FILE_MODE"
 DEFAULT_FILE_MODE = 0o600

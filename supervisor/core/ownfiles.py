@@ -33,9 +33,9 @@ import os
 import stat
 from dataclasses import dataclass
 
-from supervisor.core.errors import UsageError
-from supervisor.core.filemode import DEFAULT_FILE_MODE, set_mode
-from supervisor.core.untrusted_text import safe
+from rtrain.supervisor.core.errors import UsageError
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE, set_mode
+from rtrain.supervisor.core.untrusted_text import safe
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
           (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),

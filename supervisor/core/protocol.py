@@ -42,7 +42,7 @@ ENV_RUN_SECONDS = "RTRAIN_RUN_SECONDS"
 # `cadence` event): a relaunch chooses its first interval from it instead of guessing.
 ENV_SAVE_COST = "RTRAIN_SAVE_COST"
 # Set only by `rtrain check-resume` (JSON {"stop_at": step or null, "stop": "kill", "signal" or
-# null, "entropy": a seed or absent}): `import worker` seeds python's and numpy's global
+# null, "entropy": a seed or absent}): `import rtrain` seeds python's and numpy's global
 # generators with the entropy (worker/check_order.py); the Checkpointer records evidence of
 # inexact resumes in each manifest's info.check_resume, stops where asked and saves the final
 # step (worker/resume_check.py).

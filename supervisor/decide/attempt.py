@@ -22,14 +22,14 @@ from dataclasses import dataclass, replace
 from pathlib import PurePath
 from typing import Any
 
-from supervisor.config import Config
-from supervisor.decide.classify import classify
-from supervisor.decide.failures import Evidence, Failure, FailureKind
-from supervisor.decide.history import History
-from supervisor.decide.observation import Observation, evidence
-from supervisor.decide.policy import Decision, decide, note_progress
-from supervisor.decide.streak import Resumed
-from supervisor.timelimit.decide import WHY, WallPlan, measured
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.decide.classify import classify
+from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.history import History
+from rtrain.supervisor.decide.observation import Observation, evidence
+from rtrain.supervisor.decide.policy import Decision, decide, note_progress
+from rtrain.supervisor.decide.streak import Resumed
+from rtrain.supervisor.timelimit.decide import WHY, WallPlan, measured
 
 
 @dataclass(frozen=True, kw_only=True)

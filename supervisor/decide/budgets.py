@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from supervisor.config import Config
-from supervisor.decide.history import History
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.decide.history import History
 
 HOUR_S = 3600.0
 

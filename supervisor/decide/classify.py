@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.core.errors import ExitCode
-from supervisor.decide.failures import Evidence, Failure, FailureKind
+from rtrain.supervisor.core.errors import ExitCode
+from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind
 
 GPU_OOM = re.compile(r"CUDA out of memory|torch\.(cuda\.)?OutOfMemoryError|"
                      r"CUBLAS_STATUS_ALLOC_FAILED|HIP out of memory|CUDA error: out of memory")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.core.errors import ConfigError, did_you_mean
+from rtrain.supervisor.core.errors import ConfigError, did_you_mean
 
 Settings = dict[str, Any]
 

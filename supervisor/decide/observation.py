@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from supervisor.core.protocol import Heartbeat
-from supervisor.decide.classify import plain_script_started
-from supervisor.decide.failures import Evidence
+from rtrain.supervisor.core.protocol import Heartbeat
+from rtrain.supervisor.decide.classify import plain_script_started
+from rtrain.supervisor.decide.failures import Evidence
 
 
 @dataclass(frozen=True, kw_only=True)

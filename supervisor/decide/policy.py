@@ -20,14 +20,14 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Any
 
-from supervisor.config import Config
-from supervisor.core.errors import ExitCode
-from supervisor.decide import budgets
-from supervisor.decide.failures import OUT_OF_MEMORY, Evidence, Failure, FailureKind
-from supervisor.decide.history import History
-from supervisor.decide.ladder import Floor, step_down, step_up
-from supervisor.decide.streak import Resumed, own_failure_step, quarantine_streak
-from supervisor.pressure.decide import climb_fits, rung_peak
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.core.errors import ExitCode
+from rtrain.supervisor.decide import budgets
+from rtrain.supervisor.decide.failures import OUT_OF_MEMORY, Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.history import History
+from rtrain.supervisor.decide.ladder import Floor, step_down, step_up
+from rtrain.supervisor.decide.streak import Resumed, own_failure_step, quarantine_streak
+from rtrain.supervisor.pressure.decide import climb_fits, rung_peak
 
 __all__ = ["Action", "Decision", "History", "ResumeMode", "Resumed", "decide", "note_progress",
            "quarantine_streak"]

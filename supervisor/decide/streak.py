@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from supervisor.config import Config
-from supervisor.decide.failures import OUT_OF_MEMORY, Evidence, FailureKind
-from supervisor.decide.history import History
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.decide.failures import OUT_OF_MEMORY, Evidence, FailureKind
+from rtrain.supervisor.decide.history import History
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,11 +18,11 @@ from collections import deque
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from supervisor.ckpt.foreign import list_candidates
-from supervisor.ckpt.layout import parse_step
-from supervisor.core.event_schema import Kind
-from supervisor.elsewhere.decide import Elsewhere, Seen, Written, judge, short
-from supervisor.records.events import EventLog
+from rtrain.supervisor.ckpt.foreign import list_candidates
+from rtrain.supervisor.ckpt.layout import parse_step
+from rtrain.supervisor.core.event_schema import Kind
+from rtrain.supervisor.elsewhere.decide import Elsewhere, Seen, Written, judge, short
+from rtrain.supervisor.records.events import EventLog
 
 SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".safetensors")
 NOT_CHECKPOINTS = {"training_args.bin"}  # a Trainer writes it beside its checkpoints

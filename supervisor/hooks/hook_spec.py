@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.core.errors import ConfigError, did_you_mean
-from supervisor.core.event_schema import HOOKABLE_KINDS, Kind
-from supervisor.decide.failures import FailureKind
+from rtrain.supervisor.core.errors import ConfigError, did_you_mean
+from rtrain.supervisor.core.event_schema import HOOKABLE_KINDS, Kind
+from rtrain.supervisor.decide.failures import FailureKind
 
 # Event kinds a hook may name come from the events schema (hook_failed is not one of them: a
 # hook on its own failures could loop), then failure kinds.

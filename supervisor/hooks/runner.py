@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from supervisor.ckpt.hashing import SECRET_ENV
-from supervisor.core.event_schema import Kind
-from supervisor.hooks.hook_spec import HookSpec
-from supervisor.proc.reaper import own
+from rtrain.supervisor.ckpt.hashing import SECRET_ENV
+from rtrain.supervisor.core.event_schema import Kind
+from rtrain.supervisor.hooks.hook_spec import HookSpec
+from rtrain.supervisor.proc.reaper import own
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from supervisor.core.errors import ConfigError
+from rtrain.supervisor.core.errors import ConfigError
 
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 

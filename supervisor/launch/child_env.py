@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import generation
-from supervisor.core import filemode, protocol
-from supervisor.launch import argv_templates, compile_dirs, tracker_env
+from rtrain.supervisor.ckpt import generation
+from rtrain.supervisor.core import filemode, protocol
+from rtrain.supervisor.launch import argv_templates, compile_dirs, tracker_env
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,53 +23,53 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import foreign
-from supervisor.ckpt.hashing import load_signing_key
-from supervisor.ckpt.verify import Selection, Verdict
-from supervisor.config import Config
-from supervisor.core.errors import ExitCode, UsageError
-from supervisor.core.protocol import Heartbeat
-from supervisor.decide.attempt import AttemptResult, judge
-from supervisor.decide.policy import Action, Decision, History, ResumeMode
-from supervisor.elsewhere.scan import ElsewhereWatch
-from supervisor.launch import argv_templates, child_env, resize, side_effects
-from supervisor.launch.child_env import AttemptPlan
-from supervisor.launch.observers import Observers
-from supervisor.launch.recording import record, slurm_field
-from supervisor.launch.resume import Checkpoints, encryption_key, resumed_from
-from supervisor.launch.rundir import (
+from rtrain.supervisor.ckpt import foreign
+from rtrain.supervisor.ckpt.hashing import load_signing_key
+from rtrain.supervisor.ckpt.verify import Selection, Verdict
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.core.errors import ExitCode, UsageError
+from rtrain.supervisor.core.protocol import Heartbeat
+from rtrain.supervisor.decide.attempt import AttemptResult, judge
+from rtrain.supervisor.decide.policy import Action, Decision, History, ResumeMode
+from rtrain.supervisor.elsewhere.scan import ElsewhereWatch
+from rtrain.supervisor.launch import argv_templates, child_env, resize, side_effects
+from rtrain.supervisor.launch.child_env import AttemptPlan
+from rtrain.supervisor.launch.observers import Observers
+from rtrain.supervisor.launch.recording import record, slurm_field
+from rtrain.supervisor.launch.resume import Checkpoints, encryption_key, resumed_from
+from rtrain.supervisor.launch.rundir import (
     RunRecord,
     move_aside,
     prepare_dirs,
     refuse_ended,
     refuse_planted,
 )
-from supervisor.launch.spec import LaunchSpec, Seams, child_command
-from supervisor.memtier.peerside import serving_address
-from supervisor.memtier.tier import MemoryTierDir
-from supervisor.mirror import launch_uploads
-from supervisor.pressure.monitor import PressureNote
-from supervisor.proc import slurm, torchrun
-from supervisor.proc.console import best_effort_console
-from supervisor.proc.gpu import NvmlReader
-from supervisor.proc.heartbeat import HeartbeatReceiver
-from supervisor.proc.leftovers import ProcRecord, end_leftovers
-from supervisor.proc.proctree import ProcTree
-from supervisor.proc.signals import SignalCatcher
-from supervisor.proc.spawn import ChildSpec, spawn
-from supervisor.proc.watch import Sample, WatchConfig
-from supervisor.proc.watch_outcome import Outcome
-from supervisor.records import recovery
-from supervisor.records.events import EventLog, EventLogError
-from supervisor.records.lock import RunLock
-from supervisor.records.recovery import RecoveryTracker
-from supervisor.records.runstate import RunStatus
-from supervisor.records.timeline import Timeline, read_timeline
-from supervisor.standby.slot import StandbySlot
-from supervisor.stuck import flight
-from supervisor.timelimit.decide import WallPlan, measured
-from supervisor.timelimit.planner import WHY as WALL_CLOCK
-from supervisor.timelimit.planner import WallClock
+from rtrain.supervisor.launch.spec import LaunchSpec, Seams, child_command
+from rtrain.supervisor.memtier.peerside import serving_address
+from rtrain.supervisor.memtier.tier import MemoryTierDir
+from rtrain.supervisor.mirror import launch_uploads
+from rtrain.supervisor.pressure.monitor import PressureNote
+from rtrain.supervisor.proc import slurm, torchrun
+from rtrain.supervisor.proc.console import best_effort_console
+from rtrain.supervisor.proc.gpu import NvmlReader
+from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
+from rtrain.supervisor.proc.leftovers import ProcRecord, end_leftovers
+from rtrain.supervisor.proc.proctree import ProcTree
+from rtrain.supervisor.proc.signals import SignalCatcher
+from rtrain.supervisor.proc.spawn import ChildSpec, spawn
+from rtrain.supervisor.proc.watch import Sample, WatchConfig
+from rtrain.supervisor.proc.watch_outcome import Outcome
+from rtrain.supervisor.records import recovery
+from rtrain.supervisor.records.events import EventLog, EventLogError
+from rtrain.supervisor.records.lock import RunLock
+from rtrain.supervisor.records.recovery import RecoveryTracker
+from rtrain.supervisor.records.runstate import RunStatus
+from rtrain.supervisor.records.timeline import Timeline, read_timeline
+from rtrain.supervisor.standby.slot import StandbySlot
+from rtrain.supervisor.stuck import flight
+from rtrain.supervisor.timelimit.decide import WallPlan, measured
+from rtrain.supervisor.timelimit.planner import WHY as WALL_CLOCK
+from rtrain.supervisor.timelimit.planner import WallClock
 
 __all__ = ["LaunchSpec", "Seams", "child_command", "launch"]
 

@@ -9,18 +9,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from supervisor.config import Config
-from supervisor.core import protocol
-from supervisor.core.event_schema import KINDS, Kind
-from supervisor.hooks.runner import HookRunner
-from supervisor.launch.statusline import StatusLine
-from supervisor.pressure.monitor import PressureNote
-from supervisor.proc.console import BestEffortWriter
-from supervisor.proc.watch import Sample
-from supervisor.records.events import EventLog, EventLogError, read_events
-from supervisor.records.metrics import MetricsFile
-from supervisor.straggler.decide import StragglerRule
-from supervisor.straggler.track import StragglerTracker
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.core import protocol
+from rtrain.supervisor.core.event_schema import KINDS, Kind
+from rtrain.supervisor.hooks.runner import HookRunner
+from rtrain.supervisor.launch.statusline import StatusLine
+from rtrain.supervisor.pressure.monitor import PressureNote
+from rtrain.supervisor.proc.console import BestEffortWriter
+from rtrain.supervisor.proc.watch import Sample
+from rtrain.supervisor.records.events import EventLog, EventLogError, read_events
+from rtrain.supervisor.records.metrics import MetricsFile
+from rtrain.supervisor.straggler.decide import StragglerRule
+from rtrain.supervisor.straggler.track import StragglerTracker
 
 
 class Observers:

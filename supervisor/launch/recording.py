@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from supervisor.decide.attempt import Event, Record
-from supervisor.proc import slurm
-from supervisor.records.events import EventLog
-from supervisor.timelimit.decide import WallPlan
+from rtrain.supervisor.decide.attempt import Event, Record
+from rtrain.supervisor.proc import slurm
+from rtrain.supervisor.records.events import EventLog
+from rtrain.supervisor.timelimit.decide import WallPlan
 
 
 def record(records: Iterable[Record], events: EventLog, say: Callable[[str], None]) -> None:

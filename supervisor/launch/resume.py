@@ -15,17 +15,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine, runid, setaside
-from supervisor.ckpt.verify import Level, Selection, Status, Verdict, mark_quarantined
-from supervisor.config import Config
-from supervisor.core.errors import UsageError
-from supervisor.core.untrusted_text import safe
-from supervisor.decide.policy import History, Resumed, ResumeMode
-from supervisor.proc.torchrun import several_nodes
-from supervisor.records.events import EventLog
+from rtrain.supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine, runid, setaside
+from rtrain.supervisor.ckpt.verify import Level, Selection, Status, Verdict, mark_quarantined
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.core.errors import UsageError
+from rtrain.supervisor.core.untrusted_text import safe
+from rtrain.supervisor.decide.policy import History, Resumed, ResumeMode
+from rtrain.supervisor.proc.torchrun import several_nodes
+from rtrain.supervisor.records.events import EventLog
 
 if TYPE_CHECKING:
-    from supervisor.mirror.launch_uploads import Mirroring
+    from rtrain.supervisor.mirror.launch_uploads import Mirroring
 
 
 class Checkpoints:
@@ -318,9 +318,9 @@ class Checkpoints:
         checkpoints under the same URL are said and never resumed from. With `since` (the run
         started over then), one made before it is the earlier run's: passed over. True when
         one was downloaded."""
-        from supervisor.mirror.cache import BlobCache
-        from supervisor.mirror.store import CorruptRemote, MirrorError, checkpoints
-        from supervisor.mirror.verify_remote import verify_remote
+        from rtrain.supervisor.mirror.cache import BlobCache
+        from rtrain.supervisor.mirror.store import CorruptRemote, MirrorError, checkpoints
+        from rtrain.supervisor.mirror.verify_remote import verify_remote
 
         assert self.remote is not None
         mirror, where = self.remote.mirror, self.remote.display

@@ -12,19 +12,25 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from supervisor.ckpt.generation import GENERATION_FILE
-from supervisor.ckpt.quarantine import QUARANTINE_FILE
-from supervisor.core import filemode, ownfiles
-from supervisor.core.atomic_write import STORAGE_ERRNOS
-from supervisor.core.errors import ExitCode, UsageError
-from supervisor.decide.policy import History
-from supervisor.mirror.launch_uploads import LOG_NAME as MIRROR_LOG
-from supervisor.mirror.uploader import LOCK_NAME as MIRROR_LOCK
-from supervisor.proc.leftovers import PROCS_FILE
-from supervisor.records.events import EventLog
-from supervisor.records.lock import LOCK_NAME
-from supervisor.records.runstate import STATE_FILE, RunState, RunStatus, load_state, save_state
-from supervisor.standby.warm_child import LOG_NAME as STANDBY_LOG
+from rtrain.supervisor.ckpt.generation import GENERATION_FILE
+from rtrain.supervisor.ckpt.quarantine import QUARANTINE_FILE
+from rtrain.supervisor.core import filemode, ownfiles
+from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
+from rtrain.supervisor.core.errors import ExitCode, UsageError
+from rtrain.supervisor.decide.policy import History
+from rtrain.supervisor.mirror.launch_uploads import LOG_NAME as MIRROR_LOG
+from rtrain.supervisor.mirror.uploader import LOCK_NAME as MIRROR_LOCK
+from rtrain.supervisor.proc.leftovers import PROCS_FILE
+from rtrain.supervisor.records.events import EventLog
+from rtrain.supervisor.records.lock import LOCK_NAME
+from rtrain.supervisor.records.runstate import (
+    STATE_FILE,
+    RunState,
+    RunStatus,
+    load_state,
+    save_state,
+)
+from rtrain.supervisor.standby.warm_child import LOG_NAME as STANDBY_LOG
 
 # A run that ends while the run dir's disk is full waits this long for room to record how it
 # ended (state.json, the last events); supervision itself never waits for the disk.

@@ -9,14 +9,14 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from supervisor.config import Config
-from supervisor.decide.policy import Decision
-from supervisor.launch.spec import Seams
-from supervisor.proc import slurm
-from supervisor.proc.gpu import GpuReader, wait_gpu_released
-from supervisor.proc.signals import SignalCatcher
-from supervisor.records import saves
-from supervisor.records.events import EventLog
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.decide.policy import Decision
+from rtrain.supervisor.launch.spec import Seams
+from rtrain.supervisor.proc import slurm
+from rtrain.supervisor.proc.gpu import GpuReader, wait_gpu_released
+from rtrain.supervisor.proc.signals import SignalCatcher
+from rtrain.supervisor.records import saves
+from rtrain.supervisor.records.events import EventLog
 
 
 def requeue(decision: Decision, events: EventLog, say: Callable[[str], None], *,

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.config import Config
-from supervisor.core.errors import UsageError
-from supervisor.proc.gpu import GpuReader
-from supervisor.proc.signals import SignalCatcher
-from supervisor.proc.spawn import spawn
-from supervisor.proc.watch import watch
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.core.errors import UsageError
+from rtrain.supervisor.proc.gpu import GpuReader
+from rtrain.supervisor.proc.signals import SignalCatcher
+from rtrain.supervisor.proc.spawn import spawn
+from rtrain.supervisor.proc.watch import watch
 
 
 @dataclass(frozen=True, kw_only=True)

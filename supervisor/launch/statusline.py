@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO, TextIO
 
-from supervisor.commands.human_units import human_bytes, human_duration, human_rate
+from rtrain.supervisor.commands.human_units import human_bytes, human_duration, human_rate
 
 TTY_INTERVAL_S = 0.25
 LOG_INTERVAL_S = 30.0

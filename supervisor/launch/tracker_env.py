@@ -6,7 +6,7 @@ set and what the worker's helpers recorded in the run dir (`read_mlflow_run`).
   tracker has none under that id, else the same one continued). A user's own `WANDB_RUN_ID`
   wins, and then their `WANDB_RESUME` (set or not) is theirs too.
 - MLflow: `MLFLOW_RUN_ID` must name a run that exists, so it is never made up: the first attempt
-  gets none (`worker.trackers.mlflow_start_run` creates the run tagged with the identity) and
+  gets none (`rtrain.trackers.mlflow_start_run` creates the run tagged with the identity) and
   later ones get the id that helper recorded in the run dir (`trackers/mlflow-run`). A fresh
   machine without that record finds the run by its tag.
 - TensorBoard reads no variable: the log dir is the user's; `Checkpointer.resumed_step` is the
@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from supervisor.core import protocol
+from rtrain.supervisor.core import protocol
 
 # In the run dir, written by the worker's helper: `<run identity> <MLflow run id>`, one line.
 MLFLOW_RECORD = Path("trackers") / "mlflow-run"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.retention.decide import RetentionPolicy
+from rtrain.supervisor.retention.decide import RetentionPolicy
 
 
 def worth_persisting(snapshot_step: int | None, disk_newest: int | None, *,

@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import manifest as mf
-from supervisor.ckpt import runid
-from supervisor.ckpt.commit import remove_dir
-from supervisor.ckpt.layout import MANIFEST, checkpoint_name
-from supervisor.ckpt.verify import Level, Verdict, VerifiedCache, verify
-from supervisor.memtier import decide, persist, shmdir
-from supervisor.retention.prune_dir import prune
+from rtrain.supervisor.ckpt import manifest as mf
+from rtrain.supervisor.ckpt import runid
+from rtrain.supervisor.ckpt.commit import remove_dir
+from rtrain.supervisor.ckpt.layout import MANIFEST, checkpoint_name
+from rtrain.supervisor.ckpt.verify import Level, Verdict, VerifiedCache, verify
+from rtrain.supervisor.memtier import decide, persist, shmdir
+from rtrain.supervisor.retention.prune_dir import prune
 
 WHY = "disk cadence"
 _RETRIES = 3  # a snapshot replaced while rtrain took it: the newer one is taken instead

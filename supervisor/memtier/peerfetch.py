@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import hashing, runid
-from supervisor.ckpt import manifest as mf
-from supervisor.ckpt.commit import fsync_dir
-from supervisor.ckpt.layout import MANIFEST, tmp_name
-from supervisor.ckpt.verify import check_name
-from supervisor.memtier import parts, peerwire
-from supervisor.memtier.peerwire import (
+from rtrain.supervisor.ckpt import hashing, runid
+from rtrain.supervisor.ckpt import manifest as mf
+from rtrain.supervisor.ckpt.commit import fsync_dir
+from rtrain.supervisor.ckpt.layout import MANIFEST, tmp_name
+from rtrain.supervisor.ckpt.verify import check_name
+from rtrain.supervisor.memtier import parts, peerwire
+from rtrain.supervisor.memtier.peerwire import (
     CHUNK,
     LIST_LIMIT,
     REQUEST_LIMIT,

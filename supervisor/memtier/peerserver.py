@@ -37,12 +37,12 @@ import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from supervisor.ckpt import safeio
-from supervisor.ckpt.layout import MANIFEST, checkpoint_name
-from supervisor.ckpt.manifest import ManifestError
-from supervisor.ckpt.verify import Level, Status, check_name, verify
-from supervisor.memtier import parts, peerwire
-from supervisor.memtier.peerwire import (
+from rtrain.supervisor.ckpt import safeio
+from rtrain.supervisor.ckpt.layout import MANIFEST, checkpoint_name
+from rtrain.supervisor.ckpt.manifest import ManifestError
+from rtrain.supervisor.ckpt.verify import Level, Status, check_name, verify
+from rtrain.supervisor.memtier import parts, peerwire
+from rtrain.supervisor.memtier.peerwire import (
     CHUNK,
     LIST_LIMIT,
     REQUEST_LIMIT,

@@ -30,11 +30,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt.layout import checkpoint_name, tmp_name
-from supervisor.core.protocol import MEMORY_DROPPED
-from supervisor.memtier import decide, parts, peerfetch, registry
-from supervisor.memtier.peerserver import PeerServer
-from supervisor.memtier.persist import link_files
+from rtrain.supervisor.ckpt.layout import checkpoint_name, tmp_name
+from rtrain.supervisor.core.protocol import MEMORY_DROPPED
+from rtrain.supervisor.memtier import decide, parts, peerfetch, registry
+from rtrain.supervisor.memtier.peerserver import PeerServer
+from rtrain.supervisor.memtier.persist import link_files
 
 REFRESH_S = 5.0  # how often the registry entry is refreshed (registry.STALE_S is the limit)
 ENV_PEER_HOST = "RTRAIN_PEER_HOST"

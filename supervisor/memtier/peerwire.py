@@ -31,7 +31,7 @@ import socket
 import time
 from typing import Any
 
-from supervisor.ckpt import safeio
+from rtrain.supervisor.ckpt import safeio
 
 PROTOCOL = 1
 CHUNK = 1 << 20

@@ -18,15 +18,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.ckpt import manifest as mf
-from supervisor.ckpt import safeio
-from supervisor.ckpt.commit import fsync_dir
-from supervisor.ckpt.hashing import new_hasher
-from supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name
-from supervisor.ckpt.safetensors_io import write_hashed
-from supervisor.ckpt.verify import Verdict
-from supervisor.core import filemode
-from supervisor.memtier import parts
+from rtrain.supervisor.ckpt import manifest as mf
+from rtrain.supervisor.ckpt import safeio
+from rtrain.supervisor.ckpt.commit import fsync_dir
+from rtrain.supervisor.ckpt.hashing import new_hasher
+from rtrain.supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name
+from rtrain.supervisor.ckpt.safetensors_io import write_hashed
+from rtrain.supervisor.ckpt.verify import Verdict
+from rtrain.supervisor.core import filemode
+from rtrain.supervisor.memtier import parts
 
 CHUNK = 8 << 20
 

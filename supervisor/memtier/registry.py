@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import runid, safeio
-from supervisor.core import atomic_write, filemode
+from rtrain.supervisor.ckpt import runid, safeio
+from rtrain.supervisor.core import atomic_write, filemode
 
 REGISTRY = ".rtrain-peers"
 STALE_S = 30.0

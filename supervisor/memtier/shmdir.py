@@ -18,12 +18,12 @@ import shutil
 import stat
 from pathlib import Path
 
-from supervisor.ckpt import runid
-from supervisor.ckpt.commit import remove_dir
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.ckpt.verify import Level, Verdict, verify
-from supervisor.core.protocol import MEMORY_DROPPED
-from supervisor.memtier import parts
+from rtrain.supervisor.ckpt import runid
+from rtrain.supervisor.ckpt.commit import remove_dir
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.supervisor.ckpt.verify import Level, Verdict, verify
+from rtrain.supervisor.core.protocol import MEMORY_DROPPED
+from rtrain.supervisor.memtier import parts
 
 ENV_SHM_ROOT = "RTRAIN_SHM_ROOT"
 SHM_ROOT = "/dev/shm"

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.mirror.mirror_errors import MirrorError
-from supervisor.mirror.url import redact, scheme
+from rtrain.supervisor.mirror.mirror_errors import MirrorError
+from rtrain.supervisor.mirror.url import redact, scheme
 
 # S3 timeouts and retries, so that a dead endpoint fails an operation instead of hanging it.
 # The two timeouts are settings (`Timeouts`, from `mirror_connect_timeout_s` and

@@ -21,14 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from supervisor.config import Config
-from supervisor.core import ownfiles
-from supervisor.core.errors import UsageError
-from supervisor.core.untrusted_text import safe
-from supervisor.mirror.uploader import Spec
-from supervisor.proc.reaper import own
-from supervisor.proc.spawn import pdeathsig_preexec
-from supervisor.records.events import EventLog
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.errors import UsageError
+from rtrain.supervisor.core.untrusted_text import safe
+from rtrain.supervisor.mirror.uploader import Spec
+from rtrain.supervisor.proc.reaper import own
+from rtrain.supervisor.proc.spawn import pdeathsig_preexec
+from rtrain.supervisor.records.events import EventLog
 
 LOG_NAME = "mirror.log"
 
@@ -42,7 +42,7 @@ def open_for(config: Config, run_dir: Path, ckpt_dir: Path, events: EventLog,
     requeue during a store's outage): training goes on and the uploader catches up."""
     if config.mirror is None:
         return None
-    from supervisor.mirror.store import MirrorError, Timeouts, Unreachable, open_mirror
+    from rtrain.supervisor.mirror.store import MirrorError, Timeouts, Unreachable, open_mirror
 
     timeouts = Timeouts.of(config)
     answered = True
@@ -87,7 +87,7 @@ class Mirroring:
                                 create=True, mode=self.spec.file_mode).fd
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.mirror.uploader", self.spec.dumps()],
+                [sys.executable, "-m", "rtrain.supervisor.mirror.uploader", self.spec.dumps()],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 # Its own session: a Ctrl-C at the terminal reaches rtrain, which decides.
                 start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))

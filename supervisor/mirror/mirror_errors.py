@@ -8,7 +8,7 @@ S3 error code with what to check (`explain`), never by its text, which may quote
 
 from __future__ import annotations
 
-from supervisor.core.errors import RtrainError
+from rtrain.supervisor.core.errors import RtrainError
 
 
 class MirrorError(RtrainError):

@@ -19,10 +19,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.ckpt import hashing, runid, safeio
-from supervisor.ckpt import manifest as mf
-from supervisor.ckpt.layout import MANIFEST, list_checkpoints, parse_step
-from supervisor.ckpt.verify import check_name
+from rtrain.supervisor.ckpt import hashing, runid, safeio
+from rtrain.supervisor.ckpt import manifest as mf
+from rtrain.supervisor.ckpt.layout import MANIFEST, list_checkpoints, parse_step
+from rtrain.supervisor.ckpt.verify import check_name
 
 NOT_COMMITTED = "no manifest.json"
 """A save that did not finish (or one in progress): no checkpoint, nothing to say."""

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from supervisor.ckpt.verify import Level, Verdict
-from supervisor.mirror.store import Mirror, RemoteCheckpoint, checkpoints
-from supervisor.retention import decide as retention
+from rtrain.supervisor.ckpt.verify import Level, Verdict
+from rtrain.supervisor.mirror.store import Mirror, RemoteCheckpoint, checkpoints
+from rtrain.supervisor.retention import decide as retention
 
 UNFINISHED = "an unfinished upload older than the newest committed checkpoint"
 KEPT_UNFINISHED = ("an unfinished upload newer than every committed checkpoint (perhaps still "
@@ -76,7 +76,7 @@ def prune_remote(mirror: Mirror, *, keep_remote: int, milestone_every: int = 0,
     planned for (the uploader's: this run's; another run's under the same URL are never
     counted, kept or deleted by it); None: all."""
     if check is None:
-        from supervisor.mirror.verify_remote import verify_remote
+        from rtrain.supervisor.mirror.verify_remote import verify_remote
 
         def check(rc: RemoteCheckpoint, sizes: dict[str, int]) -> Verdict:
             return verify_remote(mirror, rc, level, key, sizes)

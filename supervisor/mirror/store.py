@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import hashing, layout, safeio
-from supervisor.ckpt import manifest as mf
-from supervisor.core import filemode
-from supervisor.mirror import cache as blobs
-from supervisor.mirror import transfer
-from supervisor.mirror.backend import Timeouts, open_filesystem
-from supervisor.mirror.mirror_errors import (
+from rtrain.supervisor.ckpt import hashing, layout, safeio
+from rtrain.supervisor.ckpt import manifest as mf
+from rtrain.supervisor.core import filemode
+from rtrain.supervisor.mirror import cache as blobs
+from rtrain.supervisor.mirror import transfer
+from rtrain.supervisor.mirror.backend import Timeouts, open_filesystem
+from rtrain.supervisor.mirror.mirror_errors import (
     CorruptLocal,
     CorruptRemote,
     MirrorError,
@@ -34,8 +34,8 @@ from supervisor.mirror.mirror_errors import (
     Unreachable,
     storage_error,
 )
-from supervisor.mirror.transfer import Transfer
-from supervisor.mirror.url import redact
+from rtrain.supervisor.mirror.transfer import Transfer
+from rtrain.supervisor.mirror.url import redact
 
 __all__ = ["CorruptLocal", "CorruptRemote", "Mirror", "MirrorError", "OtherRun",
            "RemoteCheckpoint", "Timeouts", "Transfer", "Unreachable", "checkpoints", "open_mirror"]

@@ -17,16 +17,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from supervisor.ckpt import hashing, layout, runid, safeio
-from supervisor.ckpt import manifest as mf
-from supervisor.ckpt.commit import fsync_dir
-from supervisor.ckpt.verify import Level, check_member_name, check_name, verify
-from supervisor.core import filemode
-from supervisor.mirror import cache as blobs
-from supervisor.mirror.mirror_errors import CorruptLocal, CorruptRemote, MirrorError, OtherRun
+from rtrain.supervisor.ckpt import hashing, layout, runid, safeio
+from rtrain.supervisor.ckpt import manifest as mf
+from rtrain.supervisor.ckpt.commit import fsync_dir
+from rtrain.supervisor.ckpt.verify import Level, check_member_name, check_name, verify
+from rtrain.supervisor.core import filemode
+from rtrain.supervisor.mirror import cache as blobs
+from rtrain.supervisor.mirror.mirror_errors import (
+    CorruptLocal,
+    CorruptRemote,
+    MirrorError,
+    OtherRun,
+)
 
 if TYPE_CHECKING:
-    from supervisor.mirror.store import Mirror
+    from rtrain.supervisor.mirror.store import Mirror
 
 CHUNK = 8 << 20
 """Bytes read or written per call while hashing or streaming (one buffer per file in flight)."""

@@ -9,7 +9,7 @@ with a capped backoff, and applies the mirror's retention to this run's checkpoi
 upload. Checkpoints of another run under the same URL count for nothing here: they neither
 stand for this run's on the mirror nor are they replaced or deleted.
 
-    python -m supervisor.mirror.uploader SPEC_JSON
+    python -m rtrain.supervisor.mirror.uploader SPEC_JSON
 
 Talks over pipes: stdin takes commands, one per line ("finish": send what is still waiting,
 then exit; end of input means the same); stdout carries one JSON object per line (`kind`:
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import runid
-from supervisor.core import ownfiles
-from supervisor.mirror import backlog
-from supervisor.mirror.backend import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, Timeouts
-from supervisor.mirror.outgoing import Outgoing
+from rtrain.supervisor.ckpt import runid
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.mirror import backlog
+from rtrain.supervisor.mirror.backend import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, Timeouts
+from rtrain.supervisor.mirror.outgoing import Outgoing
 
 # One uploader per checkpoint dir: on a shared filesystem every node's rtrain starts one, and
 # only the holder of this lock sends; the others stand by and take over if it goes away.
@@ -172,9 +172,9 @@ class Uploader:
         return ok
 
     def _list_remote(self) -> bool:
-        from supervisor.ckpt.verify import Level
-        from supervisor.mirror.store import MirrorError, checkpoints
-        from supervisor.mirror.verify_remote import verify_remote
+        from rtrain.supervisor.ckpt.verify import Level
+        from rtrain.supervisor.mirror.store import MirrorError, checkpoints
+        from rtrain.supervisor.mirror.verify_remote import verify_remote
 
         mine: set[int] = set()
         others: dict[int, str | None] = {}
@@ -209,7 +209,7 @@ class Uploader:
         return True
 
     def _upload(self, step: int) -> None:
-        from supervisor.mirror.store import CorruptLocal, MirrorError, OtherRun
+        from rtrain.supervisor.mirror.store import CorruptLocal, MirrorError, OtherRun
 
         path = self.spec.ckpt_dir / f"checkpoint-{step}"
         try:
@@ -249,8 +249,8 @@ class Uploader:
         return rc.step in self.remote if rc.committed else not self.others
 
     def _prune(self, just_sent: int) -> None:
-        from supervisor.mirror.prune_remote import prune_remote
-        from supervisor.mirror.store import MirrorError
+        from rtrain.supervisor.mirror.prune_remote import prune_remote
+        from rtrain.supervisor.mirror.store import MirrorError
 
         if self.spec.keep_remote == 0:
             return  # keep everything
@@ -316,9 +316,9 @@ def yield_to_training() -> None:
 
 
 def main(argv: list[str]) -> int:
-    from supervisor.ckpt.hashing import load_signing_key
-    from supervisor.core.errors import RtrainError
-    from supervisor.mirror.store import open_mirror
+    from rtrain.supervisor.ckpt.hashing import load_signing_key
+    from rtrain.supervisor.core.errors import RtrainError
+    from rtrain.supervisor.mirror.store import open_mirror
 
     spec = Spec.parse(argv[1])
     yield_to_training()

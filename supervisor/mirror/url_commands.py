@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.ckpt import hashing
-from supervisor.ckpt.layout import MANIFEST, parse_step
-from supervisor.ckpt.verify import Level
-from supervisor.commands.inspecting import Detail, DirReport, Entry, FileCheck
-from supervisor.core.errors import UsageError
-from supervisor.mirror import verify_remote as rverify
-from supervisor.mirror.prune_remote import RemotePrune, prune_remote
-from supervisor.mirror.store import RemoteCheckpoint, open_mirror
-from supervisor.mirror.url import split_checkpoint
-from supervisor.retention.decide import RetentionPolicy
+from rtrain.supervisor.ckpt import hashing
+from rtrain.supervisor.ckpt.layout import MANIFEST, parse_step
+from rtrain.supervisor.ckpt.verify import Level
+from rtrain.supervisor.commands.inspecting import Detail, DirReport, Entry, FileCheck
+from rtrain.supervisor.core.errors import UsageError
+from rtrain.supervisor.mirror import verify_remote as rverify
+from rtrain.supervisor.mirror.prune_remote import RemotePrune, prune_remote
+from rtrain.supervisor.mirror.store import RemoteCheckpoint, open_mirror
+from rtrain.supervisor.mirror.url import split_checkpoint
+from rtrain.supervisor.retention.decide import RetentionPolicy
 
 
 def inspect_mirror(url: str, *, verify: Level = Level.QUICK,
@@ -89,9 +89,9 @@ def prune_mirror(url: str, *, policy: RetentionPolicy, verify: Level = Level.QUI
 
 
 def render_mirror_prune(url: str, report: RemotePrune, *, dry_run: bool) -> str:
-    from supervisor.commands.inspect_render import human_size, table
-    from supervisor.core.untrusted_text import safe
-    from supervisor.mirror.url import redact
+    from rtrain.supervisor.commands.inspect_render import human_size, table
+    from rtrain.supervisor.core.untrusted_text import safe
+    from rtrain.supervisor.mirror.url import redact
 
     verb = "would remove" if dry_run else "removed"
     rows = [[verb, r.name, why] for r, why in report.deleted]

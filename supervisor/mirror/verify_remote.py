@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.ckpt import hashing
-from supervisor.ckpt import manifest as mf
-from supervisor.ckpt.layout import MANIFEST
-from supervisor.ckpt.verify import Level, Status, Verdict, check_name
-from supervisor.mirror.store import CorruptRemote, Mirror, RemoteCheckpoint, checkpoints
+from rtrain.supervisor.ckpt import hashing
+from rtrain.supervisor.ckpt import manifest as mf
+from rtrain.supervisor.ckpt.layout import MANIFEST
+from rtrain.supervisor.ckpt.verify import Level, Status, Verdict, check_name
+from rtrain.supervisor.mirror.store import CorruptRemote, Mirror, RemoteCheckpoint, checkpoints
 
 
 def file_status(mirror: Mirror, name: str, member: str, entry: dict, alg: str,

@@ -21,8 +21,8 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from supervisor.core.protocol import Heartbeat
-from supervisor.pressure.decide import (
+from rtrain.supervisor.core.protocol import Heartbeat
+from rtrain.supervisor.pressure.decide import (
     Act,
     MemoryReading,
     PressureState,
@@ -31,14 +31,14 @@ from supervisor.pressure.decide import (
     advance,
     answered,
 )
-from supervisor.proc.cgroup import MemoryCgroup
-from supervisor.proc.gpu import GpuReading
-from supervisor.proc.proctree import TreeSample
-from supervisor.proc.spawn import Child
-from supervisor.proc.stop import signal_group
+from rtrain.supervisor.proc.cgroup import MemoryCgroup
+from rtrain.supervisor.proc.gpu import GpuReading
+from rtrain.supervisor.proc.proctree import TreeSample
+from rtrain.supervisor.proc.spawn import Child
+from rtrain.supervisor.proc.stop import signal_group
 
 if TYPE_CHECKING:
-    from supervisor.config import PressureConfig
+    from rtrain.supervisor.config import PressureConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import os
 import stat
 from pathlib import Path
 
-from supervisor.core.protocol import CONTROL_FAILSAVE, CONTROL_FIFO, control_request
+from rtrain.supervisor.core.protocol import CONTROL_FAILSAVE, CONTROL_FIFO, control_request
 
 
 def _ours(st: os.stat_result) -> bool:

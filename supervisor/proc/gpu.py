@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from supervisor.proc.gpu_health import DeviceHealth, read_nvml, xid_events
+from rtrain.supervisor.proc.gpu_health import DeviceHealth, read_nvml, xid_events
 
 log = logging.getLogger(__name__)
 _told: set[str] = set()  # say why the GPU is not watched once per process, not once per attempt

@@ -35,10 +35,10 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from supervisor.core.protocol import Heartbeat, socket_address
+from rtrain.supervisor.core.protocol import Heartbeat, socket_address
 
 if TYPE_CHECKING:
-    from supervisor.config import HangConfig
+    from rtrain.supervisor.config import HangConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.core import ownfiles
-from supervisor.core.atomic_write import write_atomic
-from supervisor.core.protocol import ENV_GENERATION, ENV_RUN_DIR
-from supervisor.proc import userkey
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.atomic_write import write_atomic
+from rtrain.supervisor.core.protocol import ENV_GENERATION, ENV_RUN_DIR
+from rtrain.supervisor.proc import userkey
 
 log = logging.getLogger(__name__)
 

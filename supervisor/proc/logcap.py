@@ -24,9 +24,9 @@ import logging
 import os
 from pathlib import Path
 
-from supervisor.core import ownfiles
-from supervisor.core.atomic_write import STORAGE_ERRNOS
-from supervisor.core.filemode import DEFAULT_FILE_MODE
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from supervisor.core.atomic_write import STORAGE_ERRNOS
-from supervisor.core.filemode import DEFAULT_FILE_MODE, env_mode
-from supervisor.proc.logcap import CappedLog
-from supervisor.proc.reaper import own
+from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE, env_mode
+from rtrain.supervisor.proc.logcap import CappedLog
+from rtrain.supervisor.proc.reaper import own
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import psutil
 
-from supervisor.core import ownfiles
-from supervisor.core.filemode import DEFAULT_FILE_MODE
-from supervisor.proc.reaper import own
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
+from rtrain.supervisor.proc.reaper import own
 
 log = logging.getLogger(__name__)
 

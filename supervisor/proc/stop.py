@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from supervisor.proc.proctree import ProcTree
-from supervisor.proc.spawn import Child
+from rtrain.supervisor.proc.proctree import ProcTree
+from rtrain.supervisor.proc.spawn import Child
 
 CONFIRM_S = 2.0  # how long the sweep waits for SIGKILLed processes to disappear
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from supervisor.core.errors import UsageError
+from rtrain.supervisor.core.errors import UsageError
 
 RDZV_ID = "rtrain"
 

@@ -24,7 +24,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from supervisor.core.atomic_write import write_atomic
+from rtrain.supervisor.core.atomic_write import write_atomic
 
 KEY_NAME = "leftovers.key"
 KEY_BYTES = 32

@@ -33,33 +33,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from supervisor.core.filemode import env_mode
-from supervisor.core.protocol import DUMP_SIGNAL, ENV_CONTROL_TOKEN, RELIEVE_SIGNAL, Heartbeat
-from supervisor.decide.observation import Heartbeats, Observation
-from supervisor.pressure.monitor import PressureNote, PressureWatch
-from supervisor.proc.control import ask_failure_save
-from supervisor.proc.gpu import GpuReader, GpuReading, NullReader
-from supervisor.proc.gpu_health import describe
-from supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
-from supervisor.proc.proctree import ProcTree, TreeSample
-from supervisor.proc.reaper import reap_orphans
-from supervisor.proc.signals import STOP_SIGNALS, SignalCatcher
-from supervisor.proc.spawn import Child
-from supervisor.proc.stacks import dump_stacks
-from supervisor.proc.stop import stop_group, sweep
-from supervisor.proc.watch_outcome import (
+from rtrain.supervisor.core.filemode import env_mode
+from rtrain.supervisor.core.protocol import (
+    DUMP_SIGNAL,
+    ENV_CONTROL_TOKEN,
+    RELIEVE_SIGNAL,
+    Heartbeat,
+)
+from rtrain.supervisor.decide.observation import Heartbeats, Observation
+from rtrain.supervisor.pressure.monitor import PressureNote, PressureWatch
+from rtrain.supervisor.proc.control import ask_failure_save
+from rtrain.supervisor.proc.gpu import GpuReader, GpuReading, NullReader
+from rtrain.supervisor.proc.gpu_health import describe
+from rtrain.supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
+from rtrain.supervisor.proc.proctree import ProcTree, TreeSample
+from rtrain.supervisor.proc.reaper import reap_orphans
+from rtrain.supervisor.proc.signals import STOP_SIGNALS, SignalCatcher
+from rtrain.supervisor.proc.spawn import Child
+from rtrain.supervisor.proc.stacks import dump_stacks
+from rtrain.supervisor.proc.stop import stop_group, sweep
+from rtrain.supervisor.proc.watch_outcome import (
     OomCounter,
     Outcome,
     health_gate,
     host_total,
     read_exit_records,
 )
-from supervisor.proc.watch_stop import Stopping, drain_pipes
-from supervisor.stuck import flight
-from supervisor.stuck.collect import report as stuck_report
+from rtrain.supervisor.proc.watch_stop import Stopping, drain_pipes
+from rtrain.supervisor.stuck import flight
+from rtrain.supervisor.stuck.collect import report as stuck_report
 
 if TYPE_CHECKING:
-    from supervisor.config import Config, PressureConfig
+    from rtrain.supervisor.config import Config, PressureConfig
 
 log = logging.getLogger(__name__)
 

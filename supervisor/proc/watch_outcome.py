@@ -12,14 +12,14 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from supervisor.core import ownfiles
-from supervisor.core.protocol import ExitRecord
-from supervisor.decide.observation import Observation
-from supervisor.proc.cgroup import MemoryCgroup, memory_cgroup
-from supervisor.proc.gpu import GpuReader
-from supervisor.proc.gpu_health import DeviceHealth, problems
-from supervisor.proc.spawn import Child
-from supervisor.proc.stop import StopResult
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.protocol import ExitRecord
+from rtrain.supervisor.decide.observation import Observation
+from rtrain.supervisor.proc.cgroup import MemoryCgroup, memory_cgroup
+from rtrain.supervisor.proc.gpu import GpuReader
+from rtrain.supervisor.proc.gpu_health import DeviceHealth, problems
+from rtrain.supervisor.proc.spawn import Child
+from rtrain.supervisor.proc.stop import StopResult
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import selectors
 import signal
 import time
 
-from supervisor.proc.spawn import Child
-from supervisor.proc.stop import StopResult, signal_group
+from rtrain.supervisor.proc.spawn import Child
+from rtrain.supervisor.proc.stop import StopResult, signal_group
 
 log = logging.getLogger(__name__)
 

@@ -39,12 +39,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt.safeio import nested_deeper
-from supervisor.core import ownfiles
-from supervisor.core.atomic_write import STORAGE_ERRNOS
-from supervisor.core.errors import ExitCode, RtrainError
-from supervisor.core.event_schema import DURABLE_KINDS, KINDS, Kind
-from supervisor.core.filemode import DEFAULT_FILE_MODE
+from rtrain.supervisor.ckpt.safeio import nested_deeper
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
+from rtrain.supervisor.core.errors import ExitCode, RtrainError
+from rtrain.supervisor.core.event_schema import DURABLE_KINDS, KINDS, Kind
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from supervisor.core import ownfiles
-from supervisor.core.atomic_write import STORAGE_ERRNOS
-from supervisor.core.errors import AlreadySupervised
-from supervisor.core.filemode import DEFAULT_FILE_MODE
-from supervisor.core.pid_alive import pid_alive
-from supervisor.core.untrusted_text import safe
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
+from rtrain.supervisor.core.errors import AlreadySupervised
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
+from rtrain.supervisor.core.pid_alive import pid_alive
+from rtrain.supervisor.core.untrusted_text import safe
 
 LOCK_NAME = ".rtrain.lock"
 HOLDER_MAX = 4096  # bytes: a holder's name is far less; more is not an rtrain lock

@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt import manifest
-from supervisor.ckpt.layout import list_checkpoints
-from supervisor.core.atomic_write import write_atomic
-from supervisor.core.event_schema import Kind
-from supervisor.records import recovery
-from supervisor.records.timeline import Timeline
+from rtrain.supervisor.ckpt import manifest
+from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.supervisor.core.atomic_write import write_atomic
+from rtrain.supervisor.core.event_schema import Kind
+from rtrain.supervisor.records import recovery
+from rtrain.supervisor.records.timeline import Timeline
 
 log = logging.getLogger(__name__)
 

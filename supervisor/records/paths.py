@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from supervisor.core.config_file import find_config
-from supervisor.core.errors import ConfigError
+from rtrain.supervisor.core.config_file import find_config
+from rtrain.supervisor.core.errors import ConfigError
 
 
 def _path_from(table: dict[str, Any], key: str, base: Path, source: str) -> Path | None:

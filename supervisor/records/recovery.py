@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt.layout import parse_step
-from supervisor.core.event_schema import Kind
-from supervisor.core.protocol import Heartbeat
+from rtrain.supervisor.ckpt.layout import parse_step
+from rtrain.supervisor.core.event_schema import Kind
+from rtrain.supervisor.core.protocol import Heartbeat
 
 Event = dict[str, Any]
 

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.ckpt.safeio import MAX_DEPTH, nested_deeper
-from supervisor.core import ownfiles
-from supervisor.core.atomic_write import write_json_atomic
-from supervisor.core.errors import ExitCode, RtrainError
-from supervisor.core.filemode import DEFAULT_FILE_MODE
-from supervisor.decide.policy import History
+from rtrain.supervisor.ckpt.safeio import MAX_DEPTH, nested_deeper
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.atomic_write import write_json_atomic
+from rtrain.supervisor.core.errors import ExitCode, RtrainError
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
+from rtrain.supervisor.decide.policy import History
 
 STATE_VERSION = 1
 STATE_FILE = "state.json"

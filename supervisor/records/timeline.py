@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.core.event_schema import Kind
-from supervisor.decide.failures import FailureKind
-from supervisor.records.events import read_events
-from supervisor.records.saves import SkippedSaves
+from rtrain.supervisor.core.event_schema import Kind
+from rtrain.supervisor.decide.failures import FailureKind
+from rtrain.supervisor.records.events import read_events
+from rtrain.supervisor.records.saves import SkippedSaves
 
 Event = dict[str, Any]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from supervisor.ckpt.verify import Level
-from supervisor.core.errors import CheckpointError, UsageError
-from supervisor.retention.decide import RetentionPolicy
-from supervisor.retention.prune_dir import PruneReport, dir_size, prune
+from rtrain.supervisor.ckpt.verify import Level
+from rtrain.supervisor.core.errors import CheckpointError, UsageError
+from rtrain.supervisor.retention.decide import RetentionPolicy
+from rtrain.supervisor.retention.prune_dir import PruneReport, dir_size, prune
 
 
 def policy_from_options(*, keep: int, keep_best: int = 0, metric: str | None = None,
@@ -37,22 +37,22 @@ def prune_dir(ckpt_dir: str | os.PathLike, *, policy: RetentionPolicy,
     root = Path(ckpt_dir)
     if not root.is_dir():
         raise UsageError(f"no checkpoint directory at {root}")
-    from supervisor.commands.inspecting import is_checkpoint_dir
+    from rtrain.supervisor.commands.inspecting import is_checkpoint_dir
 
     if is_checkpoint_dir(root):
         raise UsageError(f"{root} is one checkpoint: give the directory that holds them")
     try:
         return prune(root, policy, level=verify, key=key, dry_run=dry_run)
     except OSError as e:
-        from supervisor.core.untrusted_text import safe
+        from rtrain.supervisor.core.untrusted_text import safe
 
         raise CheckpointError(f"prune stopped: cannot remove {safe(e.filename or root)} "
                               f"({e.strerror or e})") from None
 
 
 def render_prune(report: PruneReport, *, dry_run: bool) -> str:
-    from supervisor.commands.inspect_render import human_size, table
-    from supervisor.core.untrusted_text import safe
+    from rtrain.supervisor.commands.inspect_render import human_size, table
+    from rtrain.supervisor.core.untrusted_text import safe
 
     verb = "would remove" if dry_run else "removed"
     rows = [[verb, r.path.name, human_size(r.bytes), r.reason] for r in report.removed]

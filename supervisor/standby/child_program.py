@@ -46,9 +46,10 @@ TORCH_LAZY = ("torch._dynamo",)
 # names torch.compile. Imports only: they start no worker pool, touch no CUDA, set no variable.
 TORCH_COMPILE_LAZY = ("torch._functorch.aot_autograd", "torch._inductor.codecache",
                       "torch._inductor.compile_fx")
-# rtrain's own packages read the attempt's RTRAIN_* variables at import (worker.faults arms
-# the faults of one attempt): importing them before the hand-off would bind the wrong attempt.
-NEVER_PRELOAD = ("supervisor", "worker")
+# rtrain reads the attempt's RTRAIN_* variables at import (rtrain.worker.faults arms the faults
+# of one attempt): importing it before the hand-off would bind the wrong attempt. A script's own
+# modules named `worker` or `supervisor` are the script's, and preloaded like any other.
+NEVER_PRELOAD = ("rtrain",)
 
 
 def _module_level_imports(path: str) -> list[str]:

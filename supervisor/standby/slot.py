@@ -15,14 +15,14 @@ from pathlib import Path
 
 import psutil
 
-from supervisor.config import Config
-from supervisor.pressure.monitor import host_reading
-from supervisor.proc.cgroup import MemoryCgroup, memory_cgroup
-from supervisor.proc.proctree import TreeSample
-from supervisor.proc.spawn import Child, ChildSpec
-from supervisor.records.events import EventLog
-from supervisor.standby import decide as policy
-from supervisor.standby.warm_child import (
+from rtrain.supervisor.config import Config
+from rtrain.supervisor.pressure.monitor import host_reading
+from rtrain.supervisor.proc.cgroup import MemoryCgroup, memory_cgroup
+from rtrain.supervisor.proc.proctree import TreeSample
+from rtrain.supervisor.proc.spawn import Child, ChildSpec
+from rtrain.supervisor.records.events import EventLog
+from rtrain.supervisor.standby import decide as policy
+from rtrain.supervisor.standby.warm_child import (
     StandbyFailed,
     Target,
     WarmChild,

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import psutil
 
-from supervisor.core.atomic_write import STORAGE_ERRNOS
-from supervisor.core.filemode import env_mode
-from supervisor.proc.reaper import own
-from supervisor.proc.spawn import (
+from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
+from rtrain.supervisor.core.filemode import env_mode
+from rtrain.supervisor.proc.reaper import own
+from rtrain.supervisor.proc.spawn import (
     STDERR_TAIL_BYTES,
     Child,
     ChildSpec,
@@ -40,8 +40,8 @@ from supervisor.proc.spawn import (
     _preexec,
     become_subreaper,
 )
-from supervisor.standby import decide as policy
-from supervisor.standby.child_program import file_stamp, find_main_file, top_imports
+from rtrain.supervisor.standby import decide as policy
+from rtrain.supervisor.standby.child_program import file_stamp, find_main_file, top_imports
 
 CHILD_PROGRAM = Path(__file__).with_name("child_program.py")
 HANDOFF_TIMEOUT_S = 10.0

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from supervisor.core.protocol import Heartbeat
-from supervisor.straggler.decide import Pace, StepSample, StragglerRule, paces
+from rtrain.supervisor.core.protocol import Heartbeat
+from rtrain.supervisor.straggler.decide import Pace, StepSample, StragglerRule, paces
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

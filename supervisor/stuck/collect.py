@@ -18,11 +18,13 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-import supervisor
-from supervisor.core import ownfiles
-from supervisor.core.progress_board import SIZE, Progress, unpack
-from supervisor.stuck.decide import Frame, RankState, StuckReport, is_library, parse_stacks
-from supervisor.stuck.decide import summarise as summarise_states
+import rtrain
+import rtrain.supervisor
+import rtrain.worker
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.progress_board import SIZE, Progress, unpack
+from rtrain.supervisor.stuck.decide import Frame, RankState, StuckReport, is_library, parse_stacks
+from rtrain.supervisor.stuck.decide import summarise as summarise_states
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,10 @@ SOURCE_MAX = 4 << 20  # a source file larger than this is not read for its line
 def library_roots() -> tuple[str, ...]:
     """The standard library and rtrain's own packages: frames there are not the user's."""
     paths = sysconfig.get_paths()
-    pkg = Path(supervisor.__file__).resolve().parent
-    roots = {paths["stdlib"], paths["platstdlib"], str(pkg), str(pkg.parent / "worker")}
+    # One folder in a wheel; three in an editable install, where the halves stay where they are.
+    ours = (str(Path(package.__file__).resolve().parent)
+            for package in (rtrain, rtrain.supervisor, rtrain.worker))
+    roots = {paths["stdlib"], paths["platstdlib"], *ours}
     return tuple(sorted(r for r in roots if r))
 
 

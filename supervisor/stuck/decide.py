@@ -3,7 +3,7 @@ the sentence a person reads at a hang ("rank 3 is in step 42 at `model(x)` ...; 
 in `loss.backward()` in step 42").
 
 Inputs per rank (`RankState`): the last step boundary it reached (`Checkpointer.maybe_save`,
-`worker.heartbeat(step=...)`), the unix times it reached that boundary (`left_at`: it left the
+`rtrain.heartbeat(step=...)`), the unix times it reached that boundary (`left_at`: it left the
 step) and began the next step (`entered_at`: the boundary returned), and the text of its stack
 dump (faulthandler's or py-spy's; the main thread is read).
 

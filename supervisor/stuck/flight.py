@@ -27,8 +27,8 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from supervisor.core import ownfiles
-from supervisor.core.filemode import DEFAULT_FILE_MODE
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
 
 log = logging.getLogger(__name__)
 

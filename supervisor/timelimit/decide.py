@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from supervisor.decide.observation import Observation
+from rtrain.supervisor.decide.observation import Observation
 
 WHY = "the job's time limit"
 """The stop's name in the Evidence (`stop_requested`) and so in the reason sentences."""

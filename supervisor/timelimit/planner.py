@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from supervisor.config import SlurmConfig
-from supervisor.core.errors import RtrainError
-from supervisor.proc import slurm
-from supervisor.records.events import read_events
-from supervisor.timelimit.decide import WHY as WHY
-from supervisor.timelimit.decide import Observed, WallPlan, learn_margin, plan_stop
+from rtrain.supervisor.config import SlurmConfig
+from rtrain.supervisor.core.errors import RtrainError
+from rtrain.supervisor.proc import slurm
+from rtrain.supervisor.records.events import read_events
+from rtrain.supervisor.timelimit.decide import WHY as WHY
+from rtrain.supervisor.timelimit.decide import Observed, WallPlan, learn_margin, plan_stop
 
 
 def observed_in(events: Iterable[dict[str, Any]]) -> list[Observed]:

@@ -1,4 +1,4 @@
-"""A tiny training run saving with every="auto" and nothing else: no total_steps, no bounds.
+"""A tiny training run saving with every="auto" and nothing else: no bounds.
 
 usage: auto_plain.py STEPS STEP_SLEEP LOG
 Each finished step appends `{"a": attempt, "step": n}` to LOG, so a test can tell when an
@@ -12,14 +12,14 @@ import time
 
 import torch
 
-import worker
+import rtrain
 
 steps, step_sleep, log = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 attempt = int(os.environ.get("RTRAIN_ATTEMPT", "0"))
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-ck = worker.Checkpointer(model=model, optimizer=opt, keep=2, every="auto")
+ck = rtrain.Checkpointer(model=model, optimizer=opt, keep=2, every="auto")
 with open(log, "a") as out:
     for step in range(ck.restore(), steps):
         loss = model(torch.randn(3, 4)).pow(2).mean()

@@ -2,7 +2,7 @@
 
 usage: chaos_train.py OUT_DIR
 
-Knobs (worker.settings, i.e. RTRAIN_SETTINGS): batch_size, grad_accum, steps, save_every (0:
+Knobs (rtrain.settings, i.e. RTRAIN_SETTINGS): batch_size, grad_accum, steps, save_every (0:
 every="auto", the cadence chosen from the save cost and the run's failures), lr,
 samples, keep, workers (DataLoader worker processes; the loader is then handed to the
 Checkpointer), mem_mb (MiB of host memory touched per sample of a micro-batch, so memory use
@@ -36,18 +36,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import worker
-from supervisor.ckpt.verify import Level, verify
-from supervisor.core.protocol import ENV_RESUME_FROM
-from worker import faults
+import rtrain
+from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.supervisor.core.protocol import ENV_RESUME_FROM
+from rtrain.worker import faults, runtime
 
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
-s = worker.settings(batch_size=8, grad_accum=1, steps=120, save_every=4, lr=0.01, samples=64,
+s = rtrain.settings(batch_size=8, grad_accum=1, steps=120, save_every=4, lr=0.01, samples=64,
                     keep=3, workers=0, mem_mb=0, step_sleep=0.0, fill_at=0, unfill_at=0,
                     fill_path="", memory=0)
-worker.install_excepthook()
-attempt = worker.runtime.attempt()
+rtrain.install_excepthook()
+attempt = runtime.attempt()
 log = open(out / "steps.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the whole run
 
 
@@ -77,12 +77,12 @@ ds = TensorDataset(torch.randn(s.samples, 16, generator=g),
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=25, gamma=0.8)
-sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
+sampler = rtrain.ResumableSampler(len(ds), seed=7, shuffle=True)
 loader = DataLoader(ds, batch_size=s.batch_size, sampler=sampler, num_workers=s.workers)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched,
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched,
                            loader=loader if s.workers else sampler, keep=s.keep,
-                           every=worker.Every(steps=s.save_every or "auto", total_steps=s.steps),
-                           saving=worker.Saving(memory={0: None, -1: "auto"}.get(s.memory,
+                           every=s.save_every or "auto",
+                           saving=rtrain.Saving(memory={0: None, -1: "auto"}.get(s.memory,
                                                                                   s.memory)))
 resume_from = os.environ.get(ENV_RESUME_FROM)
 ok = verify(resume_from, Level.FULL).ok if resume_from else None
@@ -102,7 +102,7 @@ def batches():
         yield from loader
 
 
-guard = worker.NonFiniteGuard(max_consecutive=5)
+guard = rtrain.NonFiniteGuard(max_consecutive=5)
 it = batches()
 for step in range(start + 1, s.steps + 1):
     ids: list[int] = []

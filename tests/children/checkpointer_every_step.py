@@ -7,14 +7,14 @@ import sys
 
 import torch
 
-import worker
+import rtrain
 
 ckpt_dir, steps = sys.argv[1], int(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else "sync"
 model = torch.nn.Linear(64, 64)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=1, keep=None,
-                           saving=worker.Saving(async_mode="off" if mode == "sync" else "fork"))
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=1, keep=None,
+                           saving=rtrain.Saving(async_mode="off" if mode == "sync" else "fork"))
 for step in range(ckpt.restore() + 1, steps + 1):
     opt.zero_grad()
     model(torch.ones(2, 64)).sum().backward()

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-import worker
+import rtrain
 
 steps, out = int(sys.argv[1]), sys.argv[2]
 if "--swap" in sys.argv and os.environ.get("RTRAIN_ATTEMPT") == "0":
@@ -23,7 +23,7 @@ if "--swap" in sys.argv and os.environ.get("RTRAIN_ATTEMPT") == "0":
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-ck = worker.Checkpointer(model=model, optimizer=opt, every=2, keep=None)
+ck = rtrain.Checkpointer(model=model, optimizer=opt, every=2, keep=None)
 start = ck.restore()
 print(json.dumps({"resumed": start}), flush=True)
 with open(out, "a") as f:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.utils.data import DataLoader, TensorDataset
 
-import worker
+import rtrain
 
 GLOBAL, MICRO = 8, 2
 
@@ -49,10 +49,10 @@ if args.fsdp:
 else:
     model = nn.parallel.DistributedDataParallel(model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
+sampler = rtrain.ResumableSampler(len(ds), seed=7, shuffle=True)
 loader = DataLoader(ds, batch_size=GLOBAL, sampler=sampler, drop_last=True)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, loader=sampler, every=args.every,
-                           keep=5, restoring=worker.Restoring(allow_resize=True),
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, loader=sampler, every=args.every,
+                           keep=5, restoring=rtrain.Restoring(allow_resize=True),
                            ckpt_dir=os.environ.get("RTRAIN_CKPT_DIR", "checkpoints"))
 
 

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import worker
-from worker import faults
+import rtrain
+from rtrain.worker import faults
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -104,16 +104,16 @@ model.register_forward_pre_hook(forward_hook)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
 if args.workers < 0:
-    sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
+    sampler = rtrain.ResumableSampler(len(ds), seed=7, shuffle=True)
     loader = DataLoader(ds, batch_size=4 * world, sampler=sampler)  # global batch; rank's slice
     tracked = sampler
 else:
-    sampler = worker.DistributedResumableSampler(len(ds), seed=7, shuffle=True)
+    sampler = rtrain.DistributedResumableSampler(len(ds), seed=7, shuffle=True)
     loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=args.workers)
     tracked = loader
-ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=tracked,
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=tracked,
                            every=args.every, keep=2,
-                           saving=worker.Saving(memory=args.memory or None),
+                           saving=rtrain.Saving(memory=args.memory or None),
                            ckpt_dir=os.environ.get("RTRAIN_CKPT_DIR", "checkpoints"))
 step = ckpt.restore()
 while step < args.total:
@@ -133,7 +133,7 @@ while step < args.total:
             time.sleep(pause * (1 + args.jitter * jitter.uniform(-1, 1)))
         ckpt.maybe_save(step, metrics={"loss": loss.item()})
         if step == args.die_at and rank == args.die_rank and attempt == 0:
-            worker.write_exit_record("crash", f"injected kill of rank {rank}", step=step)
+            rtrain.write_exit_record("crash", f"injected kill of rank {rank}", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
         if step >= args.total:
             break

@@ -17,7 +17,7 @@ import sys
 import torch
 from torch import nn
 
-import worker
+import rtrain
 
 ckpt_dir, mode, fail_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -34,7 +34,7 @@ class HalfStep(torch.optim.SGD):
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 2))
 opt = HalfStep(model.parameters(), lr=0.1)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=1000)
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=1000)
 start = ckpt.restore()
 for step in range(start + 1, 20):
     x = torch.randn(4, 8)

@@ -9,13 +9,13 @@ import time
 
 import torch
 
-import worker
+import rtrain
 
 ckpt_dir, marker = sys.argv[1:3]
 model = torch.nn.Linear(64, 64).cuda()
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=10,
-                           restoring=worker.Restoring(map_location="cuda"))
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=10,
+                           restoring=rtrain.Restoring(map_location="cuda"))
 step = ckpt.restore()
 began = time.monotonic()
 while step < 200:

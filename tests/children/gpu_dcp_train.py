@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import worker
+import rtrain
 
 ckpt_dir, marker, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 local = int(os.environ["LOCAL_RANK"])
@@ -24,9 +24,9 @@ model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(),
                             torch.nn.Linear(128, 8)).cuda()
 fully_shard(model, mesh=init_device_mesh("cuda", (world,)))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=2,
-                           saving=worker.Saving(sharded=True),
-                           restoring=worker.Restoring(map_location="cuda"))
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=2,
+                           saving=rtrain.Saving(sharded=True),
+                           restoring=rtrain.Restoring(map_location="cuda"))
 step = ckpt.restore()
 while step < steps:
     torch.manual_seed(step)

@@ -1,8 +1,8 @@
-"""A small training run on the GPU under worker.Checkpointer, for the GPU acceptance checks
+"""A small training run on the GPU under rtrain.Checkpointer, for the GPU acceptance checks
 (tests/test_gpu_real.py, scripts/gpu_check.sh).
 
 usage: gpu_train.py CKPT_DIR STEPS [--oom-above B] [--pressure-above B --share F]
---oom-above: while the batch size (worker.settings) is above B, allocate 1 GiB blocks at step 3
+--oom-above: while the batch size (rtrain.settings) is above B, allocate 1 GiB blocks at step 3
 until CUDA itself fails (a real torch.OutOfMemoryError, uncaught: the worker's exit record
 says oom_gpu). --pressure-above: while above B, from step 3 hold ever more GPU memory until
 the device's used share passes F, and keep training (rtrain's pressure watch must stop it).
@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-import worker
+import rtrain
 
 p = argparse.ArgumentParser()
 p.add_argument("ckpt_dir")
@@ -24,13 +24,13 @@ p.add_argument("--pressure-above", type=int)
 p.add_argument("--share", type=float, default=0.6)
 args = p.parse_args()
 
-s = worker.settings(batch_size=16, grad_accum=1)
+s = rtrain.settings(batch_size=16, grad_accum=1)
 dev = torch.device("cuda")
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).to(dev)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=args.ckpt_dir, every=5,
-                           restoring=worker.Restoring(map_location="cuda"))
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=args.ckpt_dir, every=5,
+                           restoring=rtrain.Restoring(map_location="cuda"))
 step = ckpt.restore()
 held: list[torch.Tensor] = []
 print(f"start step={step} batch_size={s.batch_size}", flush=True)

@@ -11,17 +11,18 @@ import signal
 import sys
 import time
 
-import worker
+import rtrain
+from rtrain.worker import runtime
 
 steps = int(sys.argv[1])
 mode, at = (sys.argv[2], int(sys.argv[3])) if len(sys.argv) > 3 else (None, -1)
 attempt = int(os.environ.get("RTRAIN_ATTEMPT", "0"))
-worker.runtime.install()
+runtime.install()
 for step in range(1, steps + 1):
     time.sleep(0.02)
-    worker.heartbeat(step=step, loss=1.0 / step, samples=8)
+    rtrain.heartbeat(step=step, loss=1.0 / step, samples=8)
     print(f"step {step}", flush=True)
-    if worker.should_stop():
+    if rtrain.should_stop():
         print(f"stop requested at step {step}: saved, exiting 75", flush=True)
         sys.exit(75)
     if attempt == 0 and step == at:

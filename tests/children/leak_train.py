@@ -3,9 +3,9 @@ grow_kb` KiB per step (touched), as a script that caches activations or samples 
 
 usage: leak_train.py OUT_DIR
 
-Knobs (worker.settings): batch_size, grad_accum, steps, grow_kb, step_sleep, save_every,
+Knobs (rtrain.settings): batch_size, grad_accum, steps, grow_kb, step_sleep, save_every,
 free_on_relieve: whether a relieve request (memory pressure) drops the cache
-(`worker.on_pressure(...)`), or frees nothing, and fill_to: before training, hold memory (not
+(`rtrain.on_pressure(...)`), or frees nothing, and fill_to: before training, hold memory (not
 part of the cache) until the memory cgroup the script runs in has this share of its limit in
 its working set (0: none), the level a run's memory then grows from or stays at; with it,
 each step's line has "share": the group's working set / its limit.
@@ -24,14 +24,15 @@ from pathlib import Path
 
 import torch
 
-import worker
-from supervisor.proc.cgroup import memory_cgroup
+import rtrain
+from rtrain.supervisor.proc.cgroup import memory_cgroup
+from rtrain.worker import runtime
 
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
-s = worker.settings(batch_size=16, grad_accum=1, steps=200, grow_kb=256, step_sleep=0.05,
+s = rtrain.settings(batch_size=16, grad_accum=1, steps=200, grow_kb=256, step_sleep=0.05,
                     save_every=50, free_on_relieve=False, fill_to=0.0, memory=0)
-attempt = worker.runtime.attempt()
+attempt = runtime.attempt()
 log = open(out / "steps.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the whole run
 cache: list[bytearray] = []
 
@@ -47,9 +48,9 @@ def on_pressure() -> str | None:
 torch.manual_seed(0)
 model = torch.nn.Linear(16, 4)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-worker.on_pressure(on_pressure)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, every=s.save_every, keep=2,
-                           saving=worker.Saving(memory=s.memory or None))
+rtrain.on_pressure(on_pressure)
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, every=s.save_every, keep=2,
+                           saving=rtrain.Saving(memory=s.memory or None))
 start = ckpt.restore()
 held: list[bytearray] = []
 group = memory_cgroup(os.getpid()) if s.fill_to else None

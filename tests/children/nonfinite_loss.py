@@ -5,16 +5,16 @@ import json
 import os
 import sys
 
-import worker
-from supervisor.ckpt.commit import PendingCheckpoint
-from supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_SETTINGS
+import rtrain
+from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+from rtrain.supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_SETTINGS
 
 if os.environ["RTRAIN_ATTEMPT"] == "0":
     for step in (1, 2):
         p = PendingCheckpoint(os.environ[ENV_CKPT_DIR], step)
         p.write_json("state.json", {"step": step})
         p.commit({"epoch": 0, "samples_seen": step})
-    worker.write_exit_record("nonfinite", "loss is NaN for 5 consecutive steps", step=2)
+    rtrain.write_exit_record("nonfinite", "loss is NaN for 5 consecutive steps", step=2)
     sys.exit(1)
 print(json.dumps({"resume_from": os.environ.get(ENV_RESUME_FROM),
                   "settings": json.loads(os.environ[ENV_SETTINGS])}), flush=True)

@@ -29,11 +29,11 @@ print(f"left {orphans + 1} orphans", flush=True)
 
 import torch  # noqa: E402 - after the forks: none of them carries torch's threads
 
-import worker  # noqa: E402
+import rtrain  # noqa: E402
 
 model = torch.nn.Linear(8, 8)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=5)
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=ckpt_dir, every=5)
 for step in range(ckpt.restore() + 1, steps + 1):
     opt.zero_grad()
     model(torch.ones(2, 8)).sum().backward()

@@ -14,15 +14,16 @@ from pathlib import Path
 
 import numpy as np
 
-import worker
-from supervisor.ckpt.commit import PendingCheckpoint
-from supervisor.ckpt.layout import parse_step
-from supervisor.ckpt.safetensors_io import TensorBlob
+import rtrain
+from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+from rtrain.supervisor.ckpt.layout import parse_step
+from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
+from rtrain.worker import runtime
 
 ckpt_dir, total, poison = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 attempt = int(os.environ.get("RTRAIN_ATTEMPT", "0"))
 resume = os.environ.get("RTRAIN_RESUME_FROM")
-worker.runtime.install()
+runtime.install()
 step, poisoned = 0, False
 if resume:
     step = parse_step(Path(resume).name)
@@ -31,7 +32,7 @@ print(f"attempt {attempt} from {resume} (step {step}, poisoned {poisoned})", flu
 while step < total:
     step += 1
     time.sleep(0.01)
-    worker.heartbeat(step=step, loss=1.0 / step, samples=8)
+    rtrain.heartbeat(step=step, loss=1.0 / step, samples=8)
     if poisoned:
         print("Traceback (most recent call last):\nRuntimeError: loss is nan (bad state)",
               file=sys.stderr, flush=True)

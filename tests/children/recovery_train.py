@@ -14,12 +14,12 @@ import time
 
 import torch
 
-import worker
+import rtrain
 
 steps, out = int(sys.argv[1]), sys.argv[2]
 pause = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
 attempt = os.environ.get("RTRAIN_ATTEMPT")
-worker.install_excepthook()  # the exit record: the failure's time, by this process's clock
+rtrain.install_excepthook()  # the exit record: the failure's time, by this process's clock
 
 
 def log(**fields):
@@ -30,7 +30,7 @@ def log(**fields):
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-ck = worker.Checkpointer(model=model, optimizer=opt, every=5, keep=None)
+ck = rtrain.Checkpointer(model=model, optimizer=opt, every=5, keep=None)
 start = ck.restore()
 log(resumed=start)
 for step in range(start, steps):

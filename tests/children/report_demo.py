@@ -14,9 +14,10 @@ import time
 
 import numpy as np
 
-import worker
-from supervisor.ckpt.commit import PendingCheckpoint
-from supervisor.ckpt.safetensors_io import TensorBlob
+import rtrain
+from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
+from rtrain.worker import runtime
 
 steps = int(sys.argv[1])
 step_s = float(sys.argv[2]) if len(sys.argv) > 2 else 0.02
@@ -24,12 +25,12 @@ every = int(sys.argv[3]) if len(sys.argv) > 3 else 20
 crash_at = int(sys.argv[4]) if len(sys.argv) > 4 else steps // 3
 oom_at = int(sys.argv[5]) if len(sys.argv) > 5 else steps * 2 // 3
 attempt = int(os.environ.get("RTRAIN_ATTEMPT", "0"))
-s = worker.settings(batch_size=32, grad_accum=1)
+s = rtrain.settings(batch_size=32, grad_accum=1)
 resume = os.environ.get("RTRAIN_RESUME_FROM")
 start = int(resume.rsplit("-", 1)[1]) if resume else 0
 ckpt_dir = os.environ.get("RTRAIN_CKPT_DIR", "checkpoints")
 rng = random.Random(attempt)
-worker.runtime.install()
+runtime.install()
 
 
 def save(step: int, loss: float) -> None:
@@ -48,7 +49,7 @@ for step in range(start + 1, steps + 1):
     # Smaller batches run more steps per second but fewer samples per second.
     time.sleep(step_s * (0.5 + 0.5 * s.batch_size / 32))
     loss = 2.4 * math.exp(-step / (steps / 4)) + 0.35 + rng.uniform(-0.04, 0.04)
-    worker.heartbeat(step=step, loss=loss, samples=s.batch_size)
+    rtrain.heartbeat(step=step, loss=loss, samples=s.batch_size)
     if step % every == 0:
         save(step, loss)
     if attempt == 0 and step == crash_at:
@@ -59,6 +60,6 @@ for step in range(start + 1, steps + 1):
         print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
               file=sys.stderr, flush=True)
         sys.exit(1)
-    if worker.should_stop():
+    if rtrain.should_stop():
         sys.exit(75)
 print("done", flush=True)

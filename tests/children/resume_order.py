@@ -1,5 +1,5 @@
 """A tiny GPT-style loop for `rtrain check-resume`: batches drawn from torch's RNG (like
-nanoGPT's get_batch), dropout, AdamW, worker.Checkpointer.
+nanoGPT's get_batch), dropout, AdamW, rtrain.Checkpointer.
 
 usage: resume_order.py [--steps N] [--prefetch] [--reseed]
 --prefetch draws the next batch after optimizer.step(), before maybe_save(): the order that
@@ -12,7 +12,7 @@ import argparse
 import torch
 from torch import nn
 
-import worker
+import rtrain
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=12)
@@ -31,7 +31,7 @@ def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, every=5)
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, every=5)
 step = ckpt.restore()
 if args.reseed:
     torch.manual_seed(1337)

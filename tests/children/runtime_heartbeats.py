@@ -17,9 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from _runtime import runtime
-
-from supervisor.core.protocol import CONTROL_FIFO
+from rtrain.supervisor.core.protocol import CONTROL_FIFO
+from rtrain.worker import runtime  # torch-free: `import rtrain` loads no torch
 
 
 def serve_hang_save(seconds: float) -> None:

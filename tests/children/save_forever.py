@@ -8,12 +8,12 @@ import sys
 import torch
 from torch import nn
 
-import worker
+import rtrain
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
 opt = torch.optim.Adam(model.parameters())
-ck = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=sys.argv[1], keep=2)
+ck = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=sys.argv[1], keep=2)
 step = ck.restore()
 print("ready", flush=True)
 while True:

@@ -1,12 +1,12 @@
-"""Spawn a sleeping child with supervisor.proc.spawn, write its pid to argv[1], wait for a kill."""
+"""Spawn a sleeping child with rtrain.supervisor.proc.spawn, write its pid to argv[1], wait for
+a kill."""
 
 import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from supervisor.proc.spawn import ChildSpec, spawn
+from rtrain.supervisor.proc.spawn import ChildSpec, spawn
 
 out = Path(sys.argv[1])
 child = spawn(

@@ -24,20 +24,20 @@ import mlflow
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-import worker
-from worker import trackers
+import rtrain
+from rtrain import trackers
 
 steps, out = int(sys.argv[1]), Path(sys.argv[2]).resolve()
 kill0, kill1, oom_at = (int(a) for a in sys.argv[3:6])
 kill_at = {a: s for a, s in ((0, kill0), (1, kill1)) if s >= 0}
 attempt = int(os.environ["RTRAIN_ATTEMPT"])
-worker.install_excepthook()
-batch = worker.settings(batch_size=8).batch_size
+rtrain.install_excepthook()
+batch = rtrain.settings(batch_size=8).batch_size
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
-ck = worker.Checkpointer(model=model, optimizer=opt, every=5, keep=None)
+ck = rtrain.Checkpointer(model=model, optimizer=opt, every=5, keep=None)
 start = ck.restore()
 with open(out / "attempts.jsonl", "a") as f:
     f.write(json.dumps({"attempt": attempt, "resumed_step": ck.resumed_step,

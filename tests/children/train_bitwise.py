@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import worker
+import rtrain
 
 p = argparse.ArgumentParser()
 p.add_argument("ckpt_dir")
@@ -37,11 +37,11 @@ ds = TensorDataset(torch.randn(44, 16, generator=g), torch.randint(0, 4, (44,), 
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
-sampler = worker.ResumableSampler(len(ds), seed=7, shuffle=True)
+sampler = rtrain.ResumableSampler(len(ds), seed=7, shuffle=True)
 loader = DataLoader(ds, batch_size=args.batch, sampler=sampler)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=sampler,
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=sampler,
                            ckpt_dir=args.ckpt_dir, every=args.every, keep=2,
-                           saving=worker.Saving(async_mode="auto" if args.async_save else "off",
+                           saving=rtrain.Saving(async_mode="auto" if args.async_save else "off",
                                                 memory=args.memory))
 step = ckpt.restore()
 while step < args.total:

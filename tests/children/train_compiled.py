@@ -1,4 +1,4 @@
-"""A small model under torch.compile, trained with worker.Checkpointer: the compile-cache tests
+"""A small model under torch.compile, trained with rtrain.Checkpointer: the compile-cache tests
 and scripts/bench_compile_restart.py.
 
 usage: train_compiled.py CKPT_DIR OUT TOTAL [--die-at N] [--every N] [--no-cache] [--trust]
@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-import worker
+import rtrain
 
 p = argparse.ArgumentParser()
 p.add_argument("ckpt_dir")
@@ -41,9 +41,9 @@ layers = [m for _ in range(args.layers) for m in (nn.Linear(args.width, args.wid
 model = nn.Sequential(*layers, nn.Linear(args.width, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 compiled = torch.compile(model)
-ckpt = worker.Checkpointer(model=model, optimizer=opt, ckpt_dir=args.ckpt_dir, every=args.every,
-                           keep=2, saving=worker.Saving(compile_cache=not args.no_cache),
-                           restoring=worker.Restoring(allow_pickle=args.trust))
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=args.ckpt_dir, every=args.every,
+                           keep=2, saving=rtrain.Saving(compile_cache=not args.no_cache),
+                           restoring=rtrain.Restoring(allow_pickle=args.trust))
 step = ckpt.restore()
 resumed = step > 0
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-import worker
+import rtrain
 
 p = argparse.ArgumentParser()
 p.add_argument("ckpt_dir")
@@ -48,7 +48,7 @@ X, Y = torch.randn(N, 16, generator=g), torch.randint(0, 4, (N,), generator=g)
 
 def augment(x, i):
     if args.aug == "sample":  # the documented idiom: exact after any resume
-        return x + 0.1 * torch.randn(16, generator=worker.sample_generator(i))
+        return x + 0.1 * torch.randn(16, generator=rtrain.sample_generator(i))
     if args.aug == "global":  # the worker's own generator: not reproducible mid-epoch
         return x + 0.1 * torch.randn(16)
     return x
@@ -107,7 +107,7 @@ if args.slow_worker:
     kw["worker_init_fn"] = slow_start
 sampler = None
 if args.data == "map":
-    sampler = worker.ResumableSampler(N, seed=7, shuffle=True)
+    sampler = rtrain.ResumableSampler(N, seed=7, shuffle=True)
     ds = Items()
 else:
     ds = Stream(own_state=args.data == "stream")
@@ -118,7 +118,7 @@ if args.loader == "stateful":
 else:
     loader = DataLoader(ds, sampler=sampler, **kw)
 # --loader none: the bare sampler, the idiom exact only without loader workers
-ckpt = worker.Checkpointer(model=model, optimizer=opt, scheduler=sched, ckpt_dir=args.ckpt_dir,
+ckpt = rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched, ckpt_dir=args.ckpt_dir,
                            every=args.every, keep=2,
                            loader=loader if args.loader != "none" else sampler)
 step = ckpt.restore()

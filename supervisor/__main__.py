@@ -1,3 +1,0 @@
-from supervisor.cli import main
-
-main()
