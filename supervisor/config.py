@@ -337,6 +337,7 @@ def _check_preload(value: Any) -> None:
     for name in value:
         if not isinstance(name, str) or not all(p.isidentifier() for p in name.split(".")):
             raise ConfigError(f"preload: {name!r} is not a module name")
+        # standby/child_program.py's NEVER_PRELOAD: that file runs alone, importing no rtrain
         if name.split(".")[0] == "rtrain":
             raise ConfigError(f"preload: {name!r} reads the attempt's RTRAIN_* variables when "
                               "imported, so it cannot be imported before the attempt; remove it")

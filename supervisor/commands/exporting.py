@@ -321,22 +321,12 @@ def _plain(path: Path) -> Any:
 
 # ---------------------------------------------------------------- the torch side
 
-def worker_root() -> Path:
-    """The directory holding this rtrain's package: the child runs the worker shipped with this
-    rtrain, whatever else is on its path."""
-    import rtrain
-
-    return Path(rtrain.__file__).resolve().parent.parent
-
-
 def run_worker(request: dict[str, Any]) -> dict[str, Any]:
-    """Run `python -m rtrain.worker.export` with the same interpreter; its one JSON line, or the
-    error it reports (exit code kept)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(worker_root()),
-                                                    env.get("PYTHONPATH")) if p)
+    """Run `python -m rtrain.worker.export` with the same interpreter, which finds the same
+    `rtrain` (installed, it is one package; no path is added that would expose anything else);
+    its one JSON line, or the error it reports (exit code kept)."""
     proc = subprocess.run([sys.executable, "-m", "rtrain.worker.export", json.dumps(request)],
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           check=False)
     result = _last_json(proc.stdout)
     if result is not None and result.get("ok") is True:
