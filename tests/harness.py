@@ -290,7 +290,7 @@ def launch_2_ranks(run_dir: Path, *args: str, extra_env: dict[str, str] | None =
 
 
 def read_metrics_text(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """The metrics file rtrain writes (records/metrics.py) as {(name, labels): value}: a reader
+    """The metrics file rtrain writes (metrics/file.py) as {(name, labels): value}: a reader
     for its own output, not a general Prometheus parser."""
     out = {}
     for line in text.splitlines():

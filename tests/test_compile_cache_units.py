@@ -1,6 +1,6 @@
 """The compile cache's rules, in-process: when a checkpoint's compile cache may be loaded
 (worker/compile_cache.judge), the container it travels in (worker/compile_pack.py), where
-attempts keep their compile caches (supervisor/launch/compile_dirs.py), and a forged cache that
+attempts keep their compile caches (supervisor/compilecache/dirs.py), and a forged cache that
 verifies but that torch cannot take: ignored, the checkpoint still restores."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hostile import make, manifest, relist, write_manifest
 import rtrain
 from rtrain.supervisor.ckpt import hashing
 from rtrain.supervisor.ckpt.manifest import sign_manifest
-from rtrain.supervisor.launch import compile_dirs
+from rtrain.supervisor.compilecache import dirs as compile_dirs
 from rtrain.worker import compile_cache, compile_pack
 
 HERE = {"torch": torch.__version__, "device": "cpu/x86_64"}

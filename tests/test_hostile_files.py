@@ -256,7 +256,7 @@ def test_metrics_file_passes_over_a_fifo_manifest(three, tmp_path):
     os.mkfifo(three / "checkpoint-300" / MANIFEST)
     out = tmp_path / "m.prom"
     r = run_bounded("-c", "import sys; from pathlib import Path; "
-                          "from rtrain.supervisor.records.metrics import MetricsFile; "
+                          "from rtrain.supervisor.metrics.file import MetricsFile; "
                           "MetricsFile(Path(sys.argv[1]), run_dir=Path(sys.argv[2]), "
                           "ckpt_dir=Path(sys.argv[3])).heartbeat(step=1)",
                     str(out), str(tmp_path), str(three))

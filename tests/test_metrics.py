@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from harness import CHILDREN, child_env, launch, launch_cmd, read_metrics_text
 
-from rtrain.supervisor.records.metrics import MetricsFile, escape_label
+from rtrain.supervisor.metrics.file import MetricsFile, escape_label
 
 
 def _with_metrics(base: Path, *args: str) -> list[str]:

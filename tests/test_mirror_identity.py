@@ -23,6 +23,7 @@ from rtrain.supervisor.decide.history import History
 from rtrain.supervisor.decide.policy import ResumeMode
 from rtrain.supervisor.launch.resume import Checkpoints
 from rtrain.supervisor.mirror import outgoing
+from rtrain.supervisor.mirror.fetch_newer import NewerOnMirror
 from rtrain.supervisor.mirror.store import CorruptLocal, OtherRun, open_mirror
 from rtrain.supervisor.mirror.uploader import Spec, Uploader
 from rtrain.supervisor.records.events import EventLog, read_events
@@ -297,7 +298,7 @@ def test_under_a_signing_key_a_renamed_copy_is_refused_and_the_real_ones_go(tmp_
 
 
 class Remote:
-    """What `Checkpoints` uses of the launch's `Mirroring`."""
+    """What `NewerOnMirror` uses of the launch's `Mirroring`."""
 
     def __init__(self, mirror_dir: Path) -> None:
         self.mirror = open_mirror(str(mirror_dir))
@@ -309,7 +310,8 @@ def first_pick(ck: Path, mirror_dir: Path, tmp_path: Path, **cfg) -> tuple[Check
     said: list[str] = []
     events = EventLog(tmp_path / "events.jsonl")
     cps = Checkpoints(ck, Config(mirror=str(mirror_dir), **cfg), None, events, said.append)
-    cps.remote = Remote(mirror_dir)
+    cps.fetch_newer = NewerOnMirror(Remote(mirror_dir), ck, cps.key, file_mode=cps.cfg.file_mode,
+                                    events=events, say=said.append)
     sel = cps.pick(History(), ResumeMode.LATEST, first=True)
     events.close()
     return cps, [sel, said]

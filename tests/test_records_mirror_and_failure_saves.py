@@ -7,7 +7,7 @@ from __future__ import annotations
 from harness import T0, read_metrics_text, write_events
 
 from rtrain.supervisor.commands.status import render_text, summarize, to_json
-from rtrain.supervisor.records.metrics import MetricsFile
+from rtrain.supervisor.metrics.file import MetricsFile
 
 LAUNCH = {"attempt": 0, "argv": ["python", "train.py"], "settings": {}, "level": 0,
           "resume_from": None, "pid": 1, "ckpt_dir": "checkpoints"}

@@ -13,7 +13,7 @@ from rtrain.supervisor.commands.report import gather
 from rtrain.supervisor.commands.report_html import render
 from rtrain.supervisor.commands.status import render_text, summarize, to_json
 from rtrain.supervisor.core.protocol import Heartbeat
-from rtrain.supervisor.records.metrics import MetricsFile
+from rtrain.supervisor.metrics.file import MetricsFile
 from rtrain.supervisor.records.recovery import (
     PHASES,
     Marks,

@@ -140,6 +140,7 @@ def test_rtrain_s_copy_of_an_earlier_run_s_file_is_forgotten(tmp_path):
 
 
 def _with_mirror(tmp_path):
+    from rtrain.supervisor.mirror.fetch_newer import NewerOnMirror
     from rtrain.supervisor.mirror.store import open_mirror
 
     remote = tmp_path / "mirror"
@@ -150,9 +151,12 @@ def _with_mirror(tmp_path):
     build_checkpoint(ckpts, 3)  # the new run's
     cfg = load_config({"run_dir": tmp_path / "run", "verify": "quick"}, None, tmp_path)
     said: list[str] = []
-    c = Checkpoints(ckpts, cfg, None, EventLog(tmp_path / "run" / "events.jsonl"), said.append)
+    events = EventLog(tmp_path / "run" / "events.jsonl")
+    c = Checkpoints(ckpts, cfg, None, events, said.append)
     mirror = open_mirror(str(remote))
-    c.remote = SimpleNamespace(mirror=mirror, display=mirror.display, answered=True)
+    mirroring = SimpleNamespace(mirror=mirror, display=mirror.display, answered=True)
+    c.fetch_newer = NewerOnMirror(mirroring, ckpts, None, file_mode=cfg.file_mode,
+                                  events=events, say=said.append)
     return c, since, said
 
 

@@ -15,7 +15,7 @@ from rtrain.supervisor.commands.status import render_text, summarize
 from rtrain.supervisor.config import Config, StragglerConfig
 from rtrain.supervisor.core.errors import ConfigError
 from rtrain.supervisor.core.protocol import Heartbeat
-from rtrain.supervisor.records.metrics import MetricsFile
+from rtrain.supervisor.metrics.file import MetricsFile
 from rtrain.supervisor.straggler.decide import StepSample, StragglerRule, stragglers
 from rtrain.supervisor.straggler.track import StragglerTracker
 

@@ -7,8 +7,8 @@ from harness import read_metrics_text
 from rtrain.supervisor.commands.report import gather
 from rtrain.supervisor.commands.status import summarize
 from rtrain.supervisor.core.event_schema import Kind
+from rtrain.supervisor.metrics.file import MetricsFile
 from rtrain.supervisor.records.events import EventLog, read_events
-from rtrain.supervisor.records.metrics import MetricsFile
 from rtrain.supervisor.records.timeline import Timeline, read_timeline
 
 SMALL = {"batch_size": 16}

@@ -1,4 +1,4 @@
-"""The trackers' variables an attempt is given (supervisor/launch/tracker_env.py, by table), the
+"""The trackers' variables an attempt is given (supervisor/trackers/env.py, by table), the
 restarts a resumed attempt marks (worker/trackers.py: `fold` by table, `Restarts` over a real
 events.jsonl written as the supervisor writes it) and `Checkpointer.resumed_step`. The real
 trackers under `rtrain launch`: tests/test_trackers_launch.py."""
@@ -6,13 +6,16 @@ trackers under `rtrain launch`: tests/test_trackers_launch.py."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rtrain import trackers
 from rtrain.supervisor.core import protocol
-from rtrain.supervisor.launch import child_env, tracker_env
+from rtrain.supervisor.launch import child_env
+from rtrain.supervisor.trackers import env as tracker_env
+from rtrain.supervisor.trackers.feature import Trackers
 from rtrain.worker.trackers import Restart, Restarts, fold
 
 RUN = "0123456789abcdef0123456789abcdef"
@@ -57,8 +60,12 @@ def _plan(tmp_path, run):
 
 
 def _env(plan, base):
-    return child_env.environment(plan, stop_signal="SIGTERM", heartbeat_addr="@x",
-                                 dump_signal=12, relieve_signal=23, file_mode=0o600, base=base)
+    """The attempt's environment as a launch builds it: rtrain's, then the trackers feature's."""
+    env = child_env.environment(plan, stop_signal="SIGTERM", heartbeat_addr="@x",
+                                dump_signal=12, relieve_signal=23, file_mode=0o600, base=base)
+    run = SimpleNamespace(run_dir=plan.run_dir, checkpoints=SimpleNamespace(run=plan.run))
+    env.update(Trackers(run).environment(None, env))
+    return env
 
 
 def test_every_attempt_environment_carries_the_identity(tmp_path):

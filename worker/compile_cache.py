@@ -1,7 +1,7 @@
 """Compiled graphs that travel with a checkpoint: torch's portable compile-cache artifacts.
 
 A relaunch on the same node finds what `torch.compile` compiled in the run dir's cache
-(supervisor/launch/compile_dirs.py). A fresh node (a Slurm requeue elsewhere, a new pod) has
+(supervisor/compilecache/dirs.py). A fresh node (a Slurm requeue elsewhere, a new pod) has
 none, so at each save the worker also writes torch's "mega-cache"
 (`torch.compiler.save_cache_artifacts()`) and the compiled kernels of inductor's cache dir
 (which the mega-cache leaves out on a CPU: worker/compile_pack.py) beside the checkpoint as

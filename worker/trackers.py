@@ -1,7 +1,7 @@
 """Experiment trackers across restarts: one run, one curve, and the restarts marked on it.
 
 rtrain gives every attempt of a run the same identity (`RTRAIN_RUN_ID`) and, where the user set
-none, the variables W&B and MLflow read to continue a run (supervisor/launch/tracker_env.py).
+none, the variables W&B and MLflow read to continue a run (supervisor/trackers/env.py).
 What a resumed attempt logs again (the steps from the checkpoint's to the failure's) is each
 tracker's own matter; these helpers do what its API offers:
 
@@ -45,7 +45,7 @@ from rtrain.supervisor.core.protocol import (
 log = logging.getLogger(__name__)
 
 RUN_TAG = "rtrain.run"  # MLflow: the tag that names the rtrain run a tracker run belongs to
-MLFLOW_RECORD = Path("trackers") / "mlflow-run"  # the run dir's; supervisor/launch/tracker_env.py
+MLFLOW_RECORD = Path("trackers") / "mlflow-run"  # the run dir's; supervisor/trackers/env.py
 ANNOTATED = "trackers-annotated"  # in an attempt dir: that attempt logged its restarts
 
 

@@ -2,7 +2,7 @@
 resumes) and its environment (contract 1: where to write, what to resume from, where to send
 heartbeats, the token its control FIFO requests must carry, the checkpoint generation that fences
 off writers of earlier attempts, the run's failure record that the worker's save cadence
-follows, and the compile caches every attempt shares: launch/compile_dirs.py)."""
+follows, and the compile caches every attempt shares: compilecache/dirs.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from rtrain.supervisor.ckpt import generation
 from rtrain.supervisor.core import filemode, protocol
-from rtrain.supervisor.launch import argv_templates, compile_dirs, tracker_env
+from rtrain.supervisor.launch import argv_templates
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +54,6 @@ def environment(plan: AttemptPlan, *, stop_signal: str, heartbeat_addr: str, dum
                 relieve_signal: int, file_mode: int,
                 base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    env.update(compile_dirs.cache_env(plan.run_dir, env))
     env.update({
         protocol.ENV_RUN_DIR: str(plan.run_dir.resolve()),
         protocol.ENV_CKPT_DIR: str(plan.ckpt_dir.resolve()),
@@ -89,8 +88,6 @@ def environment(plan: AttemptPlan, *, stop_signal: str, heartbeat_addr: str, dum
     # none of an earlier run's.
     for name in (protocol.ENV_RUN_ID, protocol.ENV_TRACKER_VARS):
         env.pop(name, None)
-    env.update(tracker_env.variables(
-        plan.run, env, tracker_env.read_mlflow_run(plan.run_dir, plan.run)))
     return env
 
 

@@ -2,15 +2,17 @@
 
     pick checkpoint -> spawn child -> watch -> judge -> record -> act (relaunch | stop)
 
-Each stage lives in its own module; this one wires them together. After the spawn the path runs
-one way: the watch (proc/watch.py) returns what it saw, frozen; the loop adds what only I/O can
-learn (the newest checkpoint, whether the attempt committed one, the Slurm job, the time) into
-an `AttemptResult`; `judge` (decide/attempt.py, pure) returns the decision and the records of
-the attempt's end; the loop writes those records, then acts. Beside it in `launch/`: `spec`
-(what was asked, the seams), `rundir` (state.json and the dirs), `resume` (which checkpoint),
-`child_env` (the attempt's argv and environment), `observers` (metrics, hooks, status line),
-`recording` (writing the records), `side_effects` (Slurm requeue, GPU release, backoff). The
-clock, the sleepers, the GPU reader, the random source, the spawner and the watcher come in
+Read `Loop.run` and `Loop._run_attempt` top to bottom: that is the whole of it. After the spawn
+the path runs one way: the watch (proc/watch.py) returns what it saw, frozen; the features add
+what they found of the ending; the loop adds what only I/O can learn (the newest checkpoint,
+whether the attempt committed one, the Slurm job, the time) into an `AttemptResult`; `judge`
+(decide/attempt.py, pure) returns the decision and the records of the attempt's end; the loop
+writes those records, then acts. Beside it in `launch/`: `spec` (what was asked, the seams),
+`rundir` (state.json and the dirs), `resume` (which checkpoint), `child_env` (the attempt's argv
+and environment), `observers` (the terminal, the heartbeats' events), `recording` (writing the
+records), `side_effects` (Slurm requeue, GPU release, backoff), and `feature` (the protocol of
+the optional features, supervisor/features.py, which this module never imports one by one).
+The clock, the sleepers, the GPU reader, the random source, the spawner and the watcher come in
 through `Seams`, so tests can script an attempt's outcome and fast-forward a backoff.
 """
 
@@ -23,17 +25,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rtrain.supervisor import features as registry
 from rtrain.supervisor.ckpt import foreign
 from rtrain.supervisor.ckpt.hashing import load_signing_key
-from rtrain.supervisor.ckpt.verify import Selection, Verdict
+from rtrain.supervisor.ckpt.verify import Verdict
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.core.errors import ExitCode, UsageError
 from rtrain.supervisor.core.protocol import Heartbeat
 from rtrain.supervisor.decide.attempt import AttemptResult, judge
 from rtrain.supervisor.decide.policy import Action, Decision, History, ResumeMode
-from rtrain.supervisor.elsewhere.scan import ElsewhereWatch
 from rtrain.supervisor.launch import argv_templates, child_env, resize, side_effects
 from rtrain.supervisor.launch.child_env import AttemptPlan
+from rtrain.supervisor.launch.feature import Attempt, Features, Run
 from rtrain.supervisor.launch.observers import Observers
 from rtrain.supervisor.launch.recording import record, slurm_field
 from rtrain.supervisor.launch.resume import Checkpoints, encryption_key, resumed_from
@@ -45,18 +48,15 @@ from rtrain.supervisor.launch.rundir import (
     refuse_planted,
 )
 from rtrain.supervisor.launch.spec import LaunchSpec, Seams, child_command
-from rtrain.supervisor.memtier.peerside import serving_address
-from rtrain.supervisor.memtier.tier import MemoryTierDir
-from rtrain.supervisor.mirror import launch_uploads
 from rtrain.supervisor.pressure.monitor import PressureNote
-from rtrain.supervisor.proc import slurm, torchrun
+from rtrain.supervisor.proc import slurm
 from rtrain.supervisor.proc.console import best_effort_console
 from rtrain.supervisor.proc.gpu import NvmlReader
 from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
 from rtrain.supervisor.proc.leftovers import ProcRecord, end_leftovers
 from rtrain.supervisor.proc.proctree import ProcTree
 from rtrain.supervisor.proc.signals import SignalCatcher
-from rtrain.supervisor.proc.spawn import ChildSpec, spawn
+from rtrain.supervisor.proc.spawn import Child, ChildSpec
 from rtrain.supervisor.proc.watch import Sample, WatchConfig
 from rtrain.supervisor.proc.watch_outcome import Outcome
 from rtrain.supervisor.records import recovery
@@ -65,8 +65,6 @@ from rtrain.supervisor.records.lock import RunLock
 from rtrain.supervisor.records.recovery import RecoveryTracker
 from rtrain.supervisor.records.runstate import RunStatus
 from rtrain.supervisor.records.timeline import Timeline, read_timeline
-from rtrain.supervisor.standby.slot import StandbySlot
-from rtrain.supervisor.stuck import flight
 from rtrain.supervisor.timelimit.decide import WallPlan, measured
 from rtrain.supervisor.timelimit.planner import WHY as WALL_CLOCK
 from rtrain.supervisor.timelimit.planner import WallClock
@@ -80,7 +78,8 @@ def launch(spec: LaunchSpec, seams: Seams | None = None) -> int:
     cfg = spec.config
     run_dir = Path(cfg.run_dir)
     prepare_dirs(run_dir, _ckpt_dir(cfg, run_dir), cfg.file_mode)
-    refuse_planted(run_dir, _ckpt_dir(cfg, run_dir))
+    names = registry.FEATURES if spec.features is None else spec.features
+    refuse_planted(run_dir, _ckpt_dir(cfg, run_dir), registry.in_place(names))
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise UsageError(f"--resume {cfg.resume}: no such checkpoint")
     blank = {**cfg.settings, "checkpoint": "", "attempt": 0, "run_dir": "", "ckpt_dir": ""}
@@ -125,34 +124,27 @@ def _read_timeline(path: Path) -> tuple[Timeline | None, str | None]:
         return None, str(e)
 
 
-def _hands_checkpoint(spec: LaunchSpec) -> bool:
-    """The script is told which checkpoint to resume from, so it needs them in the watched
-    dir: `--resume-arg`, or `{checkpoint}` in its command."""
-    return bool(spec.resume_args) or any("{checkpoint}" in a for a in spec.command)
-
-
 def _ckpt_dir(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.ckpt_dir or run_dir / "checkpoints")
 
 
 class Loop:
     """One launch of a run: attempts until a decision stops it. Holds the run's parts (records,
-    checkpoints, observers, the heartbeat socket, the GPU reader) and the attempt in hand."""
+    checkpoints, the terminal, the heartbeat socket, the GPU reader, the features) and the
+    attempt in hand."""
 
     def __init__(self, spec: LaunchSpec, seams: Seams, run_dir: Path) -> None:
         self.spec, self.seams, self.cfg, self.run_dir = spec, seams, spec.config, run_dir
         self.ckpt_dir = _ckpt_dir(self.cfg, run_dir)
-        self.observers = Observers(self.cfg, run_dir, self.ckpt_dir, cwd=spec.cwd,
-                                   echo=spec.echo, wall=seams.wall, monotonic=seams.monotonic,
-                                   say=seams.say)
+        self.observers = Observers(echo=spec.echo, summary_every_s=self.cfg.summary_every_s,
+                                   monotonic=seams.monotonic, say=seams.say)
         # The run so far, read once and kept current by each event this launch writes: a
         # relaunch must not re-read a log that grows by a summary every few seconds for weeks.
         self.timeline, unread = _read_timeline(run_dir / "events.jsonl")
         follow = [self.timeline.add] if self.timeline is not None else []
         self.recovery = RecoveryTracker()  # what each failure costs; emitted by _recoveries
         self.events = EventLog(run_dir / "events.jsonl", clock=seams.wall,
-                               listeners=[*self.observers.listeners, *follow, self.recovery],
-                               mode=self.cfg.file_mode)
+                               listeners=[*follow, self.recovery], mode=self.cfg.file_mode)
         self.observers.attach(self.events)
         self.say = self.observers.say
         if unread is not None:
@@ -163,33 +155,24 @@ class Loop:
         self.record.load(spec.command, spec.cwd, fresh=spec.fresh, retry=spec.retry)
         self.checkpoints = Checkpoints(self.ckpt_dir, self.cfg, load_signing_key(), self.events,
                                        self.say, enc=encryption_key(), run_dir=run_dir)
-        self.memtier = MemoryTierDir(self.ckpt_dir, self.checkpoints.key, self.events.emit,
-                                     self.say, file_mode=self.cfg.file_mode)
-        if torchrun.several_nodes(spec.command):  # the memory tier's copies on peer nodes
-            self.memtier.enable_peers(*serving_address(torchrun.rdzv_host(spec.command)))
         self.gpu = seams.gpu if seams.gpu is not None else NvmlReader()
         self.hb = HeartbeatReceiver()
         self.watch_cfg = WatchConfig.from_config(self.cfg)
         self.procs = ProcRecord(run_dir)  # the attempt's processes, for the next launch
-        self.mirroring: launch_uploads.Mirroring | None = None  # opened by run(), when it trains
         self.wall_clock = WallClock(self.cfg.slurm, run_dir / "events.jsonl")
         self._wall_said: str | None = None  # the plan last told the terminal
         self._last_step: int | None = None  # of the attempt that just ended
-        # A scripted spawner (tests) has no interpreter to keep warm.
-        keep = self.cfg if seams.spawn is spawn else replace(self.cfg, standby=False)
-        self.standby = StandbySlot(keep, spec.command, spec.cwd, run_dir, self.events, self.say)
-        self.elsewhere = ElsewhereWatch(
-            after_s=self.cfg.checkpoints_elsewhere_after_s, expects=_hands_checkpoint(spec),
-            cwd=spec.cwd, ckpt_dir=self.ckpt_dir, run_dir=run_dir, events=self.events,
-            say=self.say, monotonic=seams.monotonic)
+        run = Run(config=self.cfg, command=spec.command, resume_args=spec.resume_args,
+                  cwd=spec.cwd, run_dir=run_dir, ckpt_dir=self.ckpt_dir, events=self.events,
+                  say=self.say, checkpoints=self.checkpoints, seams=seams, gpu=self.gpu,
+                  echo=spec.echo)
+        names = registry.FEATURES if spec.features is None else spec.features
+        self.features = Features(registry.make_all(run, names))
+        self.events.listeners.append(self.features.event)
 
     def close(self) -> None:
-        # The child is gone: its newest snapshot is the newest state, if newer than the disk's.
-        self.memtier.close(self.checkpoints.newest_step())
-        self.standby.close()
+        self.features.close()
         self.checkpoints.settle_copy()  # a copy in flight is the next launch's safety net
-        if self.mirroring is not None:
-            self.mirroring.close()
         self.record.record_final()
         self.hb.close()
         self.gpu.close()
@@ -203,30 +186,23 @@ class Loop:
                                say=self.say)
         if refused is not None:
             return refused
-        # Probed only now: a finished run relaunched from cron pays no store round trip, and
-        # bad credentials still stop the launch before any attempt.
-        self.mirroring = launch_uploads.open_for(self.cfg, self.run_dir, self.ckpt_dir, self.events,
-                                                 self.say, new_run=self.record.new_run)
-        self.checkpoints.remote = self.mirroring
         history = self._first_history()
         resume, first = ResumeMode.LATEST, self.record.new_run
-        if first and self.cfg.resume == "never":
+        starting_over = first and self.cfg.resume == "never"
+        self.features.start(new_run=self.record.new_run, starting_over=starting_over)
+        if starting_over:
             history = self.checkpoints.start_over(history, self.seams.wall(), self.spec.command)
-            self.memtier.discard()
-        else:  # snapshots an rtrain that ended without persisting them left in memory
-            self.memtier.commit_newest(self.checkpoints.newest_step(), "found at launch")
         with SignalCatcher() as signals:
             while True:
                 selection = self.checkpoints.pick(history, resume, first=first)
                 named = first and self.cfg.resume != "auto"  # --resume PATH
                 first = False
-                self.memtier.newest_allowed = resume is ResumeMode.LATEST and not named
-                if self.mirroring is not None:
-                    # After the first pick, which settles the run identity it uploads under.
-                    self.mirroring.start()
                 if selection is None:  # an explicit --resume PATH that does not verify
                     return 2
-                decision, pids = self._run_attempt(history, selection, signals)
+                attempt = Attempt(number=history.attempt, chosen=selection.chosen,
+                                  newest_allowed=resume is ResumeMode.LATEST and not named,
+                                  attempt_dir=self.run_dir / "attempts" / str(history.attempt))
+                decision, pids = self._run_attempt(history, attempt, signals)
                 code = self._act(decision, signals, pids)
                 if code is not None:
                     return code
@@ -242,9 +218,9 @@ class Loop:
             history = replace(history, attempt=history.attempt + 1)
         return history
 
-    def _run_attempt(self, history: History, selection: Selection,
+    def _run_attempt(self, history: History, attempt: Attempt,
                      signals: SignalCatcher) -> tuple[Decision, list[int]]:
-        chosen = selection.chosen
+        chosen = attempt.chosen
         resumed = resumed_from(chosen)
         settings = dict(self.cfg.settings if history.settings is None else history.settings)
         if history.launch_step is None:
@@ -254,13 +230,13 @@ class Loop:
             self.record.save(RunStatus.RUNNING, "running", history)  # a relaunch saved already
         started = time.time()  # compared with checkpoint mtimes: the real clock, not a seam
         before = self.checkpoints.snapshot()
-        outcome, duration_s, wall = self._attempt(history.attempt, settings, chosen, signals)
-        # Before anything reads the checkpoint dir (the progress rule, the next pick): the
-        # memory tier's newest snapshot, if newer, is the newest verified state now (a disk
-        # save rtrain was copying for the worker is finished first).
-        self.memtier.commit_newest(self.checkpoints.newest_step(), "attempt ended")
+        child, wall = self._spawn(attempt, settings, signals)
+        outcome, duration_s = self._watch(child, attempt, wall, signals)
+        # What the features found of the ending (the stuck ranks at a hang); the memory tier
+        # commits its newest snapshot here, before anything reads the checkpoint dir.
+        seen = replace(outcome.seen, **self.features.attempt_end(attempt, outcome.seen))
         result = AttemptResult(
-            seen=outcome.seen, duration_s=duration_s, resumed=resumed,
+            seen=seen, duration_s=duration_s, resumed=resumed,
             resumed_identity=foreign.resume_identity(chosen) if chosen is not None else None,
             committed=self.checkpoints.committed_since(started, resumed),
             progressed=self.checkpoints.progressed(before) is not None,
@@ -268,23 +244,22 @@ class Loop:
             rand=self.seams.rand(), slurm=slurm.job_info(), wall=wall)
         judgement = judge(result, history, self.cfg)
         record(judgement.records, self.events, self.say)
-        self._last_step = outcome.seen.last_step
+        self._last_step = seen.last_step
         self._recoveries()  # an attempt that ended before its first step ends its recovery
         return judgement.decision, outcome.pids_seen
 
-    def _attempt(self, attempt: int, settings: dict[str, Any], chosen: Verdict | None,
-                 signals: SignalCatcher) -> tuple[Outcome, float, WallPlan | None]:
-        """Run one attempt: spawn it (or hand it to the standby) and watch it to its end; what
-        the watch saw, how long it ran, and the stop planned before the job's time limit."""
+    def _spawn(self, attempt: Attempt, settings: dict[str, Any],
+               signals: SignalCatcher) -> tuple[Child, WallPlan | None]:
+        """Start one attempt: a feature that takes the spawn (the warm standby), else a fresh
+        process; the child, and the stop planned before the job's time limit."""
+        self.features.attempt_start(attempt)
+        chosen = attempt.chosen
+        source = attempt.read_from or (chosen.path if chosen is not None else None)
         failures, run_s = self._failure_record()
-        self.memtier.attempt_starting(attempt, chosen.step if chosen is not None else None)
-        in_memory = self.memtier.resume_path(chosen)  # the same checkpoint, read from memory
-        source = in_memory if in_memory is not None else chosen.path if chosen else None
-        plan = AttemptPlan(attempt=attempt, settings=settings,
+        plan = AttemptPlan(attempt=attempt.number, settings=settings,
                            resume_from=str(source.resolve()) if source else None,
                            run_dir=self.run_dir, ckpt_dir=self.ckpt_dir,
-                           attempt_dir=self.run_dir / "attempts" / str(attempt),
-                           failures=failures, run_s=run_s,
+                           attempt_dir=attempt.attempt_dir, failures=failures, run_s=run_s,
                            save_cost=self.timeline.save_cost if self.timeline else None,
                            run=self.checkpoints.run)
         if plan.attempt_dir.exists():  # state.json was lost or reset: keep the old logs aside
@@ -295,78 +270,76 @@ class Loop:
                                     dump_signal=self.watch_cfg.dump_signal,
                                     relieve_signal=self.watch_cfg.relieve_signal,
                                     file_mode=self.cfg.file_mode)
-        env.update(flight.environment(env, plan.attempt_dir, gpu=self.gpu.available))
-        env.update(self.memtier.env())
+        self.features.environment(attempt, env)
         child_env.fence_earlier_writers(env, self.ckpt_dir, self.say)
+        attempt.env = env
         self.hb.drain()  # stale heartbeats of the previous attempt
         level = self.record.state.history.level
         wall = self.wall_clock.plan(self.seams.wall())  # the scheduler's times: before the spawn
-        self.observers.attempt_started(attempt, plan.attempt_dir, level)
+        self.observers.attempt_started(attempt.number, plan.attempt_dir, level)
         line = self.observers.line
         child_spec = ChildSpec(
             argv=argv, env=env, cwd=self.spec.cwd, attempt_dir=plan.attempt_dir,
             echo=self.spec.echo, log_cap_bytes=int(self.cfg.log_cap_mb * 2**20),
             echo_through=line.write_through if line else None)
         spawn_at = self.seams.wall()  # a failure's cost: from here the new child is starting
-        child, start_s = self.standby.start(child_spec, attempt,
-                                            interrupted=lambda: bool(signals.pending))
-        warm = child is not None
-        if child is None:
+        started = self.features.spawn(child_spec, attempt, lambda: bool(signals.pending))
+        if started is None:
             t_spawn = self.seams.monotonic()
             child = self.seams.spawn(child_spec)
             start_s = self.seams.monotonic() - t_spawn
+        else:
+            child, start_s = started
         spawn_s = self.seams.wall() - spawn_at  # returns once the child exec'd or took over
         self.procs.update([child.pid])
         how = f"from {chosen.path.name}" if chosen else "fresh"
-        if chosen is None and (note := self.elsewhere.launch_note()):
-            how += f": {note}"
         if chosen is not None and self.checkpoints.restored:
             how += ", restored from rtrain's copy"
-        if in_memory is not None:
-            how += ", read from the memory tier"
-        where = " in the warm standby" if warm else ""
-        self.say(f"attempt {attempt}: launched pid {child.pid}{where} ({how}), settings "
-                 f"{json.dumps(settings)}")
-        self.events.emit("launch", attempt=attempt, argv=argv, settings=settings, level=level,
-                         resume_from=plan.resume_from, pid=child.pid,
-                         ckpt_dir=str(self.ckpt_dir), standby=warm,
+        how += "".join(attempt.notes)
+        where = " in the warm standby" if started is not None else ""
+        self.say(f"attempt {attempt.number}: launched pid {child.pid}{where} ({how}), "
+                 f"settings {json.dumps(settings)}")
+        tier = attempt.tier or ("disk" if chosen is not None else None)
+        self.events.emit("launch", attempt=attempt.number, argv=argv, settings=settings,
+                         level=level, resume_from=plan.resume_from, pid=child.pid,
+                         ckpt_dir=str(self.ckpt_dir), standby=started is not None,
                          start_s=round(start_s, 4), spawn_at=round(spawn_at, 6),
                          spawn_s=round(spawn_s, 6), **slurm_field(wall),
-                         **({"tier": "memory"} if in_memory is not None else
-                            {"tier": "disk"} if chosen is not None else {}))
+                         **({"tier": tier} if tier else {}))
         self._say_wall(wall)
-        self.elsewhere.attempt_started(attempt)
+        return child, wall
+
+    def _watch(self, child: Child, attempt: Attempt, wall: WallPlan | None,
+               signals: SignalCatcher) -> tuple[Outcome, float]:
+        """Watch the attempt to its end: what the watch saw, and how long it ran."""
+        chosen = attempt.chosen
         sizes = resize.WorldWatch(resize.saved_world_size(chosen.manifest if chosen else None))
+        n = attempt.number
         t0 = self.seams.monotonic()
         stop_at = None if wall is None or wall.stop_at is None else (
             t0 + wall.stop_at - self.seams.wall())  # the watch runs on the monotonic clock
         outcome = self.seams.watch(
             child, self.watch_cfg, heartbeats=self.hb, gpu=self.gpu, signals=signals,
-            tree=ProcTree(exclude=self._helper_pids),
-            on_heartbeat=lambda hb: self._heartbeat(attempt, hb, sizes, chosen),
+            tree=ProcTree(exclude=self.features.pids),
+            on_heartbeat=lambda hb: self._heartbeat(n, hb, sizes, chosen),
             on_sample=self._on_sample, stop_at=stop_at, stop_why=WALL_CLOCK,
-            on_pressure=lambda note: self._pressure(attempt, note))
+            on_pressure=lambda note: self._pressure(n, note),
+            on_hang=lambda: self.features.hang(attempt))
         child.close()
-        self.elsewhere.attempt_ended()
         self.wall_clock.note(measured(outcome.seen))
         self.procs.update([])  # swept
-        return outcome, self.seams.monotonic() - t0, wall
+        return outcome, self.seams.monotonic() - t0
 
     def _pressure(self, attempt: int, note: PressureNote) -> None:
-        """Memory pressure: the warm standby goes first (it counts where the run's memory
-        does), then what the watch asked of the child is recorded."""
-        if note.reading.source in ("cgroup", "host"):
-            why = note.why or note.reading.describe()
-            self.standby.make_room(why)
-            if note.action != "rising":  # the standby went first; now the snapshots
-                self.memtier.drop(attempt, f"memory pressure: {why}")
+        """Memory pressure: the features make room first (the warm standby, then the memory
+        tier's snapshots), then what the watch asked of the child is recorded."""
+        self.features.pressure(attempt, note)
         if note.action != "rising":
             self.observers.pressure(attempt, note)
 
     def _heartbeat(self, attempt: int, hb: Heartbeat, sizes: resize.WorldWatch,
                    chosen: Verdict | None) -> None:
-        self.standby.heartbeat()
-        self.memtier.heartbeat(attempt, hb)
+        self.features.heartbeat(attempt, hb)
         self.observers.heartbeat(attempt, hb)
         self.recovery.heartbeat(attempt, hb)
         self._recoveries()
@@ -404,22 +377,10 @@ class Loop:
             self._wall_said = line
             self.say(line)
 
-    def _helper_pids(self) -> list[int]:
-        """rtrain's own helpers (hooks, the uploader, the warm standby): not the attempt's
-        processes."""
-        hooks = self.observers.hooks
-        return [*(hooks.pids() if hooks is not None else []),
-                *(self.mirroring.pids() if self.mirroring is not None else []),
-                *self.standby.pids()]
-
     def _on_sample(self, sample: Sample) -> None:
-        self.standby.tick(sample.tree)
         self.checkpoints.watch_keep()
-        self.memtier.poll()
-        if self.mirroring is not None:
-            self.mirroring.poll()
+        self.features.sample(sample)
         self.observers.sample(sample)
-        self.elsewhere.poll()
         self.record.retry_held()  # held while the disk was full
         self.procs.update(sample.tree.pids)
 
@@ -428,11 +389,9 @@ class Loop:
     def _act(self, decision: Decision, signals: SignalCatcher, pids: list[int]) -> int | None:
         history, reason = decision.history, decision.reason
         if decision.action is not Action.RELAUNCH:
-            self.standby.close()  # its memory back before the run's last waits
-        if decision.action is not Action.RELAUNCH and self.mirroring is not None:
-            # The run ends here: the newest checkpoint goes to the mirror before rtrain exits
-            # (under preemption, within what the grace leaves; see mirror_final_wait_s).
-            self.mirroring.finish(self.cfg.mirror_final_wait_s)
+            # The run ends here: the standby's memory back, the newest checkpoint to the
+            # mirror, a straggling node excluded before a requeue.
+            self.features.run_end(decision)
         if decision.action is Action.FINISHED:
             self.record.save(RunStatus.FINISHED, reason, history)
             unsaved = self._unsaved_final()
@@ -447,10 +406,7 @@ class Loop:
             return int(decision.exit_code or 1)
         if decision.action in (Action.EXIT_PREEMPTED, Action.REQUEUE):
             if decision.action is Action.REQUEUE:
-                straggler = (self.observers.straggler_here
-                             if self.cfg.straggler.exclude_node else None)
-                reason = side_effects.requeue(decision, self.events, self.say,
-                                              straggler=straggler)
+                reason = side_effects.requeue(decision, self.events, self.say)
             self.record.save(RunStatus.PREEMPTED, reason, history)
             unsaved = self._unsaved_final()
             self.say(f"stopped: {reason}")
@@ -466,8 +422,7 @@ class Loop:
                                                        events=self.events, say=self.say)
         if stopped_by is not None:
             # A stop arrived during the backoff: no child runs, the newest checkpoint stands.
-            if self.mirroring is not None:
-                self.mirroring.finish(self.cfg.mirror_final_wait_s)
+            self.features.run_end(replace(decision, action=Action.EXIT_PREEMPTED))
             self.record.save(RunStatus.PREEMPTED,
                              f"stopped by {','.join(stopped_by)} during backoff", history)
             return ExitCode.PREEMPTED

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rtrain.supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine, runid, setaside
 from rtrain.supervisor.ckpt.verify import Level, Selection, Status, Verdict, mark_quarantined
@@ -23,9 +22,6 @@ from rtrain.supervisor.core.untrusted_text import safe
 from rtrain.supervisor.decide.policy import History, Resumed, ResumeMode
 from rtrain.supervisor.proc.torchrun import several_nodes
 from rtrain.supervisor.records.events import EventLog
-
-if TYPE_CHECKING:
-    from rtrain.supervisor.mirror.launch_uploads import Mirroring
 
 
 class Checkpoints:
@@ -42,7 +38,10 @@ class Checkpoints:
         # its own, so the watch loop goes on draining output and heartbeats meanwhile.
         self._copying: threading.Thread | None = None
         self._copied: list[tuple[Path, keepcopy.Kept | OSError | None]] = []
-        self.remote: Mirroring | None = None  # the run's mirror, when it has one
+        # Where a newer checkpoint of the run may be found than in the local dir (the mirror):
+        # given the local pick and when the run started over, brings it into the dir; True
+        # when it did.
+        self.fetch_newer: Callable[[Verdict | None, float | None], bool] | None = None
         self._looked_remote = False
         self.run: str | None = None  # this launch's run identity, settled at its first pick
 
@@ -64,11 +63,12 @@ class Checkpoints:
         # Any format: rtrain's own, a Trainer's checkpoint-N dirs, Lightning / torch.save files.
         self.restored = self._restore_torn(level)
         sel = self._select(level, history, skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
-        if self.remote is not None and not self._looked_remote and resume is ResumeMode.LATEST:
+        if (self.fetch_newer is not None and not self._looked_remote
+                and resume is ResumeMode.LATEST):
             # Once per launch: only a fresh machine (or a lost local dir) can have a newer
             # checkpoint on the mirror than on its disk, since every upload starts from here.
             self._looked_remote = True
-            if self._fetch_newer(sel.chosen, history.started_over):
+            if self.fetch_newer(sel.chosen, history.started_over):
                 sel = self._select(level, history)
         newest = None
         if resume is ResumeMode.ROLLBACK and sel.chosen is None:
@@ -309,80 +309,6 @@ class Checkpoints:
             raise UsageError(f"cannot resume from {safe(chosen.path.name)}: {problem}")
         return sel
 
-    def _fetch_newer(self, local: Verdict | None, since: float | None = None) -> bool:
-        """Download this run's newest checkpoint on the mirror that is newer than `local` and
-        verifies (quick on the listing, then hashed while it downloads); one that does not
-        verify is reported and the next older tried. Local wins at an equal step. This run:
-        the checkpoint dir's identity, else the local pick's; on a machine with neither, the
-        run that committed last to the mirror (`runid.continued_run`). Another run's
-        checkpoints under the same URL are said and never resumed from. With `since` (the run
-        started over then), one made before it is the earlier run's: passed over. True when
-        one was downloaded."""
-        from rtrain.supervisor.mirror.cache import BlobCache
-        from rtrain.supervisor.mirror.store import CorruptRemote, MirrorError, checkpoints
-        from rtrain.supervisor.mirror.verify_remote import verify_remote
-
-        assert self.remote is not None
-        mirror, where = self.remote.mirror, self.remote.display
-        if not self.remote.answered:
-            return False  # said at the probe: resuming from local checkpoints
-        floor = local.step if local is not None else -1
-        try:
-            # One listing; a manifest read only for what is newer than the local pick.
-            inventory = mirror.inventory()
-            found = [verify_remote(mirror, rc, Level.QUICK, self.key, inventory[rc.name])
-                     for rc in checkpoints(inventory) if rc.step > floor]
-        except MirrorError as e:
-            self.say(f"{e}; resuming from local checkpoints")
-            self.events.emit("mirror_failed", reason=f"list: {e}", step=None, retry_in_s=None,
-                             given_up=False)
-            return False
-        ok = [v for v in found if v.ok]
-        run = runid.read(self.dir) or (runid.of(local.manifest) if local is not None else None)
-        if run is None:
-            run = runid.continued_run((runid.of(v.manifest), v.manifest["created"]) for v in ok)
-        others = {v.step: runid.of(v.manifest) for v in ok if runid.of(v.manifest) != run}
-        if others:
-            newest = max(others)
-            line = (f"mirror {where}: the mirror prefix holds checkpoints of another run (step "
-                    f"{newest}, {runid.whose(others[newest])}): not resumed from; this run "
-                    f"({runid.short(run)}) resumes from its own")
-            self.say(line)
-            self.events.emit("mirror_other_run", steps=sorted(others), newest=newest,
-                             reason=line)
-        for v in found:
-            if v.status is Status.INCOMPLETE or (v.ok and runid.of(v.manifest) != run):
-                continue
-            if not v.ok:
-                self._skip_remote(where, v.path.name, v.reason)
-                continue
-            try:
-                if since is not None and not _made_since(v.manifest, since):
-                    self.say(f"skipping {v.path.name} on the mirror: made before this run "
-                             "started over (--resume never)")
-                    continue
-                t = mirror.download(v.path.name, self.dir, key=self.key, cache=BlobCache(),
-                                    file_mode=self.cfg.file_mode)
-            except CorruptRemote as e:
-                self._skip_remote(where, v.path.name, str(e))
-                continue
-            except MirrorError as e:
-                self.say(f"{e}; resuming from local checkpoints")
-                self.events.emit("mirror_failed", reason=f"download: {e}", step=v.step,
-                                 retry_in_s=None, given_up=False)
-                return False
-            self.say(f"downloaded {v.path.name} from the mirror: {t.bytes / 2**20:.1f} MiB in "
-                     f"{t.seconds:.1f} s ({t.cached_bytes / 2**20:.1f} MiB from the cache)")
-            self.events.emit("mirror_downloaded", step=v.step, bytes=t.bytes,
-                             seconds=round(t.seconds, 3), cached_bytes=t.cached_bytes)
-            return True
-        return False
-
-    def _skip_remote(self, where: str, name: str, reason: str) -> None:
-        self.say(f"skipping {safe(name)} on the mirror: {safe(reason)}")
-        self.events.emit("skipped_checkpoint", path=f"{where}/{name}",
-                         reason=f"on the mirror: {reason}")
-
     def _select(self, level: Level, history: History, skip_newest: int = 0) -> Selection:
         """Passing over quarantined checkpoints and those a worker of this run could not load
         (reported when that happened, in a `skipped_checkpoint` event)."""
@@ -423,12 +349,6 @@ class Checkpoints:
         except OSError as e:
             self.say(f"cannot write {quarantine.QUARANTINE_FILE} in {self.dir} "
                      f"({e.strerror}): other readers of the dir will not see the quarantine")
-
-
-def _made_since(m: dict, since: float) -> bool:
-    created = m.get("created")
-    return isinstance(created, (int, float)) and not isinstance(created, bool) and (
-        created >= since)
 
 
 def encryption_key() -> crypt.EncryptionKey | None:

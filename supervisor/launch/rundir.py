@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,8 +18,6 @@ from rtrain.supervisor.core import filemode, ownfiles
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.supervisor.core.errors import ExitCode, UsageError
 from rtrain.supervisor.decide.policy import History
-from rtrain.supervisor.mirror.launch_uploads import LOG_NAME as MIRROR_LOG
-from rtrain.supervisor.mirror.uploader import LOCK_NAME as MIRROR_LOCK
 from rtrain.supervisor.proc.leftovers import PROCS_FILE
 from rtrain.supervisor.records.events import EventLog
 from rtrain.supervisor.records.lock import LOCK_NAME
@@ -30,7 +28,6 @@ from rtrain.supervisor.records.runstate import (
     load_state,
     save_state,
 )
-from rtrain.supervisor.standby.warm_child import LOG_NAME as STANDBY_LOG
 
 # A run that ends while the run dir's disk is full waits this long for room to record how it
 # ended (state.json, the last events); supervision itself never waits for the disk.
@@ -55,19 +52,20 @@ def prepare_dirs(run_dir: Path, ckpt_dir: Path, file_mode: int) -> None:
 
 
 # The files a launch keeps in the run and checkpoint dirs. Written in place: each must be a
-# regular file of one name. Replaced whole (temp file + rename) and read back: a regular file.
-IN_PLACE = {"run": (LOCK_NAME, "events.jsonl", STANDBY_LOG, MIRROR_LOG),
-            "ckpt": (GENERATION_FILE, MIRROR_LOCK)}
+# regular file of one name (the features name theirs: supervisor/features.py `in_place`).
+# Replaced whole (temp file + rename) and read back: a regular file.
+IN_PLACE = {"run": (LOCK_NAME, "events.jsonl"), "ckpt": (GENERATION_FILE,)}
 REPLACED = {"run": (STATE_FILE, PROCS_FILE), "ckpt": (QUARANTINE_FILE,)}
 
 
-def refuse_planted(run_dir: Path, ckpt_dir: Path) -> None:
+def refuse_planted(run_dir: Path, ckpt_dir: Path,
+                   features: Mapping[str, tuple[str, ...]] | None = None) -> None:
     """RefusedFile (exit 2) when a name the launch writes holds a link, a FIFO, a device or a
     second name of another file: checked (lstat, nothing opened) before anything is written,
     so the launch stops before it locks, records or starts anything. Each open checks again
     (ownfiles), for what appears meanwhile."""
     for where, root in (("run", run_dir), ("ckpt", ckpt_dir)):
-        for name in IN_PLACE[where]:
+        for name in (*IN_PLACE[where], *(features or {}).get(where, ())):
             ownfiles.check(root / name, in_place=True)
         for name in REPLACED[where]:
             ownfiles.check(root / name, in_place=False)

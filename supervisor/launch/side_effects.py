@@ -1,5 +1,5 @@
 """Carrying out a decision's side effects outside the run dir: asking Slurm to requeue (away
-from the node, after a lost device or a straggler), waiting for a dead child's GPU memory to be
+from the node, after a lost device), waiting for a dead child's GPU memory to be
 released and sleeping the backoff before a relaunch, and warning when the run stops with steps
 unsaved."""
 
@@ -19,14 +19,10 @@ from rtrain.supervisor.records import saves
 from rtrain.supervisor.records.events import EventLog
 
 
-def requeue(decision: Decision, events: EventLog, say: Callable[[str], None], *,
-            straggler: str | None = None) -> str:
-    """Ask Slurm to requeue the job; the stop's reason with what Slurm answered. `straggler`:
-    a rank on this node was one in the attempt and `[straggler] exclude_node` is set, so the
-    node is excluded as it is after a failed device."""
-    if decision.exclude_node or straggler:
-        if straggler and not decision.exclude_node:
-            say(f"excluding this node from the job: {straggler}")
+def requeue(decision: Decision, events: EventLog, say: Callable[[str], None]) -> str:
+    """Ask Slurm to requeue the job (away from this node after a failed device); the stop's
+    reason with what Slurm answered."""
+    if decision.exclude_node:
         done, what = slurm.exclude_node()
         events.emit("exclude_node", done=done, detail=what)
         say(what)

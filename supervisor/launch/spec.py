@@ -38,6 +38,8 @@ class LaunchSpec:
     resume_args: tuple[str, ...] = ()
     """Appended to the child's argv, templates filled in, only when resuming from a checkpoint
     (`--resume-arg "--resume_from_checkpoint {checkpoint}"`, shell-split)."""
+    features: tuple[str, ...] | None = None
+    """The optional features' modules, in order; None: all of them (supervisor/features.py)."""
 
 
 def interrupted_wait(seconds: float, signals: SignalCatcher) -> bool:

@@ -8,9 +8,9 @@ once the child has exited (proc/watch_outcome.py: exit status, exit records, mem
 gate's readings after a failure) it hands out one frozen `Observation` in the `Outcome`;
 decide/observation.py draws the evidence for classify from it.
 
-At a hang the stacks are dumped (proc/stacks.py) and the NCCL flight recorder is asked for its
-dumps (stuck/flight.py); once the child has exited, which rank is stuck and where
-(stuck/collect.py) goes into the Observation with the dumps kept.
+At a hang the caller hears it first (`on_hang`: the stuck-ranks feature asks the NCCL flight
+recorder for its dumps), then the stacks are dumped (proc/stacks.py) and the worker is asked to
+save its last completed step.
 
 Memory pressure (pressure/monitor.py) is judged at each sample: a relieve request to the
 group first, then the ordinary stop, observed as `pressure_stop` for a rung down.
@@ -60,8 +60,6 @@ from rtrain.supervisor.proc.watch_outcome import (
     read_exit_records,
 )
 from rtrain.supervisor.proc.watch_stop import Stopping, drain_pipes
-from rtrain.supervisor.stuck import flight
-from rtrain.supervisor.stuck.collect import report as stuck_report
 
 if TYPE_CHECKING:
     from rtrain.supervisor.config import Config, PressureConfig
@@ -136,15 +134,18 @@ def watch(
     stop_at: float | None = None,
     stop_why: str = "a deadline",
     on_pressure: Callable[[PressureNote], None] | None = None,
+    on_hang: Callable[[], None] | None = None,
 ) -> Outcome:
     """Watch `child` until it has exited and its descendants are swept; never raises for what the
     child does. Pass `signals` to keep one catcher across attempts (the launch loop); without it
     one is installed for this call (main thread only). At `stop_at` (on `clock`) the child is
     stopped as on a stop signal, `stop_why` naming the stop (the job's time limit).
     `on_pressure` hears pressure rising (once an attempt, before anything is asked of the
-    child), each relieve request and the stop for a rung down (pressure/monitor.py)."""
+    child), each relieve request and the stop for a rung down (pressure/monitor.py).
+    `on_hang` hears a hang found, before the stacks are dumped (the flight recorder's request)."""
     w = _Watch(child, config, heartbeats, gpu or NullReader(), tree or ProcTree(), clock)
     w.on_heartbeat, w.on_sample, w.on_pressure = on_heartbeat, on_sample, on_pressure
+    w.on_hang = on_hang
     w.stop_at, w.stop_why = (math.inf if stop_at is None else stop_at), stop_why
     if signals is not None:
         return w.run(signals)
@@ -159,6 +160,7 @@ class _Watch:
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None
         self.on_sample: Callable[[Sample], None] | None = None
         self.on_pressure: Callable[[PressureNote], None] | None = None
+        self.on_hang: Callable[[], None] | None = None
         self.heartbeats = Heartbeats()
         # What the watch found and did, handed out in the Observation.
         self.stop_requested: str | None = None  # the stop signal's name, or the deadline's
@@ -166,7 +168,7 @@ class _Watch:
         self.gpu_lost: str | None = None  # the reader's detail
         self.gpu_peak: tuple[int, int] | None = None  # used, total of the fullest reading
         self.pressure_stop: str | None = None
-        self.t0, self.t0_wall = clock(), time.time()
+        self.t0 = clock()
         self.hang = HangClock(config.hang, self.t0)
         self.stop = Stopping(child, config.stop_signal)
         self.stop_at, self.stop_why = math.inf, ""  # a deadline's stop (watch's stop_at)
@@ -305,8 +307,8 @@ class _Watch:
     def _on_hang(self, why: str) -> None:
         log.warning("training process hung: %s; collecting stacks", why)
         self.hung = why, time.time()
-        if flight.request_dumps(self.child.spec.env):
-            log.warning("asked the ranks for their NCCL flight recorder dumps")
+        if self.on_hang is not None:
+            self.on_hang()
         pids = [p.pid for p in self.tree.live()]
         self.stack_files = dump_stacks(
             pids, self.child.spec.attempt_dir, self.config.dump_signal, self.config.dump_timeout_s,
@@ -354,18 +356,6 @@ class _Watch:
         if self.on_pressure is not None:
             self.on_pressure(note)
 
-    def _stuck(self, hang_at: float) -> tuple[dict | None, list[Path]]:
-        """At a hang, once the child has exited: which rank is stuck and where (from the
-        boards and the stacks the ranks left), and the flight recorder's dumps."""
-        spec = self.child.spec
-        hb = self.heartbeats
-        report = stuck_report(spec.attempt_dir, hb.ranks, now=hang_at, world=hb.world)
-        if report is not None:
-            log.warning("hang: %s", report.summary)
-        dumps = flight.collect(spec.env, spec.attempt_dir, since=self.t0_wall,
-                               mode=env_mode(spec.env))
-        return (report.to_dict() if report else None), dumps
-
     def _finish(self) -> Outcome:
         c, now = self.child, self.clock()
         for pipe in (c.stdout, c.stderr):
@@ -376,7 +366,6 @@ class _Watch:
         drain_pipes(c)
         failed = health_gate(self.gpu) if c.returncode != 0 and not self.stop_requested else ()
         hang_detail, hang_at = self.hung or ("", None)
-        stuck, dumps = self._stuck(hang_at) if hang_at is not None else (None, [])
         used, total = self.gpu_peak or (None, None)
         seen = Observation(
             pid=c.pid, returncode=c.returncode, stderr_tail=c.stderr.tail_text(),
@@ -390,7 +379,6 @@ class _Watch:
             gpu_mem_used_peak=used, gpu_mem_total=total, pressure_stop=self.pressure_stop,
             gpu_lost=self.gpu_lost is not None, gpu_detail=self.gpu_lost or "",
             hang=self.hung is not None, hang_detail=hang_detail, hang_at=hang_at,
-            stuck=stuck, flight_dumps=tuple(str(p) for p in dumps),
             stop_requested=self.stop_requested, signals=tuple(self.stop.signals_seen),
             killed_after_grace=self.stop.killed_after_grace,
             stop_s=self.stop.took(self.exited_at if self.exited_at is not None else now),

@@ -1,0 +1,1 @@
+"""The Prometheus metrics file a run keeps current (file.py)."""

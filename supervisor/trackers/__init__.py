@@ -1,0 +1,1 @@
+"""Experiment trackers continued across attempts: one run, one curve (env.py)."""
