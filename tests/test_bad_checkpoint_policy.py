@@ -3,9 +3,11 @@ remembered in state.json (pure parts; the end-to-end runs are in test_hostile_la
 
 from __future__ import annotations
 
+from observed import observed
+
 from rtrain.supervisor.config import Config, RestartConfig
 from rtrain.supervisor.decide.classify import classify
-from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.failures import Failure, FailureKind
 from rtrain.supervisor.decide.policy import Action, History, decide
 from rtrain.supervisor.records.runstate import RunState, load_state, save_state
 
@@ -17,21 +19,21 @@ BAD = {"kind": "bad_checkpoint", "reason": "checkpoint-8: cannot load: model.saf
 def test_the_record_names_the_attempt_over_what_other_ranks_report():
     crash = {"kind": "crash", "reason": "collective failed", "rank": 0, "time": 1.0}
     oom = {"kind": "oom_gpu", "reason": "CUDA out of memory", "rank": 2, "time": 3.0}
-    f = classify(Evidence(returncode=1, exit_records=[crash, BAD, oom]),
+    f = classify(observed(returncode=1, exit_records=[crash, BAD, oom]),
                  memory_pressure_fraction=Config().memory_pressure_fraction)
     assert f.kind is FailureKind.BAD_CHECKPOINT
     assert f.reason.startswith("rank 1: checkpoint-8: cannot load: model.safetensors")
 
 
 def test_exit_65_without_a_record_is_not_a_bad_checkpoint():
-    f = classify(Evidence(returncode=65, first_step_seen=True, stderr_tail="bye"),
+    f = classify(observed(returncode=65, first_step_seen=True, stderr_tail="bye"),
                  memory_pressure_fraction=Config().memory_pressure_fraction)
     assert f.kind is FailureKind.CRASH
 
 
 def test_relaunch_at_once_counting_toward_max_restarts_only():
     failure = Failure(kind=FailureKind.BAD_CHECKPOINT, reason="checkpoint-8: cannot load",
-                      evidence=Evidence(returncode=65, exit_records=[BAD]))
+                      seen=observed(returncode=65, exit_records=[BAD]))
     h = History(attempt=2, budgets_used={"crash": 3}, total_restarts=4, launch_step=8,
                 stalled=(8, 8))
     d = decide(failure, h, Config(), rand=0.9, newest_step=8)

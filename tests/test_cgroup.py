@@ -6,7 +6,6 @@ import pytest
 from harness import child_spec
 
 from rtrain.supervisor.config import Config
-from rtrain.supervisor.decide.observation import evidence
 from rtrain.supervisor.proc.cgroup import MemoryCgroup, limited_v1_group, memory_cgroup
 from rtrain.supervisor.proc.spawn import spawn
 from rtrain.supervisor.proc.watch import WatchConfig, watch
@@ -43,7 +42,7 @@ def test_cgroup_limit_kill_is_counted(tmp_path):
             child.close()
     finally:
         cm.__exit__(None, None, None)
-    ev = evidence(outcome.seen)
+    ev = outcome.seen
     assert ev.signal == "SIGKILL", ev
     assert ev.cgroup_oom_kills >= 1
     assert not group.path.exists()

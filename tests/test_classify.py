@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from observed import observed
 
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.decide.classify import classify
-from rtrain.supervisor.decide.failures import Evidence, FailureKind
+from rtrain.supervisor.decide.failures import FailureKind
+from rtrain.supervisor.decide.observation import Observation
 
 FRACTION = Config().memory_pressure_fraction  # what rtrain launch classifies with
 
@@ -14,11 +16,11 @@ GiB = 2**30
 K = FailureKind
 
 
-def ev(**kw) -> Evidence:
-    # No default pid: the watcher sets it (Evidence(pid=child.pid)); cases that check the
+def ev(**kw) -> Observation:
+    # No default pid: the watcher sets it (Observation(pid=child.pid)); cases that check the
     # sentence naming it give one, as the watcher would.
     kw.setdefault("first_step_seen", True)
-    return Evidence(**kw)
+    return observed(**kw)
 
 
 CASES = [
@@ -98,14 +100,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "evidence", "kind", "phrases"), CASES, ids=[c[0] for c in CASES])
-def test_classify(name, evidence, kind, phrases):
-    failure = classify(evidence, memory_pressure_fraction=FRACTION)
+@pytest.mark.parametrize(("name", "seen", "kind", "phrases"), CASES, ids=[c[0] for c in CASES])
+def test_classify(name, seen, kind, phrases):
+    failure = classify(seen, memory_pressure_fraction=FRACTION)
     assert failure.kind is kind, failure.reason
     for phrase in phrases:
         assert phrase in failure.reason
-    assert failure.evidence is evidence
-    assert failure.signal == evidence.signal and failure.exit_code == evidence.returncode
+    assert failure.seen is seen
+    assert failure.signal == seen.signal and failure.exit_code == seen.exit_code
 
 
 def test_memory_pressure_fraction_is_a_parameter():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+from observed import observed
 from typer.testing import CliRunner
 
 from rtrain.supervisor import cli
@@ -13,7 +14,6 @@ from rtrain.supervisor.ckpt import generation
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.core.errors import StateMismatch
 from rtrain.supervisor.decide.classify import classify
-from rtrain.supervisor.decide.failures import Evidence
 from rtrain.supervisor.launch import resize
 
 
@@ -81,7 +81,7 @@ def test_world_size_rule():
 
 
 def test_earliest_failing_rank_names_the_attempt():
-    ev = Evidence(returncode=1, exit_records=[
+    ev = observed(returncode=1, exit_records=[
         {"kind": "crash", "reason": "gloo: connection closed by peer", "rank": 0, "time": 12.0},
         {"kind": "crash", "reason": "ValueError: bad batch", "rank": 1, "time": 10.0}])
     f = classify(ev, memory_pressure_fraction=Config().memory_pressure_fraction)
@@ -94,7 +94,7 @@ def test_torchrun_root_cause_names_a_rank_without_exit_record():
             "  host      : localhost\n  rank      : 1 (local_rank: 1)\n"
             "  exitcode  : -9 (pid: 8026)  (SIGKILL)\n  error_file: <N/A>\n"
             "  traceback : Signal 9 (SIGKILL) received by PID 8026\n" + "=" * 60 + "\n")
-    f = classify(Evidence(returncode=1, stderr_tail=tail, first_step_seen=True, last_step=20),
+    f = classify(observed(returncode=1, stderr_tail=tail, first_step_seen=True, last_step=20),
                  memory_pressure_fraction=Config().memory_pressure_fraction)
     assert "rank 1 failed first: Signal 9 (SIGKILL) received by PID 8026" in f.reason
 

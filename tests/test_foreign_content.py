@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from observed import observed
 
 from rtrain.supervisor.ckpt import foreign, keepcopy, pickle_scan, progress, torchzip
 from rtrain.supervisor.ckpt.verify import Level
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.decide import budgets
-from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.failures import Failure, FailureKind
 from rtrain.supervisor.decide.policy import Action, Decision, History, decide
 
 
@@ -205,8 +206,8 @@ def test_fingerprint_is_the_content_not_the_mtime(tmp_path):
 
 
 def crash(last_step: int | None = None) -> Failure:
-    ev = Evidence(returncode=-9, signal="SIGKILL", last_step=last_step)
-    return Failure(kind=FailureKind.CRASH, reason="killed by SIGKILL", evidence=ev)
+    ev = observed(returncode=-9, signal="SIGKILL", last_step=last_step)
+    return Failure(kind=FailureKind.CRASH, reason="killed by SIGKILL", seen=ev)
 
 
 def run_kills(n: int, *, progressed: bool) -> Decision:

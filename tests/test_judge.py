@@ -1,5 +1,5 @@
 """judge(): one ended attempt in, the decision and what to record out, by table; and the
-Evidence drawn from what the watch saw. Pure: no process, clock or file."""
+what classify reads of what the watch saw. Pure: no process, clock or file."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rtrain.supervisor.core.protocol import Heartbeat
 from rtrain.supervisor.decide.attempt import AttemptResult, Event, Say, judge
 from rtrain.supervisor.decide.failures import FailureKind
 from rtrain.supervisor.decide.history import History
-from rtrain.supervisor.decide.observation import Heartbeats, Observation, evidence
+from rtrain.supervisor.decide.observation import Heartbeats, Observation
 from rtrain.supervisor.decide.policy import Action
 from rtrain.supervisor.decide.streak import Resumed
 from rtrain.supervisor.timelimit.decide import WHY, WallPlan
@@ -218,15 +218,15 @@ def test_judging_is_pure():
     with pytest.raises(FrozenInstanceError):
         result.seen.returncode = 0  # type: ignore[misc]
     with pytest.raises(FrozenInstanceError):
-        first.failure.evidence.last_step = 0  # type: ignore[misc,union-attr]
+        first.failure.seen.last_step = 0  # type: ignore[misc,union-attr]
 
 
-# ------------------------------------------------------------------ the evidence
+# ------------------------------------------------------------------ what classify reads
 
 @pytest.mark.parametrize(("observed", "expected"), [
     # a signal: the name, no exit code
-    (Observation(returncode=-9), {"returncode": None, "signal": "SIGKILL"}),
-    (Observation(returncode=3), {"returncode": 3, "signal": None}),
+    (Observation(returncode=-9), {"exit_code": None, "signal": "SIGKILL"}),
+    (Observation(returncode=3), {"exit_code": 3, "signal": None}),
     # a step heartbeat: past start-up, whatever stderr says
     (Observation(returncode=1, last_step=0, stderr_tail="ImportError: x"),
      {"first_step_seen": True, "last_step": 0}),
@@ -249,16 +249,15 @@ def test_judging_is_pure():
     # a device lost while it ran, and one that failed its health checks after
     (Observation(returncode=1, gpu_lost=True, gpu_detail="Xid 79",
                  failed_devices=({"index": 1},), failed_detail="GPU 1: retired pages"),
-     {"gpu_lost": True, "gpu_detail": "Xid 79; GPU 1: retired pages"}),
+     {"device_lost": True, "device_detail": "Xid 79; GPU 1: retired pages"}),
     (Observation(returncode=1, failed_devices=({"index": 1},), failed_detail="GPU 1: gone"),
-     {"gpu_lost": True, "gpu_detail": "GPU 1: gone"}),
+     {"device_lost": True, "device_detail": "GPU 1: gone"}),
     # the host limit: the cgroup's when pressure measured one, else the machine's memory
-    (Observation(returncode=1, host_mem_total=64, host_mem_limit=16), {"host_mem_limit": 16}),
-    (Observation(returncode=1, host_mem_total=64), {"host_mem_limit": 64}),
+    (Observation(returncode=1, host_mem_total=64, host_mem_limit=16), {"memory_limit": 16}),
+    (Observation(returncode=1, host_mem_total=64), {"memory_limit": 64}),
 ])
-def test_evidence_from_what_the_watch_saw(observed, expected):
-    ev = evidence(observed)
-    assert {k: getattr(ev, k) for k in expected} == expected
+def test_what_classify_reads_of_what_the_watch_saw(observed, expected):
+    assert {k: getattr(observed, k) for k in expected} == expected
 
 
 def test_heartbeats_fold_without_changing_what_was_folded():

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import pytest
+from observed import observed
 
 from rtrain.supervisor.config import Config, RestartConfig, load_config
-from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.failures import Failure, FailureKind
 from rtrain.supervisor.decide.policy import Action, Decision, History, decide, note_progress
 from rtrain.supervisor.records.runstate import RunState, load_state, save_state
 
@@ -18,7 +19,7 @@ SETTINGS = {"batch_size": 64, "grad_accum": 1, "lr": 0.1}
 
 
 def fail(kind: FailureKind, **ev) -> Failure:
-    return Failure(kind=kind, reason=f"it was {kind.value}", evidence=Evidence(**ev))
+    return Failure(kind=kind, reason=f"it was {kind.value}", seen=observed(**ev))
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Sim:
         self.step = max(self.step, last // self.save_every * self.save_every)
         self.t += hours * 3600 + seconds
         # The watch measures every attempt: a small footprint, so a climb back always fits.
-        h = note_progress(self.history, Evidence(last_step=last, peak_rss_bytes=1 << 30,
+        h = note_progress(self.history, observed(last_step=last, peak_rss_bytes=1 << 30,
                                                  host_mem_limit=16 << 30),
                           resumed_step=resumed, duration_s=seconds)
         f = fail(kind, stop_requested="SIGUSR1" if stop else None)

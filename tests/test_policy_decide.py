@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from observed import observed
 
 from rtrain.supervisor.config import BackoffConfig, Config, RestartConfig
-from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.failures import Failure, FailureKind
 from rtrain.supervisor.decide.policy import (
     Action,
     History,
@@ -27,7 +28,7 @@ def cfg(**kw) -> Config:
 
 
 def fail(kind: FailureKind, **ev) -> Failure:
-    return Failure(kind=kind, reason=f"it was {kind.value}", evidence=Evidence(**ev))
+    return Failure(kind=kind, reason=f"it was {kind.value}", seen=observed(**ev))
 
 
 def test_exit_zero_finishes():
@@ -195,14 +196,14 @@ GIB = 1 << 30
 def test_step_up_after_healthy_steps_when_the_rung_above_fits():
     config = cfg(restore_after_steps=100)
     # Rung 0 peaked at 6 of 10 GiB (a GPU OOM there, not the host): it fits under 0.9 - 0.1.
-    h = note_progress(History(), Evidence(last_step=100, peak_rss_bytes=6 * GIB,
+    h = note_progress(History(), observed(last_step=100, peak_rss_bytes=6 * GIB,
                                           host_mem_limit=10 * GIB), resumed_step=0)
     assert h.rung_peaks == {"0": {"host": 6 * GIB, "host_limit": 10 * GIB}}
     d0 = decide(fail(K.OOM_GPU), h, config, rand=0)
-    h = note_progress(d0.history, Evidence(last_step=150), resumed_step=100)
+    h = note_progress(d0.history, observed(last_step=150), resumed_step=100)
     d = decide(fail(K.CRASH), h, config, rand=0)
     assert d.level == 1  # only 50 healthy steps
-    h = note_progress(d.history, Evidence(last_step=260), resumed_step=150)
+    h = note_progress(d.history, observed(last_step=260), resumed_step=150)
     d = decide(fail(K.CRASH, host_mem_limit=10 * GIB), h, config, rand=0)
     assert d.level == 0 and d.settings == SETTINGS and d.history.healthy_steps == 0
     assert "climbing back one rung" in d.reason and d.history.undo == ()

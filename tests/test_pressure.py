@@ -11,11 +11,12 @@ from __future__ import annotations
 import gc
 
 import pytest
+from observed import observed
 
 from rtrain.supervisor.config import PressureConfig
 from rtrain.supervisor.core.protocol import Heartbeat
 from rtrain.supervisor.decide.classify import classify
-from rtrain.supervisor.decide.failures import Evidence, FailureKind
+from rtrain.supervisor.decide.failures import FailureKind
 from rtrain.supervisor.pressure.decide import (
     PRIOR_SAVE_S,
     PRIOR_STEP_S,
@@ -174,20 +175,20 @@ WHY = "the run's cgroup at 800 MiB of 1024 MiB (78%, threshold 75%)"
 
 
 @pytest.mark.parametrize(("ev", "kind", "words"), [
-    (Evidence(returncode=75, pressure_stop=WHY, last_step=140, stop_confirmed=True),
+    (observed(returncode=75, pressure_stop=WHY, last_step=140, stop_confirmed=True),
      FailureKind.MEMORY_PRESSURE, "committed a checkpoint at step 140 and exited (no step lost)"),
     # under torchrun: the agent's status is not 75, the workers confirmed the stop
-    (Evidence(returncode=1, pressure_stop=WHY, stop_confirmed=True),
+    (observed(returncode=1, pressure_stop=WHY, stop_confirmed=True),
      FailureKind.MEMORY_PRESSURE, "no step lost"),
-    (Evidence(signal="SIGKILL", pressure_stop=WHY, killed_after_grace=True),
+    (observed(signal="SIGKILL", pressure_stop=WHY, killed_after_grace=True),
      FailureKind.MEMORY_PRESSURE, "did not save within the grace and was killed"),
-    (Evidence(signal="SIGTERM", pressure_stop=WHY), FailureKind.MEMORY_PRESSURE,
+    (observed(signal="SIGTERM", pressure_stop=WHY), FailureKind.MEMORY_PRESSURE,
      "without confirming a checkpoint"),
     # the kernel was faster than the stop: its kill names the failure
-    (Evidence(signal="SIGKILL", pressure_stop=WHY, cgroup_oom_kills=1),
+    (observed(signal="SIGKILL", pressure_stop=WHY, cgroup_oom_kills=1),
      FailureKind.OOM_HOST, "OOM killer"),
     # the same exit 75 without a pressure stop is a preemption
-    (Evidence(returncode=75, stop_confirmed=True), FailureKind.PREEMPTED, "exit 75"),
+    (observed(returncode=75, stop_confirmed=True), FailureKind.PREEMPTED, "exit 75"),
 ])
 def test_a_pressure_stop_is_a_memory_failure(ev, kind, words):
     failure = classify(ev, memory_pressure_fraction=0.9)

@@ -14,7 +14,7 @@ from test_watch import _watch
 from rtrain.supervisor.commands.status import render_text, summarize, to_json
 from rtrain.supervisor.config import SlurmConfig
 from rtrain.supervisor.core.protocol import Heartbeat
-from rtrain.supervisor.decide.observation import Heartbeats, Observation, evidence
+from rtrain.supervisor.decide.observation import Heartbeats, Observation
 from rtrain.supervisor.proc import slurm
 from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
 from rtrain.supervisor.proc.slurm import JobTimes, parse_job_times
@@ -200,7 +200,7 @@ def test_watch_stops_the_child_at_the_deadline_as_on_a_signal(tmp_path):
         outcome, _ = _watch(tmp_path, "runtime_heartbeats.py", "preempt", heartbeats=receiver,
                             stop_at=t0 + 1.0, stop_why=planner.WHY)
     seen = outcome.seen
-    ev = evidence(seen)
+    ev = seen
     assert ev.returncode == 75 and ev.stop_requested == planner.WHY
     assert seen.signals == () and outcome.stop.signal_sent == "SIGTERM"
     assert not ev.killed_after_grace and seen.heartbeats.last_event == "stop"

@@ -11,7 +11,6 @@ import pytest
 from harness import child_spec, gone, wait_for
 
 from rtrain.supervisor.config import Config
-from rtrain.supervisor.decide.observation import evidence
 from rtrain.supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
 from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
 from rtrain.supervisor.proc.signals import SignalCatcher
@@ -60,7 +59,7 @@ def test_crash_exit_code_stderr_and_exit_record(tmp_path):
         '{"kind": "data", "reason": "too many bad samples", "pid": 1, "v": 1}'
     )
     outcome, child = _watch(tmp_path, "crash_with_code.py", "3")
-    ev = evidence(outcome.seen)
+    ev = outcome.seen
     assert ev.returncode == 3 and ev.signal is None and ev.pid == child.pid
     assert "RuntimeError: boom" in ev.stderr_tail
     assert [r["kind"] for r in ev.exit_records] == ["data"]
@@ -94,7 +93,7 @@ def test_signal_to_supervisor_forwards_stop_and_child_exits_75(tmp_path):
             tmp_path, "runtime_heartbeats.py", "preempt", heartbeats=receiver,
             on_heartbeat=on_heartbeat,
         )
-    ev = evidence(outcome.seen)
+    ev = outcome.seen
     assert ev.returncode == 75
     assert ev.stop_requested == "SIGUSR1" and outcome.seen.signals == ("SIGUSR1",)
     assert outcome.stop.signal_sent == "SIGTERM" and not ev.killed_after_grace
@@ -112,7 +111,7 @@ def test_refused_control_requests_are_no_progress_and_leave_the_stop_confirmed(t
         outcome, _ = _watch(tmp_path, "runtime_heartbeats.py", "preempt_refused",
                             heartbeats=receiver, stop_at=time.monotonic() + 1.0, stop_why="test",
                             on_heartbeat=lambda hb: seen.append(hb.event))
-    ev = evidence(outcome.seen)
+    ev = outcome.seen
     assert ev.returncode == 75 and ev.stop_confirmed  # its last word was still `stop`
     assert outcome.seen.heartbeats.last_event == "stop"
     assert seen[-1] == "control_refused" and "control_refused" in seen  # still reported
@@ -132,7 +131,7 @@ def test_stop_escalates_to_sigkill_after_grace(tmp_path):
         outcome, _ = _watch(
             tmp_path, "ignore_sigterm.py", config=config, signals=catcher, on_sample=on_sample
         )
-    ev = evidence(outcome.seen)
+    ev = outcome.seen
     assert ev.signal == "SIGKILL" and ev.killed_after_grace and ev.stop_requested == "SIGTERM"
 
 
@@ -148,14 +147,14 @@ def test_second_sigint_kills_at_once(tmp_path):
     config = watch_config(sample_interval_s=0.1, grace_s=600)  # would take 10 min without it
     outcome, _ = _watch(tmp_path, "ignore_sigterm.py", config=config, on_sample=on_sample)
     assert outcome.hard_stop and outcome.seen.signals == ("SIGINT", "SIGINT")
-    assert evidence(outcome.seen).signal == "SIGKILL" and not outcome.seen.killed_after_grace
+    assert outcome.seen.signal == "SIGKILL" and not outcome.seen.killed_after_grace
 
 
 @pytest.mark.slow
 def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
     config = watch_config(sample_interval_s=0.1, hang_grace_s=2, hang={"plain_timeout_s": 0.6})
     outcome, child = _watch(tmp_path, "hang.py", config=config)
-    ev = evidence(outcome.seen)
+    ev = outcome.seen
     assert ev.hang and "no output and no CPU progress" in ev.hang_detail
     assert ev.signal == "SIGTERM"  # a plain script dies of the polite signal
     _assert_pyspy_stack(outcome, child)
@@ -165,7 +164,7 @@ def test_plain_script_hang_dumps_stacks_then_stops(tmp_path):
 def test_sigstopped_child_is_a_hang(tmp_path):
     config = watch_config(sample_interval_s=0.1, hang_grace_s=2, hang={"plain_timeout_s": 0.6})
     outcome, child = _watch(tmp_path, "hang.py", "stop", config=config)
-    ev = evidence(outcome.seen)
+    ev = outcome.seen
     assert ev.hang and ev.signal == "SIGTERM"  # SIGCONT after SIGTERM lets it act on it
     _assert_pyspy_stack(outcome, child)
 
@@ -185,7 +184,7 @@ def test_learned_timeout_catches_silent_worker(tmp_path):
         outcome, child = _watch(
             tmp_path, "runtime_heartbeats.py", "silent", config=config, heartbeats=receiver
         )
-    ev = evidence(outcome.seen)
+    ev = outcome.seen
     assert ev.hang and "learned" in ev.hang_detail, ev.hang_detail
     assert ev.first_step_seen and ev.last_step and ev.last_step >= 10
     # the worker handles SIGTERM by setting a flag it never reads while hung: SIGKILL follows
@@ -205,7 +204,7 @@ def test_a_save_at_the_hang_that_has_begun_outlives_the_grace(tmp_path):
         outcome, child = _watch(tmp_path, "runtime_heartbeats.py", "slow_hang_save", "2",
                                 config=config, heartbeats=receiver,
                                 env={"RTRAIN_CONTROL_TOKEN": "ab" * 16})
-    ev = evidence(outcome.seen)
+    ev = outcome.seen
     assert ev.hang and ev.signal == "SIGKILL"
     assert (child.spec.attempt_dir / "saved").read_text() == "step 20"
     assert outcome.seen.heartbeats.last_event == "hang_save_done"
@@ -222,8 +221,8 @@ def test_gpu_filling_up_then_lost(tmp_path):
     reader = ScriptedReader(readings)
     samples = []
     outcome, _ = _watch(tmp_path, "hang.py", gpu=reader, on_sample=samples.append)
-    ev = evidence(outcome.seen)
-    assert ev.gpu_lost and ev.gpu_detail == "GPU 0: GPU is lost"
+    ev = outcome.seen
+    assert ev.device_lost and ev.device_detail == "GPU 0: GPU is lost"
     assert ev.gpu_mem_used_peak == 79 * GiB and ev.gpu_mem_total == 80 * GiB
     assert ev.signal == "SIGTERM" and not ev.hang
     assert [s.gpu.devices[0].used // GiB for s in samples[:3]] == [10, 40, 79]

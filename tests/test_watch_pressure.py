@@ -10,7 +10,6 @@ from harness import child_spec
 from rtrain.supervisor.config import Config, PressureConfig
 from rtrain.supervisor.decide.classify import classify
 from rtrain.supervisor.decide.failures import FailureKind
-from rtrain.supervisor.decide.observation import evidence
 from rtrain.supervisor.proc.gpu import DeviceMemory, GpuReading, ScriptedReader
 from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
 from rtrain.supervisor.proc.spawn import spawn
@@ -44,7 +43,7 @@ def _watch(tmp_path, reader):
 def test_a_gpu_that_stays_full_stops_the_child_for_a_rung_down(tmp_path):
     # 10 samples at 40 GiB, then 78 of 80 GiB (97%) for good
     outcome, notes, out = _watch(tmp_path, ScriptedReader([gpu(40)] * 10 + [gpu(78)]))
-    ev = evidence(outcome.seen)
+    ev = outcome.seen
     # above the line: rising at once (room made where it costs nothing), then the acts
     assert [n.action for n in notes] == ["rising", "relieve", "degrade"]
     assert notes[1].reading.source == "gpu0" and notes[1].reading.used == 78 * GIB
@@ -64,5 +63,5 @@ def test_pressure_that_goes_away_after_relief_stops_nothing(tmp_path):
     outcome, notes, out = _watch(tmp_path, reader)
     assert [n.action for n in notes] == ["rising", "relieve"]
     assert "relieved at step" in out
-    ev = evidence(outcome.seen)
+    ev = outcome.seen
     assert ev.returncode == 0 and ev.pressure_stop is None and ev.last_step == 100

@@ -2,7 +2,7 @@
 
 The loop hands in an `AttemptResult`: what the watch saw (decide/observation.py) and what only
 I/O can learn (the newest verified step, whether the attempt committed a checkpoint, the Slurm
-job, the time, a random number for the jitter). `judge` draws the evidence, classifies the
+job, the time, a random number for the jitter). `judge` classifies the
 failure (classify.py), stops offering a checkpoint the worker could not load, counts the
 attempt's progress and decides (policy.py), and returns the decision with what to record, in
 the order a reader of events.jsonl expects:
@@ -24,9 +24,9 @@ from typing import Any
 
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.decide.classify import classify
-from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.failures import Failure, FailureKind
 from rtrain.supervisor.decide.history import History
-from rtrain.supervisor.decide.observation import Observation, evidence
+from rtrain.supervisor.decide.observation import Observation
 from rtrain.supervisor.decide.policy import Decision, decide, note_progress
 from rtrain.supervisor.decide.streak import Resumed
 from rtrain.supervisor.timelimit.decide import WHY, WallPlan, measured
@@ -95,17 +95,16 @@ class Judgement:
 def judge(result: AttemptResult, history: History, config: Config) -> Judgement:
     """The decision on the attempt `history.attempt`, and what to record of its end."""
     attempt, seen, out = history.attempt, result.seen, Records()
-    ev = evidence(seen)
     record_wall_clock_stop(out, attempt, result.wall, seen)
-    record_end(out, attempt, seen, ev, result.duration_s, result.slurm)
+    record_end(out, attempt, seen, result.duration_s, result.slurm)
     failure = None
-    if not (ev.returncode == 0 and not ev.signal):
-        failure = classify(ev, memory_pressure_fraction=config.memory_pressure_fraction)
+    if not (seen.exit_code == 0 and not seen.signal):
+        failure = classify(seen, memory_pressure_fraction=config.memory_pressure_fraction)
         record_failure(out, attempt, failure)
         if failure.kind is FailureKind.BAD_CHECKPOINT:
             history = _skip_bad(out, history, result, failure.reason)
     resumed = result.resumed
-    history = note_progress(history, ev, resumed_step=resumed and resumed.step,
+    history = note_progress(history, seen, resumed_step=resumed and resumed.step,
                             duration_s=result.duration_s)
     decision = decide(failure, history, config, rand=result.rand,
                       newest_step=result.newest_step, now=result.now, resumed=resumed,
@@ -135,22 +134,22 @@ def record_wall_clock_stop(out: Records, attempt: int, plan: WallPlan | None,
     out.say(f"attempt {attempt}: stopped {plan.why}")
 
 
-def record_end(out: Records, attempt: int, seen: Observation, ev: Evidence, duration_s: float,
+def record_end(out: Records, attempt: int, seen: Observation, duration_s: float,
                slurm: dict[str, Any] | None) -> None:
     """The signals that reached rtrain, the exit, the last heartbeat's figures and the devices
     that failed their health checks."""
     hs = seen.heartbeats
     for name in seen.signals:
         out.emit("signal", name=name)
-    out.emit("exit", attempt=attempt, returncode=ev.returncode, signal=ev.signal,
-             duration_s=round(duration_s, 3), last_step=ev.last_step,
-             peak_rss_bytes=ev.peak_rss_bytes, gpu_used_peak=ev.gpu_mem_used_peak,
-             gpu_total=ev.gpu_mem_total, leftovers=list(seen.leftovers),
-             **measured(seen), **_ending_times(seen, ev))
+    out.emit("exit", attempt=attempt, returncode=seen.exit_code, signal=seen.signal,
+             duration_s=round(duration_s, 3), last_step=seen.last_step,
+             peak_rss_bytes=seen.peak_rss_bytes, gpu_used_peak=seen.gpu_mem_used_peak,
+             gpu_total=seen.gpu_mem_total, leftovers=list(seen.leftovers),
+             **measured(seen), **_ending_times(seen))
     if hs.last_step is not None:
         out.emit("heartbeat_summary", attempt=attempt, step=hs.last_step, loss=hs.last_loss,
-                 samples_per_s=hs.samples_per_s, rss_bytes=ev.peak_rss_bytes,
-                 gpu_used=ev.gpu_mem_used_peak, gpu_total=ev.gpu_mem_total)
+                 samples_per_s=hs.samples_per_s, rss_bytes=seen.peak_rss_bytes,
+                 gpu_used=seen.gpu_mem_used_peak, gpu_total=seen.gpu_mem_total)
     if seen.stuck or seen.flight_dumps:
         stuck = seen.stuck or {}
         out.emit("stuck_ranks", attempt=attempt, summary=stuck.get("summary", ""),
@@ -161,12 +160,12 @@ def record_end(out: Records, attempt: int, seen: Observation, ev: Evidence, dura
                  devices=list(seen.failed_devices), **({"slurm": slurm} if slurm else {}))
 
 
-def _ending_times(seen: Observation, ev: Evidence) -> dict[str, float]:
+def _ending_times(seen: Observation) -> dict[str, float]:
     """When the attempt ended, for the cost of a failure (records/recovery.py): the exit seen,
     the hang declared, and the failure as a rank reported it by its own clock (the first exit
     record or `exception` heartbeat)."""
-    reports = [r.get("time") for r in ev.exit_records] + [seen.heartbeats.exception_at]
-    times = {"exited_at": seen.exited_at, "hang_at": ev.hang_at,
+    reports = [r.get("time") for r in seen.exit_records] + [seen.heartbeats.exception_at]
+    times = {"exited_at": seen.exited_at, "hang_at": seen.hang_at,
              "reported_at": min((t for t in reports if isinstance(t, (int, float))),
                                 default=None)}
     return {k: round(v, 6) for k, v in times.items() if v is not None}

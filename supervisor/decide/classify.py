@@ -1,4 +1,4 @@
-"""Name what ended an attempt: one pure function from `Evidence` to a `Failure`.
+"""Name what ended an attempt: one pure function from its `Observation` to a `Failure`.
 
 Rules, first match wins (`_RULES`, one small function each; why each sits where it does is
 noted at the rule):
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rtrain.supervisor.core.errors import ExitCode
-from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.failures import Failure, FailureKind
+from rtrain.supervisor.decide.observation import Observation
 
 GPU_OOM = re.compile(r"CUDA out of memory|torch\.(cuda\.)?OutOfMemoryError|"
                      r"CUBLAS_STATUS_ALLOC_FAILED|HIP out of memory|CUDA error: out of memory")
@@ -45,7 +46,7 @@ _RECORD_PRIORITY = [FailureKind.BAD_CHECKPOINT, FailureKind.OOM_GPU, FailureKind
                     FailureKind.CRASH]
 
 
-def describe_exit(ev: Evidence) -> str:
+def describe_exit(ev: Observation) -> str:
     """torchelastic-style: "Signal 9 (SIGKILL) received by PID 123" / "PID 123 exited with 1"."""
     who = f"PID {ev.pid}" if ev.pid is not None else "the child"
     if ev.signal:
@@ -54,7 +55,7 @@ def describe_exit(ev: Evidence) -> str:
         except KeyError:
             num = ""
         return f"Signal {num}({ev.signal}) received by {who}"
-    return f"{who} exited with code {ev.returncode}"
+    return f"{who} exited with code {ev.exit_code}"
 
 
 def _last_line(text: str) -> str:
@@ -62,7 +63,7 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def _memory_pressure(ev: Evidence, fraction: float) -> str | None:
+def _memory_pressure(ev: Observation, fraction: float) -> str | None:
     """Why memory looks exhausted, or None when nothing says so."""
     total = ev.host_mem_total
     if not total:
@@ -76,7 +77,7 @@ def _memory_pressure(ev: Evidence, fraction: float) -> str | None:
     return None
 
 
-def _from_records(records: Sequence[dict[str, Any]], ev: Evidence) -> Failure:
+def _from_records(records: Sequence[dict[str, Any]], ev: Observation) -> Failure:
     def kind_of(rec: dict[str, Any]) -> FailureKind:
         try:
             return FailureKind(rec.get("kind"))
@@ -102,20 +103,20 @@ def _from_records(records: Sequence[dict[str, Any]], ev: Evidence) -> Failure:
     return _failure(kind, reason, ev)
 
 
-def _failure(kind: FailureKind, reason: str, ev: Evidence) -> Failure:
-    return Failure(kind=kind, reason=reason, exit_code=ev.returncode, signal=ev.signal,
-                   evidence=ev)
+def _failure(kind: FailureKind, reason: str, ev: Observation) -> Failure:
+    return Failure(kind=kind, reason=reason, exit_code=ev.exit_code, signal=ev.signal,
+                   seen=ev)
 
 
-def classify(evidence: Evidence, *, memory_pressure_fraction: float) -> Failure:
+def classify(seen: Observation, *, memory_pressure_fraction: float) -> Failure:
     """The kind of failure that ended the attempt, with the sentence a person reads.
 
     Call it only for attempts that did not exit 0 (exit 0 is success, not a failure).
     `memory_pressure_fraction` is the setting of that name (config.py): a SIGKILL once memory
     use reached this share of the total counts as a host OOM.
     """
-    ev = evidence
-    if ev.returncode == 0 and not ev.signal:
+    ev = seen
+    if ev.exit_code == 0 and not ev.signal:
         raise ValueError("exit status 0 is success: there is no failure to classify")
     if ev.exit_records:
         return _from_records(ev.exit_records, ev)
@@ -131,7 +132,7 @@ def classify(evidence: Evidence, *, memory_pressure_fraction: float) -> Failure:
 class _Case:
     """What the rules read: the evidence, and two sentences drawn from it."""
 
-    ev: Evidence
+    ev: Observation
     how: str  # describe_exit(ev)
     pressure: str | None  # why memory looks exhausted (_memory_pressure), or None
 
@@ -146,7 +147,7 @@ def _pressure_stop(c: _Case) -> _Found:
     ev = c.ev
     if ev.pressure_stop is None or ev.cgroup_oom_kills > 0:
         return None
-    if ev.returncode == ExitCode.PREEMPTED or (ev.stop_confirmed and not ev.killed_after_grace):
+    if ev.exit_code == ExitCode.PREEMPTED or (ev.stop_confirmed and not ev.killed_after_grace):
         at = f" at step {ev.last_step}" if ev.last_step is not None else ""
         how = f"it committed a checkpoint{at} and exited (no step lost)"
     elif ev.killed_after_grace:
@@ -158,7 +159,7 @@ def _pressure_stop(c: _Case) -> _Found:
 
 
 def _exit_75(c: _Case) -> _Found:
-    if c.ev.returncode != ExitCode.PREEMPTED:
+    if c.ev.exit_code != ExitCode.PREEMPTED:
         return None
     if c.ev.hang and not c.ev.stop_requested:
         return None  # it saved on rtrain's stop for the hang: `_hang` names it
@@ -191,17 +192,17 @@ def _hang(c: _Case) -> _Found:
     if not c.ev.hang:
         return None
     how = (f"; it then committed a checkpoint and exited ({c.how})"
-           if c.ev.returncode == ExitCode.PREEMPTED else f" ({c.how})")
+           if c.ev.exit_code == ExitCode.PREEMPTED else f" ({c.how})")
     stuck = f"; {c.ev.stuck_summary}" if c.ev.stuck_summary else ""
     return FailureKind.HANG, (f"no progress: {c.ev.hang_detail or 'silent too long'}; "
                               f"stopped by rtrain{how}{stuck}")
 
 
 def _lost_device(c: _Case) -> _Found:
-    if not c.ev.gpu_lost:
+    if not c.ev.device_lost:
         return None
     return FailureKind.LOST_DEVICE, (f"the GPU was lost "
-                                     f"({c.ev.gpu_detail or 'NVML reports it gone'}); {c.how}")
+                                     f"({c.ev.device_detail or 'NVML reports it gone'}); {c.how}")
 
 
 def _gpu_oom_in_stderr(c: _Case) -> _Found:
@@ -286,24 +287,6 @@ def _torchrun_root_cause(text: str) -> str | None:
     if m is None:
         return None
     return f"torchrun: rank {m.group(1)} failed first: {m.group(2).strip()[:300]}"
-
-
-# What a script that never got going prints: a broken import, a typo in the file, a bad flag.
-STARTUP_ERROR = re.compile(
-    r"SyntaxError|IndentationError|ModuleNotFoundError|ImportError|can't open file"
-    r"|error: unrecognized arguments|error: the following arguments are required"
-    r"|error: argument |No such file or directory")
-STARTUP_WINDOW_S = 120.0
-
-
-def plain_script_started(*, duration_s: float, stderr_tail: str) -> bool:
-    """For a script without heartbeats: did it get past start-up?
-
-    Without a step heartbeat there is no direct sign, so a failure counts as `startup` only when
-    it came early and stderr shows a start-up error; any other failure is a crash, retried.
-    """
-    early = duration_s < STARTUP_WINDOW_S
-    return not (early and STARTUP_ERROR.search(stderr_tail[-4096:]))
 
 
 def _line_of(text: str, match: re.Match[str]) -> str:

@@ -1,22 +1,22 @@
-"""What the watch saw of one attempt (`Observation`, frozen, handed out once by proc/watch.py),
-and the `Evidence` classify reads, drawn from it here (`evidence`).
+"""What the watch saw of one attempt: `Observation`, frozen, handed out once by proc/watch.py,
+the one record of an attempt's end that classify, the policy and the records all read.
 
 The watch records facts: the exit status, what the heartbeats said, the memory peaks, what it
-did itself (a stop, the hang it found). What those facts mean for classify (did the script get
-past start-up, did the workers confirm their checkpoint, was a device lost) is decided here, from
-the one value, so nothing after the watch writes to what it saw.
+did itself (a stop, the hang it found); the launch's features add what they found (the stuck
+ranks at a hang). What those facts mean for classify (did the script get past start-up, did the
+workers confirm their checkpoint, was a device lost) is read here, from the one value, by its
+properties, so nothing after the watch writes to what it saw.
 """
 
 from __future__ import annotations
 
+import re
 import signal as _signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rtrain.supervisor.core.protocol import Heartbeat
-from rtrain.supervisor.decide.classify import plain_script_started
-from rtrain.supervisor.decide.failures import Evidence
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,31 +108,79 @@ class Observation:
     # what is wrong with them in words.
     failed_devices: tuple[dict[str, Any], ...] = ()
     failed_detail: str = ""
+    # Whether the script got past start-up, when something other than these facts says so (a
+    # table test); None: read from them (`first_step_seen`).
+    started: bool | None = None
+
+    def __post_init__(self) -> None:
+        # A list given (a table test's) is kept as a tuple: the observation does not change.
+        object.__setattr__(self, "exit_records", tuple(self.exit_records))
+
+    @property
+    def signal(self) -> str | None:
+        """The signal that killed the child ("SIGKILL"), if one did."""
+        rc = self.returncode
+        if rc is None or rc >= 0:
+            return None
+        try:
+            return _signal.Signals(-rc).name
+        except ValueError:
+            return f"signal {-rc}"
+
+    @property
+    def exit_code(self) -> int | None:
+        """The child's exit code; None when a signal killed it (or it was never seen to end)."""
+        return None if self.signal else self.returncode
+
+    @property
+    def first_step_seen(self) -> bool:
+        """It got past start-up: a step heartbeat, or (a plain script, no heartbeats at all)
+        a failure that was not an early start-up error."""
+        if self.started is not None:
+            return self.started
+        return self.last_step is not None or (
+            self.heartbeats.count == 0 and plain_script_started(
+                duration_s=self.duration_s, stderr_tail=self.stderr_tail))
+
+    @property
+    def stop_confirmed(self) -> bool:
+        """The worker said "checkpoint committed, stopping" (its last heartbeat)."""
+        return self.heartbeats.last_event == "stop"
+
+    @property
+    def stuck_summary(self) -> str:
+        """Which rank is stuck and where, at a hang (the stuck-ranks feature's report)."""
+        return str(self.stuck["summary"]) if self.stuck else ""
+
+    @property
+    def device_lost(self) -> bool:
+        """A device was lost while it ran, or failed its health checks after the failure."""
+        return self.gpu_lost or bool(self.failed_devices)
+
+    @property
+    def device_detail(self) -> str:
+        return "; ".join(filter(None, [self.gpu_detail, self.failed_detail]))
+
+    @property
+    def memory_limit(self) -> int | None:
+        """What host memory pressure is measured against: the cgroup's limit, else the
+        machine's memory."""
+        return self.host_mem_limit or self.host_mem_total
 
 
-def evidence(seen: Observation) -> Evidence:
-    """What classify reads of an attempt: the facts, and what they say about start-up, the
-    workers' stop, the devices and the memory limit."""
-    rc = seen.returncode
-    signal = _signal.Signals(-rc).name if rc is not None and rc < 0 else None
-    hb = seen.heartbeats
-    # Without a step heartbeat: a plain script (no heartbeats at all), or one that died before
-    # its first step.
-    started = seen.last_step is not None or (
-        hb.count == 0 and plain_script_started(duration_s=seen.duration_s,
-                                               stderr_tail=seen.stderr_tail))
-    return Evidence(
-        returncode=rc if signal is None else None, signal=signal,
-        pid=seen.pid, exit_records=seen.exit_records, stderr_tail=seen.stderr_tail,
-        first_step_seen=started, last_step=seen.last_step,
-        peak_rss_bytes=seen.peak_rss_bytes, host_mem_available_min=seen.host_mem_available_min,
-        host_mem_total=seen.host_mem_total, cgroup_oom_kills=seen.cgroup_oom_kills,
-        host_mem_limit=seen.host_mem_limit or seen.host_mem_total,
-        gpu_mem_used_peak=seen.gpu_mem_used_peak, gpu_mem_total=seen.gpu_mem_total,
-        pressure_stop=seen.pressure_stop,
-        gpu_lost=seen.gpu_lost or bool(seen.failed_devices),
-        gpu_detail="; ".join(filter(None, [seen.gpu_detail, seen.failed_detail])),
-        hang=seen.hang, hang_detail=seen.hang_detail, hang_at=seen.hang_at,
-        stuck_summary=str(seen.stuck["summary"]) if seen.stuck else "",
-        stop_requested=seen.stop_requested, stop_confirmed=hb.last_event == "stop",
-        killed_after_grace=seen.killed_after_grace, duration_s=seen.duration_s)
+# What a script that never got going prints: a broken import, a typo in the file, a bad flag.
+STARTUP_ERROR = re.compile(
+    r"SyntaxError|IndentationError|ModuleNotFoundError|ImportError|can't open file"
+    r"|error: unrecognized arguments|error: the following arguments are required"
+    r"|error: argument |No such file or directory")
+STARTUP_WINDOW_S = 120.0
+
+
+def plain_script_started(*, duration_s: float, stderr_tail: str) -> bool:
+    """For a script without heartbeats: did it get past start-up?
+
+    Without a step heartbeat there is no direct sign, so a failure counts as `startup` only when
+    it came early and stderr shows a start-up error; any other failure is a crash, retried.
+    """
+    early = duration_s < STARTUP_WINDOW_S
+    return not (early and STARTUP_ERROR.search(stderr_tail[-4096:]))

@@ -23,9 +23,10 @@ from typing import Any
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.core.errors import ExitCode
 from rtrain.supervisor.decide import budgets
-from rtrain.supervisor.decide.failures import OUT_OF_MEMORY, Evidence, Failure, FailureKind
+from rtrain.supervisor.decide.failures import OUT_OF_MEMORY, Failure, FailureKind
 from rtrain.supervisor.decide.history import History
 from rtrain.supervisor.decide.ladder import Floor, step_down, step_up
+from rtrain.supervisor.decide.observation import Observation
 from rtrain.supervisor.decide.streak import Resumed, own_failure_step, quarantine_streak
 from rtrain.supervisor.pressure.decide import climb_fits, rung_peak
 
@@ -75,7 +76,7 @@ def backoff_s(config: Config, streak: int, rand: float) -> float:
     return base * (1.0 - b.jitter * rand)
 
 
-def _worker_settings(settings: dict[str, Any], ev: Evidence | None) -> dict[str, Any]:
+def _worker_settings(settings: dict[str, Any], ev: Observation | None) -> dict[str, Any]:
     """Adopt knobs the worker changed in-process (e.g. a batch its OOM back-off found)."""
     out = dict(settings)
     for rec in ev.exit_records if ev else []:
@@ -123,12 +124,12 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
                                                  or newest_step > resumed.step)
     committed = committed or progressed
     nxt, quarantined = quarantine_streak(nxt, config, kind, resumed, committed,
-                                         own_failure_step(failure.evidence))
+                                         own_failure_step(failure.seen))
     if kind is FailureKind.LOST_DEVICE and on_slurm and config.requeue:
         return _requeue_elsewhere(failure, history, nxt, settings, alarm)
     if kind in OUT_OF_MEMORY:
         d = _degrade(failure, history, nxt, config,
-                     _worker_settings(settings, failure.evidence), rand)
+                     _worker_settings(settings, failure.seen), rand)
     else:
         d = _relaunch(failure, history, nxt, config, settings, rand, backoff=True,
                       quarantined=quarantined)
@@ -140,7 +141,7 @@ def _stopped_or_startup(failure: Failure, history: History, config: Config,
                         settings: dict[str, Any]) -> Decision | None:
     """A stop the supervisor was asked for, or a script that fails at start-up: the launch
     ends, nothing is charged. None for every other failure."""
-    ev = failure.evidence
+    ev = failure.seen
     if ev is not None and ev.stop_requested:
         action = Action.REQUEUE if config.requeue else Action.EXIT_PREEMPTED
         verb = "requeueing the job" if config.requeue else "exiting 75 so it can be requeued"
@@ -246,7 +247,7 @@ def _relaunch(failure: Failure, before: History, nxt: History, config: Config,
     level = nxt.level
     if (config.restore_after_steps and nxt.undo
             and nxt.healthy_steps >= config.restore_after_steps):
-        fits, why = _rung_above_fits(nxt, config, failure.evidence)
+        fits, why = _rung_above_fits(nxt, config, failure.seen)
         if fits:
             settings = step_up(settings, nxt.undo[-1])
             change = f"undo {nxt.undo[-1]['description']}"
@@ -269,10 +270,10 @@ def _relaunch(failure: Failure, before: History, nxt: History, config: Config,
 
 
 def _rung_above_fits(history: History, config: Config,
-                     ev: Evidence | None) -> tuple[bool, str]:
+                     ev: Observation | None) -> tuple[bool, str]:
     p = config.pressure
     return climb_fits(history.rung_peaks.get(str(history.level - 1)),
-                      host_limit=ev.host_mem_limit if ev else None,
+                      host_limit=ev.memory_limit if ev else None,
                       gpu_limit=ev.gpu_mem_total if ev else None,
                       fraction=p.fraction, gpu_fraction=p.gpu_fraction,
                       headroom=p.climb_headroom)
@@ -289,23 +290,23 @@ def _cut_lr(settings: dict[str, Any], factor: float) -> tuple[dict[str, Any], st
     return out, f"lr_scale -> {out['lr_scale']:g}"
 
 
-def note_progress(history: History, evidence: Evidence, *, resumed_step: int | None,
+def note_progress(history: History, seen: Observation, *, resumed_step: int | None,
                   duration_s: float = 0.0) -> History:
     """Count the steps an attempt made (from `resumed_step`, or 0 on a fresh start) as healthy,
     and, with its duration, as progress since the last charged failure; record its memory
     peak as its rung's."""
-    history = _record_peak(history, evidence)
-    if evidence.last_step is None:
+    history = _record_peak(history, seen)
+    if seen.last_step is None:
         return history
-    made = max(evidence.last_step - (resumed_step or 0), 0)
+    made = max(seen.last_step - (resumed_step or 0), 0)
     history = budgets.count_progress(history, made, duration_s)
     return replace(history, healthy_steps=history.healthy_steps + made)
 
 
-def _record_peak(history: History, ev: Evidence) -> History:
+def _record_peak(history: History, ev: Observation) -> History:
     key = str(history.level)
     peak = rung_peak(history.rung_peaks.get(key), host=ev.peak_rss_bytes,
-                     host_limit=ev.host_mem_limit or ev.host_mem_total,
+                     host_limit=ev.memory_limit,
                      gpu=ev.gpu_mem_used_peak, gpu_limit=ev.gpu_mem_total)
     if peak is None or peak == history.rung_peaks.get(key):
         return history

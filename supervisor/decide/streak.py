@@ -8,8 +8,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rtrain.supervisor.config import Config
-from rtrain.supervisor.decide.failures import OUT_OF_MEMORY, Evidence, FailureKind
+from rtrain.supervisor.decide.failures import OUT_OF_MEMORY, FailureKind
 from rtrain.supervisor.decide.history import History
+from rtrain.supervisor.decide.observation import Observation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +27,7 @@ class Resumed:
 _OUTSIDE_SIGNALS = {"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"}
 
 
-def own_failure_step(ev: Evidence | None) -> int | None:
+def own_failure_step(ev: Observation | None) -> int | None:
     """The step at which the attempt failed by itself (an exception, NaN, a crash signal, a
     hang); None when it was killed from outside or never trained."""
     if ev is None or (ev.signal in _OUTSIDE_SIGNALS and not ev.hang):

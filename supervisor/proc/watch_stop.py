@@ -4,7 +4,7 @@ A stop sends the stop signal to the child's group and sets a deadline; the loop 
 output meanwhile (a child saving a checkpoint must not block on a full pipe) and calls
 `kill_if_due`, which sends SIGKILL to the group at the grace's end. A second SIGINT is a hard
 stop: SIGKILL at once. After the exit and the sweep (stop.sweep), `drain_pipes` reads the output
-that is left. Nothing here writes Evidence: the watch records what these report.
+that is left. Nothing here writes the Observation: the watch records what these report.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from rtrain.supervisor.decide.observation import Observation
 
 WHY = "the job's time limit"
-"""The stop's name in the Evidence (`stop_requested`) and so in the reason sentences."""
+"""The stop's name in the Observation (`stop_requested`) and so in the reason sentences."""
 
 
 @dataclass(frozen=True)
