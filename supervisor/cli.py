@@ -16,16 +16,36 @@ import enum
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import typer
 
 from rtrain import __version__
-from rtrain.supervisor.commands.fast_typer import FastTyper
+from rtrain.supervisor.commands.fast_typer import FastCommand, FastGroup, FastTyper
 from rtrain.supervisor.core.errors import RtrainError
 from rtrain.supervisor.proc import reaper
 
+
+class Commands(FastGroup):
+    order = ("launch", "status", "inspect", "prune", "report", "export", "check-resume")
+
+
+class LaunchCommand(FastCommand):
+    """`rtrain launch --help` in four panels: what most runs set, then the rest by topic."""
+
+    panels: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(("module", "resume", "resume_arg", "run_dir", "ckpt_dir", "config",
+                         "sets", "quiet", "python", "metrics_file"), "Common"),
+        **dict.fromkeys(("max_restarts", "grace", "stop_signal", "hang_timeout", "requeue",
+                         "no_backoff", "fresh", "retry", "no_standby"), "Restarts"),
+        **dict.fromkeys(("nproc_per_node", "nnodes", "rdzv_endpoint", "rdzv_backend"),
+                        "Distributed"),
+        **dict.fromkeys(("mirror", "keep_remote"), "Storage"),
+    }
+
+
 app = FastTyper(
+    cls=Commands,
     name="rtrain",
     help="Keep long PyTorch training runs alive: verified checkpoints, restarts, degradation.",
     add_completion=False,
@@ -179,7 +199,8 @@ def prune(
         typer.echo(prune_command.render_prune(report, dry_run=dry_run))
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(cls=LaunchCommand,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch(
     ctx: typer.Context,
     script: Annotated[str | None, typer.Argument(
