@@ -5,8 +5,8 @@ Each group is a frozen dataclass with defaults, so the common case passes none o
 script that changes one setting names only that one: `saving=Saving(async_mode="fork")`. The
 groups check their own values when built, so a mistake fails at the line that made it. Each
 class's "Attributes:" section is the reference for its fields: `help(rtrain.Checkpointer)`
-shows them all (worker/checkpointer.py appends them) and the README's reference is generated
-from that text (tests/test_checkpointer_reference.py).
+shows them all (worker/checkpointer.py appends them) and docs/reference.md is generated
+from that text (scripts/gen_reference.py).
 """
 
 from __future__ import annotations
