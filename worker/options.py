@@ -197,8 +197,8 @@ class Memory:
     Under `rtrain launch` only (it gives the directory and persists the snapshots): when the
     process dies by any cause, rtrain commits the newest complete snapshot to the checkpoint
     dir and the relaunch restores from memory. Scheduled disk saves are then snapshots too,
-    copied to the checkpoint dir by rtrain in the background. Single process only; a warning
-    says when the tier stays off.
+    copied to the checkpoint dir by rtrain in the background. Under torchrun, replicated (DDP)
+    state only (sharded state is saved to disk); a warning says when the tier stays off.
 
     Attributes:
         every: Snapshot when the step is a multiple of this. "auto" snapshots at the first
