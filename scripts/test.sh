@@ -6,7 +6,8 @@
 #   --soak     the long matrices and chaos loops (tests marked soak; docs/soak-results.md)
 # Tests run in parallel (pytest-xdist): RTRAIN_TEST_WORKERS sets how many. 3 by default: on 2
 # cores the default tier took 9:09 with 2 workers, 8:29 with 3, 8:28 with 4 and 8:41 with 6
-# (README): the suite is CPU-bound once 3 run, and fewer at once keeps each test shorter.
+# (docs/benchmarks.md): the suite is CPU-bound once 3 run, and fewer at once keeps each test
+# shorter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -370,7 +370,8 @@ class Config:
     resume: str = "auto"
     """auto (newest checkpoint that verifies), never, or a checkpoint path that must verify."""
     verify: str = "full"
-    """Verification level for resume selection: quick (sizes) or full (content hashes)."""
+    """Verification level for resume selection: quick (sizes) or full (content hashes). quick
+    spares hashing every file at each launch: for very large checkpoints on trusted storage."""
     keep_foreign_copy: bool = True
     """Keep a copy of the newest verified content of a foreign checkpoint file that the script
     rewrites in place (`ckpt.pt`, `last.ckpt`: no step in its name) in <run_dir>/foreign-copy,
@@ -386,9 +387,11 @@ class Config:
     SIGHUP, SIGQUIT, SIGUSR1, SIGXCPU, SIGPWR (`ALLOWED_STOP_SIGNALS`; "SIG" may be left
     out)."""
     sample_interval_s: float = 1.0
-    """How often memory and progress are sampled (at least 0.01 s)."""
+    """How often memory and progress are sampled (at least 0.01 s). Shorter sees fast memory
+    growth sooner, at more of rtrain's CPU."""
     gpu_release_wait_s: float = 10.0
-    """Before a relaunch, how long to wait for the old child's GPU memory to be freed."""
+    """Before a relaunch, how long to wait for the old child's GPU memory to be freed; raise it
+    where the driver frees memory slowly (a `gpu_not_released` event says it was not)."""
     memory_pressure_fraction: float = 0.9
     """A SIGKILL counts as a host OOM when memory use reached this fraction of the total."""
     restore_after_steps: int = 500
@@ -435,7 +438,8 @@ class Config:
     """The mirror also keeps forever every checkpoint whose step is a multiple of this (0: none);
     a milestone is uploaded even when newer checkpoints came before its turn."""
     mirror_parallel: int = 4
-    """Files of one checkpoint uploaded at once (large files go in parts on their own)."""
+    """Files of one checkpoint uploaded at once (large files go in parts on their own); raise
+    it for a distant store with bandwidth to spare."""
     mirror_connect_timeout_s: float = 5.0
     """Each remote call to the mirror waits at most this long to connect (S3)."""
     mirror_read_timeout_s: float = 5.0

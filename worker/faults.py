@@ -56,6 +56,8 @@ from rtrain.supervisor.core.protocol import ENV_ATTEMPT
 from rtrain.worker.settings import current as current_settings
 
 ENV_FAULTS = "RTRAIN_FAULTS"
+"""Faults to inject, for trying recovery out: e.g. `crash@step=30; oom@batch_size>16,attempt=1`
+(examples/README.md lists them). Off when unset."""
 KINDS = ("crash", "crash_forward", "oom", "oom_forward", "oom_step", "hang", "hang_forward",
          "nonfinite", "kill_in_save", "corrupt_newest")
 _KNOB_RE = re.compile(r"^([A-Za-z_]\w*)\s*>\s*(-?\d+(?:\.\d+)?)$")

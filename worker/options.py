@@ -5,8 +5,8 @@ Each group is a frozen dataclass with defaults, so the common case passes none o
 script that changes one setting names only that one: `saving=Saving(async_mode="fork")`. The
 groups check their own values when built, so a mistake fails at the line that made it. Each
 class's "Attributes:" section is the reference for its fields: `help(rtrain.Checkpointer)`
-shows them all (worker/checkpointer.py appends them) and the README's reference is generated
-from that text (tests/test_checkpointer_reference.py).
+shows them all (worker/checkpointer.py appends them) and docs/reference.md is generated
+from that text (scripts/gen_reference.py).
 """
 
 from __future__ import annotations
@@ -197,8 +197,8 @@ class Memory:
     Under `rtrain launch` only (it gives the directory and persists the snapshots): when the
     process dies by any cause, rtrain commits the newest complete snapshot to the checkpoint
     dir and the relaunch restores from memory. Scheduled disk saves are then snapshots too,
-    copied to the checkpoint dir by rtrain in the background. Single process only; a warning
-    says when the tier stays off.
+    copied to the checkpoint dir by rtrain in the background. Under torchrun, replicated (DDP)
+    state only (sharded state is saved to disk); a warning says when the tier stays off.
 
     Attributes:
         every: Snapshot when the step is a multiple of this. "auto" snapshots at the first

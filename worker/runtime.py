@@ -218,6 +218,9 @@ def should_stop() -> bool:
 
 
 def request_stop() -> None:
+    """Stop as on the stop signal: `should_stop()` turns True, and the next
+    `Checkpointer.maybe_save` saves and exits 75 (unless `exit_on_stop=False`); rtrain then
+    relaunches at once, on the same rung."""
     _state.stop.set()
 
 

@@ -37,7 +37,10 @@ _FILE_KEYS = "rtrain checkpoint encryption v1 file keys"
 _FINGERPRINT = "rtrain checkpoint encryption v1 key fingerprint"
 ENV_KEY = hashing.ENV_ENCRYPTION_KEY
 ENV_KEY_FILE = "RTRAIN_ENCRYPTION_KEY_FILE"
+"""A file holding the encryption key, instead of RTRAIN_ENCRYPTION_KEY (the signing key file's
+mode rules apply)."""
 ENV_HIDE_TENSORS = "RTRAIN_ENCRYPT_METADATA"
+"""`1`: encrypted checkpoints also leave tensor names and shapes out of their manifest."""
 INSTALL_HINT = "pip install 'rtrain[encrypt]'"
 
 

@@ -30,6 +30,8 @@ HASH_ALG = XXH3  # unsigned checkpoints
 CRYPTOGRAPHIC = frozenset({BLAKE3})
 SIGN_ALG = "blake3-keyed"
 ENV_ALLOW_XXH3_SIGNED = "RTRAIN_ALLOW_XXH3_SIGNED"
+"""`1`: under a key, accept signed manifests whose file hashes are xxh3 (an older rtrain's),
+which a deliberate file swap could pass; refused otherwise."""
 _CHUNK = 16 << 20
 _KEY_CONTEXT = "rtrain checkpoint manifest signing v1"
 
@@ -129,9 +131,16 @@ def load_signing_key(env: dict[str, str] | None = None) -> bytes | None:
 
 
 ENV_SIGNING_KEY = "RTRAIN_SIGNING_KEY"
+"""A secret of any length that signs every manifest; a signed checkpoint that does not verify
+under it is never loaded. Passed to the training process, never to hooks."""
 ENV_SIGNING_KEY_FILE = "RTRAIN_SIGNING_KEY_FILE"
+"""A file holding the signing key, instead of RTRAIN_SIGNING_KEY; refused when group or others
+may access it (as ssh does)."""
 ENV_ALLOW_SHARED_KEY = "RTRAIN_ALLOW_SHARED_KEY"
+"""`1`: use a key file that group or others may access."""
 ENV_ENCRYPTION_KEY = "RTRAIN_ENCRYPTION_KEY"  # read by ckpt/crypt.py
+"""Encrypt every checkpoint file at rest (AES-256-GCM): 64 hex digits, else a passphrase
+(pip install 'rtrain[encrypt]'). Passed to the training process, never to hooks."""
 SECRET_ENV = (ENV_SIGNING_KEY, ENV_ENCRYPTION_KEY)
 """Environment variables that hold a secret: kept from processes that neither sign nor
 encrypt checkpoints (hooks)."""

@@ -12,22 +12,40 @@ from collections.abc import Iterable
 
 
 class ExitCode(enum.IntEnum):
-    """Every exit status with a meaning: `rtrain`'s own (documented in README and
-    docs/design.md) and the ones a worker exits with on purpose (contract 2). PREEMPTED is both:
-    the worker exits 75 after saving on a stop request, and so does rtrain when it stops for
-    preemption. The worker imports these through `rtrain.supervisor.core.protocol` (torch-free)."""
+    """Every exit status with a meaning: `rtrain`'s own and the ones a worker exits with on
+    purpose (contract 2). PREEMPTED is both: the worker exits 75 after saving on a stop request,
+    and so does rtrain when it stops for preemption. The worker imports these through
+    `rtrain.supervisor.core.protocol` (torch-free). The docstring after each member is its
+    meaning as docs/reference.md shows it (scripts/gen_reference.py)."""
 
     OK = 0
-    GAVE_UP = 1  # launch: budget, crash loop or ladder floor; inspect: a verification failed
-    USAGE = 2  # bad arguments or configuration
-    STARTUP = 3  # the training script fails before its first step
-    ALREADY_SUPERVISED = 4  # another live rtrain holds this run directory
-    GAVE_UP_EARLIER = 5  # launch: the run gave up before; nothing launched (--retry, --fresh)
-    PREEMPTED = 75  # stopped on request, checkpoint saved: requeue me (EX_TEMPFAIL)
-    # Worker only: the checkpoint in RTRAIN_RESUME_FROM cannot be loaded (EX_DATAERR). The exit
-    # record (kind `bad_checkpoint`) is what the supervisor acts on; the code alone is not
-    # trusted, since any script may exit 65 for reasons of its own.
+    """launch: the run finished; inspect, prune, status, report, export: done; check-resume:
+    the script resumes exactly."""
+    GAVE_UP = 1
+    """launch: the run gave up (a restart budget, a crash loop, the ladder's floor); inspect:
+    a verification asked for with --verify failed; export: the checkpoint fails verification,
+    holds nothing to export, or its pickle is refused; check-resume: the resumed runs differ."""
+    USAGE = 2
+    """A usage or configuration error (one line says what to change); a file in the run or
+    checkpoint dir that rtrain refuses (a link, a FIFO, a second name of another file, content
+    no rtrain writes) or cannot read; status: no run in RUN_DIR; export: OUT exists (no
+    --force); check-resume: the script cannot be checked (it fails, saves no checkpoint, does
+    not stop where asked)."""
+    STARTUP = 3
+    """launch: the training script fails before its first step (import, syntax or argument
+    error); not retried."""
+    ALREADY_SUPERVISED = 4
+    """launch: a live rtrain already supervises this run directory."""
+    GAVE_UP_EARLIER = 5
+    """launch: the run gave up before; nothing launched (--retry relaunches it, --fresh starts
+    it over)."""
+    PREEMPTED = 75
+    """Stopped on request (preemption, the Slurm time limit) after a checkpoint was committed:
+    requeue me (EX_TEMPFAIL). rtrain exits with it, and so does the worker after its save."""
     BAD_CHECKPOINT = 65
+    """Worker only: the checkpoint in RTRAIN_RESUME_FROM cannot be loaded (EX_DATAERR). The exit
+    record (kind `bad_checkpoint`) is what the supervisor acts on; the code alone is not
+    trusted, since any script may exit 65 for reasons of its own."""
 
 
 class RtrainError(Exception):

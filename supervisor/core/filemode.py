@@ -23,6 +23,9 @@ from typing import Any
 from rtrain.supervisor.core.errors import ConfigError
 
 ENV_FILE_MODE = "RTRAIN_FILE_MODE"
+"""Octal mode of the checkpoint files the worker writes (default 0600; dirs get the same plus
+x where readable). `rtrain launch` sets it from `file_mode`; set it yourself for a script run
+by hand."""
 DEFAULT_FILE_MODE = 0o600
 _ALLOWED = 0o666  # read and write bits only: no execute, setuid or sticky on data files
 

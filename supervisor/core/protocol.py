@@ -17,47 +17,72 @@ from typing import Any
 
 PROTOCOL_VERSION = 1
 
+# Each ENV_* name below is set by rtrain in the training process's environment (contract 1); the
+# docstring after it is its meaning as docs/reference.md shows it (scripts/gen_reference.py).
 ENV_RUN_DIR = "RTRAIN_RUN_DIR"
+"""The run directory (absolute)."""
 ENV_CKPT_DIR = "RTRAIN_CKPT_DIR"
+"""Where checkpoints go (absolute): `--ckpt-dir`, by default `<run-dir>/checkpoints`; the
+Checkpointer's default `ckpt_dir`, and `{ckpt_dir}` in the script's arguments."""
 ENV_RESUME_FROM = "RTRAIN_RESUME_FROM"
+"""The verified checkpoint to resume from (absolute; `{checkpoint}` in the arguments); unset
+for a fresh start."""
 ENV_ATTEMPT = "RTRAIN_ATTEMPT"
+"""0 for the first launch, +1 per relaunch, continued across requeues."""
 ENV_SETTINGS = "RTRAIN_SETTINGS"
+"""JSON object: this attempt's knob values (`[settings]` and `--set`, lowered by the ladder),
+read by `rtrain.settings()`."""
 ENV_STATUS = "RTRAIN_STATUS"
+"""The attempt directory `<run-dir>/attempts/<n>/`: the worker's exit record, progress board and
+stack dumps go there."""
 ENV_STOP_SIGNAL = "RTRAIN_STOP_SIGNAL"
+"""The signal the worker treats as "save at the next step boundary and exit 75" (`stop_signal`,
+default SIGTERM)."""
 ENV_HEARTBEAT = "RTRAIN_HEARTBEAT"
+"""The unix datagram socket rtrain listens on for heartbeats (`@name`: Linux's abstract
+namespace); a send never blocks."""
 ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
-ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's checkpoint generation (ckpt/generation.py)
-# The run identity (ckpt/runid.py: 32 hex digits), the same in every attempt of the run, after a
-# requeue and on a fresh machine resuming from the mirror: experiment trackers continue one run
-# under it (trackers/env.py, worker/trackers.py).
+"""The signal on which the worker writes every Python stack to `$RTRAIN_STATUS/stacks-<pid>.txt`
+(at a hang)."""
+ENV_GENERATION = "RTRAIN_GENERATION"
+"""The attempt's checkpoint generation (ckpt/generation.py): a commit made under an earlier
+attempt's token is refused, so a writer left behind cannot commit."""
 ENV_RUN_ID = "RTRAIN_RUN_ID"
-# The names of the trackers' own variables rtrain set for the attempt (comma-separated), so the
-# worker's tracker helpers know which ones the user chose and which they may override.
+"""The run identity (32 hex digits, ckpt/runid.py), the same in every attempt of the run, after
+a requeue and on a fresh machine resuming from the mirror: experiment trackers continue one run
+under it (trackers/env.py, worker/trackers.py)."""
 ENV_TRACKER_VARS = "RTRAIN_TRACKER_VARS"
-# The run's failure record so far, for the worker's save cadence (worker/cadence.py): failures
-# that lost work, and the seconds its attempts ran.
+"""The names of the trackers' own variables rtrain set for the attempt (comma-separated:
+`WANDB_RUN_ID`, `WANDB_RESUME`, `MLFLOW_RUN_ID`), so the worker's tracker helpers know which
+ones the user chose and which they may override."""
 ENV_FAILURES = "RTRAIN_FAILURES"
+"""The run's failures so far that lost work, for the save cadence of `every="auto"`
+(worker/cadence.py); unset when events.jsonl cannot be read."""
 ENV_RUN_SECONDS = "RTRAIN_RUN_SECONDS"
-# The save cost the run last measured (JSON {"save_stall_s", "step_time_s"}, from the newest
-# `cadence` event): a relaunch chooses its first interval from it instead of guessing.
+"""Seconds the run's attempts have run so far: with RTRAIN_FAILURES, the observed time between
+failures."""
 ENV_SAVE_COST = "RTRAIN_SAVE_COST"
-# Set only by `rtrain check-resume` (JSON {"stop_at": step or null, "stop": "kill", "signal" or
-# null, "entropy": a seed or absent}): `import rtrain` seeds python's and numpy's global
-# generators with the entropy (worker/check_order.py); the Checkpointer records evidence of
-# inexact resumes in each manifest's info.check_resume, stops where asked and saves the final
-# step (worker/resume_check.py).
+"""The save cost the run last measured (JSON {"save_stall_s", "step_time_s"}, from the newest
+`cadence` event): a relaunch chooses its first interval from it instead of guessing."""
 ENV_CHECK_RESUME = "RTRAIN_CHECK_RESUME"
+"""Set only by `rtrain check-resume` (JSON {"stop_at": step or null, "stop": "kill", "signal" or
+null, "entropy": a seed or absent}): `import rtrain` seeds python's and numpy's global
+generators with the entropy (worker/check_order.py); the Checkpointer records evidence of
+inexact resumes in each manifest's info.check_resume, stops where asked and saves the final
+step (worker/resume_check.py)."""
 ENV_RELIEVE_SIGNAL = "RTRAIN_RELIEVE_SIGNAL"
-# The memory tier's directory (supervisor/memtier/): an owner-only directory in shared memory
-# (/dev/shm) where `Saving(memory=...)` commits snapshots in the checkpoint format, which
-# rtrain persists to the checkpoint dir when the child dies and resumes from without a disk read.
-# A file `dropped` in it says rtrain dropped the tier (memory pressure): no more snapshots.
+"""The signal (SIGURG) with which rtrain asks the worker to free memory at its next step
+boundary (memory pressure)."""
 ENV_MEMORY_DIR = "RTRAIN_MEMORY_DIR"
+"""The memory tier's directory (supervisor/memtier/): an owner-only directory in shared memory
+(/dev/shm) where `Saving(memory=...)` commits snapshots in the checkpoint format, which rtrain
+persists to the checkpoint dir when the child dies and resumes from without a disk read. A file
+`dropped` in it says rtrain dropped the tier (memory pressure): no more snapshots."""
 MEMORY_DROPPED = "dropped"
-# "1" when a process group may resume from its ranks' parts in the memory dir newer than
-# RTRAIN_RESUME_FROM: not on a rollback (the newer state may be the bad one) nor when the user
-# named the checkpoint (--resume PATH).
 ENV_MEMORY_RESUME = "RTRAIN_MEMORY_RESUME"
+"""With RTRAIN_MEMORY_DIR: "1" when a process group may resume from its ranks' parts in the
+memory dir newer than RTRAIN_RESUME_FROM; "0" on a rollback (the newer state may be the bad one)
+and when the user named the checkpoint (--resume PATH)."""
 # A FIFO the worker creates in its status dir (RTRAIN_STATUS) and reads from a thread of its
 # own: requests that must be served while the training thread is stuck (worker/hang_save.py).
 # Each request is one line, `<what> <token>`: the worker serves only those that carry
@@ -66,6 +91,8 @@ ENV_MEMORY_RESUME = "RTRAIN_MEMORY_RESUME"
 CONTROL_FIFO = "control"
 CONTROL_FAILSAVE = "failsave"  # save the last step boundary if nothing changed since
 ENV_CONTROL_TOKEN = "RTRAIN_CONTROL_TOKEN"
+"""The attempt's secret (new per attempt, in its environment alone): the worker serves a request
+on its control FIFO (a save at a hang) only when the request carries it."""
 
 DUMP_SIGNAL = "SIGUSR2"  # RTRAIN_DUMP_SIGNAL: on it the worker writes its stacks (faulthandler)
 # RTRAIN_RELIEVE_SIGNAL: memory pressure, free what you can at the next step boundary. SIGURG

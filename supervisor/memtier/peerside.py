@@ -38,7 +38,10 @@ from rtrain.supervisor.memtier.persist import link_files
 
 REFRESH_S = 5.0  # how often the registry entry is refreshed (registry.STALE_S is the limit)
 ENV_PEER_HOST = "RTRAIN_PEER_HOST"
+"""Several nodes with the memory tier: the address this node's rtrain serves its peers' copies
+on (default: the address that reaches the rendezvous endpoint)."""
 ENV_PEER_PORT = "RTRAIN_PEER_PORT"
+"""... and its port (default: a free port)."""
 
 
 def serving_address(rdzv_host: str | None, env: dict[str, str] | None = None

@@ -26,6 +26,8 @@ from rtrain.supervisor.core.protocol import MEMORY_DROPPED
 from rtrain.supervisor.memtier import parts
 
 ENV_SHM_ROOT = "RTRAIN_SHM_ROOT"
+"""Where the memory tier makes its directory instead of /dev/shm: a tmpfs elsewhere, where
+/dev/shm is small or missing (containers)."""
 SHM_ROOT = "/dev/shm"
 
 

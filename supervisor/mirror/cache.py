@@ -29,6 +29,8 @@ from rtrain.supervisor.ckpt.layout import list_checkpoints
 from rtrain.supervisor.ckpt.verify import check_name
 
 ENV_CACHE_DIR = "RTRAIN_CACHE_DIR"
+"""Where files downloaded from a mirror are cached by content hash (default
+~/.cache/rtrain/blobs), so a resume does not download them again."""
 DEFAULT_MAX_BYTES = 20 << 30
 """20 GiB: a few checkpoints of a mid-sized model; set `max_bytes` for more."""
 
