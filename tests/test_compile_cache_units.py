@@ -13,8 +13,8 @@ import torch
 from hostile import make, manifest, relist, write_manifest
 
 import rtrain
-from rtrain.supervisor.ckpt import hashing
-from rtrain.supervisor.ckpt.manifest import sign_manifest
+from rtrain.checkpoint import hashing
+from rtrain.checkpoint.manifest import sign_manifest
 from rtrain.supervisor.launch import compile_dirs
 from rtrain.worker import compile_cache, compile_pack
 
@@ -153,7 +153,7 @@ def test_inspect_shows_the_compile_caches_size(tmp_path):
 def test_the_mirror_carries_the_compile_cache(tmp_path):
     """A fresh machine resuming from the mirror gets the compile cache with the checkpoint:
     it is one of the manifest's files, uploaded and fetched (and verified) like the others."""
-    from rtrain.supervisor.ckpt.verify import Level, verify
+    from rtrain.checkpoint.verify import Level, verify
     from rtrain.supervisor.mirror import transfer
     from rtrain.supervisor.mirror.store import open_mirror
 

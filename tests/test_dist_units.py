@@ -8,8 +8,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from rtrain.checkpoint import generation
 from rtrain.supervisor import cli
-from rtrain.supervisor.ckpt import generation
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.core.errors import StateMismatch
 from rtrain.supervisor.decide.classify import classify

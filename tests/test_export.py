@@ -106,8 +106,8 @@ def test_an_encrypted_checkpoint_exports_with_its_key_only(rtrain, tmp_path, mon
 def test_bytes_changed_after_verification_are_caught_while_copied(tmp_path, make_ckpt):
     """The copy hashes what it copies: a file changed between the verification and the copy
     (here: before the copy, the manifest already read) fails, and nothing is published."""
-    from rtrain.supervisor.ckpt import manifest, st_concat
-    from rtrain.supervisor.ckpt.verified_read import open_listed
+    from rtrain.checkpoint import manifest, st_concat
+    from rtrain.checkpoint.verified_read import open_listed
 
     path = make_ckpt(tmp_path / "ckpt", 100)
     m = manifest.load(path)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import rtrain
-from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.worker import failsave
 from rtrain.worker.capture import moving
 from rtrain.worker.failsave import Marks, Verdict, decide

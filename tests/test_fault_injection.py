@@ -13,8 +13,8 @@ import torch
 from harness import CHILDREN, child_env
 
 import rtrain
-from rtrain.supervisor.ckpt.layout import list_checkpoints, list_leftovers
-from rtrain.supervisor.ckpt.verify import select_rtrain_resume, verify
+from rtrain.checkpoint.layout import list_checkpoints, list_leftovers
+from rtrain.checkpoint.verify import select_rtrain_resume, verify
 from rtrain.worker import faults, guards
 
 CHILD = CHILDREN / "checkpointer_every_step.py"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rtrain.checkpoint.verify import Level
 from rtrain.supervisor.ckpt import foreign, keepcopy, pickle_scan, progress, torchzip
-from rtrain.supervisor.ckpt.verify import Level
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.decide import budgets
 from rtrain.supervisor.decide.failures import Evidence, Failure, FailureKind

@@ -4,9 +4,9 @@ format below both halves, the worker apart from the supervisor's loop and CLI. E
 says there why it exists.
 
 They are checked on the package as it ships: the wheel's `rtrain` folder, which holds the
-checkout's `supervisor/` and `worker/` as `rtrain/supervisor/` and `rtrain/worker/` (setup.py).
-import-linter reads a package from one folder, so it cannot follow an editable install's
-mapping of three."""
+checkout's `supervisor/`, `worker/` and `checkpoint/` as `rtrain/supervisor/`, `rtrain/worker/`
+and `rtrain/checkpoint/` (setup.py). import-linter reads a package from one folder, so it cannot
+follow an editable install's mapping of four."""
 
 from __future__ import annotations
 

@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 import rtrain
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.layout import checkpoint_name
+from rtrain.checkpoint import parts, runid
+from rtrain.checkpoint.layout import checkpoint_name
 from rtrain.supervisor.core.protocol import ENV_MEMORY_RESUME, ENV_RESUME_FROM
-from rtrain.supervisor.memtier import parts
 
 RUN = "3" * 32
 

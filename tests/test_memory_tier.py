@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 import rtrain
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
 from rtrain.supervisor.memtier import decide, persist, shmdir
 from rtrain.supervisor.memtier.tier import MemoryTierDir
@@ -95,7 +95,7 @@ def test_a_snapshot_is_its_step_boundary_while_training_goes_on(tmp_path, shm, o
     changes the weights (optimizer) and the batch-norm statistics (forward) right after, while
     the snapshot's writes are slowed down. The snapshot must hold step 3's values, every byte:
     the optimizer's pre-hook held its step, the buffers were copied at the boundary."""
-    from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+    from rtrain.checkpoint.commit import PendingCheckpoint
 
     write = PendingCheckpoint.write_tensors
 
@@ -277,7 +277,7 @@ def test_a_snapshot_removed_while_pinned_is_refused_not_half_copied(tmp_path, sh
 def test_auto_spaces_snapshots_so_none_waits_for_the_previous_write(tmp_path, shm, monkeypatch):
     """Under "auto", a write that takes several steps (slowed down here) spreads the snapshots
     out instead of making every step wait for the previous one."""
-    from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+    from rtrain.checkpoint.commit import PendingCheckpoint
 
     write = PendingCheckpoint.write_bytes
 

@@ -16,8 +16,8 @@ from harness import CHILDREN, child_env
 from torch import nn
 
 import rtrain
-from rtrain.supervisor.ckpt.layout import list_checkpoints, list_leftovers
-from rtrain.supervisor.ckpt.verify import select_rtrain_resume, verify_all
+from rtrain.checkpoint.layout import list_checkpoints, list_leftovers
+from rtrain.checkpoint.verify import select_rtrain_resume, verify_all
 
 
 @pytest.mark.slow

@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import torch
 
-from rtrain.supervisor.ckpt import crypt, hashing
-from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.checkpoint import crypt, hashing
+from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from rtrain.supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
 from rtrain.worker import (

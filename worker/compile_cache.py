@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from rtrain.supervisor.ckpt import crypt
-from rtrain.supervisor.ckpt.verified_read import LoadError, read_listed
+from rtrain.checkpoint import crypt
+from rtrain.checkpoint.verified_read import LoadError, read_listed
 from rtrain.worker import compile_pack, runtime
 
 log = logging.getLogger(__name__)

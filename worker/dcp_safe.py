@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from rtrain.supervisor.ckpt.verified_read import LoadError, open_listed, read_listed
+from rtrain.checkpoint.verified_read import LoadError, open_listed, read_listed
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                 "torch.distributed.checkpoint.planner")

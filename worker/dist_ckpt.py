@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint, fsync_dir
-from rtrain.supervisor.ckpt.hashing import alg_for
-from rtrain.supervisor.ckpt.layout import MANIFEST
-from rtrain.supervisor.ckpt.verified_read import LoadError
+from rtrain.checkpoint.commit import PendingCheckpoint, fsync_dir
+from rtrain.checkpoint.hashing import alg_for
+from rtrain.checkpoint.layout import MANIFEST
+from rtrain.checkpoint.verified_read import LoadError
 from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, StateMismatch
 from rtrain.worker import dist, faults
 from rtrain.worker.save_target import Capture, SaveTarget, storage_error

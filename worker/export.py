@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from rtrain.supervisor.ckpt import crypt, hashing, manifest, safetensors_io
-from rtrain.supervisor.ckpt.st_concat import PlainFile
-from rtrain.supervisor.ckpt.verified_read import LoadError
-from rtrain.supervisor.ckpt.verify import check_member_name
+from rtrain.checkpoint import crypt, hashing, manifest, safetensors_io
+from rtrain.checkpoint.st_concat import PlainFile
+from rtrain.checkpoint.verified_read import LoadError
+from rtrain.checkpoint.verify import check_member_name
 from rtrain.supervisor.core.errors import CheckpointError, RtrainError, UsageError
 from rtrain.worker.tensors import cpu_contiguous, decode, load_listed, read_any, to_blob
 
@@ -76,7 +76,7 @@ def export(request: dict[str, Any]) -> dict[str, Any]:
 def _from_rtrain(path: Path, optimizer: bool
                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """rtrain's own format: no pickle, every byte hashed against the manifest as it is read."""
-    from rtrain.supervisor.ckpt.hashing import load_signing_key
+    from rtrain.checkpoint.hashing import load_signing_key
     from rtrain.worker.restore import read_state
 
     try:

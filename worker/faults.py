@@ -166,7 +166,7 @@ def _sleep_forever() -> None:
 
 
 def _corrupt_newest(ckpt_dir: Path, at_least: int) -> Path | None:
-    from rtrain.supervisor.ckpt.layout import list_checkpoints
+    from rtrain.checkpoint.layout import list_checkpoints
 
     for step, path in list_checkpoints(ckpt_dir):  # newest first
         if step < at_least:

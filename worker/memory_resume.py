@@ -1,6 +1,6 @@
 """A process group resuming from the memory tier: one step, whole on every node, or the disk.
 
-Under torchrun each rank's snapshot is a part of the step (supervisor/memtier/parts.py); the
+Under torchrun each rank's snapshot is a part of the step (checkpoint/parts.py); the
 node's memory dir holds its own ranks' parts and the parts rtrain copied from a peer node
 (supervisor/memtier/peerside.py), so the ranks of a node need not be the ones that wrote them:
 a relaunch may place rank 2 on another node, and a replacement node starts with what it pulled
@@ -19,10 +19,9 @@ import logging
 import os
 from pathlib import Path
 
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.layout import parse_step
+from rtrain.checkpoint import parts, runid
+from rtrain.checkpoint.layout import parse_step
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_MEMORY_RESUME, ENV_RESUME_FROM
-from rtrain.supervisor.memtier import parts
 from rtrain.worker import dist
 
 log = logging.getLogger(__name__)

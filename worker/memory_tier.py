@@ -53,12 +53,11 @@ from typing import Any
 
 import torch
 
-from rtrain.supervisor.ckpt import hashing, runid, safetensors_io
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint, remove_dir
-from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.checkpoint import hashing, parts, runid, safetensors_io
+from rtrain.checkpoint.commit import PendingCheckpoint, remove_dir
+from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
-from rtrain.supervisor.memtier import parts
 from rtrain.worker import compile_cache, dist, dist_ckpt, faults, runtime
 from rtrain.worker.options import Memory
 from rtrain.worker.save_target import Capture, SaveTarget
@@ -224,7 +223,7 @@ class MemoryTier:
              optimizer: torch.optim.Optimizer | None) -> MemoryTier | None:
         """The tier, or None (with a warning) where it cannot run. Under a process group each
         rank snapshots its own part into `rank-<R>/` of the node's memory dir
-        (supervisor/memtier/parts.py)."""
+        (checkpoint/parts.py)."""
         if opts is None:
             return None
         where = os.environ.get(ENV_MEMORY_DIR)

@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-from rtrain.supervisor.ckpt import crypt, hashing, state_schema
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verified_read import LoadError, read_listed
-from rtrain.supervisor.ckpt.verify import STATE_LIMIT, Level, Verdict, select_rtrain_resume, verify
+from rtrain.checkpoint import crypt, hashing, state_schema
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.parts import OWN
+from rtrain.checkpoint.verified_read import LoadError, read_listed
+from rtrain.checkpoint.verify import STATE_LIMIT, Level, Verdict, select_rtrain_resume, verify
 from rtrain.supervisor.core.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -35,7 +36,6 @@ from rtrain.supervisor.core.errors import (
 )
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
 from rtrain.supervisor.decide.failures import FailureKind
-from rtrain.supervisor.memtier.parts import OWN
 from rtrain.worker import dist, dist_ckpt, hyperparams, memory_resume, runtime, state
 from rtrain.worker.capture import Components
 from rtrain.worker.save_target import FILES
@@ -264,7 +264,7 @@ def read_state(path: Path, m: dict[str, Any], alg: str,
 
 def check_state(st: dict[str, Any], m: dict[str, Any],
                 tensors: dict[str, dict[str, torch.Tensor]], sharded: bool = False) -> None:
-    """state.json against its schema (`ckpt/state_schema.py`), its tensor references against
+    """state.json against its schema (`checkpoint/state_schema.py`), its tensor references against
     the tensors read, before anything is applied: a field missing or of the wrong type (a hand
     edit whose hash was recomputed, another version's layout) is a checkpoint that cannot be
     loaded, not a KeyError half-way through applying it. A sharded checkpoint keeps its

@@ -13,8 +13,8 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from rtrain.supervisor.ckpt.commit import free_bytes
-from rtrain.supervisor.ckpt.verify import Level, VerifiedCache, verify
+from rtrain.checkpoint.commit import free_bytes
+from rtrain.checkpoint.verify import Level, VerifiedCache, verify
 from rtrain.supervisor.core import filemode
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.supervisor.retention.decide import RetentionPolicy

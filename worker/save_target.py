@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from rtrain.supervisor.ckpt import crypt, hashing
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+from rtrain.checkpoint import crypt, hashing
+from rtrain.checkpoint.commit import PendingCheckpoint
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.worker import compile_cache, dist, faults, runtime
 from rtrain.worker.tensors import to_blob
@@ -64,7 +64,7 @@ class SaveTarget:
     """None when that many bytes fit (after pruning if needed); else why the save is skipped."""
     encryption: crypt.EncryptionKey | None = None
     """Every file of a checkpoint is written encrypted with it
-    (supervisor/ckpt/encrypted_file.py)."""
+    (checkpoint/encrypted_file.py)."""
     skipped: int = 0
     """Saves skipped so far (`Checkpointer.skipped_saves`)."""
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from rtrain.supervisor.ckpt.safetensors_io import TensorBlob, read_tensors
-from rtrain.supervisor.ckpt.st_concat import PlainFile
-from rtrain.supervisor.ckpt.verified_read import LoadError, open_listed
+from rtrain.checkpoint.safetensors_io import TensorBlob, read_tensors
+from rtrain.checkpoint.st_concat import PlainFile
+from rtrain.checkpoint.verified_read import LoadError, open_listed
 from rtrain.worker.hostmem import fresh_bytes
 
 DTYPE_CODES = {

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import Level, Verdict, verify
 from rtrain.supervisor.checkresume import causes as why
 from rtrain.supervisor.checkresume.compare import Comparison, compare, read
 from rtrain.supervisor.checkresume.runs import Ran, ScriptFailed, run
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verify import Level, Verdict, verify
 from rtrain.supervisor.core.errors import UsageError
 from rtrain.supervisor.core.protocol import (
     ENV_ATTEMPT,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from rtrain.supervisor.ckpt.verify import Verdict
+from rtrain.checkpoint.verify import Verdict
 from rtrain.supervisor.commands.human_units import human_bytes
 from rtrain.supervisor.commands.inspecting import Detail, DirReport, Entry, Leftover
 from rtrain.supervisor.core.untrusted_text import safe

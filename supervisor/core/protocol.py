@@ -26,10 +26,10 @@ ENV_STATUS = "RTRAIN_STATUS"
 ENV_STOP_SIGNAL = "RTRAIN_STOP_SIGNAL"
 ENV_HEARTBEAT = "RTRAIN_HEARTBEAT"
 ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
-ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's checkpoint generation (ckpt/generation.py)
-# The run identity (ckpt/runid.py: 32 hex digits), the same in every attempt of the run, after a
-# requeue and on a fresh machine resuming from the mirror: experiment trackers continue one run
-# under it (launch/tracker_env.py, worker/trackers.py).
+ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's generation (checkpoint/generation.py)
+# The run identity (checkpoint/runid.py: 32 hex digits), the same in every attempt of the run,
+# after a requeue and on a fresh machine resuming from the mirror: experiment trackers continue
+# one run under it (launch/tracker_env.py, worker/trackers.py).
 ENV_RUN_ID = "RTRAIN_RUN_ID"
 # The names of the trackers' own variables rtrain set for the attempt (comma-separated), so the
 # worker's tracker helpers know which ones the user chose and which they may override.

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import manifest as mf
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.commit import remove_dir
-from rtrain.supervisor.ckpt.layout import MANIFEST, checkpoint_name
-from rtrain.supervisor.ckpt.verify import Level, Verdict, VerifiedCache, verify
+from rtrain.checkpoint import manifest as mf
+from rtrain.checkpoint import runid
+from rtrain.checkpoint.commit import remove_dir
+from rtrain.checkpoint.layout import MANIFEST, checkpoint_name
+from rtrain.checkpoint.verify import Level, Verdict, VerifiedCache, verify
 from rtrain.supervisor.memtier import decide, persist, shmdir
 from rtrain.supervisor.retention.prune_dir import prune
 

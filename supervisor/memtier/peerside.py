@@ -30,9 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt.layout import checkpoint_name, tmp_name
+from rtrain.checkpoint import parts
+from rtrain.checkpoint.layout import checkpoint_name, tmp_name
 from rtrain.supervisor.core.protocol import MEMORY_DROPPED
-from rtrain.supervisor.memtier import decide, parts, peerfetch, registry
+from rtrain.supervisor.memtier import decide, peerfetch, registry
 from rtrain.supervisor.memtier.peerserver import PeerServer
 from rtrain.supervisor.memtier.persist import link_files
 

@@ -18,12 +18,11 @@ import shutil
 import stat
 from pathlib import Path
 
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.commit import remove_dir
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verify import Level, Verdict, verify
+from rtrain.checkpoint import parts, runid
+from rtrain.checkpoint.commit import remove_dir
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import Level, Verdict, verify
 from rtrain.supervisor.core.protocol import MEMORY_DROPPED
-from rtrain.supervisor.memtier import parts
 
 ENV_SHM_ROOT = "RTRAIN_SHM_ROOT"
 SHM_ROOT = "/dev/shm"
@@ -112,7 +111,7 @@ def remove(path: Path) -> None:
 
 def _snapshots(path: Path) -> list[Path]:
     """Every committed snapshot in the directory: a single process's, and the ranks' parts
-    under torchrun (supervisor/memtier/parts.py), their own and the ones held for a peer."""
+    under torchrun (checkpoint/parts.py), their own and the ones held for a peer."""
     out = [p for _, p in list_checkpoints(path)]
     for base in (path, path / parts.HELD):
         try:

@@ -10,11 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.verify import Verdict
+from rtrain.checkpoint import parts, runid
+from rtrain.checkpoint.verify import Verdict
 from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_MEMORY_RESUME, Heartbeat
-from rtrain.supervisor.memtier import decide, parts, persist, shmdir
+from rtrain.supervisor.memtier import decide, persist, shmdir
 from rtrain.supervisor.memtier.diskcadence import DiskCadence
 from rtrain.supervisor.memtier.peerside import PeerSide
 

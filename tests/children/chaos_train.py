@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import rtrain
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.core.protocol import ENV_RESUME_FROM
 from rtrain.worker import faults, runtime
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import safeio
+from rtrain.checkpoint import safeio
 from rtrain.supervisor.core.atomic_write import write_json_atomic
 from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
 

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import hashing
-from rtrain.supervisor.ckpt.verify import check_member_name
+from rtrain.checkpoint import hashing
+from rtrain.checkpoint.verify import check_member_name
 
 # A few MiB per read: per-call overhead is nothing at that size, and the hash reads a chunk
 # just after the read wrote it, from cache rather than from memory.
@@ -157,7 +157,7 @@ def open_listed(root: Path, name: str, manifest: dict[str, Any], alg: str,
     naming the fingerprints (callers check `crypt.key_problem` first for a clearer error)."""
     if manifest.get("encryption") is None:
         return ListedFile(root, name, manifest, alg)
-    from rtrain.supervisor.ckpt import crypt, encrypted_file  # they import this module
+    from rtrain.checkpoint import crypt, encrypted_file  # they import this module
 
     problem = crypt.key_problem(manifest, enc)
     if problem is not None:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint import runid
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import Level, verify
 
 HELD = "held"
 OWN, KEPT = "own", "held"  # a part's origin: written here, or held (copied or kept)

@@ -15,8 +15,9 @@ Schema (version 1), a JSON object:
                   when encrypted with RTRAIN_ENCRYPT_METADATA=1
     encryption    optional {"scheme": "aes-256-gcm-chunked-v1", "key_fingerprint": 16 hex,
                   "chunk_size": int, "tensors_listed": false (only when tensors is absent)}:
-                  every listed file is encrypted (ckpt/encrypted_file.py); never the key itself
-    run           optional str, 32 hex digits: the run that wrote it (ckpt/runid.py), copied
+                  every listed file is encrypted (checkpoint/encrypted_file.py); never the key
+                  itself
+    run           optional str, 32 hex digits: the run that wrote it (checkpoint/runid.py), copied
                   from the checkpoint dir's .rtrain-run at the save; absent: no run's
     fingerprint   str, hash of the model's (name, shape, dtype) list
     environment   {"python", "torch", "cuda", "device", "rtrain", "host"}
@@ -38,8 +39,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import hashing, runid, safeio
-from rtrain.supervisor.ckpt.layout import MANIFEST
+from rtrain.checkpoint import hashing, runid, safeio
+from rtrain.checkpoint.layout import MANIFEST
 
 FORMAT = "rtrain-checkpoint"
 VERSION = 1

@@ -22,7 +22,7 @@ import stat
 import blake3
 import xxhash
 
-from rtrain.supervisor.ckpt import safeio
+from rtrain.checkpoint import safeio
 
 XXH3 = "xxh3-128"
 BLAKE3 = "blake3"
@@ -131,7 +131,7 @@ def load_signing_key(env: dict[str, str] | None = None) -> bytes | None:
 ENV_SIGNING_KEY = "RTRAIN_SIGNING_KEY"
 ENV_SIGNING_KEY_FILE = "RTRAIN_SIGNING_KEY_FILE"
 ENV_ALLOW_SHARED_KEY = "RTRAIN_ALLOW_SHARED_KEY"
-ENV_ENCRYPTION_KEY = "RTRAIN_ENCRYPTION_KEY"  # read by ckpt/crypt.py
+ENV_ENCRYPTION_KEY = "RTRAIN_ENCRYPTION_KEY"  # read by checkpoint/crypt.py
 SECRET_ENV = (ENV_SIGNING_KEY, ENV_ENCRYPTION_KEY)
 """Environment variables that hold a secret: kept from processes that neither sign nor
 encrypt checkpoints (hooks)."""

@@ -19,7 +19,8 @@ from rtrain.supervisor.core.pid_alive import pid_alive
 CKPT_PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
 TRASH_PREFIX = ".trash-checkpoint-"
-EARLIER_PREFIX = ".earlier-run-"  # an earlier run's checkpoints, set aside (ckpt/setaside.py)
+# An earlier run's checkpoints, set aside (supervisor/ckpt/setaside.py).
+EARLIER_PREFIX = ".earlier-run-"
 MANIFEST = "manifest.json"
 
 # No leading zeros: "checkpoint-0100" would share step 100 with "checkpoint-100", and prune,

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import safeio
-from rtrain.supervisor.ckpt.safetensors_io import read_checked_header
+from rtrain.checkpoint import safeio
+from rtrain.checkpoint.safetensors_io import read_checked_header
 
 _CHUNK = 8 << 20
 

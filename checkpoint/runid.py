@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import safeio
+from rtrain.checkpoint import safeio
 from rtrain.supervisor.core import atomic_write, filemode
 
 RUN_FILE = ".rtrain-run"

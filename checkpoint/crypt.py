@@ -1,5 +1,5 @@
 """Encryption at rest: the key checkpoints are sealed with, its fingerprint, and the manifest's
-record of it. The file format itself is `ckpt/encrypted_file.py`.
+record of it. The file format itself is `checkpoint/encrypted_file.py`.
 
 The key (`load_encryption_key`): `RTRAIN_ENCRYPTION_KEY` or `RTRAIN_ENCRYPTION_KEY_FILE`. 64 hex
 digits are the 32-byte key itself; anything else is a passphrase stretched with scrypt (N=2^15,
@@ -27,8 +27,8 @@ from typing import Any
 
 import blake3
 
-from rtrain.supervisor.ckpt import hashing
-from rtrain.supervisor.ckpt.verified_read import LoadError
+from rtrain.checkpoint import hashing
+from rtrain.checkpoint.verified_read import LoadError
 
 SCHEME = "aes-256-gcm-chunked-v1"
 _SCRYPT = {"n": 1 << 15, "r": 8, "p": 1, "maxmem": 64 << 20}

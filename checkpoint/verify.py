@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import hashing, manifest, quarantine, safeio, state_schema
-from rtrain.supervisor.ckpt.layout import MANIFEST, list_checkpoints, parse_step
+from rtrain.checkpoint import hashing, manifest, quarantine, safeio, state_schema
+from rtrain.checkpoint.layout import MANIFEST, list_checkpoints, parse_step
 
 
 class Level(str, enum.Enum):
@@ -139,7 +139,7 @@ _STATE_DEPTH = 256  # the user's extras nest; a loader's JSON parser stops near 
 
 
 def check_state_file(path: Path, m: dict[str, Any]) -> None:
-    """state.json against its schema (`ckpt/state_schema.py`), at `full` only (it reads the
+    """state.json against its schema (`checkpoint/state_schema.py`), at `full` only (it reads the
     file): a field missing or of the wrong type, with a hash recomputed to match, verifies as
     corrupt here, as it fails the worker's load. An encrypted checkpoint's state.json needs the
     key, which verification never has: the worker checks it when it loads."""

@@ -1,5 +1,5 @@
-"""The encrypted file format: a checkpoint file as chunked AES-256-GCM (`ckpt/crypt.py` holds the
-key).
+"""The encrypted file format: a checkpoint file as chunked AES-256-GCM (`checkpoint/crypt.py`
+holds the key).
 
     header   56 bytes: magic b"RTRNCRYP", version u8 (1), cipher u8 (1: AES-256-GCM), 2 reserved,
              chunk_size u32 (little-endian), key id (the key fingerprint, 8 bytes), salt (32
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from rtrain.supervisor.ckpt.crypt import CryptError, EncryptionKey, cipher
+from rtrain.checkpoint.crypt import CryptError, EncryptionKey, cipher
 
 CHUNK = 4 << 20
 """4 MiB: divides the writer's 32 MiB write-back chunks and is the reader's chunk; a chunk just

@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import crypt, encrypted_file, generation, runid, safetensors_io
-from rtrain.supervisor.ckpt import manifest as mf
-from rtrain.supervisor.ckpt.hashing import CRYPTOGRAPHIC, HASH_ALG, hash_file, new_hasher
-from rtrain.supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
+from rtrain.checkpoint import crypt, encrypted_file, generation, runid, safetensors_io
+from rtrain.checkpoint import manifest as mf
+from rtrain.checkpoint.hashing import CRYPTOGRAPHIC, HASH_ALG, hash_file, new_hasher
+from rtrain.checkpoint.layout import MANIFEST, checkpoint_name, tmp_name, trash_name
 from rtrain.supervisor.core import filemode
 from rtrain.supervisor.core.ownfiles import RefusedFile
 from rtrain.supervisor.core.protocol import ENV_GENERATION
@@ -57,7 +57,7 @@ class PendingCheckpoint:
         self.step = step
         self.fsync = fsync
         self.hash_alg = hash_alg  # hashing.alg_for(key): blake3 for a checkpoint to be signed
-        self.encryption = encryption  # every file written encrypted (ckpt/encrypted_file.py)
+        self.encryption = encryption  # every file written encrypted (checkpoint/encrypted_file.py)
         # The run's file-mode policy (supervisor/core/filemode.py); None: RTRAIN_FILE_MODE or 0600.
         self.file_mode = filemode.from_env() if file_mode is None else file_mode
         filemode.make_dir(self.ckpt_dir, self.file_mode)
@@ -65,7 +65,7 @@ class PendingCheckpoint:
         os.mkdir(self.tmp, 0o700)  # nobody else looks in while it is written
         # The attempt this checkpoint belongs to; a forked writer keeps its parent's.
         self.generation: str | list[str] | None = os.environ.get(ENV_GENERATION) or None
-        # The run writing the directory (ckpt/runid.py), copied into the manifest.
+        # The run writing the directory (checkpoint/runid.py), copied into the manifest.
         self.run = runid.read(self.ckpt_dir)
         self.files: dict[str, dict[str, Any]] = {}
         self.tensors: dict[str, dict[str, list]] = {}

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from rtrain.supervisor.ckpt import crypt, encrypted_file, safeio
-from rtrain.supervisor.ckpt.hashing import HASH_ALG, new_hasher
+from rtrain.checkpoint import crypt, encrypted_file, safeio
+from rtrain.checkpoint.hashing import HASH_ALG, new_hasher
 
 MAX_HEADER = 100 << 20
 
@@ -106,7 +106,7 @@ def write_file(
     training may go on).
 
     `seal` (key, name in the checkpoint): the file written is the encrypted form
-    (`ckpt/encrypted_file.py`), and the size and hash returned are of those bytes.
+    (`checkpoint/encrypted_file.py`), and the size and hash returned are of those bytes.
     """
     blobs = list(blobs)
     hasher = new_hasher(hash_alg) if hash_alg is not None else _NoHash()
