@@ -25,7 +25,7 @@ Schema (version 1), a JSON object:
     metrics       {name: number}
     info          {free-form facts: trainable_only, frozen_fingerprint, world_size, ...;
                   saved_at_failure: true and failure: the exception's type when the worker
-                  committed it as an exception ended the process (worker/failsave.py)}
+                  committed it as an exception ended the process (worker/saving/failsave.py)}
     signature     optional {"alg": "blake3-keyed", "value": hex} over the canonical rest
 """
 

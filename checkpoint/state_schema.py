@@ -3,9 +3,9 @@
 state.json is hashed like every file of a checkpoint, but an unsigned hash proves only that the
 bytes are the ones the manifest lists: whoever can write the directory can edit the file and
 recompute the hash, and a checkpoint written by another rtrain version may lay it out
-differently. So before anything is applied (`worker/restore.py`) and in full verification
+differently. So before anything is applied (`worker/restoring/restore.py`) and in full verification
 (`verify.verify` at `full`: `rtrain inspect --verify full`, the launch's resume pick, prune),
-state.json is checked field by field against what the worker writes (`worker/capture.py`):
+state.json is checked field by field against what the worker writes (`worker/saving/capture.py`):
 
     step          int >= 0, the manifest's step                            required
     epoch         int >= 0
@@ -22,8 +22,8 @@ state.json is checked field by field against what the worker writes (`worker/cap
                   {"kind": "stateful_dataloader", "state": ...}
     extra         the user's extras: any JSON, tags well formed
 
-Tags (`worker/tensors.py`: `__tensor__`, `__tuple__`, `__items__`, `__float__`) must be well
-formed wherever they appear, and a tensor reference must name a tensor the checkpoint holds
+Tags (`worker/trainstate/tensors.py`: `__tensor__`, `__tuple__`, `__items__`, `__float__`) must be
+well formed wherever they appear, and a tensor reference must name a tensor the checkpoint holds
 when the caller knows its tensors. Unknown top-level fields are allowed (a newer writer's
 additions). Pure and torch-free: data in, the first problems out.
 """
@@ -92,7 +92,8 @@ def problems(st: Any, *, step: int | None = None, extra_tensors: Collection[str]
 
 
 def rng_problems(rng: Any, where: str) -> list[str]:
-    """The generators' states of `worker/state.rng_encode` (also a rank's RNG metadata)."""
+    """The generators' states of `worker/trainstate/state.rng_encode` (also a rank's RNG
+    metadata)."""
     if not isinstance(rng, dict):
         return [_wrong(where, rng, "a map")]
     out = [f"field '{where}.{k}' is missing" for k in ("python", "numpy") if k not in rng]

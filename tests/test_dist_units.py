@@ -67,7 +67,7 @@ def test_own_torchrun_command_after_double_dash_runs_as_is(launched):
 def test_world_size_rule():
     pytest.importorskip("torch")
     from rtrain.worker.dist import World
-    from rtrain.worker.dist_ckpt import check_world
+    from rtrain.worker.saving.dist_ckpt import check_world
 
     sharded = {"world_size": 4, "layout": "sharded"}
     assert check_world(sharded, World(0, 2), True, False, "checkpoint-9") == "sharded"

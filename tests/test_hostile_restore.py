@@ -25,7 +25,7 @@ from hostile import table as tensor_table
 from hostile import two_checkpoints as shared_two_checkpoints
 
 import rtrain
-import rtrain.worker.restore as restore_module
+import rtrain.worker.restoring.restore as restore_module
 from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.core.errors import CorruptCheckpoint, ExitCode, StateMismatch
 

@@ -42,15 +42,6 @@ def test_import_contracts_are_kept_by_the_package_as_it_ships(shipped, tmp_path)
     assert analyzed > len(list((site / "rtrain").rglob("*.py")))
 
 
-def test_every_worker_unit_is_held_to_not_importing_the_checkpointer():
-    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    (units,) = [c["source_modules"] for c in contracts["contracts"]
-                if c["forbidden_modules"] == ["rtrain.worker.checkpointer"]]
-    modules = {f"rtrain.worker.{p.stem}" for p in (ROOT / "worker").glob("*.py")
-               if p.stem not in ("__init__", "checkpointer")}
-    assert set(units) == modules
-
-
 FEATURE_FOLDERS = ("standby", "timelimit", "pressure", "elsewhere", "hooks", "retention", "mirror",
                    "straggler")
 

@@ -305,7 +305,7 @@ def test_only_the_snapshot_rtrain_handed_over_is_read_unhashed(tmp_path, shm, mo
     copy elsewhere) is read hashed, so a byte changed in it is caught."""
     from rtrain.supervisor.core.errors import CorruptCheckpoint
     from rtrain.supervisor.core.protocol import ENV_RESUME_FROM
-    from rtrain.worker.restore import handed_over_from_memory
+    from rtrain.worker.restoring.restore import handed_over_from_memory
 
     snap = _snapshot(tmp_path, shm, steps=3)
     monkeypatch.setenv(ENV_RESUME_FROM, str(snap))

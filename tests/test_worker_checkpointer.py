@@ -11,7 +11,7 @@ import rtrain
 from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.checkpoint.verify import verify
 from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, StateMismatch
-from rtrain.worker import cadence
+from rtrain.worker.saving import cadence
 
 
 def make(seed=0, width=8):

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from rtrain.worker import save_clock
-from rtrain.worker.schedule import SaveSchedule
+from rtrain.worker.saving import save_clock
+from rtrain.worker.saving.schedule import SaveSchedule
 
 WORKER = Path(__file__).resolve().parent.parent / "worker"
 

@@ -27,18 +27,18 @@ from rtrain.worker import (
     compile_cache,
     data,
     dist,
-    dist_ckpt,
-    failsave,
     faults,
     guards,
-    hyperparams,
     options,
-    restore,
     resume_check,
     runtime,
 )
-from rtrain.worker.async_write import BackgroundSave
-from rtrain.worker.capture import (
+from rtrain.worker.memory_tier import MemoryTier
+from rtrain.worker.options import Every, Keep, Restoring, Saving
+from rtrain.worker.restoring import restore
+from rtrain.worker.saving import dist_ckpt, failsave
+from rtrain.worker.saving.async_write import BackgroundSave
+from rtrain.worker.saving.capture import (
     Components,
     FrozenBase,
     Moving,
@@ -47,12 +47,11 @@ from rtrain.worker.capture import (
     moving,
     number,
 )
-from rtrain.worker.memory_tier import MemoryTier
-from rtrain.worker.options import Every, Keep, Restoring, Saving
-from rtrain.worker.retention import Retention
-from rtrain.worker.save_clock import SaveClock, first_schedule
-from rtrain.worker.save_target import Capture, SaveTarget, write_local
-from rtrain.worker.schedule import SaveSchedule
+from rtrain.worker.saving.retention import Retention
+from rtrain.worker.saving.save_clock import SaveClock, first_schedule
+from rtrain.worker.saving.save_target import Capture, SaveTarget, write_local
+from rtrain.worker.saving.schedule import SaveSchedule
+from rtrain.worker.trainstate import hyperparams
 
 log = logging.getLogger(__name__)
 
@@ -395,8 +394,8 @@ class Checkpointer:
         self.close()
 
     def _judge_hyperparams(self, changes: list[hyperparams.Change]) -> None:
-        """Hyper-parameters the checkpoint replaced: judged once the script has run an
-        iteration (worker/hyperparams.py), so a value it sets every step is no warning."""
+        """Hyper-parameters the checkpoint replaced: judged once the script has run an iteration
+        (worker/trainstate/hyperparams.py), so a value it sets every step is no warning."""
         if self._hyper is not None:
             self._hyper.cancel()  # an earlier restore's: this one replaced what it judged
         self._hyper = (hyperparams.Pending(self.optimizer, changes)

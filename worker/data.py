@@ -39,7 +39,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from rtrain.worker.data_iter import Counted, seed_iteration, watch_loader
 from rtrain.worker.sampler import ResumableSampler
-from rtrain.worker.tensors import decode, encode
+from rtrain.worker.trainstate.tensors import decode, encode
 
 log = logging.getLogger(__name__)
 

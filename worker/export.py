@@ -6,7 +6,7 @@ every export to a `torch.save` file, and every source that is a pickle (a Lightn
 `torch.load(weights_only=True)` only: torch's restricted unpickler, which builds tensors and
 plain containers and refuses every other global (a `GLOBAL os.system` + `REDUCE` is an error,
 never a call). rtrain's own checkpoints are read without pickle, each file hashed against its
-manifest as it is read (`rtrain.worker.tensors.load_listed`).
+manifest as it is read (`rtrain.worker.trainstate.tensors.load_listed`).
 
 The request (JSON, from `supervisor/commands/exporting.py`, which has already verified the
 checkpoint) names the source, the output format and a temp path to create; the process writes
@@ -38,7 +38,7 @@ from rtrain.checkpoint.st_concat import PlainFile
 from rtrain.checkpoint.verified_read import LoadError
 from rtrain.checkpoint.verify import check_member_name
 from rtrain.supervisor.core.errors import CheckpointError, RtrainError, UsageError
-from rtrain.worker.tensors import cpu_contiguous, decode, load_listed, read_any, to_blob
+from rtrain.worker.trainstate.tensors import cpu_contiguous, decode, load_listed, read_any, to_blob
 
 # Where a dict saved with torch.save keeps the model and the optimizer, in the order tried:
 # Lightning's names, the PyTorch tutorials', then nanoGPT's and most hand-written loops'.
@@ -77,7 +77,7 @@ def _from_rtrain(path: Path, optimizer: bool
                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """rtrain's own format: no pickle, every byte hashed against the manifest as it is read."""
     from rtrain.checkpoint.hashing import load_signing_key
-    from rtrain.worker.restore import read_state
+    from rtrain.worker.restoring.restore import read_state
 
     try:
         # Read again (the caller verified it a moment ago): signature and hashes are checked

@@ -58,10 +58,11 @@ from rtrain.checkpoint.commit import PendingCheckpoint, remove_dir
 from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
-from rtrain.worker import compile_cache, dist, dist_ckpt, faults, runtime
+from rtrain.worker import compile_cache, dist, faults, runtime
 from rtrain.worker.options import Memory
-from rtrain.worker.save_target import Capture, SaveTarget
-from rtrain.worker.tensors import to_blob
+from rtrain.worker.saving import dist_ckpt
+from rtrain.worker.saving.save_target import Capture, SaveTarget
+from rtrain.worker.trainstate.tensors import to_blob
 
 log = logging.getLogger(__name__)
 

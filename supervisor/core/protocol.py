@@ -34,8 +34,8 @@ ENV_RUN_ID = "RTRAIN_RUN_ID"
 # The names of the trackers' own variables rtrain set for the attempt (comma-separated), so the
 # worker's tracker helpers know which ones the user chose and which they may override.
 ENV_TRACKER_VARS = "RTRAIN_TRACKER_VARS"
-# The run's failure record so far, for the worker's save cadence (worker/cadence.py): failures
-# that lost work, and the seconds its attempts ran.
+# The run's failure record so far, for the worker's save cadence (worker/saving/cadence.py):
+# failures that lost work, and the seconds its attempts ran.
 ENV_FAILURES = "RTRAIN_FAILURES"
 ENV_RUN_SECONDS = "RTRAIN_RUN_SECONDS"
 # The save cost the run last measured (JSON {"save_stall_s", "step_time_s"}, from the newest
@@ -59,7 +59,7 @@ MEMORY_DROPPED = "dropped"
 # named the checkpoint (--resume PATH).
 ENV_MEMORY_RESUME = "RTRAIN_MEMORY_RESUME"
 # A FIFO the worker creates in its status dir (RTRAIN_STATUS) and reads from a thread of its
-# own: requests that must be served while the training thread is stuck (worker/hang_save.py).
+# own: requests that must be served while the training thread is stuck (worker/saving/hang_save.py).
 # Each request is one line, `<what> <token>`: the worker serves only those that carry
 # RTRAIN_CONTROL_TOKEN, a secret of the attempt that rtrain hands it in its environment alone
 # (never in the run dir), and reports any other as a `control_refused` heartbeat.
@@ -103,7 +103,7 @@ class Heartbeat:
     `hang_save_done` (the save at a hang that rtrain asked for through the control FIFO is over,
     `reason` says how many were saved), `control_refused` (requests on the control FIFO without
     the attempt's token were refused: `reason` says how many), `cadence` (with `cadence`: the
-    save interval `every="auto"` chose, worker/cadence.py), `backoff` (with `settings`),
+    save interval `every="auto"` chose, worker/saving/cadence.py), `backoff` (with `settings`),
     `snapshot` (with `snapshot`: the memory tier started, changed its interval or stopped),
     `persist` (with `persist`: a disk save under the memory tier; the snapshot of `step` is
     committed in memory and rtrain is to copy it, or a newer one, to the checkpoint dir),

@@ -36,11 +36,13 @@ from rtrain.supervisor.core.errors import (
 )
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
 from rtrain.supervisor.decide.failures import FailureKind
-from rtrain.worker import dist, dist_ckpt, hyperparams, memory_resume, runtime, state
-from rtrain.worker.capture import Components
-from rtrain.worker.save_target import FILES
+from rtrain.worker import dist, memory_resume, runtime
+from rtrain.worker.saving import dist_ckpt
+from rtrain.worker.saving.capture import Components
+from rtrain.worker.saving.save_target import FILES
 from rtrain.worker.settings import current as current_settings
-from rtrain.worker.tensors import decode, dtype_code, load_listed
+from rtrain.worker.trainstate import hyperparams, state
+from rtrain.worker.trainstate.tensors import decode, dtype_code, load_listed
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +306,7 @@ def apply_all(loaded: Loaded, parts: Components, allow_pickle: bool, lr_scale: f
 def apply(loaded: Loaded, parts: Components, allow_pickle: bool) -> list[hyperparams.Change]:
     """Load `loaded` into the training objects; `apply_lr_scale`, then `apply_rng`, follow.
     Returns the optimizer hyper-parameters the checkpoint replaced (judged later:
-    worker/hyperparams.py)."""
+    worker/trainstate/hyperparams.py)."""
     st, tensors = loaded.state, loaded.tensors
     changes: list[hyperparams.Change] = []
     if loaded.layout == "sharded":

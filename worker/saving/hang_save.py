@@ -1,14 +1,14 @@
 """Save at a hang: serve the supervisor's request while the training thread is stuck.
 
-When rtrain finds the process hung (no output, no heartbeat, no CPU progress for the hang
-timeout) the training thread is blocked: in a data loader that stopped delivering, in a
-collective, on a dead filesystem. If it blocked before the step's optimizer step, the model and
-optimizer in memory are still the last completed step's, as for a crash in the forward
-(worker/failsave.py). Signals cannot reach that thread (a Python handler runs on the main thread
-only, between bytecodes), so the request comes through a FIFO, `control` in the attempt's status
-dir, which a daemon thread of this module reads. On `failsave` it runs the same save at the
-failure for every watched Checkpointer, with `Hung` as the exception, then sends a
-`hang_save_done` heartbeat so that rtrain stops waiting for the grace.
+When rtrain finds the process hung (no output, no heartbeat, no CPU progress for the hang timeout)
+the training thread is blocked: in a data loader that stopped delivering, in a collective, on a dead
+filesystem. If it blocked before the step's optimizer step, the model and optimizer in memory are
+still the last completed step's, as for a crash in the forward (worker/saving/failsave.py). Signals
+cannot reach that thread (a Python handler runs on the main thread only, between bytecodes), so the
+request comes through a FIFO, `control` in the attempt's status dir, which a daemon thread of this
+module reads. On `failsave` it runs the same save at the failure for every watched Checkpointer,
+with `Hung` as the exception, then sends a `hang_save_done` heartbeat so that rtrain stops waiting
+for the grace.
 
 Only requests that carry the attempt's token (RTRAIN_CONTROL_TOKEN, which rtrain hands this
 process in its environment and writes nowhere else) are served: the FIFO is this user's alone
@@ -16,7 +16,7 @@ process in its environment and writes nowhere else) are served: the FIFO is this
 reported (`control_refused` heartbeat, a `control_refused` event in the run's log). A FIFO
 found replaced by another file (the attempt dir may be writable by a group) is no longer read.
 
-Consistency: the save is decided and written with the marks of worker/failsave.py; an
+Consistency: the save is decided and written with the marks of worker/saving/failsave.py; an
 optimizer step that starts meanwhile (the thread was slow, not hung) waits in its pre-hook until
 the save ends (`hold_steps`), so the step's own writes never overlap the save's reads.
 

@@ -23,7 +23,7 @@ import torch
 
 from rtrain.supervisor.core.errors import CheckpointError
 from rtrain.worker import dist, runtime
-from rtrain.worker.save_target import Capture, SaveTarget
+from rtrain.worker.saving.save_target import Capture, SaveTarget
 
 _CHILD_SKIPPED = 3  # the forked writer's exit code for a save skipped (storage error, no space)
 

@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from rtrain.worker import hang_save, runtime
+from rtrain.worker import runtime
+from rtrain.worker.saving import hang_save
 
 log = logging.getLogger(__name__)
 

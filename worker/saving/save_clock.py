@@ -4,7 +4,7 @@
 from (the last saved step, when the last save began, a pending `request_save`) and sends each
 step's heartbeat (loss, samples since the last beat, the next scheduled save step).
 
-Under `every="auto"` (`bounds` given) it also measures what worker/cadence.py chooses
+Under `every="auto"` (`bounds` given) it also measures what worker/saving/cadence.py chooses
 from: the step time between saves, each save's stall and the recent losses; after every save it
 replaces the schedule's `every_steps` with the new choice and reports it in a `cadence`
 heartbeat. Each rank chooses for itself; saving is collective and due when any rank says so.
@@ -27,8 +27,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from rtrain.supervisor.core.protocol import ENV_FAILURES, ENV_RUN_SECONDS, ENV_SAVE_COST
-from rtrain.worker import cadence, runtime
-from rtrain.worker.schedule import SaveSchedule
+from rtrain.worker import runtime
+from rtrain.worker.saving import cadence
+from rtrain.worker.saving.schedule import SaveSchedule
 
 LOSS_WINDOW = 256  # recent (step, loss) pairs the loss trend is read from
 

@@ -7,7 +7,7 @@ adds its own RNG state.
 
 `Moving` is the part of a capture that changes inside a step while the model and optimizer do
 not (RNG states, data position): kept at each step boundary so that a save at a failure can
-write the boundary's step from the live, untouched model (worker/failsave.py).
+write the boundary's step from the live, untouched model (worker/saving/failsave.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from typing import Any
 import torch
 
 import rtrain
-from rtrain.worker import dist, dist_ckpt, state
+from rtrain.worker import dist
 from rtrain.worker.data import Position
-from rtrain.worker.save_target import FILES, Capture
+from rtrain.worker.saving import dist_ckpt
+from rtrain.worker.saving.save_target import FILES, Capture
 from rtrain.worker.settings import current as current_settings
-from rtrain.worker.tensors import cpu_contiguous, encode
+from rtrain.worker.trainstate import state
+from rtrain.worker.trainstate.tensors import cpu_contiguous, encode
 
 
 class FrozenBase:

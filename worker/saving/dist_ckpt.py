@@ -33,8 +33,8 @@ from rtrain.checkpoint.layout import MANIFEST
 from rtrain.checkpoint.verified_read import LoadError
 from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, StateMismatch
 from rtrain.worker import dist, faults
-from rtrain.worker.save_target import Capture, SaveTarget, storage_error
-from rtrain.worker.tensors import load_listed, to_blob
+from rtrain.worker.saving.save_target import Capture, SaveTarget, storage_error
+from rtrain.worker.trainstate.tensors import load_listed, to_blob
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def load_sharded(path: Path, m: dict[str, Any], alg: str, model: torch.nn.Module
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    from rtrain.worker import dcp_safe
+    from rtrain.worker.trainstate import dcp_safe
 
     sd = sharded_state(model, optimizer)
     group = dist.group() if dist.world() is not None else None

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from rtrain.supervisor.core.errors import StateMismatch
-from rtrain.worker import hyperparams
-from rtrain.worker.tensors import decode, encode
+from rtrain.worker.trainstate import hyperparams
+from rtrain.worker.trainstate.tensors import decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def check_model(model_sd: dict[str, torch.Tensor], saved: dict[str, list],
     is refused like a shape change: copying would cast (an int32 tensor into float32 weights)
     and hide a checkpoint that is not this model's. Returns warnings (none at present).
     """
-    from rtrain.worker.tensors import dtype_code
+    from rtrain.worker.trainstate.tensors import dtype_code
 
     problems: list[str] = []
     for name, (dtype, shape) in saved.items():
@@ -86,7 +86,7 @@ def load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None
 
 
 def _code(t: torch.Tensor) -> str:
-    from rtrain.worker.tensors import dtype_code
+    from rtrain.worker.trainstate.tensors import dtype_code
 
     return dtype_code(t.dtype)
 
@@ -105,7 +105,7 @@ def content_fingerprint(sd: dict[str, torch.Tensor]) -> str:
     """Hash of names, shapes and bytes: identifies a frozen base model exactly."""
     import xxhash
 
-    from rtrain.worker.tensors import cpu_contiguous, to_blob
+    from rtrain.worker.trainstate.tensors import cpu_contiguous, to_blob
 
     h = xxhash.xxh3_128()
     for name in sorted(sd):
@@ -205,7 +205,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | No
                    tensors: dict[str, torch.Tensor], meta: dict[str, Any]
                    ) -> list[hyperparams.Change]:
     """Load the state by parameter name. Returns the hyper-parameters the checkpoint replaced
-    (worker/hyperparams.py judges them after the restore)."""
+    (worker/trainstate/hyperparams.py judges them after the restore)."""
     names = _param_names(optimizer, model)
     index = {n: i for i, n in enumerate(names)}
     hp_tensors = {k[1:]: v for k, v in tensors.items() if k.startswith("@")}

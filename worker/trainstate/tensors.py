@@ -17,7 +17,7 @@ import torch
 from rtrain.checkpoint.safetensors_io import TensorBlob, read_tensors
 from rtrain.checkpoint.st_concat import PlainFile
 from rtrain.checkpoint.verified_read import LoadError, open_listed
-from rtrain.worker.hostmem import fresh_bytes
+from rtrain.worker.trainstate.hostmem import fresh_bytes
 
 DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

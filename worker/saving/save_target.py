@@ -1,6 +1,6 @@
 """What one save writes (`Capture`) and where it goes (`SaveTarget`): the contract between the
 Checkpointer and the code that writes checkpoints, in this process (`write_local`) or across
-ranks (`rtrain.worker.dist_ckpt`).
+ranks (`rtrain.worker.saving.dist_ckpt`).
 
 A save that meets a storage error (no space, EIO, a read-only or over-quota filesystem) is
 skipped: counted, reported once to the supervisor (`save_skipped`), and training goes on.
@@ -22,7 +22,7 @@ from rtrain.checkpoint import crypt, hashing
 from rtrain.checkpoint.commit import PendingCheckpoint
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.worker import compile_cache, dist, faults, runtime
-from rtrain.worker.tensors import to_blob
+from rtrain.worker.trainstate.tensors import to_blob
 
 log = logging.getLogger(__name__)
 
