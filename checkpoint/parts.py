@@ -2,7 +2,7 @@
 step of the group.
 
 Under a process group every rank snapshots its own part of the step into the node's memory dir
-(worker/memory_tier.py): rank 0 the replicated state (model, optimizer, extras, state.json)
+(worker/memtier/memory_tier.py): rank 0 the replicated state (model, optimizer, extras, state.json)
 and its RNG, every other rank its RNG (`rng-rank<R>.safetensors`). Each part is a checkpoint of
 its own (manifest, hashes, signature, run identity), committed by rename:
 

@@ -1,4 +1,4 @@
-"""A process group resuming from the memory tier's parts (worker/memory_resume.py), in this
+"""A process group resuming from the memory tier's parts (worker/memtier/memory_resume.py), in this
 process: a real gloo group of one rank, the real Checkpointer writing its parts and its disk
 checkpoints, then a second Checkpointer resuming: from memory when the newest part is whole and
 newer than the disk's, from the disk when a part does not read (a flipped byte) or the run is

@@ -20,7 +20,7 @@ from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
 from rtrain.supervisor.memtier import decide, persist, shmdir
 from rtrain.supervisor.memtier.tier import MemoryTierDir
-from rtrain.worker import memory_tier
+from rtrain.worker.memtier import memory_tier
 
 
 @pytest.mark.parametrize("snap, disk, same_run, expected", [

@@ -20,7 +20,7 @@ from rtrain.checkpoint.layout import checkpoint_name
 from rtrain.supervisor.memtier import decide, registry
 from rtrain.supervisor.memtier.peerserver import PeerServer
 from rtrain.supervisor.memtier.peerside import PeerSide, serving_address
-from rtrain.worker import memory_resume
+from rtrain.worker.memtier import memory_resume
 
 RUN = "1" * 32
 OTHER = "2" * 32

@@ -22,18 +22,9 @@ from rtrain.checkpoint import crypt, hashing
 from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from rtrain.supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
-from rtrain.worker import (
-    check_order,
-    compile_cache,
-    data,
-    dist,
-    faults,
-    guards,
-    options,
-    resume_check,
-    runtime,
-)
-from rtrain.worker.memory_tier import MemoryTier
+from rtrain.worker import check_order, data, dist, faults, guards, options, resume_check, runtime
+from rtrain.worker.compilecache import compile_cache
+from rtrain.worker.memtier.memory_tier import MemoryTier
 from rtrain.worker.options import Every, Keep, Restoring, Saving
 from rtrain.worker.restoring import restore
 from rtrain.worker.saving import dist_ckpt, failsave

@@ -134,8 +134,8 @@ def _world(info: Any) -> list[tuple[str, str]]:
              + (f", {layout}" if isinstance(layout, str) else ""))]
 
 
-# info.compile_cache (worker/compile_cache.py): torch's compile artifacts and kernels saved
-# beside the checkpoint; shown on a line of its own rather than inside `info`.
+# info.compile_cache (worker/compilecache/compile_cache.py): torch's compile artifacts and kernels
+# saved beside the checkpoint; shown on a line of its own rather than inside `info`.
 COMPILE_CACHE = "compile_cache"
 
 

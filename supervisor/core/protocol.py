@@ -108,7 +108,7 @@ class Heartbeat:
     `persist` (with `persist`: a disk save under the memory tier; the snapshot of `step` is
     committed in memory and rtrain is to copy it, or a newer one, to the checkpoint dir),
     `compile_cache_loaded` / `compile_cache_ignored` (at restore, with `reason`: the checkpoint's
-    compile cache was loaded, its size; or ignored, why: worker/compile_cache.py),
+    compile cache was loaded, its size; or ignored, why: worker/compilecache/compile_cache.py),
     `relieved` (after a relieve request: `reason` says what was freed, `settings` what the
     worker now uses), `exception` (with `reason`: the type of the uncaught exception ending the
     process, sent as it begins its way out) or `stop`. The first `start` (the worker installed)
@@ -138,7 +138,7 @@ class Heartbeat:
     step_s: float | None = None
     wait_s: float | None = None
     host: str | None = None  # the node this rank runs on (its hostname)
-    # `snapshot` heartbeats (the memory tier, worker/memory_tier.py): {"every", "stall_s",
+    # `snapshot` heartbeats (the memory tier, worker/memtier/memory_tier.py): {"every", "stall_s",
     # "write_s", "bytes"} when the tier starts or its interval changes; {"off": why} when it stops.
     snapshot: dict[str, Any] | None = None
     # `persist` heartbeats: the worker's Keep policy as RetentionPolicy's fields ({"keep",

@@ -5,7 +5,7 @@ dir's resolved path>`, root /dev/shm (RTRAIN_SHM_ROOT elsewhere): every launch o
 the snapshots an earlier one left, and two runs never share one. It is created 0700 and must be
 a directory of this user, not a link: another user's planted directory is refused (the tier
 stays off for the run, said once). It holds committed snapshots `checkpoint-<step>` (written by
-the worker, worker/memory_tier.py), the worker's temp dirs, the run identity `.rtrain-run`
+the worker, worker/memtier/memory_tier.py), the worker's temp dirs, the run identity `.rtrain-run`
 (copied from the checkpoint dir so each snapshot's manifest names the run) and, after rtrain
 dropped the tier, `dropped`.
 """

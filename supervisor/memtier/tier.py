@@ -163,7 +163,7 @@ class MemoryTierDir:
         s = hb.snapshot
         if hb.event != "snapshot" or not isinstance(s, dict):
             return
-        if "resumed" in s:  # a process group resumed from its parts (worker/memory_resume.py)
+        if "resumed" in s:  # a group resumed from its parts (worker/memtier/memory_resume.py)
             origin = "peer" if s.get("origin") == "peer" else "node"
             self.emit("snapshot_resumed", attempt=attempt, step=hb.step, origin=origin)
             self.say(f"attempt {attempt}: resumed from the memory snapshot of step {hb.step}"

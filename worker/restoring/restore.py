@@ -36,7 +36,8 @@ from rtrain.supervisor.core.errors import (
 )
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_RESUME_FROM, ENV_RUN_DIR
 from rtrain.supervisor.decide.failures import FailureKind
-from rtrain.worker import dist, memory_resume, runtime
+from rtrain.worker import dist, runtime
+from rtrain.worker.memtier import memory_resume
 from rtrain.worker.saving import dist_ckpt
 from rtrain.worker.saving.capture import Components
 from rtrain.worker.saving.save_target import FILES
@@ -90,9 +91,9 @@ class Source:
         return None if found is None else self.read(*found, w, parts)
 
     def from_memory(self, w: dist.World, parts: Components) -> Loaded | None:
-        """The group's resume from the memory tier's parts (worker/memory_resume.py), or None:
-        no step whole on every node as new as the disk's, or a part that did not read on
-        some rank (then every rank goes to the disk tier together)."""
+        """The group's resume from the memory tier's parts (worker/memtier/memory_resume.py), or
+        None: no step whole on every node as new as the disk's, or a part that did not read on some
+        rank (then every rank goes to the disk tier together)."""
         found = memory_resume.this_runs_parts(self.key)
         step = memory_resume.agree(w, found)
         if step is None:

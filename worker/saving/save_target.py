@@ -21,7 +21,8 @@ import torch
 from rtrain.checkpoint import crypt, hashing
 from rtrain.checkpoint.commit import PendingCheckpoint
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
-from rtrain.worker import compile_cache, dist, faults, runtime
+from rtrain.worker import dist, faults, runtime
+from rtrain.worker.compilecache import compile_cache
 from rtrain.worker.trainstate.tensors import to_blob
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class Capture:
     world: dist.World | None = None  # set when a process group is initialised
     rank_rng: dict[str, Any] | None = None  # this rank's python/numpy RNG (rng-rank<R> file)
     sharded: dict[str, Any] | None = None  # state written with torch.distributed.checkpoint
-    compile_cache: bytes | None = None  # torch's compile artifacts (worker/compile_cache.py)
+    compile_cache: bytes | None = None  # torch's compile artifacts (worker/compilecache/)
 
     @property
     def nbytes(self) -> int:

@@ -1,14 +1,14 @@
 """Compiled graphs that travel with a checkpoint: torch's portable compile-cache artifacts.
 
 A relaunch on the same node finds what `torch.compile` compiled in the run dir's cache
-(supervisor/launch/compile_dirs.py). A fresh node (a Slurm requeue elsewhere, a new pod) has
-none, so at each save the worker also writes torch's "mega-cache"
-(`torch.compiler.save_cache_artifacts()`) and the compiled kernels of inductor's cache dir
-(which the mega-cache leaves out on a CPU: worker/compile_pack.py) beside the checkpoint as
-`compile-cache.bin`, listed and hashed in its manifest like every file (so the mirror carries
-it), and at restore hands the mega-cache to `torch.compiler.load_cache_artifacts()` and puts
-the kernels back, which fills the local caches before the first compiled step. A torch without
-that API saves and loads nothing; `Saving(compile_cache=False)` neither saves nor loads.
+(supervisor/launch/compile_dirs.py). A fresh node (a Slurm requeue elsewhere, a new pod) has none,
+so at each save the worker also writes torch's "mega-cache"
+(`torch.compiler.save_cache_artifacts()`) and the compiled kernels of inductor's cache dir (which
+the mega-cache leaves out on a CPU: worker/compilecache/compile_pack.py) beside the checkpoint as
+`compile-cache.bin`, listed and hashed in its manifest like every file (so the mirror carries it),
+and at restore hands the mega-cache to `torch.compiler.load_cache_artifacts()` and puts the kernels
+back, which fills the local caches before the first compiled step. A torch without that API saves
+and loads nothing; `Saving(compile_cache=False)` neither saves nor loads.
 
 What torch's loader does with the bytes (torch 2.13, torch/compiler/_cache.py): it parses a
 framed list of (artifact type, key, content) with no pickle, then each artifact's
@@ -47,7 +47,8 @@ import torch
 
 from rtrain.checkpoint import crypt
 from rtrain.checkpoint.verified_read import LoadError, read_listed
-from rtrain.worker import compile_pack, runtime
+from rtrain.worker import runtime
+from rtrain.worker.compilecache import compile_pack
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,8 @@ def inductor_cache_dir() -> Path:
 
 
 def collect(model: torch.nn.Module | None, max_mb: float) -> Artifacts | None:
-    """This process's compile artifacts so far (everything it compiled or loaded from a cache)
-    and the kernels in inductor's cache dir, packed (worker/compile_pack.py); None: nothing
+    """This process's compile artifacts so far (everything it compiled or loaded from a cache) and
+    the kernels in inductor's cache dir, packed (worker/compilecache/compile_pack.py); None: nothing
     compiled, no API, or more than `max_mb` (said in the log)."""
     if not available():
         return None

@@ -58,7 +58,8 @@ from rtrain.checkpoint.commit import PendingCheckpoint, remove_dir
 from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
-from rtrain.worker import compile_cache, dist, faults, runtime
+from rtrain.worker import dist, faults, runtime
+from rtrain.worker.compilecache import compile_cache
 from rtrain.worker.options import Memory
 from rtrain.worker.saving import dist_ckpt
 from rtrain.worker.saving.save_target import Capture, SaveTarget
@@ -155,7 +156,8 @@ def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event) ->
                              hashing.hash_file(path, pending.hash_alg), listed)
         if cap.world is None or cap.world.leader:
             pending.write_bytes("state.json", json.dumps(cap.state_json).encode())
-        if cap.compile_cache is not None:  # a disk-cadence snapshot's (worker/compile_cache.py)
+        # A disk-cadence snapshot's compile cache (worker/compilecache/compile_cache.py).
+        if cap.compile_cache is not None:
             pending.write_bytes(compile_cache.FILE, cap.compile_cache)
         return pending.commit(cap.fields, target.key)
     except BaseException:
