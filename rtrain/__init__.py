@@ -23,11 +23,12 @@ _GUARDS = ("NonFiniteGuard", "OOMBackoff", "SkipBadSamples", "DataError", "skip_
            "install_excepthook")
 _RUNTIME = ("heartbeat", "on_pressure", "relieve_pressure", "request_stop", "should_stop",
             "write_exit_record")
+_SAMPLERS = ("ResumableSampler", "DistributedResumableSampler")
 _PUBLIC = {
     "Checkpointer": "rtrain.worker.checkpointer",
     **dict.fromkeys(("Every", "Keep", "Memory", "Restoring", "Saving"), "rtrain.worker.options"),
-    **dict.fromkeys(("ResumableSampler", "DistributedResumableSampler"), "rtrain.worker.sampler"),
-    **dict.fromkeys(("sample_generator", "sample_seed", "seeded"), "rtrain.worker.sample_rng"),
+    **dict.fromkeys(_SAMPLERS, "rtrain.worker.data.sampler"),
+    **dict.fromkeys(("sample_generator", "sample_seed", "seeded"), "rtrain.worker.data.sample_rng"),
     **dict.fromkeys(("Settings", "settings"), "rtrain.worker.settings"),
     **dict.fromkeys(_RUNTIME, "rtrain.worker.runtime"),
     **dict.fromkeys(_GUARDS, "rtrain.worker.guards"),

@@ -22,8 +22,9 @@ from rtrain.checkpoint import crypt, hashing
 from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from rtrain.supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
-from rtrain.worker import check_order, data, dist, faults, guards, options, resume_check, runtime
+from rtrain.worker import check_order, dist, faults, guards, options, resume_check, runtime
 from rtrain.worker.compilecache import compile_cache
+from rtrain.worker.data import position
 from rtrain.worker.memtier.memory_tier import MemoryTier
 from rtrain.worker.options import Every, Keep, Restoring, Saving
 from rtrain.worker.restoring import restore
@@ -108,9 +109,9 @@ class Checkpointer:
         self.ckpt_dir = Path(ckpt_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler = scaler
-        # The data position counts what the loop consumed (worker/data.py).
-        self.data = data.track(loader=loader)
-        self.sampler = data.bare_sampler(self.data)  # check-resume's evidence looks for it
+        # The data position counts what the loop consumed (worker/data/position.py).
+        self.data = position.track(loader=loader)
+        self.sampler = position.bare_sampler(self.data)  # check-resume's evidence looks for it
         bounds = self.every.bounds()
         if bounds is not None:
             self.schedule = first_schedule(bounds, self.every.epoch_end)

@@ -21,7 +21,7 @@ import torch
 
 import rtrain
 from rtrain.worker import dist
-from rtrain.worker.data import Position
+from rtrain.worker.data.position import Position
 from rtrain.worker.saving import dist_ckpt
 from rtrain.worker.saving.save_target import FILES, Capture
 from rtrain.worker.settings import current as current_settings

@@ -1,8 +1,8 @@
 """How a loader given to the Checkpointer is watched: `iter(loader)` goes through its position.
 
 The loader's class is swapped for a subclass that changes nothing else, so the user's loop stays
-`for batch in loader`; its `__iter__` asks the position (worker/data.py) for the iterator, which
-is usually `Counted`: the loader's own iterator, counting each batch it hands to the loop.
+`for batch in loader`; its `__iter__` asks the position (worker/data/position.py) for the iterator,
+which is usually `Counted`: the loader's own iterator, counting each batch it hands to the loop.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from rtrain.worker.data_workers import born_with_sigterm_blocked, worker_init
+from rtrain.worker.data.data_workers import born_with_sigterm_blocked, worker_init
 
 
 class Counting(Protocol):
@@ -72,7 +72,7 @@ def watch_loader(loader: Any, pos: Any) -> bool:
 
 def seed_iteration(loader: Any, seed: int, epoch: int, position: int) -> None:
     """Seed the base seeds of the iteration starting at `position` of `epoch`."""
-    from rtrain.worker.sample_rng import sample_seed
+    from rtrain.worker.data.sample_rng import sample_seed
 
     loader.generator.manual_seed(sample_seed(position, epoch=epoch, seed=seed))
 

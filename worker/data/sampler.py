@@ -51,7 +51,7 @@ class ResumableSampler(Sampler[int]):
 
     `position` counts indices handed out. A DataLoader with workers takes indices ahead of the
     training loop; give the loader to the Checkpointer (`loader=`) and it counts the samples the
-    loop consumed instead (worker/data.py), which is what a checkpoint stores.
+    loop consumed instead (worker/data/position.py), which is what a checkpoint stores.
     """
 
     def __init__(self, num_samples: int, seed: int = 0, shuffle: bool = True) -> None:

@@ -22,10 +22,10 @@ generator when it has none: a resumed run calls `iter` where the uninterrupted o
 watched loader without a generator of its own is given one, seeded from where the iteration
 starts, so `iter(loader)` never touches the global generator. The workers' generators still
 differ after a mid-epoch resume (each advanced per sample it processed): randomness inside
-`__getitem__` must come from `rtrain.sample_generator` (worker/sample_rng.py) to be exact.
+`__getitem__` must come from `rtrain.sample_generator` (worker/data/sample_rng.py) to be exact.
 
-The class swap and the counting iterator are in worker/data_iter.py; what the loader's workers do
-with stop signals is in worker/data_workers.py.
+The class swap and the counting iterator are in worker/data/data_iter.py; what the loader's
+workers do with stop signals is in worker/data/data_workers.py.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from rtrain.worker.data_iter import Counted, seed_iteration, watch_loader
-from rtrain.worker.sampler import ResumableSampler
+from rtrain.worker.data.data_iter import Counted, seed_iteration, watch_loader
+from rtrain.worker.data.sampler import ResumableSampler
 from rtrain.worker.trainstate.tensors import decode, encode
 
 log = logging.getLogger(__name__)

@@ -1,12 +1,12 @@
 """Stop signals inside DataLoader workers: left to the training process, which saves.
 
-A stop often reaches every process of the group or job (rtrain's stop to the child's group,
-Ctrl-C, Slurm's --signal, a container's SIGTERM). torch's worker dies of a SIGTERM its parent
-did not send, and the loader then raises "DataLoader worker is killed" in the training loop
-instead of the step boundary saving. A watched loader's `worker_init_fn` is wrapped with
-`worker_init` (worker/data_iter.py) so that its workers leave such stops to the training process,
-and they are forked with SIGTERM blocked (`born_with_sigterm_blocked`), so that no stop reaches
-one in its start-up before that.
+A stop often reaches every process of the group or job (rtrain's stop to the child's group, Ctrl-C,
+Slurm's --signal, a container's SIGTERM). torch's worker dies of a SIGTERM its parent did not send,
+and the loader then raises "DataLoader worker is killed" in the training loop instead of the step
+boundary saving. A watched loader's `worker_init_fn` is wrapped with `worker_init`
+(worker/data/data_iter.py) so that its workers leave such stops to the training process, and they
+are forked with SIGTERM blocked (`born_with_sigterm_blocked`), so that no stop reaches one in its
+start-up before that.
 
 The same thread ends a worker whose training process is gone. torch's own watchdog notes the
 worker's parent only after `worker_init_fn` returns: a worker still starting when the training
