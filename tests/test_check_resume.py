@@ -21,7 +21,7 @@ from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.checkresume import causes as why
 from rtrain.supervisor.checkresume.compare import Contents, Tensor, compare, read, tensor_difference
 from rtrain.supervisor.core.protocol import ENV_CHECK_RESUME, ENV_CKPT_DIR
-from rtrain.worker import check_order
+from rtrain.worker.checkresume import check_order
 
 # ------------------------------------------------------------------ the comparison
 

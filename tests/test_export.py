@@ -1,9 +1,9 @@
 """`rtrain export`: a checkpoint's weights (and optimizer state) as safetensors or a torch.save
 state dict, compared bitwise with the model and optimizer that were saved; damaged checkpoints
-refused with the verifier's reason; a malicious pickle refused and never run; OUT never
-overwritten without --force. The safetensors export of rtrain's format runs in this process
-(torch-free); the torch side (`rtrain.worker.export`) is called in-process here and through the real
-command in the tests marked slow."""
+refused with the verifier's reason; a malicious pickle refused and never run; OUT never overwritten
+without --force. The safetensors export of rtrain's format runs in this process (torch-free); the
+torch side (`rtrain.worker.export.convert`) is called in-process here and through the real command
+in the tests marked slow."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from torch import nn
 
 import rtrain
 from rtrain.supervisor.core.errors import CheckpointError
-from rtrain.worker import export as wexport
+from rtrain.worker.export import convert as wexport
 
 pytestmark = pytest.mark.usefixtures("unsupervised")
 

@@ -1,4 +1,4 @@
-"""The process side of the stuck-rank report: the worker's progress board (worker/progress.py)
+"""The process side of the stuck-rank report: the worker's progress board (worker/stuck/progress.py)
 read back by the supervisor, stack files matched to ranks by pid, source lines read, the
 heartbeats as the fallback for a rank without a board."""
 
@@ -8,7 +8,7 @@ import os
 
 from rtrain.supervisor.core.progress_board import SIZE, board_name, pack, unpack
 from rtrain.supervisor.stuck.collect import read_boards, report
-from rtrain.worker.progress import Board
+from rtrain.worker.stuck.progress import Board
 
 
 def test_board_round_trip(tmp_path):

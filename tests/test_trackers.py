@@ -1,6 +1,6 @@
 """The trackers' variables an attempt is given (supervisor/launch/tracker_env.py, by table), the
-restarts a resumed attempt marks (worker/trackers.py: `fold` by table, `Restarts` over a real
-events.jsonl written as the supervisor writes it) and `Checkpointer.resumed_step`. The real
+restarts a resumed attempt marks (worker/trackers/restarts.py: `fold` by table, `Restarts` over a
+real events.jsonl written as the supervisor writes it) and `Checkpointer.resumed_step`. The real
 trackers under `rtrain launch`: tests/test_trackers_launch.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from rtrain import trackers
 from rtrain.supervisor.core import protocol
 from rtrain.supervisor.launch import child_env, tracker_env
-from rtrain.worker.trackers import Restart, Restarts, fold
+from rtrain.worker.trackers.restarts import Restart, Restarts, fold
 
 RUN = "0123456789abcdef0123456789abcdef"
 OTHER = "fedcba9876543210fedcba9876543210"

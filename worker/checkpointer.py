@@ -22,9 +22,11 @@ from rtrain.checkpoint import crypt, hashing
 from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from rtrain.supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
-from rtrain.worker import check_order, dist, faults, guards, options, resume_check, runtime
+from rtrain.worker import dist, options, runtime
+from rtrain.worker.checkresume import check_order, resume_check
 from rtrain.worker.compilecache import compile_cache
 from rtrain.worker.data import position
+from rtrain.worker.guards import degrade, faults
 from rtrain.worker.memtier.memory_tier import MemoryTier
 from rtrain.worker.options import Every, Keep, Restoring, Saving
 from rtrain.worker.restoring import restore
@@ -128,7 +130,8 @@ class Checkpointer:
         self.epoch = 0
         # The step `restore` resumed from, which the attempt runs again first: an experiment
         # tracker's steps from here on were logged by an earlier attempt and are replayed
-        # (TensorBoard's SummaryWriter(purge_step=...), worker/trackers.py). None: started fresh.
+        # (TensorBoard's SummaryWriter(purge_step=...), worker/trackers/restarts.py). None: started
+        # fresh.
         self.resumed_step: int | None = None
         self.extra: dict[str, Any] = {}
         self.last_saved: Path | None = None
@@ -239,7 +242,7 @@ class Checkpointer:
         if self._check is not None:
             self._check.boundary(step)
         if runtime.pressure_requested():
-            runtime.relieve_pressure(step, settings=guards.effective_settings())
+            runtime.relieve_pressure(step, settings=degrade.effective_settings())
         if self._watch is not None:
             self._boundary = _Boundary(step, self._epoch_now(), moving(self._parts()),
                                        self._watch.marks(), metrics or {}, extra or {})

@@ -8,8 +8,8 @@ directory of checkpoints exports the one a launch would resume from. Then one of
 - `copy`, torch-free, in this process: safetensors out of safetensors in (rtrain's model and
   optimizer files, a Trainer's model.safetensors or shards). A new header over the same bytes
   (`checkpoint/st_concat.py`), each rtrain file hashed against its manifest as it is copied.
-- `torch`, in `python -m rtrain.worker.export` (`worker/export.py`): every export to a
-  torch.save file and every source that is a pickle, which is loaded with
+- `torch`, in `python -m rtrain.worker.export.convert` (`worker/export/convert.py`): every export
+  to a torch.save file and every source that is a pickle, which is loaded with
   `torch.load(weights_only=True)` only. rtrain stays torch-free; the child runs the worker that
   ships with this rtrain.
 
@@ -47,14 +47,14 @@ METADATA = {"format": "pt"}
 
 class Way(str, enum.Enum):
     COPY = "copy"  # torch-free, in this process: safetensors from safetensors
-    TORCH = "torch"  # in `python -m rtrain.worker.export`
+    TORCH = "torch"  # in `python -m rtrain.worker.export.convert`
 
 
 @dataclass(frozen=True)
 class Plan:
     """How one export is made. `copy`: the checkpoint's safetensors `files` (name, tensor
     prefix) concatenated here, with state.json's optimizer entry in the metadata when
-    `optimizer_meta`. `torch`: `request` for rtrain.worker.export."""
+    `optimizer_meta`. `torch`: `request` for rtrain.worker.export.convert."""
 
     how: Way
     files: tuple[tuple[str, str], ...] = ()
@@ -323,10 +323,11 @@ def _plain(path: Path) -> Any:
 # ---------------------------------------------------------------- the torch side
 
 def run_worker(request: dict[str, Any]) -> dict[str, Any]:
-    """Run `python -m rtrain.worker.export` with the same interpreter, which finds the same
-    `rtrain` (installed, it is one package; no path is added that would expose anything else);
-    its one JSON line, or the error it reports (exit code kept)."""
-    proc = subprocess.run([sys.executable, "-m", "rtrain.worker.export", json.dumps(request)],
+    """Run `python -m rtrain.worker.export.convert` with the same interpreter, which finds the same
+    `rtrain` (installed, it is one package; no path is added that would expose anything else); its
+    one JSON line, or the error it reports (exit code kept)."""
+    proc = subprocess.run([sys.executable, "-m", "rtrain.worker.export.convert",
+                           json.dumps(request)],
                           stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           check=False)
     result = _last_json(proc.stdout)

@@ -29,7 +29,7 @@ ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
 ENV_GENERATION = "RTRAIN_GENERATION"  # the attempt's generation (checkpoint/generation.py)
 # The run identity (checkpoint/runid.py: 32 hex digits), the same in every attempt of the run,
 # after a requeue and on a fresh machine resuming from the mirror: experiment trackers continue
-# one run under it (launch/tracker_env.py, worker/trackers.py).
+# one run under it (launch/tracker_env.py, worker/trackers/restarts.py).
 ENV_RUN_ID = "RTRAIN_RUN_ID"
 # The names of the trackers' own variables rtrain set for the attempt (comma-separated), so the
 # worker's tracker helpers know which ones the user chose and which they may override.
@@ -42,10 +42,10 @@ ENV_RUN_SECONDS = "RTRAIN_RUN_SECONDS"
 # `cadence` event): a relaunch chooses its first interval from it instead of guessing.
 ENV_SAVE_COST = "RTRAIN_SAVE_COST"
 # Set only by `rtrain check-resume` (JSON {"stop_at": step or null, "stop": "kill", "signal" or
-# null, "entropy": a seed or absent}): `import rtrain` seeds python's and numpy's global
-# generators with the entropy (worker/check_order.py); the Checkpointer records evidence of
-# inexact resumes in each manifest's info.check_resume, stops where asked and saves the final
-# step (worker/resume_check.py).
+# null, "entropy": a seed or absent}): `import rtrain` seeds python's and numpy's global generators
+# with the entropy (worker/checkresume/check_order.py); the Checkpointer records evidence of inexact
+# resumes in each manifest's info.check_resume, stops where asked and saves the final step
+# (worker/checkresume/resume_check.py).
 ENV_CHECK_RESUME = "RTRAIN_CHECK_RESUME"
 ENV_RELIEVE_SIGNAL = "RTRAIN_RELIEVE_SIGNAL"
 # The memory tier's directory (supervisor/memtier/): an owner-only directory in shared memory

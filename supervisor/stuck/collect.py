@@ -1,5 +1,5 @@
 """The process side of the stuck-rank report: read what each rank left in the attempt dir at a
-hang (its progress board, worker/progress.py; its stack dumps, proc/stacks.py) and hand it to
+hang (its progress board, worker/stuck/progress.py; its stack dumps, proc/stacks.py) and hand it to
 the rule (stuck/decide.py).
 
 Ranks are matched to their stack files by pid (the board and the heartbeats carry both). A rank

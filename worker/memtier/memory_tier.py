@@ -58,8 +58,9 @@ from rtrain.checkpoint.commit import PendingCheckpoint, remove_dir
 from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
-from rtrain.worker import dist, faults, runtime
+from rtrain.worker import dist, runtime
 from rtrain.worker.compilecache import compile_cache
+from rtrain.worker.guards import faults
 from rtrain.worker.options import Memory
 from rtrain.worker.saving import dist_ckpt
 from rtrain.worker.saving.save_target import Capture, SaveTarget

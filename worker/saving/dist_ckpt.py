@@ -32,7 +32,8 @@ from rtrain.checkpoint.hashing import alg_for
 from rtrain.checkpoint.layout import MANIFEST
 from rtrain.checkpoint.verified_read import LoadError
 from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, StateMismatch
-from rtrain.worker import dist, faults
+from rtrain.worker import dist
+from rtrain.worker.guards import faults
 from rtrain.worker.saving.save_target import Capture, SaveTarget, storage_error
 from rtrain.worker.trainstate.tensors import load_listed, to_blob
 

@@ -21,8 +21,9 @@ import torch
 from rtrain.checkpoint import crypt, hashing
 from rtrain.checkpoint.commit import PendingCheckpoint
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
-from rtrain.worker import dist, faults, runtime
+from rtrain.worker import dist, runtime
 from rtrain.worker.compilecache import compile_cache
+from rtrain.worker.guards import faults
 from rtrain.worker.trainstate.tensors import to_blob
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The torch side of `rtrain export`: `python -m rtrain.worker.export REQUEST_JSON`.
+"""The torch side of `rtrain export`: `python -m rtrain.worker.export.convert REQUEST_JSON`.
 
 `rtrain` never imports torch, so the exports that need it run here, in a process of their own:
 every export to a `torch.save` file, and every source that is a pickle (a Lightning `.ckpt`, a

@@ -20,7 +20,7 @@ probe writes into every manifest (`info.check_resume`, schema below):
 - the model's RNG-consuming modules in training mode (dropout, RReLU, attention dropout).
 - the device, and whether deterministic algorithms are on (CUDA kernels may not reproduce).
 
-Orders from the command (parsed in worker/check_order.py, torch-free, with the entropy a
+Orders from the command (parsed in worker/checkresume/check_order.py, torch-free, with the entropy a
 process starts from): `stop_at` N with `stop` "kill" (at the first boundary at or past N:
 save, then SIGKILL the process group, as a lost node) or "signal" (send the stop signal,
 SIGTERM, to the process group: the Checkpointer saves at that boundary and exits 75, the
@@ -53,10 +53,11 @@ from typing import Any
 import numpy as np
 import torch
 
+import rtrain.worker
 from rtrain.supervisor.core.errors import CheckpointError
 from rtrain.supervisor.core.protocol import ENV_CKPT_DIR
 from rtrain.worker import runtime
-from rtrain.worker.check_order import Plan
+from rtrain.worker.checkresume.check_order import Plan
 
 VERSION = 1
 _MOVING = ("torch", "cuda", "python", "numpy", "data")
@@ -108,9 +109,10 @@ def rng_modules(model: torch.nn.Module | None) -> list[str]:
 _probes: weakref.WeakSet = weakref.WeakSet()
 _iterators: list[tuple[weakref.ref, weakref.ref]] = []  # (loader, its iterator)
 _patched = False
-# Calls from these places are the libraries' own (fork_rng, the Checkpointer's restore).
+# Calls from these places are the libraries' own (fork_rng, the Checkpointer's restore): all of
+# the worker's folders, not this module's alone.
 _OWN = tuple(os.path.dirname(os.path.abspath(f)) + os.sep
-             for f in (torch.__file__, np.__file__, __file__))
+             for f in (torch.__file__, np.__file__, rtrain.worker.__file__))
 _OWN_FILES = (random.__file__,)
 
 

@@ -151,9 +151,9 @@ def _oom_error(message: str) -> BaseException:
 
 def _knob(name: str) -> Any:
     # The supervisor's values for this attempt, then what an in-process back-off settled on.
-    from rtrain.worker import guards
+    from rtrain.worker.guards import degrade
 
-    return guards.effective_settings(_env_settings).get(name)
+    return degrade.effective_settings(_env_settings).get(name)
 
 
 def _exceeds(f: Fault, value: Any) -> bool:
