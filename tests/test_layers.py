@@ -1,7 +1,8 @@
 """The layer contracts of `[tool.importlinter]` in pyproject.toml hold: no torch in the
 supervisor or in the worker's entry points, pure decisions without process code, the checkpoint
-format below both halves, the worker apart from the supervisor's loop and CLI. Each contract
-says there why it exists.
+format below both halves, the worker apart from the supervisor's loop and CLI, the worker's
+folders below the Checkpointer and saving below restoring. Each contract says there why it
+exists.
 
 They are checked on the package as it ships: the wheel's `rtrain` folder, which holds the
 checkout's `supervisor/`, `worker/` and `checkpoint/` as `rtrain/supervisor/`, `rtrain/worker/`
