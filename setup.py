@@ -1,15 +1,16 @@
-"""The repository keeps the supervisor and the worker side by side at its top (`supervisor/`,
-`worker/`); installed, they are `rtrain.supervisor` and `rtrain.worker`, under the one import
-package `rtrain` (`rtrain/`), and nothing else lands in site-packages. Everything else about the
-build is in pyproject.toml; only this mapping needs code, so that a new folder ships without a
-list to keep."""
+"""The repository keeps the packages of rtrain side by side at its top: the supervisor
+(`supervisor/`), the worker (`worker/`) and the checkpoint format both of them use
+(`checkpoint/`); installed, they are `rtrain.supervisor`, `rtrain.worker` and
+`rtrain.checkpoint`, under the one import package `rtrain` (`rtrain/`), and nothing else lands in
+site-packages. Everything else about the build is in pyproject.toml; only this mapping needs
+code, so that a new folder ships without a list to keep."""
 
 from setuptools import find_packages, setup
 
-HALVES = ("supervisor", "worker")
+SUBPACKAGES = ("supervisor", "worker", "checkpoint")
 
 setup(
-    package_dir={"rtrain": "rtrain", **{f"rtrain.{half}": half for half in HALVES}},
+    package_dir={"rtrain": "rtrain", **{f"rtrain.{sub}": sub for sub in SUBPACKAGES}},
     packages=["rtrain", *(f"rtrain.{name}"
-                          for name in find_packages(include=[f"{half}*" for half in HALVES]))],
+                          for name in find_packages(include=[f"{sub}*" for sub in SUBPACKAGES]))],
 )

@@ -23,26 +23,27 @@ _GUARDS = ("NonFiniteGuard", "OOMBackoff", "SkipBadSamples", "DataError", "skip_
            "install_excepthook")
 _RUNTIME = ("heartbeat", "on_pressure", "relieve_pressure", "request_stop", "should_stop",
             "write_exit_record")
+_SAMPLERS = ("ResumableSampler", "DistributedResumableSampler")
 _PUBLIC = {
     "Checkpointer": "rtrain.worker.checkpointer",
     **dict.fromkeys(("Every", "Keep", "Memory", "Restoring", "Saving"), "rtrain.worker.options"),
-    **dict.fromkeys(("ResumableSampler", "DistributedResumableSampler"), "rtrain.worker.sampler"),
-    **dict.fromkeys(("sample_generator", "sample_seed", "seeded"), "rtrain.worker.sample_rng"),
+    **dict.fromkeys(_SAMPLERS, "rtrain.worker.data.sampler"),
+    **dict.fromkeys(("sample_generator", "sample_seed", "seeded"), "rtrain.worker.data.sample_rng"),
     **dict.fromkeys(("Settings", "settings"), "rtrain.worker.settings"),
     **dict.fromkeys(_RUNTIME, "rtrain.worker.runtime"),
-    **dict.fromkeys(_GUARDS, "rtrain.worker.guards"),
+    **dict.fromkeys(_GUARDS, "rtrain.worker.guards.degrade"),
 }
 """Each public name and the module that defines it."""
 
-_MODULES = {"trackers": "rtrain.worker.trackers"}
+_MODULES = {"trackers": "rtrain.worker.trackers.restarts"}
 """Modules a script reaches through this package: `rtrain.trackers.wandb_init(...)`."""
 
 __all__ = sorted([*_PUBLIC, *_MODULES, "__version__"])
 
 # Under `rtrain check-resume` only: the runs that stand for one original run start python's and
 # numpy's global generators alike, at the script's `import rtrain`, before its own code seeds or
-# draws (worker/check_order.py). Torch-free; elsewhere it reads one variable.
-from rtrain.worker import check_order  # noqa: E402
+# draws (worker/checkresume/check_order.py). Torch-free; elsewhere it reads one variable.
+from rtrain.worker.checkresume import check_order  # noqa: E402
 
 check_order.seed_entropy()
 

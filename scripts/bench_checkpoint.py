@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import rtrain
-from rtrain.supervisor.ckpt.verify import verify
+from rtrain.checkpoint.verify import verify
 
 
 def build(gib: float) -> nn.Module:

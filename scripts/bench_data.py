@@ -36,8 +36,8 @@ from torch.utils.data import DataLoader, RandomSampler
 ROOT = Path(__file__).resolve().parent.parent
 
 import rtrain  # noqa: E402
-from rtrain.worker.data_iter import Counted  # noqa: E402
-from rtrain.worker.sampler import SampleIndex  # noqa: E402
+from rtrain.worker.data.data_iter import Counted  # noqa: E402
+from rtrain.worker.data.sampler import SampleIndex  # noqa: E402
 
 
 def load_vision():

@@ -4,9 +4,10 @@
 
 Prints, for a state of about --gib GiB (float32 weights), the sync save time of
 `Checkpointer.save` (same path, same checkpoint dir layout, fsync on) unencrypted and with
-RTRAIN_ENCRYPTION_KEY's AES-256-GCM (ckpt/encrypted_file.py), median and best of --repeat runs, and
-the ratio of their throughputs (target: encrypted >= 0.7x unencrypted). Also the restore of
-each, from page cache (every byte hashed; the encrypted one also authenticated and decrypted).
+RTRAIN_ENCRYPTION_KEY's AES-256-GCM (checkpoint/encrypted_file.py), median and best of --repeat
+runs, and the ratio of their throughputs (target: encrypted >= 0.7x unencrypted). Also the
+restore of each, from page cache (every byte hashed; the encrypted one also authenticated and
+decrypted).
 Rounds alternate the order so drift in disk speed hits both alike.
 """
 

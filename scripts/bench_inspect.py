@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint
-from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
+from rtrain.checkpoint.commit import PendingCheckpoint
+from rtrain.checkpoint.safetensors_io import TensorBlob
 
 TARGET_S = 0.3
 

@@ -36,7 +36,7 @@ SHM = Path(tempfile.mkdtemp(prefix="rtrain-bench-", dir="/dev/shm"))
 os.environ[ENV_MEMORY_DIR] = str(SHM)
 
 import rtrain  # noqa: E402  (after the memory dir is set: the tier reads it at construction)
-from rtrain.supervisor.ckpt.layout import list_checkpoints  # noqa: E402
+from rtrain.checkpoint.layout import list_checkpoints  # noqa: E402
 from rtrain.supervisor.memtier.persist import persist  # noqa: E402
 from rtrain.supervisor.memtier.shmdir import newest  # noqa: E402
 

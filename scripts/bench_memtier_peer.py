@@ -24,11 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from rtrain.supervisor.ckpt import hashing, runid
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint
-from rtrain.supervisor.ckpt.layout import checkpoint_name
-from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
-from rtrain.supervisor.memtier import parts
+from rtrain.checkpoint import hashing, parts, runid
+from rtrain.checkpoint.commit import PendingCheckpoint
+from rtrain.checkpoint.layout import checkpoint_name
+from rtrain.checkpoint.safetensors_io import TensorBlob
 from rtrain.supervisor.memtier.peerfetch import fetch_part, list_remote
 from rtrain.supervisor.memtier.peerserver import PeerServer
 

@@ -30,8 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint  # noqa: E402
-from rtrain.supervisor.ckpt.safetensors_io import TensorBlob  # noqa: E402
+from rtrain.checkpoint.commit import PendingCheckpoint  # noqa: E402
+from rtrain.checkpoint.safetensors_io import TensorBlob  # noqa: E402
 from tests.s3server import BUCKET, S3Server  # noqa: E402
 
 MIB = 2**20

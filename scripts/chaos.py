@@ -3,12 +3,12 @@
     python scripts/chaos.py --minutes 15 [--seed S] [--jobs J] [--dir DIR] [--kinds K,K]
                             [--cadence auto|N] [--memory auto|N]
 
-Each episode is one supervised run of tests/children/chaos_train.py (a small deterministic
-training loop that logs every step it executes) from a fresh run directory, with a random plan
-of faults, one per attempt, then a clean attempt that finishes. It saves every 4 steps, or with
-`--cadence auto` at the interval worker/cadence.py chooses from the measured save stall and the
-run's failures; `--memory` adds the memory tier (`Saving(memory=...)`: snapshots in shared
-memory every N steps, or "auto", which rtrain commits when the process dies). Kinds:
+Each episode is one supervised run of tests/children/chaos_train.py (a small deterministic training
+loop that logs every step it executes) from a fresh run directory, with a random plan of faults, one
+per attempt, then a clean attempt that finishes. It saves every 4 steps, or with `--cadence auto` at
+the interval worker/saving/cadence.py chooses from the measured save stall and the run's failures;
+`--memory` adds the memory tier (`Saving(memory=...)`: snapshots in shared memory every N steps, or
+"auto", which rtrain commits when the process dies). Kinds:
 
     kill            SIGKILL the training child at a random moment (start-up or training)
     kill_in_save    SIGKILL it between two files of a checkpoint save (RTRAIN_FAULTS)

@@ -1,2 +1,2 @@
 """rtrain.supervisor: the `rtrain` command and the torch-free half of rtrain (the CLI,
-supervision, the checkpoint format)."""
+supervision, the reading commands)."""

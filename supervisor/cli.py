@@ -57,7 +57,7 @@ app = FastTyper(
 
 
 class VerifyLevel(str, enum.Enum):
-    # Mirrors ckpt.verify.Level; kept here so that building the CLI imports no hashing code.
+    # Mirrors checkpoint.verify.Level; kept here so that building the CLI imports no hashing code.
     quick = "quick"
     full = "full"
 
@@ -82,7 +82,7 @@ def echo_json(obj: Any) -> None:
 
 
 def _signing_key() -> bytes | None:
-    from rtrain.supervisor.ckpt.hashing import load_signing_key
+    from rtrain.checkpoint.hashing import load_signing_key
 
     return load_signing_key()
 
@@ -133,7 +133,7 @@ def inspect(
 ) -> None:
     """List checkpoints and which one resume would pick, or show one checkpoint in detail."""
     with reported():
-        from rtrain.supervisor.ckpt.verify import Level
+        from rtrain.checkpoint.verify import Level
         from rtrain.supervisor.commands import inspect_render as render
         from rtrain.supervisor.commands import inspecting as insp
 
@@ -180,7 +180,7 @@ def prune(
 ) -> None:
     """Remove checkpoints the retention policy does not keep, and abandoned temp dirs."""
     with reported():
-        from rtrain.supervisor.ckpt.verify import Level
+        from rtrain.checkpoint.verify import Level
         from rtrain.supervisor.retention import prune_command
 
         policy = prune_command.policy_from_options(

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from harness import REPO
 
-# What the build reads: the metadata, the package mapping and the three folders it maps.
-INPUTS = ("pyproject.toml", "setup.py", "README.md", "rtrain", "supervisor", "worker")
+# What the build reads: the metadata, the package mapping and the four folders it maps.
+INPUTS = ("pyproject.toml", "setup.py", "README.md", "rtrain", "supervisor", "worker", "checkpoint")
 
 BUILD = """
 import json, sys

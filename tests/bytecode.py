@@ -19,7 +19,7 @@ from harness import REPO
 
 # What the processes tests start import: rtrain, the library inside the training script, the
 # scripts the tests run as children, and the examples some of them train.
-COMPILED = ("rtrain", "supervisor", "worker", "tests/children", "examples")
+COMPILED = ("rtrain", "supervisor", "worker", "checkpoint", "tests/children", "examples")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 from harness import invoke_rtrain
 
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint
-from rtrain.supervisor.ckpt.hashing import alg_for
-from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
+from rtrain.checkpoint import parts, runid
+from rtrain.checkpoint.commit import PendingCheckpoint
+from rtrain.checkpoint.hashing import alg_for
+from rtrain.checkpoint.safetensors_io import TensorBlob
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR
-from rtrain.supervisor.memtier import parts
 
 # The soak tier and --soak (tiers.py); stacks of a hung test's processes, no leftovers (hangs.py);
 # the project's bytecode compiled once for every process the tests start (bytecode.py).

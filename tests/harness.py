@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import pytest
 
-from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.proc.spawn import ChildSpec
 from rtrain.supervisor.records.events import EventLog, read_events
 

@@ -14,8 +14,8 @@ import torch
 from conftest import NUMPY_TO_ST
 
 import rtrain
-from rtrain.supervisor.ckpt import hashing
-from rtrain.supervisor.ckpt.safetensors_io import TensorBlob, build_header
+from rtrain.checkpoint import hashing
+from rtrain.checkpoint.safetensors_io import TensorBlob, build_header
 
 
 def manifest(ckpt: Path) -> dict[str, Any]:

@@ -4,8 +4,8 @@ Many end-to-end tests compare a run split by failures with the same uninterrupte
 that run costs a fresh interpreter and torch's imports, far more than its steps. `cached` makes
 it once for all tests and all pytest-xdist workers of a session (a file lock: the second worker
 waits for the first's result), and keeps it for later sessions under .pytest_cache: the key
-covers the run's own inputs and a digest of the code it runs (worker/, supervisor/, the child
-scripts, the torch version), so a change to any of them makes a new one.
+covers the run's own inputs and a digest of the code it runs (worker/, supervisor/,
+checkpoint/, the child scripts, the torch version), so a change to any of them makes a new one.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ DONE = ".complete"  # written last: a directory without it is a run that did not
 
 @functools.cache
 def code_digest() -> str:
-    """A digest of the code a reference run executes: the worker and supervisor packages, the
-    test children and the installed torch."""
+    """A digest of the code a reference run executes: the worker, supervisor and checkpoint
+    packages, the test children and the installed torch."""
     import torch
 
     h = hashlib.sha256(torch.__version__.encode())
-    for folder in ("rtrain", "worker", "supervisor", "tests/children"):
+    for folder in ("rtrain", "worker", "supervisor", "checkpoint", "tests/children"):
         for path in sorted((REPO / folder).rglob("*.py")):
             h.update(str(path.relative_to(REPO)).encode())
             h.update(path.read_bytes())

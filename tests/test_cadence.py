@@ -1,4 +1,4 @@
-"""every="auto": the pure interval (worker/cadence.py) by table, the save clock that feeds
+"""every="auto": the pure interval (worker/saving/cadence.py) by table, the save clock that feeds
 it, the supervisor's failure record (timeline, child env) and what `rtrain status` shows."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from rtrain.supervisor.core import protocol
 from rtrain.supervisor.launch import child_env
 from rtrain.supervisor.records.events import EventLog
 from rtrain.supervisor.records.timeline import Timeline
-from rtrain.worker import cadence, save_clock
-from rtrain.worker.cadence import CadenceBounds, Mtbf
-from rtrain.worker.schedule import SaveSchedule
+from rtrain.worker.saving import cadence, save_clock
+from rtrain.worker.saving.cadence import CadenceBounds, Mtbf
+from rtrain.worker.saving.schedule import SaveSchedule
 
 PRIOR = cadence.mtbf(None, None)
 DAY = 86400.0

@@ -16,7 +16,7 @@ from chaos_util import (
 )
 from harness import events
 
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint.verify import Level, verify
 
 TRAIN = {"steps": 80, "save_every": 4}
 

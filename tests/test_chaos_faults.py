@@ -17,7 +17,7 @@ from chaos_util import (
 )
 from harness import events
 
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.records.recovery import PHASES
 
 HANG_TIMEOUT_S = 3.0

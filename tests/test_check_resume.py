@@ -16,12 +16,12 @@ from harness import CHILDREN, REPO, invoke_rtrain
 from torch import nn
 
 import rtrain
+from rtrain.checkpoint import manifest
+from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.checkresume import causes as why
 from rtrain.supervisor.checkresume.compare import Contents, Tensor, compare, read, tensor_difference
-from rtrain.supervisor.ckpt import manifest
-from rtrain.supervisor.ckpt.layout import list_checkpoints
 from rtrain.supervisor.core.protocol import ENV_CHECK_RESUME, ENV_CKPT_DIR
-from rtrain.worker import check_order
+from rtrain.worker.checkresume import check_order
 
 # ------------------------------------------------------------------ the comparison
 

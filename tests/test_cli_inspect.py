@@ -8,7 +8,7 @@ import os
 import pytest
 from harness import run_rtrain
 
-from rtrain.supervisor.ckpt.layout import MANIFEST, host_name
+from rtrain.checkpoint.layout import MANIFEST, host_name
 
 
 def flip_last_byte(path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from harness import checkpoint_steps
 
-from rtrain.supervisor.ckpt.layout import host_name
+from rtrain.checkpoint.layout import host_name
 from rtrain.supervisor.records.paths import default_ckpt_dir
 
 

@@ -18,7 +18,7 @@ from bitwise import assert_bitwise_equal
 from harness import CHILDREN, child_env, events, launch
 from hostile import code_running_pickle, manifest, relist, write_manifest
 
-from rtrain.worker import compile_cache, compile_pack
+from rtrain.worker.compilecache import compile_cache, compile_pack
 
 SCRIPT = CHILDREN / "train_compiled.py"
 KEY = "compile-cache-test-key"

@@ -1,7 +1,8 @@
 """The compile cache's rules, in-process: when a checkpoint's compile cache may be loaded
-(worker/compile_cache.judge), the container it travels in (worker/compile_pack.py), where
-attempts keep their compile caches (supervisor/compilecache/dirs.py), and a forged cache that
-verifies but that torch cannot take: ignored, the checkpoint still restores."""
+(worker/compilecache/compile_cache.judge), the container it travels in
+(worker/compilecache/compile_pack.py), where attempts keep their compile caches
+(supervisor/compilecache/dirs.py), and a forged cache that verifies but that torch cannot take:
+ignored, the checkpoint still restores."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import torch
 from hostile import make, manifest, relist, write_manifest
 
 import rtrain
-from rtrain.supervisor.ckpt import hashing
-from rtrain.supervisor.ckpt.manifest import sign_manifest
+from rtrain.checkpoint import hashing
+from rtrain.checkpoint.manifest import sign_manifest
 from rtrain.supervisor.compilecache import dirs as compile_dirs
-from rtrain.worker import compile_cache, compile_pack
+from rtrain.worker.compilecache import compile_cache, compile_pack
 
 HERE = {"torch": torch.__version__, "device": "cpu/x86_64"}
 
@@ -129,7 +130,7 @@ def test_a_cache_torch_cannot_take_is_ignored_and_the_checkpoint_restores(
     model2, opt2 = make(seed=1)
     ck2 = rtrain.Checkpointer(model=model2, optimizer=opt2, ckpt_dir=tmp_path,
                               signing_key=key if signed else None)
-    caplog.set_level(logging.INFO, logger="rtrain.worker.compile_cache")
+    caplog.set_level(logging.INFO, logger="rtrain.worker.compilecache.compile_cache")
     assert ck2.restore() == 2
     assert torch.equal(model2.weight, saved)
     assert why in caplog.text and "compiles cold" in caplog.text
@@ -153,7 +154,7 @@ def test_inspect_shows_the_compile_caches_size(tmp_path):
 def test_the_mirror_carries_the_compile_cache(tmp_path):
     """A fresh machine resuming from the mirror gets the compile cache with the checkpoint:
     it is one of the manifest's files, uploaded and fetched (and verified) like the others."""
-    from rtrain.supervisor.ckpt.verify import Level, verify
+    from rtrain.checkpoint.verify import Level, verify
     from rtrain.supervisor.mirror import transfer
     from rtrain.supervisor.mirror.store import open_mirror
 

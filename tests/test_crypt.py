@@ -1,4 +1,4 @@
-"""The encrypted file format (supervisor/ckpt/encrypted_file.py) and its key (crypt.py): round
+"""The encrypted file format (checkpoint/encrypted_file.py) and its key (crypt.py): round
 trips, wrong keys, tampering, truncation, reordered chunks, and the key's loading rules."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from rtrain.supervisor.ckpt import crypt, encrypted_file
-from rtrain.supervisor.ckpt.crypt import CryptError, EncryptionKey
-from rtrain.supervisor.ckpt.encrypted_file import Decryptor
+from rtrain.checkpoint import crypt, encrypted_file
+from rtrain.checkpoint.crypt import CryptError, EncryptionKey
+from rtrain.checkpoint.encrypted_file import Decryptor
 from rtrain.supervisor.core.errors import UsageError
 
 KEY = EncryptionKey(bytes(range(32)))
@@ -227,6 +227,6 @@ def test_key_problem_names_both_fingerprints() -> None:
 
 
 def test_the_encryption_key_is_a_secret_hooks_never_get() -> None:
-    from rtrain.supervisor.ckpt.hashing import SECRET_ENV
+    from rtrain.checkpoint.hashing import SECRET_ENV
 
     assert "RTRAIN_ENCRYPTION_KEY" in SECRET_ENV

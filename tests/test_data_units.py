@@ -1,5 +1,5 @@
-"""rtrain.worker.data, rtrain.worker.sampler and rtrain.worker.sample_rng in one process (no
-DataLoader workers)."""
+"""rtrain.worker.data.position, rtrain.worker.data.sampler and rtrain.worker.data.sample_rng in one
+process (no DataLoader workers)."""
 
 import json
 import pickle
@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import rtrain
-from rtrain.worker import data
-from rtrain.worker.sampler import SampleIndex
+from rtrain.worker.data import position
+from rtrain.worker.data.sampler import SampleIndex
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
@@ -83,7 +83,7 @@ def test_position_is_what_the_loop_took_and_resumes_there(tmp_path):
 def test_drop_last_remainder_ends_the_epoch():
     sampler = rtrain.ResumableSampler(10, seed=0)
     loader = DataLoader(dataset(10), batch_size=4, sampler=sampler, drop_last=True)
-    pos = data.track(loader=loader)
+    pos = position.track(loader=loader)
     assert len(list(loader)) == 2
     assert (pos.epoch, pos.position, pos.samples_seen) == (1, 0, 8)
 
@@ -98,14 +98,14 @@ def test_iter_of_a_watched_loader_leaves_the_global_generator_alone(tmp_path):
 
 def test_loader_errors_say_what_to_do(tmp_path):
     with pytest.raises(ValueError, match="ResumableSampler"):
-        data.track(loader=DataLoader(dataset(), batch_size=4, shuffle=True))
+        position.track(loader=DataLoader(dataset(), batch_size=4, shuffle=True))
     with pytest.raises(ValueError, match="in_order"):
-        data.track(loader=DataLoader(dataset(), sampler=rtrain.ResumableSampler(20),
+        position.track(loader=DataLoader(dataset(), sampler=rtrain.ResumableSampler(20),
                                      num_workers=1, in_order=False))
     loader = DataLoader(dataset(), sampler=rtrain.ResumableSampler(20))
-    data.track(loader=loader)
+    position.track(loader=loader)
     with pytest.raises(ValueError, match="already"):
-        data.track(loader=loader)
+        position.track(loader=loader)
 
 
 @pytest.mark.parametrize(("n", "shuffle", "drop_last"),
@@ -140,7 +140,7 @@ def test_distributed_position_is_per_rank_and_refuses_another_world_mid_epoch():
 def test_a_new_iter_hands_out_again_what_was_fetched_but_not_taken():
     sampler = rtrain.ResumableSampler(20, seed=1)
     loader = DataLoader(dataset(), batch_size=4, sampler=sampler)
-    data.track(loader=loader)
+    position.track(loader=loader)
     first = stream(loader, 2)
     sampler.position = 15  # a prefetching loader's sampler, ahead of the loop
     assert first + stream(loader, 3) == epoch_order(20, 1, 0)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from data_split import TOTAL, run, split_vs_whole, whole
 
-from rtrain.worker import data_workers
+from rtrain.worker.data import data_workers
 
 SOAK = pytest.mark.soak  # the worker matrix; its densest configuration is the default tier's
 DENSEST = ["--workers", "2", "--persistent", "--pin", "--prefetch", "3"]

@@ -25,7 +25,7 @@ from harness import (
 from references import rank_state, two_ranks
 from s3server import free_port
 
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint.verify import Level, verify
 
 TRAIN = str(CHILDREN / "dist_train.py")
 

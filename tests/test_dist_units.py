@@ -9,8 +9,8 @@ import pytest
 from observed import observed
 from typer.testing import CliRunner
 
+from rtrain.checkpoint import generation
 from rtrain.supervisor import cli
-from rtrain.supervisor.ckpt import generation
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.core.errors import StateMismatch
 from rtrain.supervisor.decide.classify import classify
@@ -67,7 +67,7 @@ def test_own_torchrun_command_after_double_dash_runs_as_is(launched):
 def test_world_size_rule():
     pytest.importorskip("torch")
     from rtrain.worker.dist import World
-    from rtrain.worker.dist_ckpt import check_world
+    from rtrain.worker.saving.dist_ckpt import check_world
 
     sharded = {"world_size": 4, "layout": "sharded"}
     assert check_world(sharded, World(0, 2), True, False, "checkpoint-9") == "sharded"

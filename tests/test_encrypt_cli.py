@@ -13,8 +13,8 @@ import pytest
 from conftest import blob
 from harness import events
 
-from rtrain.supervisor.ckpt import crypt
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+from rtrain.checkpoint import crypt
+from rtrain.checkpoint.commit import PendingCheckpoint
 
 KEY = crypt.EncryptionKey(bytes(range(32)))
 KEY_HEX = bytes(range(32)).hex()

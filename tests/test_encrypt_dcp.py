@@ -11,8 +11,8 @@ import torch
 from hostile import make, relist, two_checkpoints
 
 import rtrain
-from rtrain.supervisor.ckpt import crypt, encrypted_file
-from rtrain.supervisor.ckpt.verify import verify
+from rtrain.checkpoint import crypt, encrypted_file
+from rtrain.checkpoint.verify import verify
 from rtrain.supervisor.core.errors import CorruptCheckpoint, KeyMismatch
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()

@@ -13,9 +13,9 @@ from bitwise import assert_bitwise_equal
 from harness import CHILDREN, events, launch, launch_2_ranks, run_rtrain
 from references import bitwise_run
 
-from rtrain.supervisor.ckpt import crypt, encrypted_file
-from rtrain.supervisor.ckpt.hashing import hash_file
-from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.checkpoint import crypt, encrypted_file
+from rtrain.checkpoint.hashing import hash_file
+from rtrain.checkpoint.layout import list_checkpoints
 
 SCRIPT = CHILDREN / "train_bitwise.py"
 KEY = "3c" * 32

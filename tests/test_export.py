@@ -1,9 +1,9 @@
 """`rtrain export`: a checkpoint's weights (and optimizer state) as safetensors or a torch.save
 state dict, compared bitwise with the model and optimizer that were saved; damaged checkpoints
-refused with the verifier's reason; a malicious pickle refused and never run; OUT never
-overwritten without --force. The safetensors export of rtrain's format runs in this process
-(torch-free); the torch side (`rtrain.worker.export`) is called in-process here and through the real
-command in the tests marked slow."""
+refused with the verifier's reason; a malicious pickle refused and never run; OUT never overwritten
+without --force. The safetensors export of rtrain's format runs in this process (torch-free); the
+torch side (`rtrain.worker.export.convert`) is called in-process here and through the real command
+in the tests marked slow."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from torch import nn
 
 import rtrain
 from rtrain.supervisor.core.errors import CheckpointError
-from rtrain.worker import export as wexport
+from rtrain.worker.export import convert as wexport
 
 pytestmark = pytest.mark.usefixtures("unsupervised")
 
@@ -106,8 +106,8 @@ def test_an_encrypted_checkpoint_exports_with_its_key_only(rtrain, tmp_path, mon
 def test_bytes_changed_after_verification_are_caught_while_copied(tmp_path, make_ckpt):
     """The copy hashes what it copies: a file changed between the verification and the copy
     (here: before the copy, the manifest already read) fails, and nothing is published."""
-    from rtrain.supervisor.ckpt import manifest, st_concat
-    from rtrain.supervisor.ckpt.verified_read import open_listed
+    from rtrain.checkpoint import manifest, st_concat
+    from rtrain.checkpoint.verified_read import open_listed
 
     path = make_ckpt(tmp_path / "ckpt", 100)
     m = manifest.load(path)

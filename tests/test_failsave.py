@@ -1,5 +1,5 @@
-"""Save at the failure (worker/failsave.py), in this process: the decision by table, the marks
-each kind of change leaves, and `Checkpointer.save_on_failure` committing exactly the last
+"""Save at the failure (worker/saving/failsave.py), in this process: the decision by table, the
+marks each kind of change leaves, and `Checkpointer.save_on_failure` committing exactly the last
 completed step, or nothing."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import rtrain
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.worker import failsave
-from rtrain.worker.capture import moving
-from rtrain.worker.failsave import Marks, Verdict, decide
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.worker.saving import failsave
+from rtrain.worker.saving.capture import moving
+from rtrain.worker.saving.failsave import Marks, Verdict, decide
 
 M = Marks(optimizer_steps=3, versions=(1, 2), scheduler=(3, 0.1), scaler=7)
 

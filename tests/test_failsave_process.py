@@ -21,7 +21,7 @@ from chaos_util import (
 )
 from harness import CHILDREN, child_env, events
 
-from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.checkpoint.layout import list_checkpoints
 
 SETTINGS = {"steps": 30, "save_every": 8, "keep": 10}  # keep: the failure's checkpoint stays
 

@@ -1,5 +1,5 @@
-"""rtrain.worker.faults: RTRAIN_FAULTS parsing, each fault in the right attempt only, free when
-off."""
+"""rtrain.worker.guards.faults: RTRAIN_FAULTS parsing, each fault in the right attempt only, free
+when off."""
 
 import importlib
 import json
@@ -13,9 +13,9 @@ import torch
 from harness import CHILDREN, child_env
 
 import rtrain
-from rtrain.supervisor.ckpt.layout import list_checkpoints, list_leftovers
-from rtrain.supervisor.ckpt.verify import select_rtrain_resume, verify
-from rtrain.worker import faults, guards
+from rtrain.checkpoint.layout import list_checkpoints, list_leftovers
+from rtrain.checkpoint.verify import select_rtrain_resume, verify
+from rtrain.worker.guards import degrade, faults
 
 CHILD = CHILDREN / "checkpointer_every_step.py"
 
@@ -26,8 +26,8 @@ def faults_env(spec: str, attempt: int = 0) -> dict[str, str]:
 
 @pytest.fixture
 def arm(monkeypatch):
-    """Re-import rtrain.worker.faults under an RTRAIN_FAULTS spec; put the unarmed module back
-    after."""
+    """Re-import rtrain.worker.guards.faults under an RTRAIN_FAULTS spec; put the unarmed module
+    back after."""
 
     def _arm(spec, attempt=0, settings=None):
         monkeypatch.setenv("RTRAIN_FAULTS", spec)
@@ -41,7 +41,7 @@ def arm(monkeypatch):
     monkeypatch.delenv("RTRAIN_ATTEMPT", raising=False)
     monkeypatch.delenv("RTRAIN_SETTINGS", raising=False)
     importlib.reload(faults)
-    guards._overrides.clear()
+    degrade._overrides.clear()
 
 
 def test_off_every_hook_is_the_noop(monkeypatch):
@@ -86,11 +86,11 @@ def test_oom_while_knob_above_value(arm):
     f = arm("oom@batch_size>16,attempt=*", settings={"batch_size": 32})
     with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory") as e:
         f.step_hook(1)
-    assert guards.exit_kind(e.value) == "oom_gpu"
+    assert degrade.exit_kind(e.value) == "oom_gpu"
     arm("oom@batch_size>16,attempt=*", settings={"batch_size": 16}).step_hook(1)
     # A size the in-process back-off settled on counts too.
     f = arm("oom@batch_size>16,attempt=*", settings={"batch_size": 32})
-    guards._overrides["batch_size"] = 8
+    degrade._overrides["batch_size"] = 8
     f.step_hook(1)
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from observed import observed
 
+from rtrain.checkpoint.verify import Level
 from rtrain.supervisor.ckpt import foreign, keepcopy, pickle_scan, progress, torchzip
-from rtrain.supervisor.ckpt.verify import Level
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.decide import budgets
 from rtrain.supervisor.decide.failures import Failure, FailureKind

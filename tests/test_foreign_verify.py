@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from rtrain.checkpoint.verify import Status
 from rtrain.supervisor.ckpt import foreign, torchzip
-from rtrain.supervisor.ckpt.verify import Status
 
 
 def torch_file(path: Path, seed: int = 0) -> Path:

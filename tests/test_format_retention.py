@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from harness import checkpoint_steps
 
-from rtrain.supervisor.ckpt import commit
-from rtrain.supervisor.ckpt.layout import host_name, list_checkpoints, list_leftovers
+from rtrain.checkpoint import commit
+from rtrain.checkpoint.layout import host_name, list_checkpoints, list_leftovers
 from rtrain.supervisor.retention import prune_dir as prune_mod
 from rtrain.supervisor.retention.decide import Candidate, RetentionPolicy, plan
 

@@ -10,8 +10,8 @@ import pytest
 from conftest import blob
 from safetensors.numpy import load_file
 
-from rtrain.supervisor.ckpt import hashing, safetensors_io
-from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
+from rtrain.checkpoint import hashing, safetensors_io
+from rtrain.checkpoint.safetensors_io import TensorBlob
 
 
 def test_round_trip_through_the_safetensors_library(tmp_path):

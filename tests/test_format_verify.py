@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rtrain.supervisor.ckpt import hashing
-from rtrain.supervisor.ckpt.layout import MANIFEST
-from rtrain.supervisor.ckpt.verify import Level, Status, select_rtrain_resume, verify
+from rtrain.checkpoint import hashing
+from rtrain.checkpoint.layout import MANIFEST
+from rtrain.checkpoint.verify import Level, Status, select_rtrain_resume, verify
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""rtrain.worker.guards: non-finite skips, OOM back-off, bad samples, exit records of uncaught
-errors."""
+"""rtrain.worker.guards.degrade: non-finite skips, OOM back-off, bad samples, exit records of
+uncaught errors."""
 
 import json
 import sys
@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import rtrain
-from rtrain.worker import guards
+from rtrain.worker.guards import degrade
 
 
 @pytest.fixture(autouse=True)
@@ -17,9 +17,9 @@ def status_dir(tmp_path, monkeypatch):
     """Supervised as far as exit records go; no overrides leak between tests."""
     monkeypatch.setenv("RTRAIN_STATUS", str(tmp_path))
     monkeypatch.delenv("RTRAIN_SETTINGS", raising=False)
-    guards._overrides.clear()
+    degrade._overrides.clear()
     yield tmp_path
-    guards._overrides.clear()
+    degrade._overrides.clear()
 
 
 def record(status_dir):
@@ -112,7 +112,7 @@ def test_oom_backoff_splits_with_the_same_gradients():
         assert torch.allclose(a, b, atol=1e-6)
     # The smaller size sticks, and the effective batch is kept in what is reported.
     assert backoff.micro == 4
-    assert guards.effective_settings() == {"batch_size": 4, "grad_accum": 8}
+    assert degrade.effective_settings() == {"batch_size": 4, "grad_accum": 8}
     sizes.clear()
     backoff.run(_loss_fn(model, lambda n, _: n > 4, sizes), batch)
     assert sizes == [4, 4, 4, 4]
@@ -138,7 +138,7 @@ def test_oom_at_micro_batch_one_and_other_errors_are_raised():
     with pytest.raises(torch.OutOfMemoryError):
         rtrain.OOMBackoff().run(_loss_fn(model, lambda n, _: True, sizes), batch)
     assert sizes == [16, 8, 4, 2, 1]
-    assert guards.effective_settings()["batch_size"] == 1
+    assert degrade.effective_settings()["batch_size"] == 1
 
     def bad(mb):
         raise RuntimeError("shape mismatch")
@@ -191,7 +191,7 @@ def test_too_many_bad_samples_end_the_attempt_as_data(status_dir):
     sys_hook = sys.excepthook
     try:
         sys.excepthook = lambda *a: calls.append(a)
-        guards.install_excepthook()
+        degrade.install_excepthook()
         sys.excepthook(type(e.value), e.value, None)
     finally:
         sys.excepthook = sys_hook
@@ -212,7 +212,7 @@ def test_excepthook_writes_the_kind_then_chains(status_dir, monkeypatch, exc, ki
     monkeypatch.setattr(sys, "excepthook", lambda *a: calls.append(a))
     rtrain.install_excepthook()
     rtrain.install_excepthook()  # twice is once
-    guards._overrides["batch_size"] = 4
+    degrade._overrides["batch_size"] = 4
     sys.excepthook(type(exc), exc, None)
     rec = record(status_dir)
     assert rec["kind"] == kind and rec["settings"] == {"batch_size": 4}

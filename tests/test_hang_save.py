@@ -1,4 +1,4 @@
-"""Save at a hang (worker/hang_save.py, supervisor/proc/control.py): the request through the
+"""Save at a hang (worker/saving/hang_save.py, supervisor/proc/control.py): the request through the
 FIFO reaches a reader thread whatever the training thread is doing, and only a request with the
 attempt's token is served (others are refused and recorded); a stuck forward commits the last
 completed step and the relaunch loses none; stuck after the optimizer step, nothing is saved;
@@ -20,7 +20,7 @@ from harness import child_env, events, launch_cmd
 
 from rtrain.supervisor.core.protocol import CONTROL_FAILSAVE, CONTROL_FIFO
 from rtrain.supervisor.proc.control import ask_failure_save
-from rtrain.worker import failsave, hang_save
+from rtrain.worker.saving import failsave, hang_save
 
 TOKEN = "5e" * 16
 
@@ -128,7 +128,8 @@ def test_only_requests_with_the_attempts_token_are_served_the_rest_reported(tmp_
 ASKS_ITSELF = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from rtrain.worker import hang_save, runtime
+    from rtrain.worker.saving import hang_save
+    from rtrain.worker import runtime
     Path(sys.argv[1]).write_text(os.environ.get("RTRAIN_CONTROL_TOKEN", ""))  # not in the run dir
     runtime.install()
     assert hang_save.start(lambda: [])

@@ -10,7 +10,7 @@ import torch
 from hostile import code_running_pickle, make, relist, two_checkpoints
 
 import rtrain
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.core.errors import CorruptCheckpoint
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()

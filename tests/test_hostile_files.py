@@ -19,9 +19,9 @@ import time
 import pytest
 from harness import REPO, child_env
 
-from rtrain.supervisor.ckpt import hashing
-from rtrain.supervisor.ckpt.layout import MANIFEST, list_checkpoints
-from rtrain.supervisor.ckpt.manifest import dumps
+from rtrain.checkpoint import hashing
+from rtrain.checkpoint.layout import MANIFEST, list_checkpoints
+from rtrain.checkpoint.manifest import dumps
 
 HANG_S = 30  # far above a normal run, even on a loaded machine
 
@@ -151,7 +151,7 @@ def test_symlinked_checkpoint_dir_is_reported_and_prune_never_follows_it(three, 
 
 
 def test_open_regular_refuses_what_is_not_a_regular_file(tmp_path):
-    from rtrain.supervisor.ckpt import safeio
+    from rtrain.checkpoint import safeio
 
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "real").write_bytes(b"x")
@@ -269,7 +269,7 @@ def test_metrics_file_passes_over_a_fifo_manifest(three, tmp_path):
 def test_bomb_screening_is_linear(raw):
     """4 MB of quotes, backslashes or brackets: refused in about a second, where a quadratic
     scan (or the recursive parser) would take hours (or overflow)."""
-    from rtrain.supervisor.ckpt import safeio
+    from rtrain.checkpoint import safeio
 
     t0 = time.process_time()
     with pytest.raises(ValueError):

@@ -25,8 +25,8 @@ from hostile import table as tensor_table
 from hostile import two_checkpoints as shared_two_checkpoints
 
 import rtrain
-import rtrain.worker.restore as restore_module
-from rtrain.supervisor.ckpt.verify import Level, verify
+import rtrain.worker.restoring.restore as restore_module
+from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.core.errors import CorruptCheckpoint, ExitCode, StateMismatch
 
 pytestmark = pytest.mark.usefixtures("unsupervised")
@@ -154,8 +154,8 @@ def test_signed_checkpoints_hash_their_files_with_blake3(tmp_path, monkeypatch):
 
 def test_a_signed_manifest_over_xxh3_hashes_is_refused_under_a_key(tmp_path, monkeypatch,
                                                                     make_ckpt):
-    from rtrain.supervisor.ckpt import hashing
-    from rtrain.supervisor.ckpt import manifest as mf
+    from rtrain.checkpoint import hashing
+    from rtrain.checkpoint import manifest as mf
 
     key = hashing.derive_key(b"secret")
     ckpt = make_ckpt(tmp_path, 3)  # unsigned, xxh3-128: what an older rtrain wrote

@@ -25,9 +25,10 @@ import pytest
 from harness import child_spec, invoke_rtrain, write_events
 from scripted_loop import Script, run, success
 
-from rtrain.supervisor.ckpt import generation, keepcopy, quarantine
-from rtrain.supervisor.ckpt.generation import GENERATION_FILE
-from rtrain.supervisor.ckpt.quarantine import QUARANTINE_FILE
+from rtrain.checkpoint import generation, quarantine
+from rtrain.checkpoint.generation import GENERATION_FILE
+from rtrain.checkpoint.quarantine import QUARANTINE_FILE
+from rtrain.supervisor.ckpt import keepcopy
 from rtrain.supervisor.core import ownfiles
 from rtrain.supervisor.proc.leftovers import PROCS_FILE
 from rtrain.supervisor.proc.logcap import CappedLog

@@ -1,5 +1,5 @@
-"""Optimizer hyper-parameters a restore replaced (worker/hyperparams.py): one warning line per
-resume for what the script changed, none for what it sets itself every step. Real torch
+"""Optimizer hyper-parameters a restore replaced (worker/trainstate/hyperparams.py): one warning
+line per resume for what the script changed, none for what it sets itself every step. Real torch
 optimizers and schedulers, in-process; the pure parts by table."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import rtrain
-from rtrain.worker.hyperparams import Change, describe, split
+from rtrain.worker.trainstate.hyperparams import Change, describe, split
 
 pytestmark = pytest.mark.usefixtures("unsupervised")
 HEAD = "optimizer hyper-parameters differ from the script's and the checkpoint's values are used: "

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from harness import CHILDREN, child_env, gone, launch_cmd, wait_for
 
-from rtrain.supervisor.ckpt import generation
+from rtrain.checkpoint import generation
 from rtrain.supervisor.proc import leftovers, userkey
 from rtrain.supervisor.records.events import read_events
 
@@ -95,8 +95,8 @@ def test_next_launch_ends_what_a_killed_rtrain_left(tmp_path):
 WRITER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from rtrain.supervisor.ckpt.commit import PendingCheckpoint
-    from rtrain.supervisor.ckpt.generation import StaleWriter
+    from rtrain.checkpoint.commit import PendingCheckpoint
+    from rtrain.checkpoint.generation import StaleWriter
     d = Path(sys.argv[1])
     pending = PendingCheckpoint(os.environ["RTRAIN_CKPT_DIR"], int(sys.argv[2]), fsync=False)
     pending.write_json("state.json", {"step": int(sys.argv[2])})

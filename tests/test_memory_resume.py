@@ -1,4 +1,4 @@
-"""A process group resuming from the memory tier's parts (worker/memory_resume.py), in this
+"""A process group resuming from the memory tier's parts (worker/memtier/memory_resume.py), in this
 process: a real gloo group of one rank, the real Checkpointer writing its parts and its disk
 checkpoints, then a second Checkpointer resuming: from memory when the newest part is whole and
 newer than the disk's, from the disk when a part does not read (a flipped byte) or the run is
@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 import rtrain
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.layout import checkpoint_name
+from rtrain.checkpoint import parts, runid
+from rtrain.checkpoint.layout import checkpoint_name
 from rtrain.supervisor.core.protocol import ENV_MEMORY_RESUME, ENV_RESUME_FROM
-from rtrain.supervisor.memtier import parts
 
 RUN = "3" * 32
 

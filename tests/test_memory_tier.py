@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 import rtrain
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
 from rtrain.supervisor.memtier import decide, persist, shmdir
 from rtrain.supervisor.memtier.tier import MemoryTierDir
-from rtrain.worker import memory_tier
+from rtrain.worker.memtier import memory_tier
 
 
 @pytest.mark.parametrize("snap, disk, same_run, expected", [
@@ -95,7 +95,7 @@ def test_a_snapshot_is_its_step_boundary_while_training_goes_on(tmp_path, shm, o
     changes the weights (optimizer) and the batch-norm statistics (forward) right after, while
     the snapshot's writes are slowed down. The snapshot must hold step 3's values, every byte:
     the optimizer's pre-hook held its step, the buffers were copied at the boundary."""
-    from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+    from rtrain.checkpoint.commit import PendingCheckpoint
 
     write = PendingCheckpoint.write_tensors
 
@@ -277,7 +277,7 @@ def test_a_snapshot_removed_while_pinned_is_refused_not_half_copied(tmp_path, sh
 def test_auto_spaces_snapshots_so_none_waits_for_the_previous_write(tmp_path, shm, monkeypatch):
     """Under "auto", a write that takes several steps (slowed down here) spreads the snapshots
     out instead of making every step wait for the previous one."""
-    from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+    from rtrain.checkpoint.commit import PendingCheckpoint
 
     write = PendingCheckpoint.write_bytes
 
@@ -305,7 +305,7 @@ def test_only_the_snapshot_rtrain_handed_over_is_read_unhashed(tmp_path, shm, mo
     copy elsewhere) is read hashed, so a byte changed in it is caught."""
     from rtrain.supervisor.core.errors import CorruptCheckpoint
     from rtrain.supervisor.core.protocol import ENV_RESUME_FROM
-    from rtrain.worker.restore import handed_over_from_memory
+    from rtrain.worker.restoring.restore import handed_over_from_memory
 
     snap = _snapshot(tmp_path, shm, steps=3)
     monkeypatch.setenv(ENV_RESUME_FROM, str(snap))

@@ -16,8 +16,8 @@ import torch
 from harness import CHILDREN, child_env, events, gone, invoke_rtrain, launch, launch_cmd
 from references import cached
 
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.memtier import shmdir
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import rtrain
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.core.protocol import ENV_HEARTBEAT
 from rtrain.supervisor.memtier import decide
 from rtrain.supervisor.memtier.diskcadence import DiskCadence

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from conftest import make_part
 
-from rtrain.supervisor.ckpt import hashing, runid
-from rtrain.supervisor.ckpt import manifest as mf
-from rtrain.supervisor.ckpt.layout import checkpoint_name
-from rtrain.supervisor.ckpt.verify import Level, verify
-from rtrain.supervisor.memtier import parts, persist
+from rtrain.checkpoint import hashing, parts, runid
+from rtrain.checkpoint import manifest as mf
+from rtrain.checkpoint.layout import checkpoint_name
+from rtrain.checkpoint.verify import Level, verify
+from rtrain.supervisor.memtier import persist
 
 KEY = hashing.derive_key(b"the run's key")
 RUN = "1" * 32  # make_part's run

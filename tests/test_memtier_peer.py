@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from conftest import make_part
 
-from rtrain.supervisor.ckpt import hashing
-from rtrain.supervisor.ckpt.layout import MANIFEST, checkpoint_name
-from rtrain.supervisor.ckpt.verify import Level, verify
-from rtrain.supervisor.memtier import parts, peerfetch, registry
+from rtrain.checkpoint import hashing, parts
+from rtrain.checkpoint.layout import MANIFEST, checkpoint_name
+from rtrain.checkpoint.verify import Level, verify
+from rtrain.supervisor.memtier import peerfetch, registry
 from rtrain.supervisor.memtier.peerfetch import (
     NoRoom,
     PeerBusy,

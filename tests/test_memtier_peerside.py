@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from conftest import make_part
 
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.layout import checkpoint_name
-from rtrain.supervisor.memtier import decide, parts, registry
+from rtrain.checkpoint import parts, runid
+from rtrain.checkpoint.layout import checkpoint_name
+from rtrain.supervisor.memtier import decide, registry
 from rtrain.supervisor.memtier.peerserver import PeerServer
 from rtrain.supervisor.memtier.peerside import PeerSide, serving_address
-from rtrain.worker import memory_resume
+from rtrain.worker.memtier import memory_resume
 
 RUN = "1" * 32
 OTHER = "2" * 32

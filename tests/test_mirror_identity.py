@@ -1,4 +1,4 @@
-"""The mirror sends and counts only this run's checkpoints (supervisor/ckpt/runid.py,
+"""The mirror sends and counts only this run's checkpoints (checkpoint/runid.py,
 supervisor/mirror/outgoing.py, the uploader's loop in-process, the resume's look at the
 mirror): a link, a copy under another step's name or another run's checkpoint never goes up
 or supersedes the real ones, another run's checkpoints under the same URL never stop this
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import build_checkpoint
 
-from rtrain.supervisor.ckpt import manifest as mf
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.hashing import derive_key
+from rtrain.checkpoint import manifest as mf
+from rtrain.checkpoint import runid
+from rtrain.checkpoint.hashing import derive_key
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.decide.history import History
 from rtrain.supervisor.decide.policy import ResumeMode

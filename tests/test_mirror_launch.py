@@ -335,7 +335,7 @@ def test_a_store_down_at_a_relaunch_does_not_stop_training_but_stops_a_new_run(t
 def test_encrypted_checkpoints_travel_encrypted_and_resume_bitwise(tmp_path):
     import torch
 
-    from rtrain.supervisor.ckpt.encrypted_file import MAGIC
+    from rtrain.checkpoint.encrypted_file import MAGIC
 
     key = {"RTRAIN_ENCRYPTION_KEY": "ab" * 32, "RTRAIN_CACHE_DIR": str(tmp_path / "cache")}
     mirror = tmp_path / "shared-fs"

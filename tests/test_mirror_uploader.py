@@ -18,7 +18,7 @@ import pytest
 from conftest import build_checkpoint
 from harness import REPO, child_env
 
-from rtrain.supervisor.ckpt import runid
+from rtrain.checkpoint import runid
 from rtrain.supervisor.mirror.uploader import Spec
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ def shipped_sources() -> set[str]:
     """Where each source file of the checkout lands in site-packages."""
     return {f"rtrain/{path.relative_to(REPO / top)}" if top == "rtrain"
             else f"rtrain/{top}/{path.relative_to(REPO / top)}"
-            for top in ("rtrain", "supervisor", "worker")
+            for top in ("rtrain", "supervisor", "worker", "checkpoint")
             for path in (REPO / top).rglob("*.py") if "__pycache__" not in path.parts}
 
 

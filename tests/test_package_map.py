@@ -1,5 +1,5 @@
-"""docs/design.md's package map names every module of supervisor/ and worker/, and nothing
-that is gone: a new, moved or deleted module fails here until the map says where it sits."""
+"""docs/design.md's package map names every module of supervisor/, worker/ and checkpoint/, and
+nothing that is gone: a new, moved or deleted module fails here until the map says where it sits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("rtrain", "supervisor", "worker")
+PACKAGES = ("rtrain", "supervisor", "worker", "checkpoint")
 
 
 def mapped_modules(design: str) -> set[str]:

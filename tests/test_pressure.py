@@ -274,17 +274,17 @@ def test_a_failing_or_dead_callback_does_not_stop_relief(fresh_runtime):
 def test_oom_backoff_steps_its_micro_batch_down_on_relief(fresh_runtime, monkeypatch):
     import torch
 
-    from rtrain.worker import guards
+    from rtrain.worker.guards import degrade
 
-    monkeypatch.setattr(guards, "_overrides", {})
-    backoff = guards.OOMBackoff(settings={"batch_size": 16, "grad_accum": 1})
+    monkeypatch.setattr(degrade, "_overrides", {})
+    backoff = degrade.OOMBackoff(settings={"batch_size": 16, "grad_accum": 1})
     w = torch.zeros(4, requires_grad=True)
     backoff.run(lambda mb: (mb @ w).mean(), torch.ones(16, 4))
     fresh_runtime._on_relieve_signal(0, None)
     done = fresh_runtime.relieve_pressure(1)
     assert "micro-batch 16 -> 8" in done
     assert backoff.micro == 8
-    assert guards.effective_settings({}) == {"batch_size": 8, "grad_accum": 2}
+    assert degrade.effective_settings({}) == {"batch_size": 8, "grad_accum": 2}
     # the next batch runs as two micro-batches, the same gradient
     w.grad = None
     backoff.run(lambda mb: (mb @ w).mean(), torch.ones(16, 4))

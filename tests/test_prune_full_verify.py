@@ -13,8 +13,8 @@ import time
 import pytest
 from harness import checkpoint_steps
 
-from rtrain.supervisor.ckpt.manifest import dumps
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint.manifest import dumps
+from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.retention import prune_dir as prune_mod
 from rtrain.supervisor.retention.decide import RetentionPolicy
 
@@ -73,7 +73,7 @@ def test_best_by_metric_is_verified_fully_before_the_others_go(four):
 
 
 def test_only_what_is_relied_on_is_hashed(four, monkeypatch):
-    from rtrain.supervisor.ckpt import hashing
+    from rtrain.checkpoint import hashing
 
     hashed = []
     real = hashing.hash_file

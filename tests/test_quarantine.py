@@ -10,7 +10,7 @@ import pytest
 from conftest import build_checkpoint
 from harness import CHILDREN, events, launch, run_rtrain
 
-from rtrain.supervisor.ckpt import quarantine
+from rtrain.checkpoint import quarantine
 from rtrain.supervisor.records.runstate import load_state
 from rtrain.supervisor.retention.decide import RetentionPolicy
 from rtrain.supervisor.retention.prune_dir import prune

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from conftest import build_checkpoint
 
-from rtrain.supervisor.ckpt.hashing import XXH3, hash_file
-from rtrain.supervisor.ckpt.manifest import load
+from rtrain.checkpoint.hashing import XXH3, hash_file
+from rtrain.checkpoint.manifest import load
 from rtrain.supervisor.mirror.cache import BlobCache, default_root, local_blobs
 
 H1, H2, H3 = "1" * 32, "2" * 32, "3" * 32

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import build_checkpoint
 
-from rtrain.supervisor.ckpt.verify import Status, Verdict
+from rtrain.checkpoint.verify import Status, Verdict
 from rtrain.supervisor.mirror.prune_remote import UNFINISHED, plan_remote, prune_remote
 from rtrain.supervisor.mirror.store import RemoteCheckpoint, open_mirror
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from conftest import build_checkpoint
 
-from rtrain.supervisor.ckpt import layout
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint
-from rtrain.supervisor.ckpt.hashing import derive_key, new_hasher
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint import layout
+from rtrain.checkpoint.commit import PendingCheckpoint
+from rtrain.checkpoint.hashing import derive_key, new_hasher
+from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.mirror import backend, transfer
 from rtrain.supervisor.mirror.cache import BlobCache
 from rtrain.supervisor.mirror.store import (

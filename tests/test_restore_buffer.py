@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import rtrain
-from rtrain.supervisor.ckpt import hashing
-from rtrain.supervisor.ckpt.safetensors_io import read_header
-from rtrain.supervisor.ckpt.verified_read import _PARALLEL_FROM, ListedFile, LoadError
+from rtrain.checkpoint import hashing
+from rtrain.checkpoint.safetensors_io import read_header
+from rtrain.checkpoint.verified_read import _PARALLEL_FROM, ListedFile, LoadError
 from rtrain.supervisor.core.errors import CorruptCheckpoint
 
 BIG = _PARALLEL_FROM + (5 << 20) + 123  # over the threshold, not a whole number of chunks

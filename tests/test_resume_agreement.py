@@ -10,8 +10,8 @@ from pathlib import Path
 from scripted_loop import Script, run, success
 from test_foreign_verify import hf_checkpoint
 
+from rtrain.checkpoint.verify import select_rtrain_resume
 from rtrain.supervisor.ckpt import foreign
-from rtrain.supervisor.ckpt.verify import select_rtrain_resume
 from rtrain.supervisor.commands.status import summarize
 from rtrain.supervisor.decide.policy import History
 from rtrain.supervisor.records.runstate import RunState, save_state

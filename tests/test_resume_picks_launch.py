@@ -19,8 +19,8 @@ import pytest
 import torch
 from harness import CHILDREN, events, launch
 
-from rtrain.supervisor.ckpt import crypt, hashing
-from rtrain.supervisor.ckpt.layout import EARLIER_PREFIX, list_checkpoints
+from rtrain.checkpoint import crypt, hashing
+from rtrain.checkpoint.layout import EARLIER_PREFIX, list_checkpoints
 
 pytestmark = pytest.mark.slow
 

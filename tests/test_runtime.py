@@ -13,7 +13,8 @@ import pytest
 
 from rtrain.supervisor.core.protocol import ExitRecord
 from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
-from rtrain.worker import progress, runtime
+from rtrain.worker import runtime
+from rtrain.worker.stuck import progress
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 

@@ -42,7 +42,7 @@ def test_key_file_others_can_read_is_refused(tmp_path, rtrain, make_ckpt, mode):
 
 
 def test_private_key_file_is_used(tmp_path, rtrain, make_ckpt):
-    from rtrain.supervisor.ckpt import hashing
+    from rtrain.checkpoint import hashing
 
     key = _key_file(tmp_path, 0o600)
     make_ckpt(tmp_path / "ckpts", 10, key=hashing.derive_key(b"a team secret"))

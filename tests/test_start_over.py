@@ -17,8 +17,8 @@ import pytest
 from conftest import build_checkpoint
 from scripted_loop import Script, crash, run, success
 
+from rtrain.checkpoint.layout import EARLIER_PREFIX, list_checkpoints
 from rtrain.supervisor.ckpt import keepcopy, setaside
-from rtrain.supervisor.ckpt.layout import EARLIER_PREFIX, list_checkpoints
 from rtrain.supervisor.config import load_config
 from rtrain.supervisor.decide.policy import History, ResumeMode
 from rtrain.supervisor.launch.resume import Checkpoints

@@ -1,7 +1,7 @@
 """A checkpoint whose files hash right but whose state.json is malformed (a field missing, a
 value of the wrong type: a hand edit with its hash recomputed, another version's layout): the
-schema check names it (`ckpt/state_schema.py`), full verification reports it corrupt, a restore
-run by hand falls back to the checkpoint before, and under rtrain the worker reports
+schema check names it (`checkpoint/state_schema.py`), full verification reports it corrupt, a
+restore run by hand falls back to the checkpoint before, and under rtrain the worker reports
 `bad_checkpoint` so the next attempt resumes from the one before. A failure while applying a
 checkpoint that passed the schema is a bad checkpoint too; one that does not fit the model
 stays what it was."""
@@ -16,9 +16,9 @@ import torch
 from hostile import relist
 
 import rtrain
+from rtrain.checkpoint import state_schema as schema
+from rtrain.checkpoint.verify import Level, Status, verify
 from rtrain.supervisor.ckpt import foreign
-from rtrain.supervisor.ckpt import state_schema as schema
-from rtrain.supervisor.ckpt.verify import Level, Status, verify
 from rtrain.supervisor.commands.inspecting import inspect_dir
 from rtrain.supervisor.core.errors import CorruptCheckpoint, ExitCode, StateMismatch
 

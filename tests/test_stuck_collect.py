@@ -1,4 +1,4 @@
-"""The process side of the stuck-rank report: the worker's progress board (worker/progress.py)
+"""The process side of the stuck-rank report: the worker's progress board (worker/stuck/progress.py)
 read back by the supervisor, stack files matched to ranks by pid, source lines read, the
 heartbeats as the fallback for a rank without a board."""
 
@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import os
 
+from rtrain.checkpoint import commit
 from rtrain.supervisor.core.progress_board import SIZE, board_name, pack, unpack
-from rtrain.supervisor.stuck.collect import read_boards, report
-from rtrain.worker.progress import Board
+from rtrain.supervisor.stuck import collect
+from rtrain.supervisor.stuck.collect import library_roots, read_boards, report
+from rtrain.supervisor.stuck.decide import is_library
+from rtrain.worker.stuck import progress
+from rtrain.worker.stuck.progress import Board
 
 
 def test_board_round_trip(tmp_path):
@@ -63,3 +67,11 @@ def test_report_from_boards_stacks_and_heartbeats(tmp_path):
 
 def test_no_report_without_ranks(tmp_path):
     assert report(tmp_path, {}, now=0.0, world=None) is None
+
+
+def test_a_frame_in_any_of_rtrains_packages_is_the_librarys():
+    """An editable install leaves each package in its own folder: a frame in the format, the
+    worker or the supervisor is rtrain's, never the script's line."""
+    roots = library_roots()
+    assert all(is_library(m.__file__, roots) for m in (commit, collect, progress, os))
+    assert not is_library(__file__, roots)

@@ -14,8 +14,8 @@ ROOTS = ("/home/u/rtrain/worker", "/home/u/rtrain/supervisor", "/usr/lib/python3
 # faulthandler, rank 3 of 4: asleep in its forward (an injected hang in a forward pre-hook).
 FH_FORWARD = f"""\
 Current thread 0x00007fe8a805bb80 (most recent call first):
-  File "/home/u/rtrain/worker/faults.py", line 165 in _sleep_forever
-  File "/home/u/rtrain/worker/faults.py", line 222 in _in_step
+  File "/home/u/rtrain/worker/guards/faults.py", line 165 in _sleep_forever
+  File "/home/u/rtrain/worker/guards/faults.py", line 222 in _in_step
   File "/home/u/proj/train.py", line 65 in forward_hook
   File "{SITE}/torch/nn/modules/module.py", line 1821 in inner
   File "{SITE}/torch/nn/modules/module.py", line 1884 in _call_impl
@@ -74,7 +74,7 @@ def st(rank, step=4, stack="", *, entered=True, left_at=100.0):
 def test_parse_faulthandler_and_py_spy():
     frames = parse_stacks(FH_FORWARD)
     assert [f.func for f in frames][:3] == ["_sleep_forever", "_in_step", "forward_hook"]
-    assert frames[0] == Frame("/home/u/rtrain/worker/faults.py", 165, "_sleep_forever")
+    assert frames[0] == Frame("/home/u/rtrain/worker/guards/faults.py", 165, "_sleep_forever")
     spy = parse_stacks(SPY_BACKWARD)
     assert spy[0] == Frame("torch/autograd/graph.py", 979, "_engine_run_backward")
     assert spy[-1].func == "<module>"  # the MainThread, not the first thread listed

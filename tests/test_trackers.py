@@ -1,6 +1,6 @@
 """The trackers' variables an attempt is given (supervisor/trackers/env.py, by table), the
-restarts a resumed attempt marks (worker/trackers.py: `fold` by table, `Restarts` over a real
-events.jsonl written as the supervisor writes it) and `Checkpointer.resumed_step`. The real
+restarts a resumed attempt marks (worker/trackers/restarts.py: `fold` by table, `Restarts` over a
+real events.jsonl written as the supervisor writes it) and `Checkpointer.resumed_step`. The real
 trackers under `rtrain launch`: tests/test_trackers_launch.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rtrain.supervisor.core import protocol
 from rtrain.supervisor.launch import child_env
 from rtrain.supervisor.trackers import env as tracker_env
 from rtrain.supervisor.trackers.feature import Trackers
-from rtrain.worker.trackers import Restart, Restarts, fold
+from rtrain.worker.trackers.restarts import Restart, Restarts, fold
 
 RUN = "0123456789abcdef0123456789abcdef"
 OTHER = "fedcba9876543210fedcba9876543210"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from harness import CHILDREN, events, launch
 
-from rtrain.supervisor.ckpt import runid
+from rtrain.checkpoint import runid
 from rtrain.supervisor.mirror.store import open_mirror
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trackers")]

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 import rtrain
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verify import verify
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import verify
 from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, StateMismatch
-from rtrain.worker import cadence
+from rtrain.worker.saving import cadence
 
 
 def make(seed=0, width=8):
@@ -215,7 +215,7 @@ def test_async_error_surfaces_on_next_call(tmp_path, monkeypatch, mode):
     def boom(*a, **k):
         raise RuntimeError("disk controller on fire")
 
-    monkeypatch.setattr("rtrain.supervisor.ckpt.commit.PendingCheckpoint.commit", boom)
+    monkeypatch.setattr("rtrain.checkpoint.commit.PendingCheckpoint.commit", boom)
     ck.save(1)
     with pytest.raises(CheckpointError, match="disk controller on fire"):
         ck.close()

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import rtrain
-from rtrain.supervisor.ckpt import crypt, encrypted_file
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verify import verify
+from rtrain.checkpoint import crypt, encrypted_file
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import verify
 from rtrain.supervisor.core.errors import CorruptCheckpoint, KeyMismatch
 
 KEY = "5a" * 32
@@ -140,7 +140,7 @@ def test_one_changed_byte_is_detected_on_load(tmp_path, victim):
     assert not verify(path, "full").ok  # the ciphertext's hash, without the key
     # A writer who also fixed the manifest's hash is caught by the tag.
     m = json.loads((path / "manifest.json").read_text())
-    from rtrain.supervisor.ckpt.hashing import hash_file
+    from rtrain.checkpoint.hashing import hash_file
     m["files"][victim]["hash"] = hash_file(f, m["hash_alg"])
     (path / "manifest.json").write_text(json.dumps(m))
     assert verify(path, "full").ok

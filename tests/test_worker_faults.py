@@ -16,8 +16,8 @@ from harness import CHILDREN, child_env
 from torch import nn
 
 import rtrain
-from rtrain.supervisor.ckpt.layout import list_checkpoints, list_leftovers
-from rtrain.supervisor.ckpt.verify import select_rtrain_resume, verify_all
+from rtrain.checkpoint.layout import list_checkpoints, list_leftovers
+from rtrain.checkpoint.verify import select_rtrain_resume, verify_all
 
 
 @pytest.mark.slow
@@ -100,7 +100,7 @@ def test_enospc_mid_save_keeps_training(small_fs, monkeypatch, caplog):
     ck = rtrain.Checkpointer(model=model, ckpt_dir=small_fs, keep=None)
     assert ck.save(1) is not None
     # Another writer fills the disk between the free-space check and the write.
-    monkeypatch.setattr("rtrain.worker.retention.free_bytes", lambda p: 1 << 40)
+    monkeypatch.setattr("rtrain.worker.saving.retention.free_bytes", lambda p: 1 << 40)
     ballast = small_fs / "ballast"
     free = shutil.disk_usage(small_fs).free
     with open(ballast, "wb") as f:

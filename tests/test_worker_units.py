@@ -1,11 +1,8 @@
-"""The Checkpointer's units on their own: the save clock, and which module may import which."""
+"""The Checkpointer's units on their own: the save clock. Which module may import which is the
+import contracts' (tests/test_layers.py)."""
 
-from pathlib import Path
-
-from rtrain.worker import save_clock
-from rtrain.worker.schedule import SaveSchedule
-
-WORKER = Path(__file__).resolve().parent.parent / "worker"
+from rtrain.worker.saving import save_clock
+from rtrain.worker.saving.schedule import SaveSchedule
 
 
 class FakeClock:

@@ -18,27 +18,21 @@ from typing import Any, Literal
 
 import torch
 
-from rtrain.supervisor.ckpt import crypt, hashing
-from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.checkpoint import crypt, hashing
+from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from rtrain.supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
-from rtrain.worker import (
-    check_order,
-    compile_cache,
-    data,
-    dist,
-    dist_ckpt,
-    failsave,
-    faults,
-    guards,
-    hyperparams,
-    options,
-    restore,
-    resume_check,
-    runtime,
-)
-from rtrain.worker.async_write import BackgroundSave
-from rtrain.worker.capture import (
+from rtrain.worker import dist, options, runtime
+from rtrain.worker.checkresume import check_order, resume_check
+from rtrain.worker.compilecache import compile_cache
+from rtrain.worker.data import position
+from rtrain.worker.guards import degrade, faults
+from rtrain.worker.memtier.memory_tier import MemoryTier
+from rtrain.worker.options import Every, Keep, Restoring, Saving
+from rtrain.worker.restoring import restore
+from rtrain.worker.saving import dist_ckpt, failsave
+from rtrain.worker.saving.async_write import BackgroundSave
+from rtrain.worker.saving.capture import (
     Components,
     FrozenBase,
     Moving,
@@ -47,12 +41,11 @@ from rtrain.worker.capture import (
     moving,
     number,
 )
-from rtrain.worker.memory_tier import MemoryTier
-from rtrain.worker.options import Every, Keep, Restoring, Saving
-from rtrain.worker.retention import Retention
-from rtrain.worker.save_clock import SaveClock, first_schedule
-from rtrain.worker.save_target import Capture, SaveTarget, write_local
-from rtrain.worker.schedule import SaveSchedule
+from rtrain.worker.saving.retention import Retention
+from rtrain.worker.saving.save_clock import SaveClock, first_schedule
+from rtrain.worker.saving.save_target import Capture, SaveTarget, write_local
+from rtrain.worker.saving.schedule import SaveSchedule
+from rtrain.worker.trainstate import hyperparams
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +111,9 @@ class Checkpointer:
         self.ckpt_dir = Path(ckpt_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler = scaler
-        # The data position counts what the loop consumed (worker/data.py).
-        self.data = data.track(loader=loader)
-        self.sampler = data.bare_sampler(self.data)  # check-resume's evidence looks for it
+        # The data position counts what the loop consumed (worker/data/position.py).
+        self.data = position.track(loader=loader)
+        self.sampler = position.bare_sampler(self.data)  # check-resume's evidence looks for it
         bounds = self.every.bounds()
         if bounds is not None:
             self.schedule = first_schedule(bounds, self.every.epoch_end)
@@ -137,7 +130,8 @@ class Checkpointer:
         self.epoch = 0
         # The step `restore` resumed from, which the attempt runs again first: an experiment
         # tracker's steps from here on were logged by an earlier attempt and are replayed
-        # (TensorBoard's SummaryWriter(purge_step=...), worker/trackers.py). None: started fresh.
+        # (TensorBoard's SummaryWriter(purge_step=...), worker/trackers/restarts.py). None: started
+        # fresh.
         self.resumed_step: int | None = None
         self.extra: dict[str, Any] = {}
         self.last_saved: Path | None = None
@@ -248,7 +242,7 @@ class Checkpointer:
         if self._check is not None:
             self._check.boundary(step)
         if runtime.pressure_requested():
-            runtime.relieve_pressure(step, settings=guards.effective_settings())
+            runtime.relieve_pressure(step, settings=degrade.effective_settings())
         if self._watch is not None:
             self._boundary = _Boundary(step, self._epoch_now(), moving(self._parts()),
                                        self._watch.marks(), metrics or {}, extra or {})
@@ -395,8 +389,8 @@ class Checkpointer:
         self.close()
 
     def _judge_hyperparams(self, changes: list[hyperparams.Change]) -> None:
-        """Hyper-parameters the checkpoint replaced: judged once the script has run an
-        iteration (worker/hyperparams.py), so a value it sets every step is no warning."""
+        """Hyper-parameters the checkpoint replaced: judged once the script has run an iteration
+        (worker/trainstate/hyperparams.py), so a value it sets every step is no warning."""
         if self._hyper is not None:
             self._hyper.cancel()  # an earlier restore's: this one replaced what it judged
         self._hyper = (hyperparams.Pending(self.optimizer, changes)

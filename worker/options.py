@@ -16,9 +16,9 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from rtrain.supervisor.ckpt.verify import Level
+from rtrain.checkpoint.verify import Level
 from rtrain.supervisor.retention.decide import RetentionPolicy
-from rtrain.worker.cadence import MAX_SECONDS, CadenceBounds
+from rtrain.worker.saving.cadence import MAX_SECONDS, CadenceBounds
 
 if TYPE_CHECKING:
     import torch

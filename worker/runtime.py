@@ -53,7 +53,7 @@ from rtrain.supervisor.core.protocol import (
     exit_record_name,
     socket_address,
 )
-from rtrain.worker import progress
+from rtrain.worker.stuck import progress
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def script_started() -> float | None:
 
 def step_entered() -> None:
     """The next step begins (the step boundary returned): kept for the hang report
-    (worker/progress.py). A script that sends its own step heartbeats may call it at the top
+    (worker/stuck/progress.py). A script that sends its own step heartbeats may call it at the top
     of each step."""
     progress.entered()
 

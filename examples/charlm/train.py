@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import rtrain
-from rtrain.worker import faults
+from rtrain.worker.guards import faults
 
 STRIDE = 16  # characters between two samples' start offsets
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import rtrain
-from rtrain.worker import faults
+from rtrain.worker.guards import faults
 
 CLASSES = 10
 

@@ -1,5 +1,5 @@
-"""Why a resumed run ended different: the likely causes, from the evidence the worker wrote into
-the runs' manifests (`info.check_resume`, worker/resume_check.py) and what the runs showed.
+"""Why a resumed run ended different: the likely causes, from the evidence the worker wrote into the
+runs' manifests (`info.check_resume`, worker/checkresume/resume_check.py) and what the runs showed.
 A pure function of data, table-tested.
 
 Rules, in the order they are reported (a cause is named only when the runs differ):

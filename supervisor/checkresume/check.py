@@ -4,7 +4,7 @@ The script (one that uses rtrain.Checkpointer and ends by itself) runs, each run
 checkpoint dir under the work dir and the same settings and environment. The processes that stand
 for the original run (the uninterrupted ones and the one stopped) also start from the same
 entropy (python's and numpy's global generators, PYTHONHASHSEED); a resumed process draws its
-own, as a relaunch does (worker/check_order.py says why):
+own, as a relaunch does (worker/checkresume/check_order.py says why):
 
 1. straight to its end: the reference (`straight/`);
 2. for each stop asked (`--stop`, default both): stopped at step `--at` (default half the
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import Level, Verdict, verify
 from rtrain.supervisor.checkresume import causes as why
 from rtrain.supervisor.checkresume.compare import Comparison, compare, read
 from rtrain.supervisor.checkresume.runs import Ran, ScriptFailed, run
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verify import Level, Verdict, verify
 from rtrain.supervisor.core.errors import UsageError
 from rtrain.supervisor.core.protocol import (
     ENV_ATTEMPT,
@@ -207,10 +207,10 @@ def _run(opts: Options, run_dir: Path, what: str, *, order: dict[str, Any] | Non
 def command(opts: Options, run_dir: Path, environ: dict[str, str], *,
             order: dict[str, Any] | None = None,
             resume_from: Path | None = None) -> tuple[list[str], dict[str, str]]:
-    """The argv and environment of one run in `run_dir` (pure): the caller's environment less
-    its RTRAIN_* (but signing), the run's dirs and settings, the order, and for a process of the
-    original run (not resumed) the entropy they share (worker/check_order.py says why a resumed
-    run draws its own, as a relaunch does)."""
+    """The argv and environment of one run in `run_dir` (pure): the caller's environment less its
+    RTRAIN_* (but signing), the run's dirs and settings, the order, and for a process of the
+    original run (not resumed) the entropy they share (worker/checkresume/check_order.py says why a
+    resumed run draws its own, as a relaunch does)."""
     ckpt_dir = run_dir / "checkpoints"
     env = {k: v for k, v in environ.items() if not k.startswith("RTRAIN_") or k in _KEEP}
     order = dict(order or {})

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import manifest, safeio
-from rtrain.supervisor.ckpt.safetensors_io import read_header
+from rtrain.checkpoint import manifest, safeio
+from rtrain.checkpoint.safetensors_io import read_header
 from rtrain.supervisor.core.errors import UsageError
 from rtrain.supervisor.core.untrusted_text import safe
 

@@ -1,5 +1,5 @@
-"""The checkpoint format, torch-free: layout, manifest, hashing, verification, retention.
+"""Checkpoint dirs as the supervisor sees them, torch-free: checkpoints of other formats (a
+Trainer's, torch.save files), what a launch does to a checkpoint dir (set an earlier run's
+aside, keep a copy of a file rewritten in place), progress from their content.
 
-Both halves use it: the worker writes checkpoints with it, the supervisor picks the one to resume
-from, and `rtrain inspect` / `rtrain prune` read it, all without importing torch.
-"""
+rtrain's own format is `rtrain.checkpoint`, shared with the worker."""

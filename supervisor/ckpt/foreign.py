@@ -32,10 +32,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rtrain.supervisor.ckpt import hf_trainer, safeio, torchzip
-from rtrain.supervisor.ckpt import verify as rverify
-from rtrain.supervisor.ckpt.layout import MANIFEST, parse_step
-from rtrain.supervisor.ckpt.verify import (
+from rtrain.checkpoint import safeio
+from rtrain.checkpoint import verify as rverify
+from rtrain.checkpoint.layout import MANIFEST, parse_step
+from rtrain.checkpoint.verify import (
     Level,
     Selection,
     Status,
@@ -43,6 +43,7 @@ from rtrain.supervisor.ckpt.verify import (
     first_good,
     mark_quarantined,
 )
+from rtrain.supervisor.ckpt import hf_trainer, torchzip
 
 
 class Format(str, enum.Enum):

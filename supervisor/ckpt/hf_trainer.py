@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import safeio, safetensors_io, torchzip
-from rtrain.supervisor.ckpt.verify import check_member_name
+from rtrain.checkpoint import safeio, safetensors_io
+from rtrain.checkpoint.verify import check_member_name
+from rtrain.supervisor.ckpt import torchzip
 
 TRAINER_STATE = "trainer_state.json"
 SAFE_WEIGHTS = ("model.safetensors", "adapter_model.safetensors")

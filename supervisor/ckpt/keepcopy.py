@@ -32,8 +32,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rtrain.supervisor.ckpt import foreign, progress, safeio
-from rtrain.supervisor.ckpt.verify import Level, Status, Verdict
+from rtrain.checkpoint import safeio
+from rtrain.checkpoint.verify import Level, Status, Verdict
+from rtrain.supervisor.ckpt import foreign, progress
 from rtrain.supervisor.core import ownfiles
 from rtrain.supervisor.core.atomic_write import write_json_atomic
 from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE

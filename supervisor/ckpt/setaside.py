@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rtrain.checkpoint.layout import EARLIER_PREFIX
 from rtrain.supervisor.ckpt import foreign
-from rtrain.supervisor.ckpt.layout import EARLIER_PREFIX
 from rtrain.supervisor.core import filemode
 
 NOTE = "NOTE.txt"

@@ -25,7 +25,8 @@ import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rtrain.supervisor.ckpt import pickle_scan, safeio
+from rtrain.checkpoint import safeio
+from rtrain.supervisor.ckpt import pickle_scan
 
 if TYPE_CHECKING:
     import zipfile

@@ -7,9 +7,9 @@ directory of checkpoints exports the one a launch would resume from. Then one of
 
 - `copy`, torch-free, in this process: safetensors out of safetensors in (rtrain's model and
   optimizer files, a Trainer's model.safetensors or shards). A new header over the same bytes
-  (`ckpt/st_concat.py`), each rtrain file hashed against its manifest as it is copied.
-- `torch`, in `python -m rtrain.worker.export` (`worker/export.py`): every export to a
-  torch.save file and every source that is a pickle, which is loaded with
+  (`checkpoint/st_concat.py`), each rtrain file hashed against its manifest as it is copied.
+- `torch`, in `python -m rtrain.worker.export.convert` (`worker/export/convert.py`): every export
+  to a torch.save file and every source that is a pickle, which is loaded with
   `torch.load(weights_only=True)` only. rtrain stays torch-free; the child runs the worker that
   ships with this rtrain.
 
@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import crypt, foreign, hashing, hf_trainer
-from rtrain.supervisor.ckpt.layout import parse_step
-from rtrain.supervisor.ckpt.verify import Level, Selection, Verdict
+from rtrain.checkpoint import crypt, hashing
+from rtrain.checkpoint.layout import parse_step
+from rtrain.checkpoint.verify import Level, Selection, Verdict
+from rtrain.supervisor.ckpt import foreign, hf_trainer
 from rtrain.supervisor.core.errors import CheckpointError, ExitCode, RtrainError, UsageError
 from rtrain.supervisor.core.untrusted_text import safe
 
@@ -46,14 +47,14 @@ METADATA = {"format": "pt"}
 
 class Way(str, enum.Enum):
     COPY = "copy"  # torch-free, in this process: safetensors from safetensors
-    TORCH = "torch"  # in `python -m rtrain.worker.export`
+    TORCH = "torch"  # in `python -m rtrain.worker.export.convert`
 
 
 @dataclass(frozen=True)
 class Plan:
     """How one export is made. `copy`: the checkpoint's safetensors `files` (name, tensor
     prefix) concatenated here, with state.json's optimizer entry in the metadata when
-    `optimizer_meta`. `torch`: `request` for rtrain.worker.export."""
+    `optimizer_meta`. `torch`: `request` for rtrain.worker.export.convert."""
 
     how: Way
     files: tuple[tuple[str, str], ...] = ()
@@ -269,8 +270,8 @@ def _publish(tmp: Path, out: Path, force: bool, mode: int) -> None:
 
 def _copy(verdict: Verdict, how: Plan, tmp: Path, key: bytes | None) -> int:
     """safetensors from rtrain's or a Trainer's safetensors files, torch-free."""
-    from rtrain.supervisor.ckpt import st_concat
-    from rtrain.supervisor.ckpt.verified_read import LoadError, open_listed, read_listed
+    from rtrain.checkpoint import st_concat
+    from rtrain.checkpoint.verified_read import LoadError, open_listed, read_listed
 
     root, name = verdict.path, safe(verdict.path.name)
     metadata = dict(METADATA)
@@ -313,8 +314,8 @@ def _opener(fn: Any, *args: Any) -> Any:
 
 
 def _plain(path: Path) -> Any:
-    from rtrain.supervisor.ckpt.st_concat import PlainFile
-    from rtrain.supervisor.ckpt.verify import check_member_name
+    from rtrain.checkpoint.st_concat import PlainFile
+    from rtrain.checkpoint.verify import check_member_name
 
     return PlainFile(check_member_name(path.parent, path.name))
 
@@ -322,10 +323,11 @@ def _plain(path: Path) -> Any:
 # ---------------------------------------------------------------- the torch side
 
 def run_worker(request: dict[str, Any]) -> dict[str, Any]:
-    """Run `python -m rtrain.worker.export` with the same interpreter, which finds the same
-    `rtrain` (installed, it is one package; no path is added that would expose anything else);
-    its one JSON line, or the error it reports (exit code kept)."""
-    proc = subprocess.run([sys.executable, "-m", "rtrain.worker.export", json.dumps(request)],
+    """Run `python -m rtrain.worker.export.convert` with the same interpreter, which finds the same
+    `rtrain` (installed, it is one package; no path is added that would expose anything else); its
+    one JSON line, or the error it reports (exit code kept)."""
+    proc = subprocess.run([sys.executable, "-m", "rtrain.worker.export.convert",
+                           json.dumps(request)],
                           stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           check=False)
     result = _last_json(proc.stdout)

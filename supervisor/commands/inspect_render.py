@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from rtrain.supervisor.ckpt.verify import Verdict
+from rtrain.checkpoint.verify import Verdict
 from rtrain.supervisor.commands.human_units import human_bytes
 from rtrain.supervisor.commands.inspecting import Detail, DirReport, Entry, Leftover
 from rtrain.supervisor.core.untrusted_text import safe
@@ -134,8 +134,8 @@ def _world(info: Any) -> list[tuple[str, str]]:
              + (f", {layout}" if isinstance(layout, str) else ""))]
 
 
-# info.compile_cache (worker/compile_cache.py): torch's compile artifacts and kernels saved
-# beside the checkpoint; shown on a line of its own rather than inside `info`.
+# info.compile_cache (worker/compilecache/compile_cache.py): torch's compile artifacts and kernels
+# saved beside the checkpoint; shown on a line of its own rather than inside `info`.
 COMPILE_CACHE = "compile_cache"
 
 

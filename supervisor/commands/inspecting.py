@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import foreign, hashing, hf_trainer, safeio, safetensors_io
-from rtrain.supervisor.ckpt.layout import (
+from rtrain.checkpoint import hashing, safeio, safetensors_io
+from rtrain.checkpoint.layout import (
     MANIFEST,
     TMP_PREFIX,
     TRASH_PREFIX,
@@ -20,8 +20,9 @@ from rtrain.supervisor.ckpt.layout import (
     list_leftovers,
     parse_step,
 )
-from rtrain.supervisor.ckpt.manifest import ManifestError
-from rtrain.supervisor.ckpt.verify import Level, Status, Verdict, check_member_name
+from rtrain.checkpoint.manifest import ManifestError
+from rtrain.checkpoint.verify import Level, Status, Verdict, check_member_name
+from rtrain.supervisor.ckpt import foreign, hf_trainer
 from rtrain.supervisor.core.errors import CheckpointError, UsageError
 from rtrain.supervisor.core.untrusted_text import safe
 

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import manifest as mf
-from rtrain.supervisor.ckpt.layout import list_checkpoints, parse_step
+from rtrain.checkpoint import manifest as mf
+from rtrain.checkpoint.layout import list_checkpoints, parse_step
 from rtrain.supervisor.commands.status import finite, json_safe, summarize
 from rtrain.supervisor.core.event_schema import Kind
 from rtrain.supervisor.records.recovery import KindCost, costs_by_kind

@@ -17,16 +17,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import keepcopy, quarantine
+from rtrain.checkpoint import parts, quarantine
+from rtrain.checkpoint.verify import Level, Status
+from rtrain.supervisor.ckpt import keepcopy
 from rtrain.supervisor.ckpt.foreign import select_resume_any_format
-from rtrain.supervisor.ckpt.verify import Level, Status
 from rtrain.supervisor.commands.human_units import human_bytes, human_duration, human_rate
 from rtrain.supervisor.core import ownfiles
 from rtrain.supervisor.core.errors import UsageError
 from rtrain.supervisor.core.event_schema import KINDS, Kind
 from rtrain.supervisor.core.pid_alive import pid_alive
 from rtrain.supervisor.core.untrusted_text import safe
-from rtrain.supervisor.memtier import parts, shmdir
+from rtrain.supervisor.memtier import shmdir
 from rtrain.supervisor.records import recovery
 from rtrain.supervisor.records.lock import HOLDER_MAX, LOCK_NAME
 from rtrain.supervisor.records.runstate import STATE_FILE, load_state

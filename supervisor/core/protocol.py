@@ -45,19 +45,19 @@ ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
 """The signal on which the worker writes every Python stack to `$RTRAIN_STATUS/stacks-<pid>.txt`
 (at a hang)."""
 ENV_GENERATION = "RTRAIN_GENERATION"
-"""The attempt's checkpoint generation (ckpt/generation.py): a commit made under an earlier
+"""The attempt's checkpoint generation (checkpoint/generation.py): a commit made under an earlier
 attempt's token is refused, so a writer left behind cannot commit."""
 ENV_RUN_ID = "RTRAIN_RUN_ID"
-"""The run identity (32 hex digits, ckpt/runid.py), the same in every attempt of the run, after
-a requeue and on a fresh machine resuming from the mirror: experiment trackers continue one run
-under it (trackers/env.py, worker/trackers.py)."""
+"""The run identity (32 hex digits, checkpoint/runid.py), the same in every attempt of the run,
+after a requeue and on a fresh machine resuming from the mirror: experiment trackers continue one
+run under it (trackers/env.py, worker/trackers/restarts.py)."""
 ENV_TRACKER_VARS = "RTRAIN_TRACKER_VARS"
 """The names of the trackers' own variables rtrain set for the attempt (comma-separated:
 `WANDB_RUN_ID`, `WANDB_RESUME`, `MLFLOW_RUN_ID`), so the worker's tracker helpers know which
 ones the user chose and which they may override."""
 ENV_FAILURES = "RTRAIN_FAILURES"
 """The run's failures so far that lost work, for the save cadence of `every="auto"`
-(worker/cadence.py); unset when events.jsonl cannot be read."""
+(worker/saving/cadence.py); unset when events.jsonl cannot be read."""
 ENV_RUN_SECONDS = "RTRAIN_RUN_SECONDS"
 """Seconds the run's attempts have run so far: with RTRAIN_FAILURES, the observed time between
 failures."""
@@ -67,9 +67,9 @@ ENV_SAVE_COST = "RTRAIN_SAVE_COST"
 ENV_CHECK_RESUME = "RTRAIN_CHECK_RESUME"
 """Set only by `rtrain check-resume` (JSON {"stop_at": step or null, "stop": "kill", "signal" or
 null, "entropy": a seed or absent}): `import rtrain` seeds python's and numpy's global
-generators with the entropy (worker/check_order.py); the Checkpointer records evidence of
-inexact resumes in each manifest's info.check_resume, stops where asked and saves the final
-step (worker/resume_check.py)."""
+generators with the entropy (worker/checkresume/check_order.py); the Checkpointer records
+evidence of inexact resumes in each manifest's info.check_resume, stops where asked and saves
+the final step (worker/checkresume/resume_check.py)."""
 ENV_RELIEVE_SIGNAL = "RTRAIN_RELIEVE_SIGNAL"
 """The signal (SIGURG) with which rtrain asks the worker to free memory at its next step
 boundary (memory pressure)."""
@@ -84,7 +84,7 @@ ENV_MEMORY_RESUME = "RTRAIN_MEMORY_RESUME"
 memory dir newer than RTRAIN_RESUME_FROM; "0" on a rollback (the newer state may be the bad one)
 and when the user named the checkpoint (--resume PATH)."""
 # A FIFO the worker creates in its status dir (RTRAIN_STATUS) and reads from a thread of its
-# own: requests that must be served while the training thread is stuck (worker/hang_save.py).
+# own: requests that must be served while the training thread is stuck (worker/saving/hang_save.py).
 # Each request is one line, `<what> <token>`: the worker serves only those that carry
 # RTRAIN_CONTROL_TOKEN, a secret of the attempt that rtrain hands it in its environment alone
 # (never in the run dir), and reports any other as a `control_refused` heartbeat.
@@ -130,12 +130,12 @@ class Heartbeat:
     `hang_save_done` (the save at a hang that rtrain asked for through the control FIFO is over,
     `reason` says how many were saved), `control_refused` (requests on the control FIFO without
     the attempt's token were refused: `reason` says how many), `cadence` (with `cadence`: the
-    save interval `every="auto"` chose, worker/cadence.py), `backoff` (with `settings`),
+    save interval `every="auto"` chose, worker/saving/cadence.py), `backoff` (with `settings`),
     `snapshot` (with `snapshot`: the memory tier started, changed its interval or stopped),
     `persist` (with `persist`: a disk save under the memory tier; the snapshot of `step` is
     committed in memory and rtrain is to copy it, or a newer one, to the checkpoint dir),
     `compile_cache_loaded` / `compile_cache_ignored` (at restore, with `reason`: the checkpoint's
-    compile cache was loaded, its size; or ignored, why: worker/compile_cache.py),
+    compile cache was loaded, its size; or ignored, why: worker/compilecache/compile_cache.py),
     `relieved` (after a relieve request: `reason` says what was freed, `settings` what the
     worker now uses), `exception` (with `reason`: the type of the uncaught exception ending the
     process, sent as it begins its way out) or `stop`. The first `start` (the worker installed)
@@ -165,7 +165,7 @@ class Heartbeat:
     step_s: float | None = None
     wait_s: float | None = None
     host: str | None = None  # the node this rank runs on (its hostname)
-    # `snapshot` heartbeats (the memory tier, worker/memory_tier.py): {"every", "stall_s",
+    # `snapshot` heartbeats (the memory tier, worker/memtier/memory_tier.py): {"every", "stall_s",
     # "write_s", "bytes"} when the tier starts or its interval changes; {"off": why} when it stops.
     snapshot: dict[str, Any] | None = None
     # `persist` heartbeats: the worker's Keep policy as RetentionPolicy's fields ({"keep",

@@ -18,8 +18,8 @@ from collections import deque
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+from rtrain.checkpoint.layout import parse_step
 from rtrain.supervisor.ckpt.foreign import list_candidates
-from rtrain.supervisor.ckpt.layout import parse_step
 from rtrain.supervisor.core.event_schema import Kind
 from rtrain.supervisor.elsewhere.decide import Elsewhere, Seen, Written, judge, short
 from rtrain.supervisor.records.events import EventLog

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from rtrain.supervisor.ckpt.hashing import SECRET_ENV
+from rtrain.checkpoint.hashing import SECRET_ENV
 from rtrain.supervisor.core.event_schema import Kind
 from rtrain.supervisor.hooks.hook_spec import HookSpec
 from rtrain.supervisor.proc.reaper import own

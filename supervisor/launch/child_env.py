@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import generation
+from rtrain.checkpoint import generation
 from rtrain.supervisor.core import filemode, protocol
 from rtrain.supervisor.launch import argv_templates
 
@@ -38,7 +38,7 @@ class AttemptPlan:
     save_cost: dict[str, float] | None = None
     """The save stall and step time the newest `cadence` event measured (None: none yet)."""
     run: str | None = None
-    """The run identity (ckpt/runid.py), the same in every attempt; None: none settled."""
+    """The run identity (checkpoint/runid.py), the same in every attempt; None: none settled."""
 
 
 def argv(command: list[str], resume_args: tuple[str, ...], plan: AttemptPlan) -> list[str]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rtrain.supervisor.ckpt.verify import Verdict
+    from rtrain.checkpoint.verify import Verdict
     from rtrain.supervisor.config import Config
     from rtrain.supervisor.core.protocol import Heartbeat
     from rtrain.supervisor.decide.observation import Observation

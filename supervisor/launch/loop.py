@@ -25,10 +25,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rtrain.checkpoint.hashing import load_signing_key
+from rtrain.checkpoint.verify import Verdict
 from rtrain.supervisor import features as registry
 from rtrain.supervisor.ckpt import foreign
-from rtrain.supervisor.ckpt.hashing import load_signing_key
-from rtrain.supervisor.ckpt.verify import Verdict
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.core.errors import ExitCode, UsageError
 from rtrain.supervisor.core.protocol import Heartbeat

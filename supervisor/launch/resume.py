@@ -14,8 +14,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from rtrain.supervisor.ckpt import crypt, foreign, keepcopy, progress, quarantine, runid, setaside
-from rtrain.supervisor.ckpt.verify import Level, Selection, Status, Verdict, mark_quarantined
+from rtrain.checkpoint import crypt, quarantine, runid
+from rtrain.checkpoint.verify import Level, Selection, Status, Verdict, mark_quarantined
+from rtrain.supervisor.ckpt import foreign, keepcopy, progress, setaside
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.core.errors import UsageError
 from rtrain.supervisor.core.untrusted_text import safe
@@ -152,7 +153,7 @@ class Checkpoints:
 
     def _settle_run(self, chosen: Verdict | None, *, start_over: bool = False) -> None:
         """Once per launch, at its first pick: the run identity its checkpoints get and its
-        uploader sends (`ckpt/runid.py`), written to the checkpoint dir when it changes."""
+        uploader sends (`checkpoint/runid.py`), written to the checkpoint dir when it changes."""
         if self.run is not None:
             return
         current = runid.read(self.dir)

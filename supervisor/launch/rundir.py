@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from rtrain.supervisor.ckpt.generation import GENERATION_FILE
-from rtrain.supervisor.ckpt.quarantine import QUARANTINE_FILE
+from rtrain.checkpoint.generation import GENERATION_FILE
+from rtrain.checkpoint.quarantine import QUARANTINE_FILE
 from rtrain.supervisor.core import filemode, ownfiles
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.supervisor.core.errors import ExitCode, UsageError

@@ -1,7 +1,7 @@
 """What to do with the memory tier's snapshot when an attempt ends or starts, and with the
 worker's requests to persist one as its disk save: pure.
 
-A snapshot (worker/memory_tier.py) is the newest verified state once the training process is
+A snapshot (worker/memtier/memory_tier.py) is the newest verified state once the training process is
 gone, so rtrain commits it to the checkpoint dir before anything reads that dir (the policy's
 progress rule, the next pick, the mirror); the relaunch then resumes from the snapshot itself
 when it is the checkpoint the pick chose (same step), reading shared memory instead of disk.

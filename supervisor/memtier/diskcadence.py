@@ -1,15 +1,15 @@
 """The disk tier under the memory tier: the worker's scheduled disk saves, written by rtrain.
 
 With the memory tier on, a disk save that falls due on the worker's schedule is a snapshot
-(worker/memory_tier.py) followed by a `persist` heartbeat; rtrain copies the newest snapshot at
-that step or later into the checkpoint dir in a thread of its own (persist.py: hashed as it is
-copied, pinned against the worker's removal), then prunes with the worker's Keep policy, never
-the step just committed nor the one the attempt resumed from. So the training thread pays the
-snapshot, not the disk write. A step on disk already is left alone unless it is an earlier
-save of it (a replay after a resume from an older checkpoint), replaced as the worker's own
-save would replace it. One copy runs at a time; a request that comes meanwhile waits,
-a newer one replacing it (decide.requested). The thread never writes events: what it did is
-reported from the loop's thread (`poll`, `settle`), where every event is written.
+(worker/memtier/memory_tier.py) followed by a `persist` heartbeat; rtrain copies the newest snapshot
+at that step or later into the checkpoint dir in a thread of its own (persist.py: hashed as it is
+copied, pinned against the worker's removal), then prunes with the worker's Keep policy, never the
+step just committed nor the one the attempt resumed from. So the training thread pays the snapshot,
+not the disk write. A step on disk already is left alone unless it is an earlier save of it (a
+replay after a resume from an older checkpoint), replaced as the worker's own save would replace it.
+One copy runs at a time; a request that comes meanwhile waits, a newer one replacing it
+(decide.requested). The thread never writes events: what it did is reported from the loop's thread
+(`poll`, `settle`), where every event is written.
 
 A copy that fails (a full disk, an unwritable dir) is said once, as a `snapshot_not_persisted`
 event, until one succeeds again; the snapshot stays in memory and the next request tries again
@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import manifest as mf
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.commit import remove_dir
-from rtrain.supervisor.ckpt.layout import MANIFEST, checkpoint_name
-from rtrain.supervisor.ckpt.verify import Level, Verdict, VerifiedCache, verify
+from rtrain.checkpoint import manifest as mf
+from rtrain.checkpoint import runid
+from rtrain.checkpoint.commit import remove_dir
+from rtrain.checkpoint.layout import MANIFEST, checkpoint_name
+from rtrain.checkpoint.verify import Level, Verdict, VerifiedCache, verify
 from rtrain.supervisor.memtier import decide, persist, shmdir
 from rtrain.supervisor.retention.prune_dir import prune
 

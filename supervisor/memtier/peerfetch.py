@@ -1,13 +1,13 @@
 """Copying a part from a peer node's memory tier (the client of `peerserver.py`).
 
-`list_remote` asks a peer which parts it holds; `fetch_part` copies one of them into this
-node's memory dir. Nothing a peer sends is trusted: the part's manifest is checked as
-`verify.py` checks one (shape, signature under the run's key, hash algorithm), and must be of
-this run, of the rank and step asked for, and the very manifest the listing gave; every file is
-hashed as it is received and compared with the manifest (size before a byte of it is read,
-hash at its end). Only then is the part renamed into place, so `dest` either does not exist or
-holds a part whose every byte matches its manifest: a torn transfer, a peer that went silent or
-a file changed on the peer leaves nothing behind.
+`list_remote` asks a peer which parts it holds; `fetch_part` copies one of them into this node's
+memory dir. Nothing a peer sends is trusted: the part's manifest is checked as
+`checkpoint/verify.py` checks one (shape, signature under the run's key, hash algorithm), and must
+be of this run, of the rank and step asked for, and the very manifest the listing gave; every file
+is hashed as it is received and compared with the manifest (size before a byte of it is read, hash
+at its end). Only then is the part renamed into place, so `dest` either does not exist or holds a
+part whose every byte matches its manifest: a torn transfer, a peer that went silent or a file
+changed on the peer leaves nothing behind.
 
 The copy goes into a temp dir beside `dest` (`layout.tmp_name`), directories 0700 and files
 0600 (the memory dir is the run's user's alone); fsynced only when asked (shared memory does
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import hashing, runid
-from rtrain.supervisor.ckpt import manifest as mf
-from rtrain.supervisor.ckpt.commit import fsync_dir
-from rtrain.supervisor.ckpt.layout import MANIFEST, tmp_name
-from rtrain.supervisor.ckpt.verify import check_name
-from rtrain.supervisor.memtier import parts, peerwire
+from rtrain.checkpoint import hashing, parts, runid
+from rtrain.checkpoint import manifest as mf
+from rtrain.checkpoint.commit import fsync_dir
+from rtrain.checkpoint.layout import MANIFEST, tmp_name
+from rtrain.checkpoint.verify import check_name
+from rtrain.supervisor.memtier import peerwire
 from rtrain.supervisor.memtier.peerwire import (
     CHUNK,
     LIST_LIMIT,
@@ -216,8 +216,8 @@ def fetch_part(addr: tuple[str, int], part: RemotePart, dest: Path, run: str | N
 
 
 def _trusted(part: RemotePart, run: str | None, key: bytes | None, who: str) -> dict[str, Any]:
-    """The listing's manifest for `part`, checked as `verify.py` checks one, and naming the
-    part asked for. Raises PeerRefused."""
+    """The listing's manifest for `part`, checked as `checkpoint/verify.py` checks one, and
+    naming the part asked for. Raises PeerRefused."""
     what = f"the part of rank {part.rank} at step {part.step} from {who}"
     try:
         m = mf.parse(json.dumps(part.manifest).encode())

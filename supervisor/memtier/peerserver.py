@@ -37,11 +37,11 @@ import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from rtrain.supervisor.ckpt import safeio
-from rtrain.supervisor.ckpt.layout import MANIFEST, checkpoint_name
-from rtrain.supervisor.ckpt.manifest import ManifestError
-from rtrain.supervisor.ckpt.verify import Level, Status, check_name, verify
-from rtrain.supervisor.memtier import parts, peerwire
+from rtrain.checkpoint import parts, safeio
+from rtrain.checkpoint.layout import MANIFEST, checkpoint_name
+from rtrain.checkpoint.manifest import ManifestError
+from rtrain.checkpoint.verify import Level, Status, check_name, verify
+from rtrain.supervisor.memtier import peerwire
 from rtrain.supervisor.memtier.peerwire import (
     CHUNK,
     LIST_LIMIT,

@@ -9,7 +9,7 @@ after a node is lost whole its successor holds the step whole: the lost node's p
 own. At each attempt's start (`gather`), before the ranks start, the node copies from its
 peers whatever it lacks of the newest step whole across them: a replacement node, which starts
 with an empty memory dir, pulls the group's state from the survivors' memory, not from shared
-storage. The ranks then agree on the step themselves (worker/memory_resume.py): a part that
+storage. The ranks then agree on the step themselves (worker/memtier/memory_resume.py): a part that
 failed to copy leaves its step incomplete, and the group resumes from an older one or the disk.
 
 Everything a peer sends is checked as it arrives (size and hash of every file against the
@@ -30,9 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt.layout import checkpoint_name, tmp_name
+from rtrain.checkpoint import parts
+from rtrain.checkpoint.layout import checkpoint_name, tmp_name
 from rtrain.supervisor.core.protocol import MEMORY_DROPPED
-from rtrain.supervisor.memtier import decide, parts, peerfetch, registry
+from rtrain.supervisor.memtier import decide, peerfetch, registry
 from rtrain.supervisor.memtier.peerserver import PeerServer
 from rtrain.supervisor.memtier.persist import link_files
 

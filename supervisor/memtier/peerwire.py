@@ -31,7 +31,7 @@ import socket
 import time
 from typing import Any
 
-from rtrain.supervisor.ckpt import safeio
+from rtrain.checkpoint import safeio
 
 PROTOCOL = 1
 CHUNK = 1 << 20

@@ -18,15 +18,14 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from rtrain.supervisor.ckpt import manifest as mf
-from rtrain.supervisor.ckpt import safeio
-from rtrain.supervisor.ckpt.commit import fsync_dir
-from rtrain.supervisor.ckpt.hashing import new_hasher
-from rtrain.supervisor.ckpt.layout import MANIFEST, checkpoint_name, tmp_name
-from rtrain.supervisor.ckpt.safetensors_io import write_hashed
-from rtrain.supervisor.ckpt.verify import Verdict
+from rtrain.checkpoint import manifest as mf
+from rtrain.checkpoint import parts, safeio
+from rtrain.checkpoint.commit import fsync_dir
+from rtrain.checkpoint.hashing import new_hasher
+from rtrain.checkpoint.layout import MANIFEST, checkpoint_name, tmp_name
+from rtrain.checkpoint.safetensors_io import write_hashed
+from rtrain.checkpoint.verify import Verdict
 from rtrain.supervisor.core import filemode
-from rtrain.supervisor.memtier import parts
 
 CHUNK = 8 << 20
 
@@ -64,7 +63,7 @@ def persist(snap: Verdict, ckpt_dir: Path, *, fsync: bool = True,
 
 def persist_group(group: list[parts.Part], ckpt_dir: Path, key: bytes | None, *,
                   fsync: bool = True, mode: int = filemode.DEFAULT_FILE_MODE) -> Persisted:
-    """Commit the parts of one whole step of a process group (supervisor/memtier/parts.py) as
+    """Commit the parts of one whole step of a process group (checkpoint/parts.py) as
     the disk checkpoint a collective save writes: every part's files, each hashed as copied
     against its part's manifest, under one manifest (`parts.group_manifest`) that rtrain signs
     with the run's key. Raises SnapshotRefused, or OSError."""

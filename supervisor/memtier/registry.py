@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import runid, safeio
+from rtrain.checkpoint import runid, safeio
 from rtrain.supervisor.core import atomic_write, filemode
 
 REGISTRY = ".rtrain-peers"

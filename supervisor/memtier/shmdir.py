@@ -5,7 +5,7 @@ dir's resolved path>`, root /dev/shm (RTRAIN_SHM_ROOT elsewhere): every launch o
 the snapshots an earlier one left, and two runs never share one. It is created 0700 and must be
 a directory of this user, not a link: another user's planted directory is refused (the tier
 stays off for the run, said once). It holds committed snapshots `checkpoint-<step>` (written by
-the worker, worker/memory_tier.py), the worker's temp dirs, the run identity `.rtrain-run`
+the worker, worker/memtier/memory_tier.py), the worker's temp dirs, the run identity `.rtrain-run`
 (copied from the checkpoint dir so each snapshot's manifest names the run) and, after rtrain
 dropped the tier, `dropped`.
 """
@@ -18,12 +18,11 @@ import shutil
 import stat
 from pathlib import Path
 
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.commit import remove_dir
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verify import Level, Verdict, verify
+from rtrain.checkpoint import parts, runid
+from rtrain.checkpoint.commit import remove_dir
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import Level, Verdict, verify
 from rtrain.supervisor.core.protocol import MEMORY_DROPPED
-from rtrain.supervisor.memtier import parts
 
 ENV_SHM_ROOT = "RTRAIN_SHM_ROOT"
 """Where the memory tier makes its directory instead of /dev/shm: a tmpfs elsewhere, where
@@ -114,7 +113,7 @@ def remove(path: Path) -> None:
 
 def _snapshots(path: Path) -> list[Path]:
     """Every committed snapshot in the directory: a single process's, and the ranks' parts
-    under torchrun (supervisor/memtier/parts.py), their own and the ones held for a peer."""
+    under torchrun (checkpoint/parts.py), their own and the ones held for a peer."""
     out = [p for _, p in list_checkpoints(path)]
     for base in (path, path / parts.HELD):
         try:

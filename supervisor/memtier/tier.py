@@ -10,11 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.verify import Verdict
+from rtrain.checkpoint import parts, runid
+from rtrain.checkpoint.verify import Verdict
 from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_MEMORY_RESUME, Heartbeat
-from rtrain.supervisor.memtier import decide, parts, persist, shmdir
+from rtrain.supervisor.memtier import decide, persist, shmdir
 from rtrain.supervisor.memtier.diskcadence import DiskCadence
 from rtrain.supervisor.memtier.peerside import PeerSide
 
@@ -163,7 +163,7 @@ class MemoryTierDir:
         s = hb.snapshot
         if hb.event != "snapshot" or not isinstance(s, dict):
             return
-        if "resumed" in s:  # a process group resumed from its parts (worker/memory_resume.py)
+        if "resumed" in s:  # a group resumed from its parts (worker/memtier/memory_resume.py)
             origin = "peer" if s.get("origin") == "peer" else "node"
             self.emit("snapshot_resumed", attempt=attempt, step=hb.step, origin=origin)
             self.say(f"attempt {attempt}: resumed from the memory snapshot of step {hb.step}"

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import manifest
-from rtrain.supervisor.ckpt.layout import list_checkpoints
+from rtrain.checkpoint import manifest
+from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core.atomic_write import write_atomic
 from rtrain.supervisor.core.event_schema import Kind
 from rtrain.supervisor.records import recovery

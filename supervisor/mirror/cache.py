@@ -22,11 +22,11 @@ import re
 import shutil
 from pathlib import Path
 
-from rtrain.supervisor.ckpt import manifest as mf
-from rtrain.supervisor.ckpt import safeio
-from rtrain.supervisor.ckpt.hashing import BLAKE3, XXH3
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.verify import check_name
+from rtrain.checkpoint import manifest as mf
+from rtrain.checkpoint import safeio
+from rtrain.checkpoint.hashing import BLAKE3, XXH3
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import check_name
 
 ENV_CACHE_DIR = "RTRAIN_CACHE_DIR"
 """Where files downloaded from a mirror are cached by content hash (default

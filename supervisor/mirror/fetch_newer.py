@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from rtrain.supervisor.ckpt import runid
-from rtrain.supervisor.ckpt.verify import Level, Status, Verdict
+from rtrain.checkpoint import runid
+from rtrain.checkpoint.verify import Level, Status, Verdict
 from rtrain.supervisor.core.untrusted_text import safe
 from rtrain.supervisor.mirror.cache import BlobCache
 from rtrain.supervisor.mirror.launch_uploads import Mirroring

@@ -4,7 +4,7 @@ A checkpoint leaves the machine only if it is a real directory (never a link: on
 `checkpoint-999999` pointing at another run's private checkpoint would copy that to the mirror
 and supersede every real one), holds a manifest that parses (and is signed when a key is set),
 whose step is the name's (`cp -a checkpoint-2 checkpoint-1000000` would do the same), whose run
-is this run's (`ckpt/runid.py`), and whose files are all regular files, linked nowhere, of the
+is this run's (`checkpoint/runid.py`), and whose files are all regular files, linked nowhere, of the
 sizes it lists. Their hashes are checked as each one is sent (`transfer.upload`, which also
 opens every file without following a link): no byte is read twice.
 
@@ -19,10 +19,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from rtrain.supervisor.ckpt import hashing, runid, safeio
-from rtrain.supervisor.ckpt import manifest as mf
-from rtrain.supervisor.ckpt.layout import MANIFEST, list_checkpoints, parse_step
-from rtrain.supervisor.ckpt.verify import check_name
+from rtrain.checkpoint import hashing, runid, safeio
+from rtrain.checkpoint import manifest as mf
+from rtrain.checkpoint.layout import MANIFEST, list_checkpoints, parse_step
+from rtrain.checkpoint.verify import check_name
 
 NOT_COMMITTED = "no manifest.json"
 """A save that did not finish (or one in progress): no checkpoint, nothing to say."""

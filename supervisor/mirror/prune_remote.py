@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from rtrain.supervisor.ckpt.verify import Level, Verdict
+from rtrain.checkpoint.verify import Level, Verdict
 from rtrain.supervisor.mirror.store import Mirror, RemoteCheckpoint, checkpoints
 from rtrain.supervisor.retention import decide as retention
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import hashing, layout, safeio
-from rtrain.supervisor.ckpt import manifest as mf
+from rtrain.checkpoint import hashing, layout, safeio
+from rtrain.checkpoint import manifest as mf
 from rtrain.supervisor.core import filemode
 from rtrain.supervisor.mirror import cache as blobs
 from rtrain.supervisor.mirror import transfer

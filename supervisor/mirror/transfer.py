@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rtrain.supervisor.ckpt import hashing, layout, runid, safeio
-from rtrain.supervisor.ckpt import manifest as mf
-from rtrain.supervisor.ckpt.commit import fsync_dir
-from rtrain.supervisor.ckpt.verify import Level, check_member_name, check_name, verify
+from rtrain.checkpoint import hashing, layout, runid, safeio
+from rtrain.checkpoint import manifest as mf
+from rtrain.checkpoint.commit import fsync_dir
+from rtrain.checkpoint.verify import Level, check_member_name, check_name, verify
 from rtrain.supervisor.core import filemode
 from rtrain.supervisor.mirror import cache as blobs
 from rtrain.supervisor.mirror.mirror_errors import (

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt import runid
+from rtrain.checkpoint import runid
 from rtrain.supervisor.core import ownfiles
 from rtrain.supervisor.mirror import backlog
 from rtrain.supervisor.mirror.backend import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, Timeouts
@@ -103,8 +103,8 @@ class Commands:
 
 
 class Uploader:
-    """The loop of the uploader process. `run`: this run's identity (`ckpt/runid.py`): only its
-    checkpoints go up (`outgoing`), and only its checkpoints on the mirror count as sent;
+    """The loop of the uploader process. `run`: this run's identity (`checkpoint/runid.py`): only
+    its checkpoints go up (`outgoing`), and only its checkpoints on the mirror count as sent;
     another run's under the same URL are said once and left alone. `key`: the signing key,
     when one is set (unsigned checkpoints are neither sent nor counted)."""
 
@@ -172,7 +172,7 @@ class Uploader:
         return ok
 
     def _list_remote(self) -> bool:
-        from rtrain.supervisor.ckpt.verify import Level
+        from rtrain.checkpoint.verify import Level
         from rtrain.supervisor.mirror.store import MirrorError, checkpoints
         from rtrain.supervisor.mirror.verify_remote import verify_remote
 
@@ -316,7 +316,7 @@ def yield_to_training() -> None:
 
 
 def main(argv: list[str]) -> int:
-    from rtrain.supervisor.ckpt.hashing import load_signing_key
+    from rtrain.checkpoint.hashing import load_signing_key
     from rtrain.supervisor.core.errors import RtrainError
     from rtrain.supervisor.mirror.store import open_mirror
 

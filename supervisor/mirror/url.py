@@ -27,7 +27,7 @@ def redact(url: str) -> str:
 
 def split_checkpoint(url: str) -> tuple[str, str] | None:
     """`(mirror url, checkpoint name)` when `url` ends in a checkpoint's name, else None."""
-    from rtrain.supervisor.ckpt.layout import parse_step
+    from rtrain.checkpoint.layout import parse_step
 
     base, _, last = url.rstrip("/").rpartition("/")
     if parse_step(last) is None or not base or base.endswith(":/"):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rtrain.supervisor.ckpt import hashing
-from rtrain.supervisor.ckpt.layout import MANIFEST, parse_step
-from rtrain.supervisor.ckpt.verify import Level
+from rtrain.checkpoint import hashing
+from rtrain.checkpoint.layout import MANIFEST, parse_step
+from rtrain.checkpoint.verify import Level
 from rtrain.supervisor.commands.inspecting import Detail, DirReport, Entry, FileCheck
 from rtrain.supervisor.core.errors import UsageError
 from rtrain.supervisor.mirror import verify_remote as rverify

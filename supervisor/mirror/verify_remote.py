@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rtrain.supervisor.ckpt import hashing
-from rtrain.supervisor.ckpt import manifest as mf
-from rtrain.supervisor.ckpt.layout import MANIFEST
-from rtrain.supervisor.ckpt.verify import Level, Status, Verdict, check_name
+from rtrain.checkpoint import hashing
+from rtrain.checkpoint import manifest as mf
+from rtrain.checkpoint.layout import MANIFEST
+from rtrain.checkpoint.verify import Level, Status, Verdict, check_name
 from rtrain.supervisor.mirror.store import CorruptRemote, Mirror, RemoteCheckpoint, checkpoints
 
 

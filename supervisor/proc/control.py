@@ -1,7 +1,7 @@
 """Requests to the worker that must reach it while its training thread is stuck.
 
-The worker reads them from a FIFO in its status dir (`protocol.CONTROL_FIFO`, created and read
-by worker/hang_save.py). Opening it for writing without blocking fails at once when no process
+The worker reads them from a FIFO in its status dir (`protocol.CONTROL_FIFO`, created and read by
+worker/saving/hang_save.py). Opening it for writing without blocking fails at once when no process
 reads it (ENXIO), so a plain script, a worker under torch.distributed or a process that is gone
 costs nothing: the request is simply not delivered.
 

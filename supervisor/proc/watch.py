@@ -314,7 +314,7 @@ class _Watch:
             pids, self.child.spec.attempt_dir, self.config.dump_signal, self.config.dump_timeout_s,
             env_mode(self.child.spec.env))
         # Stuck before its optimizer step, the worker still holds the last completed step: a
-        # thread of its own saves it within the grace (worker/hang_save.py).
+        # thread of its own saves it within the grace (worker/saving/hang_save.py).
         self.hang_save_asked = ask_failure_save(
             self.child.spec.attempt_dir, self.child.spec.env.get(ENV_CONTROL_TOKEN))
         if self.hang_save_asked:

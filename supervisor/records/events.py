@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt.safeio import nested_deeper
+from rtrain.checkpoint.safeio import nested_deeper
 from rtrain.supervisor.core import ownfiles
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.supervisor.core.errors import ExitCode, RtrainError

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt.layout import parse_step
+from rtrain.checkpoint.layout import parse_step
 from rtrain.supervisor.core.event_schema import Kind
 from rtrain.supervisor.core.protocol import Heartbeat
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.ckpt.safeio import MAX_DEPTH, nested_deeper
+from rtrain.checkpoint.safeio import MAX_DEPTH, nested_deeper
 from rtrain.supervisor.core import ownfiles
 from rtrain.supervisor.core.atomic_write import write_json_atomic
 from rtrain.supervisor.core.errors import ExitCode, RtrainError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rtrain.supervisor.ckpt.verify import Level
+from rtrain.checkpoint.verify import Level
 from rtrain.supervisor.core.errors import CheckpointError, UsageError
 from rtrain.supervisor.retention.decide import RetentionPolicy
 from rtrain.supervisor.retention.prune_dir import PruneReport, dir_size, prune

@@ -17,9 +17,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rtrain.supervisor.ckpt.commit import remove_dir
-from rtrain.supervisor.ckpt.layout import TRASH_PREFIX, list_leftovers
-from rtrain.supervisor.ckpt.verify import Level, Verdict, VerifiedCache, verify, verify_all
+from rtrain.checkpoint.commit import remove_dir
+from rtrain.checkpoint.layout import TRASH_PREFIX, list_leftovers
+from rtrain.checkpoint.verify import Level, Verdict, VerifiedCache, verify, verify_all
 from rtrain.supervisor.retention import decide as retention
 
 log = logging.getLogger(__name__)

@@ -46,9 +46,9 @@ TORCH_LAZY = ("torch._dynamo",)
 # names torch.compile. Imports only: they start no worker pool, touch no CUDA, set no variable.
 TORCH_COMPILE_LAZY = ("torch._functorch.aot_autograd", "torch._inductor.codecache",
                       "torch._inductor.compile_fx")
-# rtrain reads the attempt's RTRAIN_* variables at import (rtrain.worker.faults arms the faults
-# of one attempt): importing it before the hand-off would bind the wrong attempt. A script's own
-# modules named `worker` or `supervisor` are the script's, and preloaded like any other.
+# rtrain reads the attempt's RTRAIN_* variables at import (rtrain.worker.guards.faults arms the
+# faults of one attempt): importing it before the hand-off would bind the wrong attempt. A script's
+# own modules named `worker` or `supervisor` are the script's, and preloaded like any other.
 NEVER_PRELOAD = ("rtrain",)
 
 

@@ -1,5 +1,5 @@
 """The process side of the stuck-rank report: read what each rank left in the attempt dir at a
-hang (its progress board, worker/progress.py; its stack dumps, proc/stacks.py) and hand it to
+hang (its progress board, worker/stuck/progress.py; its stack dumps, proc/stacks.py) and hand it to
 the rule (stuck/decide.py).
 
 Ranks are matched to their stack files by pid (the board and the heartbeats carry both). A rank
@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import rtrain
+import rtrain.checkpoint
 import rtrain.supervisor
 import rtrain.worker
 from rtrain.supervisor.core import ownfiles
@@ -35,9 +36,9 @@ SOURCE_MAX = 4 << 20  # a source file larger than this is not read for its line
 def library_roots() -> tuple[str, ...]:
     """The standard library and rtrain's own packages: frames there are not the user's."""
     paths = sysconfig.get_paths()
-    # One folder in a wheel; three in an editable install, where the halves stay where they are.
+    # One folder in a wheel; four in an editable install, where the packages stay where they are.
     ours = (str(Path(package.__file__).resolve().parent)
-            for package in (rtrain, rtrain.supervisor, rtrain.worker))
+            for package in (rtrain, rtrain.supervisor, rtrain.worker, rtrain.checkpoint))
     roots = {paths["stdlib"], paths["platstdlib"], *ours}
     return tuple(sorted(r for r in roots if r))
 

@@ -37,9 +37,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import rtrain
-from rtrain.supervisor.ckpt.verify import Level, verify
+from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.core.protocol import ENV_RESUME_FROM
-from rtrain.worker import faults, runtime
+from rtrain.worker import runtime
+from rtrain.worker.guards import faults
 
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)

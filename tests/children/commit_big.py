@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
+from rtrain.checkpoint.commit import PendingCheckpoint
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.safetensors_io import TensorBlob
 
 ckpt_dir, mib, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 interval = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0

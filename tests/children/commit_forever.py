@@ -8,9 +8,9 @@ import sys
 
 import numpy as np
 
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint
-from rtrain.supervisor.ckpt.layout import list_checkpoints
-from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
+from rtrain.checkpoint.commit import PendingCheckpoint
+from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.safetensors_io import TensorBlob
 
 ckpt_dir = sys.argv[1]
 existing = list_checkpoints(ckpt_dir)

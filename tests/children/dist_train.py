@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import rtrain
-from rtrain.worker import faults
+from rtrain.worker.guards import faults
 
 p = argparse.ArgumentParser()
 p.add_argument("out")

@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint
-from rtrain.supervisor.ckpt.generation import StaleWriter
+from rtrain.checkpoint.commit import PendingCheckpoint
+from rtrain.checkpoint.generation import StaleWriter
 
 d = Path(sys.argv[1])
 if os.environ.get("RTRAIN_ATTEMPT") != "0":

@@ -6,7 +6,7 @@ import os
 import sys
 
 import rtrain
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint
+from rtrain.checkpoint.commit import PendingCheckpoint
 from rtrain.supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_SETTINGS
 
 if os.environ["RTRAIN_ATTEMPT"] == "0":

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 import rtrain
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint
-from rtrain.supervisor.ckpt.layout import parse_step
-from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
+from rtrain.checkpoint.commit import PendingCheckpoint
+from rtrain.checkpoint.layout import parse_step
+from rtrain.checkpoint.safetensors_io import TensorBlob
 from rtrain.worker import runtime
 
 ckpt_dir, total, poison = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

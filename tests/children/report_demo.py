@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 import rtrain
-from rtrain.supervisor.ckpt.commit import PendingCheckpoint
-from rtrain.supervisor.ckpt.safetensors_io import TensorBlob
+from rtrain.checkpoint.commit import PendingCheckpoint
+from rtrain.checkpoint.safetensors_io import TensorBlob
 from rtrain.worker import runtime
 
 steps = int(sys.argv[1])

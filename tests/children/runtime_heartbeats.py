@@ -1,7 +1,7 @@
 """A worker-library child: install, step with heartbeats every 50 ms.
 
 argv[1] == "silent": after 20 steps stop sending and sleep (a hang the learned timeout catches).
-argv[1] == "slow_hang_save": as "silent", serving the save at a hang as worker/hang_save.py
+argv[1] == "slow_hang_save": as "silent", serving the save at a hang as worker/saving/hang_save.py
 does (the control FIFO), with a save that takes argv[2] seconds and then writes `saved` into the
 status dir.
 argv[1] == "preempt": step until should_stop(), then "save" and exit 75.

@@ -1,5 +1,5 @@
 """A small torch run that logs every step to W&B (offline), TensorBoard and MLflow (a local file
-store) through worker/trackers.py, and fails three times under `rtrain launch`:
+store) through worker/trackers/restarts.py, and fails three times under `rtrain launch`:
 
 - attempt 0 SIGKILLs itself after logging step KILL0;
 - attempt 1 SIGKILLs itself once it logged its restart and reached step KILL1;

@@ -1,0 +1,2 @@
+"""Experiment trackers across restarts (`rtrain.trackers`): one run, one curve, the restarts
+marked on it."""
