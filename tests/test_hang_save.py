@@ -73,7 +73,7 @@ def test_a_reader_gets_the_request_with_the_token(tmp_path):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     t.join(5)
-    assert got == [f"{CONTROL_FAILSAVE} {TOKEN}\n".encode()]
+    assert got == [f"\n{CONTROL_FAILSAVE} {TOKEN}\n".encode()]
 
 
 class _Saver:
@@ -105,8 +105,9 @@ def test_only_requests_with_the_attempts_token_are_served_the_rest_reported(tmp_
     sent: list[dict] = []
     monkeypatch.setattr(hang_save.runtime, "heartbeat", lambda **kw: sent.append(kw))
     saver = _Saver()
-    t = threading.Thread(target=hang_save.serve,
-                         args=(fifo, (st.st_dev, st.st_ino), TOKEN, lambda: [saver]), daemon=True)
+    t = threading.Thread(target=hang_save.serve, daemon=True,
+                         args=(fifo, (st.st_dev, st.st_ino), TOKEN, lambda: [saver],
+                               time.monotonic, 0.1))
     t.start()
     _write(fifo, b"failsave\n")  # what rtrain sent before tokens, or anyone's echo
     _until(lambda: len(sent) == 1)
@@ -119,9 +120,7 @@ def test_only_requests_with_the_attempts_token_are_served_the_rest_reported(tmp_
     assert [s["event"] for s in sent] == ["control_refused", "hang_save_done"]  # reports: 5 s
     os.rename(fifo, tmp_path / "moved")  # someone swaps the FIFO for one of their own
     os.mkfifo(fifo, 0o600)
-    _write(tmp_path / "moved", b"\n")  # ends the session the thread has open on the old one
-    _write(fifo, b"")  # the thread opens the new one, sees it is not its own, stops reading
-    t.join(5)
+    t.join(5)  # the thread sees within its poll that the FIFO is not its own, stops reading
     assert not t.is_alive() and saver.calls == 1
 
 

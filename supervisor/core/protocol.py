@@ -113,8 +113,10 @@ def socket_address(name: str) -> str | bytes:
 
 
 def control_request(what: str, token: str) -> bytes:
-    """One request line for the control FIFO."""
-    return f"{what} {token}\n".encode()
+    """One request line for the control FIFO. It starts with a newline: another writer's
+    unfinished line ends there instead of running into the request (the FIFO is read as one
+    stream, and a write this short is never interleaved)."""
+    return f"\n{what} {token}\n".encode()
 
 
 def exit_record_name(rank: int) -> str:

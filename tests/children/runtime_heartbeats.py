@@ -29,7 +29,7 @@ def serve_hang_save(seconds: float) -> None:
     def serve() -> None:
         with open(status / CONTROL_FIFO, "rb") as f:
             request = f.read()
-        assert request == f"failsave {os.environ['RTRAIN_CONTROL_TOKEN']}\n".encode(), request
+        assert request == f"\nfailsave {os.environ['RTRAIN_CONTROL_TOKEN']}\n".encode(), request
         runtime.heartbeat(event="save_begin", step=20)
         time.sleep(seconds)
         (status / "saved").write_text("step 20")

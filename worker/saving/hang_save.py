@@ -15,6 +15,7 @@ process in its environment and writes nowhere else) are served: the FIFO is this
 (0600), but any of the user's programs could write to it. Any other line is refused, logged and
 reported (`control_refused` heartbeat, a `control_refused` event in the run's log). A FIFO
 found replaced by another file (the attempt dir may be writable by a group) is no longer read.
+The reader holds the FIFO open for writing too, so that a request never finds it without a reader.
 
 Consistency: the save is decided and written with the marks of worker/saving/failsave.py; an
 optimizer step that starts meanwhile (the thread was slow, not hung) waits in its pre-hook until
@@ -31,6 +32,7 @@ import hmac
 import logging
 import math
 import os
+import select
 import stat
 import threading
 import time
@@ -89,45 +91,63 @@ def start(checkpointers: Callable[[], Iterable[Any]]) -> bool:
 
 def serve(path: Path, ident: tuple[int, int], token: str,
           checkpointers: Callable[[], Iterable[Any]],
-          clock: Callable[[], float] = time.monotonic) -> None:
+          clock: Callable[[], float] = time.monotonic, poll_s: float = 1.0) -> None:
     """Read requests from the FIFO `path` (the one we made: `ident` is its device and inode)
     until it fails or is replaced; serve those with `token`, report the others."""
     refused = Refusals(path, clock)
-    while True:
-        try:
-            # Blocks until a writer opens it; each request is served as its line arrives.
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            st = os.fstat(fd)
-            if not stat.S_ISFIFO(st.st_mode) or (st.st_dev, st.st_ino) != ident:
-                os.close(fd)
-                log.warning("save at a hang no longer served: %s was replaced", path)
-                return
-            for line in _lines(fd):
-                if is_request(line, token):
-                    save_all(checkpointers())
-                else:
-                    refused.add()
-        except OSError as e:
-            log.warning("save at a hang no longer served: %s", e)
-            return
-
-
-def _lines(fd: int) -> Iterator[bytes]:
-    """The lines written until every writer closed the FIFO (then `fd` is closed); a line
-    longer than REQUEST_MAX is yielded cut, so that it is refused."""
-    buf = b""
     try:
-        while chunk := os.read(fd, 4096):
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            yield from (ln for ln in lines if ln)
-            if len(buf) > REQUEST_MAX:
-                yield buf[:REQUEST_MAX]
-                buf = b""
-        if buf:
-            yield buf
+        # Opened for reading and writing, so that the FIFO always has a reader and never ends:
+        # read-only, it ends with each writer, and a request written between the end and the
+        # next open would be refused (no reader) or dropped with the closed end's buffer.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        log.warning("save at a hang not served: %s", e)
+        return
+    try:
+        if _replaced(os.fstat(fd), ident):
+            log.warning("save at a hang not served: %s was replaced", path)
+            return
+        for line in _lines(fd, lambda: _replaced(_lstat(path), ident), poll_s):
+            if is_request(line, token):
+                save_all(checkpointers())
+            else:
+                refused.add()
+        log.warning("save at a hang no longer served: %s was replaced", path)
+    except OSError as e:
+        log.warning("save at a hang no longer served: %s", e)
     finally:
         os.close(fd)
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None
+
+
+def _replaced(st: os.stat_result | None, ident: tuple[int, int]) -> bool:
+    return st is None or not stat.S_ISFIFO(st.st_mode) or (st.st_dev, st.st_ino) != ident
+
+
+def _lines(fd: int, replaced: Callable[[], bool], poll_s: float) -> Iterator[bytes]:
+    """The lines written to the FIFO until `replaced()` says it is no longer ours (checked
+    every `poll_s` without input); a line longer than REQUEST_MAX is yielded cut, so that it is
+    refused. rtrain starts each request with a newline, so a writer that left a line
+    unfinished cannot spoil the next request."""
+    buf = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], poll_s)
+        if not ready:
+            if replaced():
+                return
+            continue
+        buf += os.read(fd, 4096)
+        *lines, buf = buf.split(b"\n")
+        yield from (ln for ln in lines if ln)
+        if len(buf) > REQUEST_MAX:
+            yield buf[:REQUEST_MAX]
+            buf = b""
 
 
 def is_request(line: bytes, token: str) -> bool:
