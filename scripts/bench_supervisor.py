@@ -65,13 +65,18 @@ def relaunch_gaps(log: Path) -> list[float]:
 def relaunch_rtrain(tmp: Path, n: int) -> list[float]:
     run = tmp / "relaunch-run"
     (tmp / "rtrain.toml").write_text(
-        f"[restart]\nmax_restarts = {n + 5}\ncrash_loop_k = 0\n[restart.budgets]\n"
+        f"[restart]\nmax_restarts = {n + 5}\n[restart.budgets]\n"
         f"crash = {n + 5}\n[backoff]\nenabled = false\n")
+    # Every attempt crashes before a checkpoint: the crash-loop rule (a constant) is turned
+    # off the way tests do it (tests/tuned.py).
+    tuning = (tmp / "tuning.json")
+    tuning.write_text('{"restart": {"crash_loop_k": 0}}')
     log = tmp / "relaunch-rtrain.log"
-    subprocess.run([sys.executable, "-m", "rtrain", "launch", "--run-dir", str(run), "-q",
-                    str(KIDS / "relaunch_child.py"), str(log), str(n)], env=env(), cwd=tmp,
-                   check=True, capture_output=True)
+    subprocess.run([sys.executable, str(ROOT / "tests" / "tuned.py"), "launch", "--run-dir",
+                    str(run), "-q", str(KIDS / "relaunch_child.py"), str(log), str(n)],
+                   env=env(), cwd=tmp, check=True, capture_output=True)
     (tmp / "rtrain.toml").unlink()
+    tuning.unlink()
     return relaunch_gaps(log)
 
 

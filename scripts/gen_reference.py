@@ -202,25 +202,29 @@ def config_section() -> str:
     from rtrain.supervisor.decide.ladder import DEFAULT_LADDER, Rung
     from rtrain.supervisor.hooks.hook_spec import HOOKABLE, HookSpec
 
-    defaults = config.Config()
     top_docs = class_attribute_docs(config.Config)
-    tables = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(config.Config)
-              if dataclasses.is_dataclass(getattr(defaults, f.name))}
     own = ("settings", "ladder", "hooks")  # the user's own tables, each with a section below
     paragraphs = inspect.getdoc(config).split("\n\n")
     out = ["## Configuration", "", one_line(paragraphs[1]),
            "Tables merge key by key, so `--max-restarts` keeps the file's budgets. An unknown key "
            "or a bad value is a one-line error naming its source and what to change (exit 2).",
-           "", "### Top level", ""]
-    rows = [(code(f.name), code(toml_type(f.name, f.type)), code(shown_default(f.name, getattr(
-        defaults, f.name))), top_docs.get(f.name, ""))
-            for f in dataclasses.fields(config.Config)
-            if f.init and f.name not in tables and f.name not in own]
-    out += [table(["key", "type", "default", "meaning"], rows), ""]
-    for name, value in tables.items():
-        cls = type(value)
-        out += [f"### [{name}]", "", prose(inspect.getdoc(cls) or ""), "",
-                fields_table(cls, value), ""]
+           f"These {len(config.KEYS)} keys are all there is: everything else rtrain uses is a "
+           "constant in its code, or measured on the run, and a file that names one is refused "
+           "with the value rtrain holds it at.", ""]
+    rows = []
+    for key in config.KEYS:
+        if key in own:
+            rows.append((code(key), "table" if key == "settings" else "array of tables",
+                         "", f"{one_line(top_docs[key])} See [{key}] below."))
+            continue
+        section, _, name = key.rpartition(".")
+        cls = type(getattr(config.Config(), section)) if section else config.Config
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        shown = f"[{section}] {name}" if section else name
+        rows.append((code(shown), code(toml_type(name, f.type)),
+                     code(shown_default(name, getattr(cls(), name))),
+                     class_attribute_docs(cls).get(name, "")))
+    out += [table(["key", "type", "default", "meaning and why to set it"], rows), ""]
     out += ["### [settings]", "", top_docs["settings"],
             "The script reads them with `rtrain.settings()`, or through `{knob}` templates in "
             "its arguments; `--set KNOB=VALUE` overrides one.", "",

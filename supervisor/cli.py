@@ -232,8 +232,8 @@ def launch(
         "--max-restarts", metavar="N",
         help="Relaunches allowed after failures of any kind without progress in between (a "
              "newer checkpoint forgives earlier failures); per-kind budgets not set in the "
-             "config follow it. Default 20. Apart from it, [restart] crash_loop_k (3) stops "
-             "a run whose attempts end in a row without a newer checkpoint.")] = None,
+             "config follow it. Default 20. Apart from it, a run whose last 3 attempts ended "
+             "without a newer checkpoint stops (a crash loop).")] = None,
     grace: Annotated[float | None, typer.Option(
         "--grace", metavar="SECONDS",
         help="From the stop signal to SIGKILL: time to save and exit (default 30).")] = None,

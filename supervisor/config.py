@@ -4,12 +4,17 @@ Sources: `--config FILE`, else `rtrain.toml` (top level, or its `[rtrain]` table
 `[tool.rtrain]` in `pyproject.toml`, all looked up in the current directory. Precedence:
 command line > file > defaults.
 
-The dataclasses below are the schema: each key's name, default and meaning are defined there
-once (the attribute docstring after each field), and everything else is built from them:
+The dataclasses below are the schema: each field's name, default and meaning are defined there
+once (the attribute docstring after it), and everything else is built from them:
 `proc.watch.WatchConfig.from_config` and `proc.heartbeat.HangPolicy.from_config` for the
-supervisor's runtime, RTRAIN_* variables for the worker. docs/design.md ("Configuration") shows
-the same schema as TOML and `rtrain launch --help` names the defaults; tests/test_config_schema.py
-fails when either says otherwise.
+supervisor's runtime, RTRAIN_* variables for the worker, docs/reference.md
+(scripts/gen_reference.py) for the manual.
+
+Only the fields named in `KEYS` are settings: what a user has a reason to set, and all a config
+file or the command line may name. The other fields are the code's tuning constants (the
+pressure trend's window, the hang timeout's multiple and floor, the mirror's timeouts, ...):
+their defaults hold for every run, a file that names one is refused with the value rtrain
+uses, and only code (the tests, benchmarks) passes them to `load_config`.
 """
 
 from __future__ import annotations
@@ -46,8 +51,18 @@ _RTRAIN_OWN = {"SIGUSR2": "the signal on which rtrain has the worker dump its st
                           "(RTRAIN_DUMP_SIGNAL)",
                "SIGURG": "the signal with which rtrain asks the worker to free memory "
                          "(RTRAIN_RELIEVE_SIGNAL)"}
-MIN_SAMPLE_INTERVAL_S = 0.01  # below it the watch loop only samples: no time left to watch
 DEFAULT_MAX_RESTARTS = 20
+
+KEYS = (
+    "run_dir", "ckpt_dir", "resume", "verify", "settings", "ladder",
+    "grace_s", "stop_signal", "requeue",
+    "restart.max_restarts", "restart.budgets", "restart.give_up_on_rate", "backoff.enabled",
+    "hang.timeout_s", "slurm.stop_before_limit", "pressure.enabled", "straggler.exclude_node",
+    "standby", "preload", "metrics_file", "hooks", "file_mode",
+    "mirror", "keep_remote", "milestone_every",
+)
+"""The settings: the keys a config file may name, each with a reason a user would set it
+(docs/reference.md). A dotted key is one of a table's."""
 
 
 def _fail_unknown(key: str, known: list[str], where: str, elsewhere: dict[str, str]) -> None:
@@ -90,13 +105,15 @@ class RestartConfig:
     max_restarts: int | None = None
     """Relaunches after failures of any kind, all together, without progress in between
     (default 20). Set (here or `--max-restarts`), it also raises every per-kind budget not set
-    in [restart.budgets] to the same number: N means N relaunches for any failure."""
+    in [restart.budgets] to the same number: N means N relaunches for any failure. Raise it for
+    a long run on flaky hardware; lower it to fail fast."""
     crash_loop_k: int = 3
     """Give up when K consecutive attempts end without a newer verified checkpoint (0: never)."""
     budgets: dict[str, int] = field(default_factory=dict)
     """Relaunches per failure kind without progress in between: crash, oom (= ladder steps:
     oom_gpu, oom_host, memory_pressure), hang, nonfinite, lost_device, data. Keys left out
-    keep their default (or max_restarts)."""
+    keep their default (or max_restarts). Set one to allow more of a failure you expect
+    (lost_device on unreliable GPUs) or none of one you do not (hang = 0)."""
     forgive_after_steps: int = 20
     """Progress that forgives earlier failures: a newer verified checkpoint and this many steps
     trained since the last failure (or forgive_after_s, whichever comes first)."""
@@ -110,18 +127,15 @@ class RestartConfig:
     """More failures than this in an hour is reported (failure_rate event, status, hooks) even
     when the run makes progress (0: never)."""
     give_up_on_rate: bool = False
-    """Also give up when max_failures_per_hour is exceeded."""
+    """Give up when more than `max_failures_per_hour` (10) failures come within an hour, even
+    where each made progress (by default that is only reported): where a flapping node should
+    end the job rather than spend its allocation."""
     user_set: frozenset[str] = field(default=frozenset(), init=False)
     """Which of max_restarts and the budgets the configuration set (for messages)."""
 
     def __post_init__(self) -> None:
         if self.max_restarts is not None:
             _number("[restart] max_restarts", self.max_restarts, integer=True)
-        _number("[restart] crash_loop_k", self.crash_loop_k, integer=True)
-        _number("[restart] forgive_after_steps", self.forgive_after_steps, integer=True)
-        _number("[restart] forgive_after_s", self.forgive_after_s)
-        _number("[restart] quarantine_after", self.quarantine_after, integer=True)
-        _number("[restart] max_failures_per_hour", self.max_failures_per_hour, integer=True)
         _bool("[restart] give_up_on_rate", self.give_up_on_rate)
         if not isinstance(self.budgets, dict):
             raise ConfigError("[restart.budgets] must be a table, e.g. crash = 3")
@@ -159,7 +173,9 @@ class BackoffConfig:
     """`[backoff]`: wait before a relaunch, growing while attempts make no progress."""
 
     enabled: bool = True
-    """false relaunches at once (benchmarks, tests)."""
+    """Wait before a relaunch, growing while attempts make no progress (1 s, doubling up to
+    300 s, with jitter). false relaunches at once: for benchmarks and tests, or where a
+    scheduler spaces restarts already (`--no-backoff`)."""
     initial_s: float = 1.0
     """Wait before the first relaunch of a streak."""
     factor: float = 2.0
@@ -172,13 +188,6 @@ class BackoffConfig:
 
     def __post_init__(self) -> None:
         _bool("[backoff] enabled", self.enabled)
-        _number("[backoff] initial_s", self.initial_s)
-        _number("[backoff] factor", self.factor, low=1.0)
-        _number("[backoff] max_s", self.max_s)
-        _number("[backoff] jitter", self.jitter)
-        if self.jitter > 1:
-            raise ConfigError(f"[backoff] jitter is a fraction: set it between 0 and 1 "
-                              f"(got {self.jitter!r})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -188,7 +197,9 @@ class HangConfig:
     timeout_s: float = 1800.0
     """No sign of life for this long is a hang (`--hang-timeout`): for a plain script (no
     heartbeats), no output and no CPU progress; for a script that sends heartbeats, no
-    heartbeat until the timeout is learned (start-up: imports, compilation, warm-up steps)."""
+    heartbeat until the timeout is learned (start-up: imports, compilation, warm-up steps).
+    Raise it for a script that is silent for longer by design (a long evaluation without
+    output); lower it to catch a hang sooner."""
     multiple: float = 10.0
     """Heartbeat scripts: the learned timeout is this multiple of the longest step interval."""
     warmup_steps: int = 20
@@ -206,14 +217,7 @@ class HangConfig:
     hang that has begun gets `save_allowance_s` instead."""
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "floor_s", "ceiling_s", "save_allowance_s", "grace_s"):
-            _number(f"[hang] {name}", getattr(self, name),
-                    above=name not in ("save_allowance_s", "grace_s"))
-        _number("[hang] multiple", self.multiple, low=1.0)
-        _number("[hang] warmup_steps", self.warmup_steps, integer=True)
-        if self.floor_s > self.ceiling_s:
-            raise ConfigError(f"[hang] floor_s ({self.floor_s:g}) is above ceiling_s "
-                              f"({self.ceiling_s:g}): lower floor_s or raise ceiling_s")
+        _number("[hang] timeout_s", self.timeout_s, above=True)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -223,7 +227,7 @@ class SlurmConfig:
     stop_before_limit: bool = True
     """Under Slurm, stop the attempt before the job's time limit (as on a preemption signal:
     the child saves and exits 75; with `requeue` the job goes back to the queue). The limit's
-    end is the scheduler's EndTime."""
+    end is the scheduler's EndTime. Turn it off where the script handles the limit itself."""
     margin_s: float = 60.0
     """The least time before the limit at which the stop is sent; also the margin until a stop
     or a save has been measured."""
@@ -233,8 +237,6 @@ class SlurmConfig:
 
     def __post_init__(self) -> None:
         _bool("[slurm] stop_before_limit", self.stop_before_limit)
-        _number("[slurm] margin_s", self.margin_s)
-        _number("[slurm] margin_factor", self.margin_factor, low=1.0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -248,7 +250,9 @@ class PressureConfig:
     ladder with no step lost (failure kind `memory_pressure`, charged to the oom budget)."""
 
     enabled: bool = True
-    """Watch memory while an attempt runs and act on pressure."""
+    """Watch memory while an attempt runs and, when it is about to run out, have the script
+    free memory or step down the ladder before the OOM kill. Turn it off where memory use
+    swings near the limit by design and the forecast misreads it."""
     fraction: float = 0.95
     """The hard line for host memory: at this share of its limit for `sustain_s`, pressure
     whatever the trend. The limit is the run's memory cgroup's (working set: usage minus
@@ -279,23 +283,6 @@ class PressureConfig:
 
     def __post_init__(self) -> None:
         _bool("[pressure] enabled", self.enabled)
-        _number("[pressure] fraction", self.fraction, above=True)
-        _number("[pressure] gpu_fraction", self.gpu_fraction)
-        _number("[pressure] sustain_s", self.sustain_s)
-        _number("[pressure] trend_s", self.trend_s)
-        _number("[pressure] peak_window_s", self.peak_window_s, above=True)
-        _number("[pressure] trend_from", self.trend_from)
-        _number("[pressure] margin", self.margin, low=1.0)
-        _number("[pressure] climb_headroom", self.climb_headroom)
-        if self.fraction > 1 or self.gpu_fraction > 1 or self.climb_headroom >= 1:
-            raise ConfigError("[pressure] fraction and gpu_fraction must be at most 1, "
-                              "climb_headroom below 1")
-        if self.trend_from >= 1:
-            raise ConfigError("[pressure] trend_from must be below 1 (a share of the limit)")
-        if 0 < self.trend_s < 4 * self.peak_window_s:  # 5 peaks: pressure.decide.MIN_PEAKS
-            raise ConfigError("[pressure] trend_s must span at least 5 peak windows "
-                              f"({4 * self.peak_window_s:g} s with peak_window_s "
-                              f"{self.peak_window_s}), or be 0 for no trend")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -323,10 +310,6 @@ class StragglerConfig:
     loses no work, and a node excluded is one the job cannot run on again."""
 
     def __post_init__(self) -> None:
-        _bool("[straggler] enabled", self.enabled)
-        _number("[straggler] factor", self.factor, low=1.0, above=True)
-        _number("[straggler] window_steps", self.window_steps, low=1, integer=True)
-        _number("[straggler] min_samples", self.min_samples, low=1, integer=True)
         _bool("[straggler] exclude_node", self.exclude_node)
 
 
@@ -364,28 +347,28 @@ class Config:
     """Everything `rtrain launch` needs to know, validated; built by `load_config`."""
 
     run_dir: Path = Path("rtrain-run")
-    """Run directory: events.jsonl, state.json, attempts/, the lock."""
+    """Where the run's record lives: events.jsonl, state.json, attempts/, the lock
+    (`--run-dir`). Set it to keep runs apart, on storage that outlives the node."""
     ckpt_dir: Path | None = None
-    """Checkpoint directory; None means <run_dir>/checkpoints (resolved by load_config)."""
+    """The checkpoint directory rtrain verifies and resumes from (`--ckpt-dir`; unset:
+    <run_dir>/checkpoints). Set it to the folder your script already saves into."""
     resume: str = "auto"
-    """auto (newest checkpoint that verifies), never, or a checkpoint path that must verify."""
+    """auto (newest checkpoint that verifies), never, or a checkpoint path that must verify
+    (`--resume`): never starts over, a path pins the start (a fine-tune from a known step)."""
     verify: str = "full"
     """Verification level for resume selection: quick (sizes) or full (content hashes). quick
     spares hashing every file at each launch: for very large checkpoints on trusted storage."""
-    keep_foreign_copy: bool = True
-    """Keep a copy of the newest verified content of a foreign checkpoint file that the script
-    rewrites in place (`ckpt.pt`, `last.ckpt`: no step in its name) in <run_dir>/foreign-copy,
-    and restore it when the file is found torn at a relaunch. Costs one such file's size on
-    disk (less where a reflink shares its blocks); false: no copy, a torn file is skipped."""
     requeue: bool = False
-    """On a preemption signal, requeue the Slurm job instead of exiting 75."""
+    """On a preemption signal or at the time limit, requeue the Slurm job instead of exiting
+    75 (`--requeue`): for a batch job that should come back by itself."""
     grace_s: float = 30.0
     """After the stop signal, how long the child may take to save and exit before SIGKILL
-    (`--grace`). A hung child, which will not save, gets a short fixed one (proc/watch.py)."""
+    (`--grace`). Raise it when a save takes longer (a large model, slow storage); keep it
+    below the scheduler's own notice. A hung child, which will not save, gets a short one."""
     stop_signal: str = "SIGTERM"
     """Signal forwarded to the child to ask it to save and exit: one of SIGTERM, SIGINT,
-    SIGHUP, SIGQUIT, SIGUSR1, SIGXCPU, SIGPWR (`ALLOWED_STOP_SIGNALS`; "SIG" may be left
-    out)."""
+    SIGHUP, SIGQUIT, SIGUSR1, SIGXCPU, SIGPWR ("SIG" may be left out). Set it to the signal
+    your scheduler sends ahead of a stop (Slurm `--signal=USR1@120`)."""
     sample_interval_s: float = 1.0
     """How often memory and progress are sampled (at least 0.01 s). Shorter sees fast memory
     growth sooner, at more of rtrain's CPU."""
@@ -413,16 +396,20 @@ class Config:
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """`[straggler]` table."""
     settings: dict[str, Any] = field(default_factory=dict)
-    """`[settings]`: initial knob values given to the child, e.g. batch_size = 64."""
+    """`[settings]`: the knobs the script reads and the ladder changes, with their first
+    values (e.g. batch_size = 64)."""
     ladder: tuple[Rung, ...] = DEFAULT_LADDER
-    """`[[ladder]]` rungs, walked in order on memory failures."""
+    """`[[ladder]]`: what a memory failure steps down, rung by rung. Set it to name your
+    script's own knobs (micro-batch, resolution, offload) and their limits."""
     metrics_file: Path | None = None
-    """Write Prometheus metrics here (textfile-collector convention); None: no metrics."""
+    """Write Prometheus metrics here (`--metrics-file`; unset: none): point it into a
+    node_exporter textfile-collector folder to graph steps, restarts and failures."""
     summary_every_s: float = 5.0
     """How often a `heartbeat_summary` event records step, loss and samples/s while a child
     runs (the points of `rtrain report`'s curves); each attempt's first step is always kept."""
     hooks: tuple[HookSpec, ...] = ()
-    """`[[hooks]]`: commands run with an event's JSON on stdin (supervisor/hooks/runner.py)."""
+    """`[[hooks]]`: commands run with an event's JSON on stdin: to be paged at a give-up or a
+    hang (Slack, email, PagerDuty)."""
     log_cap_mb: float = 64.0
     """Each attempt log (stdout.log, stderr.log) keeps at most about this many MiB: its first
     half and its newest output, with a line saying how much was cut between (0: no cap)."""
@@ -431,12 +418,15 @@ class Config:
     creates get the same plus x where readable. "0640" or "0660" share a run with a group."""
     mirror: str | None = None
     """Copy every committed checkpoint to this fsspec URL (`--mirror`): s3://bucket/prefix,
-    gs://..., file:///mnt/nfs/ckpts or a plain path; resume also looks there (None: no mirror)."""
+    gs://..., file:///mnt/nfs/ckpts or a plain path; resume also looks there (unset: none).
+    Set it where the local disk can be lost with the node (spot instances, scratch)."""
     keep_remote: int = 3
-    """The mirror keeps the newest this many checkpoints (0: all), plus milestones."""
+    """The mirror keeps the newest this many checkpoints (0: all), plus milestones
+    (`--keep-remote`): raise it to keep more history in the bucket."""
     milestone_every: int = 0
     """The mirror also keeps forever every checkpoint whose step is a multiple of this (0: none);
-    a milestone is uploaded even when newer checkpoints came before its turn."""
+    a milestone is uploaded even when newer checkpoints came before its turn. Set it to keep
+    checkpoints for later evaluation, e.g. every 10000 steps."""
     mirror_parallel: int = 4
     """Files of one checkpoint uploaded at once (large files go in parts on their own); raise
     it for a distant store with bandwidth to spare."""
@@ -453,8 +443,9 @@ class Config:
     platform's grace minus the save time."""
     standby: bool = True
     """Keep a warm standby interpreter with the heavy modules imported while an attempt
-    trains; the next attempt starts in it (`--no-standby`). Only for `python SCRIPT` and
-    `-m MODULE` launches, never under torchrun (--nproc-per-node)."""
+    trains; the next attempt starts in it, seconds sooner. Only for `python SCRIPT` and
+    `-m MODULE` launches, never under torchrun (--nproc-per-node). Turn it off
+    (`--no-standby`) to spare its memory on a tight machine."""
     checkpoints_elsewhere_after_s: float = 600.0
     """With `--resume-arg` (or `{checkpoint}` in the command): when the checkpoint dir still
     holds no checkpoint after this many seconds of training while the script wrote
@@ -463,7 +454,8 @@ class Config:
     preload: list[str] | None = None
     """Modules the standby imports, e.g. ["torch", "transformers"]. None: the script's
     module-level imports (and its own modules') from outside its directory and the standard
-    library, plus torch._dynamo when they import torch (its first optimizer would)."""
+    library, plus torch._dynamo when they import torch (its first optimizer would). Set it when
+    the script imports a heavy module late (inside a function) and the standby misses it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.resume, str) or not self.resume:
@@ -472,30 +464,14 @@ class Config:
         if self.verify not in ("quick", "full"):
             raise ConfigError(f"verify must be 'quick' or 'full' (got {self.verify!r})")
         _bool("requeue", self.requeue)
-        _bool("keep_foreign_copy", self.keep_foreign_copy)
         _number("grace_s", self.grace_s)
-        _number("sample_interval_s", self.sample_interval_s, low=MIN_SAMPLE_INTERVAL_S)
-        _number("gpu_release_wait_s", self.gpu_release_wait_s)
-        _number("restore_after_steps", self.restore_after_steps, integer=True)
-        _number("memory_pressure_fraction", self.memory_pressure_fraction, above=True)
-        _number("lr_factor_on_nonfinite", self.lr_factor_on_nonfinite, above=True)
-        _number("summary_every_s", self.summary_every_s, above=True)
-        _number("log_cap_mb", self.log_cap_mb)
         if self.mirror is not None and (not isinstance(self.mirror, str) or not self.mirror):
             raise ConfigError(f"mirror must be a URL or a path (got {self.mirror!r})")
         _number("keep_remote", self.keep_remote, integer=True)
         _number("milestone_every", self.milestone_every, integer=True)
-        _number("mirror_parallel", self.mirror_parallel, low=1, integer=True)
-        _number("mirror_final_wait_s", self.mirror_final_wait_s)
-        _number("mirror_connect_timeout_s", self.mirror_connect_timeout_s, above=True)
-        _number("mirror_read_timeout_s", self.mirror_read_timeout_s, above=True)
         _bool("standby", self.standby)
-        _number("checkpoints_elsewhere_after_s", self.checkpoints_elsewhere_after_s)
         if self.preload is not None:
             _check_preload(self.preload)
-        if self.memory_pressure_fraction > 1 or self.lr_factor_on_nonfinite > 1:
-            raise ConfigError("memory_pressure_fraction and lr_factor_on_nonfinite must be at "
-                              "most 1")
         name = self.stop_signal.upper() if isinstance(self.stop_signal, str) else ""
         name = name if name.startswith("SIG") else "SIG" + name
         if name not in signal.Signals.__members__:
@@ -529,6 +505,45 @@ def _where_is(key: str) -> dict[str, str]:
     """For a misplaced key, the table it belongs in (e.g. max_restarts -> [restart])."""
     return {f.name: f"[{sec}]" for sec, cls in _SECTIONS.items() for f in fields(cls)
             if f.name == key and f.init}
+
+
+def _field(key: str) -> bool:
+    """Whether `key` ("hang.floor_s", "log_cap_mb") names a field of the schema."""
+    section, _, name = key.rpartition(".")
+    cls = _SECTIONS.get(section) if section else Config
+    return cls is not None and name in {f.name for f in fields(cls) if f.init}
+
+
+def _default(key: str) -> Any:
+    """The value rtrain holds the field `key` at."""
+    section, _, name = key.rpartition(".")
+    return getattr(_SECTIONS[section]() if section else Config(), name)
+
+
+def _settings_only(raw: dict[str, Any]) -> None:
+    """Refuse what a config file may not name: a constant (saying the value rtrain holds it
+    at), or a key that is neither (naming the setting it resembles, or its table)."""
+    table = {k.rpartition(".")[2]: f"[{k.partition('.')[0]}]" for k in KEYS if "." in k}
+    for key, value in raw.items():
+        if key in _SECTIONS and isinstance(value, dict):
+            known = sorted(k.partition(".")[2] for k in KEYS if k.startswith(key + "."))
+            for sub in value:
+                if f"{key}.{sub}" not in KEYS:
+                    elsewhere = {sub: "the top level" if sub in KEYS else table.get(sub, "")}
+                    _refuse(f"{key}.{sub}", f"[{key}] {sub}", known, f"[{key}]", elsewhere)
+        elif key not in KEYS and key not in _SECTIONS:  # a section not a table: _build says so
+            known = sorted({k.partition(".")[0] for k in KEYS})
+            _refuse(key, key, known, "the top level", {key: table.get(key, "")})
+
+
+def _refuse(key: str, name: str, known: list[str], where: str,
+            elsewhere: dict[str, str]) -> None:
+    if _field(key):
+        value = _default(key)
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        raise ConfigError(f"{name} is not a setting: rtrain holds it at {shown} "
+                          "(docs/reference.md lists the settings); remove it")
+    _fail_unknown(key.rpartition(".")[2], known, where, {k: v for k, v in elsewhere.items() if v})
 
 
 def _build(raw: dict[str, Any], cwd: Path) -> Config:
@@ -596,9 +611,11 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def load_config(cli_overrides: dict[str, Any], config_file: Path | None, cwd: Path) -> Config:
     """Resolve the configuration. Precedence: command line > config file > defaults (the
     dataclass defaults above); tables merge key by key, so `--max-restarts` keeps the file's
-    budgets. Errors name their source and say what to change."""
+    budgets. Errors name their source and say what to change. The file may name only `KEYS`;
+    `cli_overrides` may name any field (the CLI passes settings; tests pass constants)."""
     source, file_raw = find_config(config_file, cwd)
     try:
+        _settings_only(file_raw)
         _build(file_raw, cwd)  # validated alone first, so its errors name the file
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None

@@ -16,7 +16,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import harness
 import psutil
+import tuned
 from bitwise import bitwise_diff
 from harness import CHILDREN, child_env, run_child
 from references import cached
@@ -39,7 +41,9 @@ def _toml_value(v: Any) -> str:
 
 
 def write_config(path: Path, settings: dict[str, Any], **overrides: Any) -> Path:
-    """An rtrain.toml from BASE_CONFIG, `overrides` (merged table by table) and `settings`."""
+    """An rtrain.toml from BASE_CONFIG, `overrides` (merged table by table) and `settings`;
+    the tuning constants among them go to tuning.json beside it (tests/tuned.py), where the
+    launch run in that directory reads them."""
     cfg: dict[str, Any] = json.loads(json.dumps(BASE_CONFIG))
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(cfg.get(key), dict):
@@ -47,6 +51,8 @@ def write_config(path: Path, settings: dict[str, Any], **overrides: Any) -> Path
         else:
             cfg[key] = value
     cfg["settings"] = settings
+    cfg, constants = tuned.split(cfg)
+    tuned.write(path.parent, constants)
     lines: list[str] = []
     tables: list[tuple[str, dict[str, Any]]] = []
     for key, value in cfg.items():
@@ -68,8 +74,8 @@ def write_config(path: Path, settings: dict[str, Any], **overrides: Any) -> Path
 
 def rtrain_cmd(run_dir: Path, *args: str) -> list[str]:
     """`rtrain launch` of the chaos script, whose OUT_DIR is the run dir."""
-    return [sys.executable, "-m", "rtrain", "launch", "--run-dir", str(run_dir), "-q",
-            *args, str(SCRIPT), "{run_dir}"]
+    return harness.rtrain_cmd("launch", "--run-dir", str(run_dir), "-q", *args, str(SCRIPT),
+                              "{run_dir}")
 
 
 def launch_chaos(run_dir: Path, *args: str, faults: str = "", timeout: float = 150,

@@ -132,8 +132,9 @@ def run_child(argv: list[str], *, timeout: float, **kw: Any) -> subprocess.Compl
 
 
 def rtrain_cmd(*args: str) -> list[str]:
-    """`rtrain ARGS` as an argv: this interpreter running `-m rtrain`."""
-    return [sys.executable, "-m", "rtrain", *args]
+    """`rtrain ARGS` as an argv: this interpreter running the rtrain command, with the tuning
+    constants of a `tuning.json` in its working dir where a test wrote one (tests/tuned.py)."""
+    return [sys.executable, str(REPO / "tests" / "tuned.py"), *args]
 
 
 def launch_cmd(run_dir: str | os.PathLike, *args: str, quiet: bool = True) -> list[str]:

@@ -34,7 +34,7 @@ run_dir = "runs/a"
 grace_s = 12
 [restart]
 max_restarts = 7
-crash_loop_k = 5
+give_up_on_rate = true
 [restart.budgets]
 crash = 9
 [settings]
@@ -44,7 +44,7 @@ resolution = 224
     cfg = load_config({"max_restarts": 2, "run_dir": None, "backoff.enabled": False,
                        "settings": {"batch_size": 16}}, None, tmp_path)
     assert cfg.restart.max_restarts == 2  # CLI
-    assert cfg.restart.crash_loop_k == 5  # file, same table as a CLI override
+    assert cfg.restart.give_up_on_rate is True  # file, same table as a CLI override
     # the file's budget kept; the others follow the explicit max_restarts, never cap it
     assert cfg.restart.budgets == {**dict.fromkeys(DEFAULT_BUDGETS, 2), "crash": 9}
     assert cfg.run_dir == tmp_path / "runs/a"  # None on the CLI means "not given"
@@ -101,9 +101,15 @@ def test_explicit_config_file_and_resume_path(tmp_path):
     ("grace_s = -1\n", "rtrain.toml: grace_s must be at least 0 (got -1)"),
     ("grace_s = \"30\"\n", "grace_s must be a number"),
     ("stop_signal = \"SIGFOO\"\n", "stop_signal 'SIGFOO' is not a signal"),
-    ("[backoff]\njitter = 2\n", "jitter is a fraction"),
-    ("[backoff]\nfactor = 0.5\n", "[backoff] factor must be at least 1"),
-    ("[hang]\nfloor_s = 100\nceiling_s = 10\n", "floor_s (100) is above ceiling_s (10)"),
+    # A tuning constant is the code's, not a setting: refused with the value rtrain keeps.
+    ("[backoff]\njitter = 0.5\n", "[backoff] jitter is not a setting: rtrain holds it at 0.25"),
+    ("[hang]\nfloor_s = 100\n", "[hang] floor_s is not a setting: rtrain holds it at 60.0 "
+     "(docs/reference.md lists the settings); remove it"),
+    ("[straggler]\nenabled = false\n", "[straggler] enabled is not a setting: rtrain holds it "
+     "at true"),
+    ("log_cap_mb = 1\n", "log_cap_mb is not a setting: rtrain holds it at 64.0"),
+    ("[restart]\ntimeout_s = 5\n", "'timeout_s' does not belong in [restart]; put it under "
+     "[hang]"),
     ("verify = \"fast\"\n", "verify must be 'quick' or 'full'"),
     ("resume = 3\n", "resume must be auto, never or a checkpoint path (got 3)"),
     ("requeue = 1\n", "requeue must be true or false"),

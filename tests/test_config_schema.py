@@ -1,5 +1,6 @@
-"""One owner per setting: config.py's dataclasses. docs/design.md's schema, `rtrain launch
---help` and the runtime objects built from them (WatchConfig, HangPolicy) must agree with them."""
+"""One owner per setting: config.py's dataclasses. `rtrain launch --help` and the runtime
+objects built from them (WatchConfig, HangPolicy) must agree with them; docs/reference.md is
+generated from them (tests/test_reference.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from typer.testing import CliRunner
 
 from rtrain.supervisor import cli
 from rtrain.supervisor.config import (
-    DEFAULT_BUDGETS,
     BackoffConfig,
     Config,
     HangConfig,
@@ -24,23 +24,16 @@ from rtrain.supervisor.config import (
     SlurmConfig,
     StragglerConfig,
 )
-from rtrain.supervisor.core.filemode import parse_mode
-from rtrain.supervisor.decide.ladder import DEFAULT_LADDER
-from rtrain.supervisor.hooks.runner import HookSpec
 from rtrain.supervisor.proc.heartbeat import HangPolicy
 from rtrain.supervisor.proc.watch import WatchConfig
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # pragma: no cover
-    import tomli as tomllib
+    pass
 
-DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
 SECTIONS = {"restart": RestartConfig, "backoff": BackoffConfig, "hang": HangConfig,
             "slurm": SlurmConfig, "pressure": PressureConfig, "straggler": StragglerConfig}
-TABLES = ("settings", "ladder", "hooks")  # tables of the user's own, shown by example
-# None by default; design.md shows what they stand for
-UNSET = ("ckpt_dir", "metrics_file", "mirror", "preload")
 
 # `rtrain launch` options that set a config key (dotted: in its table); the rest set none.
 CONFIG_OPTIONS = {
@@ -77,79 +70,6 @@ def _show(value) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     return str(value)
-
-
-# ------------------------------------------------------------------ docs/design.md
-
-def design_schema() -> dict[str, dict[str, object]]:
-    """The ```toml block under "## Configuration", table by table ("" = top level). Several
-    `key = value` pairs on one line are the doc's shorthand; comments are dropped."""
-    text = DESIGN.read_text()
-    section = text[text.index("\n## Configuration\n"):]
-    block = section[section.index("```toml\n") + 8:]
-    block = block[:block.index("```")]
-    tables: dict[str, dict[str, object]] = {"": {}}
-    table = ""
-    pair = re.compile(r'(\w+) = ("[^"]*"|\[[^\]]*\]|[^\s#]+)')
-    for line in block.splitlines():
-        line = re.sub(r'\s#.*$|^#.*$', "", line).strip()
-        header = re.fullmatch(r"\[\[?([\w.]+)\]?\]", line)
-        if header:
-            table = header[1]
-            tables.setdefault(table, {})
-            continue
-        for key, raw in pair.findall(line):
-            assert key not in tables[table], f"design.md: [{table}] {key} given twice"
-            tables[table][key] = tomllib.loads(f"v = {raw}")["v"]
-    return tables
-
-
-def test_design_md_schema_matches_the_dataclasses():
-    doc = design_schema()
-    defaults = Config()
-    top = {f.name for f in dataclasses.fields(Config)}
-    assert set(doc[""]) == top - set(SECTIONS) - set(TABLES), "top-level keys differ"
-    for name in top - set(SECTIONS) - set(TABLES) - set(UNSET):
-        value, shown = getattr(defaults, name), doc[""][name]
-        if name == "file_mode":
-            shown = parse_mode(shown)
-        assert str(shown) == str(value), f"design.md: {name} = {shown!r}, config.py: {value!r}"
-    for section, cls in SECTIONS.items():
-        fields = {f.name for f in dataclasses.fields(cls) if f.init} - {"budgets"}
-        assert set(doc[section]) == fields, f"[{section}] keys differ"
-        for name in fields:
-            value = getattr(getattr(defaults, section), name)
-            assert doc[section][name] == value, (
-                f"design.md: [{section}] {name} = {doc[section][name]!r}, config.py: {value!r}")
-    assert doc["restart.budgets"] == DEFAULT_BUDGETS
-    for table in TABLES:
-        assert table in doc, f"design.md shows no [{table}] table"
-    assert doc["hooks"]["timeout_s"] == HookSpec.__dataclass_fields__["timeout_s"].default
-    assert set(doc["hooks"]) == {f.name for f in dataclasses.fields(HookSpec)}
-    first = DEFAULT_LADDER[0]
-    assert doc["ladder"] == {"knob": first.knob, "action": first.action.value,
-                             "floor": first.floor, "compensate": first.compensate}
-
-
-def test_design_md_names_the_rest_of_the_default_ladder():
-    said = []
-    for rung in DEFAULT_LADDER[1:]:
-        words = f"{rung.knob}: {rung.action.value}"
-        if rung.action.value == "scale":
-            words += f" {rung.factor:g}"
-        if rung.floor is not None:
-            words += f", floor {rung.floor:g}"
-        said.append(words)
-    assert f"# then {'; '.join(said)}." in DESIGN.read_text()
-
-
-def test_schema_parser_sees_a_drifted_default(monkeypatch, tmp_path):
-    # the check above can fail: a changed default in the doc is caught
-    drifted = tmp_path / "design.md"
-    drifted.write_text(DESIGN.read_text().replace("grace_s = 30.0", "grace_s = 120.0"))
-    monkeypatch.setattr(sys.modules[__name__], "DESIGN", drifted)
-    with pytest.raises(AssertionError, match="grace_s"):
-        test_design_md_schema_matches_the_dataclasses()
 
 
 # ------------------------------------------------------------------ rtrain launch --help
@@ -266,10 +186,3 @@ def test_every_hang_setting_reaches_the_policy():
 
 def test_a_zero_save_allowance_is_accepted_by_both():
     assert HangPolicy.from_config(HangConfig(save_allowance_s=0)).save_allowance_s == 0
-
-
-def test_design_md_numbers_for_what_is_not_a_setting():
-    from rtrain.supervisor.core.protocol import MAX_INTERVAL_WARMUP_STEPS
-
-    text = " ".join(DESIGN.read_text().split())
-    assert f"`protocol.MAX_INTERVAL_WARMUP_STEPS`, {MAX_INTERVAL_WARMUP_STEPS} steps" in text

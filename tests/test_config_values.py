@@ -31,11 +31,7 @@ def _one_line_usage_error(r: subprocess.CompletedProcess, *needles: str) -> None
 @pytest.mark.parametrize("toml, needle", [
     ("grace_s = nan", "grace_s must be a finite number (got nan)"),
     ("grace_s = inf", "grace_s must be a finite number (got inf)"),
-    ("sample_interval_s = -inf", "sample_interval_s must be a finite number"),
     ("[hang]\ntimeout_s = nan", "[hang] timeout_s must be a finite number"),
-    ("[hang]\nceiling_s = inf", "[hang] ceiling_s must be a finite number"),
-    ("[backoff]\nmax_s = inf", "[backoff] max_s must be a finite number"),
-    ("[backoff]\njitter = nan", "[backoff] jitter must be a finite number"),
     ("[settings]\nlr = nan", "[settings] lr must be a finite number"),
     ("[settings]\nsizes = [1, inf]", "[settings] sizes[1] must be a finite number"),
     ('[[ladder]]\nknob = "batch_size"\nfloor = nan', "floor must be a finite number"),
@@ -50,8 +46,7 @@ def _one_line_usage_error(r: subprocess.CompletedProcess, *needles: str) -> None
     ('stop_signal = "SIGUSR2"', "stop_signal SIGUSR2 is the signal on which rtrain has the "
                                 "worker dump its stacks"),
     ('stop_signal = "SIGSEGV"', "use one of SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1"),
-    ("sample_interval_s = 1e-9", "sample_interval_s must be at least 0.01 (got 1e-09)"),
-    ("sample_interval_s = 0", "sample_interval_s must be at least 0.01 (got 0)"),
+    ("sample_interval_s = 0.1", "sample_interval_s is not a setting: rtrain holds it at 1.0"),
     ('file_mode = "0606"', "lets every user write"),
     ('file_mode = "0755"', "read/write bits only"),
     ('file_mode = "rw"', "octal mode"),
@@ -82,9 +77,10 @@ def test_good_values_still_pass(tmp_path):
     from rtrain.supervisor.config import load_config
 
     (tmp_path / "rtrain.toml").write_text(
-        'grace_s = 0\nstop_signal = "usr1"\nfile_mode = 0o640\nsample_interval_s = 0.01\n'
+        'grace_s = 0\nstop_signal = "usr1"\nfile_mode = 0o640\n'
         '[settings]\nlr = 1e-300\n')
-    cfg = load_config({"settings": {"batch_size": 1e300}}, None, tmp_path)
+    cfg = load_config({"settings": {"batch_size": 1e300}, "sample_interval_s": 0.01}, None,
+                      tmp_path)
     assert (cfg.grace_s, cfg.stop_signal, cfg.file_mode) == (0, "SIGUSR1", 0o640)
     assert cfg.sample_interval_s == 0.01
     assert cfg.settings == {"lr": 1e-300, "batch_size": 1e300}

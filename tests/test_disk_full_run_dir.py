@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tuned
 from harness import CHILDREN, child_env, fill_disk, launch_cmd, wait_for_text
 
 from rtrain.supervisor.records.events import read_events
@@ -28,7 +29,7 @@ def _supervising(tmp_path: Path, run: Path, *child: str) -> Iterator[subprocess.
     """`rtrain launch` of the child in the background (stderr in tmp_path/err), killed if the
     test leaves it running."""
     # Events every half second: some are due while the disk is full.
-    (tmp_path / "rtrain.toml").write_text("summary_every_s = 0.5\n")
+    tuned.write(tmp_path, {"summary_every_s": 0.5})
     with open(tmp_path / "err", "wb") as err:
         proc = subprocess.Popen(launch_cmd(run, *child), env=child_env(), cwd=tmp_path,
                                 stdout=subprocess.DEVNULL, stderr=err)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import tuned
 from bitwise import assert_bitwise_equal
 from harness import events, launch_2_ranks
 from references import rank_state, two_ranks
@@ -72,7 +73,8 @@ def test_hung_rank_is_detected_and_the_group_relaunched(tmp_path):
     run = tmp_path / "run"
     # Neither rank can act on the stop signal (one sleeps, one waits in the collective), so
     # the grace is only waited out: a short one.
-    (tmp_path / "rtrain.toml").write_text("[hang]\ntimeout_s = 8.0\ngrace_s = 2.0\n")
+    (tmp_path / "rtrain.toml").write_text("[hang]\ntimeout_s = 8.0\n")
+    tuned.write(tmp_path, {"hang": {"grace_s": 2.0}})
     # Rank 1 sleeps forever in step 4; rank 0 waits for it in a collective.
     r = launch_2_ranks(run, str(tmp_path / "out"), "6",
                        extra_env={"RTRAIN_FAULTS": "hang@step=4,rank=1"})

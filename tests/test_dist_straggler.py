@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tuned
 from harness import (
     CHILDREN,
     child_env,
@@ -30,7 +31,7 @@ from harness import (
     read_metrics_text,
 )
 
-CONFIG = "[straggler]\nfactor = 1.2\nwindow_steps = 10\nmin_samples = 3\n"
+TUNING = {"straggler": {"factor": 1.2, "window_steps": 10, "min_samples": 3}}
 STEPS = "20"
 BASE_SLEEP = "0.1"  # every rank's step: a few ms of compute and this sleep
 
@@ -38,7 +39,8 @@ BASE_SLEEP = "0.1"  # every rank's step: a few ms of compute and this sleep
 def _launch_4_ranks(tmp_path: Path, *args: str):
     # A hook on the event: the JSON it is handed, kept where the test reads it.
     hook = '[[hooks]]\non = ["straggler"]\ncommand = ["sh", "-c", "cat >> hook.jsonl"]\n'
-    (tmp_path / "rtrain.toml").write_text(CONFIG + hook)
+    tuned.write(tmp_path, TUNING)
+    (tmp_path / "rtrain.toml").write_text(hook)
     run = tmp_path / "run"
     r = launch(run, "--nproc-per-node", "4", "--metrics-file", str(tmp_path / "metrics.prom"),
                str(CHILDREN / "dist_train.py"), str(tmp_path / "out"), STEPS, "--every", "1000",
@@ -90,7 +92,8 @@ def test_ranks_that_differ_by_noise_are_not_reported(tmp_path):
 def test_with_exclude_node_the_next_requeue_leaves_the_stragglers_node_out(tmp_path):
     log = tmp_path / "scontrol.log"
     fake_scontrol(tmp_path / "bin", log)
-    (tmp_path / "rtrain.toml").write_text(CONFIG + "exclude_node = true\n")
+    tuned.write(tmp_path, TUNING)
+    (tmp_path / "rtrain.toml").write_text("[straggler]\nexclude_node = true\n")
     run = tmp_path / "run"
     env = child_env(PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
                     SLURM_JOB_ID="4242", SLURMD_NODENAME="gpu-node-7")

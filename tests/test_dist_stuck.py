@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import tuned
 from harness import CHILDREN, events, launch, run_rtrain
 
 
@@ -17,8 +18,9 @@ def test_rank_stuck_in_its_forward_is_named(tmp_path):
     run = tmp_path / "run"
     # Rank 3 sleeps in its forward of step 5; a short silence is a hang, a short grace (no rank
     # can act on the stop signal), and no relaunch (test_dist_resume's hang test has one).
-    (tmp_path / "rtrain.toml").write_text("[hang]\ntimeout_s = 6.0\ngrace_s = 1.0\n"
+    (tmp_path / "rtrain.toml").write_text("[hang]\ntimeout_s = 6.0\n"
                                           "[restart]\nmax_restarts = 0\n")
+    tuned.write(tmp_path, {"hang": {"grace_s": 1.0}})
     # The flight recorder's files where the user put them, its pipes served by a scripted
     # recorder (gloo has none): rtrain asks for the dumps at the hang and keeps them.
     fr = tmp_path / "fr"

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tuned
 from harness import events, launch, run_rtrain, write_events
 from scripted_loop import Script, crash, success
 
@@ -241,8 +242,7 @@ def test_a_script_saving_elsewhere_is_named_with_the_dir_to_pass(tmp_path):
     """A script writes out/ckpt.pt every few steps and crashes once; rtrain watches the default
     (empty) dir with `--resume-arg`: the warning comes once, names out/, and the status and the
     next launch line say it."""
-    (tmp_path / "rtrain.toml").write_text("checkpoints_elsewhere_after_s = 2.0\n"
-                                          "sample_interval_s = 0.2\n")
+    tuned.write(tmp_path, {"checkpoints_elsewhere_after_s": 2.0, "sample_interval_s": 0.2})
     run_dir = tmp_path / "rtrain-run"
     r = launch(run_dir, "--resume-arg=--resume {checkpoint}", "--",
                str(CHILDREN / "save_elsewhere.py"), "--out", "out", "--steps", "60",

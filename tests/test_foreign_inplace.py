@@ -98,16 +98,3 @@ def test_malicious_pickle_and_directory_refused_never_run_copy_restored(tmp_path
     assert reasons[1] == "a directory where a file was expected"
     assert "ckpt.pt was refused (" in r.stderr
     assert [p.name for p in out.iterdir() if p.name.startswith(".ckpt.pt.refused-")]
-
-
-@pytest.mark.slow
-@pytest.mark.soak  # the copy's setting; the copy itself is the default tier's
-def test_without_the_copy_a_torn_file_is_skipped(tmp_path):
-    # keep_foreign_copy = false: the torn file is passed over as before, and the run starts
-    # over (what the copy prevents; this is the behaviour the default no longer has).
-    (tmp_path / "rtrain.toml").write_text("keep_foreign_copy = false\n")
-    r, _, starts = run_inplace(tmp_path, "10:empty", 15)
-    assert r.returncode == 0, r.stderr
-    assert starts == [0, 0]
-    assert not events(tmp_path / "run", "foreign_restored")
-    assert not (tmp_path / "run" / "foreign-copy").exists()

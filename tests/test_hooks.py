@@ -55,12 +55,11 @@ def test_listeners_see_each_event_after_it_is_written_and_cannot_break_the_log(t
 
 def test_config_keys_parse_and_validate(tmp_path):
     (tmp_path / "rtrain.toml").write_text(
-        'metrics_file = "prom/rtrain.prom"\nsummary_every_s = 2.5\n'
+        'metrics_file = "prom/rtrain.prom"\n'
         '[[hooks]]\non = ["give_up", "hang"]\ncommand = ["notify-send", "rtrain"]\n'
         'timeout_s = 3\n')
     cfg = load_config({}, None, tmp_path)
     assert cfg.metrics_file == tmp_path / "prom" / "rtrain.prom"
-    assert cfg.summary_every_s == 2.5
     assert cfg.hooks == (HookSpec(on=("give_up", "hang"), command=("notify-send", "rtrain"),
                                   timeout_s=3.0),)
     assert load_config({"metrics_file": Path("m.prom")}, None, tmp_path).metrics_file == \
@@ -83,12 +82,6 @@ def test_bad_hook_tables_say_what_to_change(table, message):
     with pytest.raises(ConfigError) as err:
         parse_hooks([table])
     assert message in str(err.value)
-
-
-def test_bad_summary_interval_is_a_config_error(tmp_path):
-    (tmp_path / "rtrain.toml").write_text("summary_every_s = 0\n")
-    with pytest.raises(ConfigError, match="summary_every_s must be above 0"):
-        load_config({}, None, tmp_path)
 
 
 # ------------------------------------------------------------------ the runner

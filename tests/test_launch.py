@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import tuned
 from harness import CHILDREN, child_env, events, gone, kinds, launch, launch_cmd, wait_for_text
 
 from rtrain.supervisor.records.runstate import load_state
@@ -136,8 +137,8 @@ def test_hang_is_detected_stacks_dumped_and_relaunched(tmp_path, how):
     # it) lets it save and exit 75: still a hang, charged to the hang budget, not a preemption.
     # silent and sigstop cannot act on the stop signal and wait out the whole grace: a short one
     # (this child, without torch, exits within milliseconds of the signal when it can).
-    (tmp_path / "rtrain.toml").write_text(
-        "[hang]\nfloor_s = 1.0\nmultiple = 2.0\nwarmup_steps = 3\ngrace_s = 4.0\n")
+    tuned.write(tmp_path, {"hang": {"floor_s": 1.0, "multiple": 2.0, "warmup_steps": 3,
+                                    "grace_s": 4.0}})
     run = tmp_path / "run"
     t0 = time.monotonic()
     r = launch(run, str(CHILDREN / "heartbeat_steps.py"), "120", how, "80")
@@ -157,8 +158,7 @@ def test_hang_is_detected_stacks_dumped_and_relaunched(tmp_path, how):
 def test_a_job_suspended_with_rtrain_is_not_a_hang(tmp_path):
     # Slurm's `scontrol suspend` stops every process of the job, rtrain included, and
     # continues them later (in no fixed order): the stopped time is no one's silence.
-    (tmp_path / "rtrain.toml").write_text(
-        "[hang]\nfloor_s = 3.0\nmultiple = 2.0\nwarmup_steps = 3\n")
+    tuned.write(tmp_path, {"hang": {"floor_s": 3.0, "multiple": 2.0, "warmup_steps": 3}})
     run = tmp_path / "run"
     proc = subprocess.Popen(launch_cmd(run, str(CHILDREN / "heartbeat_steps.py"), "250"),
                             env=child_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
@@ -242,9 +242,10 @@ def test_usage_errors_are_one_line_with_exit_2(tmp_path, rtrain):
     r = launch(tmp_path / "run", str(CHILDREN / "fail_first_attempts.py"), "0", "0")
     assert r.returncode == 2 and "did you mean 'max_restarts'" in r.stderr
     assert "Traceback" not in r.stderr
-    (tmp_path / "rtrain.toml").write_text("[hang]\nfloor_s = 100\nceiling_s = 10\n")
+    (tmp_path / "rtrain.toml").write_text("[hang]\nfloor_s = 100\n")
     r = launch(tmp_path / "run", str(CHILDREN / "fail_first_attempts.py"), "0", "0")
-    assert r.returncode == 2 and "floor_s (100) is above ceiling_s (10)" in r.stderr
+    assert r.returncode == 2 and "[hang] floor_s is not a setting: rtrain holds it at 60.0" \
+        in r.stderr
     (tmp_path / "rtrain.toml").unlink()
     r = launch(tmp_path / "run", "no_such_train.py")
     assert r.returncode == 2 and "no such script 'no_such_train.py'" in r.stderr

@@ -10,6 +10,7 @@ import re
 import subprocess
 
 import pytest
+import tuned
 from harness import CHILDREN, child_env, launch_cmd
 
 from rtrain.supervisor.proc.logcap import CappedLog
@@ -30,7 +31,7 @@ def _check_capped(log: bytes, cap: int, written: int, first: bytes, last: bytes)
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", ["out", "err"])
 def test_a_chatty_child_log_is_capped_keeping_head_and_tail(tmp_path, stream):
-    (tmp_path / "rtrain.toml").write_text("log_cap_mb = 0.25\n")
+    tuned.write(tmp_path, {"log_cap_mb": 0.25})
     run = tmp_path / "run"
     steps, width = 30000, 200  # 6 MB of output, 24 times the cap
     r = subprocess.run(launch_cmd(run, str(CHATTY), str(steps), str(width), "0", stream),

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import tuned
 from harness import CHILDREN, child_env, launch, launch_cmd, read_metrics_text
 
 from rtrain.supervisor.metrics.file import MetricsFile, escape_label
@@ -47,7 +48,7 @@ def test_after_a_crash_and_a_finish(tmp_path):
 def test_live_values_and_no_reader_ever_sees_a_partial_file(tmp_path):
     """Readers poll the file through a whole run (each write is a rename): every read is a
     complete file. While the child runs: up 1, steps move, heartbeat age small."""
-    (tmp_path / "rtrain.toml").write_text("summary_every_s = 0.05\n")
+    tuned.write(tmp_path, {"summary_every_s": 0.05})
     prom = tmp_path / "prom" / "rtrain.prom"
     proc = subprocess.Popen(_with_metrics(tmp_path, str(CHILDREN / "heartbeat_steps.py"), "150"),
                             cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL,

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+import tuned
 
-from rtrain.supervisor.config import Config, ConfigError
+from rtrain.supervisor.config import Config
 from rtrain.supervisor.mirror import backend
 from tests.harness import CHILDREN, child_env, events, launch_cmd
 
@@ -54,16 +55,11 @@ class Silent:
         self.sock.close()
 
 
-def test_the_timeouts_are_settings_of_a_few_seconds():
+def test_the_timeouts_are_constants_of_a_few_seconds():
     cfg = Config()
     assert 0 < cfg.mirror_connect_timeout_s <= 10 and 0 < cfg.mirror_read_timeout_s <= 10
     t = backend.Timeouts.of(cfg)
     assert (t.connect_s, t.read_s) == (cfg.mirror_connect_timeout_s, cfg.mirror_read_timeout_s)
-    for bad in (0, -1, float("nan"), "5"):
-        with pytest.raises(ConfigError, match="mirror_read_timeout_s"):
-            Config(mirror_read_timeout_s=bad)
-        with pytest.raises(ConfigError, match="mirror_connect_timeout_s"):
-            Config(mirror_connect_timeout_s=bad)
 
 
 def test_the_worst_case_of_one_call_is_stated_and_bounded():
@@ -132,13 +128,12 @@ def _wait_launch(run: Path, attempt: int, proc: subprocess.Popen, timeout: float
 @pytest.mark.slow
 def test_a_silent_mirror_at_a_relaunch_is_reported_and_training_starts(tmp_path):
     run = tmp_path / "run"
-    config = tmp_path / "rtrain.toml"
     # Timeouts of 1 s: the defaults' bound is the probe test's; this one is about the launch.
-    config.write_text("mirror_final_wait_s = 2.0\nmirror_connect_timeout_s = 1.0\n"
-                      "mirror_read_timeout_s = 1.0\n")
+    tuned.write(tmp_path, {"mirror_final_wait_s": 2.0, "mirror_connect_timeout_s": 1.0,
+                           "mirror_read_timeout_s": 1.0})
     args = (BIG, "{ckpt_dir}", "1", "2", "0.1")
     # The run trains (no mirror yet) and is stopped: a requeue relaunches it.
-    proc = subprocess.Popen(launch_cmd(run, "--config", str(config), *args), cwd=tmp_path,
+    proc = subprocess.Popen(launch_cmd(run, *args), cwd=tmp_path,
                             env=child_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -150,7 +145,7 @@ def test_a_silent_mirror_at_a_relaunch_is_reported_and_training_starts(tmp_path)
         _stop(proc)
     with Silent() as silent:
         url = "s3://bucket/prefix"
-        proc = subprocess.Popen(launch_cmd(run, "--config", str(config), "--mirror", url, *args),
+        proc = subprocess.Popen(launch_cmd(run, "--mirror", url, *args),
                                 cwd=tmp_path, env=child_env(**silent.env),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
@@ -167,8 +162,7 @@ def test_a_silent_mirror_at_a_relaunch_is_reported_and_training_starts(tmp_path)
 
         # A new run is told at once (exit 2, one line), not after minutes.
         t0 = time.monotonic()
-        new = subprocess.run(launch_cmd(tmp_path / "new-run", "--config", str(config),
-                                        "--mirror", url, *args),
+        new = subprocess.run(launch_cmd(tmp_path / "new-run", "--mirror", url, *args),
                              cwd=tmp_path, env=child_env(**silent.env), capture_output=True,
                              text=True, timeout=90)
         took = time.monotonic() - t0

@@ -47,7 +47,7 @@ def test_status_shows_lag_the_outage_and_the_final_upload(tmp_path, make_ckpt):
 def test_status_says_when_the_final_checkpoint_did_not_make_it(tmp_path, make_ckpt):
     run_dir = _run(tmp_path, make_ckpt, [
         ("mirror_final", {"step": 30, "made_it": False,
-                          "reason": "not finished after 60 s (mirror_final_wait_s)"}),
+                          "reason": "not finished after 60 s"}),
     ])
     text = render_text(summarize(run_dir, now=T0 + 100))
     assert "nothing uploaded yet" in text

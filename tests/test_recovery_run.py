@@ -9,6 +9,7 @@ import json
 import subprocess
 
 import pytest
+import tuned
 from harness import CHILDREN, child_env, events, invoke_rtrain, rtrain_cmd
 
 from rtrain.supervisor.records.recovery import PHASES
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def crashed_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("recovery")
-    (base / "rtrain.toml").write_text("[backoff]\ninitial_s = 0.3\njitter = 0.0\n")
+    tuned.write(base, {"backoff": {"initial_s": 0.3, "jitter": 0.0}})
     run, log = base / "run", base / "train.log"
     r = subprocess.run(rtrain_cmd("launch", "--run-dir", str(run), "-q",
                                   str(CHILDREN / "recovery_train.py"), "20", str(log)),

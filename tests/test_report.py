@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import tuned
 from harness import CHILDREN, launch
 
 from rtrain.supervisor.commands.report import gather
@@ -27,8 +28,8 @@ def demo_run(tmp_path_factory) -> Path:
     """120 steps, checkpoint every 20; attempt 0 crashes at 50, attempt 1 runs out of memory
     at 90 (degrade), attempt 2 finishes."""
     base = tmp_path_factory.mktemp("report")
-    (base / "rtrain.toml").write_text(
-        "summary_every_s = 0.1\n[settings]\nbatch_size = 32\ngrad_accum = 1\n")
+    (base / "rtrain.toml").write_text("[settings]\nbatch_size = 32\ngrad_accum = 1\n")
+    tuned.write(base, {"summary_every_s": 0.1})
     run = base / "run"
     r = launch(run, str(DEMO), "120", "0.02", "20", "50", "90", timeout=90)
     assert r.returncode == 0, r.stderr

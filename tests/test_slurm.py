@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import tuned
 from harness import REPO
 
 from rtrain.supervisor.proc import slurm
@@ -162,10 +163,11 @@ class Job:
         self.run, logs, bin_dir = tmp / "run", tmp / "logs", tmp / "bin"
         logs.mkdir()
         bin_dir.mkdir()
-        # `rtrain` on the job's PATH, as after `pip install`: this checkout, this interpreter.
+        # `rtrain` on the job's PATH, as after `pip install`: this checkout, this interpreter
+        # (with the tuning constants of a $TUNING_FILE a test set: tests/tuned.py).
         wrapper = bin_dir / "rtrain"
-        wrapper.write_text(f"#!/bin/sh\n"
-                           f"exec {shlex.quote(sys.executable)} -m rtrain \"$@\"\n")
+        wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} "
+                           f"{shlex.quote(str(REPO / 'tests' / 'tuned.py'))} \"$@\"\n")
         wrapper.chmod(0o755)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RTRAIN_")
                and (not k.startswith("SLURM_") or k == "SLURM_CONF")}
@@ -316,12 +318,12 @@ def test_time_limit_without_signal_saves_requeues_and_loses_no_step(slurm_cluste
     """`--time=1` and no `--signal`: rtrain reads the job's EndTime from Slurm, stops the
     training script WALL_MARGIN_S before it (save, exit 75), requeues the job, and the next run
     resumes at the step after the last one executed."""
-    config = tmp_path / "rtrain.toml"
-    config.write_text((REPO / "examples" / "vision" / "rtrain.toml").read_text()
-                      + f"\n[slurm]\nmargin_s = {WALL_MARGIN_S}\n")
+    config = REPO / "examples" / "vision" / "rtrain.toml"
     script = tmp_path / "no-signal.sbatch"
     script.write_text(NO_SIGNAL)
     monkeypatch.setenv("WALL_TEST_CONFIG", str(config))
+    monkeypatch.setenv(tuned.TUNING_FILE, str(tuned.write(tmp_path, {"slurm": {
+        "margin_s": WALL_MARGIN_S}})))
     train = ["--set", "steps=1000000", "--set", "batch_size=8", "--set", "resolution=16",
              "--set", "log_every=1", "--set", "save_every=1000000", "-q"]
     j = Job(tmp_path, *train, script=script, time_limit="1")

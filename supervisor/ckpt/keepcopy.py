@@ -20,7 +20,7 @@ name states no step: the name is reused, so the content is not kept anywhere els
   way to start over. Nothing is restored over a file that verifies.
 
 `kept.json` beside the copy records it: {"version", "source", "fingerprint", "step",
-"verified_at", "bytes", "how"}. Turned off by `keep_foreign_copy = false`.
+"verified_at", "bytes", "how"}.
 """
 
 from __future__ import annotations

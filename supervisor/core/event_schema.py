@@ -113,7 +113,7 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.HEARTBEAT_SUMMARY: KindSpec(
         fields=("attempt", "step", "loss", "samples_per_s"),
         optional=("rss_bytes", "gpu_used", "gpu_total"),
-        meaning="training progress, every summary_every_s and at the attempt's end"),
+        meaning="training progress, every few seconds and at the attempt's end"),
     Kind.SIGNAL: KindSpec(fields=("name",), meaning="a signal reached the supervisor"),
     Kind.EXIT: KindSpec(
         fields=("attempt", "returncode", "signal", "duration_s", "last_step", "peak_rss_bytes",
@@ -211,7 +211,7 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.MEMORY_PRESSURE: KindSpec(
         fields=("attempt", "action", "source", "used", "limit", "fraction", "why", "left_s"),
         meaning="memory growing toward its limit faster than relief and a stop take, or above "
-                "its hard line for [pressure] sustain_s: relief asked, or the attempt stopped "
+                "its hard line for seconds: relief asked, or the attempt stopped "
                 "for a rung down"),
     Kind.PRESSURE_RELIEVED: KindSpec(
         fields=("attempt", "step", "rank", "detail", "settings"),
@@ -241,8 +241,8 @@ KINDS: dict[Kind, KindSpec] = {
                 "attempt starts cold"),
     Kind.CHECKPOINTS_ELSEWHERE: KindSpec(
         fields=("attempt", "ckpt_dir", "files", "suggest", "trained_s", "message"),
-        meaning="the watched checkpoint dir is still empty after checkpoints_elsewhere_after_s "
-                "of training while the script wrote checkpoint-like files elsewhere"),
+        meaning="the watched checkpoint dir is still empty after minutes of training while "
+                "the script wrote checkpoint-like files elsewhere"),
     Kind.STRAGGLER: KindSpec(
         fields=("attempt", "step", "rank", "host", "ratio", "busy_s", "others_busy_s",
                 "ranks", "window_steps", "detail"),

@@ -80,8 +80,7 @@ def rate(history: History, config: Config, now: float) -> tuple[History, str | N
     out = replace(history, failure_times=times)
     limit = config.restart.max_failures_per_hour
     if limit and len(times) > limit:
-        return out, (f"{len(times)} failures in the last hour, more than [restart] "
-                     f"max_failures_per_hour = {limit}")
+        return out, f"{len(times)} failures in the last hour, more than {limit}"
     return out, None
 
 

@@ -232,8 +232,7 @@ def _relaunch(failure: Failure, before: History, nxt: History, config: Config,
     if k and len(stalled) >= k and quarantined is None:
         at = f"step {stalled[-1]}" if stalled[-1] is not None else "none (no checkpoint yet)"
         return _give_up(f"{failure.reason}; crash loop: {len(stalled)} consecutive attempts "
-                        f"ended without a newer verified checkpoint (newest: {at}); the limit "
-                        f"is [restart] crash_loop_k = {k} (0 turns the rule off)",
+                        f"ended without a newer verified checkpoint (newest: {at})",
                         before, settings)
     resume, change, notes = ResumeMode.LATEST, None, []
     if quarantined is not None:

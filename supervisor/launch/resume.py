@@ -174,8 +174,7 @@ class Checkpoints:
         """Copy the chosen checkpoint into the run dir when it is a foreign file the script
         will rewrite in place and its content is new: the next kill mid-write can only cost
         the attempt's own progress. A full disk costs the copy (said), never the launch."""
-        if self.run_dir is None or not self.cfg.keep_foreign_copy or not (
-                keepcopy.wants_copy(chosen)):
+        if self.run_dir is None or not keepcopy.wants_copy(chosen):
             return
         assert chosen is not None
         try:
@@ -207,7 +206,7 @@ class Checkpoints:
         """At each sample while an attempt runs: once the newest in-place foreign file has
         settled (the same size and mtime two samples running) with new content that verifies,
         copy it, so a kill during the script's next rewrite costs only the steps since."""
-        if self.run_dir is None or not self.cfg.keep_foreign_copy:
+        if self.run_dir is None:
             return
         self._collect_copies()
         if self._copying is not None and self._copying.is_alive():
@@ -247,7 +246,7 @@ class Checkpoints:
     def _restore_torn(self, level: Level) -> str | None:
         """Put rtrain's copy back when the file it was taken from fails verification (torn by
         a kill mid-write, or replaced by something refused); the sentence said, or None."""
-        if self.run_dir is None or not self.cfg.keep_foreign_copy:
+        if self.run_dir is None:
             return None
         kept = keepcopy.load(self.run_dir)
         if kept is None or Path(kept.source).parent != self.dir.resolve():

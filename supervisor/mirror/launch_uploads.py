@@ -178,7 +178,7 @@ class Mirroring:
         final = self._final or {}
         step = final.get("step")
         if timed_out:
-            made_it, why = False, f"not finished after {wait_s:g} s (mirror_final_wait_s)"
+            made_it, why = False, f"not finished after {wait_s:g} s"
         elif not final:
             made_it, why = False, f"the uploader ended with status {self.proc.returncode}"
         else:

@@ -138,7 +138,7 @@ class CappedLog:
                 newest = newest[line + 1:]  # start the kept tail at a line start
             self.cut_bytes += self.size - start - len(newest)
             marker = (f"\n[rtrain: {self.cut_bytes} bytes of output cut here: this log keeps "
-                      f"its first {_mib(self.head_max)} and its newest output (log_cap_mb)]\n"
+                      f"its first {_mib(self.head_max)} and its newest output]\n"
                       ).encode()
             os.ftruncate(self.fd, self.head_end)
         except OSError as e:

@@ -87,8 +87,7 @@ def plan_stop(*, end: float | None, job_start: float | None, now: float,
     if job_start is not None and end - job_start <= 2 * m:
         return WallPlan(None, end, m, (
             f"the job's time limit ({end - job_start:.0f} s) is not more than twice the margin "
-            f"({m:.0f} s, {margin.why}): not stopping before it; give the job more time or "
-            "lower [slurm] margin_s"))
+            f"({m:.0f} s, {margin.why}): not stopping before it; give the job more time"))
     stop_at = max(end - m, now)
     return WallPlan(stop_at, end, m, f"{m:.0f} s before the time limit ({margin.why})")
 
