@@ -19,11 +19,6 @@ from pathlib import Path
 
 import pytest
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - 3.10
-    import tomli as tomllib
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,41 +36,3 @@ def test_import_contracts_are_kept_by_the_package_as_it_ships(shipped, tmp_path)
     # Every module of the package was read (the count adds the external modules it imports).
     analyzed = int(re.search(r"Analyzed (\d+) files", r.stdout)[1])
     assert analyzed > len(list((site / "rtrain").rglob("*.py")))
-
-
-FEATURE_FOLDERS = ("standby", "timelimit", "pressure", "elsewhere", "hooks", "retention", "mirror",
-                   "straggler")
-
-
-def _contract(name_start: str) -> dict:
-    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    (contract,) = [c for c in contracts["contracts"] if c["name"].startswith(name_start)]
-    return contract
-
-
-def _held(module: str, expressions: list[str]) -> bool:
-    """Whether a module is one of the expressions or inside one (`*`: any one name)."""
-    parts = module.split(".")
-    return any(len(e.split(".")) <= len(parts)
-               and all(x in ("*", p) for x, p in zip(e.split("."), parts[:len(e.split("."))],
-                                                     strict=True)) for e in expressions)
-
-
-def _modules(folder: str) -> set[str]:
-    return {f"rtrain.supervisor.{folder}.{p.stem}"
-            for p in (ROOT / "supervisor" / folder).glob("*.py") if p.stem != "__init__"}
-
-
-def test_every_feature_module_is_a_decision_or_forbidden_to_decisions():
-    pure = _contract("Pure decisions")
-    undeclared = sorted(m for folder in FEATURE_FOLDERS for m in _modules(folder)
-                        if _held(m, pure["source_modules"]) == _held(m, pure["forbidden_modules"]))
-    assert not undeclared, f"name these in the purity contract, as decision or process side: " \
-        f"{undeclared}"
-
-
-def test_every_mirror_module_is_its_transfer_core_or_named_glue():
-    mirror = _contract("The mirror")
-    glue = {m for m in mirror["forbidden_modules"] if m.startswith("rtrain.supervisor.mirror.")}
-    assert set(mirror["source_modules"]) | glue == _modules("mirror")
-    assert not set(mirror["source_modules"]) & glue
