@@ -422,7 +422,7 @@ def render() -> str:
         "and help, then run it again. -->", "",
         "Every command, option, configuration key, Checkpointer argument, event, exit code, "
         "metric and environment variable, as the code defines them. The README says how to use "
-        "them; docs/design.md why they are so.", "",
+        "them; docs/architecture.md why they are so.", "",
         "- [Command line](#command-line)", "- [Configuration](#configuration)",
         "- [The Checkpointer](#the-checkpointer)", "- [Events](#events)",
         "- [Exit codes](#exit-codes)", "- [Metrics](#metrics)",

@@ -1,5 +1,5 @@
 """One config-file lookup for `rtrain launch` and for the commands given no DIR: rtrain.toml,
-else [tool.rtrain] in pyproject.toml, one file whole (docs/design.md, Configuration)."""
+else [tool.rtrain] in pyproject.toml, one file whole (supervisor/config.py)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""The events schema is defined once (`events.KINDS`): every emitter in the code, the table in
-docs/design.md and the hook config agree with it, and `emit` refuses anything else."""
+"""The events schema is defined once (`events.KINDS`): every emitter in the code and the hook
+config agree with it, and `emit` refuses anything else (docs/reference.md's table is generated
+from it: tests/test_reference.py)."""
 
 from __future__ import annotations
 
 import ast
 import functools
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -19,52 +19,6 @@ from rtrain.supervisor.records.events import EventLog, EventSchemaError, read_ev
 ROOT = Path(__file__).resolve().parent.parent
 # Written by EventLog itself (not through emit) once a full disk has room again.
 NOT_EMITTED = {Kind.EVENTS_LOST}
-
-
-DESIGN = ROOT / "docs" / "design.md"
-
-
-def design_table(text: str) -> dict[str, tuple[list[str], list[str], bool, bool]]:
-    """The schema table of docs/design.md: kind -> (fields, optional fields, fsync, hook)."""
-    section = text.split("## `events.jsonl` schema", 1)[1].split("\n## ", 1)[0]
-    rows = {}
-    for line in section.splitlines():
-        m = re.match(r"\| `(\w+)` \| (.*?) \| (yes)? ?\| (yes)? ?\| ", line)
-        if m is None:
-            continue
-        names = re.findall(r"`(\w+)(\??)`", m[2])
-        rows[m[1]] = ([n for n, opt in names if not opt], [n for n, opt in names if opt],
-                      m[3] == "yes", m[4] == "yes")
-    return rows
-
-
-def registry_drift(text: str) -> list[str]:
-    """How the design table differs from events.KINDS (empty: it does not)."""
-    table = design_table(text)
-    drift = [] if list(table) == [k.value for k in KINDS] else ["kinds (or their order)"]
-    drift += [kind.value for kind, spec in KINDS.items()
-              if table.get(kind.value) != (list(spec.fields), list(spec.optional), spec.durable,
-                                           spec.hookable)]
-    return drift
-
-
-def test_design_md_lists_the_registry():
-    assert registry_drift(DESIGN.read_text()) == []
-
-
-@pytest.mark.parametrize("old, new, drifted", [
-    ("| `finished` | `reason` | yes |", "| `finished` | `reason`, `extra` | yes |", "finished"),
-    ("| `give_up` | `reason`, `exit_code` | yes |", "| `give_up` | `reason`, `exit_code` | |",
-     "give_up"),
-    ("| `launch` | `attempt`, `argv`, `settings`, `level`, `resume_from`, `pid`, `ckpt_dir`, "
-     "`standby`, `start_s`, `slurm?`, `spawn_at?`, `spawn_s?`, `tier?` |", "| `launch` | "
-     "`attempt`, `argv`, `settings`, `level`, `resume_from`, `pid`, `ckpt_dir`, `standby`, "
-     "`start_s`, `slurm`, `spawn_at?`, `spawn_s?`, `tier?` |", "launch"),
-])
-def test_a_drifted_design_row_is_found(old, new, drifted):
-    text = DESIGN.read_text()
-    assert old in text
-    assert drifted in registry_drift(text.replace(old, new))
 
 
 def _emits(path: Path) -> list[tuple[str, str, list[str], int]]:

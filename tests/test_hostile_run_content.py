@@ -171,7 +171,7 @@ def test_a_deeply_nested_event_is_one_line_exit_2_for_status_and_report(tmp_path
 
 
 def test_launch_over_a_deeply_nested_event_warns_and_runs_the_attempt(tmp_path):
-    # Events are best effort (docs/design.md, threat model): a log rtrain cannot read is said,
+    # Events are best effort (docs/architecture.md, threat model): a log rtrain cannot read is said,
     # not a reason to stop training; the launch appends to it.
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -2,7 +2,8 @@
 changed while the standby waits is never run stale (the standby is replaced, or the attempt
 starts cold), and what a preloaded library did at import (environment variables, signal
 handlers, what it saw of sys.argv and __main__) is what a cold start of the same script has.
-What still differs (design.md, "Warm standby") is asserted here difference by difference."""
+What still differs (supervisor/standby/child_program.py lists it) is asserted here difference
+by difference."""
 
 from __future__ import annotations
 
@@ -257,7 +258,7 @@ def test_what_a_preloaded_library_did_at_import_is_what_a_cold_start_has(tmp_pat
     for name, rec in (("cold", cold), ("warm", warm_rec)):
         assert rec["argv"] == ["train.py", str(tmp_path / f"{name}.json"), "two words"]
 
-    # What still differs, as design.md lists it:
+    # What still differs, as standby/child_program.py lists it:
     # 1. the arguments: the preload ran before the attempt's were known
     assert cold["seen"]["argv"] == ["train.py", str(tmp_path / "cold.json"), "two words"]
     assert warm_rec["seen"]["argv"] == ["train.py"]

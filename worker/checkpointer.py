@@ -84,7 +84,7 @@ class Checkpointer:
             $RTRAIN_SIGNING_KEY_FILE.
         encryption_key: Encrypt every checkpoint file: an EncryptionKey, 32 bytes, or a
             string (64 hex digits, else a passphrase). Default: $RTRAIN_ENCRYPTION_KEY or
-            $RTRAIN_ENCRYPTION_KEY_FILE (docs/design.md, "Encryption at rest").
+            $RTRAIN_ENCRYPTION_KEY_FILE (checkpoint/crypt.py).
         exit_on_stop: After a stop request (preemption; rtrain's stop signal) `maybe_save`
             commits a checkpoint and exits 75, which rtrain reads as "preempted". False:
             it returns, and the script ends when it likes (`rtrain.should_stop()`).
@@ -283,7 +283,7 @@ class Checkpointer:
     def _hand_to_rtrain(self, step: int, metrics: dict[str, float] | None,
                         extra: dict[str, Any] | None) -> bool:
         """A scheduled disk save under the memory tier: snapshot this step and let rtrain copy
-        it to the checkpoint dir in the background (docs/design.md, "The memory tier"). False
+        it to the checkpoint dir in the background (worker/memtier/memory_tier.py). False
         when the tier cannot take it: the caller saves to disk itself.
 
         The cadence's cost is what this costs the training thread: the capture and the
@@ -346,7 +346,7 @@ class Checkpointer:
 
     def save_on_failure(self, exc: BaseException) -> Path | None:
         """Commit the last step boundary's checkpoint if nothing changed the training state
-        since (docs/design.md, "Save at failure"); the committed path, else None.
+        since (worker/saving/failsave.py); the committed path, else None.
 
         An uncaught exception calls this by itself; a script that catches the exception
         calls it in its `except` before ending. Never raises: a save that fails or outlasts

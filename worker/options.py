@@ -35,7 +35,7 @@ class Every:
         steps: Save when the step is a multiple of this. "auto" re-chooses the interval after
             every save from the measured save stall, the step time, the run's failures (passed
             in by rtrain) and the loss trend, within `min_steps`..`max_steps`; until a save is
-            measured it saves at step 2 to measure one (docs/design.md, "Save cadence").
+            measured it saves at step 2 to measure one (worker/saving/cadence.py).
             None: no step schedule.
         seconds: Save when this much wall time has passed since the last save. With
             steps="auto" it is the longest time between saves (default 1800).
@@ -122,7 +122,7 @@ class Saving:
             fingerprint of the frozen base that the restore checks. Not with sharded state.
         on_failure: When an exception ends the script before anything changed the training
             state since the last step boundary, commit that step's checkpoint (single
-            process; docs/design.md, "Save at failure").
+            process; worker/saving/failsave.py).
         failure_timeout_s: The longest the failing process waits for that save.
         memory: Also snapshot into shared memory between disk saves (the memory tier): a
             number of steps, "auto", or a Memory (below). None: off.
@@ -130,7 +130,7 @@ class Saving:
             checkpoint (`compile-cache.bin`, torch.compiler.save_cache_artifacts), so a
             relaunch on a fresh node compiles warm. Loaded at restore only from a signed
             checkpoint (or with Restoring(allow_pickle=True)) of the same torch version and
-            device kind (docs/design.md, "Compile caches"). Nothing is written when nothing
+            device kind (worker/compilecache/compile_cache.py). Nothing is written when nothing
             was compiled or torch has no such API.
         compile_cache_max_mb: Artifacts larger than this are neither saved nor loaded.
     """

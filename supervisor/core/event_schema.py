@@ -1,7 +1,7 @@
 """The events.jsonl schema: every kind of event, the fields it carries, whether it is fsynced
 at once and whether a hook may name it. Data only, shared by the log (records/events.py), the
-hook tables of the config (hooks/hook_spec.py) and the readers; docs/design.md shows the same table
-(tests/test_event_schema.py holds them together).
+hook tables of the config (hooks/hook_spec.py) and the readers; docs/reference.md's Events table
+is generated from it (scripts/gen_reference.py; tests/test_reference.py fails when it drifts).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ is never mutated), which the loop persists in state.json.
 
 Rules, in order: the table "What happens on each failure" in README.md, the one statement of
 them: one row per rule, the first that applies decides. This function follows it row by row
-(tests/test_policy_*.py hold it to it); the climb back a rung is docs/design.md's, "Memory
-pressure".
+(tests/test_policy_*.py hold it to it); whether a rung fits to climb back to is
+pressure/decide.py's `climb_fits`.
 """
 
 from __future__ import annotations

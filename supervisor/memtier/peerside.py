@@ -1,5 +1,5 @@
-"""Peer copies of the memory tier under several nodes: this node's side (docs/design.md, "Peer
-copies of the memory tier").
+"""Peer copies of the memory tier under several nodes: this node's side (docs/architecture.md,
+"Beyond one machine"; the wire: peerserver.py, peerwire.py).
 
 Each node's rtrain serves its memory dir's parts (peerserver.py) and registers where in the
 shared checkpoint dir (registry.py). A thread copies, continually, the newest parts of one

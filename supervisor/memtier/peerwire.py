@@ -16,7 +16,9 @@ The handshake proves, when the run has a signing key, that each end holds it wit
 it: each side sends a fresh nonce, and each answers the other's nonce with
 HMAC-SHA256(key, side + "|" + nonce + "|" + run), `side` "client" or "server" so that one
 answer cannot be replayed as the other. Without a key the run identity is all that is checked:
-it keeps runs apart by accident, it is no secret (see docs/design.md, "Peer copies").
+it keeps runs apart by accident, it is no secret, so the port serves the run's parts to any host
+that reaches it: bind it to the cluster's network (RTRAIN_PEER_HOST) and sign the run where that
+network is shared. The transport is not encrypted: an encrypted run's parts travel encrypted.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The memory tier as a launch runs it: the directory each attempt gets, the snapshot committed
 when an attempt ends (before the next pick reads the checkpoint dir), the relaunch pointed at
 the snapshot when it is the checkpoint picked, the tier dropped on memory pressure, and the
-directory removed when the launch ends (docs/design.md, "The memory tier")."""
+directory removed when the launch ends (docs/architecture.md, "Saving at the right moments")."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ class MemoryTierDir:
     def _commit_group(self, disk_newest: int | None, why: str) -> int | None:
         """A process group's newest whole step, as the checkpoint a collective save writes. Not
         under several nodes: the survivors' parts then resume the group from memory, and each
-        node's copy would race the others' on the shared dir (docs/design.md)."""
+        node's copy would race the others' on the shared dir."""
         if self.unusable or self.peers is not None:
             return None
         run = runid.read(self.ckpt_dir)

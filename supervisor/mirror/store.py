@@ -1,6 +1,6 @@
 """A mirror of checkpoints at an fsspec URL, so a run can resume on a fresh machine.
 
-Remote layout, the local one without temp names (docs/design.md, "Mirror"):
+Remote layout, the local one without temp names (docs/architecture.md, "Beyond one machine"):
 
     <url>/checkpoint-<step>/<every file the manifest lists>
     <url>/checkpoint-<step>/manifest.json      uploaded last: the commit marker

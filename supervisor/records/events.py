@@ -8,8 +8,8 @@ cuts it off before appending, so it never becomes a corrupt line in the middle.
 
 `event_schema.KINDS` is the schema: every kind, the fields it carries, whether it is fsynced at once
 (`durable`) and whether a hook may name it. `emit` refuses a kind or a field not in it
-(`EventSchemaError`), so the log cannot drift from the table (docs/design.md shows the same
-table; a test holds them together). Durable kinds are the few a post-mortem or a restarted
+(`EventSchemaError`), so the log cannot drift from the table (docs/reference.md's Events
+table is generated from it). Durable kinds are the few a post-mortem or a restarted
 supervisor needs and that come at most once per attempt: `launch`, `decision` (its fsync
 covers the attempt's `exit` and `classification` written just before it) and the ends of a
 run; the others reach the disk with the next durable event, the launch loop's `sync()` per
@@ -67,7 +67,7 @@ class EventLogError(RtrainError):
 
 class EventSchemaError(ValueError):
     """An event of a kind, or with a field, that `KINDS` does not have: a bug in the emitter,
-    or a new kind or field not yet added to `KINDS` (and docs/design.md)."""
+    or a new kind or field not yet added to `KINDS` (then run scripts/gen_reference.py)."""
 
 
 _ALLOWED = {k.value: frozenset(spec.fields + spec.optional) for k, spec in KINDS.items()}
@@ -78,12 +78,12 @@ def checked_kind(kind: Kind | str, fields: Iterable[str]) -> str:
     try:
         name = Kind(kind).value
     except ValueError:
-        raise EventSchemaError(f"{kind!r} is not an event kind: add it to events.KINDS and the "
-                               "schema in docs/design.md") from None
+        raise EventSchemaError(f"{kind!r} is not an event kind: add it to events.KINDS and "
+                               "run scripts/gen_reference.py") from None
     unknown = set(fields) - _ALLOWED[name]
     if unknown:
         raise EventSchemaError(f"{name} events have no field {', '.join(sorted(unknown))}: add "
-                               "it to events.KINDS and the schema in docs/design.md")
+                               "it to events.KINDS and run scripts/gen_reference.py")
     return name
 
 

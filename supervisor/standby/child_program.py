@@ -22,7 +22,17 @@ cold start), the working directory, sys.argv and sys.orig_argv, sys.path[0], `__
 one the preload saw, with nothing of this program's in it), fds 1 and 2 (the attempt's log
 pipes). Signal dispositions and the blocked mask stay as the preload left them: a cold start's
 imports would have set the same. The session, process group, PDEATHSIG and cgroup were given at
-spawn, as for a cold child (proc/spawn.py). docs/design.md lists what still differs."""
+spawn, as for a cold child (proc/spawn.py).
+
+What still differs from a cold start (tests/test_standby_preload.py asserts each): a library
+that reads sys.argv[1:] or sys.orig_argv at import sees no arguments (the preload ran before
+they were rendered); it sees no RTRAIN_* variable at import; /proc/self/cmdline read at import
+is this program's; the preloaded modules (and the standard library modules this program uses)
+are in sys.modules from the script's first line, imported, like the process, before the
+attempt; what they printed while importing is in standby.log; /proc/<pid>/environ is the
+environment it was spawned with (so a writer it forks after the last sample is found by a later
+launch through procs.json only); /proc/<pid>/cmdline holds the argv's words joined by spaces,
+cut past 8 KiB."""
 
 from __future__ import annotations
 

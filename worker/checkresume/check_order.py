@@ -8,9 +8,9 @@ uninterrupted runs would differ although they trained alike. check-resume hands 
 that stand for the original run (the uninterrupted ones and the one it stops) the same
 `entropy`; `import rtrain` seeds both generators with it, before the script's code after that
 import seeds or draws, so the script's own seeding still wins (a seed set before that import is
-replaced: docs/design.md's check-resume section says what that costs). A resumed run gets none,
-as a relaunch draws its own: what it draws before `restore()` replaces the states is its own, so
-a script whose training depends on that is found inexact, as it is.
+replaced: what it draws before `restore()` then differs in a resumed run, a false difference).
+A resumed run gets none, as a relaunch draws its own: what it draws before `restore()` replaces
+the states is its own, so a script whose training depends on that is found inexact, as it is.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ and fsyncs that file and prints one JSON line: `{"ok": true, "tensors": N, "note
 `{"ok": false, "exit": CODE, "reason": "..."}` and exits CODE (rtrain's exit codes). Publishing
 the file (the rename, --force) is the caller's.
 
-What is exported (docs/design.md, "rtrain export"): the model's state dict; with `optimizer`,
+What is exported (supervisor/commands/exporting.py): the model's state dict; with `optimizer`,
 for `torch` `{"model": state dict, "optimizer": optimizer state dict}` (the dict
 `optimizer.load_state_dict` takes), for `safetensors` the optimizer's tensors as
 `optimizer/<param>/<state key>` and its other values as JSON in the metadata's `optimizer`.
@@ -105,8 +105,8 @@ def _from_rtrain(path: Path, optimizer: bool
 
 def _rtrain_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]
                       ) -> dict[str, Any]:
-    """rtrain's optimizer state (keyed by parameter name, docs/design.md "Checkpoint
-    contents") as torch's `optimizer.state_dict()` (keyed by index, in param_groups order)."""
+    """rtrain's optimizer state (keyed by parameter name, worker/trainstate/state.py) as
+    torch's `optimizer.state_dict()` (keyed by index, in param_groups order)."""
     hp = {k[1:]: v for k, v in tensors.items() if k.startswith("@")}
     try:
         groups = decode(meta["param_groups"], hp)

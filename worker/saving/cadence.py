@@ -32,7 +32,7 @@ at step `FIRST_SAVE_STEPS` (2): the first step carries the warm-up (allocations,
 compilation), so a save after the second one times a whole ordinary step and measures C at once;
 the next interval then follows the rule. It costs one stall once per run (a relaunch that
 inherits a measured cost chooses at once): about one step's time for a 25M-parameter model
-with Adam on CPU (0.59 s against a 0.62 s step; docs/design.md, "Save cadence"). Waiting
+with Adam on 2 shared CPU cores (a 0.59 s stall against a 0.62 s step). Waiting
 instead (10 min, as this rule did before) is what made a run killed every few minutes from its
 start never checkpoint and end in "crash loop". `min_steps` still holds: the first save comes
 at max(FIRST_SAVE_STEPS, min_steps) (at most max_steps), and never later than `FIRST_SAVE_S`

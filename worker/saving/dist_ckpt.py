@@ -5,7 +5,7 @@
     every rank: its files' sizes and hashes ──gather──▶ rank 0
     rank 0: list every file (hash any nobody reported), manifest, rename ──broadcast──▶ all
 
-Layout inside one checkpoint-<step>/ (see docs/design.md, "Distributed checkpoints"):
+Layout inside one checkpoint-<step>/ (docs/architecture.md, "Contract 3: checkpoints on disk"):
 
     manifest.json, state.json        rank 0 (replicated: step, sampler, scheduler, optimizer meta)
     model/optimizer/extra.safetensors rank 0 (replicated state; empty when the model is sharded)
