@@ -122,7 +122,7 @@ class RestartConfig:
     quarantine_after: int = 2
     """Quarantine a checkpoint after this many consecutive attempts resumed from it and failed
     the same way before committing a newer one; resume falls back to the one before (0: never).
-    Keep it at most crash_loop_k, so the fallback gets its attempt."""
+    It is at most crash_loop_k, so the fallback gets its attempt."""
     max_failures_per_hour: int = 10
     """More failures than this in an hour is reported (failure_rate event, status, hooks) even
     when the run makes progress (0: never)."""
@@ -373,8 +373,8 @@ class Config:
     """How often memory and progress are sampled (at least 0.01 s). Shorter sees fast memory
     growth sooner, at more of rtrain's CPU."""
     gpu_release_wait_s: float = 10.0
-    """Before a relaunch, how long to wait for the old child's GPU memory to be freed; raise it
-    where the driver frees memory slowly (a `gpu_not_released` event says it was not)."""
+    """Before a relaunch, how long to wait for the old child's GPU memory to be freed (a
+    `gpu_not_released` event says it was not)."""
     memory_pressure_fraction: float = 0.9
     """A SIGKILL counts as a host OOM when memory use reached this fraction of the total."""
     restore_after_steps: int = 500
@@ -428,19 +428,17 @@ class Config:
     a milestone is uploaded even when newer checkpoints came before its turn. Set it to keep
     checkpoints for later evaluation, e.g. every 10000 steps."""
     mirror_parallel: int = 4
-    """Files of one checkpoint uploaded at once (large files go in parts on their own); raise
-    it for a distant store with bandwidth to spare."""
+    """Files of one checkpoint uploaded at once (large files go in parts on their own)."""
     mirror_connect_timeout_s: float = 5.0
     """Each remote call to the mirror waits at most this long to connect (S3)."""
     mirror_read_timeout_s: float = 5.0
     """... and this long for each answer once its request is sent; a call is tried 4 times at
     most, so an endpoint that accepts connections and never answers fails a call in about 4x
-    this (20 s), and a launch says so and trains from its local checkpoints. Raise it for a
-    store that takes longer to answer an upload."""
+    this (20 s), and a launch says so and trains from its local checkpoints."""
     mirror_final_wait_s: float = 60.0
     """When the run ends (finished, stopped, gave up), how long rtrain waits for the newest
-    checkpoint to reach the mirror before it exits. Under preemption keep it below the
-    platform's grace minus the save time."""
+    checkpoint to reach the mirror before it exits. Under preemption the platform's grace must
+    cover the save time plus this wait."""
     standby: bool = True
     """Keep a warm standby interpreter with the heavy modules imported while an attempt
     trains; the next attempt starts in it, seconds sooner. Only for `python SCRIPT` and
