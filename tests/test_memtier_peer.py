@@ -22,7 +22,7 @@ from conftest import make_part
 from rtrain.checkpoint import hashing, parts
 from rtrain.checkpoint.layout import MANIFEST, checkpoint_name
 from rtrain.checkpoint.verify import Level, verify
-from rtrain.supervisor.memtier import peerfetch, registry
+from rtrain.supervisor.memtier import peerfetch, peerwire, registry
 from rtrain.supervisor.memtier.peerfetch import (
     NoRoom,
     PeerBusy,
@@ -36,13 +36,15 @@ from rtrain.supervisor.memtier.peerserver import PeerServer
 
 RUN = "1" * 32
 OTHER_RUN = "2" * 32
-KEY = hashing.derive_key(b"the run's secret")
+KEY = hashing.derive_key(b"the run's signing key")
 WRONG_KEY = hashing.derive_key(b"another secret")
+SECRET = bytes(range(32))  # an unsigned run's peer key (registry.run_secret)
 MODEL = "model.safetensors"  # make_part's file over a chunk, so it streams
 
 
 @contextlib.contextmanager
 def serving(memory_dir: Path, run: str | None = RUN, key: bytes | None = None, **kw):
+    kw.setdefault("secret", key or SECRET)
     server = PeerServer(memory_dir, run, key, **kw)
     server.start()
     try:
@@ -74,13 +76,13 @@ def test_a_listed_part_is_fetched_whole_and_verifies(tmp_path, key):
     make_part(a, 1, 2, 12, run=OTHER_RUN, key=key)  # another run's: never listed
     before = tree(a)
     with serving(a, RUN, key) as server:
-        listing = list_remote(server.address, RUN, key)
+        listing = list_remote(server.address, RUN, key, secret=key or SECRET)
         assert [(p.rank, p.step, p.origin) for p in listing] == [
             (0, 10, "own"), (1, 10, "own"), (0, 8, "held")]
         part = the_part(listing, 0, 10)
         assert part.world_size == 2 and part.bytes > 1 << 20
         dest = held_dest(b, part)
-        assert fetch_part(server.address, part, dest, RUN, key) == dest
+        assert fetch_part(server.address, part, dest, RUN, key, secret=key or SECRET) == dest
     v = verify(dest, Level.FULL, key)
     assert v.ok, v.reason
     src = a / "rank-0" / checkpoint_name(10)
@@ -97,11 +99,12 @@ def test_a_part_already_held_is_not_fetched_again(tmp_path):
     a = tmp_path / "node-a"
     make_part(a, 0, 1, 5)
     with serving(a) as server:
-        part = list_remote(server.address, RUN, None)[0]
+        part = list_remote(server.address, RUN, None, secret=SECRET)[0]
         addr = server.address
     dest = held_dest(tmp_path / "node-b", part)
     dest.mkdir(parents=True)
-    assert fetch_part(addr, part, dest, RUN, None, timeout_s=1) == dest  # the server is gone
+    # The server is gone: nothing is asked of it.
+    assert fetch_part(addr, part, dest, RUN, None, secret=SECRET, timeout_s=1) == dest
 
 
 def _raw_handshake(addr, answer) -> dict:
@@ -117,17 +120,17 @@ def test_the_server_refuses_a_client_of_another_run(tmp_path):
     make_part(tmp_path, 0, 1, 5)
     with serving(tmp_path) as server:
         reply = _raw_handshake(server.address, lambda g: {"run": OTHER_RUN, "nonce": "a" * 32,
-                                                          "mac": None})
+                                                          "proof": None})
     assert reply["ok"] is False and "another run" in reply["error"]
     assert OTHER_RUN[:8] in reply["error"] and RUN[:8] in reply["error"]
 
 
-@pytest.mark.parametrize("client_key", [None, WRONG_KEY], ids=["no-key", "wrong-key"])
+@pytest.mark.parametrize("client_key", [SECRET, WRONG_KEY], ids=["peer-key", "wrong-key"])
 def test_the_server_refuses_a_client_without_the_runs_key(tmp_path, client_key):
     make_part(tmp_path, 0, 1, 5, key=KEY)
     with serving(tmp_path, RUN, KEY) as server:
-        with pytest.raises(PeerRefused, match="bad or missing mac") as e:
-            list_remote(server.address, RUN, client_key)
+        with pytest.raises(PeerRefused, match="bad or missing proof") as e:
+            list_remote(server.address, RUN, None, secret=client_key)
         # A client that answers the nonce with the right key is let in (the check can pass).
         assert len(list_remote(server.address, RUN, KEY)) == 1
     assert "\n" not in str(e.value)
@@ -137,12 +140,23 @@ def test_the_client_refuses_a_server_of_another_run_or_without_the_key(tmp_path)
     make_part(tmp_path, 0, 1, 5, run=OTHER_RUN)
     with serving(tmp_path, OTHER_RUN, None) as server, \
             pytest.raises(PeerRefused, match=f"serves run {OTHER_RUN[:8]}, not this run"):
-        list_remote(server.address, RUN, None)
-    # A server without the key cannot answer the client's nonce: it may be anyone's.
-    make_part(tmp_path / "b", 0, 1, 5)
-    with serving(tmp_path / "b", RUN, None) as server, \
-            pytest.raises(PeerRefused, match="does not prove it holds the run's signing key"):
-        list_remote(server.address, RUN, KEY)
+        list_remote(server.address, RUN, None, secret=SECRET)
+    # A server that lets anyone in but cannot prove it holds the secret: it may be anyone's.
+    with socket.create_server(("127.0.0.1", 0)) as impostor:
+        def let_in():
+            conn, _ = impostor.accept()
+            with conn, conn.makefile("rwb") as f:
+                f.write(json.dumps({"rtrain_peer": peerwire.PROTOCOL, "run": RUN,
+                                    "nonce": "0" * 32}).encode() + b"\n")
+                f.flush()
+                f.readline()
+                f.write(json.dumps({"ok": True, "proof": "0" * 64}).encode() + b"\n")
+                f.flush()
+                f.readline()
+
+        threading.Thread(target=let_in, daemon=True).start()
+        with pytest.raises(PeerRefused, match="does not prove it holds the run's secret"):
+            list_remote(impostor.getsockname()[:2], RUN, KEY)
 
 
 def _fetch_refused(tmp_path, server, part, key=None, match=""):
@@ -151,7 +165,8 @@ def _fetch_refused(tmp_path, server, part, key=None, match=""):
     parent.mkdir(parents=True, exist_ok=True)
     (parent / "keep-me").write_text("x")
     with pytest.raises(PeerRefused, match=match) as e:
-        fetch_part(server.address, part, parent / checkpoint_name(part.step), RUN, key)
+        fetch_part(server.address, part, parent / checkpoint_name(part.step), RUN, key,
+                   secret=key or SECRET)
     assert os.listdir(parent) == ["keep-me"]
     return str(e.value)
 
@@ -174,7 +189,7 @@ def test_a_file_truncated_on_the_peer_is_refused(tmp_path):
     a = tmp_path / "node-a"
     src = make_part(a, 0, 1, 5)
     with serving(a) as server:
-        part = list_remote(server.address, RUN, None)[0]
+        part = list_remote(server.address, RUN, None, secret=SECRET)[0]
         os.truncate(src / MODEL, 1000)
         msg = _fetch_refused(tmp_path, server, part, None, "truncated or rewritten")
     assert MODEL in msg
@@ -185,8 +200,8 @@ def test_a_file_truncated_during_the_transfer_is_refused(tmp_path):
     a = tmp_path / "node-a"
     src = make_part(a, 0, 1, 5)
     with serving(a) as server:
-        part = list_remote(server.address, RUN, None)[0]
-        with Session(server.address, RUN, None) as s:
+        part = list_remote(server.address, RUN, None, secret=SECRET)[0]
+        with Session(server.address, RUN, None, secret=SECRET) as s:
             size = s.open_file(part, MANIFEST)
             assert b"".join(bytes(c) for c in s.chunks(size, MANIFEST))
             os.truncate(src / MODEL, 1000)
@@ -208,7 +223,7 @@ def test_a_part_that_is_not_the_one_asked_for_is_refused(tmp_path):
     a = tmp_path / "node-a"
     make_part(a, 1, 2, 5)
     with serving(a) as server:
-        part = list_remote(server.address, RUN, None)[0]
+        part = list_remote(server.address, RUN, None, secret=SECRET)[0]
         _fetch_refused(tmp_path, server, dataclasses.replace(part, step=6),
                        match="not the part asked for")
         _fetch_refused(tmp_path, server, dataclasses.replace(part, rank=0),
@@ -223,7 +238,7 @@ def test_a_part_larger_than_the_free_space_is_refused_before_it_is_received(
     a = tmp_path / "node-a"
     make_part(a, 0, 1, 5)
     with serving(a) as server:
-        part = list_remote(server.address, RUN, None)[0]
+        part = list_remote(server.address, RUN, None, secret=SECRET)[0]
         real = os.statvfs
 
         def small(path):
@@ -233,7 +248,8 @@ def test_a_part_larger_than_the_free_space_is_refused_before_it_is_received(
 
         monkeypatch.setattr(peerfetch.os, "statvfs", small)
         with pytest.raises(NoRoom, match=r"needs \d+ bytes"):
-            fetch_part(server.address, part, held_dest(tmp_path / "b", part), RUN, None)
+            fetch_part(server.address, part, held_dest(tmp_path / "b", part), RUN, None,
+                       secret=SECRET)
         assert os.listdir(tmp_path / "b" / parts.HELD / "rank-0") == []
 
 
@@ -259,29 +275,27 @@ class _FakePeer:
             self._session(conn)
 
     def _session(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rwb") as f:
-            def send(obj):
-                f.write(json.dumps(obj).encode() + b"\n")
-                f.flush()
-
-            send({"rtrain_peer": 1, "run": RUN, "nonce": "0" * 32})
-            f.readline()
-            send({"ok": True, "mac": None})
+        with conn:  # a peer of the run: it holds the secret and speaks the protocol
+            wire = peerwire.Wire(conn, 30, "client")
+            nonce = "0" * 32
+            wire.send_line({"rtrain_peer": peerwire.PROTOCOL, "run": RUN, "nonce": nonce})
+            hello = wire.read_line(peerwire.REQUEST_LIMIT, "hello")
+            session = peerwire.session_key(SECRET, RUN, nonce, hello["nonce"])
+            wire.send_line({"ok": True, "proof": peerwire.proof(session, "server")})
+            wire.seal(session, sending=peerwire.TO_CLIENT, receiving=peerwire.TO_SERVER)
             m = json.loads((self.part_dir / MANIFEST).read_bytes())
-            while line := f.readline():
-                req = json.loads(line)
+            while (req := wire.read_line(peerwire.REQUEST_LIMIT, "a request",
+                                         eof_ok=True)) is not None:
                 if req["op"] == "list":
-                    send({"parts": [{"rank": 0, "step": 5, "world_size": 1, "origin": "own",
-                                     "bytes": 0, "manifest": m}]})
+                    wire.send_line({"parts": [{"rank": 0, "step": 5, "world_size": 1,
+                                               "origin": "own", "bytes": 0, "manifest": m}]})
                     continue
                 data = (self.part_dir / req["file"]).read_bytes()
-                send({"size": len(data)})
+                wire.send_line({"size": len(data)})
                 if req["file"] == MANIFEST:
-                    f.write(data)
-                    f.flush()
+                    wire.send_frame(data)  # under a chunk: one frame
                     continue
-                f.write(data[:len(data) // 2])
-                f.flush()
+                wire.send(data[:len(data) // 2])  # half of the first chunk, no tag
                 if not self.close:
                     self.done.wait(30)
                 return
@@ -298,13 +312,13 @@ def test_a_peer_that_stops_mid_file_is_unreachable_within_the_timeout(tmp_path, 
     peer = _FakePeer(src, close)
     try:
         addr = peer.listener.getsockname()[:2]
-        with Session(addr, RUN, None, timeout_s=2) as s:
+        with Session(addr, RUN, None, secret=SECRET, timeout_s=2) as s:
             part = s.list()[0]
         dest = held_dest(tmp_path / "node-b", part)
         timeout = 0.5
         started = time.monotonic()
         with pytest.raises(PeerUnreachable) as e:
-            fetch_part(addr, part, dest, RUN, None, timeout_s=timeout)
+            fetch_part(addr, part, dest, RUN, None, secret=SECRET, timeout_s=timeout)
         elapsed = time.monotonic() - started
     finally:
         peer.stop()
@@ -324,7 +338,7 @@ def test_nothing_outside_a_listed_part_is_served(tmp_path):
     src = make_part(a, 0, 1, 5)
     (src / "extra.bin").write_bytes(b"not listed")
     (a / "rank-0" / "x").write_bytes(b"beside the part")
-    with serving(a) as server, Session(server.address, RUN, None) as s:
+    with serving(a) as server, Session(server.address, RUN, None, secret=SECRET) as s:
         part = s.list()[0]
         for name, why in [("../x", "leaves the checkpoint"), ("/etc/passwd", "absolute"),
                           ("extra.bin", "not a file of that part")]:
@@ -341,7 +355,7 @@ def test_a_link_in_a_part_is_never_followed(tmp_path):
     src = make_part(a, 0, 1, 5)
     os.rename(src / MODEL, src / "model.real")
     os.symlink("model.real", src / MODEL)  # inside the part: the quick check passes
-    with serving(a) as server, Session(server.address, RUN, None) as s:
+    with serving(a) as server, Session(server.address, RUN, None, secret=SECRET) as s:
         part = s.list()[0]
         reply = _get(s, part, MODEL)
     assert "size" not in reply and "symbolic link" in reply["error"]
@@ -350,19 +364,18 @@ def test_a_link_in_a_part_is_never_followed(tmp_path):
 def test_one_client_more_than_allowed_is_told_busy_at_once(tmp_path):
     make_part(tmp_path, 0, 1, 5)
     with serving(tmp_path, max_clients=2, timeout_s=5) as server:
-        held = [socket.create_connection(server.address, timeout=5) for _ in range(2)]
-        for s in held:  # greeted: each holds a slot while it says nothing
-            assert b"rtrain_peer" in s.recv(4096)
+        # Authenticated: each holds a slot while it says nothing.
+        held = [Session(server.address, RUN, None, secret=SECRET) for _ in range(2)]
         started = time.monotonic()
         with pytest.raises(PeerBusy, match="busy: serving 2 clients"):
-            list_remote(server.address, RUN, None)
+            list_remote(server.address, RUN, None, secret=SECRET)
         assert time.monotonic() - started < 1.0
         for s in held:
             s.close()
         deadline = time.monotonic() + 3
         while True:  # the slots come back as the server sees the connections end
             try:
-                assert len(list_remote(server.address, RUN, None)) == 1
+                assert len(list_remote(server.address, RUN, None, secret=SECRET)) == 1
                 break
             except PeerBusy:
                 assert time.monotonic() < deadline
@@ -370,13 +383,13 @@ def test_one_client_more_than_allowed_is_told_busy_at_once(tmp_path):
 
 
 def test_a_closed_server_is_unreachable(tmp_path):
-    server = PeerServer(tmp_path, RUN, None)
+    server = PeerServer(tmp_path, RUN, None, secret=SECRET)
     server.start()
     addr = server.address
     server.close()
     server.close()  # idempotent
     with pytest.raises(PeerUnreachable, match="cannot connect"):
-        list_remote(addr, RUN, None, timeout_s=1)
+        list_remote(addr, RUN, None, secret=SECRET, timeout_s=1)
 
 
 def _node(name: str, run: str | None = RUN) -> registry.Node:
@@ -429,4 +442,5 @@ def test_a_file_where_a_rank_dir_goes_is_passed_over(tmp_path):
     (tmp_path / "rank-3").write_text("a file where a rank dir goes")
     (tmp_path / "rank-4").symlink_to(tmp_path / "rank-0")
     with serving(tmp_path) as server:
-        assert [(p.rank, p.step) for p in list_remote(server.address, RUN, None)] == [(0, 5)]
+        listing = list_remote(server.address, RUN, None, secret=SECRET)
+        assert [(p.rank, p.step) for p in listing] == [(0, 5)]

@@ -149,7 +149,7 @@ def test_another_runs_peer_is_refused_with_a_reason(tmp_path, ck):
     mo, mc = tmp_path / "other", tmp_path / "c"
     make_part(mo, 0, 1, 9, run=OTHER)
     # A server of another run registered under this run's name (a stale or hostile entry).
-    server = PeerServer(mo, OTHER, None, "127.0.0.1")
+    server = PeerServer(mo, OTHER, None, "127.0.0.1", secret=registry.run_secret(ck, OTHER))
     server.start()
     registry.register(ck, registry.Node("z-other", *server.address, RUN, time.time()))
     c = side(ck, mc, ev)

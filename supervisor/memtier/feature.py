@@ -26,7 +26,8 @@ class MemoryTier(Feature):
         self.tier = MemoryTierDir(run.ckpt_dir, run.checkpoints.key, run.events.emit, run.say,
                                   file_mode=run.config.file_mode)
         if torchrun.several_nodes(run.command):  # copies on peer nodes
-            self.tier.enable_peers(*serving_address(torchrun.rdzv_host(run.command)))
+            rdzv = torchrun.rdzv_host(run.command)
+            self.tier.enable_peers(*serving_address(rdzv), rdzv_host=rdzv)
 
     def _disk_newest(self) -> int | None:
         return self.run.checkpoints.newest_step()

@@ -66,7 +66,13 @@ class Session:
     of `list_remote` and `fetch_part`, and what tests use to send requests of their own."""
 
     def __init__(self, addr: tuple[str, int], run: str | None, key: bytes | None, *,
-                 timeout_s: float = 10.0) -> None:
+                 secret: bytes | None = None, timeout_s: float = 10.0) -> None:
+        """`key`: the run's signing key; `secret`: what the handshake proves (default `key`,
+        as on the server). There is no session without a secret."""
+        secret = key if secret is None else secret
+        if not secret:
+            raise ValueError("a peer session needs the run's secret (a signing key or a "
+                             "per-run key)")
         self.who = f"peer {addr[0]}:{addr[1]}"
         try:
             sock = socket.create_connection(addr, timeout=timeout_s)
@@ -78,7 +84,7 @@ class Session:
         no_delay(sock)
         self.wire = Wire(sock, timeout_s, self.who)
         try:
-            self._handshake(run, key)
+            self._handshake(run, secret)
         except BaseException:
             sock.close()
             raise
@@ -92,7 +98,7 @@ class Session:
     def close(self) -> None:
         self.wire.sock.close()
 
-    def _handshake(self, run: str | None, key: bytes | None) -> None:
+    def _handshake(self, run: str | None, secret: bytes) -> None:
         greet = self._reply("its greeting")
         if greet.get("ok") is False:
             error = peerwire.one_line(greet.get("error"))
@@ -108,15 +114,19 @@ class Session:
         if not peerwire.valid_nonce(server_nonce):
             raise PeerRefused(f"{self.who} sent no nonce (32 hex digits)")
         nonce = peerwire.new_nonce()
+        session = peerwire.session_key(secret, run, server_nonce, nonce)
         self.wire.send_line({"run": run, "nonce": nonce,
-                             "mac": peerwire.mac(key, "client", server_nonce, run)})
+                             "proof": peerwire.proof(session, "client")})
         answer = self._reply("its answer to the handshake")
         if answer.get("ok") is not True:
-            raise PeerRefused(f"{self.who} refused this node: "
-                              f"{peerwire.one_line(answer.get('error'))}")
-        if not peerwire.mac_ok(key, "server", nonce, run, answer.get("mac")):
-            raise PeerRefused(f"{self.who} does not prove it holds the run's signing key "
-                              "(its answer to our nonce does not match)")
+            error = peerwire.one_line(answer.get("error"))
+            if answer.get("busy"):
+                raise PeerBusy(f"{self.who} refused the connection: {error}")
+            raise PeerRefused(f"{self.who} refused this node: {error}")
+        if not peerwire.proof_ok(session, "server", answer.get("proof")):
+            raise PeerRefused(f"{self.who} does not prove it holds the run's secret (its "
+                              "answer to this connection's nonces does not match)")
+        self.wire.seal(session, sending=peerwire.TO_SERVER, receiving=peerwire.TO_CLIENT)
 
     def request(self, req: dict[str, Any], limit: int = REQUEST_LIMIT) -> dict[str, Any]:
         self.wire.send_line(req)
@@ -161,16 +171,16 @@ class Session:
 
 
 def list_remote(addr: tuple[str, int], run: str | None, key: bytes | None, *,
-                timeout_s: float = 5.0) -> list[RemotePart]:
+                secret: bytes | None = None, timeout_s: float = 5.0) -> list[RemotePart]:
     """The parts of `run` the peer at `addr` holds, newest first. Raises PeerUnreachable or
     PeerRefused."""
-    with Session(addr, run, key, timeout_s=timeout_s) as s:
+    with Session(addr, run, key, secret=secret, timeout_s=timeout_s) as s:
         return s.list()
 
 
 def fetch_part(addr: tuple[str, int], part: RemotePart, dest: Path, run: str | None,
-               key: bytes | None, *, timeout_s: float = 10.0, fsync: bool = False,
-               session: Session | None = None) -> Path:
+               key: bytes | None, *, secret: bytes | None = None, timeout_s: float = 10.0,
+               fsync: bool = False, session: Session | None = None) -> Path:
     """Copy `part` from the peer at `addr` into `dest` (its committed path, e.g.
     `parts.rank_dir(memory_dir, R, held=True) / checkpoint_name(S)`). Returns `dest`, also
     when it exists already (held). Raises PeerUnreachable, PeerRefused or NoRoom (a
@@ -188,7 +198,7 @@ def fetch_part(addr: tuple[str, int], part: RemotePart, dest: Path, run: str | N
         _check_room(dest.parent, part, m)  # before a byte is received
         os.mkdir(tmp, 0o700)
         opened = contextlib.nullcontext(session) if session is not None else Session(
-            addr, run, key, timeout_s=timeout_s)
+            addr, run, key, secret=secret, timeout_s=timeout_s)
         with opened as s:
             raw = _receive_manifest(s, part)
             for name, entry in m["files"].items():

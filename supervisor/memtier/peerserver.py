@@ -4,26 +4,32 @@ So that a node lost whole (rtrain with it) can be restored from another node's m
 node's rtrain serves the parts in its memory dir (`parts.list_parts`) to the nodes of its run.
 
 Protocol, over TCP, one client per connection and as many requests on it as the client likes
-(framing and bounds in `peerwire.py`):
+(framing, bounds and the handshake's keys in `peerwire.py`):
 
-    server  {"rtrain_peer": 1, "run": <run>, "nonce": <32 hex>}
-    client  {"run": <run>, "nonce": <32 hex>, "mac": <hex or null>}
-    server  {"ok": true, "mac": <hex or null>}        or {"ok": false, "error": ...}, closed
+    server  {"rtrain_peer": 2, "run": <run>, "nonce": <32 hex>}
+    client  {"run": <run>, "nonce": <32 hex>, "proof": <hex>}
+    server  {"ok": true, "proof": <hex>}        or {"ok": false, "error": ...}, closed
+    ... from here on every frame is followed by its tag (peerwire.TAG) ...
     client  {"op": "list"}
     server  {"parts": [{"rank", "step", "world_size", "origin", "bytes", "manifest"}, ...]}
     client  {"op": "get", "rank": R, "step": S, "origin": O, "file": NAME}
-    server  {"size": N} and N raw bytes               or {"error": ...}
+    server  {"size": N} and N raw bytes, in chunks   or {"error": ...}
 
-A client of another run, or one that does not answer the nonce with the run's key, is refused
-(`peerwire.mac`). Only this run's parts are listed, and only files of a listed part are sent:
-its manifest.json or a name its manifest lists, opened with `safeio.open_beneath` from the
-memory dir down, so no link anywhere on the way and nothing outside the part is ever read. A
-part that stopped verifying (quick level) since it was listed is not served, with the reason.
-The server never writes to the memory dir.
+A client of another run, or one that does not prove it holds the run's secret, is refused.
+Only this run's parts are listed, and only files of a listed part are sent: its manifest.json
+or a name its manifest lists, opened with `safeio.open_beneath` from the memory dir down, so no
+link anywhere on the way and nothing outside the part is ever read. A part that stopped
+verifying (quick level) since it was listed is not served, with the reason. The server never
+writes to the memory dir.
 
-At most `max_clients` connections are served at once; one more is told it is busy and closed
-at once (the client raises `PeerBusy` and tries again later): a stuck client cannot make
-others wait, and each connection's reads and sends have deadlines (`timeout_s`).
+Whoever reaches the port can connect, so nothing is given before the handshake proves the
+client one of the run's nodes: a connection not through it within `PREAUTH_S` is closed, at
+most `PREAUTH_PER_ADDRESS` connections of one address (and `PREAUTH_MAX` in all) may be in
+their handshake at once, more are closed at once, and a client holds one of the
+`max_clients` slots only once it is authenticated. One more authenticated client is told it is
+busy and closed (the client raises `PeerBusy` and tries again later). So idle or slow sockets
+cost their opener a reconnect every `PREAUTH_S`, never the run's own nodes a copy; each
+connection's reads and sends have deadlines (`timeout_s`).
 """
 
 from __future__ import annotations
@@ -54,7 +60,12 @@ from rtrain.supervisor.memtier.peerwire import (
 log = logging.getLogger(__name__)
 
 _ACCEPT_POLL_S = 0.2  # how soon close() is noticed by the accepting thread
-_BUSY_SEND_S = 1.0
+PREAUTH_S = 2.0
+"""Time a client has to get through the handshake: a node answers in a millisecond or so."""
+PREAUTH_PER_ADDRESS = 4
+"""Connections of one address in their handshake at once: more are closed unanswered."""
+PREAUTH_MAX = 64
+"""... and of all addresses (each is a thread for at most PREAUTH_S)."""
 
 
 class PeerServer:
@@ -62,13 +73,24 @@ class PeerServer:
     what the registry publishes; `close()` when the launch ends."""
 
     def __init__(self, memory_dir: Path, run: str | None, key: bytes | None,
-                 host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 10.0,
-                 max_clients: int = 4) -> None:
-        if max_clients < 1 or timeout_s <= 0:
-            raise ValueError("a peer server needs max_clients >= 1 and timeout_s > 0")
+                 host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None,
+                 timeout_s: float = 10.0, max_clients: int = 4,
+                 preauth_s: float = PREAUTH_S) -> None:
+        """`key`: the run's signing key (the parts' signatures); `secret`: what the handshake
+        proves a client holds, default `key` (peerside.py gives the per-run key when there is
+        no signing key). There is no server without a secret."""
+        if max_clients < 1 or timeout_s <= 0 or preauth_s <= 0:
+            raise ValueError("a peer server needs max_clients >= 1, timeout_s > 0 and "
+                             "preauth_s > 0")
+        secret = key if secret is None else secret
+        if not secret:
+            raise ValueError("a peer server needs the run's secret (a signing key or a "
+                             "per-run key)")
         self.memory_dir = Path(memory_dir)
         self.run = run
         self.key = key
+        self.secret = secret
+        self.preauth_s = preauth_s
         self.timeout_s = timeout_s
         self.max_clients = max_clients
         self._bind_to = (host, port)
@@ -78,6 +100,7 @@ class PeerServer:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._pending: dict[str, int] = {}  # per address: connections in their handshake
 
     @property
     def address(self) -> tuple[str, int]:
@@ -113,9 +136,13 @@ class PeerServer:
             if self._stop.is_set():
                 raise RuntimeError("the peer server is closed")
             if self._listener is None:
-                family = socket.AF_INET6 if ":" in self._bind_to[0] else socket.AF_INET
+                host = self._bind_to[0]
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                # "::" serves IPv4 too where it can: its published address may be either.
+                dual = host == "::" and socket.has_dualstack_ipv6()
                 self._listener = socket.create_server(self._bind_to, family=family,
-                                                      backlog=max(8, 2 * self.max_clients))
+                                                      backlog=max(16, 2 * self.max_clients),
+                                                      dualstack_ipv6=dual)
                 self._listener.settimeout(_ACCEPT_POLL_S)
             return self._listener
 
@@ -132,27 +159,59 @@ class PeerServer:
                 self._stop.wait(_ACCEPT_POLL_S)  # e.g. out of file descriptors: not a spin
                 continue
             who = f"peer {peer[0]}:{peer[1]}"
-            no_delay(conn)
-            if not self._slots.acquire(blocking=False):
-                _refuse_busy(conn, self.max_clients)
+            if not self._admit(peer[0]):
+                conn.close()  # unanswered: an address with its handshakes under way already
                 continue
+            no_delay(conn)
             with self._lock:
                 self._conns.add(conn)
             try:
-                threading.Thread(target=self._serve, args=(conn, who), daemon=True,
+                threading.Thread(target=self._serve, args=(conn, peer[0], who), daemon=True,
                                  name="rtrain-peer-client").start()
             except RuntimeError as e:  # no thread to be had: this client is not served
                 log.warning("peer server: cannot serve %s (%s)", who, e)
                 with self._lock:
                     self._conns.discard(conn)
                 conn.close()
-                self._slots.release()
+                self._admitted(peer[0])
 
-    def _serve(self, conn: socket.socket, who: str) -> None:
+    def _admit(self, addr: str) -> bool:
+        """Whether a connection from `addr` may start a handshake now (and count it)."""
+        with self._lock:
+            if self._pending.get(addr, 0) >= PREAUTH_PER_ADDRESS \
+                    or sum(self._pending.values()) >= PREAUTH_MAX:
+                return False
+            self._pending[addr] = self._pending.get(addr, 0) + 1
+            return True
+
+    def _admitted(self, addr: str) -> None:
+        """`addr`'s handshake is over, either way."""
+        with self._lock:
+            left = self._pending.get(addr, 0) - 1
+            if left > 0:
+                self._pending[addr] = left
+            else:
+                self._pending.pop(addr, None)
+
+    def _serve(self, conn: socket.socket, addr: str, who: str) -> None:
+        slot = False
         try:
-            wire = Wire(conn, self.timeout_s, who)
-            if self._handshake(wire):
-                _Session(self, wire).run()
+            wire = Wire(conn, self.preauth_s, who)
+            try:
+                session = self._handshake(wire)
+                if session is None:
+                    return
+                slot = self._slots.acquire(blocking=False)
+                if not slot:
+                    wire.send_line({"ok": False, "busy": True, "error":
+                                    f"busy: serving {self.max_clients} clients already"})
+                    return
+                wire.send_line({"ok": True, "proof": peerwire.proof(session, "server")})
+                wire.seal(session, sending=peerwire.TO_CLIENT, receiving=peerwire.TO_SERVER)
+            finally:
+                self._admitted(addr)
+            wire.timeout_s = self.timeout_s
+            _Session(self, wire).run()
         except PeerError as e:
             log.info("peer server: %s", e)
         except OSError as e:  # the memory dir, not the wire (Wire raises PeerError)
@@ -163,30 +222,33 @@ class PeerServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
-            self._slots.release()
+            if slot:
+                self._slots.release()
 
-    def _handshake(self, wire: Wire) -> bool:
+    def _handshake(self, wire: Wire) -> bytes | None:
+        """The connection's session key once the client proved it derived it (it holds the
+        run's secret and answered this connection's nonces); None when refused (it was told
+        why)."""
         nonce = peerwire.new_nonce()
         wire.send_line({"rtrain_peer": peerwire.PROTOCOL, "run": self.run, "nonce": nonce})
         hello = wire.read_line(REQUEST_LIMIT, "the handshake")
         assert hello is not None
-        error = None
+        error = session = None
         if hello.get("run") != self.run:
             error = (f"another run: this node serves run {_short(self.run)}, the client is of "
                      f"run {_short(hello.get('run'))}")
         elif not peerwire.valid_nonce(hello.get("nonce")):
             error = "the handshake has no nonce (32 hex digits)"
-        elif not peerwire.mac_ok(self.key, "client", nonce, self.run, hello.get("mac")):
-            error = ("bad or missing mac: the client does not hold this run's signing key "
-                     "(RTRAIN_SIGNING_KEY)")
+        else:
+            session = peerwire.session_key(self.secret, self.run, nonce, hello["nonce"])
+            if not peerwire.proof_ok(session, "client", hello.get("proof")):
+                error = ("bad or missing proof: the client does not hold this run's secret "
+                         "(RTRAIN_SIGNING_KEY, or the run's peer key)")
         if error is not None:
             log.info("peer server: refused %s: %s", wire.who, error)
             wire.send_line({"ok": False, "error": error})
-            return False
-        wire.send_line({"ok": True,
-                        "mac": peerwire.mac(self.key, "server", hello["nonce"], self.run)})
-        return True
-
+            return None
+        return session
 
 class _Session:
     """One authenticated client's requests, until it closes the connection."""
@@ -226,7 +288,7 @@ class _Session:
         if len(data) > LIST_LIMIT:
             self.wire.send_line({"error": f"the listing is larger than {LIST_LIMIT >> 20} MiB"})
             return
-        self.wire.send(data)
+        self.wire.send_frame(data)
 
     def _get(self, req: dict[str, Any]) -> None:
         rank, step, origin, name = (req.get(k) for k in ("rank", "step", "origin", "file"))
@@ -266,12 +328,17 @@ class _Session:
         view = memoryview(buf)
         left = size
         while left:
-            n = f.readinto(view[:min(left, len(buf))])
-            if not n:
-                # It shrank since: the client cannot be given the bytes promised.
-                raise PeerError(f"{name} shrank while it was sent to {self.wire.who}")
-            self.wire.send(view[:n])
-            left -= n
+            # Whole chunks of min(left, CHUNK): each is a frame, its tag read after its size.
+            piece = view[:min(left, len(buf))]
+            got = 0
+            while got < piece.nbytes:
+                n = f.readinto(piece[got:])
+                if not n:
+                    # It shrank since: the client cannot be given the bytes promised.
+                    raise PeerError(f"{name} shrank while it was sent to {self.wire.who}")
+                got += n
+            self.wire.send_frame(piece)
+            left -= piece.nbytes
 
     def _part(self, rank: int, step: int, origin: str) -> parts.Part | str:
         """The listed part asked for, or why there is none."""
@@ -306,12 +373,3 @@ def _count(value: Any) -> bool:
 
 def _short(run: Any) -> str:
     return run[:8] if isinstance(run, str) and run else "none"
-
-
-def _refuse_busy(conn: socket.socket, max_clients: int) -> None:
-    """Say so and close, from the accepting thread: a small line into a fresh socket's buffer."""
-    with conn, contextlib.suppress(OSError):
-        conn.settimeout(_BUSY_SEND_S)
-        conn.sendall(json.dumps({"ok": False, "busy": True, "error":
-                                 f"busy: serving {max_clients} clients already"}).encode()
-                     + b"\n")

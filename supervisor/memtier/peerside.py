@@ -16,10 +16,17 @@ Everything a peer sends is checked as it arrives (size and hash of every file ag
 manifest, the signature under the run's key, the run identity, the rank and step asked for);
 what fails is refused with its reason and costs a tier, never the run. Nothing waits for a
 peer longer than its socket timeout.
+
+Peers authenticate each other with the run's secret (peerwire.py): the signing key, or without
+one the per-run key the nodes share through an owner-only file in the checkpoint dir
+(`registry.run_secret`). Where neither can be had (a link or another user's file planted in the
+registry dir), the launch goes without peer copies and says why (`PeersOff`): there is no
+unauthenticated peer port.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import queue
 import shutil
@@ -32,6 +39,7 @@ from typing import Any
 
 from rtrain.checkpoint import parts
 from rtrain.checkpoint.layout import checkpoint_name, tmp_name
+from rtrain.supervisor.core.ownfiles import RefusedFile
 from rtrain.supervisor.core.protocol import MEMORY_DROPPED
 from rtrain.supervisor.memtier import decide, peerfetch, registry
 from rtrain.supervisor.memtier.peerserver import PeerServer
@@ -40,7 +48,9 @@ from rtrain.supervisor.memtier.persist import link_files
 REFRESH_S = 5.0  # how often the registry entry is refreshed (registry.STALE_S is the limit)
 ENV_PEER_HOST = "RTRAIN_PEER_HOST"
 """Several nodes with the memory tier: the address this node's rtrain serves its peers' copies
-on (default: the address that reaches the rendezvous endpoint)."""
+on (default: the address that reaches the rendezvous endpoint). A wildcard (0.0.0.0, ::) is
+bound but never published: the other nodes are given the address that reaches the rendezvous
+endpoint (or the host name's), and without one the launch goes without peer copies."""
 ENV_PEER_PORT = "RTRAIN_PEER_PORT"
 """... and its port (default: a free port)."""
 
@@ -65,14 +75,68 @@ def serving_address(rdzv_host: str | None, env: dict[str, str] | None = None
         return socket.gethostname(), port
 
 
+class PeersOff(Exception):
+    """This launch cannot serve its peers safely; str() is the one line a person reads."""
+
+
+def _route(to: str, family: int) -> str | None:
+    """The address of this machine that reaches `to` (nothing is sent: a UDP connect only
+    routes)."""
+    try:
+        fam, _, _, _, addr = socket.getaddrinfo(to, 9, family, socket.SOCK_DGRAM)[0]
+        with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except (OSError, UnicodeError, IndexError):
+        return None
+
+
+def _own_address(family: int) -> str | None:
+    """An address the host name resolves to that is not loopback or a wildcard."""
+    try:
+        found = socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None
+    for *_, addr in found:
+        ip = ipaddress.ip_address(addr[0].split("%")[0])
+        if not (ip.is_loopback or ip.is_unspecified or ip.is_link_local):
+            return addr[0]
+    return None
+
+
+def published_host(bound: str, rdzv_host: str | None) -> str:
+    """What the registry tells the other nodes to connect to, for a server bound to `bound`:
+    `bound` itself, except a wildcard (every address of this machine, which to another node
+    means its own): then the address that reaches the rendezvous endpoint, else one the host
+    name resolves to. PeersOff when there is none."""
+    try:
+        ip = ipaddress.ip_address(bound.split("%")[0])
+    except ValueError:
+        return bound  # a host name: the user's
+    if not ip.is_unspecified:
+        return bound
+    # 0.0.0.0 serves IPv4 only; "::" both where the system can (peerserver.py binds it so).
+    family = socket.AF_INET if ip.version == 4 else socket.AF_UNSPEC
+    found = (_route(rdzv_host, family) if rdzv_host else None) or _own_address(family)
+    if found is None:
+        raise PeersOff(f"{ENV_PEER_HOST}={bound} means every address of this machine, and "
+                       "rtrain found none the other nodes can reach to publish: set "
+                       f"{ENV_PEER_HOST} to this node's address on the cluster network")
+    return found
+
+
 class PeerSide:
     """One launch's peer copies: server, registry entry, copying thread, gather at start."""
 
     def __init__(self, memory_dir: Path, ckpt_dir: Path, key: bytes | None, host: str,
                  emit: Callable[..., Any], say: Callable[[str], None], *,
-                 interval_s: float = 0.2, port: int = 0, timeout_s: float = 5.0) -> None:
+                 interval_s: float = 0.2, port: int = 0, timeout_s: float = 5.0,
+                 rdzv_host: str | None = None) -> None:
         self.memory_dir, self.ckpt_dir, self.key = memory_dir, ckpt_dir, key
         self.host, self.port, self.interval_s = host, port, interval_s
+        self.rdzv_host = rdzv_host  # what a wildcard `host` publishes (`published_host`)
+        self.secret: bytes | None = None  # the run's, once started (peerwire.py)
+        self.publish: str | None = None
         self.timeout_s = timeout_s  # per socket operation: a silent peer costs at most this
         self.emit, self.say = emit, say
         self.run: str | None = None
@@ -91,13 +155,22 @@ class PeerSide:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, run: str | None) -> None:
-        """Serve and register (once per launch), and start copying from the ring predecessor."""
+        """Serve and register (once per launch), and start copying from the ring predecessor.
+        PeersOff when this launch cannot (nothing was served or registered then); OSError
+        when the port cannot be bound."""
         if self._server is not None:
             return
         self.run = run
-        self._server = PeerServer(self.memory_dir, run, self.key, self.host, self.port)
+        try:
+            self.publish = published_host(self.host, self.rdzv_host)
+            self.secret = self.key if self.key is not None else \
+                registry.run_secret(self.ckpt_dir, run)
+            registry.forget_stale(self.ckpt_dir, time.time())
+        except RefusedFile as e:
+            raise PeersOff(str(e)) from None
+        self._server = PeerServer(self.memory_dir, run, self.key, self.host, self.port,
+                                  secret=self.secret)
         self._server.start()
-        registry.forget_stale(self.ckpt_dir, time.time())
         self._register()
         self._thread = threading.Thread(target=self._loop, name="rtrain-peer-copy", daemon=True)
         self._thread.start()
@@ -112,7 +185,10 @@ class PeerSide:
         whose ranks snapshot). A run without the memory tier opens no port."""
         if any(parts.list_parts(self.memory_dir, self.key)):
             return True
-        return bool(registry.live_nodes(self.ckpt_dir, run, time.time()))
+        try:
+            return bool(registry.live_nodes(self.ckpt_dir, run, time.time()))
+        except RefusedFile:
+            return True  # `start` says why there are no peer copies
 
     def close(self) -> None:
         self._stop.set()
@@ -122,7 +198,10 @@ class PeerSide:
         if self._server is not None:
             self._server.close()
             self._server = None
-            registry.unregister(self.ckpt_dir, self.me)
+            try:
+                registry.unregister(self.ckpt_dir, self.me)
+            except RefusedFile:
+                pass  # planted since the start: the entry goes stale (STALE_S) instead
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -140,7 +219,7 @@ class PeerSide:
         for name, node in nodes.items():
             try:
                 listed = peerfetch.list_remote((node.host, node.port), self.run, self.key,
-                                                timeout_s=self.timeout_s)
+                                                secret=self.secret, timeout_s=self.timeout_s)
             except peerfetch.PeerError as e:
                 self._failed(name, None, f"cannot list its snapshots: {e}")
                 continue
@@ -205,7 +284,8 @@ class PeerSide:
         addr = (source.host, source.port)
         step: int | None = None
         try:  # one connection: the listing and the copy, several times a second
-            with peerfetch.Session(addr, self.run, self.key, timeout_s=self.timeout_s) as s:
+            with peerfetch.Session(addr, self.run, self.key, secret=self.secret,
+                                   timeout_s=self.timeout_s) as s:
                 listed = [p for p in s.list() if p.origin == parts.OWN]
                 here = self._parts()  # once a cycle: each part's manifest is read and checked
                 held = {(p.rank, p.step) for p in here if p.origin == parts.KEPT}
@@ -235,8 +315,8 @@ class PeerSide:
         dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if dest.exists():
             return 0
-        peerfetch.fetch_part(addr, part, dest, self.run, self.key, timeout_s=self.timeout_s,
-                             session=session)
+        peerfetch.fetch_part(addr, part, dest, self.run, self.key, secret=self.secret,
+                             timeout_s=self.timeout_s, session=session)
         return part.bytes
 
     def _keep_own(self, step: int, here: list[parts.Part]) -> None:
@@ -269,15 +349,19 @@ class PeerSide:
                                 origins=origins or (parts.OWN, parts.KEPT))
 
     def _live(self) -> list[registry.Node]:
-        return registry.live_nodes(self.ckpt_dir, self.run, time.time())
+        try:
+            return registry.live_nodes(self.ckpt_dir, self.run, time.time())
+        except RefusedFile as e:  # planted since the start: no peer is read through it
+            self._note("failed", "this node", None, str(e))
+            return []
 
     def _peers(self) -> list[registry.Node]:
         return [n for n in self._live() if n.node != self.me]
 
     def _register(self) -> None:
-        assert self._server is not None
-        host, port = self._server.address
-        registry.register(self.ckpt_dir, registry.Node(self.me, host, port, self.run,
+        assert self._server is not None and self.publish is not None
+        port = self._server.address[1]
+        registry.register(self.ckpt_dir, registry.Node(self.me, self.publish, port, self.run,
                                                        time.time()))
         self._registered = time.monotonic()
 

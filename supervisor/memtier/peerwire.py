@@ -12,13 +12,21 @@ held by a peer that stops sending or trickles:
 
 So at most one chunk (plus one line) is held in memory per connection.
 
-The handshake proves, when the run has a signing key, that each end holds it without sending
-it: each side sends a fresh nonce, and each answers the other's nonce with
-HMAC-SHA256(key, side + "|" + nonce + "|" + run), `side` "client" or "server" so that one
-answer cannot be replayed as the other. Without a key the run identity is all that is checked:
-it keeps runs apart by accident, it is no secret, so the port serves the run's parts to any host
-that reaches it: bind it to the cluster's network (RTRAIN_PEER_HOST) and sign the run where that
-network is shared. The transport is not encrypted: an encrypted run's parts travel encrypted.
+The handshake binds the connection to the run's secret (`secret`: the signing key, or without
+one the per-run key rtrain keeps owner-only in the registry dir, registry.py) without sending
+it. Each side sends a fresh nonce; both derive the connection's session key
+
+    session = HMAC-SHA256(secret, "rtrain peer session 2|" + run + "|" + server nonce + "|"
+                                  + client nonce)
+
+and each proves it holds it (`proof`: HMAC of the session key and its side, "client" or
+"server", so one answer cannot be replayed as the other). From then on every frame (a JSON
+line, a listing, a chunk of a file) is followed by its 32-byte tag: BLAKE3 keyed with the
+session key over the direction, the frame's sequence number in that direction and the frame.
+A party that passes the handshake through between a real node and its server learns no key,
+so it can neither send a request of its own nor change, drop, reorder or replay a frame of
+either side unnoticed. The transport is not encrypted: an on-path party sees what a node asks
+for and receives (an encrypted run's parts travel encrypted).
 """
 
 from __future__ import annotations
@@ -33,15 +41,22 @@ import socket
 import time
 from typing import Any
 
+import blake3
+
 from rtrain.checkpoint import safeio
 
-PROTOCOL = 1
+PROTOCOL = 2
 CHUNK = 1 << 20
+TAG = 32
+"""Bytes of the tag after each frame once the handshake is done."""
 REQUEST_LIMIT = 64 << 10
 """Largest line of a handshake or request, and of a reply other than a listing."""
 LIST_LIMIT = 64 << 20
 """Largest listing: manifests of every part in a memory dir; a real one is kilobytes each."""
 _NONCE = re.compile(r"[0-9a-f]{32}")
+_SESSION = b"rtrain peer session 2|"
+TO_SERVER, TO_CLIENT = b"c>s", b"s>c"
+"""The directions a tag names: a client's frame can never pass as the server's."""
 
 
 class PeerError(Exception):
@@ -75,20 +90,21 @@ def valid_nonce(value: Any) -> bool:
     return isinstance(value, str) and _NONCE.fullmatch(value) is not None
 
 
-def mac(key: bytes | None, side: str, nonce: str, run: str | None) -> str | None:
-    """`side`'s answer to the other end's `nonce`; None without a key."""
-    if key is None:
-        return None
-    msg = side.encode() + b"|" + nonce.encode() + b"|" + (run or "").encode()
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+def session_key(secret: bytes, run: str | None, server_nonce: str, client_nonce: str
+                ) -> bytes:
+    """The connection's key: bound to the run, both nonces and the run's secret."""
+    msg = _SESSION + "|".join((run or "", server_nonce, client_nonce)).encode()
+    return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
-def mac_ok(key: bytes | None, side: str, nonce: str, run: str | None, given: Any) -> bool:
-    """Whether `given` is `side`'s answer to `nonce` (always, without a key)."""
-    expected = mac(key, side, nonce, run)
-    if expected is None:
-        return True
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+def proof(session: bytes, side: str) -> str:
+    """`side`'s proof ("client" or "server") that it derived `session`."""
+    return hmac.new(session, b"proof|" + side.encode(), hashlib.sha256).hexdigest()
+
+
+def proof_ok(session: bytes, side: str, given: Any) -> bool:
+    return isinstance(given, str) and hmac.compare_digest(given.encode(),
+                                                          proof(session, side).encode())
 
 
 def one_line(text: Any, limit: int = 300) -> str:
@@ -106,9 +122,33 @@ class Wire:
         self.timeout_s = timeout_s
         self.who = who
         self._buf = bytearray()
+        self._key: bytes | None = None  # the session key, once the handshake is done
+        self._out = self._in = b""
+        self._sent = self._received = 0
+
+    def seal(self, session: bytes, *, sending: bytes, receiving: bytes) -> None:
+        """From now on every frame sent carries a tag and every frame read must (`TAG`)."""
+        self._key, self._out, self._in = session, sending, receiving
+
+    def _tag(self, direction: bytes, seq: int, data: bytes | memoryview) -> bytes:
+        assert self._key is not None
+        h = blake3.blake3(direction + seq.to_bytes(8, "big"), key=self._key)
+        h.update(data)
+        return h.digest()
 
     def send_line(self, obj: dict[str, Any]) -> None:
-        self.send(json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n")
+        self.send_frame(json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+                        + b"\n")
+
+    def send_frame(self, data: bytes | memoryview) -> None:
+        """One frame (a line, or a chunk of a file), with its tag once sealed."""
+        if self._key is None:
+            self.send(data)
+            return
+        tag = self._tag(self._out, self._sent, data)
+        self._sent += 1
+        self.send(data)
+        self.send(tag)
 
     def send(self, data: bytes | memoryview) -> None:
         # sendall's timeout bounds the whole call, not each partial send.
@@ -141,6 +181,8 @@ class Wire:
             raise PeerRefused(f"{what} from {self.who} is longer than {limit} bytes")
         line = bytes(self._buf[:end])
         del self._buf[:end + 1]
+        if self._key is not None:
+            self._check(memoryview(line + b"\n"), deadline, what)
         try:
             obj = safeio.parse_json(line)
         except ValueError as e:
@@ -161,6 +203,27 @@ class Wire:
                 raise PeerUnreachable(f"{self.who} closed the connection in the middle of "
                                       f"{what}")
             got += n
+        if self._key is not None:
+            self._check(view, deadline, what)
+
+    def _check(self, frame: memoryview, deadline: float, what: str) -> None:
+        """Read the frame's tag and check it: a frame nobody with the session key sent (a
+        relay's own, one changed on the way, replayed or reordered) ends the connection."""
+        tag = bytearray(TAG)
+        got = min(len(self._buf), TAG)
+        tag[:got] = self._buf[:got]
+        del self._buf[:got]
+        while got < TAG:
+            n = self._recv_into(memoryview(tag)[got:], deadline, what)
+            if not n:
+                raise PeerUnreachable(f"{self.who} closed the connection in the middle of "
+                                      f"{what}")
+            got += n
+        expected = self._tag(self._in, self._received, frame)
+        self._received += 1
+        if not hmac.compare_digest(bytes(tag), expected):
+            raise PeerRefused(f"{what} from {self.who} is not authenticated: not sent by the "
+                              "node that did the handshake (relayed, or changed on the way)")
 
     def _recv(self, n: int, deadline: float, what: str) -> bytes:
         buf = bytearray(n)

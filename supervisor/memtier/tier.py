@@ -16,7 +16,7 @@ from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_MEMORY_RESUME, Heartbeat
 from rtrain.supervisor.memtier import decide, persist, shmdir
 from rtrain.supervisor.memtier.diskcadence import DiskCadence
-from rtrain.supervisor.memtier.peerside import PeerSide
+from rtrain.supervisor.memtier.peerside import PeerSide, PeersOff
 
 
 class MemoryTierDir:
@@ -39,10 +39,10 @@ class MemoryTierDir:
         # (not on a rollback, nor from a checkpoint the user named).
         self.newest_allowed = True
 
-    def enable_peers(self, host: str, port: int = 0) -> None:
+    def enable_peers(self, host: str, port: int = 0, rdzv_host: str | None = None) -> None:
         """Several nodes: serve this node's snapshots to peers and copy theirs (peerside.py)."""
         self.peers = PeerSide(self.path, self.ckpt_dir, self.key, host, self.emit, self.say,
-                              port=port)
+                              port=port, rdzv_host=rdzv_host)
 
     def env(self) -> dict[str, str]:
         """What the attempt's environment gets: the directory, unless it cannot be used."""
@@ -73,6 +73,10 @@ class MemoryTierDir:
             return False
         try:
             self.peers.start(run)
+        except PeersOff as e:
+            self.say(f"peer copies of the memory tier off for this launch: {e}")
+            self.peers = None
+            return False
         except OSError as e:
             self.say(f"peer copies of the memory tier off for this launch: cannot serve on "
                      f"{self.peers.host}: {e.strerror or e}")
