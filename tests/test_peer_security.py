@@ -127,6 +127,7 @@ def test_entries_that_are_links_fifos_or_too_large_are_passed_over_without_block
     os.mkfifo(reg / "fifo.json")  # a plain open() of it would wait for a writer forever
     os.symlink(reg / "good.json", reg / "link.json")
     (reg / "huge.json").write_bytes(b" " * (1 << 20))
+    (reg / ".good.json.0123456789ab.tmp").write_text("left by a killed rtrain")
     done: list = []
     t = threading.Thread(target=lambda: done.append(registry.live_nodes(ck, RUN, now)),
                          daemon=True)
@@ -134,7 +135,7 @@ def test_entries_that_are_links_fifos_or_too_large_are_passed_over_without_block
     t.join(10)
     assert done and [n.node for n in done[0]] == ["good"]
     # The clean-up removes old entries of the registry itself, never a FIFO's or link's target.
-    assert registry.forget_stale(ck, now + 10 * HOUR) == 2  # good.json and huge.json
+    assert registry.forget_stale(ck, now + 10 * HOUR) == 3  # good, huge and the temp file
     assert sorted(os.listdir(reg)) == ["fifo.json", "link.json"]
 
 
@@ -377,7 +378,7 @@ class _Squatter:
                 if closed:
                     s.close()
                     socks[i] = self._open() or s
-            time.sleep(0.02)
+            time.sleep(0.05)
         for s in socks:
             s.close()
 
@@ -389,11 +390,11 @@ def test_idle_sockets_held_open_do_not_stop_the_runs_own_copies(tmp_path, ck):
     with contextlib.closing(PeerServer(mem, RUN, None, secret=secret, max_clients=4,
                                        timeout_s=10)) as server:
         server.start()
-        squat = _Squatter(server.address, 16)
+        squat = _Squatter(server.address, 8)  # twice the slots, twice the per-address limit
         try:
             time.sleep(0.5)  # every socket open before the node copies
             refused, copied = 0, 0
-            deadline = time.monotonic() + 4
+            deadline = time.monotonic() + 3
             while time.monotonic() < deadline:
                 try:
                     part = list_remote(server.address, RUN, None, secret=secret,
@@ -408,7 +409,7 @@ def test_idle_sockets_held_open_do_not_stop_the_runs_own_copies(tmp_path, ck):
             squat.stop.set()
             squat.thread.join(5)
     assert refused == 0 and copied >= 3, (refused, copied)
-    assert squat.opened > 16  # the server closed idle sockets, and they came back
+    assert squat.opened > 8  # the server closed idle sockets, and they came back
 
 
 def test_a_connection_silent_in_its_handshake_is_closed_within_the_preauth_deadline(ck):

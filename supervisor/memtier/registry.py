@@ -213,8 +213,9 @@ def forget_stale(ckpt_dir: Path, now: float, older_s: float = FORGET_S) -> int:
         if dfd is None:
             return 0
         with os.scandir(dfd) as entries:
+            # Temp files too: those of an rtrain killed between the write and the rename.
             old = [e.name for e in entries
-                   if e.name.endswith(_SUFFIX) and e.is_file(follow_symlinks=False)
+                   if e.name.endswith((_SUFFIX, ".tmp")) and e.is_file(follow_symlinks=False)
                    and now - e.stat(follow_symlinks=False).st_mtime > older_s]
         for name in old:
             try:
