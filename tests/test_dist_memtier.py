@@ -4,6 +4,7 @@ group resumes from the newest step whole on every node, bitwise, without a disk 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -120,6 +121,41 @@ def test_a_tampered_peer_copy_is_refused_and_the_group_resumes_a_step_earlier(tm
     failed = [e for e in events(tmp_path / "run-b2", "peer_copy") if e["state"] == "failed"
               and e["step"] == tampered]
     assert failed and "does not match" in failed[0]["reason"], failed
+
+
+@pytest.mark.slow
+def test_a_link_planted_at_the_peer_registry_deletes_nothing_and_the_nodes_train_on(tmp_path,
+                                                                                    shm_roots):
+    """A teammate's link at `<ckpt-dir>/.rtrain-peers` to a directory of theirs: each node says
+    in one line that it goes without peer copies, nothing there is removed or written, and the
+    run finishes."""
+    shm_a, shm_b, _ = shm_roots
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    old = time.time() - 7200  # older than the hour after which registry entries are removed
+    for name in ("settings.json", "notes.txt"):
+        (victim / name).write_text(name)
+        os.utime(victim / name, (old, old))
+    (tmp_path / "ck").mkdir()
+    os.symlink(victim, tmp_path / "ck" / ".rtrain-peers")
+    port = free_port()
+    args = ("6", "--every", "100", "--memory", "1", "--sleep", "0.1")
+    a = _node(tmp_path, "a", port, shm_a, str(tmp_path / "out-a"), *args)
+    b = _node(tmp_path, "b", port, shm_b, str(tmp_path / "out-b"), *args)
+    try:
+        finish_node(a, tmp_path / "a.err", 240)
+        finish_node(b, tmp_path / "b.err", 240)
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                lose_node(p)
+    assert sorted(os.listdir(victim)) == ["notes.txt", "settings.json"]
+    assert all((victim / n).read_text() == n for n in os.listdir(victim))
+    for node in ("a", "b"):
+        said = [line for line in (tmp_path / f"{node}.err").read_text().splitlines()
+                if "peer copies of the memory tier off" in line]
+        assert said and "is a symbolic link" in said[0], node
+        assert not events(tmp_path / f"run-{node}", "peer_copy")
 
 
 def _lose_a_node_and_replace_it(tmp_path: Path, shm_roots, tamper: bool = False

@@ -17,6 +17,7 @@ from conftest import make_part
 
 from rtrain.checkpoint import parts, runid
 from rtrain.checkpoint.layout import checkpoint_name
+from rtrain.supervisor.core.errors import ConfigError
 from rtrain.supervisor.memtier import decide, registry
 from rtrain.supervisor.memtier.peerserver import PeerServer
 from rtrain.supervisor.memtier.peerside import PeerSide, serving_address
@@ -151,7 +152,8 @@ def test_another_runs_peer_is_refused_with_a_reason(tmp_path, ck):
     # A server of another run registered under this run's name (a stale or hostile entry).
     server = PeerServer(mo, OTHER, None, "127.0.0.1", secret=registry.run_secret(ck, OTHER))
     server.start()
-    registry.register(ck, registry.Node("z-other", *server.address, RUN, time.time()))
+    registry.register(ck, registry.Node("z-other", *server.address, RUN, time.time()),
+                      secret=registry.run_secret(ck, RUN))
     c = side(ck, mc, ev)
     try:
         assert c.gather(attempt=0) is None
@@ -168,7 +170,8 @@ def test_a_peer_that_says_nothing_costs_its_timeout_not_a_hang(tmp_path, ck):
     silent = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
     threading.Thread(target=lambda: accepted.append(silent.accept()[0]), daemon=True).start()
-    registry.register(ck, registry.Node("z-silent", *silent.getsockname()[:2], RUN, time.time()))
+    registry.register(ck, registry.Node("z-silent", *silent.getsockname()[:2], RUN, time.time()),
+                      secret=registry.run_secret(ck, RUN))
     c = side(ck, tmp_path / "c", ev, timeout_s=0.5)
     try:
         t0 = time.monotonic()
@@ -223,6 +226,9 @@ def test_the_serving_address_is_the_one_that_reaches_the_rendezvous():
     assert serving_address(None, {}) == ("127.0.0.1", 0)
     assert serving_address("127.0.0.1", {"RTRAIN_PEER_HOST": "10.1.2.3",
                                          "RTRAIN_PEER_PORT": "7070"}) == ("10.1.2.3", 7070)
+    for bad in ("seven", "70000", "-1"):
+        with pytest.raises(ConfigError, match=r"RTRAIN_PEER_PORT=.* is not a port: set it"):
+            serving_address(None, {"RTRAIN_PEER_PORT": bad})
 
 
 # ---------------------------------------------------------------- pure decisions

@@ -210,18 +210,24 @@ def test_an_outsider_cannot_read_an_unsigned_runs_parts(tmp_path, ck):
 
 def test_a_forged_registry_entry_gets_no_part_gathered(tmp_path, ck):
     """An outsider's server, of this run's id, holding parts it made, registered in the
-    checkpoint dir: a node gathers nothing from it."""
+    checkpoint dir: a node gathers nothing from it. Its entry has no MAC, so it is not even
+    asked; an entry that has one (a real node's, replayed once its port was taken) gets the
+    outsider refused at the handshake."""
     theirs = tmp_path / "theirs"
     make_part(theirs, 0, 1, 9)
     forged = PeerServer(theirs, RUN, None, "127.0.0.1", secret=os.urandom(32))
     forged.start()
-    registry.register(ck, registry.Node("a-forged", *forged.address, RUN, time.time()))
     ev = Events()
     mem = tmp_path / "m"
     mem.mkdir()
     side = PeerSide(mem, ck, None, "127.0.0.1", ev.emit, ev.said.append, interval_s=3600)
     side.start(RUN)
     try:
+        registry.register(ck, registry.Node("a-forged", *forged.address, RUN, time.time()))
+        assert side.gather(attempt=0) is None
+        assert ev.got == []  # passed over unread
+        registry.register(ck, registry.Node("a-forged", *forged.address, RUN, time.time()),
+                          secret=registry.run_secret(ck, RUN))
         assert side.gather(attempt=0) is None
         failed = [e for e in ev.got if e.get("state") == "failed"]
         # It cannot check this node's proof, so it refuses it (and could not prove its own).
@@ -230,6 +236,25 @@ def test_a_forged_registry_entry_gets_no_part_gathered(tmp_path, ck):
     finally:
         side.close()
         forged.close()
+
+
+def test_a_forged_entry_cannot_take_a_nodes_place_in_the_ring(tmp_path, ck):
+    """Before: an entry named to sort last became the first node's source, and that node's
+    predecessor's parts went uncopied."""
+    ma, mb = tmp_path / "a", tmp_path / "b"
+    make_part(ma, 0, 2, 5)
+    make_part(mb, 1, 2, 5)
+    a = PeerSide(ma, ck, None, "127.0.0.1", Events().emit, print, interval_s=3600)
+    b = PeerSide(mb, ck, None, "127.0.0.1", Events().emit, print, interval_s=3600)
+    a.start(RUN)
+    b.start(RUN)
+    try:
+        registry.register(ck, registry.Node("zzzzzzzz-forged", "127.0.0.1", 9, RUN, time.time()))
+        first = min((a, b), key=lambda s: s.me)
+        assert first.replicate_once() == 5  # from the other node, not the forged one
+    finally:
+        a.close()
+        b.close()
 
 
 # ---------------------------------------------------------------- a relay

@@ -39,6 +39,7 @@ from typing import Any
 
 from rtrain.checkpoint import parts
 from rtrain.checkpoint.layout import checkpoint_name, tmp_name
+from rtrain.supervisor.core.errors import ConfigError
 from rtrain.supervisor.core.ownfiles import RefusedFile
 from rtrain.supervisor.core.protocol import MEMORY_DROPPED
 from rtrain.supervisor.memtier import decide, peerfetch, registry
@@ -61,7 +62,7 @@ def serving_address(rdzv_host: str | None, env: dict[str, str] | None = None
     address this machine reaches the rendezvous endpoint from (the network the ranks use), on
     a port the OS picks. Finding it sends nothing: a UDP socket's connect only routes."""
     env = os.environ if env is None else env
-    port = int(env.get(ENV_PEER_PORT) or 0)
+    port = _port(env.get(ENV_PEER_PORT) or "0")
     if env.get(ENV_PEER_HOST):
         return env[ENV_PEER_HOST], port
     if not rdzv_host:
@@ -73,6 +74,17 @@ def serving_address(rdzv_host: str | None, env: dict[str, str] | None = None
             return s.getsockname()[0], port
     except (OSError, UnicodeError):
         return socket.gethostname(), port
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port < 65536:
+        raise ConfigError(f"{ENV_PEER_PORT}={text!r:.40} is not a port: set it to a free port "
+                          "(1-65535), or unset it for one the system picks")
+    return port
 
 
 class PeersOff(Exception):
@@ -350,7 +362,7 @@ class PeerSide:
 
     def _live(self) -> list[registry.Node]:
         try:
-            return registry.live_nodes(self.ckpt_dir, self.run, time.time())
+            return registry.live_nodes(self.ckpt_dir, self.run, time.time(), self.secret)
         except RefusedFile as e:  # planted since the start: no peer is read through it
             self._note("failed", "this node", None, str(e))
             return []
@@ -362,7 +374,7 @@ class PeerSide:
         assert self._server is not None and self.publish is not None
         port = self._server.address[1]
         registry.register(self.ckpt_dir, registry.Node(self.me, self.publish, port, self.run,
-                                                       time.time()))
+                                                       time.time()), secret=self.secret)
         self._registered = time.monotonic()
 
     def _note(self, state: str, peer: str, step: int | None, reason: str | None,

@@ -3,7 +3,8 @@
 Every node of a multi-node run writes the same checkpoint dir (a shared filesystem), so that is
 where each node's rtrain says where its peer server listens:
 
-    <ckpt-dir>/.rtrain-peers/<node>.json    {"v": 1, "node", "host", "port", "run", "updated"}
+    <ckpt-dir>/.rtrain-peers/<node>.json    {"v": 1, "node", "host", "port", "run", "updated",
+                                             "mac"}
 
 `register` rewrites the file atomically (a reader sees the old entry or the new, never half)
 and is called again every few seconds: `updated` is the writer's unix time, and an entry not
@@ -22,7 +23,10 @@ descriptor (`_open_entry`): no link is followed, only regular files are read, ne
 a FIFO, with a size limit and bounded parsing, and nothing outside the directory is ever
 removed or written (a link or a file planted at `.rtrain-peers` is refused with one line and
 the launch goes without peer copies). An entry that does not parse or check is ignored, not
-fatal. The peer's handshake (`peerwire.py`) is what proves a node belongs to the run.
+fatal. `mac` is an HMAC of the entry under the run's secret: the peer side reads only entries
+that carry it, so an entry someone else wrote cannot take a node's place in the ring. Still,
+the peer's handshake (`peerwire.py`) is what proves a node belongs to the run: an entry can
+be replayed after its node is gone, and its port taken by anyone.
 
 A run without a signing key still authenticates its peers: `run_secret` gives the run's peer
 key, 32 random bytes that the first node to start writes to `<ckpt-dir>/.rtrain-peers/
@@ -35,6 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import hmac
 import json
 import math
 import os
@@ -180,11 +186,21 @@ def _write_new(dfd: int, name: str, data: bytes, mode: int, *, replace: bool) ->
             os.unlink(tmp, dir_fd=dfd)
 
 
+def _entry_mac(secret: bytes, entry: dict[str, Any]) -> str:
+    fields = {k: v for k, v in entry.items() if k != "mac"}
+    msg = b"rtrain peer entry|" + json.dumps(fields, sort_keys=True).encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
 def register(ckpt_dir: Path, node: Node, *, now: float | None = None,
-             mode: int = filemode.DEFAULT_FILE_MODE) -> None:
-    """Publish (or refresh) `node`; its `updated` becomes `now` (default: the clock)."""
-    entry = {"v": VERSION, "node": node.node, "host": node.host, "port": node.port,
-             "run": node.run, "updated": time.time() if now is None else now}
+             mode: int = filemode.DEFAULT_FILE_MODE, secret: bytes | None = None) -> None:
+    """Publish (or refresh) `node`; its `updated` becomes `now` (default: the clock). With the
+    run's `secret`, the entry carries a MAC (`live_nodes`)."""
+    entry: dict[str, Any] = {"v": VERSION, "node": node.node, "host": node.host,
+                             "port": node.port, "run": node.run,
+                             "updated": time.time() if now is None else now}
+    if secret is not None:
+        entry["mac"] = _entry_mac(secret, entry)
     name = _name(node.node)
     # Not durable: rewritten every few seconds, and stale anyway after a power cut.
     with _opened(ckpt_dir, create=True) as dfd:
@@ -226,10 +242,13 @@ def forget_stale(ckpt_dir: Path, now: float, older_s: float = FORGET_S) -> int:
     return gone
 
 
-def live_nodes(ckpt_dir: Path, run: str | None, now: float) -> list[Node]:
+def live_nodes(ckpt_dir: Path, run: str | None, now: float, secret: bytes | None = None
+               ) -> list[Node]:
     """The nodes of `run` refreshed within STALE_S of `now`, sorted by node id. Files that do
-    not read or check are ignored; RefusedFile when a link or a file is planted at the
-    registry dir's name."""
+    not read or check are ignored, and with the run's `secret` so is an entry without its MAC
+    (one written by someone else: it would take a node's place in the ring, and that node's
+    parts would go uncopied). RefusedFile when a link or a file is planted at the registry
+    dir's name."""
     nodes = []
     with _opened(ckpt_dir, create=False) as dfd:
         if dfd is None:
@@ -240,18 +259,22 @@ def live_nodes(ckpt_dir: Path, run: str | None, now: float) -> list[Node]:
             stem = name.removesuffix(_SUFFIX)
             if stem == name or not _NODE.fullmatch(stem):
                 continue  # temp files, key files, and anything else
-            node = _read(dfd, name, stem)
+            node = _read(dfd, name, stem, secret)
             if node is not None and node.run == run and now - node.updated <= STALE_S:
                 nodes.append(node)
     nodes.sort(key=lambda n: n.node)
     return nodes
 
 
-def _read(dfd: int, name: str, stem: str) -> Node | None:
+def _read(dfd: int, name: str, stem: str, secret: bytes | None) -> Node | None:
     try:
         raw, _ = _read_entry(dfd, name, _MAX_BYTES)  # no link, FIFO or device followed
         entry = safeio.parse_json(raw)
     except (OSError, ValueError):
+        return None
+    if secret is not None and not (
+            isinstance(entry, dict) and isinstance(entry.get("mac"), str)
+            and hmac.compare_digest(entry["mac"].encode(), _entry_mac(secret, entry).encode())):
         return None
     return _as_node(entry, stem)
 
