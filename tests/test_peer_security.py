@@ -152,6 +152,23 @@ def test_an_unsigned_run_shares_one_owner_only_peer_key(ck):
     assert registry.run_secret(ck, "2" * 32) != a  # another run, another key
 
 
+def test_nodes_starting_at_once_all_read_the_first_ones_key(ck):
+    got: list[bytes] = []
+    start = threading.Barrier(8)
+
+    def node():
+        start.wait()
+        got.append(registry.run_secret(ck, RUN))
+
+    threads = [threading.Thread(target=node) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(got) == 8 and len(set(got)) == 1
+    assert [p.name for p in (ck / registry.REGISTRY).iterdir()] == [f"run-{RUN}.key"]
+
+
 @pytest.mark.parametrize("planted", ["readable", "another-user", "link", "garbage"])
 def test_a_peer_key_rtrain_did_not_write_for_this_user_is_refused(tmp_path, ck, planted):
     registry.run_secret(ck, RUN)
