@@ -66,7 +66,6 @@ _STEP_RES = (
     re.compile(r"(?:^|[^a-z])step[=_-]?(\d+)", re.IGNORECASE),
     re.compile(r"(?:^|[^a-z])(?:checkpoint|ckpt|iter|iteration)[=_-]?(\d+)", re.IGNORECASE),
     re.compile(r"(?:^|[^a-z])ba(\d+)(?:$|[^a-z0-9])", re.IGNORECASE),  # Composer's ep0-ba40
-    re.compile(r"(?:^|[^a-z])epoch[=_-]?(\d+)", re.IGNORECASE),
     re.compile(r"-(\d+)$"),  # model-1000.pt, timm's checkpoint-3.pth.tar
 )
 # A "best" copy (imagenet's model_best.pth.tar, `best.pt`) is an export of the best metric so

@@ -73,7 +73,10 @@ def save_timm(out, epoch, model, opt, *, metric, max_history=2):
         os.unlink(last)
     os.rename(tmp, last)
     history_file = os.path.join(out, "history.json")
-    history = json.load(open(history_file)) if os.path.exists(history_file) else []
+    history = []
+    if os.path.exists(history_file):
+        with open(history_file) as f:
+            history = json.load(f)
     if len(history) < max_history or metric < max(m for _, m in history):
         if len(history) >= max_history:
             worst = max(history, key=lambda h: h[1])
@@ -190,7 +193,10 @@ def record_start(out, first):
 
 def maybe_die(a, epoch):
     done_file = os.path.join(a.out_dir, "faults_done")
-    done = set(open(done_file).read().split()) if os.path.exists(done_file) else set()
+    done = set()
+    if os.path.exists(done_file):
+        with open(done_file) as f:
+            done = set(f.read().split())
     if str(epoch) in a.kill_after.split(",") and str(epoch) not in done:
         with open(done_file, "a") as f:
             f.write(f"{epoch}\n")
