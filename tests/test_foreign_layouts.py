@@ -232,3 +232,13 @@ def test_inspect_of_one_layout_dir_is_one_checkpoint(tmp_path):
     write("deepspeed", tmp_path, saves=1)
     assert inspecting.is_checkpoint_dir(tmp_path / "global_step1")
     assert not inspecting.is_checkpoint_dir(tmp_path)
+
+
+def test_starting_over_sets_aside_every_save_and_deepspeeds_latest(tmp_path):
+    from rtrain.supervisor.ckpt import setaside
+
+    write("deepspeed", tmp_path, saves=2)
+    torch.save({"epoch": 1}, tmp_path / "weights.tar")  # by content: no dirs list it now
+    done = setaside.set_aside(tmp_path, 0.0)
+    assert sorted(done.names) == ["global_step1", "global_step2", "latest", "weights.tar"]
+    assert not foreign.list_candidates(tmp_path)

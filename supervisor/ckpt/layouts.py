@@ -183,7 +183,7 @@ def _check_deepspeed(root: Path, names: list[str], report: Report, full: bool) -
         report.fail(f"newer than {tag!r}, which {LATEST!r} names: a save that did not "
                     "finish (DeepSpeed writes latest last)", incomplete=True)
     elif why:
-        report.info["note"] = f"{why}; this dir checked alone"
+        report.info["note"] = f"{LATEST!r} refused: this dir checked alone"
 
 
 def _check_dcp(root: Path, names: list[str], report: Report, full: bool) -> None:
