@@ -4,14 +4,26 @@ A checkpoint directory may hold, besides rtrain's `checkpoint-<N>/` (with manife
 
 - Hugging Face Trainer dirs, also named `checkpoint-<N>/`, told apart by trainer_state.json
   (and the other files only a Trainer writes) where rtrain's have manifest.json;
+- the save dirs of accelerate (`step_N/`, `epoch_N/`, `checkpoint_N/`), DeepSpeed
+  (`global_stepN/`, with `latest`) and DCP (`step-N/` with `.metadata`): `layouts.py`, each
+  verified as a whole, the files in it never candidates of their own;
 - Lightning `.ckpt` files (`epoch=3-step=400.ckpt`, `last.ckpt`);
-- plain `torch.save` files (`*.pt`, `*.pth`, `*.bin`).
+- `torch.save` files by content: any name whose bytes are torch.save's (`says_torch_save`:
+  `checkpoint.pth.tar`, `weights.tar`, no suffix), and every `.pt`, `.pth`, `.bin`, `.pth.tar`
+  (listed whatever their bytes, so a damaged one is shown with its reason).
+
+One save is one candidate: a link to a listed file (Composer's `latest-rank0.pt`) and a hard
+link of one (timm's `last.pth.tar` beside `checkpoint-N.pth.tar`) are the same save. Never
+candidates: "best" copies (`model_best.pth.tar`: an export of the best metric, older than the
+newest save), saves in progress (`tmp.pth.tar`), names starting with `.`, `training_args.bin`.
+Resume takes the newest verified training state.
 
 Loose files count only in a directory without checkpoint dirs: a Trainer's output dir also holds
 the final `pytorch_model.bin` / `training_args.bin`, which are no place to resume from.
 
 Order, newest first: a directory by the step in its name; a file by the step in its name
-(`step=400`, `step_400`, `checkpoint-400.pt`, `ckpt400.pth`); a file without one sits just after
+(`step=400`, `step_400`, `checkpoint-400.pt`, `ckpt400.pth`, Composer's `ep0-ba400`, a
+trailing `-400`); a file without one sits just after
 the newest step-named file not newer than it on disk (so `last.ckpt` written with
 `epoch=3-step=400.ckpt` ranks above it), and among stepless files the higher step read from the
 pickle (`pickle_scan.STEP_KEYS`: `iter_num`, `global_step`, ...), then the newer mtime, wins.
@@ -20,7 +32,7 @@ never moves a file past step-named ones: `epoch` in one file and `step_400` in a
 count different things.
 
 rtrain's own checkpoints take the unchanged path (`verify.verify`); only a directory that turns
-out to have no manifest is looked at again as a Trainer dir.
+out to have no manifest is looked at again as another library's save.
 """
 
 from __future__ import annotations
