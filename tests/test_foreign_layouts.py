@@ -6,6 +6,7 @@ with a one-line reason, never run, the save before used. No process is started."
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pickle
 import posix
@@ -101,6 +102,9 @@ def test_one_candidate_per_save_with_its_step_and_the_pick(layout, tmp_path, rtr
     assert r.returncode == 0, r.stderr
     assert f"{len(LISTINGS[layout])} checkpoint" in r.stdout.splitlines()[0]
     assert f"resume would pick {LISTINGS[layout][0][0]} " in r.stdout
+    listing = json.loads(rtrain("inspect", str(out), "--json").stdout)
+    assert [(c["name"], c["step"], c["resume"], c["status"]) for c in listing["checkpoints"]] \
+        == [(n, s, i == 0, "ok") for i, (n, s) in enumerate(LISTINGS[layout])]
 
 
 @pytest.mark.skipif(not HAS_ACCELERATE, reason="accelerate not installed (pip install -e '.[dev]')")
