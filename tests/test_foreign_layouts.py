@@ -246,3 +246,20 @@ def test_starting_over_sets_aside_every_save_and_deepspeeds_latest(tmp_path):
     done = setaside.set_aside(tmp_path, 0.0)
     assert sorted(done.names) == ["global_step1", "global_step2", "latest", "weights.tar"]
     assert not foreign.list_candidates(tmp_path)
+
+
+@pytest.mark.skipif(not HAS_ACCELERATE, reason="accelerate not installed (pip install -e '.[dev]')")
+def test_accelerate_automatic_naming_saves_are_candidates(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True))
+    model, opt = W.model_and_opt()
+    model, opt = acc.prepare(model, opt)
+    acc.save_state()
+    acc.save_state()
+    sel = foreign.select_resume_any_format(tmp_path / "checkpoints")
+    assert sel.chosen.path.name == "checkpoint_1" and sel.chosen.format == "accelerate"
+    assert [v.path.name for v in foreign.verify_all(tmp_path / "checkpoints")] == [
+        "checkpoint_1", "checkpoint_0"]

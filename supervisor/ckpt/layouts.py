@@ -46,6 +46,12 @@ _DIR_NAMES = re.compile(rf"^(?:(?:step|epoch|checkpoint)_{_N}|global_step{_N}|st
 LATEST = "latest"
 DCP_METADATA = ".metadata"
 _RANDOM_STATES = re.compile(r"^random_states_\d+\.pkl$")
+# save_state names the first model's and optimizer's files plainly, the others `_<i>`; a
+# sharded model has an index.
+_ACCELERATE_WEIGHTS = re.compile(r"^(?:model(?:_\d+)?\.safetensors|pytorch_model(?:_\d+)?\.bin|"
+                                 r"model\.safetensors\.index\.json|"
+                                 r"pytorch_model\.bin\.index\.json)$")
+_ACCELERATE_OPTIMIZER = re.compile(r"^optimizer(?:_\d+)?\.bin$")
 # A `latest` file holds a tag of a few dozen bytes; anything larger is not DeepSpeed's.
 _MAX_LATEST = 4096
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -146,21 +152,12 @@ def _files(root: Path, report: Report) -> list[str] | None:
         return None
 
 
-def _require(report: Report, names: list[str], wanted: tuple[str, ...], what: str, *,
-             incomplete: bool = False) -> None:
-    if not any(n in wanted for n in names):
-        report.files.append(FileResult(wanted[0], None, "missing"))
-        report.fail(f"no {what} (file {wanted[0]!r} is missing)", incomplete=incomplete)
-
-
 def _check_accelerate(root: Path, names: list[str], report: Report, full: bool) -> None:
-    weights = [n for n in names if re.match(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?"
-                                            r"\.bin|model\.safetensors\.index\.json|"
-                                            r"pytorch_model\.bin\.index\.json)$", n)]
-    if not weights:
+    if not any(_ACCELERATE_WEIGHTS.match(n) for n in names):
+        report.files.append(FileResult("model.safetensors", None, "missing"))
         report.fail("no model weights (model.safetensors or pytorch_model.bin): not a "
                     "complete save_state", incomplete=True)
-    if not any(re.match(r"^optimizer(_\d+)?\.bin$", n) for n in names):
+    if not any(_ACCELERATE_OPTIMIZER.match(n) for n in names):
         report.files.append(FileResult("optimizer.bin", None, "missing"))
         report.fail("file 'optimizer.bin' is missing")
     if not any(_RANDOM_STATES.match(n) for n in names):
