@@ -263,3 +263,13 @@ def test_accelerate_automatic_naming_saves_are_candidates(tmp_path):
     assert sel.chosen.path.name == "checkpoint_1" and sel.chosen.format == "accelerate"
     assert [v.path.name for v in foreign.verify_all(tmp_path / "checkpoints")] == [
         "checkpoint_1", "checkpoint_0"]
+
+
+def test_export_of_a_layout_save_is_a_one_line_usage_error(tmp_path, rtrain):
+    write("deepspeed", tmp_path / "ck", saves=1)
+    for source in (tmp_path / "ck", tmp_path / "ck" / "global_step1"):
+        r = rtrain("export", str(source), str(tmp_path / "w.safetensors"))
+        assert r.returncode == 2
+        assert "global_step1 is a deepspeed save, which rtrain resumes from but does not " \
+               "export" in r.stderr
+    assert not (tmp_path / "w.safetensors").exists()
