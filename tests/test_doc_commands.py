@@ -125,7 +125,14 @@ def prepare(block: Block, scratch: Path) -> None:
     (scratch / "tmp").mkdir()
     if "run_clm.py" in block.text:
         shutil.copy(STAND_INS / "run_clm.py", scratch / "run_clm.py")
-    if re.search(r"(?<![\w/.])train\.py", block.text):
+    layout_script = re.search(r"--(experiment|save_dir|save_folder|dump_folder)\b", block.text)
+    for name in ("main.py", "checkpointing.py", "train.py"):
+        if re.search(rf"(?<![\w/.]){re.escape(name)}", block.text) and (
+                name != "train.py" or layout_script):
+            # imagenet's, accelerate's and the other layouts' scripts (docs/foreign.md)
+            shutil.copy(STAND_INS / "layout_scripts.py", scratch / name)
+            shutil.copy(REPO / "tests" / "children" / "layouts_train.py", scratch)
+    if re.search(r"(?<![\w/.])train\.py", block.text) and not layout_script:
         if "--init_from" in block.text:
             shutil.copy(STAND_INS / "nanogpt_train.py", scratch / "train.py")
         elif "--ckpt_path" in block.text:

@@ -17,10 +17,11 @@ SCRIPT = str(CHILDREN / "inplace_ckpt.py")
 
 
 def run_inplace(tmp_path: Path, faults: str, max_iters: int, *extra: str,
-                timeout: float = 120, extra_script: tuple[str, ...] = ()):
+                timeout: float = 120, extra_script: tuple[str, ...] = (),
+                resume_arg: str = "--init_from=resume"):
     out = tmp_path / "out"
     r = launch_run(tmp_path / "run", "--ckpt-dir", str(out), "--resume-arg",
-                   "--init_from=resume", *extra, SCRIPT, "--", "--out_dir", str(out),
+                   resume_arg, *extra, SCRIPT, "--", "--out_dir", str(out),
                    "--max_iters", str(max_iters), "--faults", faults, *extra_script,
                    timeout=timeout)
     starts = [int(s) for s in (out / "starts.txt").read_text().split()]
@@ -67,23 +68,30 @@ def test_killed_twenty_times_at_random_moments_finishes(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_mid_write_resumes_from_the_kept_copy_never_from_scratch(tmp_path):
+@pytest.mark.parametrize("name", ["ckpt.pt", "checkpoint.pth.tar"])
+def test_killed_mid_write_resumes_from_the_kept_copy_never_from_scratch(tmp_path, name):
     # iter 10's save is cut at 0 bytes, iter 20's half way: each relaunch restores the copy
     # rtrain took of the content before (iters 5 and 15) and the script resumes from it.
-    r, _, starts = run_inplace(tmp_path, "10:empty,20:half", 25)
+    # checkpoint.pth.tar: imagenet's main.py, handed the file by --resume (its model_best copy
+    # of iter 5 is never a resume point).
+    imagenet = name == "checkpoint.pth.tar"
+    r, _, starts = run_inplace(
+        tmp_path, "10:empty,20:half", 25, extra_script=("--imagenet",) if imagenet else (),
+        resume_arg="--resume {checkpoint}" if imagenet else "--init_from=resume")
     assert r.returncode == 0, r.stderr
     assert starts == [0, 5, 15]
     restored = events(tmp_path / "run", "foreign_restored")
-    assert [(Path(e["path"]).name, e["step"]) for e in restored] == [("ckpt.pt", 5),
-                                                                    ("ckpt.pt", 15)]
+    assert [(Path(e["path"]).name, e["step"]) for e in restored] == [(name, 5), (name, 15)]
     assert restored[0]["reason"] == "empty file"
     assert "truncated" in restored[1]["reason"]
-    assert "ckpt.pt was torn (empty file); restored rtrain's copy of the content verified " \
+    assert f"{name} was torn (empty file); restored rtrain's copy of the content verified " \
            "at " in r.stderr
-    assert "(from ckpt.pt, restored from rtrain's copy)" in r.stderr
+    assert f"(from {name}, restored from rtrain's copy)" in r.stderr
     kept = events(tmp_path / "run", "foreign_copy_kept")
     assert kept and all(e["bytes"] > 0 for e in kept)
-    assert (tmp_path / "run" / "foreign-copy" / "ckpt.pt").is_file()
+    assert (tmp_path / "run" / "foreign-copy" / name).is_file()
+    launches = events(tmp_path / "run", "launch")
+    assert [Path(e["resume_from"]).name for e in launches[1:]] == [name, name]
 
 
 @pytest.mark.slow

@@ -242,3 +242,9 @@ def weight_files(path: str | os.PathLike) -> list[str]:
                 raise ValueError(f"{index} has no weight_map")
             return sorted(set(map(str, weight_map.values())))
     return [n for n in (*SAFE_WEIGHTS, *BIN_WEIGHTS) if (root / n).is_file()][:1]
+
+
+# The same per-file checks and report rows for the other directory layouts (layouts.py).
+check_safetensors = _check_safetensors
+check_torch = _check_torch
+load_json = _load_json

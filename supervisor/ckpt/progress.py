@@ -11,8 +11,8 @@ checkpoint it just loaded, before training, has made no progress).
 A fingerprint is the size and an xxh3 of the first and last 64 KiB. For a torch.save file the
 last bytes are the zip's central directory, which holds every member's CRC-32: a change of any
 tensor changes it, and a rewrite with the same bytes (or a `touch`) does not. Directories are
-candidates only by a step in their name (`checkpoint-400/`), so their progress is by step; a
-fingerprint is a file's.
+candidates only by a step in their name (`checkpoint-400/`, `step_400/`, `global_step400/`), so
+their progress is by step; a fingerprint is a file's.
 """
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ def resolve(checkpoint: Path, key: bytes | None) -> tuple[Verdict, Selection | N
         if not verdict.ok:
             raise CheckpointError(f"{safe(checkpoint.name)} failed full verification: "
                                   f"{safe(verdict.describe())}; not exported")
-        return verdict, None
+        return _exportable(verdict), None
     sel = foreign.select_resume_any_format(checkpoint, Level.FULL, key)
     if sel.chosen is None:
         if sel.skipped:
@@ -187,7 +187,19 @@ def resolve(checkpoint: Path, key: bytes | None) -> tuple[Verdict, Selection | N
                                   f"verification (newest: {safe(newest.path.name)}: "
                                   f"{safe(newest.describe())})")
         raise UsageError(f"no checkpoint in {safe(str(checkpoint))}")
-    return sel.chosen, sel
+    return _exportable(sel.chosen), sel
+
+
+# Saves of other libraries that rtrain recognises to resume from but does not export.
+_NOT_EXPORTED = {foreign.Format.ACCELERATE.value, foreign.Format.DEEPSPEED.value,
+                 foreign.Format.DCP.value}
+
+
+def _exportable(verdict: Verdict) -> Verdict:
+    if verdict.format in _NOT_EXPORTED:
+        raise UsageError(f"{safe(verdict.path.name)} is a {verdict.format} save, which rtrain "
+                         "resumes from but does not export: export it with its library")
+    return verdict
 
 
 def _hf_weights(verdict: Verdict) -> list[str]:

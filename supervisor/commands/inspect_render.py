@@ -67,14 +67,18 @@ def _status(v: Verdict) -> str:
     return f"{v.describe()} ({v.format}{'; ' + note if note else ''})"
 
 
+_NAMED = {"accelerate", "deepspeed", "dcp"}
+
+
 def _step(v: Verdict) -> str:
     return str(v.step) if v.step >= 0 else "-"  # a file whose name states no step
 
 
 def _row(e: Entry) -> list[str]:
     epoch = e.meta("epoch")
-    # A file's name says more than its step (last.ckpt beside epoch=3-step=400.ckpt).
-    label = e.verdict.path.name if e.verdict.path.suffix else ""
+    # A file's name says more than its step (last.ckpt beside epoch=3-step=400.ckpt), and so
+    # does a save dir's of another library (epoch_3/ or step_3/, DeepSpeed's latest refused).
+    label = e.verdict.path.name if e.verdict.path.suffix or e.verdict.format in _NAMED else ""
     return ["*" if e.resume else "", _step(e.verdict), "-" if epoch is None else str(epoch),
             local_time(e.meta("created"), " ", offset=False), human_size(e.size),
             pairs(e.meta("metrics")), pairs(e.meta("settings")),

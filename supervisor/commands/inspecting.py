@@ -22,7 +22,7 @@ from rtrain.checkpoint.layout import (
 )
 from rtrain.checkpoint.manifest import ManifestError
 from rtrain.checkpoint.verify import Level, Status, Verdict, check_member_name
-from rtrain.supervisor.ckpt import foreign, hf_trainer
+from rtrain.supervisor.ckpt import foreign, hf_trainer, layouts
 from rtrain.supervisor.core.errors import CheckpointError, UsageError
 from rtrain.supervisor.core.untrusted_text import safe
 
@@ -143,9 +143,11 @@ def dir_size(path: str | os.PathLike) -> int:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """Whether `path` is one checkpoint (rather than a directory of them)."""
+    """Whether `path` is one checkpoint (rather than a directory of them): a save of a known
+    layout (accelerate's `step_80/`, DeepSpeed's `global_step80/`, DCP) is one."""
     return (path.is_file() or (path / MANIFEST).exists() or parse_step(path.name) is not None
-            or path.name.startswith((TMP_PREFIX, TRASH_PREFIX)))
+            or path.name.startswith((TMP_PREFIX, TRASH_PREFIX))
+            or foreign.layout_dir(path) is not None)
 
 
 def _require_dir(path: Path) -> None:
@@ -280,14 +282,21 @@ def inspect_one(path: str | os.PathLike, *, verify: Level = Level.QUICK,
     verdict = foreign.verify_path(root, verify, key)
     if verdict.format == foreign.Format.HF_TRAINER.value:
         return _hf_detail(verdict, Level(verify))
+    layout = foreign.layout_dir(root)
+    if layout is not None and verdict.format == layout.value:
+        return _hf_detail(verdict, Level(verify), layouts.check(root, layout,
+                                                                 full=verify is Level.FULL))
     files = _files(verdict, Level(verify))
     return Detail(verdict, Level(verify), dir_size(root), files, _tensors(verdict, files))
 
 
-def _hf_detail(verdict: Verdict, level: Level) -> Detail:
-    """A Trainer checkpoint file by file (no hashes: it records none), tensors from headers."""
-    report = hf_trainer.check(verdict.path, full=level is Level.FULL,
-                              dir_step=parse_step(verdict.path.name))
+def _hf_detail(verdict: Verdict, level: Level,
+               report: hf_trainer.Report | None = None) -> Detail:
+    """A Trainer checkpoint (or another layout's save: `report`) file by file (no hashes: it
+    records none), tensors from headers."""
+    if report is None:
+        report = hf_trainer.check(verdict.path, full=level is Level.FULL,
+                                  dir_step=parse_step(verdict.path.name))
     files = [FileCheck(f.name, f.size, None, f.status) for f in report.files]
     tensors: dict[str, Any] = {}
     for f in files:

@@ -15,6 +15,9 @@ disk that long.
 Each start appends its first iteration to OUT/starts.txt; the end writes OUT/done.json.
 `--lightning`: the file is `last.ckpt` in Lightning's layout (`state_dict`, `optimizer_states`,
 `global_step`), as ModelCheckpoint(save_last=True) rewrites it.
+`--imagenet`: the file is `checkpoint.pth.tar` as pytorch/examples imagenet/main.py writes it
+(`epoch`, `state_dict`, `optimizer`), copied to `model_best.pth.tar` at the first save, and read
+back from `--resume PATH`.
 """
 
 import argparse
@@ -23,6 +26,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import signal
 import time
 import zipfile
@@ -41,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--faults", default="")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lightning", action="store_true")
+    p.add_argument("--imagenet", action="store_true")
+    p.add_argument("--resume", default="")
     return p.parse_args()
 
 
@@ -83,7 +89,8 @@ def fault(kind: str, path: str, ckpt: dict, out: str) -> None:
 def main() -> None:
     a = parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
-    path = os.path.join(a.out_dir, "last.ckpt" if a.lightning else "ckpt.pt")
+    path = os.path.join(a.out_dir, "last.ckpt" if a.lightning
+                        else "checkpoint.pth.tar" if a.imagenet else "ckpt.pt")
     done_file = os.path.join(a.out_dir, "faults_done")
     done = set()
     if os.path.exists(done_file):
@@ -95,7 +102,12 @@ def main() -> None:
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     start = 0
-    if a.init_from == "resume":
+    if a.resume:  # imagenet's --resume PATH
+        ckpt = torch.load(a.resume, map_location="cpu")
+        model.load_state_dict(ckpt["state_dict"])
+        opt.load_state_dict(ckpt["optimizer"])
+        start = ckpt["epoch"]
+    elif a.init_from == "resume":
         ckpt = torch.load(path, map_location="cpu")  # weights_only: the default
         if a.lightning:
             model.load_state_dict(ckpt["state_dict"])
@@ -117,7 +129,10 @@ def main() -> None:
         time.sleep(a.step_s)
         if it % a.every:
             continue
-        if a.lightning:
+        if a.imagenet:
+            ckpt = {"epoch": it, "arch": "linear", "state_dict": model.state_dict(),
+                    "best_acc1": 0.5, "optimizer": opt.state_dict()}
+        elif a.lightning:
             ckpt = {"epoch": 0, "global_step": it, "state_dict": model.state_dict(),
                     "optimizer_states": [opt.state_dict()], "lr_schedulers": []}
         else:
@@ -131,6 +146,8 @@ def main() -> None:
                 time.sleep(a.settle_s)
             fault(kind, path, ckpt, a.out_dir)
         torch.save(ckpt, path)  # in place, as the script this imitates does
+        if a.imagenet and it == a.every:  # is_best: main.py's shutil.copyfile
+            shutil.copyfile(path, os.path.join(a.out_dir, "model_best.pth.tar"))
     with open(os.path.join(a.out_dir, "done.json"), "w") as f:
         json.dump({"iter_num": a.max_iters, "loss": loss.item()}, f)
 
