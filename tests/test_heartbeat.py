@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import stat
+import tempfile
 from dataclasses import replace
 
 import pytest
@@ -193,3 +194,21 @@ def test_a_sender_placed_once_is_heard_after_it_exited_and_until_the_next_attemp
     assert not gate.admit(os.getpid(), os.geteuid() + 1)  # never for another user
     assert gate.take_refused() == {f"pid {os.getpid()} (a process outside the attempt)": 1,
                                    f"pid {os.getpid()} (uid {os.geteuid() + 1})": 1}
+
+
+def test_the_socket_dir_goes_with_the_receiver_and_an_abstract_name_stands_in_for_it(
+        monkeypatch):
+    with HeartbeatReceiver() as r:
+        where = os.path.dirname(r.name)
+    assert not os.path.exists(where)  # nothing left in the temporary dir
+
+    def no_dir(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_dir)
+    with HeartbeatReceiver() as r:  # still heard, still only from the attempt's processes
+        assert r.name.startswith("@rtrain-")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.sendto(hb(step=3).encode(), socket_address(r.name))
+        s.close()
+        assert [h.step for h in r.drain()] == [3]

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import CHILDREN, child_env, events, launch_cmd, wait_for
+from harness import CHILDREN, child_env, events, launch_2_ranks, launch_cmd, wait_for
 
 from rtrain.supervisor.core.protocol import PROTOCOL_VERSION
 from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
@@ -192,3 +192,15 @@ def test_forged_step_heartbeats_do_not_hide_a_hang(tmp_path):
     [c] = events(run, "classification")
     assert c["failure"] == "hang", err
     assert "no heartbeat" in c["reason"]
+
+
+def test_the_ranks_under_torchrun_are_heard_and_none_refused(tmp_path):
+    """Honest heartbeats from two ranks (torchrun's children, the script's grandchildren of
+    rtrain's child): heard, none refused."""
+    run = tmp_path / "run"
+    r = launch_2_ranks(run, str(tmp_path / "out"), "6")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not events(run, "heartbeats_refused") and "refused" not in r.stderr
+    assert [e["step"] for e in events(run, "heartbeat_summary") if e["step"] is not None]
+    [ended] = events(run, "exit")
+    assert ended["last_step"] == 6, ended  # the step heartbeats were heard to the end
