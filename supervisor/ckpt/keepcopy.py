@@ -102,7 +102,7 @@ def read(run_dir: Path) -> tuple[Kept | None, str | None]:
         return None, f"its signature cannot be checked ({no_key})"
     if not userkey.verify(key, _signed_part(kept, run_dir), raw.get("mac")):
         return None, ("it is not signed by an rtrain of this user (written by someone else, "
-                      "or for another run dir)")
+                      "by an older rtrain, or for another run dir)")
     why = source_problem(kept.source)
     if why is not None:
         return None, why

@@ -208,8 +208,9 @@ class HeartbeatReceiver:
     mode 0700, in the system's temporary directory: a path there fits the 108 bytes a socket
     path may have, and a run dir on a network filesystem may take no socket at all), so no other
     user can even send; where none can be made, an abstract name. Either way each datagram's
-    sender, as the kernel reports it, must be this user's and in the attempt's process tree
-    (proc/senders.py); the rest are refused and counted (`gate.take_refused`)."""
+    sender, as the kernel reports it, must be this user's, and carry the attempt's token or be
+    in the attempt's process tree (proc/senders.py); the rest are refused and counted
+    (`gate.take_refused`)."""
 
     def __init__(self, name: str | None = None) -> None:
         self._dir: str | None = None
@@ -261,8 +262,6 @@ class HeartbeatReceiver:
                 raw, anc, _, _ = self.sock.recvmsg(65536, _CMSG_SPACE)
             except BlockingIOError:
                 return out
-            except OSError:  # a datagram lost on the way in: the next one says more
-                continue
             sender = _credentials(anc)
             hb = Heartbeat.decode(raw)
             token = hb.token if hb is not None else None
