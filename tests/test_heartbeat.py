@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import stat
+import tempfile
 from dataclasses import replace
 
 import pytest
 
+from rtrain.supervisor.core import protocol
 from rtrain.supervisor.core.protocol import Heartbeat, socket_address
+from rtrain.supervisor.proc import senders
 from rtrain.supervisor.proc.heartbeat import HangClock, HangPolicy, HeartbeatReceiver
 
 P = HangPolicy(
@@ -98,7 +104,9 @@ def test_policy_rejects_nonsense():
 
 def test_receiver_drains_valid_heartbeats_and_drops_garbage():
     with HeartbeatReceiver() as r:
-        assert r.name.startswith("@rtrain-")
+        # A socket file in a directory only this user may enter: no one else can send.
+        assert stat.S_IMODE(os.stat(os.path.dirname(r.name)).st_mode) == 0o700
+        assert stat.S_ISSOCK(os.stat(r.name).st_mode)
         assert r.drain() == []
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         addr = socket_address(r.name)
@@ -130,3 +138,77 @@ def test_time_the_supervisor_did_not_run_is_no_silence_nor_a_step_interval():
     c.heartbeat(hb(step=7), 507)
     assert c.max_interval == pytest.approx(1.0)  # the gap is not a step interval
     assert "no heartbeat" in c.check(517)  # silent after that: hung, as ever
+
+
+def test_every_heartbeat_field_has_a_bound():
+    """A field added to Heartbeat without a rule in _FIELDS would never be read back."""
+    assert set(protocol._FIELDS) == set(Heartbeat.__dataclass_fields__) - {"v"}
+
+
+@pytest.mark.parametrize("field, value, kept", [
+    ("step", 10**30, None), ("step", -1, None), ("step", True, None), ("step", 7, 7),
+    ("world", 1 << 21, None), ("world", 0, None), ("world", 8, 8),
+    ("max_step_interval", 1e300, None), ("max_step_interval", float("nan"), None),
+    ("max_step_interval", 2.5, 2.5), ("step_s", -1.0, None), ("restore_s", "3", None),
+    ("loss", float("nan"), "nan"), ("reason", "x" * 10_000, "x" * protocol.MAX_TEXT),
+    ("host", 5, None), ("settings", {"batch_size": 8}, {"batch_size": 8}),
+    ("settings", {"k": "x" * 5000}, None), ("settings", [1], None),
+    ("cadence", {"a": {"b": {"c": {"d": {"e": 1}}}}}, None),
+    ("snapshot", {"off": "why"}, {"off": "why"}), ("token", "t" * 65, None),
+])
+def test_each_field_is_kept_only_with_its_type_within_its_bounds(field, value, kept):
+    raw = json.dumps({"v": protocol.PROTOCOL_VERSION, "pid": 5, "rank": 0, "time": 1.0,
+                      "event": "step", field: value}).encode()
+    got = getattr(Heartbeat.decode(raw), field)
+    assert (str(got) if kept == "nan" else got) == kept
+
+
+@pytest.mark.parametrize("change", [{"pid": 0}, {"rank": -1}, {"rank": 1 << 21}, {"time": "now"},
+                                   {"event": "x" * 41}, {"event": "a b"}, {"v": 99}])
+def test_a_heartbeat_without_a_valid_sender_rank_time_or_event_is_dropped(change):
+    obj = {"v": protocol.PROTOCOL_VERSION, "pid": 5, "rank": 0, "time": 1.0, "event": "step"}
+    assert Heartbeat.decode(json.dumps({**obj, **change}).encode()) is None
+    assert Heartbeat.decode(b"[1, 2]") is None and Heartbeat.decode(b"[" * 100_000) is None
+
+
+@pytest.mark.parametrize("uid, pid, token_ok, chain, refused", [
+    (1000, 50, True, None, "uid 1000"),  # another user, whatever it carries
+    (0, 10, False, None, None),  # the root itself, even after it exited
+    (0, 50, True, None, None),  # the attempt's token: a writer gone before it was read
+    (0, 50, False, [50, 40, 10, 1], None),  # a descendant of the root
+    (0, 50, False, [50, 40, 1], "a process outside the attempt"),
+    (0, 50, False, None, "a process that exited before it could be placed"),
+])
+def test_only_the_attempts_processes_are_heard(uid, pid, token_ok, chain, refused):
+    assert senders.refusal(uid=uid, own_uid=0, pid=pid, root=10, token_ok=token_ok,
+                           chain=chain) == refused
+
+
+def test_a_sender_placed_once_is_heard_after_it_exited_and_until_the_next_attempt():
+    gate = senders.SenderGate(root=os.getpid(), own_uid=os.geteuid())
+    assert gate.admit(os.getpid(), os.geteuid())
+    gate.attempt(root=1 << 30, token="s" * 32)  # a new attempt: its own root and token
+    assert not gate.admit(os.getpid(), os.geteuid())  # the test process is outside it
+    assert gate.admit(os.getpid(), os.geteuid(), "s" * 32)  # ... unless it has the token
+    assert gate.admit(os.getpid(), os.geteuid())  # known for the attempt from then on
+    assert not gate.admit(os.getpid(), os.geteuid() + 1)  # never for another user
+    assert gate.take_refused() == {f"pid {os.getpid()} (a process outside the attempt)": 1,
+                                   f"pid {os.getpid()} (uid {os.geteuid() + 1})": 1}
+
+
+def test_the_socket_dir_goes_with_the_receiver_and_an_abstract_name_stands_in_for_it(
+        monkeypatch):
+    with HeartbeatReceiver() as r:
+        where = os.path.dirname(r.name)
+    assert not os.path.exists(where)  # nothing left in the temporary dir
+
+    def no_dir(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_dir)
+    with HeartbeatReceiver() as r:  # still heard, still only from the attempt's processes
+        assert r.name.startswith("@rtrain-")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.sendto(hb(step=3).encode(), socket_address(r.name))
+        s.close()
+        assert [h.step for h in r.drain()] == [3]

@@ -27,7 +27,7 @@ KEEP_1 = {"keep": 1, "keep_best": 0, "metric": None, "mode": "min", "milestone_e
 
 
 def _req(step):
-    return decide.Request(step, RetentionPolicy(keep=2))
+    return decide.Request(step)
 
 
 def test_one_copy_at_a_time_and_only_the_newest_request_waits():
@@ -96,8 +96,9 @@ def _persist_heartbeats(receiver, n, timeout=5.0):
 def test_a_scheduled_disk_save_under_the_tier_is_a_snapshot_rtrain_is_asked_to_persist(
         tmp_path, shm, monkeypatch):
     """every=2 with the memory tier: the worker writes nothing to the checkpoint dir on
-    schedule; each due step is snapshotted and a `persist` heartbeat carries its Keep policy,
-    sent once the snapshot committed. An explicit save() and request_save() stay disk writes."""
+    schedule; each due step is snapshotted, recording the Keep policy in its manifest, and a
+    `persist` heartbeat (a request: no policy) is sent once the snapshot committed. An
+    explicit save() and request_save() stay disk writes."""
     ck = tmp_path / "ck"
     with HeartbeatReceiver() as receiver:
         monkeypatch.setenv(ENV_HEARTBEAT, receiver.name)
@@ -111,7 +112,10 @@ def test_a_scheduled_disk_save_under_the_tier_is_a_snapshot_rtrain_is_asked_to_p
         assert [s for s, _ in list_checkpoints(shm)] == [4]
         got = _persist_heartbeats(receiver, 2)
         assert [hb.step for hb in got] == [2, 4]
-        assert decide.policy_of(got[0].persist) == RetentionPolicy(keep=2)
+        assert not hasattr(got[0], "persist")  # the request carries no policy
+        [(_, snap)] = list_checkpoints(shm)
+        manifest = verify(snap, Level.QUICK, None).manifest
+        assert decide.snapshot_policy(manifest) == RetentionPolicy(keep=2)
         assert ckpt._clock.last_step == 4  # the schedule counts it as saved: next due at 6
         assert _train(m, opt, ckpt, 1, start=4) == [None]
         assert ckpt.save(5) == ck / "checkpoint-5"  # explicit: durable before it returns
@@ -132,13 +136,15 @@ def test_without_a_working_tier_the_scheduled_save_goes_to_disk(tmp_path, shm):
     assert [s for s, _ in list_checkpoints(tmp_path / "ck")] == [2]
 
 
-def _snapshots(tmp_path, shm, disk_steps, snap_at):
-    """Checkpoints of `disk_steps` written by the worker itself, then a snapshot at `snap_at`
-    in shared memory; the checkpoint dir carries the run identity the snapshot names."""
+def _snapshots(tmp_path, shm, disk_steps, snap_at, keep=KEEP_1):
+    """Checkpoints of `disk_steps` written by the worker itself (keeping all), then a
+    snapshot at `snap_at` in shared memory whose manifest records the Keep policy `keep`; the
+    checkpoint dir carries the run identity the snapshot names."""
     ck = tmp_path / "ck"
     m, opt = _model()
     ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=ck, keep=None,
                                saving=rtrain.Saving(memory=snap_at))
+    ckpt._memory.keep = keep
     for step in range(1, snap_at + 1):
         _train(m, opt, ckpt, 1, start=step - 1)
         if step in disk_steps:
@@ -160,7 +166,7 @@ def test_rtrain_persists_the_snapshot_and_prunes_with_the_workers_policy(tmp_pat
     ck = _snapshots(tmp_path, shm, disk_steps={1, 2, 3}, snap_at=6)
     seen, said = [], []
     d = _disk(shm, ck, seen, said, resumed=1)
-    d.request(6, KEEP_1)
+    d.request(6)
     d.settle()
     [(kind, f)] = seen
     assert kind == "snapshot_persisted" and f["why"] == "disk cadence" and f["step"] == 6
@@ -169,7 +175,7 @@ def test_rtrain_persists_the_snapshot_and_prunes_with_the_workers_policy(tmp_pat
     assert [s for s, _ in list_checkpoints(ck)] == [6, 1]
     v = verify(ck / "checkpoint-6", Level.FULL, None)
     assert v.ok and v.manifest["info"]["memory_snapshot"] is True
-    d.request(4, KEEP_1)  # an older request: the disk has its step's successor already
+    d.request(4)  # an older request: the disk has its step's successor already
     d.settle()
     assert len(seen) == 1 and said == []
 
@@ -191,9 +197,9 @@ def test_a_full_disk_is_said_once_and_the_next_request_tries_again(tmp_path, shm
         os.close(fd)
     seen, said = [], []
     d = _disk(shm, ck, seen, said)
-    d.request(2, KEEP_1)
+    d.request(2)
     d.settle()
-    d.request(2, KEEP_1)
+    d.request(2)
     d.settle()
     assert [k for k, _ in seen] == ["snapshot_not_persisted"]  # once, not per request
     assert seen[0][1]["step"] == 2 and "No space left" in seen[0][1]["reason"]
@@ -201,7 +207,7 @@ def test_a_full_disk_is_said_once_and_the_next_request_tries_again(tmp_path, shm
     assert [s for s, _ in list_checkpoints(shm)] == [2]  # nothing lost from memory
     assert not [p for p in ck.iterdir() if p.name.startswith(".")]  # no half copy left
     os.unlink(filler)
-    d.request(2, KEEP_1)
+    d.request(2)
     d.settle()
     assert [k for k, _ in seen] == ["snapshot_not_persisted", "snapshot_persisted"]
     assert [s for s, _ in list_checkpoints(ck)] == [2]  # keep=1 pruned step 1
@@ -214,7 +220,7 @@ def test_a_step_saved_again_replaces_its_earlier_save_not_a_later_one(tmp_path, 
     own = (ck / "checkpoint-6" / "manifest.json").read_bytes()
     seen, said = [], []
     d = _disk(shm, ck, seen, said)
-    d.request(6, KEEP_1)
+    d.request(6)
     d.settle()
     assert seen == [] and (ck / "checkpoint-6" / "manifest.json").read_bytes() == own
     m, opt = _model()
@@ -225,7 +231,7 @@ def test_a_step_saved_again_replaces_its_earlier_save_not_a_later_one(tmp_path, 
     _train(m, opt, ckpt, 6)
     ckpt.close()
     [(_, snap)] = list_checkpoints(shm)
-    d.request(6, KEEP_1)
+    d.request(6)
     d.settle()
     assert [k for k, _ in seen] == ["snapshot_persisted"]
     assert (ck / "checkpoint-6" / "manifest.json").read_bytes() == \

@@ -6,6 +6,7 @@ tmpfs that fills up, and on a tmpfs remounted read-only (which fails even for ro
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -123,6 +124,10 @@ def test_worker_reports_each_skipped_save_to_the_supervisor(read_only_dir, monke
 
     with HeartbeatReceiver() as receiver:
         monkeypatch.setenv("RTRAIN_HEARTBEAT", receiver.name)
+        # As under rtrain: the attempt's token proves the forked writer the attempt's own,
+        # though it exited before its heartbeat was read.
+        monkeypatch.setenv("RTRAIN_CONTROL_TOKEN", "7" * 32)
+        receiver.attempt(os.getpid(), "7" * 32)
         ck = rtrain.Checkpointer(model=torch.nn.Linear(4, 4), ckpt_dir=read_only_dir,
                                  saving=rtrain.Saving(async_mode="off" if mode == "sync"
                                                       else mode))

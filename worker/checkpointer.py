@@ -147,6 +147,8 @@ class Checkpointer:
         self._memory = MemoryTier.open(self.saving.memory, world=dist.world(),
                                        key=self.key, encryption=self.encryption, model=model,
                                        optimizer=optimizer)
+        if self._memory is not None:
+            self._memory.keep = asdict(self.keep.policy())  # rtrain prunes by it, not a heartbeat
         self._watch = (failsave.Watch(model, optimizer, scheduler, scaler)
                        if self.saving.on_failure else None)
         self._boundary: _Boundary | None = None
@@ -300,7 +302,7 @@ class Checkpointer:
         if self._check is not None and "info" in cap.fields:
             cap.fields["info"]["check_resume"] = self._check.evidence()
         self._add_compile_cache(cap)  # rtrain's disk copy carries it, as a disk save would
-        if not self._memory.snapshot(cap, persist=asdict(self.keep.policy())):
+        if not self._memory.snapshot(cap, persist=True):
             return False
         self._clock.last_step = step
         self._clock.save_ended(step, self._clock.clock() - began + self._memory.gate_s)

@@ -41,6 +41,7 @@ from rtrain.supervisor.core.atomic_write import write_atomic
 from rtrain.supervisor.core.protocol import (
     DUMP_SIGNAL,
     ENV_ATTEMPT,
+    ENV_CONTROL_TOKEN,
     ENV_DUMP_SIGNAL,
     ENV_HEARTBEAT,
     ENV_RELIEVE_SIGNAL,
@@ -70,6 +71,7 @@ class _State:
         self.stop_signal: str | None = None  # name of the signal that asked, if any
         self.sock: socket.socket | None = None
         self.addr: str | bytes | None = None
+        self.token: str | None = None  # RTRAIN_CONTROL_TOKEN, sent with each heartbeat
         self.dump_file: Any = None  # kept open: faulthandler writes to its fd
         self.last_step_send = float("-inf")  # other events must not hold back step heartbeats
         self.steps = 0
@@ -158,6 +160,7 @@ def install() -> None:
         if _state.dump_file is not None:
             faulthandler.register(dump, file=_state.dump_file, all_threads=True, chain=False)
     address = os.environ.get(ENV_HEARTBEAT)
+    _state.token = os.environ.get(ENV_CONTROL_TOKEN)  # the attempt's secret: see Heartbeat.token
     if address:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
@@ -344,6 +347,7 @@ def _send(event: str, step: int | None, loss: float | None, fields: dict[str, An
         samples_per_s=s.rate,
         max_step_interval=s.max_interval,
         world=world_size(),
+        token=s.token,
         **fields,
     )
     data = hb.encode()

@@ -20,24 +20,34 @@ name states no step: the name is reused, so the content is not kept anywhere els
   way to start over. Nothing is restored over a file that verifies.
 
 `kept.json` beside the copy records it: {"version", "source", "fingerprint", "step",
-"verified_at", "bytes", "how"}.
+"verified_at", "bytes", "how", "mac"}. The run dir may be writable by a group, and the record
+says what to overwrite, so it is trusted only when rtrain wrote it (`read`): signed with this
+user's key (proc/userkey.py, as procs.json is: an HMAC over the record and the run dir), its
+`source` a stepless checkpoint file's name in an absolute, normalized path (no `..`; the caller
+also requires the checkpoint dir as its parent), and, at a restore, the live path no link and
+the copy's content the one recorded. A record that fails any of these is ignored, with one
+line: nothing is restored from it, and nothing is moved aside. Without a key (no home to keep
+one in) records are written unsigned and never restored from.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rtrain.checkpoint import safeio
+from rtrain.checkpoint.layout import parse_step
 from rtrain.checkpoint.verify import Level, Status, Verdict
 from rtrain.supervisor.ckpt import foreign, progress
 from rtrain.supervisor.core import ownfiles
 from rtrain.supervisor.core.atomic_write import write_json_atomic
 from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
+from rtrain.supervisor.proc import userkey
 
 KEPT_DIR = "foreign-copy"
 RECORD = "kept.json"
@@ -68,18 +78,55 @@ def wants_copy(v: Verdict | None) -> bool:
 
 
 def load(run_dir: Path) -> Kept | None:
-    """The run's copy as recorded; None when there is none (or the record is unreadable: the
+    """The run's copy as rtrain recorded it; None when there is none, or no record rtrain
+    can trust (`read` says why)."""
+    return read(run_dir)[0]
+
+
+def read(run_dir: Path) -> tuple[Kept | None, str | None]:
+    """(the record, None) when rtrain wrote it; (None, why it is ignored) when a record is
+    there that rtrain cannot trust; (None, None) when there is none or it is unreadable (the
     next keep rewrites it)."""
     try:
         raw = safeio.parse_object(safeio.read_limited(run_dir / KEPT_DIR / RECORD, 1 << 16),
                                   RECORD)
         if raw.get("version") != VERSION:
-            return None
-        return Kept(source=str(raw["source"]), fingerprint=str(raw["fingerprint"]),
+            return None, None
+        kept = Kept(source=str(raw["source"]), fingerprint=str(raw["fingerprint"]),
                     step=raw.get("step"), verified_at=float(raw["verified_at"]),
                     bytes=int(raw["bytes"]), how=str(raw["how"]))
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return None, None
+    key, no_key = userkey.load(create=False)
+    if key is None:
+        return None, f"its signature cannot be checked ({no_key})"
+    if not userkey.verify(key, _signed_part(kept, run_dir), raw.get("mac")):
+        return None, ("it is not signed by an rtrain of this user (written by someone else, "
+                      "by an older rtrain, or for another run dir)")
+    why = source_problem(kept.source)
+    if why is not None:
+        return None, why
+    return kept, None
+
+
+def source_problem(source: str) -> str | None:
+    """Why `source` cannot be a file rtrain keeps a copy of, or None: an absolute, normalized
+    path (no `..`) naming a checkpoint file that states no step (a file the script rewrites in
+    place; a checkpoint dir or a step-named file is never one)."""
+    name = os.path.basename(source)
+    if not os.path.isabs(source) or os.path.normpath(source) != source or "\0" in source:
+        return f"its source {source[:200]!r} is not a plain absolute path"
+    if (not name.endswith(foreign.FILE_SUFFIXES) or name.startswith(".")
+            or foreign.step_from_name(name) is not None or parse_step(name) is not None):
+        return f"its source {name[:100]!r} is not a checkpoint file the script rewrites in place"
+    return None
+
+
+def _signed_part(kept: Kept, run_dir: Path) -> bytes:
+    """What the HMAC covers: the record and the run dir it is for (a record copied from
+    another run dir of the same user does not verify there)."""
+    part = {"version": VERSION, **asdict(kept), "run_dir": str(Path(run_dir).resolve())}
+    return json.dumps(part, sort_keys=True, separators=(",", ":")).encode()
 
 
 def keep(run_dir: Path, v: Verdict, *, mode: int = DEFAULT_FILE_MODE,
@@ -114,7 +161,11 @@ def keep(run_dir: Path, v: Verdict, *, mode: int = DEFAULT_FILE_MODE,
     record = Kept(source=str(source), fingerprint=fp, step=check.step if check.step >= 0
                   else None, verified_at=time.time() if now is None else now,
                   bytes=final.stat().st_size, how=how)
-    write_json_atomic(kept_dir / RECORD, {"version": VERSION, **asdict(record)}, mode=mode)
+    body: dict[str, object] = {"version": VERSION, **asdict(record)}
+    key, _ = userkey.load(create=True)
+    if key is not None:  # without one the record is kept unsigned: never restored from
+        body["mac"] = userkey.sign(key, _signed_part(record, run_dir))
+    write_json_atomic(kept_dir / RECORD, body, mode=mode)
     if old is not None and Path(old.source).name != source.name:
         old.copy_path(run_dir).unlink(missing_ok=True)  # one copy: the previous file's goes
     return record
@@ -143,10 +194,20 @@ def torn(path: Path, level: Level) -> str | None:
     return v.reason or v.status.value
 
 
+class NotRestored(OSError):
+    """The copy is not the one recorded, or the live path is a link: nothing was touched."""
+
+
 def restore(run_dir: Path, kept: Kept, *, mode: int = DEFAULT_FILE_MODE) -> None:
     """Put the copy back where the script reads it (the caller checked that the live file
-    fails verification and that the copy verifies)."""
+    fails verification and that the copy verifies). Refused (NotRestored) when the copy's
+    content is not the one the record names, or a link stands at the live path: rtrain
+    writes only what it copied, only over the file it copied it from."""
     live = Path(kept.source)
+    if progress.fingerprint(kept.copy_path(run_dir)) != kept.fingerprint:
+        raise NotRestored("the copy is not the content rtrain recorded")
+    if live.is_symlink():
+        raise NotRestored(f"{live.name} is a link now")
     tmp = live.parent / f".{live.name}.rtrain-restore"
     try:
         _clone(kept.copy_path(run_dir), tmp, mode)

@@ -35,6 +35,7 @@ from rtrain.checkpoint import crypt, hashing
 from rtrain.checkpoint.layout import parse_step
 from rtrain.checkpoint.verify import Level, Selection, Verdict
 from rtrain.supervisor.ckpt import foreign, hf_trainer
+from rtrain.supervisor.core import isolated
 from rtrain.supervisor.core.errors import CheckpointError, ExitCode, RtrainError, UsageError
 from rtrain.supervisor.core.untrusted_text import safe
 
@@ -335,11 +336,11 @@ def _plain(path: Path) -> Any:
 # ---------------------------------------------------------------- the torch side
 
 def run_worker(request: dict[str, Any]) -> dict[str, Any]:
-    """Run `python -m rtrain.worker.export.convert` with the same interpreter, which finds the same
-    `rtrain` (installed, it is one package; no path is added that would expose anything else); its
+    """Run `rtrain.worker.export.convert` with the same interpreter, isolated (core/
+    isolated.py: not a module of the working directory, nor of PYTHONPATH, is imported); its
     one JSON line, or the error it reports (exit code kept)."""
-    proc = subprocess.run([sys.executable, "-m", "rtrain.worker.export.convert",
-                           json.dumps(request)],
+    proc = subprocess.run(isolated.module_argv("rtrain.worker.export.convert",
+                                               json.dumps(request)),
                           stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           check=False)
     result = _last_json(proc.stdout)
@@ -353,7 +354,7 @@ def run_worker(request: dict[str, Any]) -> dict[str, Any]:
     if "No module named 'torch'" in proc.stderr:
         raise UsageError(f"this export needs torch, which {safe(sys.executable)} cannot "
                          "import: install torch beside rtrain (safetensors from rtrain's "
-                         "format needs none)")
+                         "format needs none; PYTHONPATH is not read by rtrain's helpers)")
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     raise RtrainError(f"the export process failed (exit {proc.returncode}): "
                       f"{safe(lines[-1] if lines else 'no output')}")

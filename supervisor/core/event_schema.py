@@ -43,6 +43,7 @@ class Kind(str, Enum):
     CADENCE = "cadence"
     CHECKPOINT_AT_FAILURE = "checkpoint_at_failure"
     CONTROL_REFUSED = "control_refused"
+    HEARTBEATS_REFUSED = "heartbeats_refused"
     COMPILE_CACHE = "compile_cache"
     FINAL_STATE_UNSAVED = "final_state_unsaved"
     MIRROR_UPLOADED = "mirror_uploaded"
@@ -178,6 +179,10 @@ KINDS: dict[Kind, KindSpec] = {
         fields=("attempt", "rank", "reason"),
         meaning="the worker refused requests on its control FIFO that did not carry the "
                 "attempt's token (someone other than rtrain asked for a save at a hang)"),
+    Kind.HEARTBEATS_REFUSED: KindSpec(
+        fields=("attempt", "count", "senders"),
+        meaning="rtrain refused datagrams on the attempt's heartbeat socket whose sender was "
+                "another user or a process outside the attempt (`senders`: `pid P (why)`)"),
     Kind.COMPILE_CACHE: KindSpec(
         fields=("attempt", "rank", "outcome", "detail"),
         meaning="the worker loaded the checkpoint's compile cache (outcome `loaded`) or "

@@ -4,14 +4,18 @@
   record there (`exit-rank<R>.json`), keeps its progress board there (`progress-rank<R>.bin`,
   core/progress_board.py) and, on `RTRAIN_DUMP_SIGNAL`, writes its Python stacks there
   (`stacks-<pid>.txt`, via faulthandler).
-- `RTRAIN_HEARTBEAT` names a unix datagram socket the supervisor listens on ("@name" for the
-  Linux abstract namespace, which has no path-length limit). Each datagram is one JSON heartbeat.
-  Sends never block: when nobody listens, the heartbeat is dropped.
+- `RTRAIN_HEARTBEAT` names a unix datagram socket the supervisor listens on: a socket file in
+  a directory only its user may enter ("@name", the Linux abstract namespace, where that cannot
+  be made). Each datagram is one JSON heartbeat. Sends never block: when nobody listens, the
+  heartbeat is dropped. The supervisor reads only datagrams whose kernel-checked sender is of
+  its user and in the attempt's process tree (proc/senders.py), and every field of one is
+  untrusted: `Heartbeat.decode` keeps only fields of their type within bounds.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,8 +43,9 @@ ENV_STOP_SIGNAL = "RTRAIN_STOP_SIGNAL"
 """The signal the worker treats as "save at the next step boundary and exit 75" (`stop_signal`,
 default SIGTERM)."""
 ENV_HEARTBEAT = "RTRAIN_HEARTBEAT"
-"""The unix datagram socket rtrain listens on for heartbeats (`@name`: Linux's abstract
-namespace); a send never blocks."""
+"""The unix datagram socket rtrain listens on for heartbeats: a path in a directory only the
+user may enter (`@name`, Linux's abstract namespace, where none can be made); a send never
+blocks, and rtrain reads only what the attempt's own processes send."""
 ENV_DUMP_SIGNAL = "RTRAIN_DUMP_SIGNAL"
 """The signal on which the worker writes every Python stack to `$RTRAIN_STATUS/stacks-<pid>.txt`
 (at a hang)."""
@@ -92,7 +97,8 @@ CONTROL_FIFO = "control"
 CONTROL_FAILSAVE = "failsave"  # save the last step boundary if nothing changed since
 ENV_CONTROL_TOKEN = "RTRAIN_CONTROL_TOKEN"
 """The attempt's secret (new per attempt, in its environment alone): the worker serves a request
-on its control FIFO (a save at a hang) only when the request carries it."""
+on its control FIFO (a save at a hang) only when the request carries it, and sends it with each
+heartbeat, so rtrain knows the attempt's own even from a process already gone."""
 
 DUMP_SIGNAL = "SIGUSR2"  # RTRAIN_DUMP_SIGNAL: on it the worker writes its stacks (faulthandler)
 # RTRAIN_RELIEVE_SIGNAL: memory pressure, free what you can at the next step boundary. SIGURG
@@ -144,7 +150,12 @@ class Heartbeat:
     carries `started`, the unix time the script began in this process; step heartbeats carry
     `step_s`, `wait_s` and `host` (the straggler rule's inputs); the one
     `Checkpointer.restore` sends carries `restore_s`, the seconds the checkpoint load took (the
-    cost of a failure, records/recovery.py)."""
+    cost of a failure, records/recovery.py).
+
+    A `persist` heartbeat is a request only: the Keep policy rtrain prunes with after the copy
+    is the one the Checkpointer recorded in the snapshot's manifest (`info.keep`), never a
+    heartbeat's field. Decoding keeps each field only when it has its type and lies within its
+    bounds (`_FIELDS`); `pid` is replaced by the sender's pid as the kernel reports it."""
 
     pid: int
     rank: int
@@ -170,9 +181,10 @@ class Heartbeat:
     # `snapshot` heartbeats (the memory tier, worker/memtier/memory_tier.py): {"every", "stall_s",
     # "write_s", "bytes"} when the tier starts or its interval changes; {"off": why} when it stops.
     snapshot: dict[str, Any] | None = None
-    # `persist` heartbeats: the worker's Keep policy as RetentionPolicy's fields ({"keep",
-    # "keep_best", "metric", "mode", "milestone_every"}), applied by rtrain after the copy.
-    persist: dict[str, Any] | None = None
+    # RTRAIN_CONTROL_TOKEN, the attempt's secret: proves a sender is the attempt's own when
+    # the kernel's word cannot (it exited before rtrain read its datagram: a forked writer).
+    # Checked and removed on receipt (proc/heartbeat.py), never recorded.
+    token: str | None = None
     v: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
@@ -180,7 +192,20 @@ class Heartbeat:
 
     @classmethod
     def decode(cls, raw: bytes) -> Heartbeat | None:
-        return _parse(cls, raw)
+        """One heartbeat of this protocol version, each field typed and bounded; None for
+        anything else (never raises). A field out of its type or bounds is dropped; a
+        heartbeat without a valid pid, rank, time or event is dropped whole."""
+        obj = _json_object(raw)
+        if obj is None or obj.get("v") != PROTOCOL_VERSION:
+            return None
+        fields = {}
+        for name, check in _FIELDS.items():
+            value = check(obj.get(name))
+            if value is not None:
+                fields[name] = value
+        if not all(name in fields for name in _REQUIRED):
+            return None
+        return cls(**fields)
 
 
 @dataclass
@@ -205,6 +230,86 @@ class ExitRecord:
     @classmethod
     def from_json(cls, text: str | bytes) -> ExitRecord | None:
         return _parse(cls, text)
+
+
+# Heartbeat fields as rtrain accepts them: a datagram is the sender's word, and a field outside
+# these bounds (a step of 10**30, a reason of a megabyte, a map nested a hundred deep) is never
+# what the worker sends.
+MAX_TEXT = 300  # reason, host: a sentence, a host name
+MAX_MAP_BYTES = 4096  # settings, cadence, snapshot: a few knobs' values, as JSON
+MAX_MAP_DEPTH = 4
+MAX_RANK = 1 << 20
+MAX_STEP = 1 << 62
+MAX_SECONDS = 1e8  # an interval or a duration (three years)
+
+
+def _int(lo: int, hi: int) -> Any:
+    def check(v: Any) -> int | None:
+        ok = isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+        return v if ok else None
+    return check
+
+
+def _num(lo: float, hi: float, *, finite: bool = True) -> Any:
+    def check(v: Any) -> float | None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return None
+        try:
+            f = float(v)
+        except OverflowError:
+            return None
+        if not math.isfinite(f):
+            return None if finite else f  # a loss may be nan or inf: that is news
+        return f if lo <= f <= hi else None
+    return check
+
+
+def _text(v: Any) -> str | None:
+    return v[:MAX_TEXT] if isinstance(v, str) else None
+
+
+def _event(v: Any) -> str | None:
+    ok = isinstance(v, str) and 0 < len(v) <= 40 and v.replace("_", "").isalpha()
+    return v if ok else None
+
+
+def _depth(v: Any, left: int) -> bool:
+    if isinstance(v, dict):
+        return left > 0 and all(_depth(x, left - 1) for x in v.values())
+    if isinstance(v, list):
+        return left > 0 and all(_depth(x, left - 1) for x in v)
+    return True
+
+
+def _map(v: Any) -> dict[str, Any] | None:
+    if not isinstance(v, dict) or not _depth(v, MAX_MAP_DEPTH):
+        return None
+    try:
+        size = len(json.dumps(v))
+    except (TypeError, ValueError):
+        return None
+    return v if size <= MAX_MAP_BYTES else None
+
+
+_FIELDS: dict[str, Any] = {
+    "pid": _int(1, 1 << 31), "rank": _int(0, MAX_RANK), "time": _num(0.0, 1e11),
+    "event": _event, "step": _int(0, MAX_STEP),
+    "loss": _num(-math.inf, math.inf, finite=False), "samples_per_s": _num(0.0, 1e15),
+    "max_step_interval": _num(0.0, MAX_SECONDS), "next_save_step": _int(0, MAX_STEP),
+    "settings": _map, "reason": _text, "cadence": _map, "world": _int(1, MAX_RANK),
+    "started": _num(0.0, 1e11), "restore_s": _num(0.0, MAX_SECONDS),
+    "step_s": _num(0.0, MAX_SECONDS), "wait_s": _num(0.0, MAX_SECONDS), "host": _text,
+    "snapshot": _map, "token": lambda v: v if isinstance(v, str) and len(v) <= 64 else None,
+}
+_REQUIRED = ("pid", "rank", "time", "event")
+
+
+def _json_object(raw: str | bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, TypeError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def _parse(cls: type, raw: str | bytes) -> Any:

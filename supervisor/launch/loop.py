@@ -326,6 +326,7 @@ class Loop:
             on_pressure=lambda note: self._pressure(n, note),
             on_hang=lambda: self.features.hang(attempt))
         child.close()
+        self.observers.heartbeats_refused(n, self.hb.gate.take_refused())
         self.wall_clock.note(measured(outcome.seen))
         self.procs.update([])  # swept
         return outcome, self.seams.monotonic() - t0

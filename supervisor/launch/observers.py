@@ -88,6 +88,18 @@ class Observers:
             self.events.emit("heartbeat_summary", attempt=attempt, step=hb.step, loss=hb.loss,
                              samples_per_s=hb.samples_per_s)
 
+    def heartbeats_refused(self, attempt: int, refused: dict[str, int]) -> None:
+        """Datagrams on the heartbeat socket from processes that are not the attempt's
+        (proc/senders.py): refused, said once per attempt."""
+        if not refused:
+            return
+        assert self.events is not None
+        count = sum(refused.values())
+        senders = sorted(refused)
+        self.events.emit("heartbeats_refused", attempt=attempt, count=count, senders=senders)
+        self.say(f"attempt {attempt}: refused {count} heartbeat{'s' * (count != 1)} from "
+                 f"processes that are not the attempt's: {', '.join(senders)[:300]}")
+
     def pressure(self, attempt: int, note: PressureNote) -> None:
         """The watch asked for relief, or stops the child for a rung down."""
         assert self.events is not None

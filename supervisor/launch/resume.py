@@ -45,6 +45,7 @@ class Checkpoints:
         self.fetch_newer: Callable[[Verdict | None, float | None], bool] | None = None
         self._looked_remote = False
         self.run: str | None = None  # this launch's run identity, settled at its first pick
+        self._said_ignored = False  # a kept.json rtrain cannot trust was said
 
     def pick(self, history: History, resume: ResumeMode, *, first: bool) -> Selection | None:
         """The checkpoint the next attempt resumes from; None when an explicit --resume PATH
@@ -248,7 +249,11 @@ class Checkpoints:
         a kill mid-write, or replaced by something refused); the sentence said, or None."""
         if self.run_dir is None:
             return None
-        kept = keepcopy.load(self.run_dir)
+        kept, ignored = keepcopy.read(self.run_dir)
+        if ignored is not None and not self._said_ignored:
+            self._said_ignored = True  # one line a launch: it is read at every pick
+            self.say(f"ignored {safe(str(self.run_dir / keepcopy.KEPT_DIR / keepcopy.RECORD))}"
+                     f": {safe(ignored)}; nothing is restored from it")
         if kept is None or Path(kept.source).parent != self.dir.resolve():
             return None
         live = Path(kept.source)

@@ -39,11 +39,10 @@ def resume_from_memory(snapshot_step: int | None, chosen_step: int | None, *,
 
 @dataclass(frozen=True)
 class Request:
-    """Persist the newest snapshot at `step` or later, then prune with `policy` (None: the
-    worker's policy could not be read, nothing is pruned)."""
+    """Persist the newest snapshot at `step` or later (a `persist` heartbeat: a request, never
+    a policy), then prune with the Keep policy that snapshot's manifest records."""
 
     step: int
-    policy: RetentionPolicy | None
 
 
 @dataclass(frozen=True)
@@ -76,9 +75,17 @@ def finished(q: Queue, committed: int | None) -> tuple[Queue, Request | None]:
     return Queue(running=p.step), p
 
 
+def snapshot_policy(manifest: Any) -> RetentionPolicy | None:
+    """The Keep policy a snapshot's manifest records (the Checkpointer's, signed with the
+    manifest when the run signs); None when it records none that reads."""
+    info = manifest.get("info") if isinstance(manifest, dict) else None
+    return policy_of(info.get("keep")) if isinstance(info, dict) else None
+
+
 def policy_of(fields: Any) -> RetentionPolicy | None:
-    """The worker's Keep policy from its heartbeat (RetentionPolicy's fields); None when it
-    does not read as one (nothing is pruned then: deleting on a misread rule loses work)."""
+    """The worker's Keep policy as a snapshot's manifest records it (`info.keep`:
+    RetentionPolicy's fields); None when it does not read as one (nothing is pruned then:
+    deleting on a misread rule loses work)."""
     if not isinstance(fields, dict):
         return None
     names = RetentionPolicy.__dataclass_fields__

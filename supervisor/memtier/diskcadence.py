@@ -3,10 +3,12 @@
 With the memory tier on, a disk save that falls due on the worker's schedule is a snapshot
 (worker/memtier/memory_tier.py) followed by a `persist` heartbeat; rtrain copies the newest snapshot
 at that step or later into the checkpoint dir in a thread of its own (persist.py: hashed as it is
-copied, pinned against the worker's removal), then prunes with the worker's Keep policy, never the
-step just committed nor the one the attempt resumed from. So the training thread pays the snapshot,
-not the disk write. A step on disk already is left alone unless it is an earlier save of it (a
-replay after a resume from an older checkpoint), replaced as the worker's own save would replace it.
+copied, pinned against the worker's removal), then prunes with the worker's Keep policy as the
+snapshot's manifest records it (never a heartbeat's word: anyone who could send one would choose
+what is deleted), never the step just committed nor the one the attempt resumed from. So the
+training thread pays the snapshot, not the disk write. A step on disk already is left alone
+unless it is an earlier save of it (a replay after a resume from an older checkpoint), replaced
+as the worker's own save would replace it.
 One copy runs at a time; a request that comes meanwhile waits, a newer one replacing it
 (decide.requested). The thread never writes events: what it did is reported from the loop's thread
 (`poll`, `settle`), where every event is written.
@@ -32,6 +34,7 @@ from rtrain.checkpoint.commit import remove_dir
 from rtrain.checkpoint.layout import MANIFEST, checkpoint_name
 from rtrain.checkpoint.verify import Level, Verdict, VerifiedCache, verify
 from rtrain.supervisor.memtier import decide, persist, shmdir
+from rtrain.supervisor.retention.decide import RetentionPolicy
 from rtrain.supervisor.retention.prune_dir import prune
 
 WHY = "disk cadence"
@@ -48,6 +51,7 @@ class Done:
     bytes: int = 0
     seconds: float = 0.0
     refused: list[tuple[Verdict, str]] = field(default_factory=list)
+    policy: RetentionPolicy | None = None  # the Keep policy the committed snapshot records
     failed: str | None = None  # why the copy did not happen (a storage error)
     prune_failed: str | None = None
 
@@ -70,13 +74,12 @@ class DiskCadence:
     def attempt_starting(self, attempt: int, resumed: int | None) -> None:
         self.attempt, self.resumed = attempt, resumed
 
-    def request(self, step: int | None, policy: Any) -> None:
+    def request(self, step: int | None) -> None:
         """A `persist` heartbeat (the loop's thread)."""
         self.poll()
         if not isinstance(step, int) or isinstance(step, bool):
             return
-        self._queue, start = decide.requested(self._queue,
-                                              decide.Request(step, decide.policy_of(policy)))
+        self._queue, start = decide.requested(self._queue, decide.Request(step))
         if start is not None:
             self._start(start)
 
@@ -152,10 +155,10 @@ class DiskCadence:
             done.failed = str(e.strerror or e)
         except Exception as e:  # never the supervisor's end: said, and the next request retries
             done.failed = f"{type(e).__name__}: {e}"
-        if done.step is not None and req.policy is not None:
+        if done.step is not None and done.policy is not None:
             protect = frozenset({done.step} | ({self.resumed} - {None}))
             try:
-                prune(self.ckpt_dir, req.policy, key=self.key, protect=protect,
+                prune(self.ckpt_dir, done.policy, key=self.key, protect=protect,
                       verified=self._verified)
             except OSError as e:  # the copy stands; the next one prunes again
                 done.prune_failed = str(e.strerror or e)
@@ -194,6 +197,7 @@ class DiskCadence:
                 return
             self._verified.add(verify(out.path, Level.QUICK, self.key))
             done.step, done.path, done.bytes = snap.step, out.path, out.bytes
+            done.policy = decide.snapshot_policy(snap.manifest)
             done.seconds = time.monotonic() - t0
             return
 

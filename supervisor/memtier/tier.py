@@ -161,7 +161,7 @@ class MemoryTierDir:
         """The worker's `snapshot` heartbeats (the tier started, changed interval or stopped)
         and `persist` heartbeats (a disk save, copied in the background)."""
         if hb.event == "persist":
-            self.disk.request(hb.step, hb.persist)
+            self.disk.request(hb.step)
             return
         self.disk.poll()  # the next copy starts as soon as the loop hears anything
         s = hb.snapshot

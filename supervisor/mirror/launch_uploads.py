@@ -14,7 +14,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rtrain.supervisor.config import Config
-from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core import isolated, ownfiles
 from rtrain.supervisor.core.errors import UsageError
 from rtrain.supervisor.core.untrusted_text import safe
 from rtrain.supervisor.mirror.uploader import Spec
@@ -87,7 +86,8 @@ class Mirroring:
                                 create=True, mode=self.spec.file_mode).fd
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rtrain.supervisor.mirror.uploader", self.spec.dumps()],
+                # Isolated: no module of the working directory or PYTHONPATH is imported.
+                isolated.module_argv("rtrain.supervisor.mirror.uploader", self.spec.dumps()),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 # Its own session: a Ctrl-C at the terminal reaches rtrain, which decides.
                 start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))

@@ -1,4 +1,5 @@
-"""Heartbeats in (a unix datagram socket) and the hang timeout learned from them.
+"""Heartbeats in (a unix datagram socket only the attempt's processes are heard on) and the
+hang timeout learned from them.
 
 `HangClock` is pure: it is fed heartbeats and activity with the caller's clock and answers when
 the attempt counts as hung. Rules, in order:
@@ -32,10 +33,13 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import struct
+import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rtrain.supervisor.core.protocol import Heartbeat, socket_address
+from rtrain.supervisor.proc.senders import SenderGate
 
 if TYPE_CHECKING:
     from rtrain.supervisor.config import HangConfig
@@ -197,27 +201,74 @@ class HangClock:
 
 
 class HeartbeatReceiver:
-    """The supervisor's end of RTRAIN_HEARTBEAT: a non-blocking abstract datagram socket."""
+    """The supervisor's end of RTRAIN_HEARTBEAT: a non-blocking datagram socket that only the
+    attempt's own processes are heard on.
+
+    The socket is a file in a directory of its own that only this user may enter (made anew,
+    mode 0700, in the system's temporary directory: a path there fits the 108 bytes a socket
+    path may have, and a run dir on a network filesystem may take no socket at all), so no other
+    user can even send; where none can be made, an abstract name. Either way each datagram's
+    sender, as the kernel reports it, must be this user's, and carry the attempt's token or be
+    in the attempt's process tree (proc/senders.py); the rest are refused and counted
+    (`gate.take_refused`)."""
 
     def __init__(self, name: str | None = None) -> None:
-        self.name = name or f"@rtrain-{os.getpid()}-{secrets.token_hex(4)}"
+        self._dir: str | None = None
+        if name is None:
+            name = self._private_path()
+        self.name = name
+        self.gate = SenderGate()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        self.sock.bind(socket_address(self.name))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        try:
+            self.sock.bind(socket_address(self.name))
+            if not self.name.startswith("@"):
+                os.chmod(self.name, 0o600)
+        except BaseException:
+            self.close()
+            raise
         self.sock.setblocking(False)
+
+    def _private_path(self) -> str:
+        """A socket path in a new directory of this user's alone; an abstract name where
+        none can be made (a read-only or full temporary dir, a path too long for a socket)."""
+        abstract = f"@rtrain-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            self._dir = tempfile.mkdtemp(prefix="rtrain-hb-")  # mode 0700
+        except OSError:
+            return abstract
+        path = os.path.join(self._dir, "heartbeat")
+        if len(os.fsencode(path)) >= _SUN_PATH_MAX:
+            os.rmdir(self._dir)
+            self._dir = None
+            return abstract
+        return path
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def attempt(self, root: int, token: str | None = None) -> None:
+        """Heard from now on: `root` (the attempt's first process), its descendants, and
+        senders that carry the attempt's `token`."""
+        self.gate.attempt(root, token)
+
     def drain(self) -> list[Heartbeat]:
-        """Every heartbeat waiting now; malformed or other-version datagrams are dropped."""
+        """Every heartbeat waiting now from the attempt's processes; others' datagrams are
+        refused (counted), malformed or other-version ones dropped. Each heartbeat's `pid` is
+        its sender's, as the kernel reports it."""
         out = []
         while True:
             try:
-                raw = self.sock.recv(65536)
+                raw, anc, _, _ = self.sock.recvmsg(65536, _CMSG_SPACE)
             except BlockingIOError:
                 return out
+            sender = _credentials(anc)
             hb = Heartbeat.decode(raw)
+            token = hb.token if hb is not None else None
+            if sender is None or not self.gate.admit(*sender, token):
+                continue
             if hb is not None:
+                hb.pid, hb.token = sender[0], None  # the kernel's word; the secret goes no further
                 out.append(hb)
 
     def close(self) -> None:
@@ -227,9 +278,31 @@ class HeartbeatReceiver:
                 os.unlink(self.name)
             except FileNotFoundError:
                 pass
+        if self._dir is not None:
+            try:
+                os.rmdir(self._dir)
+            except OSError:
+                pass
+            self._dir = None
 
     def __enter__(self) -> HeartbeatReceiver:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_SUN_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux, the terminating NUL included
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_CMSG_SPACE = socket.CMSG_SPACE(_UCRED.size)
+
+
+def _credentials(ancillary: list[tuple[int, int, bytes]]) -> tuple[int, int] | None:
+    """(pid, uid) of a datagram's sender from its SCM_CREDENTIALS, which the kernel attaches
+    under SO_PASSCRED; None without them."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS \
+                and len(data) >= _UCRED.size:
+            pid, uid, _ = _UCRED.unpack_from(data)
+            return pid, uid
+    return None

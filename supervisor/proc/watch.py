@@ -157,6 +157,9 @@ class _Watch:
     def __init__(self, child, config, heartbeats, gpu, tree, clock) -> None:
         self.child, self.config, self.hbs = child, config, heartbeats
         self.gpu, self.tree, self.clock = gpu, tree, clock
+        if heartbeats is not None:
+            # Heard from now on: this child, its descendants, and whoever has its token.
+            heartbeats.attempt(child.pid, child.spec.env.get(ENV_CONTROL_TOKEN))
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None
         self.on_sample: Callable[[Sample], None] | None = None
         self.on_pressure: Callable[[PressureNote], None] | None = None

@@ -31,9 +31,10 @@ run's memory cgroup; rtrain drops the tier before the training process would be 
 and training goes on: the disk tier is untouched.
 
 The disk cadence. While the tier is on, a disk save due on the schedule (`every=`) is a
-snapshot of that step followed, once it committed, by a `persist` heartbeat with the Keep
-policy: rtrain copies it into the checkpoint dir in the background and prunes
-(supervisor/memtier/diskcadence.py), so the loop pays the snapshot, not the disk write. A stop
+snapshot of that step followed, once it committed, by a `persist` heartbeat: rtrain copies it
+into the checkpoint dir in the background and prunes with the Keep policy every snapshot's
+manifest records (`info.keep`; a heartbeat carries no policy: supervisor/memtier/
+diskcadence.py), so the loop pays the snapshot, not the disk write. A stop
 request, `request_save()`, `save()` and the save at a failure still write to disk from this
 process: they must be durable before it goes on or exits. A snapshot rtrain was to persist that
 fails makes the next step boundary save to disk here instead (`persist_lost`).
@@ -199,9 +200,11 @@ class MemoryTier:
         # One writer thread for the process's life, started at the first snapshot: starting a
         # thread per snapshot cost the training thread several ms on a loaded machine.
         self._thread: threading.Thread | None = None
-        # Each job: the capture, and the Keep policy's fields when rtrain is to persist it.
-        self._jobs: queue.SimpleQueue[tuple[Capture, dict[str, Any] | None] | None] = \
-            queue.SimpleQueue()
+        # Each job: the capture, and whether rtrain is to persist it (a disk save).
+        self._jobs: queue.SimpleQueue[tuple[Capture, bool] | None] = queue.SimpleQueue()
+        # The Checkpointer's Keep policy (RetentionPolicy's fields), recorded in each
+        # snapshot's manifest as info.keep: what rtrain prunes with after persisting one.
+        self.keep: dict[str, Any] | None = None
         self._pending = False  # a snapshot was handed to the writer and not waited for
         self._idle = threading.Event()  # set while the writer has nothing in hand
         self._idle.set()
@@ -258,11 +261,11 @@ class MemoryTier:
         # must not make every step after it wait for it.
         return self._last_call is None or step - self._last_call[0] >= self.every
 
-    def snapshot(self, cap: Capture, persist: dict[str, Any] | None = None) -> bool:
+    def snapshot(self, cap: Capture, persist: bool = False) -> bool:
         """Start writing `cap` (taken at this step boundary); returns once the training
         thread may go on (see the module docstring), False when the tier took nothing.
-        `persist` (the Keep policy's fields): once committed, ask rtrain to copy the snapshot
-        to the checkpoint dir, as the disk save of this step."""
+        `persist`: once committed, ask rtrain to copy the snapshot to the checkpoint dir, as
+        the disk save of this step."""
         began = time.monotonic()
         self.wait()
         if self.off is not None:
@@ -285,6 +288,8 @@ class MemoryTier:
                             _storages(_buffers(self.model)))
         info = cap.fields.setdefault("info", {})
         info["memory_snapshot"] = True
+        if self.keep is not None:
+            info["keep"] = self.keep
         if cap.world is not None:
             info.update(parts.part_fields(cap.world.rank, cap.world.size))
         self._pace(cap.step, began)
@@ -343,19 +348,19 @@ class MemoryTier:
             finally:
                 self._idle.set()
 
-    def _write(self, cap: Capture, persist: dict[str, Any] | None = None) -> None:
+    def _write(self, cap: Capture, persist: bool = False) -> None:
         t0, cpu0 = time.monotonic(), time.thread_time()
         try:
             path = write_snapshot(self.target, cap, self._read)
         except OSError as e:  # a failed snapshot costs the tier, never the training
             why = os.strerror(e.errno) if e.errno in STORAGE_ERRNOS else f"{e}"
             self.stop(f"the snapshot of step {cap.step} could not be written: {why}", cap.step)
-            self.persist_lost = self.persist_lost or (persist is not None)
+            self.persist_lost = self.persist_lost or persist
             return
         except BaseException as e:
             self.stop(f"the snapshot of step {cap.step} failed: {type(e).__name__}: {e}",
                       cap.step)
-            self.persist_lost = self.persist_lost or (persist is not None)
+            self.persist_lost = self.persist_lost or persist
             return
         finally:
             self._read.set()
@@ -372,8 +377,8 @@ class MemoryTier:
                     remove_dir(older)
                 except OSError:
                     pass  # rtrain took it away (it pins what it copies) or removed the dir
-        if persist is not None:  # only now: rtrain copies the newest snapshot at this step or later
-            runtime.heartbeat(step=cap.step, event="persist", persist=persist)
+        if persist:  # only now: rtrain copies the newest snapshot at this step or later
+            runtime.heartbeat(step=cap.step, event="persist")
 
     def _pace(self, step: int, now: float) -> None:
         """Under "auto", choose the next interval from what the previous snapshot measured,
