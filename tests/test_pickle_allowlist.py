@@ -199,6 +199,13 @@ def test_more_memo_entries_than_pickle_writes_is_refused():
         pickle_scan.scan(data)
 
 
+def test_memo_entries_out_of_order_are_refused_before_they_cost_memory():
+    data = (b"\x80\x04]" + b"".join(b"Nr" + struct.pack("<I", 7 * i + 3) + b"0"
+                                     for i in range(70_000)) + b".")
+    with pytest.raises(pickle_scan.PickleRefused, match="memo entries out of order"):
+        pickle_scan.scan(data)
+
+
 def test_a_stack_deeper_than_any_checkpoint_is_refused():
     data = b"\x80\x04" + b"(" * (pickle_scan.MAX_STACK + (1 << 17)) + b"t."
     with pytest.raises(pickle_scan.PickleRefused, match=r"more than .* items at once"):

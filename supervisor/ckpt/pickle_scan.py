@@ -26,9 +26,11 @@ Nothing is imported, constructed or called.
 - **Bounded work.** The walk is one pass over the bytes, at most one opcode per byte, in
   memory bounded by the pickle's size with a small constant: strings are kept only when they
   can name an allowed global or a step key (plus the first few others, to name what is
-  refused), integers never in the memo, opaque values as one shared marker. A pickle that
-  memoizes more than `MAX_MEMO_PER_BYTE` entries per byte, nests deeper than `MAX_STACK`, or
-  takes longer than `MAX_SECONDS` is refused: `pickle` itself never writes one.
+  refused), integers never in the memo, opaque values as one shared marker; each opcode is one
+  small function found by its byte, so no opcode is dearer to flood with than another. A
+  pickle that memoizes more than `MAX_MEMO_PER_BYTE` entries per byte or many out of order,
+  holds more than `MAX_STACK` items, or takes longer than `MAX_SECONDS` is refused: `pickle`
+  itself never writes one.
 
 The caller bounds the pickle's size (torchzip.MAX_PICKLE).
 """
@@ -117,6 +119,11 @@ class _Mark:
     __slots__ = ()
 
 
+class _Stop(Exception):  # not an error: the STOP opcode, carrying the pickle's result
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+
 class _Opaque:
     __slots__ = ()
 
@@ -143,6 +150,9 @@ _DICT_CLASSES = frozenset({"collections.OrderedDict", "builtins.dict",
                            "lightning_fabric.utilities.data.AttributeDict",
                            "lightning.pytorch.utilities.parsing.AttributeDict",
                            "pytorch_lightning.utilities.parsing.AttributeDict"})
+_MAX_SPARSE = 1 << 16  # memo entries written out of order: pickle writes none
+
+
 def _name_parts(name: str) -> list[str]:
     parts = name.split(".")
     return ([".".join(parts[:i]) for i in range(1, len(parts))]
@@ -272,6 +282,18 @@ def _walk(buf: bytes, what: str, any_global: bool) -> tuple[int, Scan]:
         pos += n
         return raw
 
+    def skip(n: int) -> None:  # bytes whose value does not matter: not copied
+        nonlocal pos
+        if n < 0 or pos + n > size:
+            raise _refuse(what, "not a readable pickle (cut short: a string runs past its end)")
+        pos += n
+
+    def text(n: int) -> object:
+        if n > _MAX_STRING:  # no allowed name or step key is this long
+            skip(n)
+            return _OTHER_STR
+        return string(counted(n))
+
     def memo_put(index: int, value: object) -> None:
         if len(memo) + len(sparse) >= max_memo:
             raise _refuse(what, f"the pickle memoizes more than {max_memo} objects for "
@@ -282,8 +304,11 @@ def _walk(buf: bytes, what: str, any_global: bool) -> tuple[int, Scan]:
             memo.append(value)
         elif index < len(memo):
             memo[index] = value
-        else:
+        elif len(sparse) < _MAX_SPARSE:
             sparse[index] = value
+        else:
+            raise _refuse(what, f"the pickle writes more than {_MAX_SPARSE} memo entries out "
+                                "of order: pickle never writes that (refused)")
 
     def memo_get(index: int) -> object:
         if index < len(memo):
@@ -292,12 +317,272 @@ def _walk(buf: bytes, what: str, any_global: bool) -> tuple[int, Scan]:
             return sparse[index]
         raise _refuse(what, f"malformed pickle (memo {index} read before it was written)")
 
+    # One small function per opcode, found by its byte: a flood of the opcode the walk takes
+    # longest on costs no more than any other (a chain of tests would make the last one dear).
+    def top() -> object:
+        return stack[-1] if stack else pop()
+
+    def u1() -> int:
+        nonlocal pos
+        pos += 1
+        return buf[pos - 1]
+
+    def fixed(fmt: str, n: int) -> int:
+        nonlocal pos
+        pos += n
+        return unpack_from(fmt, buf, pos - n)[0]
+
+    def op_binput() -> None:
+        memo_put(u1(), top())
+
+    def op_binget() -> None:
+        push(memo_get(u1()))
+
+    def op_long_binput() -> None:
+        memo_put(fixed("<I", 4), top())
+
+    def op_long_binget() -> None:
+        push(memo_get(fixed("<I", 4)))
+
+    def op_memoize() -> None:
+        memo_put(len(memo), top())
+
+    def op_binint1() -> None:
+        push(u1())
+
+    def op_binint() -> None:
+        push(fixed("<i", 4))
+
+    def op_binint2() -> None:
+        push(fixed("<H", 2))
+
+    def op_mark() -> None:
+        push(_MARK)
+
+    def op_short_binunicode() -> None:  # also SHORT_BINSTRING
+        push(text(u1()))
+
+    def op_binunicode() -> None:
+        push(text(fixed("<I", 4)))
+
+    def op_binunicode8() -> None:
+        push(text(fixed("<Q", 8)))
+
+    def op_binstring() -> None:
+        push(text(fixed("<i", 4)))
+
+    def op_short_binbytes() -> None:
+        skip(u1())
+        push(_OPAQUE)
+
+    def op_binbytes() -> None:
+        skip(fixed("<I", 4))
+        push(_OPAQUE)
+
+    def op_binbytes8() -> None:  # BINBYTES8, BYTEARRAY8
+        skip(fixed("<Q", 8))
+        push(_OPAQUE)
+
+    def op_opaque() -> None:  # EMPTY_TUPLE, EMPTY_LIST, NONE, EMPTY_SET
+        push(_OPAQUE)
+
+    def op_true() -> None:
+        push(True)
+
+    def op_false() -> None:
+        push(False)
+
+    def op_from_mark() -> None:  # TUPLE, LIST, FROZENSET
+        pop_mark()
+        push(_OPAQUE)
+
+    def op_tuple1() -> None:
+        pop()
+        push(_OPAQUE)
+
+    def op_tuple2() -> None:
+        pop()
+        pop()
+        push(_OPAQUE)
+
+    def op_tuple3() -> None:
+        pop()
+        pop()
+        pop()
+        push(_OPAQUE)
+
+    def op_empty_dict() -> None:
+        push(new_dict())
+
+    def op_dict() -> None:
+        items = pop_mark()
+        d = new_dict()
+        if isinstance(d, _Obj):
+            for k, v in zip(items[::2], items[1::2], strict=False):
+                d.set(k, v)
+        push(d)
+
+    def op_reduce() -> None:
+        pop()
+        func = pop()
+        # OrderedDict() and friends: keep collecting the items set on the result.
+        push(new_dict() if func is _CALLABLE_DICT else _OPAQUE)
+
+    def op_newobj() -> None:
+        pop()
+        push(new_dict() if pop() is _CALLABLE_DICT else _OPAQUE)
+
+    def op_newobj_ex() -> None:
+        pop()
+        pop()
+        push(new_dict() if pop() is _CALLABLE_DICT else _OPAQUE)
+
+    def op_obj() -> None:
+        if not pop_mark():
+            raise _refuse(what, "malformed pickle (OBJ without a class)")
+        push(_OPAQUE)
+
+    def op_binpersid() -> None:  # a storage torch keeps outside the pickle
+        pop()
+        push(_OPAQUE)
+
+    def op_setitem() -> None:
+        value, key = pop(), pop()
+        target = stack[-1] if stack else None
+        if isinstance(target, _Obj):
+            target.set(key, value)
+
+    def op_setitems() -> None:
+        items = pop_mark()
+        target = stack[-1] if stack else None
+        if isinstance(target, _Obj):
+            for k, v in zip(items[::2], items[1::2], strict=False):
+                target.set(k, v)
+
+    def op_append() -> None:  # APPEND, BUILD: the target stays
+        pop()
+        if not stack:
+            raise _refuse(what, "malformed pickle (stack underflow)")
+
+    def op_appends() -> None:  # APPENDS, ADDITEMS
+        pop_mark()
+        if not stack:
+            raise _refuse(what, "malformed pickle (stack underflow)")
+
+    def op_stack_global() -> None:
+        name = pop()
+        push(check(pop(), name, "STACK_GLOBAL"))
+
+    def op_global() -> None:
+        module = line().decode("utf-8", "replace")
+        push(check(module, line().decode("utf-8", "replace"), "GLOBAL"))
+
+    def op_inst() -> None:
+        module = line().decode("utf-8", "replace")
+        check(module, line().decode("utf-8", "replace"), "INST")
+        pop_mark()
+        push(_OPAQUE)
+
+    def op_stop() -> None:
+        raise _Stop(pop())
+
+    def op_proto() -> None:
+        nonlocal proto
+        proto = u1()
+
+    def op_frame() -> None:  # a length only: the opcodes follow as usual
+        nonlocal pos
+        pos += 8
+
+    def op_pop() -> None:
+        pop()
+
+    def op_pop_mark() -> None:
+        pop_mark()
+
+    def op_dup() -> None:
+        push(top())
+
+    def op_binfloat() -> None:
+        nonlocal pos
+        pos += 8
+        push(_OPAQUE)
+
+    def op_long1() -> None:
+        n = u1()
+        raw = counted(n)  # an int of more than 8 bytes is no step: not decoded
+        push(int.from_bytes(raw, "little", signed=True) if n <= 8 else _OPAQUE)
+
+    def op_long4() -> None:
+        skip(fixed("<i", 4))
+        push(_OPAQUE)
+
+    def op_int() -> None:  # "00"/"01" are False/True at protocol 0
+        text = line()
+        push(False if text == b"00" else True if text == b"01" else int(text))
+
+    def op_long() -> None:
+        push(int(line().rstrip(b"L")))
+
+    def op_float() -> None:
+        float(line())
+        push(_OPAQUE)
+
+    def op_string() -> None:  # a quoted repr
+        raw = line()
+        if len(raw) < 2 or raw[:1] != raw[-1:] or raw[:1] not in (b"'", b'"'):
+            raise _refuse(what, "malformed pickle (STRING not quoted)")
+        push(string(codecs.escape_decode(raw[1:-1])[0]))
+
+    def op_unicode() -> None:
+        push(string(line().decode("raw-unicode-escape").encode()))
+
+    def op_get() -> None:
+        push(memo_get(int(line())))
+
+    def op_put() -> None:
+        memo_put(int(line()), top())
+
+    def op_persid() -> None:
+        line()
+        push(_OPAQUE)
+
+    def op_ext() -> None:
+        raise _refuse(what, "the pickle names a function through the extension registry "
+                            "(refused: it could name anything)")
+
+    def op_buffer() -> None:
+        raise _refuse(what, "the pickle needs out-of-band buffers, which no checkpoint has "
+                            "(refused)")
+
+    def op_unknown() -> None:
+        raise _refuse(what, f"not a readable pickle (opcode {buf[pos - 1]:#04x} at byte "
+                            f"{pos - 1})")
+
+    ops = [op_unknown] * 256
+    for codes, op in (
+            (b"q", op_binput), (b"h", op_binget), (b"r", op_long_binput),
+            (b"j", op_long_binget), (b"\x94", op_memoize), (b"K", op_binint1),
+            (b"J", op_binint), (b"M", op_binint2), (b"(", op_mark),
+            (b"\x8c", op_short_binunicode), (b"X", op_binunicode), (b"\x8d", op_binunicode8),
+            (b"U", op_short_binunicode), (b"T", op_binstring), (b"C", op_short_binbytes),
+            (b"B", op_binbytes), (b"\x8e\x96", op_binbytes8), (b")]N\x8f", op_opaque),
+            (b"\x88", op_true), (b"\x89", op_false), (b"tl\x91", op_from_mark),
+            (b"\x85", op_tuple1), (b"\x86", op_tuple2), (b"\x87", op_tuple3),
+            (b"}", op_empty_dict), (b"d", op_dict), (b"R", op_reduce), (b"\x81", op_newobj),
+            (b"\x92", op_newobj_ex), (b"o", op_obj), (b"Q", op_binpersid),
+            (b"s", op_setitem), (b"u", op_setitems), (b"ab", op_append),
+            (b"e\x90", op_appends), (b"\x93", op_stack_global), (b"c", op_global),
+            (b"i", op_inst), (b".", op_stop), (b"\x80", op_proto), (b"\x95", op_frame),
+            (b"0", op_pop), (b"1", op_pop_mark), (b"2", op_dup), (b"G", op_binfloat),
+            (b"\x8a", op_long1), (b"\x8b", op_long4), (b"I", op_int), (b"L", op_long),
+            (b"F", op_float), (b"S", op_string), (b"V", op_unicode), (b"g", op_get),
+            (b"p", op_put), (b"P", op_persid), (b"\x82\x83\x84", op_ext),
+            (b"\x97\x98", op_buffer)):
+        for code in codes:
+            ops[code] = op
     try:
         while True:
-            if pos >= size:
-                raise _refuse(what, "not a readable pickle (cut short: no STOP)")
-            code = buf[pos]
-            pos += 1
             if pos >= next_check:  # every 64 KiB: at most that many opcodes since the last
                 next_check = pos + 0x10000
                 if time.monotonic() > deadline:
@@ -306,193 +591,13 @@ def _walk(buf: bytes, what: str, any_global: bool) -> tuple[int, Scan]:
                 if len(stack) > MAX_STACK:
                     raise _refuse(what, f"the pickle holds more than {MAX_STACK} items at "
                                         "once: pickle never writes that (refused)")
-            if code == 0x71:  # BINPUT
-                memo_put(buf[pos], stack[-1] if stack else pop())
-                pos += 1
-            elif code == 0x68:  # BINGET
-                push(memo_get(buf[pos]))
-                pos += 1
-            elif code == 0x94:  # MEMOIZE
-                memo_put(len(memo), stack[-1] if stack else pop())
-            elif code == 0x4B:  # BININT1
-                push(buf[pos])
-                pos += 1
-            elif code == 0x28:  # MARK
-                push(_MARK)
-            elif code == 0x58 or code == 0x8C or code == 0x8D:  # (SHORT_)BINUNICODE(8)
-                if code == 0x8C:
-                    n = buf[pos]
-                    pos += 1
-                elif code == 0x58:
-                    n = unpack_from("<I", buf, pos)[0]
-                    pos += 4
-                else:
-                    n = unpack_from("<Q", buf, pos)[0]
-                    pos += 8
-                push(string(counted(n)))
-            elif code == 0x72:  # LONG_BINPUT
-                memo_put(unpack_from("<I", buf, pos)[0], stack[-1] if stack else pop())
-                pos += 4
-            elif code == 0x6A:  # LONG_BINGET
-                push(memo_get(unpack_from("<I", buf, pos)[0]))
-                pos += 4
-            elif code == 0x4A:  # BININT
-                push(unpack_from("<i", buf, pos)[0])
-                pos += 4
-            elif code == 0x4D:  # BININT2
-                push(unpack_from("<H", buf, pos)[0])
-                pos += 2
-            elif code == 0x74:  # TUPLE
-                pop_mark()
-                push(_OPAQUE)
-            elif code in (0x85, 0x86, 0x87):  # TUPLE1..3
-                for _ in range(code - 0x84):
-                    pop()
-                push(_OPAQUE)
-            elif code == 0x29 or code == 0x5D or code == 0x4E or code == 0x8F:
-                push(_OPAQUE)  # EMPTY_TUPLE, EMPTY_LIST, NONE, EMPTY_SET
-            elif code == 0x88:  # NEWTRUE
-                push(True)
-            elif code == 0x89:  # NEWFALSE
-                push(False)
-            elif code == 0x7D:  # EMPTY_DICT
-                push(new_dict())
-            elif code == 0x52:  # REDUCE
-                pop()
-                func = pop()
-                # OrderedDict() and friends: keep collecting the items set on the result.
-                push(new_dict() if func is _CALLABLE_DICT else _OPAQUE)
-            elif code == 0x51:  # BINPERSID
-                pop()
-                push(_OPAQUE)
-            elif code == 0x73:  # SETITEM
-                value, key = pop(), pop()
-                target = stack[-1] if stack else None
-                if isinstance(target, _Obj):
-                    target.set(key, value)
-            elif code == 0x75:  # SETITEMS
-                items = pop_mark()
-                target = stack[-1] if stack else None
-                if isinstance(target, _Obj):
-                    for k, v in zip(items[::2], items[1::2], strict=False):
-                        target.set(k, v)
-            elif code == 0x61 or code == 0x62:  # APPEND, BUILD
-                pop()
-                if not stack:
-                    raise _refuse(what, "malformed pickle (stack underflow)")
-            elif code == 0x65 or code == 0x90:  # APPENDS, ADDITEMS
-                pop_mark()
-            elif code == 0x93:  # STACK_GLOBAL
-                name = pop()
-                module = pop()
-                push(check(module, name, "STACK_GLOBAL"))
-            elif code == 0x63:  # GLOBAL
-                module = line().decode("utf-8", "replace")
-                name = line().decode("utf-8", "replace")
-                push(check(module, name, "GLOBAL"))
-            elif code == 0x69:  # INST
-                module = line().decode("utf-8", "replace")
-                name = line().decode("utf-8", "replace")
-                check(module, name, "INST")
-                pop_mark()
-                push(_OPAQUE)
-            elif code == 0x81:  # NEWOBJ
-                pop()
-                cls = pop()
-                push(new_dict() if cls is _CALLABLE_DICT else _OPAQUE)
-            elif code == 0x92:  # NEWOBJ_EX
-                pop()
-                pop()
-                cls = pop()
-                push(new_dict() if cls is _CALLABLE_DICT else _OPAQUE)
-            elif code == 0x6F:  # OBJ
-                items = pop_mark()
-                if not items:
-                    raise _refuse(what, "malformed pickle (OBJ without a class)")
-                push(_OPAQUE)
-            elif code == 0x2E:  # STOP
-                result = pop()
-                break
-            elif code == 0x80:  # PROTO
-                proto = buf[pos]
-                pos += 1
-            elif code == 0x95:  # FRAME: a length only, the opcodes follow as usual
-                pos += 8
-            elif code == 0x30:  # POP
-                pop()
-            elif code == 0x31:  # POP_MARK
-                pop_mark()
-            elif code == 0x32:  # DUP
-                push(stack[-1] if stack else pop())
-            elif code == 0x47:  # BINFLOAT
-                pos += 8
-                push(_OPAQUE)
-            elif code == 0x8A or code == 0x8B:  # LONG1, LONG4
-                if code == 0x8A:
-                    n = buf[pos]
-                    pos += 1
-                else:
-                    n = unpack_from("<i", buf, pos)[0]
-                    pos += 4
-                raw = counted(n)  # an int of more than 8 bytes is no step: not decoded
-                push(int.from_bytes(raw, "little", signed=True) if n <= 8 else _OPAQUE)
-            elif code in (0x43, 0x42, 0x8E, 0x96, 0x55, 0x54):  # bytes, bytearray, 8-bit str
-                if code == 0x43 or code == 0x55:
-                    n = buf[pos]
-                    pos += 1
-                elif code == 0x42 or code == 0x54:
-                    n = unpack_from("<I" if code == 0x42 else "<i", buf, pos)[0]
-                    pos += 4
-                else:
-                    n = unpack_from("<Q", buf, pos)[0]
-                    pos += 8
-                raw = counted(n)
-                push(string(raw) if code in (0x55, 0x54) else _OPAQUE)
-            elif code == 0x6C:  # LIST
-                pop_mark()
-                push(_OPAQUE)
-            elif code == 0x64:  # DICT
-                items = pop_mark()
-                d = new_dict()
-                if isinstance(d, _Obj):
-                    for k, v in zip(items[::2], items[1::2], strict=False):
-                        d.set(k, v)
-                push(d)
-            elif code == 0x91:  # FROZENSET
-                pop_mark()
-                push(_OPAQUE)
-            elif code == 0x49:  # INT: "00"/"01" are False/True at protocol 0
-                text = line()
-                push(False if text == b"00" else True if text == b"01" else int(text))
-            elif code == 0x4C:  # LONG
-                push(int(line().rstrip(b"L")))
-            elif code == 0x46:  # FLOAT
-                float(line())
-                push(_OPAQUE)
-            elif code == 0x53:  # STRING: a quoted repr
-                raw = line()
-                if len(raw) < 2 or raw[:1] != raw[-1:] or raw[:1] not in (b"'", b'"'):
-                    raise _refuse(what, "malformed pickle (STRING not quoted)")
-                push(string(codecs.escape_decode(raw[1:-1])[0]))
-            elif code == 0x56:  # UNICODE
-                push(string(line().decode("raw-unicode-escape").encode()))
-            elif code == 0x67:  # GET
-                push(memo_get(int(line())))
-            elif code == 0x70:  # PUT
-                memo_put(int(line()), stack[-1] if stack else pop())
-            elif code == 0x50:  # PERSID
-                line()
-                push(_OPAQUE)
-            elif code in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4
-                raise _refuse(what, "the pickle names a function through the extension "
-                                    "registry (refused: it could name anything)")
-            elif code in (0x97, 0x98):  # NEXT_BUFFER, READONLY_BUFFER
-                raise _refuse(what, "the pickle needs out-of-band buffers, which no "
-                                    "checkpoint has (refused)")
-            else:
-                raise _refuse(what, f"not a readable pickle (opcode {code:#04x} at byte "
-                                    f"{pos - 1})")
-    except (struct.error, IndexError, ValueError, UnicodeDecodeError, OverflowError) as e:
+            pos += 1
+            ops[buf[pos - 1]]()
+    except _Stop as stop:
+        result = stop.value
+    except IndexError:  # buf[pos] past the end, an opcode's argument cut off
+        raise _refuse(what, "not a readable pickle (cut short: no STOP)") from None
+    except (struct.error, ValueError, UnicodeDecodeError, OverflowError) as e:
         if isinstance(e, PickleRefused):
             raise
         raise _refuse(what, f"not a readable pickle ({e})") from None
