@@ -211,7 +211,7 @@ def test_launch_with_a_fifo_at_the_mlflow_record_starts_and_ends_on_sigterm(tmp_
             proc.wait()
     said = [ln for ln in err.read_text().splitlines() if "mlflow-run" in ln]
     assert len(said) == 1 and "is a FIFO (named pipe), not a regular file" in said[0], said
-    assert code != 0 or "stopped" in err.read_text()
+    assert code == 75, (code, err.read_text())  # stopped, as at any preemption
     assert (run_dir / "trackers" / "mlflow-run").is_fifo()  # left as it was, never opened
 
 
@@ -271,3 +271,21 @@ def test_keep_copy_refuses_a_link_planted_at_foreign_copy(tmp_path):
     with pytest.raises(ownfiles.RefusedFile, match="symbolic link"):
         keepcopy.keep(tmp_path / "run", v)
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_stack_dump_naming_a_fifo_gets_no_source_line_and_no_wait(tmp_path):
+    """A stack dump in the attempt dir names the files of its frames; the stuck-rank report
+    reads their lines. A FIFO named there is refused unopened; the user's script through a
+    link is still read."""
+    from rtrain.supervisor.stuck import collect
+    from rtrain.supervisor.stuck.decide import Frame
+
+    os.mkfifo(tmp_path / "pipe.py")
+    began = time.monotonic()
+    assert collect.source_line(Frame(str(tmp_path / "pipe.py"), 1, "f")) == ""
+    assert time.monotonic() - began < 5
+    (tmp_path / "train.py").write_text("import os\nstep()  # the hung line\n")
+    (tmp_path / "link.py").symlink_to(tmp_path / "train.py")
+    assert collect.source_line(Frame(str(tmp_path / "link.py"), 2, "f")) == (
+        "step()  # the hung line")
+    assert collect.source_line(Frame(str(tmp_path / "link.py"), 9, "f")) == ""
