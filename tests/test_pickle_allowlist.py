@@ -11,6 +11,7 @@ import datetime
 import io
 import pathlib
 import pickle
+import pickletools
 import pydoc
 import random
 import struct
@@ -218,14 +219,18 @@ def test_the_walk_gives_up_after_its_time(monkeypatch):
         pickle_scan.scan(b"\x80\x04]" + b"N0" * 100_000 + b".")
 
 
-def test_an_opcode_flood_costs_linear_time():
-    """Per opcode, not per opcode times anything: 4M trivial opcodes in well under the time a
-    deny-list walk took (2.6 us each), measured in CPU time so a loaded machine does not
-    count."""
-    data = b"\x80\x04]" + b"N0" * 2_000_000 + b"."
+def test_an_opcode_flood_costs_a_small_constant_per_opcode():
+    """Measured against merely listing the opcodes with pickletools (what the deny-list's walk
+    was built on, 2.6 us an opcode in the finding), in CPU time so a loaded machine does not
+    count: the whole walk takes less than the listing alone, for the same 2M opcodes."""
+    data = b"\x80\x04]" + b"N0" * 1_000_000 + b"."
+    began = time.process_time()
+    for _ in pickletools.genops(data):
+        pass
+    listing = time.process_time() - began
     began = time.process_time()
     pickle_scan.scan(data)
-    assert time.process_time() - began < 4.0
+    assert time.process_time() - began < listing
 
 
 def test_a_truncated_stream_or_bytes_are_no_pickle():
