@@ -92,11 +92,11 @@ def test_malformed_or_hidden_names_are_refused(data, why):
         pickle_scan.scan(data)
 
 
-def test_unknown_classes_pass():
-    # A script's own config object is no attack: refusing it would throw away a checkpoint.
-    data = (b"\x80\x02cmytrain.config\nTrainConfig\nq\x00)\x81q\x01}q\x02"
-            b"X\x04\x00\x00\x00stepq\x03K\x07sb.")
-    assert pickle_scan.scan(data).globals_named == 1
+def test_allowed_globals_are_counted():
+    data = (b"\x80\x02ccollections\nOrderedDict\nq\x00)Rq\x01"
+            b"X\x04\x00\x00\x00stepq\x03K\x07s.")
+    s = pickle_scan.scan(data)
+    assert (s.globals_named, s.step) == (1, 7)
 
 
 # ------------------------------------------------------------ torchzip's guards

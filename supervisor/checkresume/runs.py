@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rtrain.supervisor.core import ownfiles
 from rtrain.supervisor.core.errors import UsageError
 from rtrain.supervisor.proc.spawn import pdeathsig_preexec
 
@@ -27,11 +28,16 @@ class Ran:
     def last_line(self) -> str:
         """The log's last non-empty line (a traceback's last line names the error)."""
         try:
-            with open(self.log, "rb") as f:
-                f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
-                lines = f.read().decode(errors="replace").splitlines()
+            opened = ownfiles.open_own(self.log)
         except OSError:
             return ""
+        try:
+            tail = os.pread(opened.fd, 8192, max(0, opened.st.st_size - 8192))
+        except OSError:
+            return ""
+        finally:
+            os.close(opened.fd)
+        lines = tail.decode(errors="replace").splitlines()
         return next((ln.strip() for ln in reversed(lines) if ln.strip()), "")[:300]
 
 
@@ -40,7 +46,7 @@ def run(argv: list[str], *, cwd: Path, env: dict[str, str], log: Path,
     """Run `argv` to its end (or `timeout_s`, then SIGKILL to its group and ScriptFailed)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
-    with open(log, "wb") as out:
+    with os.fdopen(ownfiles.create_fresh(log), "wb") as out:  # never through a planted link
         try:
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT,

@@ -88,8 +88,8 @@ def read(run_dir: Path) -> tuple[Kept | None, str | None]:
     there that rtrain cannot trust; (None, None) when there is none or it is unreadable (the
     next keep rewrites it)."""
     try:
-        raw = safeio.parse_object(safeio.read_limited(run_dir / KEPT_DIR / RECORD, 1 << 16),
-                                  RECORD)
+        raw = safeio.parse_object(ownfiles.read_own(run_dir / KEPT_DIR / RECORD,
+                                                    limit=1 << 16, what=RECORD), RECORD)
         if raw.get("version") != VERSION:
             return None, None
         kept = Kept(source=str(raw["source"]), fingerprint=str(raw["fingerprint"]),
@@ -143,7 +143,7 @@ def keep(run_dir: Path, v: Verdict, *, mode: int = DEFAULT_FILE_MODE,
             old.copy_path(run_dir).is_file()):
         return None
     kept_dir = run_dir / KEPT_DIR
-    kept_dir.mkdir(parents=True, exist_ok=True)
+    ownfiles.own_dir(kept_dir, mode)  # a link there would take the copy elsewhere
     tmp = kept_dir / f".{source.name}.tmp"
     try:
         how = _clone(source, tmp, mode)
@@ -224,13 +224,16 @@ def _clone(src: Path, dst: Path, mode: int) -> str:
     """Copy `src` to `dst`, a temp name of ours (created anew: what a killed rtrain left there,
     or a link planted at the name, is removed, never written through; fsynced); how it was
     done."""
-    with safeio.open_regular(src) as fin:
+    src_fd = ownfiles.open_own(src).fd
+    try:
         fd = ownfiles.create_fresh(dst, mode)
         try:
-            how = _copy_fd(fin.fileno(), fd, os.fstat(fin.fileno()).st_size)
+            how = _copy_fd(src_fd, fd, os.fstat(src_fd).st_size)
             os.fsync(fd)
         finally:
             os.close(fd)
+    finally:
+        os.close(src_fd)
     return how
 
 
@@ -263,7 +266,7 @@ def _copy_fd(src: int, dst: int, size: int) -> str:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:

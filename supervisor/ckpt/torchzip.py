@@ -6,11 +6,11 @@ central directory, a `data.pkl` member, every member's local header and data ins
 `full` also streams every member and compares its CRC-32 with the stored one. Nothing is ever
 unpickled: the pickle is data we only checksum.
 
-Both levels also walk the opcodes of the pickle (`pickle_scan`): a pickle that would call
-something unsafe when loaded is refused, and the step it holds (`iter_num`, `global_step`, ...)
-is read for a file whose name states none. Sizes are bounded before anything is read: a
-`data.pkl` over `MAX_PICKLE`, or a compressed member that would expand far beyond its stored
-bytes (a zip bomb; torch never compresses), is refused with the reason.
+Both levels also walk the opcodes of the pickle (`pickle_scan`): a pickle that names anything
+beyond what checkpoints hold (its allow-list) is refused, and the step it holds (`iter_num`,
+`global_step`, ...) is read for a file whose name states none. Sizes are bounded before
+anything is read: a `data.pkl` over `MAX_PICKLE`, or a compressed member that would expand far
+beyond its stored bytes (a zip bomb; torch never compresses), is refused with the reason.
 
 Files in the legacy format (a bare pickle stream, `_use_new_zipfile_serialization=False`) hold no
 checksums; they pass with a note saying so, after the same walk of their pickles.
@@ -57,30 +57,32 @@ class Checked:
     step_key: str | None
 
 
-def check(path: str | os.PathLike, *, full: bool) -> str:
+def check(path: str | os.PathLike, *, full: bool, any_global: bool = False) -> str:
     """Raise `TorchFileError` with the reason if `path` is damaged; else return a note ("" or
-    why there was nothing to check)."""
-    return inspect(path, full=full).note
+    why there was nothing to check). `any_global`: the pickle's globals are not judged
+    (`pickle_scan.scan`), for a file no resume loads."""
+    return inspect(path, full=full, any_global=any_global).note
 
 
-def inspect(path: str | os.PathLike, *, full: bool) -> Checked:
+def inspect(path: str | os.PathLike, *, full: bool, any_global: bool = False) -> Checked:
     """`check`, and the step the pickle holds. A file checked before with the same inode, size
     and mtime is not read again (listing and resume selection ask several times an attempt)."""
     # Links are the caller's to check; a FIFO or device is refused here, never opened.
     with safeio.open_regular(path, follow_symlinks=True) as f:
         st = os.fstat(f.fileno())
-        key = (os.fspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, full)
+        key = (os.fspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, full,
+               any_global)
         hit = _cache.get(key)
         if hit is not None:
             return hit
-        out = _inspect_open(f, st.st_size, full=full)
+        out = _inspect_open(f, st.st_size, full=full, any_global=any_global)
     if len(_cache) >= _CACHE_SIZE:
         _cache.pop(next(iter(_cache)))
     _cache[key] = out
     return out
 
 
-def _inspect_open(f, size: int, *, full: bool) -> Checked:
+def _inspect_open(f, size: int, *, full: bool, any_global: bool = False) -> Checked:
     import zipfile  # here, not at the top: `rtrain inspect` over rtrain's own format never needs it
 
     if size == 0:
@@ -89,7 +91,7 @@ def _inspect_open(f, size: int, *, full: bool) -> Checked:
     if head != _LOCAL_MAGIC:
         if head[:2] == _PICKLE_PROTO2:
             f.seek(0)
-            scan = _scan_legacy(f, size)
+            scan = _scan_legacy(f, size, any_global)
             return Checked("legacy (non-zip) torch.save format: holds no checksums to verify",
                            scan.step, scan.step_key)
         raise TorchFileError("neither a zip archive nor a torch.save pickle "
@@ -112,7 +114,7 @@ def _inspect_open(f, size: int, *, full: bool) -> Checked:
         if full:
             for info in infos:
                 _check_crc(f, info)
-        scan = _scan_member(zf, pkl[0])
+        scan = _scan_member(zf, pkl[0], any_global)
     return Checked("", scan.step, scan.step_key)
 
 
@@ -124,7 +126,8 @@ def _check_expansion(info: zipfile.ZipInfo) -> None:
                              f"from {info.compress_size} (a zip bomb? refused)")
 
 
-def _scan_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> pickle_scan.Scan:
+def _scan_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo,
+                 any_global: bool = False) -> pickle_scan.Scan:
     """Read data.pkl (at most MAX_PICKLE bytes, whatever its header claims) and walk it."""
     import zipfile
 
@@ -139,12 +142,13 @@ def _scan_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> pickle_scan.Scan
     if len(raw) > MAX_PICKLE:
         raise TorchFileError(f"{info.filename!r} expands past {MAX_PICKLE >> 20} MiB; refused")
     try:
-        return pickle_scan.scan(raw, what=info.filename.rsplit("/", 1)[-1])
+        return pickle_scan.scan(raw, what=info.filename.rsplit("/", 1)[-1],
+                                any_global=any_global)
     except pickle_scan.PickleRefused as e:
         raise TorchFileError(str(e)) from None
 
 
-def _scan_legacy(f, size: int) -> pickle_scan.Scan:
+def _scan_legacy(f, size: int, any_global: bool = False) -> pickle_scan.Scan:
     """A legacy file is four pickles (magic number, protocol, system info, the object) then
     raw storage bytes: walk the four, the step is the object's."""
     raw = f.read(min(size, MAX_PICKLE))
@@ -152,7 +156,8 @@ def _scan_legacy(f, size: int) -> pickle_scan.Scan:
     scan = None
     try:
         for what in ("magic number", "protocol", "system info", "object"):
-            scan = pickle_scan.scan(stream, what=f"legacy pickle ({what})")
+            scan = pickle_scan.scan(stream, what=f"legacy pickle ({what})",
+                                    any_global=any_global)
     except pickle_scan.PickleRefused as e:
         raise TorchFileError(str(e)) from None
     assert scan is not None

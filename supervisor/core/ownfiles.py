@@ -17,6 +17,13 @@ procs.json, events.jsonl, exit records, the lock's holder) goes through `open_ow
 - a file created here is created exclusively (O_EXCL) and given the run's mode; rtrain only
   ever chmods what it created or what passes the checks above and belongs to this user.
 
+This is the one rule for every file rtrain opens in a directory others may write (the run dir,
+the checkpoint dir, their `trackers/`, `foreign-copy/` and peer registry subdirs, anything added
+later): reads go through `read_own` (bounded: a caller passes the most its file ever holds) or
+`open_own`, a subdirectory rtrain keeps files in through `own_dir` (never a link to elsewhere),
+a temp file through `create_fresh`, a whole-file replace through `atomic_write`.
+tests/test_shared_dir_opens.py walks the code for any other open of such a path.
+
 A refusal is `RefusedFile`: an OSError (best-effort writers treat it as a file they cannot
 write, and say so) and a UsageError (exit 2 at the command line, one line naming the file and
 what to do). Files that are replaced whole (state.json, procs.json, exit records, quarantine
@@ -32,9 +39,10 @@ import fcntl
 import os
 import stat
 from dataclasses import dataclass
+from pathlib import Path
 
 from rtrain.supervisor.core.errors import UsageError
-from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE, set_mode
+from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE, dir_mode, make_dir, set_mode
 from rtrain.supervisor.core.untrusted_text import safe
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
@@ -213,3 +221,24 @@ def create_fresh(path: str | os.PathLike, mode: int = DEFAULT_FILE_MODE) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     set_mode(fd, mode)
     return fd
+
+
+def own_dir(path: str | os.PathLike, file_mode: int = DEFAULT_FILE_MODE) -> None:
+    """A subdirectory rtrain keeps files in (`trackers/`, `foreign-copy/`), made with the run's
+    directory mode when missing. One that exists must be a directory itself: a symbolic link
+    planted at the name would send rtrain's writes (and the removals of its old files) into
+    whatever it points to, so it is refused (RefusedFile), as is any other kind of file."""
+    try:
+        try:
+            os.mkdir(path, dir_mode(file_mode))
+        except FileNotFoundError:  # its parent too (the run dir of a run not launched yet)
+            make_dir(Path(path).parent, file_mode)
+            os.mkdir(path, dir_mode(file_mode))
+    except FileExistsError:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise _refuse_kind(path, st) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise RefusedFile(path, f"is {describe(st.st_mode)}, not a directory") from None
+    else:
+        set_mode(Path(path), dir_mode(file_mode))  # mkdir's mode is cut by the umask

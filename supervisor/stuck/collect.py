@@ -11,8 +11,6 @@ frames, from regular files of bounded size, for the sentence.
 from __future__ import annotations
 
 import logging
-import os
-import stat
 import sysconfig
 from collections.abc import Mapping
 from dataclasses import replace
@@ -22,6 +20,7 @@ import rtrain
 import rtrain.checkpoint
 import rtrain.supervisor
 import rtrain.worker
+from rtrain.checkpoint import safeio
 from rtrain.supervisor.core import ownfiles
 from rtrain.supervisor.core.progress_board import SIZE, Progress, unpack
 from rtrain.supervisor.stuck.decide import Frame, RankState, StuckReport, is_library, parse_stacks
@@ -80,17 +79,14 @@ def with_sources(frames: tuple[Frame, ...], roots: tuple[str, ...]) -> tuple[Fra
 
 
 def source_line(frame: Frame) -> str:
+    # The name comes from a stack dump in the attempt dir: a FIFO or device named there is
+    # refused unopened. A link is followed: the user's script may be one.
     try:
-        st = os.stat(frame.file)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > SOURCE_MAX:
-            return ""
-        with open(frame.file, encoding="utf-8", errors="replace") as f:
-            for n, line in enumerate(f, 1):
-                if n == frame.line:
-                    return line.strip()[:200]
+        raw = safeio.read_limited(frame.file, SOURCE_MAX, follow_symlinks=True)
     except OSError:
-        pass
-    return ""
+        return ""
+    lines = raw.decode("utf-8", errors="replace").splitlines()
+    return lines[frame.line - 1].strip()[:200] if 0 < frame.line <= len(lines) else ""
 
 
 def report(attempt_dir: Path, heard: Mapping[int, tuple[int, int | None]], *, now: float,

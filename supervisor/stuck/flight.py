@@ -106,7 +106,7 @@ def collect(env: Mapping[str, str], attempt_dir: Path, *, since: float,
             continue
         target = attempt_dir / path.name
         try:  # never through a link planted at the name in the attempt dir
-            with open(path, "rb") as src:
+            with os.fdopen(ownfiles.open_own(path).fd, "rb") as src:  # swapped for a FIFO?
                 out = ownfiles.open_own(target, os.O_WRONLY, create=True, mode=mode)
                 with os.fdopen(out.fd, "wb") as dst:
                     shutil.copyfileobj(src, dst)

@@ -23,10 +23,11 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from rtrain.supervisor.core import protocol
+from rtrain.supervisor.core import ownfiles, protocol
 
 # In the run dir, written by the worker's helper: `<run identity> <MLflow run id>`, one line.
 MLFLOW_RECORD = Path("trackers") / "mlflow-run"
+_MLFLOW_RECORD_MAX = 256  # the identity, a space and an id of at most 64 characters
 _MLFLOW_ID = re.compile(r"[0-9a-zA-Z_-]{1,64}")  # MLflow's run ids are 32 hex digits
 
 
@@ -53,12 +54,17 @@ def variables(run: str | None, env: Mapping[str, str],
 
 def read_mlflow_run(run_dir: Path, run: str | None) -> str | None:
     """The MLflow run id the worker's helper recorded for the run `run`; None: none, or one
-    recorded for another run (the dir's earlier run, started over since)."""
+    recorded for another run (the dir's earlier run, started over since). Read as every file
+    in the run dir is (`ownfiles`): a FIFO, a link or an oversized file planted at the name is
+    refused unread (`ownfiles.RefusedFile`, the line to say), never waited on."""
     try:
-        with open(run_dir / MLFLOW_RECORD, encoding="ascii", errors="replace") as f:
-            fields = f.read(256).split()
-    except OSError:
+        raw = ownfiles.read_own(run_dir / MLFLOW_RECORD, limit=_MLFLOW_RECORD_MAX,
+                                what="MLflow run record")
+    except ownfiles.RefusedFile:
+        raise
+    except OSError:  # absent (the first attempt), unreadable
         return None
+    fields = raw.decode("ascii", errors="replace").split()
     if len(fields) != 2 or run is None or fields[0] != run:
         return None
     return fields[1] if _MLFLOW_ID.fullmatch(fields[1]) else None

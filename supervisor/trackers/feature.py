@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from rtrain.supervisor.core import ownfiles
 from rtrain.supervisor.launch.feature import Attempt, Feature, Run
 from rtrain.supervisor.trackers import env as tracker_env
 
@@ -14,11 +15,20 @@ class Trackers(Feature):
 
     def __init__(self, run: Run) -> None:
         self.run = run
+        self._refused: str | None = None
 
     def environment(self, attempt: Attempt, env: Mapping[str, str]) -> Mapping[str, str]:
         identity = self.run.checkpoints.run
-        return tracker_env.variables(
-            identity, env, tracker_env.read_mlflow_run(self.run.run_dir, identity))
+        try:
+            mlflow_run = tracker_env.read_mlflow_run(self.run.run_dir, identity)
+        except ownfiles.RefusedFile as e:
+            # Something planted at the record: the attempt starts without the id (MLflow's
+            # helper finds the run by its tag); the launch is not stopped for an optional file.
+            mlflow_run = None
+            if str(e) != self._refused:
+                self._refused = str(e)
+                self.run.say(f"MLflow run id not read: {e}")
+        return tracker_env.variables(identity, env, mlflow_run)
 
 
 def make(run: Run) -> Trackers:

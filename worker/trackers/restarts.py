@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rtrain.supervisor.core import atomic_write
+from rtrain.supervisor.core import atomic_write, filemode, ownfiles
 from rtrain.supervisor.core.protocol import (
     ENV_ATTEMPT,
     ENV_RUN_DIR,
@@ -128,8 +128,8 @@ def _record_mlflow_run(ident: str | None, mlflow_run: str) -> None:
     if not ident or not run_dir:
         return
     path = Path(run_dir) / MLFLOW_RECORD
-    try:
-        path.parent.mkdir(exist_ok=True)
+    try:  # never into whatever a link planted at `trackers` points to
+        ownfiles.own_dir(path.parent, filemode.env_mode(os.environ))
         atomic_write.write_atomic(path, f"{ident} {mlflow_run}\n")
     except OSError as e:  # the next attempt finds the run by its tag
         log.warning("cannot record the MLflow run id in %s: %s", path, e)
@@ -243,7 +243,8 @@ class Restarts:
         if restart is not None:
             self._done = True
             try:
-                self._marker.touch()
+                os.close(ownfiles.open_own(self._marker, create=True,
+                                           mode=filemode.env_mode(os.environ)).fd)
             except OSError as e:  # the next attempt logs these failures again
                 log.warning("cannot mark %s: %s", self._marker, e)
         return restart
@@ -255,15 +256,19 @@ class Restarts:
         return restart
 
     def _read_new(self) -> None:
-        try:
-            size = self._events.stat().st_size
-            if size <= self._offset:
-                return
-            with open(self._events, "rb") as f:
-                f.seek(self._offset)
-                chunk = self._tail + f.read(size - self._offset)
+        try:  # as the supervisor reads it: no link, no FIFO, only what is there now
+            opened = ownfiles.open_own(self._events)
         except OSError:
             return
+        try:
+            size = opened.st.st_size
+            if size <= self._offset:
+                return
+            chunk = self._tail + os.pread(opened.fd, size - self._offset, self._offset)
+        except OSError:
+            return
+        finally:
+            os.close(opened.fd)
         self._offset = size
         *lines, self._tail = chunk.split(b"\n")
         for line in lines:
