@@ -58,6 +58,10 @@ ALLOWED = {
     "supervisor/proc/control.py::ask_failure_save": "the control FIFO: O_NONBLOCK|O_NOFOLLOW",
     "supervisor/stuck/flight.py::request_dumps": "NCCL's dump pipe: O_NONBLOCK|O_NOFOLLOW",
     "worker/saving/hang_save.py::serve": "its own FIFO, made by the worker (O_NOFOLLOW)",
+    "supervisor/ckpt/foreign.py::says_torch_save": "a file's first bytes: O_NONBLOCK|O_NOFOLLOW "
+                                                   "after an lstat said regular",
+    "supervisor/memtier/registry.py::_open_entry": "the peer registry's own guarded open: "
+                                                   "dir_fd, O_NOFOLLOW|O_NONBLOCK, fstat",
     "checkpoint/verified_read.py::ListedFile.__init__": "O_NOFOLLOW|O_NONBLOCK, fstat checked "
                                                         "(a member the manifest lists)",
     # A checkpoint's temp dir, which the writer made itself a moment before.

@@ -84,6 +84,11 @@ ALLOWED = frozenset({
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    # A DCP save's `.metadata` (torchtitan's step-N): torch's own records of its shards.
+    *(f"torch.distributed.checkpoint.metadata.{c}" for c in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
 })
 # torch.FloatStorage, torch.cuda.HalfStorage, ...; torch.float32, torch.bfloat16, torch.uint4...
 _TORCH_NAME = re.compile(r"torch(\.cuda)?\.[A-Z][A-Za-z0-9]*Storage|torch\.(float\d*(_\w+)?|"
