@@ -126,13 +126,12 @@ MirrorTarget = Annotated[str | None, typer.Argument(
 
 
 RunDirOption = Annotated[Path | None, typer.Option(
-    "--run-dir", metavar="DIR", show_default=False,
-    help="The run's --run-dir, as given to rtrain launch (default: the current directory when "
-         "it is a run dir, else run_dir from rtrain.toml, else ./rtrain-run).")]
+    "--run-dir", metavar="RUN_DIR", show_default=False,
+    help="The same as the RUN_DIR argument, spelt as rtrain launch takes it.")]
 CkptRunDirOption = Annotated[Path | None, typer.Option(
-    "--run-dir", metavar="DIR", show_default=False,
-    help="Instead of DIR: the checkpoint dir of the run in DIR, the --run-dir given to rtrain "
-         "launch (its --ckpt-dir, else DIR/checkpoints).")]
+    "--run-dir", metavar="RUN_DIR", show_default=False,
+    help="Read the checkpoints of the run in RUN_DIR (the --run-dir given to rtrain launch): "
+         "its --ckpt-dir, else RUN_DIR/checkpoints. Instead of a DIR|URL argument.")]
 
 
 def _one_run_dir(positional: Path | None, option: Path | None) -> Path | None:
@@ -343,7 +342,8 @@ def launch(
         from rtrain.supervisor.launch.loop import LaunchSpec, child_command
         from rtrain.supervisor.launch.loop import launch as run_launch
 
-        _check_option_typos(ctx, script)
+        _check_option_typos(ctx, None if module else script,
+                            [script] if module and script is not None else [])
         cwd = Path.cwd()
         # Option -> config key; each option's help states the key's default (config.py owns
         # it; tests/test_config_schema.py holds the two together).
@@ -379,9 +379,10 @@ def launch(
                                                resume_args=_split_resume_args(resume_arg))))
 
 
-def _check_option_typos(ctx: typer.Context, script: str | None) -> None:
+def _check_option_typos(ctx: typer.Context, script: str | None, first: list[str]) -> None:
     """An unknown option where the script should be is a usage error; a script argument one
-    edit away from an rtrain option gets a warning (commands/option_typos.py)."""
+    edit away from an rtrain option gets a warning (commands/option_typos.py). `first`: the
+    module's first argument, which click put in the SCRIPT slot (`-m pkg --lr 1`)."""
     from rtrain.supervisor.commands import option_typos
     from rtrain.supervisor.core.errors import UsageError
 
@@ -393,7 +394,8 @@ def _check_option_typos(ctx: typer.Context, script: str | None) -> None:
         raise UsageError(option_typos.unknown_before_script(script, options))
     mine = len(after) - (1 if from_after else 0)  # the leftovers that followed `--`
     args = list(ctx.args)
-    for line in option_typos.misspelt_after_script(args[:len(args) - mine], options):
+    for line in option_typos.misspelt_after_script([*first, *args[:len(args) - mine]],
+                                                   options):
         typer.echo(f"rtrain: warning: {line}", err=True)
 
 

@@ -109,3 +109,22 @@ def test_run_dir_option_reads_the_run(rtrain, foreign_run):
     assert r.returncode == 0 and r.stdout.startswith(f"run {foreign_run}:"), r.stderr
     r = rtrain("status", str(foreign_run), "--run-dir", "other")
     assert r.returncode == 2 and "pass one" in r.stderr
+
+
+def test_a_module_keeps_its_first_argument_and_its_typos_are_warned(rtrain, tmp_path,
+                                                                     monkeypatch):
+    """`-m pkg --lr 1`: click puts `--lr` in the SCRIPT slot; it is the module's, not an
+    unknown rtrain option, and it reaches the module (it used to be dropped)."""
+    from rtrain.supervisor.launch import spec
+    from rtrain.supervisor.proc.torchrun import TorchrunSpec, torchrun_command
+
+    assert spec.child_command("--lr", "pkg", ["1"], "py") == ["py", "-m", "pkg", "--lr", "1"]
+    got = torchrun_command(TorchrunSpec(nproc_per_node=2), "--lr", "pkg", ["1"], "py")
+    assert got[-4:] == ["-m", "pkg", "--lr", "1"]
+    launched = []
+    monkeypatch.setattr("rtrain.supervisor.launch.loop.launch",
+                        lambda s: launched.append(s.command) or 0)
+    r = rtrain("launch", "-m", "pkg", "--resum", "x", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("rtrain: warning: --resum looks like rtrain's --resume")
+    assert launched[0][1:] == ["-m", "pkg", "--resum", "x"]

@@ -124,8 +124,8 @@ def present(ckpt_dir: Path, *, skip: Collection[Path] = (),
 
 
 class ElsewhereWatch:
-    """One launch's look, at each failed attempt's end, for why there is nothing to resume
-    from (elsewhere/decide.py); says it at most once."""
+    """One launch's look, before a fresh relaunch of a failed attempt, for why there is
+    nothing to resume from (elsewhere/decide.py); says it at most once."""
 
     def __init__(self, *, hands: bool, cwd: Path, ckpt_dir: Path, run_dir: Path,
                  events: EventLog, say: Callable[[str], None]) -> None:
