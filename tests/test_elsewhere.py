@@ -66,6 +66,26 @@ def test_the_notice_names_the_files_and_the_dir(written, suggest, named):
                          "(until then each relaunch starts fresh)")
 
 
+@pytest.mark.parametrize("kw, message", [
+    ({"hands": False, "written": ()},
+     "rtrain cannot resume this script: ./checkpoints holds no checkpoint, and nothing hands "
+     "one to the script (no --resume-arg, no {checkpoint} in its arguments, no "
+     "rtrain.Checkpointer): each relaunch starts fresh; pass --resume-arg with the script's "
+     "resume option and --ckpt-dir where it saves"),
+    ({"written": (), "present": ("data/", "notes.txt")},
+     "rtrain cannot resume this script: ./checkpoints holds no checkpoint, only data/, "
+     "notes.txt, which rtrain does not recognise as checkpoints: each relaunch starts fresh "
+     "until the script saves one there (pass --ckpt-dir where it saves)"),
+    ({"written": ()},
+     "nothing to resume from yet: ./checkpoints holds no checkpoint (the script ended before "
+     "it saved one there): each relaunch starts fresh until it does (if it saves elsewhere, "
+     "pass that --ckpt-dir)"),
+])
+def test_each_reason_says_what_to_do(kw, message):
+    notice = judge(seen(**kw))
+    assert notice is not None and notice.message == message
+
+
 def test_many_files_are_counted_not_listed():
     written = tuple(Written(path=f"out/s{i}.pt", mtime=float(i)) for i in range(5))
     w = judge(seen(written=written))

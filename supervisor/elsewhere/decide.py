@@ -110,10 +110,12 @@ def judge(seen: Seen) -> CannotResume | None:
             message=f"{head}, only {_listed(seen.present)}, which rtrain does not recognise "
                     f"as checkpoints: {fresh} until the script saves one there (pass "
                     "--ckpt-dir where it saves)")
+    # Most often a script that saves, failing before its first save: not yet, rather than not.
     return CannotResume(
         reason=Reason.EMPTY, files=(), ckpt_dir=None,
-        message=f"{head} (the script ended before it saved one there): {fresh} until it "
-                "does (if it saves elsewhere, pass that --ckpt-dir)")
+        message=f"nothing to resume from yet: {seen.watched} holds no checkpoint (the script "
+                f"ended before it saved one there): {fresh} until it does (if it saves "
+                "elsewhere, pass that --ckpt-dir)")
 
 
 def short(notice: CannotResume) -> str:
