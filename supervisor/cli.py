@@ -43,6 +43,15 @@ class LaunchCommand(FastCommand):
         **dict.fromkeys(("mirror", "keep_remote"), "Storage"),
     }
 
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        # The tokens as typed: which ones followed `--` (the script's by the person's word)
+        # is known only here, before click drops the `--`.
+        ctx.meta[RAW_ARGS] = list(args)
+        return super().parse_args(ctx, args)
+
+
+RAW_ARGS = "rtrain.launch.raw_args"
+
 
 app = FastTyper(
     cls=Commands,
@@ -111,8 +120,41 @@ def _root(
 
 MirrorTarget = Annotated[str | None, typer.Argument(
     metavar="DIR|URL", show_default=False,
-    help="Checkpoint dir or one checkpoint-N dir (default: from rtrain.toml, else "
-         "./checkpoints), or a mirror URL (s3://bucket/prefix, file:///path[/checkpoint-N]).")]
+    help="Checkpoint dir or one checkpoint-N dir (default: the run's when the current "
+         "directory is a run dir, else from rtrain.toml, else ./checkpoints), or a mirror URL "
+         "(s3://bucket/prefix, file:///path[/checkpoint-N]).")]
+
+
+RunDirOption = Annotated[Path | None, typer.Option(
+    "--run-dir", metavar="RUN_DIR", show_default=False,
+    help="The same as the RUN_DIR argument, spelt as rtrain launch takes it.")]
+CkptRunDirOption = Annotated[Path | None, typer.Option(
+    "--run-dir", metavar="RUN_DIR", show_default=False,
+    help="Read the checkpoints of the run in RUN_DIR (the --run-dir given to rtrain launch): "
+         "its --ckpt-dir, else RUN_DIR/checkpoints. Instead of a DIR|URL argument.")]
+
+
+def _one_run_dir(positional: Path | None, option: Path | None) -> Path | None:
+    from rtrain.supervisor.core.errors import UsageError
+
+    if positional is not None and option is not None and positional != option:
+        raise UsageError(f"two run dirs given ({positional} and --run-dir {option}): pass one")
+    return positional if positional is not None else option
+
+
+def _target(target: str | None, run_dir: Path | None) -> str | None:
+    """The inspect/prune target: DIR|URL as given, or the checkpoint dir of `--run-dir`."""
+    if run_dir is None:
+        return target
+    from rtrain.supervisor.core.errors import UsageError
+    from rtrain.supervisor.records.paths import is_run_dir, run_ckpt_dir
+
+    if target is not None:
+        raise UsageError(f"{target} and --run-dir {run_dir} both name what to read: pass one")
+    if not is_run_dir(run_dir):
+        raise UsageError(f"no rtrain run in {run_dir}: pass the --run-dir given to rtrain "
+                         "launch")
+    return str(run_ckpt_dir(run_dir))
 
 
 def _url(target: str | None) -> str | None:
@@ -130,9 +172,11 @@ def inspect(
         help="quick (sizes) or full (content hashes). Default quick; when given, a failure "
              "exits 1.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    run_dir: CkptRunDirOption = None,
 ) -> None:
     """List checkpoints and which one resume would pick, or show one checkpoint in detail."""
     with reported():
+        target = _target(target, run_dir)
         from rtrain.checkpoint.verify import Level
         from rtrain.supervisor.commands import inspect_render as render
         from rtrain.supervisor.commands import inspecting as insp
@@ -177,9 +221,11 @@ def prune(
     verify: Annotated[VerifyLevel, typer.Option(
         "--verify", case_sensitive=False,
         help="Level that decides which checkpoints count as good.")] = VerifyLevel.quick,
+    run_dir: CkptRunDirOption = None,
 ) -> None:
     """Remove checkpoints the retention policy does not keep, and abandoned temp dirs."""
     with reported():
+        target = _target(target, run_dir)
         from rtrain.checkpoint.verify import Level
         from rtrain.supervisor.retention import prune_command
 
@@ -296,6 +342,8 @@ def launch(
         from rtrain.supervisor.launch.loop import LaunchSpec, child_command
         from rtrain.supervisor.launch.loop import launch as run_launch
 
+        _check_option_typos(ctx, None if module else script,
+                            [script] if module and script is not None else [])
         cwd = Path.cwd()
         # Option -> config key; each option's help states the key's default (config.py owns
         # it; tests/test_config_schema.py holds the two together).
@@ -329,6 +377,26 @@ def launch(
         raise typer.Exit(run_launch(LaunchSpec(command=command, config=cfg, fresh=fresh,
                                                retry=retry, echo=not quiet, cwd=cwd,
                                                resume_args=_split_resume_args(resume_arg))))
+
+
+def _check_option_typos(ctx: typer.Context, script: str | None, first: list[str]) -> None:
+    """An unknown option where the script should be is a usage error; a script argument one
+    edit away from an rtrain option gets a warning (commands/option_typos.py). `first`: the
+    module's first argument, which click put in the SCRIPT slot (`-m pkg --lr 1`)."""
+    from rtrain.supervisor.commands import option_typos
+    from rtrain.supervisor.core.errors import UsageError
+
+    options = [o for p in ctx.command.params for o in (*p.opts, *p.secondary_opts)]
+    raw: list[str] = ctx.meta.get(RAW_ARGS, [])
+    after = raw[raw.index("--") + 1:] if "--" in raw else []
+    from_after = bool(after) and script == after[0]  # `rtrain launch -- torchrun ...`
+    if script is not None and script.startswith("-") and not from_after:
+        raise UsageError(option_typos.unknown_before_script(script, options))
+    mine = len(after) - (1 if from_after else 0)  # the leftovers that followed `--`
+    args = list(ctx.args)
+    for line in option_typos.misspelt_after_script([*first, *args[:len(args) - mine]],
+                                                   options):
+        typer.echo(f"rtrain: warning: {line}", err=True)
 
 
 def _split_resume_args(items: list[str] | None) -> tuple[str, ...]:
@@ -421,15 +489,18 @@ def check_resume(
 def status(
     run_dir: Annotated[Path | None, typer.Argument(
         metavar="RUN_DIR", show_default=False,
-        help="The run's --run-dir (default: run_dir from rtrain.toml, else ./rtrain-run).")
+        help="The run's --run-dir (default: the current directory when it is a run dir, else "
+             "run_dir from rtrain.toml, else ./rtrain-run).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    run_dir_option: RunDirOption = None,
 ) -> None:
     """Summarise a run from its files: attempts, failures, rung, checkpoint, progress."""
     with reported():
         from rtrain.supervisor.commands import status as st
         from rtrain.supervisor.records.paths import default_run_dir
 
+        run_dir = _one_run_dir(run_dir, run_dir_option)
         summary = st.summarize(run_dir or default_run_dir(), key=_signing_key())
         echo_json(st.to_json(summary)) if as_json else typer.echo(st.render_text(summary))
 
@@ -438,18 +509,20 @@ def status(
 def report(
     run_dir: Annotated[Path | None, typer.Argument(
         metavar="RUN_DIR", show_default=False,
-        help="The run's --run-dir (default: run_dir from rtrain.toml, else ./rtrain-run).")
+        help="The run's --run-dir (default: the current directory when it is a run dir, else "
+             "run_dir from rtrain.toml, else ./rtrain-run).")
     ] = None,
     output: Annotated[Path | None, typer.Option(
         "-o", "--output", metavar="FILE", show_default=False,
         help="Where to write the HTML (default RUN_DIR/report.html).")] = None,
+    run_dir_option: RunDirOption = None,
 ) -> None:
     """Write a self-contained HTML report: curves, failures, degradations, checkpoints."""
     with reported():
         from rtrain.supervisor.commands.report_html import write_report
         from rtrain.supervisor.records.paths import default_run_dir
 
-        root = run_dir or default_run_dir()
+        root = _one_run_dir(run_dir, run_dir_option) or default_run_dir()
         written = write_report(root, output or root / "report.html", key=_signing_key())
         typer.echo(f"wrote {written}")
 

@@ -119,6 +119,11 @@ class RestartConfig:
     trained since the last failure (or forgive_after_s, whichever comes first)."""
     forgive_after_s: float = 600.0
     """... or this many seconds spent training since the last failure."""
+    trained_s: float = 60.0
+    """A script that sends no heartbeats and is killed from outside (SIGKILL, SIGTERM, ...)
+    after running this long trained before it was killed: that attempt is no part of a crash
+    loop, the budgets count it. A script with heartbeats trained when it passed the step it
+    resumed from."""
     quarantine_after: int = 2
     """Quarantine a checkpoint after this many consecutive attempts resumed from it and failed
     the same way before committing a newer one; resume falls back to the one before (0: never).
@@ -444,11 +449,6 @@ class Config:
     trains; the next attempt starts in it, seconds sooner. Only for `python SCRIPT` and
     `-m MODULE` launches, never under torchrun (--nproc-per-node). Turn it off
     (`--no-standby`) to spare its memory on a tight machine."""
-    checkpoints_elsewhere_after_s: float = 600.0
-    """With `--resume-arg` (or `{checkpoint}` in the command): when the checkpoint dir still
-    holds no checkpoint after this many seconds of training while the script wrote
-    checkpoint-like files elsewhere under its working dir, say so once, naming them and the
-    `--ckpt-dir` to pass (a `checkpoints_elsewhere` event, `rtrain status`; 0: never)."""
     preload: list[str] | None = None
     """Modules the standby imports, e.g. ["torch", "transformers"]. None: the script's
     module-level imports (and its own modules') from outside its directory and the standard

@@ -78,9 +78,11 @@ def test_the_scripted_loop_runs_with_no_feature(tmp_path):
     kinds = [e["kind"] for e in read_events(tmp_path / "run" / "events.jsonl")]
     assert kinds == ["launch", "exit", "classification", "decision", "launch", "exit",
                      "decision", "finished"]
-    # With every feature, the same script: the same records (none of them emits on its own).
+    # With every feature, the same script: the same records, and the one feature that emits
+    # on its own says the relaunch starts fresh (nothing was saved to resume from).
     code, events = run(tmp_path / "all", Script([crash(), success()]))
-    assert code == 0 and [e["kind"] for e in events] == kinds
+    assert code == 0 and [e["kind"] for e in events] == [*kinds[:4], "cannot_resume",
+                                                         *kinds[4:]]
 
 
 @pytest.mark.slow

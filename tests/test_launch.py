@@ -25,8 +25,9 @@ def test_crash_once_then_succeed(tmp_path):
     run = tmp_path / "run"
     r = launch(run, str(CHILDREN / "fail_first_attempts.py"), "1", "7")
     assert r.returncode == 0, r.stderr
-    assert kinds(run) == ["launch", "exit", "classification", "decision", "launch", "exit",
-                          "decision", "finished"]
+    # Nothing saved: the fresh relaunch is said (cannot_resume: nothing hands it a checkpoint).
+    assert kinds(run) == ["launch", "exit", "classification", "decision", "cannot_resume",
+                          "launch", "exit", "decision", "finished"]
     cls = events(run, "classification")[0]
     assert cls["failure"] == "crash" and "exited with code 7" in cls["reason"]
     assert events(run, "launch")[1]["attempt"] == 1

@@ -24,8 +24,9 @@ def test_crash_crash_success_relaunches_with_growing_backoff(tmp_path):
     code, events = run(tmp_path, script)
     assert code == 0
     attempt_events = ["launch", "exit", "classification", "decision"]
-    assert kinds(events) == [*attempt_events, *attempt_events, "launch", "exit", "decision",
-                             "finished"]
+    # The first fresh relaunch says once why there is nothing to resume from.
+    assert kinds(events) == [*attempt_events, "cannot_resume", *attempt_events, "launch", "exit",
+                             "decision", "finished"]
     decisions = [e for e in events if e["kind"] == "decision"]
     assert [d["action"] for d in decisions] == ["relaunch", "relaunch", "finished"]
     # The backoff doubles while attempts make no progress, and no real time passes.

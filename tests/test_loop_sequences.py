@@ -53,8 +53,9 @@ def test_an_oom_is_recorded_with_its_rung_before_the_relaunch(tmp_path):
     script = Script([oom, success()])
     code, events = run(tmp_path, script, settings={"batch_size": 16, "grad_accum": 1})
     assert code == 0
+    # The relaunch starts fresh (nothing was saved): said once, before it (cannot_resume).
     assert kinds(events) == ["launch", "exit", "classification", "decision", "degrade",
-                             "launch", "exit", "decision", "finished"]
+                             "cannot_resume", "launch", "exit", "decision", "finished"]
     said = script.said
     # recorded (the failure, the rung), then acted on (the reason, the wait), then relaunched
     assert (index(said, "attempt 0 failed: oom_gpu") < index(said, "degrading: ")
@@ -73,7 +74,7 @@ def test_a_device_that_failed_its_health_checks_is_recorded_before_the_classific
     code, events = run(tmp_path, script)
     assert code == 0
     assert kinds(events) == ["launch", "exit", "device_failed", "classification", "decision",
-                             "launch", "exit", "decision", "finished"]
+                             "cannot_resume", "launch", "exit", "decision", "finished"]
     assert events[2]["devices"] == [failed] and "slurm" not in events[2]
     assert events[3]["failure"] == "lost_device"
     assert "GPU 0: unreachable (GPU is lost)" in events[3]["reason"]

@@ -9,6 +9,7 @@ from observed import observed
 
 from rtrain.supervisor.config import BackoffConfig, Config, RestartConfig
 from rtrain.supervisor.decide.failures import Failure, FailureKind
+from rtrain.supervisor.decide.observation import Heartbeats
 from rtrain.supervisor.decide.policy import (
     Action,
     History,
@@ -128,6 +129,37 @@ def test_crash_loop_without_any_checkpoint():
     config = cfg(restart=RestartConfig(crash_loop_k=1))
     d = decide(fail(K.CRASH), History(), config, rand=0, newest_step=None)
     assert d.action is Action.GIVE_UP and "no checkpoint yet" in d.reason
+
+
+@pytest.mark.parametrize("ev, loops", [
+    ({"signal": "SIGKILL", "duration_s": 61.0}, False),   # trained a minute: outside kill
+    ({"signal": "SIGTERM", "duration_s": 600.0}, False),
+    ({"signal": "SIGKILL", "duration_s": 5.0}, True),     # killed in its start-up
+    ({"signal": "SIGSEGV", "duration_s": 600.0}, True),   # its own crash
+    ({"signal": "SIGKILL", "duration_s": 600.0, "hang": True}, True),  # our stop at a hang
+    ({"signal": "SIGKILL", "duration_s": 600.0, "last_step": 9,        # steps past the resume
+      "heartbeats": Heartbeats(count=3)}, False),
+    ({"signal": "SIGKILL", "duration_s": 600.0, "last_step": None,     # heartbeats, no step
+      "heartbeats": Heartbeats(count=3)}, True),
+])
+def test_outside_kills_while_training_leave_it_to_the_budgets(ev, loops):
+    """A script that cannot resume, killed from outside three times: a crash loop only when the
+    attempts did not train or failed by themselves; otherwise the budgets charge each kill."""
+    h, config = History(), cfg()
+    actions = []
+    for _ in range(4):
+        d = decide(fail(K.CRASH, **ev), h, config, rand=0, newest_step=None)
+        actions.append(d.action)
+        h = d.history
+        if d.action is Action.GIVE_UP:
+            break
+    if loops:
+        assert actions == [Action.RELAUNCH, Action.RELAUNCH, Action.GIVE_UP]
+        assert "crash loop" in d.reason
+    else:
+        assert actions == [Action.RELAUNCH] * 3 + [Action.GIVE_UP]
+        assert "the crash budget is spent (3 of 3" in d.reason
+        assert h.budgets_used == {"crash": 3} and h.stalled == ()
 
 
 def test_oom_steps_down_the_ladder_keeping_effective_batch():

@@ -112,8 +112,8 @@ class RunSummary:
     """The warm standby, from its newest event (none: no standby event in the run): state
     (ready, discarded, failed, used), pid, rss_bytes, modules, reason; warm_starts: attempts
     started in a standby."""
-    checkpoints_elsewhere: dict[str, Any] | None = None
-    """While the watched dir holds no checkpoint: the last `checkpoints_elsewhere` warning
+    cannot_resume: dict[str, Any] | None = None
+    """While the watched dir holds no checkpoint: the last `cannot_resume` notice
     (files, suggest, message) of the checkpoint dir the newest launch watches."""
     foreign_copy: dict[str, Any] | None = None
     """rtrain's copy of a foreign file the script rewrites in place (ckpt/keepcopy.py): source,
@@ -276,7 +276,7 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
         s.cadence = {k: cadence.get(k) for k in KINDS[Kind.CADENCE].fields}
         s.restart_s = _restart_s(timeline)
     s.standby = _standby(timeline, launch)
-    s.checkpoints_elsewhere = _elsewhere(timeline, launch, s.checkpoint)
+    s.cannot_resume = _cannot_resume(timeline, launch, s.checkpoint)
     kept = keepcopy.load(run_dir)
     s.foreign_copy = asdict(kept) if kept is not None else None
     s.restored = _pick(timeline.last(Kind.FOREIGN_RESTORED), "path", "reason", "step",
@@ -290,15 +290,15 @@ def summarize(run_dir: Path, *, key: bytes | None = None, now: float | None = No
     return s
 
 
-def _elsewhere(timeline: Timeline, launch: dict[str, Any] | None,
-               checkpoint: Path | None) -> dict[str, Any] | None:
-    """The warning stands while the dir it was about is the one watched and is still empty."""
-    last = timeline.last(Kind.CHECKPOINTS_ELSEWHERE)
+def _cannot_resume(timeline: Timeline, launch: dict[str, Any] | None,
+                   checkpoint: Path | None) -> dict[str, Any] | None:
+    """The notice stands while the dir it was about is the one watched and is still empty."""
+    last = timeline.last(Kind.CANNOT_RESUME)
     if last is None or checkpoint is not None:
         return None
     if launch is not None and launch.get("ckpt_dir") != last.get("ckpt_dir"):
         return None  # relaunched with another --ckpt-dir
-    return {k: last.get(k) for k in ("files", "suggest", "message")}
+    return {k: last.get(k) for k in ("reason", "files", "suggest", "message")}
 
 
 def _stragglers(timeline: Timeline, launch: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -450,8 +450,8 @@ def render_text(s: RunSummary) -> str:
         rows.append(("warning", stale))
     if s.unsaved:
         rows.append(("warning", s.unsaved))
-    if s.checkpoints_elsewhere:
-        rows.append(("warning", str(s.checkpoints_elsewhere.get("message") or "")))
+    if s.cannot_resume:
+        rows.append(("warning", str(s.cannot_resume.get("message") or "")))
     if s.reason:
         rows.append(("reason", s.reason))
     progress = [f"step {s.step:,}"] if s.step is not None else []
@@ -509,9 +509,11 @@ def render_text(s: RunSummary) -> str:
     failures = ", ".join(f"{k} {n}" for k, n in s.failures.items()) or "none"
     rows.append(("attempts", f"{s.attempts} launched; failures: {failures}"))
     if s.budgets_used or s.forgiven:
+        # Charged per relaunch, so a failure that ended the run, or came after a newer
+        # checkpoint, is a failure above and no charge here: say "relaunches" to tell them apart.
         rows.append(("budgets", (", ".join(f"{k} {n}" for k, n in s.budgets_used.items())
-                                 or "none") + f" used since the last progress ({s.forgiven} "
-                                              "earlier failures forgiven)"))
+                                 or "none") + " relaunches charged since the last progress "
+                                              f"({s.forgiven} earlier ones forgiven)"))
     rows += [("", f"{Path(q['path']).name} quarantined: {q['reason']}"
                   + ("" if q["in_force"] else " (since saved again)")) for q in s.quarantined]
     if s.failure_rate:

@@ -61,7 +61,7 @@ class Kind(str, Enum):
     STANDBY_READY = "standby_ready"
     STANDBY_DISCARDED = "standby_discarded"
     STANDBY_FAILED = "standby_failed"
-    CHECKPOINTS_ELSEWHERE = "checkpoints_elsewhere"
+    CANNOT_RESUME = "cannot_resume"
     STRAGGLER = "straggler"
     MEMORY_TIER = "memory_tier"
     SNAPSHOT_PERSISTED = "snapshot_persisted"
@@ -244,10 +244,14 @@ KINDS: dict[Kind, KindSpec] = {
         fields=("attempt", "pid", "reason", "output"),
         meaning="a standby died, failed an import, initialised CUDA or did not answer; the "
                 "attempt starts cold"),
-    Kind.CHECKPOINTS_ELSEWHERE: KindSpec(
-        fields=("attempt", "ckpt_dir", "files", "suggest", "trained_s", "message"),
-        meaning="the watched checkpoint dir is still empty after minutes of training while "
-                "the script wrote checkpoint-like files elsewhere"),
+    Kind.CANNOT_RESUME: KindSpec(
+        fields=("attempt", "reason", "ckpt_dir", "files", "suggest", "message"),
+        meaning="an attempt failed with nothing to resume from, said once per launch; "
+                "`reason`: `elsewhere` (the script wrote checkpoint-like `files` outside the "
+                "checkpoint dir; `suggest` is the --ckpt-dir to pass), `no_handoff` (no "
+                "--resume-arg, {checkpoint} or Checkpointer takes a checkpoint), "
+                "`not_checkpoints` (the dir holds only `files` that are no checkpoint) or "
+                "`empty`"),
     Kind.STRAGGLER: KindSpec(
         fields=("attempt", "step", "rank", "host", "ratio", "busy_s", "others_busy_s",
                 "ranks", "window_steps", "detail"),

@@ -27,7 +27,12 @@ from rtrain.supervisor.decide.failures import OUT_OF_MEMORY, Failure, FailureKin
 from rtrain.supervisor.decide.history import History
 from rtrain.supervisor.decide.ladder import Floor, step_down, step_up
 from rtrain.supervisor.decide.observation import Observation
-from rtrain.supervisor.decide.streak import Resumed, own_failure_step, quarantine_streak
+from rtrain.supervisor.decide.streak import (
+    Resumed,
+    killed_while_training,
+    own_failure_step,
+    quarantine_streak,
+)
 from rtrain.supervisor.pressure.decide import climb_fits, rung_peak
 
 __all__ = ["Action", "Decision", "History", "ResumeMode", "Resumed", "decide", "note_progress",
@@ -103,7 +108,10 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
     if ended is not None:
         return ended
     kind = failure.kind
-    nxt = _count_attempt(history, newest_step, progressed)
+    outside = kind is FailureKind.CRASH and killed_while_training(
+        failure.seen, resumed.step if resumed else None, config.restart.trained_s)
+    nxt = _count_attempt(history, newest_step, progressed, outside_kill=outside)
+    advanced = _advanced(history, newest_step) or progressed
     if kind is FailureKind.PREEMPTED:  # exit 75 without a stop from us: relaunch, spend nothing
         return _relaunch(failure, history, nxt, config, settings, rand, backoff=False)
     if kind is FailureKind.BAD_CHECKPOINT:
@@ -117,7 +125,7 @@ def decide(failure: Failure | None, history: History, config: Config, *, rand: f
     # An attempt that advanced the newest verified checkpoint (the crash-loop rule's
     # high-water mark) is not charged: the budgets count failures without progress, so a run
     # that keeps advancing between kills, however little each time, never runs out.
-    if nxt.stalled:
+    if not advanced:
         nxt = budgets.charge(nxt, _budget_name(kind), newest_step)
     if committed is None:
         committed = newest_step is not None and (resumed is None or resumed.step is None
@@ -156,13 +164,26 @@ def _stopped_or_startup(failure: Failure, history: History, config: Config,
     return None
 
 
-def _count_attempt(history: History, newest_step: int | None,
-                   progressed: bool = False) -> History:
-    """One more attempt; the newest step any launch reached, or one more stalled attempt (an
-    attempt that left new foreign content progressed, whatever the step says)."""
+def _advanced(history: History, newest_step: int | None) -> bool:
+    """The newest verified step passed the highest any attempt reached."""
     high = history.launch_step
-    advanced = newest_step is not None and (high is None or newest_step > high)
-    stalled = () if advanced or progressed else (*history.stalled, newest_step)
+    return newest_step is not None and (high is None or newest_step > high)
+
+
+def _count_attempt(history: History, newest_step: int | None,
+                   progressed: bool = False, outside_kill: bool = False) -> History:
+    """One more attempt; the newest step any launch reached, or one more stalled attempt (an
+    attempt that left new foreign content progressed, whatever the step says). An attempt
+    killed from outside while it trained (`outside_kill`) leaves the stalled streak as it was:
+    it neither advanced nor failed by itself."""
+    high = history.launch_step
+    advanced = _advanced(history, newest_step)
+    if advanced or progressed:
+        stalled: tuple[int | None, ...] = ()
+    elif outside_kill:
+        stalled = history.stalled
+    else:
+        stalled = (*history.stalled, newest_step)
     return replace(history, attempt=history.attempt + 1,
                    launch_step=newest_step if advanced else high, stalled=stalled)
 

@@ -35,6 +35,19 @@ def own_failure_step(ev: Observation | None) -> int | None:
     return ev.last_step
 
 
+def killed_while_training(ev: Observation | None, resumed_step: int | None,
+                          trained_s: float) -> bool:
+    """Killed from outside (a person, a scheduler, a killer; not rtrain's stop at a hang) after
+    it trained: past the step it resumed from (a script that sends heartbeats), or for
+    `trained_s` seconds (one that sends none). Such an ending says nothing about the script,
+    so it is no part of a crash loop: the budgets count it."""
+    if ev is None or ev.hang or ev.signal not in _OUTSIDE_SIGNALS:
+        return False
+    if ev.heartbeats.count:
+        return ev.last_step is not None and ev.last_step > (resumed_step or 0)
+    return ev.duration_s >= trained_s
+
+
 def quarantine_streak(history: History, config: Config, kind: FailureKind,
                       resumed: Resumed | None, committed: bool,
                       last_step: int | None) -> tuple[History, dict[str, Any] | None]:

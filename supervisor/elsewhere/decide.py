@@ -1,29 +1,40 @@
-"""Checkpoints written where rtrain does not look: the warning that resume cannot work.
+"""Never a silent restart from scratch: why rtrain has nothing to resume this script from.
 
-A run that is handed the checkpoint to resume from (`--resume-arg`, `{checkpoint}` in the
-command) gets nothing from rtrain when the script writes its checkpoints elsewhere: every
-relaunch is fresh and no failure ever counts as progress. The rule:
+The first time a launch relaunches a failed attempt with no checkpoint in the watched dir, rtrain
+says so once (a line, a `cannot_resume` event, `rtrain status`), with the first reason that
+holds:
 
-    warn  when  the run expects checkpoints in the watched dir (`--resume-arg` / `{checkpoint}`;
-                a script without either may resume by itself, and may write weights it
-                downloaded or exports that are no checkpoint: no guess is made for it)
-          and   that dir still holds none after `after_s` seconds of training (this launch's
-                attempts together)
-          and   the script wrote checkpoint-like files elsewhere under its working dir since
-                its first attempt of this launch started (`Written`, found by the bounded scan
-                in elsewhere/scan.py)
+    elsewhere        the run hands the script its checkpoint (`--resume-arg` / `{checkpoint}`)
+                     and the script wrote checkpoint-like files outside the watched dir since
+                     the launch's first attempt started (`Written`, elsewhere/scan.py): they
+                     are named, with the `--ckpt-dir` to pass (the dir of the newest; a
+                     Trainer's `checkpoint-N/` counts as one entry, its parent is the dir).
+                     A script not handed a checkpoint is not judged on what it writes
+                     elsewhere: that may be weights it downloaded, or exports.
+    no_handoff       nothing would give the script a checkpoint: no `--resume-arg`, no
+                     `{checkpoint}`, and no heartbeat of the worker library (whose
+                     Checkpointer reads RTRAIN_RESUME_FROM).
+    not_checkpoints  the watched dir holds files, none of them a checkpoint: they are named.
+    empty            the watched dir holds nothing: the script ended before its first save.
 
-The warning names the files seen and the `--ckpt-dir` to pass: the directory holding the newest
-of them (a Trainer's `checkpoint-N/` counts as one entry, its parent is the dir to watch).
-`after_s` 0 turns it off. Pure: the caller scans, counts the seconds and acts.
+Said as the first fresh relaunch starts, not after minutes of training. Pure: the caller lists
+the dir, scans and records.
 """
 
 from __future__ import annotations
 
+import enum
 import posixpath
 from dataclasses import dataclass
 
 SHOWN = 3  # files named in the message; the event carries them all
+
+
+class Reason(str, enum.Enum):
+    ELSEWHERE = "elsewhere"
+    NO_HANDOFF = "no_handoff"
+    NOT_CHECKPOINTS = "not_checkpoints"
+    EMPTY = "empty"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,56 +50,79 @@ class Written:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Seen:
-    """What the launch saw of the run so far."""
+    """What the launch saw when an attempt ended."""
 
-    expects: bool
-    """The run resumes from checkpoints rtrain finds: `--resume-arg` or `{checkpoint}` given."""
+    hands: bool
+    """The run hands the script its checkpoint: `--resume-arg` or `{checkpoint}` given."""
+    worker: bool
+    """The script sent heartbeats: it uses the worker library, which resumes by itself."""
     watched: str
     """The watched checkpoint dir as the person gave it (relative to the working dir when
     inside it)."""
-    watched_empty: bool
-    """It holds no checkpoint of any format."""
-    trained_s: float
-    """Seconds this launch's attempts have run."""
-    written: tuple[Written, ...]
+    resumable: bool
+    """It holds a checkpoint of some format."""
+    present: tuple[str, ...] = ()
+    """What it holds that is not a checkpoint (a dir's name ends in '/'), sorted."""
+    written: tuple[Written, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Elsewhere:
-    """The warning: what to record and say."""
+class CannotResume:
+    """What to record and say."""
 
+    reason: Reason
     files: tuple[str, ...]
-    """Every entry seen, newest first."""
-    ckpt_dir: str
-    """The `--ckpt-dir` to pass."""
-    trained_s: float
+    """The files the message is about: written elsewhere (newest first) or present."""
+    ckpt_dir: str | None
+    """The `--ckpt-dir` to pass (`elsewhere` only)."""
     message: str
 
 
-def judge(seen: Seen, after_s: float) -> Elsewhere | None:
-    """The warning, or None while there is nothing to say (see the module docstring)."""
-    if after_s <= 0 or not seen.expects or not seen.watched_empty or not seen.written:
-        return None
-    if seen.trained_s < after_s:
-        return None
-    newest = sorted(seen.written, key=lambda w: (-w.mtime, w.path))
-    files = tuple(w.path for w in newest)
-    where = posixpath.dirname(files[0].rstrip("/")) or "."
-    shown = ", ".join(files[:SHOWN]) + (f" and {len(files) - SHOWN} more"
-                                         if len(files) > SHOWN else "")
-    message = (f"rtrain watches {seen.watched}, which is still empty after "
-               f"{minutes(seen.trained_s)} of training, while the script wrote {shown}: "
-               f"pass --ckpt-dir {where} (until then each relaunch starts fresh)")
-    return Elsewhere(files=files, ckpt_dir=where, trained_s=seen.trained_s, message=message)
+def _listed(files: tuple[str, ...]) -> str:
+    more = len(files) - SHOWN
+    return ", ".join(files[:SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
-def short(warning: Elsewhere) -> str:
+def judge(seen: Seen) -> CannotResume | None:
+    """The notice, or None when there is a checkpoint to resume from (module docstring)."""
+    if seen.resumable:
+        return None
+    head = f"rtrain cannot resume this script: {seen.watched} holds no checkpoint"
+    fresh = "each relaunch starts fresh"
+    if seen.hands and seen.written:
+        newest = sorted(seen.written, key=lambda w: (-w.mtime, w.path))
+        files = tuple(w.path for w in newest)
+        where = posixpath.dirname(files[0].rstrip("/")) or "."
+        return CannotResume(
+            reason=Reason.ELSEWHERE, files=files, ckpt_dir=where,
+            message=f"{head}, while the script wrote {_listed(files)}: pass --ckpt-dir "
+                    f"{where} (until then {fresh})")
+    if not seen.hands and not seen.worker:
+        return CannotResume(
+            reason=Reason.NO_HANDOFF, files=seen.present, ckpt_dir=None,
+            message=f"{head}, and nothing hands one to the script (no --resume-arg, no "
+                    f"{{checkpoint}} in its arguments, no rtrain.Checkpointer): {fresh}; "
+                    "pass --resume-arg with the script's resume option and --ckpt-dir where "
+                    "it saves")
+    if seen.present:
+        return CannotResume(
+            reason=Reason.NOT_CHECKPOINTS, files=seen.present, ckpt_dir=None,
+            message=f"{head}, only {_listed(seen.present)}, which rtrain does not recognise "
+                    f"as checkpoints: {fresh} until the script saves one there (pass "
+                    "--ckpt-dir where it saves)")
+    # Most often a script that saves, failing before its first save: not yet, rather than not.
+    return CannotResume(
+        reason=Reason.EMPTY, files=(), ckpt_dir=None,
+        message=f"nothing to resume from yet: {seen.watched} holds no checkpoint (the script "
+                f"ended before it saved one there): {fresh} until it does (if it saves "
+                "elsewhere, pass that --ckpt-dir)")
+
+
+def short(notice: CannotResume) -> str:
     """The reminder on a later launch line: why it is fresh again."""
-    return (f"nothing to resume from: the script writes {warning.files[0]}; "
-            f"pass --ckpt-dir {warning.ckpt_dir}")
-
-
-def minutes(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 60:.0f} min"
+    if notice.reason is Reason.ELSEWHERE:
+        return (f"nothing to resume from: the script writes {notice.files[0]}; "
+                f"pass --ckpt-dir {notice.ckpt_dir}")
+    if notice.reason is Reason.NO_HANDOFF:
+        return "nothing to resume from: the script takes no checkpoint from rtrain"
+    return "nothing to resume from: no checkpoint in the checkpoint dir yet"

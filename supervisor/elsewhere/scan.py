@@ -1,16 +1,18 @@
-"""Checkpoints written where rtrain does not look (elsewhere/decide.py holds the rule): the
-bounded scan of the script's working dir, and `ElsewhereWatch`, which the loop feeds with the
-attempts' starts and ends and polls at each sample, and which records the warning once.
+"""Why there is nothing to resume from (elsewhere/decide.py holds the rule): the look at the
+checkpoint dir, the bounded scan of the script's working dir, and `ElsewhereWatch`, which the
+loop feeds with the attempts' starts and ends, and which records the notice once: when a
+fresh attempt follows a failed one (a run that finishes, gives up or stops needs no notice).
 
-The scan is the only I/O: breadth first from the working dir, at most `MAX_DEPTH` levels and
-`MAX_ENTRIES` directory entries, never into hidden dirs, `__pycache__`/`node_modules`/
-`site-packages`, symbolic links, the run dir or the watched dir; only entries modified since
-the launch's first attempt started. It runs only once the threshold is reached, then at most
-every `SCAN_EVERY_S` until it finds something or the watched dir gets a checkpoint.
+The scan: breadth first from the working dir, at most `MAX_DEPTH` levels and `MAX_ENTRIES`
+directory entries, never into hidden dirs, `__pycache__`/`node_modules`/`site-packages`,
+symbolic links, the run dir or the watched dir; only entries modified since the launch's first
+attempt started. It runs only before a fresh relaunch after a failed attempt, while the notice
+has not been given, and only for a run that hands the script its checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
@@ -21,7 +23,8 @@ from pathlib import Path
 from rtrain.checkpoint.layout import parse_step
 from rtrain.supervisor.ckpt.foreign import list_candidates
 from rtrain.supervisor.core.event_schema import Kind
-from rtrain.supervisor.elsewhere.decide import Elsewhere, Seen, Written, judge, short
+from rtrain.supervisor.decide.observation import Observation
+from rtrain.supervisor.elsewhere.decide import CannotResume, Seen, Written, judge, short
 from rtrain.supervisor.records.events import EventLog
 
 SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".safetensors")
@@ -29,7 +32,6 @@ NOT_CHECKPOINTS = {"training_args.bin"}  # a Trainer writes it beside its checkp
 SKIP_DIRS = {"__pycache__", "node_modules", "site-packages"}
 MAX_DEPTH = 4
 MAX_ENTRIES = 5000
-SCAN_EVERY_S = 30.0
 
 
 def scan(root: Path, *, since: float, skip: Collection[Path] = (), max_depth: int = MAX_DEPTH,
@@ -90,66 +92,85 @@ def shown_path(path: Path, cwd: Path) -> str:
     return f"./{rel.as_posix()}" if str(rel) != "." else "."
 
 
+def present(ckpt_dir: Path, *, skip: Collection[Path] = (),
+            max_entries: int = MAX_ENTRIES) -> tuple[str, ...]:
+    """What the checkpoint dir holds, sorted (a dir's name ends in '/'): for the notice when
+    none of it is a checkpoint. Hidden names (rtrain's own `.rtrain-*` among them) and `skip`
+    (the run dir, when it lies inside) are left out; at most `max_entries` are read."""
+    skip_ids = set()
+    for p in skip:
+        with contextlib.suppress(OSError):
+            st = os.stat(p)
+            skip_ids.add((st.st_dev, st.st_ino))
+    names = []
+    try:
+        entries = os.scandir(ckpt_dir)
+    except OSError:
+        return ()
+    with entries:
+        for n, entry in enumerate(entries):
+            if n >= max_entries:
+                break
+            if entry.name.startswith("."):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in skip_ids:
+                continue
+            names.append(entry.name + ("/" if stat.S_ISDIR(st.st_mode) else ""))
+    return tuple(sorted(names))
+
+
 class ElsewhereWatch:
-    """One launch's watch for checkpoints written elsewhere; warns at most once."""
+    """One launch's look, before a fresh relaunch of a failed attempt, for why there is
+    nothing to resume from (elsewhere/decide.py); says it at most once."""
 
-    def __init__(self, *, after_s: float, expects: bool, cwd: Path, ckpt_dir: Path,
-                 run_dir: Path, events: EventLog, say: Callable[[str], None],
-                 monotonic: Callable[[], float]) -> None:
-        self.after_s, self.expects = after_s, expects
+    def __init__(self, *, hands: bool, cwd: Path, ckpt_dir: Path, run_dir: Path,
+                 events: EventLog, say: Callable[[str], None]) -> None:
+        self.hands = hands
         self.cwd, self.ckpt_dir, self.run_dir = cwd, ckpt_dir, run_dir
-        self.events, self.say, self.monotonic = events, say, monotonic
-        self.warning: Elsewhere | None = None
-        self._off = after_s <= 0 or not expects
+        self.events, self.say = events, say
+        self.notice: CannotResume | None = None
         self._attempt: int | None = None
+        self._ended: Observation | None = None  # the last attempt, when it failed
         self._since: float | None = None  # unix time the launch's first attempt started
-        self._trained = 0.0  # seconds run by the launch's attempts that ended
-        self._t0: float | None = None
-        self._last_scan = float("-inf")
 
-    def attempt_started(self, attempt: int) -> None:
-        self._attempt, self._t0 = attempt, self.monotonic()
+    def attempt_started(self, attempt: int, *, fresh: bool) -> None:
+        """Attempt `attempt` starts, `fresh` without a checkpoint: after a failed attempt of
+        this launch, the moment to say why, the first time."""
+        if fresh and self._ended is not None:
+            self._judge(self._ended)
+        self._attempt, self._ended = attempt, None
         if self._since is None:
             # Compared with file mtimes: the real clock, and a second's slack for filesystems
             # that keep coarse timestamps.
             self._since = time.time() - 1.0
 
-    def attempt_ended(self) -> None:
-        self.poll(final=True)  # an attempt that wrote its checkpoint and died between samples
-        if self._t0 is not None:
-            self._trained += self.monotonic() - self._t0
-            self._t0 = None
+    def attempt_ended(self, seen: Observation) -> None:
+        self._ended = seen if seen.returncode != 0 else None
 
-    def poll(self, *, final: bool = False) -> None:
-        """At a sample: scan when due, and warn when the rule says so."""
-        if self._off or self.warning is not None or self._t0 is None:
+    def _judge(self, seen: Observation) -> None:
+        if self.notice is not None or self._since is None:
             return
-        now = self.monotonic()
-        trained = self._trained + (now - self._t0)
-        if trained < self.after_s:
+        if list_candidates(self.ckpt_dir, read_steps=False):
             return
-        if not final and now - self._last_scan < min(SCAN_EVERY_S, self.after_s):
+        skip = (self.run_dir, self.ckpt_dir)
+        written = scan(self.cwd, since=self._since, skip=skip) if self.hands else ()
+        notice = judge(Seen(hands=self.hands, worker=seen.heartbeats.count > 0,
+                            watched=shown_path(self.ckpt_dir, self.cwd), resumable=False,
+                            present=present(self.ckpt_dir, skip=skip), written=written))
+        if notice is None:
             return
-        self._last_scan = now
-        if list_candidates(self.ckpt_dir):
-            self._off = True  # the dir has a checkpoint: resume works, nothing to watch
-            return
-        assert self._since is not None
-        written = scan(self.cwd, since=self._since, skip=(self.run_dir, self.ckpt_dir))
-        warning = judge(Seen(expects=self.expects, watched=shown_path(self.ckpt_dir, self.cwd),
-                             watched_empty=True, trained_s=trained, written=written),
-                        self.after_s)
-        if warning is None:
-            return
-        self.warning = warning
-        self.events.emit(Kind.CHECKPOINTS_ELSEWHERE, attempt=self._attempt,
-                         ckpt_dir=str(self.ckpt_dir), files=list(warning.files),
-                         suggest=warning.ckpt_dir, trained_s=round(warning.trained_s, 1),
-                         message=warning.message)
-        self.say(f"warning: {warning.message}")
+        self.notice = notice
+        self.events.emit(Kind.CANNOT_RESUME, attempt=self._attempt, reason=notice.reason.value,
+                         ckpt_dir=str(self.ckpt_dir), files=list(notice.files),
+                         suggest=notice.ckpt_dir, message=notice.message)
+        self.say(f"warning: {notice.message}")
 
     def launch_note(self) -> str | None:
-        """For a fresh launch line after the warning, while the watched dir is still empty."""
-        if self.warning is None or list_candidates(self.ckpt_dir):
+        """For a fresh launch line after the notice, while the watched dir is still empty."""
+        if self.notice is None or list_candidates(self.ckpt_dir, read_steps=False):
             return None
-        return short(self.warning)
+        return short(self.notice)

@@ -30,11 +30,12 @@ from rtrain.checkpoint.verify import Verdict
 from rtrain.supervisor import features as registry
 from rtrain.supervisor.ckpt import foreign
 from rtrain.supervisor.config import Config
+from rtrain.supervisor.core import protocol
 from rtrain.supervisor.core.errors import ExitCode, UsageError
 from rtrain.supervisor.core.protocol import Heartbeat
 from rtrain.supervisor.decide.attempt import AttemptResult, judge
 from rtrain.supervisor.decide.policy import Action, Decision, History, ResumeMode
-from rtrain.supervisor.launch import argv_templates, child_env, resize, side_effects
+from rtrain.supervisor.launch import argv_templates, child_env, ckpt_owner, resize, side_effects
 from rtrain.supervisor.launch.child_env import AttemptPlan
 from rtrain.supervisor.launch.feature import Attempt, Features, Run
 from rtrain.supervisor.launch.observers import Observers
@@ -153,8 +154,12 @@ class Loop:
         self.record = RunRecord(run_dir, self.cfg.file_mode, self.events, wall=seams.wall,
                                 monotonic=seams.monotonic, sleep=seams.sleep, say=self.say)
         self.record.load(spec.command, spec.cwd, fresh=spec.fresh, retry=spec.retry)
+        # A script's own checkpoint dir gets none of rtrain's files (ckpt_owner.py).
+        self.script_owned = ckpt_owner.script_owns(self.ckpt_dir, command=spec.command,
+                                                   resume_args=spec.resume_args, cwd=spec.cwd)
         self.checkpoints = Checkpoints(self.ckpt_dir, self.cfg, load_signing_key(), self.events,
-                                       self.say, enc=encryption_key(), run_dir=run_dir)
+                                       self.say, enc=encryption_key(), run_dir=run_dir,
+                                       own_files=not self.script_owned)
         self.gpu = seams.gpu if seams.gpu is not None else NvmlReader()
         self.hb = HeartbeatReceiver()
         self.watch_cfg = WatchConfig.from_config(self.cfg)
@@ -271,7 +276,10 @@ class Loop:
                                     relieve_signal=self.watch_cfg.relieve_signal,
                                     file_mode=self.cfg.file_mode)
         self.features.environment(attempt, env)
-        child_env.fence_earlier_writers(env, self.ckpt_dir, self.say)
+        if self.script_owned:
+            env.pop(protocol.ENV_GENERATION, None)  # its writers commit no rtrain checkpoint
+        else:
+            child_env.fence_earlier_writers(env, self.ckpt_dir, self.say)
         attempt.env = env
         self.hb.drain()  # stale heartbeats of the previous attempt
         level = self.record.state.history.level

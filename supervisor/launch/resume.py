@@ -28,8 +28,11 @@ from rtrain.supervisor.records.events import EventLog
 class Checkpoints:
     def __init__(self, ckpt_dir: Path, config: Config, key: bytes | None, events: EventLog,
                  say: Callable[[str], None], enc: crypt.EncryptionKey | None = None,
-                 run_dir: Path | None = None) -> None:
+                 run_dir: Path | None = None, own_files: bool = True) -> None:
         self.dir, self.cfg, self.key, self.events, self.say = ckpt_dir, config, key, events, say
+        # False: the dir is the script's (launch/ckpt_owner.py): the run identity stays in
+        # memory, never written there.
+        self.own_files = own_files
         self.enc = enc  # RTRAIN_ENCRYPTION_KEY(_FILE), which the child inherits
         self.run_dir = run_dir  # where rtrain's copy of an in-place foreign file lives
         self.restored: str | None = None  # the last pick put the copy back: for the launch line
@@ -160,7 +163,7 @@ class Checkpoints:
         current = runid.read(self.dir)
         resumed = runid.of(chosen.manifest) if chosen is not None else None
         run = runid.settle(current, resumed, start_over=start_over) or runid.new()
-        if run == current:
+        if run == current or not self.own_files:
             self.run = run
             return
         try:

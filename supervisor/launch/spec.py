@@ -98,7 +98,8 @@ def child_command(script: str | None, module: str | None, args: list[str],
     (e.g. `torchrun ...`)."""
     py = python or sys.executable
     if module:
-        return [py, "-m", module, *args]
+        # The module's first argument lands in the SCRIPT slot (`-m pkg --lr 1`): keep it.
+        return [py, "-m", module, *([script] if script is not None else []), *args]
     if script is None:
         raise UsageError("nothing to launch: give a script (train.py), -m module, or a command "
                          "after --")

@@ -89,6 +89,6 @@ def torchrun_command(spec: TorchrunSpec, script: str | None, module: str | None,
                  f"--rdzv-backend={spec.rdzv_backend or 'c10d'}",
                  f"--rdzv-endpoint={spec.rdzv_endpoint}",
                  f"--rdzv-id={RDZV_ID}"]
-    if module is not None:
-        return [*argv, "-m", module, *args]
+    if module is not None:  # the module's first argument lands in the SCRIPT slot: keep it
+        return [*argv, "-m", module, *([script] if script is not None else []), *args]
     return [*argv, script, *args]
