@@ -175,14 +175,16 @@ class RestartConfig:
 
 @dataclass(kw_only=True, slots=True)
 class BackoffConfig:
-    """`[backoff]`: wait before a relaunch, growing while attempts make no progress."""
+    """`[backoff]`: wait before a relaunch after a failure without progress, growing while
+    attempts make none; a failure after progress relaunches at once."""
 
     enabled: bool = True
-    """Wait before a relaunch, growing while attempts make no progress (1 s, doubling up to
-    300 s, with jitter). false relaunches at once: for benchmarks and tests, or where a
-    scheduler spaces restarts already (`--no-backoff`)."""
+    """Wait before a relaunch after a failure without progress, growing while attempts make
+    none (1 s, doubling up to 300 s, with jitter); a failure after progress relaunches at
+    once. false never waits: for benchmarks and tests, or where a scheduler spaces restarts
+    already (`--no-backoff`)."""
     initial_s: float = 1.0
-    """Wait before the first relaunch of a streak."""
+    """Wait after the first failure of a streak without progress."""
     factor: float = 2.0
     """Each further relaunch without progress waits this many times longer (at least 1)."""
     max_s: float = 300.0

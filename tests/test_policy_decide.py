@@ -104,10 +104,15 @@ def test_backoff_grows_while_no_progress_and_is_capped(stalled, rand, expected):
     assert d.backoff_s == pytest.approx(expected)
 
 
-def test_backoff_resets_after_progress_and_can_be_off():
+def test_a_failure_after_progress_relaunches_at_once_and_backoff_can_be_off():
     h = History(launch_step=50, stalled=(50, 50))
     d = decide(fail(K.CRASH), h, cfg(), rand=0, newest_step=60)
-    assert d.backoff_s == 1.0 and d.history.stalled == () and d.history.launch_step == 60
+    assert d.backoff_s == 0.0 and d.history.stalled == () and d.history.launch_step == 60
+    # The first failure without progress after it waits the initial second, then it grows.
+    d = decide(fail(K.CRASH), d.history, cfg(), rand=0, newest_step=60)
+    assert d.backoff_s == 1.0
+    d = decide(fail(K.CRASH), d.history, cfg(), rand=0, newest_step=60)
+    assert d.backoff_s == 2.0
     off = cfg(backoff=BackoffConfig(enabled=False))
     assert decide(fail(K.CRASH), h, off, rand=0.9, newest_step=60).backoff_s == 0
     assert backoff_s(cfg(), 10_000, 0.0) == 300.0  # no overflow
@@ -169,6 +174,13 @@ def test_oom_steps_down_the_ladder_keeping_effective_batch():
     assert d.level == 1 and d.history.level == 1 and d.history.settings == d.settings
     assert "batch_size 64 -> 32" in d.ladder_change
     assert d.history.budgets_used == {"oom": 1}
+
+
+def test_an_oom_after_progress_steps_down_at_once_one_without_waits_the_first_backoff():
+    d = decide(fail(K.OOM_GPU), History(launch_step=10), cfg(), rand=0, newest_step=20)
+    assert d.action is Action.RELAUNCH and d.level == 1 and d.backoff_s == 0.0
+    d = decide(fail(K.OOM_GPU), History(launch_step=20), cfg(), rand=0, newest_step=20)
+    assert d.action is Action.RELAUNCH and d.level == 1 and d.backoff_s == 1.0
 
 
 def test_ooms_do_not_count_as_a_crash_loop():

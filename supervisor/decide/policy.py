@@ -71,11 +71,15 @@ def _budget_name(kind: FailureKind) -> str:
     return "oom" if kind in OUT_OF_MEMORY else kind.value
 
 
-def backoff_s(config: Config, streak: int, rand: float) -> float:
-    """initial * factor**streak, capped, minus up to `jitter` of itself at random."""
+def backoff_s(config: Config, stalled: int, rand: float) -> float:
+    """The wait before a relaunch after `stalled` attempts in a row without progress (this one
+    included): none after a failure that followed progress, since a wait buys nothing there and
+    costs every step of the run; then initial * factor**(stalled - 1), capped, minus up to
+    `jitter` of itself at random."""
     b = config.backoff
-    if not b.enabled:
+    if not b.enabled or stalled < 1:
         return 0.0
+    streak = stalled - 1
     # Cap the exponent first: factor**streak overflows long before any realistic streak ends.
     base = min(b.max_s, b.initial_s * b.factor ** min(streak, 64))
     return base * (1.0 - b.jitter * rand)
@@ -237,10 +241,12 @@ def _degrade(failure: Failure, before: History, nxt: History, config: Config,
         return _give_up(f"{failure.reason}; out of memory at the ladder's floor. Tried: {tried}. "
                         f"{step.message}", before, settings)
     # New settings are a new experiment: the crash-loop streak and healthy count start over.
+    # The wait is the first one of a streak, and none where the attempt progressed.
+    wait = backoff_s(config, min(len(nxt.stalled), 1), rand)
     nxt = replace(nxt, level=step.level, settings=step.settings, undo=(*nxt.undo, step.undo),
                   stalled=(), healthy_steps=0)
     return Decision(action=Action.RELAUNCH, history=nxt, settings=step.settings,
-                    level=step.level, backoff_s=backoff_s(config, 0, rand),
+                    level=step.level, backoff_s=wait,
                     ladder_change=step.description,
                     reason=f"{failure.reason}; relaunching one rung down: {step.description}")
 
@@ -280,7 +286,7 @@ def _relaunch(failure: Failure, before: History, nxt: History, config: Config,
             notes.append(f"staying on this rung after {config.restore_after_steps} healthy "
                          f"steps: the rung above does not fit ({why})")
     nxt = replace(nxt, settings=settings)
-    wait = backoff_s(config, max(len(stalled) - 1, 0), rand) if backoff else 0.0
+    wait = backoff_s(config, len(stalled), rand) if backoff else 0.0
     if failure.kind is FailureKind.BAD_CHECKPOINT:
         notes.append("skipping that checkpoint")
     what = "; ".join(["relaunching", *notes]) if notes else "relaunching on the same settings"
