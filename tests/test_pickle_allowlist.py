@@ -180,9 +180,9 @@ def test_training_args_bin_is_not_judged_by_the_allow_list(tmp_path):
 # ------------------------------------------------------------------ bounded work
 
 def test_a_memo_flood_is_walked_in_memory_bounded_by_its_size():
-    # 200k memo puts (7 bytes each): pickle's own ratio is far below the limit, so it verifies,
+    # 50k memo puts (7 bytes each): pickle's own ratio is far below the limit, so it verifies,
     # holding a pointer per entry instead of an object.
-    n = 200_000
+    n = 50_000
     data = (b"\x80\x04]" + b"".join(b"Nr" + struct.pack("<I", i) + b"0" for i in range(n))
             + b".")
     tracemalloc.start()

@@ -81,7 +81,8 @@ def test_a_continued_run_sets_nothing_aside(tmp_path):
 
     ckpts = tmp_path / "run" / "checkpoints"
     build_checkpoint(ckpts, 10)
-    stopped = SavingScript([crash(), success()], ckpt_dir=ckpts, saves=((2,),),
+    # The second crash, without progress, is the one that backs off (and is stopped there).
+    stopped = SavingScript([crash(), crash(), success()], ckpt_dir=ckpts, saves=((2,), ()),
                            stop_during_backoff=signal.SIGTERM)
     code, _ = run(tmp_path, stopped, resume="never")
     assert code == 75 and _steps(ckpts) == [2]
