@@ -106,8 +106,8 @@ def test_a_relaunch_while_not_even_a_directory_can_be_made(tmp_path, small_tmpfs
             f.unlink()
         _finishes(proc, tmp_path)
     assert [e["kind"] for e in read_events(run / "events.jsonl")] == \
-        ["launch", "exit", "classification", "decision", "launch", "exit", "decision",
-         "finished"]
+        ["launch", "exit", "classification", "decision", "cannot_resume", "launch", "exit",
+         "decision", "finished"]
     assert load_state(run).status.value == "finished"
 
 

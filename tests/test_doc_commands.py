@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,9 +156,19 @@ def test_doc_block_runs_as_written(block, tmp_path):
     prepare(block, tmp_path)
     bin_dir = Path(sys.executable).parent
     assert (bin_dir / "rtrain").exists(), f"no rtrain beside {sys.executable}: pip install -e ."
-    # HOME and TMPDIR inside the scratch dir: `~/...` and temporary dirs in a page stay there.
+    # HOME inside the scratch dir, so `~/...` in a page stays there. TMPDIR is a short dir of its
+    # own: a DataLoader's workers bind a unix socket under it, and a socket's path must fit in
+    # 108 bytes, which pytest's per-test dirs do not leave room for.
+    tmp = Path(tempfile.mkdtemp(prefix="rtdoc-"))
     env = child_env(PATH=f"{bin_dir}:{child_env()['PATH']}", HOME=str(tmp_path / "home"),
-                    TMPDIR=str(tmp_path / "tmp"))
+                    TMPDIR=str(tmp))
+    try:
+        _run_block(run, block, tmp_path, env)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_block(run, block, tmp_path, env):
     for command in run:
         r = run_child(["bash", "-c", command.text], cwd=tmp_path, env=env, timeout=TIMEOUT_S)
         assert r.returncode == command.exit_code, (
