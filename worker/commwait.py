@@ -14,15 +14,15 @@ Installed by the Checkpointer when handed a DDP model whose parameters are on th
 on GPUs a future completes when the collective is queued on the stream, so host clocks would
 not see the GPU's wait. DDP takes one hook per model, so:
 
-- a model without a hook gets rtrain's, around DDP's default all-reduce (`allreduce_hook`:
-  DDP's own mean, documented to give the same results);
+- a model without a hook gets rtrain's, reducing as torch's `allreduce_hook` does (DDP's own
+  mean, documented to give the results DDP gives without a hook);
 - a hook the script registers later (`model.register_comm_hook`) replaces the inner one and
   runs, timed, instead of DDP refusing a second hook;
 - a hook registered before the Checkpointer cannot be wrapped: the log says so once, and the
   rule sees only the step-boundary wait, as before.
 
-The cost per bucket is two clock reads, a lock taken twice and one chained future; no
-collective of its own (docs/benchmarks.md).
+The cost per bucket is two clock reads and a lock taken twice (and, around a script's hook, one
+chained future); no collective of its own (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ Hook = Callable[[Any, Any], Any]
 class CommWaits:
     """The timed hook of one DDP model, and the waits it measured since the last `take`."""
 
-    def __init__(self, state: Any, inner: Hook,
+    def __init__(self, state: Any, inner: Hook | None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        # `inner` None: DDP's default all-reduce over the process group `state`.
         self.state, self.inner, self._clock = state, inner, clock
         self._lock = threading.Lock()  # completions run on the process group's threads
         self._pending = 0  # buckets launched in this backward and not complete yet
@@ -55,18 +56,39 @@ class CommWaits:
     def hook(self, state, bucket):  # DDP checks the names, and annotations if any
         """DDP's comm hook: the inner hook, timed (`state` is unused: the inner hook's is kept
         here, and replaced with it)."""
+        if self.inner is None:
+            return self._mean(bucket)
         fut = self.inner(self.state, bucket)
-        launched, last = self._clock(), bucket.is_last()
-        with self._lock:
-            self._pending += 1
-            if last:
-                self._last_launch = launched
+        self.launched(bucket)
 
         def done(f: Any) -> Any:
             self.completed(self._clock())
             return f.value()
 
         return fut.then(done)
+
+    def _mean(self, bucket: Any) -> Any:
+        """DDP's default reduction as torch's `allreduce_hook` makes it (divide, then sum: the
+        gradients DDP makes without a hook), with the completion read in the callback it needs
+        anyway: one chained future, not two."""
+        buffer = bucket.buffer()
+        buffer.div_(self.state.size())
+        fut = torch.distributed.all_reduce(buffer, group=self.state, async_op=True).get_future()
+        self.launched(bucket)
+
+        def done(f: Any) -> Any:
+            self.completed(self._clock())
+            return f.value()[0]
+
+        return fut.then(done)
+
+    def launched(self, bucket: Any) -> None:
+        """The bucket's collective is under way."""
+        launched, last = self._clock(), bucket.is_last()
+        with self._lock:
+            self._pending += 1
+            if last:
+                self._last_launch = launched
 
     def completed(self, now: float) -> None:
         """A bucket's collective completed at `now`; after the backward's last one, the time
@@ -99,9 +121,7 @@ def install(model: Any) -> CommWaits | None:
                     "the step-boundary wait; register the hook after creating the Checkpointer "
                     "and rtrain times it", names)
         return None
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    waits = CommWaits(model.process_group, allreduce_hook)
+    waits = CommWaits(model.process_group, None)
     model.register_comm_hook(None, waits.hook)
 
     def register_comm_hook(state: object, hook: Callable) -> None:
