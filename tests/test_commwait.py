@@ -123,8 +123,10 @@ def test_the_scripts_hook_registered_later_runs_timed(gloo_group, tmp_path):
     model.register_comm_hook("mine", doubled)  # DDP alone would refuse a second hook
     _backward(model)
     assert seen == ["mine"]
-    assert model._comm_hooks == [(doubled, "mine")]
-    assert ckpt._comm.inner is doubled
+    assert ckpt._comm.inner is doubled and ckpt._comm.state == "mine"
+    # A later Checkpointer of the same model reads the same waits, the script's hook kept.
+    again = rtrain.Checkpointer(model=model, ckpt_dir=tmp_path / "c")
+    assert again._comm is ckpt._comm and again._comm.inner is doubled
 
 
 def test_a_hook_registered_before_the_checkpointer_is_left_alone_and_said(gloo_group, tmp_path,
@@ -146,6 +148,15 @@ def test_a_hook_registered_before_the_checkpointer_is_left_alone_and_said(gloo_g
     assert "register the hook after creating the Checkpointer" in caplog.text
     _backward(model)
     assert seen == [1]
+
+
+def test_a_built_in_hook_registered_before_is_left_alone_and_said(gloo_group, tmp_path, caplog):
+    model = _ddp()
+    model._register_builtin_comm_hook(torch.distributed.BuiltinCommHookType.ALLREDUCE)
+    with caplog.at_level(logging.WARNING, logger="rtrain.worker.commwait"):
+        ckpt = rtrain.Checkpointer(model=model, ckpt_dir=tmp_path / "c")
+    assert ckpt._comm is None and "DDP took no comm hook" in caplog.text
+    _backward(model)  # training goes on with DDP's own
 
 
 def test_only_ddp_models_are_timed(gloo_group):

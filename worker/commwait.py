@@ -115,20 +115,27 @@ def install(model: Any) -> CommWaits | None:
         return None
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None
-    if getattr(model, "_comm_hooks", None):
+    hooks = getattr(model, "_comm_hooks", None)
+    if hooks and isinstance(getattr(hooks[0][0], "__self__", None), CommWaits):
+        return hooks[0][0].__self__  # a Checkpointer before this one timed it: the same waits
+    if hooks:
         names = ", ".join(getattr(h, "__qualname__", repr(h)) for h, _ in model._comm_hooks)
         log.warning("the DDP model has a comm hook already (%s): the straggler rule sees only "
                     "the step-boundary wait; register the hook after creating the Checkpointer "
                     "and rtrain times it", names)
         return None
     waits = CommWaits(model.process_group, None)
-    model.register_comm_hook(None, waits.hook)
+    try:
+        model.register_comm_hook(None, waits.hook)
+    except RuntimeError as e:  # a built-in hook (register_builtin_comm_hook) holds the place
+        log.warning("the straggler rule sees only the step-boundary wait: DDP took no comm "
+                    "hook (%s)", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
 
     def register_comm_hook(state: object, hook: Callable) -> None:
         # The script's own hook, registered after rtrain's: it takes the inner place, so it
         # runs (timed) where DDP would refuse a second hook.
         model._check_comm_hook(hook)
-        model._comm_hooks[:] = [(hook, state)]
         model.logger._set_comm_hook_name(hook.__qualname__)
         waits.state, waits.inner = state, hook
 
