@@ -63,7 +63,9 @@ class Checkpointer:
 
     Args:
         model: The torch.nn.Module whose state is saved (DDP- and FSDP-wrapped modules as
-            they are).
+            they are). A DDP model on the CPU gets a comm hook that times this rank's wait in
+            the gradient all-reduce (the straggler rule); register a hook of your own after
+            creating the Checkpointer: it then runs inside rtrain's.
         optimizer: Its optimizer; state is saved keyed by parameter name.
         scheduler: A learning-rate scheduler, or anything with state_dict/load_state_dict.
         scaler: A torch.amp GradScaler.
