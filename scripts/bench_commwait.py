@@ -7,7 +7,7 @@
   future);
 - a DDP step (forward, backward, all-reduce) of a small MLP cut into 1 bucket and into 8:
   DDP's built-in all-reduce, torch's `allreduce_hook` (a Python hook: what any hook costs) and
-  rtrain's timed hook, which reduces as `allreduce_hook` does, taken in turn step by step,
+  rtrain's timed hook (a Python hook reducing as the built-in does), taken in turn step by step,
   medians.
 
 usage: python scripts/bench_commwait.py [--steps 400] [--rounds 5]

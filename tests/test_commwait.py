@@ -6,9 +6,13 @@ in its compute, are tests/test_dist_straggler.py's."""
 from __future__ import annotations
 
 import logging
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
+from harness import CHILDREN, child_env
 from torch import nn
 
 import rtrain
@@ -162,3 +166,16 @@ def test_a_built_in_hook_registered_before_is_left_alone_and_said(gloo_group, tm
 def test_only_ddp_models_are_timed(gloo_group):
     assert install(nn.Linear(2, 2)) is None
     assert install(None) is None
+
+
+@pytest.mark.slow
+def test_three_ranks_get_the_gradients_ddp_makes_without_the_hook_bit_for_bit(tmp_path):
+    # Three ranks: a mean by 1/3 rounds, so dividing instead of multiplying as DDP's built-in
+    # reduction does would differ in the last bit (torch's allreduce_hook does).
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                        "--standalone", str(CHILDREN / "ddp_grads.py")], cwd=tmp_path,
+                       env=child_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # The ranks share torchrun's stdout: one rank's line may land inside another's.
+    said = sorted(re.findall(r"rank \d: (?:equal|differ by \S+?)(?=rank|\s|$)", r.stdout))
+    assert said == ["rank 0: equal", "rank 1: equal", "rank 2: equal"], r.stdout

@@ -14,8 +14,8 @@ Installed by the Checkpointer when handed a DDP model whose parameters are on th
 on GPUs a future completes when the collective is queued on the stream, so host clocks would
 not see the GPU's wait. DDP takes one hook per model, so:
 
-- a model without a hook gets rtrain's, reducing as torch's `allreduce_hook` does (DDP's own
-  mean, documented to give the results DDP gives without a hook);
+- a model without a hook gets rtrain's, reducing as DDP's built-in reduction does (times
+  1/world, then a sum): the same gradients bit for bit;
 - a hook the script registers later (`model.register_comm_hook`) replaces the inner one and
   runs, timed, instead of DDP refusing a second hook;
 - a hook registered before the Checkpointer cannot be wrapped: the log says so once, and the
@@ -68,11 +68,12 @@ class CommWaits:
         return fut.then(done)
 
     def _mean(self, bucket: Any) -> Any:
-        """DDP's default reduction as torch's `allreduce_hook` makes it (divide, then sum: the
-        gradients DDP makes without a hook), with the completion read in the callback it needs
+        """DDP's built-in reduction: each gradient times 1/world (as DDP's C++ reducer scales
+        it; torch's `allreduce_hook` divides, which rounds differently when the world is not a
+        power of two), then a sum; the completion is read in the callback the future needs
         anyway: one chained future, not two."""
         buffer = bucket.buffer()
-        buffer.div_(self.state.size())
+        buffer.mul_(1.0 / self.state.size())
         fut = torch.distributed.all_reduce(buffer, group=self.state, async_op=True).get_future()
         self.launched(bucket)
 
