@@ -36,14 +36,14 @@ STEPS = "20"
 BASE_SLEEP = "0.1"  # every rank's step: a few ms of compute and this sleep
 
 
-def _launch_4_ranks(tmp_path: Path, *args: str):
+def _launch_4_ranks(tmp_path: Path, *args: str, steps: str = STEPS, tuning=TUNING):
     # A hook on the event: the JSON it is handed, kept where the test reads it.
     hook = '[[hooks]]\non = ["straggler"]\ncommand = ["sh", "-c", "cat >> hook.jsonl"]\n'
-    tuned.write(tmp_path, TUNING)
+    tuned.write(tmp_path, tuning)
     (tmp_path / "rtrain.toml").write_text(hook)
     run = tmp_path / "run"
     r = launch(run, "--nproc-per-node", "4", "--metrics-file", str(tmp_path / "metrics.prom"),
-               str(CHILDREN / "dist_train.py"), str(tmp_path / "out"), STEPS, "--every", "1000",
+               str(CHILDREN / "dist_train.py"), str(tmp_path / "out"), steps, "--every", "1000",
                "--step-sleep", BASE_SLEEP, *args, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
     return run
@@ -86,6 +86,37 @@ def test_ranks_that_differ_by_noise_are_not_reported(tmp_path):
     assert events(run, "straggler") == []
     assert events(run, "finished")
     assert not (tmp_path / "hook.jsonl").exists()
+
+
+# In-step: the sleep is the rank's compute, between its forward and its backward, so the others
+# wait for the slow rank inside DDP's gradient all-reduce, and at the step boundary every rank
+# arrives together (worker/commwait.py times the all-reduce). A longer window and more samples
+# than above: with 4 samples of +-30% noise, ranks equal but for it reach 1.2x now and then.
+IN_STEP = ("--sleep-in-step",)
+IN_STEP_STEPS = "60"
+IN_STEP_TUNING = {"straggler": {"factor": 1.2, "window_steps": 30, "min_samples": 8}}
+
+
+@pytest.mark.slow
+def test_a_rank_30_percent_slower_in_its_compute_is_named_within_100_steps(tmp_path):
+    # Rank 3 computes 0.13 s where the others compute 0.1 s.
+    run = _launch_4_ranks(tmp_path, *IN_STEP, "--slow-rank", "3", "--slow-sleep", "0.13",
+                          steps=IN_STEP_STEPS, tuning=IN_STEP_TUNING)
+    found = events(run, "straggler")
+    assert [e["rank"] for e in found] == [3], found
+    (e,) = found
+    assert e["step"] <= 40 and 1.2 <= e["ratio"] < 1.6, e
+    assert e["host"] == socket.gethostname()
+    metrics = read_metrics_text((tmp_path / "metrics.prom").read_text())
+    assert [v for (name, _), v in metrics.items() if name == "rtrain_stragglers_total"] == [1]
+
+
+@pytest.mark.slow
+def test_ranks_whose_compute_differs_by_noise_are_not_reported(tmp_path):
+    run = _launch_4_ranks(tmp_path, *IN_STEP, "--jitter", "0.3", steps=IN_STEP_STEPS,
+                          tuning=IN_STEP_TUNING)
+    assert events(run, "straggler") == []
+    assert events(run, "finished")
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from rtrain.checkpoint import crypt, hashing
 from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from rtrain.supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
-from rtrain.worker import dist, options, runtime
+from rtrain.worker import commwait, dist, options, runtime
 from rtrain.worker.checkresume import check_order, resume_check
 from rtrain.worker.compilecache import compile_cache
 from rtrain.worker.data import position
@@ -63,7 +63,9 @@ class Checkpointer:
 
     Args:
         model: The torch.nn.Module whose state is saved (DDP- and FSDP-wrapped modules as
-            they are).
+            they are). A DDP model on the CPU gets a comm hook that times this rank's wait in
+            the gradient all-reduce (the straggler rule); register a hook of your own after
+            creating the Checkpointer: it then runs inside rtrain's.
         optimizer: Its optimizer; state is saved keyed by parameter name.
         scheduler: A learning-rate scheduler, or anything with state_dict/load_state_dict.
         scaler: A torch.amp GradScaler.
@@ -153,6 +155,8 @@ class Checkpointer:
                        if self.saving.on_failure else None)
         self._boundary: _Boundary | None = None
         self._hyper: hyperparams.Pending | None = None  # the last restore's, until judged
+        # Waits inside DDP's gradient all-reduce, for the straggler rule (worker/commwait.py).
+        self._comm = commwait.install(model) if dist.world() is not None else None
         runtime.install()
         runtime.on_pressure(_empty_cuda_cache)
         if self._watch is not None:
@@ -241,6 +245,8 @@ class Checkpointer:
     def _maybe_save(self, step: int, *, metrics: dict[str, float] | None,
                     epoch_end: bool, extra: dict[str, Any] | None) -> Path | None:
         faults.step_hook(step, self.ckpt_dir)  # a no-op unless RTRAIN_FAULTS arms one
+        if self._comm is not None:
+            runtime.boundary_wait(self._comm.take())
         if self._check is not None:
             self._check.boundary(step)
         if runtime.pressure_requested():

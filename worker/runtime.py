@@ -277,8 +277,9 @@ def relieve_pressure(step: int | None = None, settings: dict[str, Any] | None = 
 
 
 def boundary_wait(seconds: float) -> None:
-    """This rank waited `seconds` at a step-boundary collective for the other ranks (the
-    Checkpointer's stop/save agreement): reported with the next step heartbeat as `wait_s`."""
+    """This rank waited `seconds` for the other ranks: at a step-boundary collective (the
+    Checkpointer's stop/save agreement) or inside DDP's gradient all-reduce
+    (worker/commwait.py). Reported with the next step heartbeat as `wait_s`."""
     if _state.sock is not None:  # nobody to tell otherwise
         _state.wait_sum += max(0.0, seconds)
 

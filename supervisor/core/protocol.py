@@ -173,8 +173,8 @@ class Heartbeat:
     started: float | None = None  # first start: unix time the script began in this process
     restore_s: float | None = None  # restore's start: seconds the checkpoint load took
     # Step heartbeats: this rank's mean step interval since its previous step heartbeat, and
-    # the mean time per step it waited at the step-boundary collective for the other ranks
-    # (the straggler rule, supervisor/straggler/decide.py).
+    # the mean time per step it waited for the other ranks, at the step-boundary collective and
+    # inside DDP's all-reduce (the straggler rule, supervisor/straggler/decide.py).
     step_s: float | None = None
     wait_s: float | None = None
     host: str | None = None  # the node this rank runs on (its hostname)

@@ -1,10 +1,12 @@
 """Which rank is a straggler: a pure rule over each rank's recent step timings.
 
 Every step heartbeat of a rank carries its mean step interval (`step_s`) and the mean time per
-step it waited at rtrain's step-boundary collective for the other ranks (`wait_s`) since its
-previous step heartbeat. A rank's *busy* time is `step_s - wait_s`: the time it spent on the
-step itself. Ranks that synchronise every step have equal step intervals, so the slow one is not
-the one with the longest step but the one the others wait for: the most busy, the least waiting.
+step it waited for the other ranks (`wait_s`) since its previous step heartbeat: at rtrain's
+step-boundary collective, and inside DDP's gradient all-reduce where the worker times it
+(worker/commwait.py; a rank slower in its forward or backward is waited for there). A rank's
+*busy* time is `step_s - wait_s`: the time it spent on the step itself. Ranks that synchronise
+every step have equal step intervals, so the slow one is not the one with the longest step but
+the one the others wait for: the most busy, the least waiting.
 
 The rule, over the window (samples whose step lies within the last `window_steps` steps of the
 newest sample of any rank):
@@ -35,7 +37,7 @@ class StepSample:
     step_s: float
     """Mean step interval since the rank's previous step heartbeat."""
     wait_s: float = 0.0
-    """Mean time per step spent waiting for the other ranks at the step boundary."""
+    """Mean time per step spent waiting for the other ranks (step boundary, DDP all-reduce)."""
 
     @property
     def busy_s(self) -> float:

@@ -12,7 +12,9 @@ or to lose a node mid-run), and append each executed step to OUT_PREFIX-rank<R>.
 stop test counts lost steps with).
 --slow-rank/--slow-sleep: rank R sleeps S seconds per step instead (a straggler), after its
 optimizer step, so the others wait for it at the step boundary. --jitter J: each sleep varies by
-up to +-J of itself, at random per step (ranks that differ by noise).
+up to +-J of itself, at random per step (ranks that differ by noise). --sleep-in-step: these
+sleeps come between the forward and the backward instead (compute: the others wait for a slow rank
+inside DDP's gradient all-reduce).
 --scripted-flight-recorder: each rank serves an NCCL flight recorder dump pipe as PyTorch does
 on a GPU (TORCH_NCCL_DEBUG_INFO_PIPE_FILE, TORCH_NCCL_DEBUG_INFO_TEMP_FILE).
 --memory N: the memory tier, a snapshot every N steps (each rank its part).
@@ -48,6 +50,7 @@ p.add_argument("--step-sleep", "--sleep", dest="step_sleep", type=float, default
 p.add_argument("--slow-rank", type=int, default=-1)
 p.add_argument("--slow-sleep", type=float, default=0.0)
 p.add_argument("--jitter", type=float, default=0.0)
+p.add_argument("--sleep-in-step", action="store_true")
 p.add_argument("--scripted-flight-recorder", action="store_true")
 p.add_argument("--memory", type=int, default=0)
 args = p.parse_args()
@@ -122,6 +125,8 @@ while step < args.total:
             x, y = x[rank::world], y[rank::world]
         noise = 1e-3 * (random.random() + float(np.random.rand()))
         loss = nn.functional.cross_entropy(model(x + noise), y)
+        if pause and args.sleep_in_step:
+            time.sleep(pause * (1 + args.jitter * jitter.uniform(-1, 1)))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -130,6 +135,7 @@ while step < args.total:
         if pause:
             with open(f"{args.out}-rank{rank}.steps", "a") as f:
                 f.write(f"{attempt} {step}\n")
+        if pause and not args.sleep_in_step:
             time.sleep(pause * (1 + args.jitter * jitter.uniform(-1, 1)))
         ckpt.maybe_save(step, metrics={"loss": loss.item()})
         if step == args.die_at and rank == args.die_rank and attempt == 0:
