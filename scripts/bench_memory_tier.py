@@ -3,7 +3,7 @@ save, and a restore from memory against one from disk, measured in the same run;
 --step-overhead, what a snapshot every step costs a training step.
 
     python scripts/bench_memory_tier.py [--gib 1.0] [--rounds 5] [--dir bench-out]
-    python scripts/bench_memory_tier.py --step-overhead [--rounds 12] [--steps 8] [--batch 64]
+    python scripts/bench_memory_tier.py --step-overhead [--rounds 6] [--steps 6] [--batch 160]
 
 A model of 8 linear layers with Adam, whose weights and optimizer state together are about
 --gib GiB, trains on CPU; rounds alternate between
@@ -172,8 +172,8 @@ def main() -> None:
     ap.add_argument("--dir", default="bench-out")
     ap.add_argument("--step-overhead", action="store_true",
                     help="time training steps with a snapshot every step against none")
-    ap.add_argument("--steps", type=int, default=8, help="steps a round (--step-overhead)")
-    ap.add_argument("--batch", type=int, default=64, help="batch size (--step-overhead)")
+    ap.add_argument("--steps", type=int, default=6, help="steps a round (--step-overhead)")
+    ap.add_argument("--batch", type=int, default=160, help="batch size (--step-overhead)")
     args = ap.parse_args()
     out = Path(args.dir)
     shutil.rmtree(out, ignore_errors=True)
