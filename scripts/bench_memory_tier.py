@@ -1,7 +1,9 @@
 """Memory-tier benchmark: the training thread's stall per snapshot against today's async disk
-save, and a restore from memory against one from disk, measured in the same run.
+save, and a restore from memory against one from disk, measured in the same run; with
+--step-overhead, what a snapshot every step costs a training step.
 
     python scripts/bench_memory_tier.py [--gib 1.0] [--rounds 5] [--dir bench-out]
+    python scripts/bench_memory_tier.py --step-overhead [--rounds 6] [--steps 6] [--batch 160]
 
 A model of 8 linear layers with Adam, whose weights and optimizer state together are about
 --gib GiB, trains on CPU; rounds alternate between
@@ -15,6 +17,12 @@ Then the restore of the same checkpoint, taken in turn (medians of --rounds):
   from memory   the snapshot in /dev/shm, as a relaunch reads it           (target <= 0.3x)
   from disk     its persisted copy in --dir, from page cache, and cold (its pages dropped
                 with posix_fadvise first, as after a reboot or on another node)
+
+--step-overhead: an MLP of 10.5M parameters (512 -> 2048 -> 2048 -> 2048 -> 512) with AdamW
+trains on CPU in rounds of --steps steps that alternate between no snapshot and
+`Saving(memory=1)` (a snapshot at every step boundary); the time of a loop iteration (forward,
+backward, optimizer step, `maybe_save`) is timed. Prints the median step of each, their ratio
+(target <= 1.05x), and where a snapshot's time went (the tier's own timers, medians).
 """
 
 from __future__ import annotations
@@ -93,15 +101,87 @@ def timed_restore(model: nn.Module, opt: torch.optim.Optimizer, side: int, path:
         del os.environ[ENV_RESUME_FROM]
 
 
+def mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The issue's job: an MLP of 10.5M parameters with AdamW."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                          nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 512))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def step_overhead(args: argparse.Namespace, out: Path) -> None:
+    """Rounds of --steps loop iterations, alternating between no snapshot and one every step;
+    the first iteration of each round is left out (it follows the other kind's last)."""
+    model, opt = mlp()
+    n = sum(p.numel() for p in model.parameters())
+    x = torch.randn(args.batch, 512)
+    plain = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "plain",
+                                saving=rtrain.Saving(on_failure=False))
+    mem = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "mem",
+                              saving=rtrain.Saving(on_failure=False, memory=1))
+    tier = mem._memory
+    assert tier is not None
+    times: dict[str, list[float]] = {"none": [], "memory=1": []}
+    timers: dict[str, list[float]] = {}
+    step = 0
+    for r in range(2 * args.rounds + 2):  # two rounds to warm up (Adam's state, the buffers)
+        kind = ("none", "memory=1")[r % 2]
+        ckpt = plain if kind == "none" else mem
+        for i in range(args.steps + 1):
+            t0 = time.perf_counter()
+            loss = model(x).pow(2).mean()
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            opt.step()
+            step += 1
+            ckpt.maybe_save(step)
+            took = time.perf_counter() - t0
+            if r >= 2 and i > 0:
+                times[kind].append(took)
+                if kind == "memory=1":
+                    for name, value in _tier_timers(tier).items():
+                        timers.setdefault(name, []).append(value)
+        tier.wait()
+    mem.close()
+    plain.close()
+    med = statistics.median
+    base, snap = med(times["none"]), med(times["memory=1"])
+    q = {k: statistics.quantiles(v, n=4) for k, v in times.items()}
+    print(f"MLP {n / 1e6:.1f}M parameters, AdamW, batch {args.batch}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.1f}; {args.rounds} rounds of {args.steps} steps each")
+    for kind, v in times.items():
+        print(f"  step, {kind:>8}: median {med(v) * 1e3:.1f} ms (quartiles "
+              f"{q[kind][0] * 1e3:.1f}-{q[kind][2] * 1e3:.1f}, n={len(v)})")
+    print(f"overhead of memory=1: {snap / base:.3f}x ({(snap - base) * 1e3:+.1f} ms a step; "
+          "target <= 1.05x)")
+    print("a snapshot's time (the tier's timers, medians): " + ", ".join(
+        f"{k} {med(v) * 1e3:.2f} ms" for k, v in timers.items()))
+
+
+def _tier_timers(tier) -> dict[str, float]:
+    """What the tier measured for the newest snapshot that finished."""
+    names = ("stall_s", "gate_s", "write_s", "writer_cpu_s", "copy_s", "hash_s")
+    return {n[:-2]: getattr(tier, n) for n in names if getattr(tier, n, None) is not None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default="bench-out")
+    ap.add_argument("--step-overhead", action="store_true",
+                    help="time training steps with a snapshot every step against none")
+    ap.add_argument("--steps", type=int, default=6, help="steps a round (--step-overhead)")
+    ap.add_argument("--batch", type=int, default=160, help="batch size (--step-overhead)")
     args = ap.parse_args()
     out = Path(args.dir)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    if args.step_overhead:
+        step_overhead(args, out)
+        shutil.rmtree(out, ignore_errors=True)
+        return
     model, opt, side = build(args.gib)
     for _ in range(2):  # Adam's state exists, the allocator is warm
         train_step(model, opt, side)

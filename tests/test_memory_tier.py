@@ -96,14 +96,20 @@ def test_a_snapshot_is_its_step_boundary_while_training_goes_on(tmp_path, shm, o
     the snapshot's writes are slowed down. The snapshot must hold step 3's values, every byte:
     the optimizer's pre-hook held its step, the buffers were copied at the boundary."""
     from rtrain.checkpoint.commit import PendingCheckpoint
+    from rtrain.worker.memtier import shm_files
 
-    write = PendingCheckpoint.write_tensors
+    write, fill = PendingCheckpoint.write_tensors, shm_files.fill
 
     def slow(self, *a, **kw):
         time.sleep(0.2)
         return write(self, *a, **kw)
 
+    def slow_fill(*a, **kw):  # a single process's files: written into mapped shared memory
+        time.sleep(0.2)
+        return fill(*a, **kw)
+
     monkeypatch.setattr(PendingCheckpoint, "write_tensors", slow)
+    monkeypatch.setattr(shm_files, "fill", slow_fill)
     m, opt = _model()
     ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
                                saving=rtrain.Saving(memory=rtrain.Memory(every=3,

@@ -190,7 +190,9 @@ class Checkpointer:
         began = time.monotonic()  # the load's cost goes to the supervisor (restore_s)
         self._boundary = None  # the state is replaced: what was kept no longer describes it
         if self._memory is not None:
-            self._memory.wait()  # a snapshot reading the state finishes before it is replaced
+            # A snapshot reading the state finishes before it is replaced, and the tier's files
+            # are never reused once a restore may have mapped one (worker/memtier/shm_files.py).
+            self._memory.release()
         parts = self._parts()
         r = self.restoring
         source = restore.Source(self.ckpt_dir, r.level, self.key, r.allow_resize,

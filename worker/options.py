@@ -211,8 +211,9 @@ class Memory:
             into the model, weights clipped before the step): the copy then finishes inside
             `maybe_save`.
         budget_mb: Host memory the tier may hold: two snapshots (the newest complete one and
-            the one being written). None: half of the memory available when it starts. A
-            state that does not fit twice leaves the tier off, with a warning.
+            the one being written, or kept to be written into). None: half of the memory
+            available when it starts. A state that does not fit twice leaves the tier off,
+            with a warning.
     """
 
     every: int | Literal["auto"] = "auto"

@@ -12,23 +12,31 @@ The stall. A snapshot is taken at a step boundary. The small parts that change d
 extras) are copied at once; the parameters and the optimizer state change only inside
 `optimizer.step()`, so with `overlap` a thread writes them into shared memory while the next
 step's forward and backward run, and a pre-hook on the optimizer's `step()` waits until they
-are copied. The stall is the capture plus what the copy does not hide. The files are hashed
-after that, from the copy in shared memory (private to this run, and written once), so the
-manifest describes the boundary's state and the hashing costs the training nothing. An
-encrypted snapshot is hashed as it is encrypted, in the one pass.
+are copied. The stall is the capture plus what the copy does not hide. A single process's
+snapshot is written into the files of the snapshot before the one it replaces, mapped once
+(worker/memtier/shm_files.py): no page to allocate or free, one memmove per chunk without the
+GIL, and each chunk hashed from the copy while it is in cache, so the manifest describes the
+boundary's state. What the writer's CPU time costs a step is then the copy itself, on a
+machine whose cores the step keeps busy (docs/benchmarks.md). A rank's part and an encrypted
+snapshot go into new files, hashed after the copy (an encrypted one as it is encrypted).
 
 Double buffering. A snapshot is written into a temp dir and renamed into place; the one before
-is removed only after the newer one committed, so a process killed mid-snapshot leaves the
-previous snapshot whole (a temp dir is never read: rtrain's pick reads committed names only).
-rtrain hard-links the snapshot it copies, so a removal here never cuts its copy short.
+is taken out of the committed names only after the newer one committed, so a process killed
+mid-snapshot leaves the previous snapshot whole (a temp dir is never read: rtrain's pick reads
+committed names only). rtrain hard-links the snapshot it copies, so neither a removal nor a
+reuse here cuts its copy short: a file linked elsewhere is never written again. What an
+earlier attempt left (its spare files, a temp dir whose writer died) goes at the first
+snapshot.
 
-The budget. Two snapshots live at once (the newest and the one being written): a state that
+The budget. Two snapshots live at once (the newest, and the one being written or the spare
+files the next one is written into): a state that
 does not fit twice in `budget_mb` (default: half of the memory available at the first snapshot)
 or in the free space of the shared-memory filesystem (a container's /dev/shm is often 64 MiB)
 leaves the tier off, with a warning that says what to change. The pages count against the
 run's memory cgroup; rtrain drops the tier before the training process would be OOM-killed
-(writing `dropped` into the directory). A snapshot that fails (no space) turns the tier off
-and training goes on: the disk tier is untouched.
+(writing `dropped` into the directory); the process unmaps its files at its next step
+boundary, which frees their pages. A snapshot that fails (no space) turns the tier off and
+training goes on: the disk tier is untouched.
 
 The disk cadence. While the tier is on, a disk save due on the schedule (`every=`) is a
 snapshot of that step followed, once it committed, by a `persist` heartbeat: rtrain copies it
@@ -47,6 +55,7 @@ import logging
 import math
 import os
 import queue
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -56,12 +65,13 @@ import torch
 
 from rtrain.checkpoint import hashing, parts, runid, safetensors_io
 from rtrain.checkpoint.commit import PendingCheckpoint, remove_dir
-from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.layout import TRASH_PREFIX, list_checkpoints, list_leftovers
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
 from rtrain.worker import dist, runtime
 from rtrain.worker.compilecache import compile_cache
 from rtrain.worker.guards import faults
+from rtrain.worker.memtier import shm_files
 from rtrain.worker.options import Memory
 from rtrain.worker.saving import dist_ckpt
 from rtrain.worker.saving.save_target import Capture, SaveTarget
@@ -131,10 +141,13 @@ def refusal(nbytes: int, budget: int, shm_free: int, copies: int = 2) -> str | N
     return None
 
 
-def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event) -> Path:
+def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event,
+                   files: shm_files.ShmFiles | None = None) -> Path:
     """Commit `cap` into the memory dir: every tensor copied first, `copied` set, then the
-    files hashed from the copy (unencrypted) and the manifest committed. Raises on any error,
-    leaving nothing behind but what the next snapshot's commit removes."""
+    files hashed from the copy (unencrypted) and the manifest committed. With `files`, each
+    tensor file is written into a reused, mapped file and hashed chunk by chunk as it is
+    copied (worker/memtier/shm_files.py). Raises on any error, leaving nothing behind but what
+    the next snapshot's commit removes."""
     pending = PendingCheckpoint(target.ckpt_dir, cap.step, fsync=False,
                                 hash_alg=hashing.alg_for(target.key),
                                 encryption=target.encryption)
@@ -147,10 +160,18 @@ def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event) ->
             if target.encryption is not None:
                 pending.write_tensors(name, blobs, metadata=meta)  # encrypted and hashed at once
                 continue
+            listed = {b.name: [b.dtype, list(b.shape)] for b in blobs}
+            if files is not None:
+                header = safetensors_io.build_header(blobs, meta)
+                f = files.take(pending.tmp, name, len(header) + sum(b.data.nbytes for b in blobs))
+                done = shm_files.fill(f, header, tensors.values(), pending.hash_alg)
+                faults.on_save_write(cap.step)
+                pending.add_file(name, done.size, done.hash, listed)
+                continue
             safetensors_io.write_file(pending.tmp / name, blobs, metadata=meta, fsync=False,
                                       hash_alg=None)
             faults.on_save_write(cap.step)  # chaos: a death between two files of a snapshot
-            later.append((name, {b.name: [b.dtype, list(b.shape)] for b in blobs}))
+            later.append((name, listed))
         copied.set()  # the live state may change from here on
         for name, listed in later:
             path = pending.tmp / name
@@ -161,10 +182,15 @@ def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event) ->
         # A disk-cadence snapshot's compile cache (worker/compilecache/compile_cache.py).
         if cap.compile_cache is not None:
             pending.write_bytes(compile_cache.FILE, cap.compile_cache)
-        return pending.commit(cap.fields, target.key)
+        path = pending.commit(cap.fields, target.key)
     except BaseException:
+        if files is not None:
+            files.aborted()
         pending.abort()
         raise
+    if files is not None:
+        files.committed(path)
+    return path
 
 
 def _rank_rng_meta(cap: Capture, stem: str) -> dict[str, str] | None:
@@ -179,7 +205,7 @@ class MemoryTier:
 
     def __init__(self, opts: Memory, directory: Path, key: bytes | None, encryption: Any,
                  model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-                 kept: int = 1) -> None:
+                 kept: int = 1, reuse: bool = False) -> None:
         self.opts, self.dir = opts, directory
         # rtrain's `dropped` lies in the node's memory dir, above a rank's own directory.
         self.dropped = (directory.parent if parts.RANK_DIR.fullmatch(directory.name)
@@ -192,6 +218,11 @@ class MemoryTier:
         # committing it, and the group resumes from a step every rank holds (three buffers).
         self.kept = kept
         self._committed: list[Path] = []  # this process's newest snapshots, oldest first
+        # A single process's unencrypted snapshots go into reused, mapped files
+        # (worker/memtier/shm_files.py); used by the writer thread, released by the training
+        # thread only while no snapshot is running.
+        self._files = shm_files.ShmFiles() if reuse and encryption is None else None
+        self._swept = False  # the leftovers of earlier attempts removed (first snapshot)
         self.every = opts.every if isinstance(opts.every, int) else 1
         self.off: str | None = None
         self.last_step: int | None = None  # the newest committed snapshot's step
@@ -239,6 +270,9 @@ class MemoryTier:
                         "snapshots; this process saves to disk only")
             return None
         directory, kept = Path(where), 1
+        # Reused files only for a single process: rtrain's peer server reads a rank's parts
+        # without pinning them.
+        reuse = world is None
         if world is not None:
             if dist.is_sharded(model):
                 log.warning("memory tier off: sharded (FSDP/DTensor) state is saved by DCP; in "
@@ -250,9 +284,17 @@ class MemoryTier:
                 log.warning("memory tier off: cannot create this rank's directory in %s: %s",
                             where, e.strerror or e)
                 return None
-        return cls(opts, directory, key, encryption, model, optimizer, kept)
+        return cls(opts, directory, key, encryption, model, optimizer, kept, reuse)
 
     def due(self, step: int) -> bool:
+        if self._files is not None and self._files.held:
+            # Mapped files keep their pages until unmapped, whoever deletes them: released at
+            # this step boundary once the tier is off or rtrain dropped it, not at the next
+            # snapshot, which may be many steps away.
+            if self.off is None and self.dropped.exists():
+                self.stop("rtrain dropped it (memory pressure); the disk tier goes on", step)
+            if self.off is not None:
+                self.release()
         if self.off is not None:
             return False
         if isinstance(self.opts.every, int):
@@ -269,6 +311,7 @@ class MemoryTier:
         began = time.monotonic()
         self.wait()
         if self.off is not None:
+            self.release()
             return False
         if cap.sharded is not None:
             self.stop("sharded (FSDP/DTensor) state is saved by DCP; in this release the ranks "
@@ -277,6 +320,9 @@ class MemoryTier:
         if self.dropped.exists():
             self.stop("rtrain dropped it (memory pressure); the disk tier goes on", cap.step)
             return False
+        if not self._swept:  # before the space is counted: an earlier attempt's spares go
+            self._swept = True
+            _sweep(self.dir)
         if self.last_step is None and not self._pending:
             why = refusal(cap.nbytes, budget_bytes(self.opts), _free_bytes(self.dir),
                           self.kept + 1)
@@ -325,6 +371,14 @@ class MemoryTier:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self.release()
+
+    def release(self) -> None:
+        """Unmap the snapshots' files and delete the spares (the training thread, after
+        `wait`): the next snapshot writes new files. Committed snapshots stay."""
+        self.wait()
+        if self._files is not None:
+            self._files.close()
 
     def stop(self, why: str, step: int | None = None) -> None:
         """Turn the tier off for this process, once, saying why to the log and to rtrain."""
@@ -333,6 +387,8 @@ class MemoryTier:
         self.off = why
         log.warning("memory tier off: %s", why)
         runtime.heartbeat(step=step, event="snapshot", snapshot={"off": why})
+        if threading.current_thread() is not self._thread:
+            self.release()
 
     def _gate(self, *_: Any) -> None:
         """The optimizer's step pre-hook: the running snapshot must have read the state first."""
@@ -351,7 +407,7 @@ class MemoryTier:
     def _write(self, cap: Capture, persist: bool = False) -> None:
         t0, cpu0 = time.monotonic(), time.thread_time()
         try:
-            path = write_snapshot(self.target, cap, self._read)
+            path = write_snapshot(self.target, cap, self._read, self._files)
         except OSError as e:  # a failed snapshot costs the tier, never the training
             why = os.strerror(e.errno) if e.errno in STORAGE_ERRNOS else f"{e}"
             self.stop(f"the snapshot of step {cap.step} could not be written: {why}", cap.step)
@@ -374,7 +430,8 @@ class MemoryTier:
         for _, older in list_checkpoints(self.dir):
             if older not in self._committed:
                 try:
-                    remove_dir(older)
+                    if self._files is None or not self._files.retire(older):
+                        remove_dir(older)
                 except OSError:
                     pass  # rtrain took it away (it pins what it copies) or removed the dir
         if persist:  # only now: rtrain copies the newest snapshot at this step or later
@@ -444,6 +501,14 @@ def _rank_dir(memory_dir: Path, rank: int) -> Path:
     if run is not None and runid.read(path) != run:
         runid.write(path, run)
     return path
+
+
+def _sweep(memory_dir: Path) -> None:
+    """Remove what earlier attempts left in the memory dir: a retired snapshot's spare files
+    (trash-named), a temp dir whose writer died. Committed snapshots and rtrain's pins stay."""
+    for left in list_leftovers(memory_dir):
+        if left.path.name.startswith(TRASH_PREFIX) or not left.writer_alive():
+            shutil.rmtree(left.path, ignore_errors=True)
 
 
 def _free_bytes(path: Path) -> int:
