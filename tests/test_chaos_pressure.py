@@ -135,6 +135,7 @@ def test_pressure_drops_the_memory_tier_before_anything_is_asked_of_the_training
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # relief in process; the stop and degrade is the default tier's
 def test_a_child_that_frees_its_cache_trains_on_at_its_batch_size(tmp_path, memory_cgroup):
     run, lines = _launch_in(memory_cgroup, tmp_path, {**SETTINGS, "free_on_relieve": True})
 

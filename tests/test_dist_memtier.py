@@ -124,6 +124,7 @@ def test_a_tampered_peer_copy_is_refused_and_the_group_resumes_a_step_earlier(tm
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # two real nodes; the registry's refusals are tests/test_peer_security.py's
 def test_a_link_planted_at_the_peer_registry_deletes_nothing_and_the_nodes_train_on(tmp_path,
                                                                                     shm_roots):
     """A teammate's link at `<ckpt-dir>/.rtrain-peers` to a directory of theirs: each node says

@@ -50,6 +50,7 @@ def _launch_4_ranks(tmp_path: Path, *args: str, steps: str = STEPS, tuning=TUNIN
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # the in-step case names a rank in the default tier; this one: the boundary
 def test_a_rank_30_percent_slower_is_named_within_the_window(tmp_path):
     # Rank 2 sleeps 0.14 s where the others sleep 0.1 s: its step is ~30-40% longer, and the
     # others wait for it at each step boundary.
@@ -80,6 +81,7 @@ def test_a_rank_30_percent_slower_is_named_within_the_window(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # the noise matrices; naming a slow rank is the default tier's
 def test_ranks_that_differ_by_noise_are_not_reported(tmp_path):
     # Every rank's sleep varies by up to +-30% at random, step by step.
     run = _launch_4_ranks(tmp_path, "--jitter", "0.3")

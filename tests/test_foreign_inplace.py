@@ -68,7 +68,8 @@ def test_killed_twenty_times_at_random_moments_finishes(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ckpt.pt", "checkpoint.pth.tar"])
+@pytest.mark.parametrize("name", ["ckpt.pt",
+                                  pytest.param("checkpoint.pth.tar", marks=pytest.mark.soak)])
 def test_killed_mid_write_resumes_from_the_kept_copy_never_from_scratch(tmp_path, name):
     # iter 10's save is cut at 0 bytes, iter 20's half way: each relaunch restores the copy
     # rtrain took of the content before (iters 5 and 15) and the script resumes from it.

@@ -29,8 +29,9 @@ PICKS = {
 
 
 # Written by a small script in the library's style: the recognition of these is the unit tests'
-# (test_foreign_layouts.py); their runs are the soak tier's, to keep the default tier short.
-_SOAK = {"deepspeed", "composer", "dcp"}
+# (test_foreign_layouts.py); their runs but imagenet's are the soak tier's, to keep the default
+# tier short.
+_SOAK = {"deepspeed", "composer", "dcp", "timm", "accelerate"}  # imagenet: the default tier's
 
 
 @pytest.mark.slow

@@ -51,6 +51,7 @@ def test_export_never_runs_a_module_of_the_working_directory(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.soak  # check-resume runs only the user's script; export, the uploader: default tier
 def test_check_resume_never_runs_a_module_of_the_working_directory(tmp_path):
     shared, marker = _shared(tmp_path)
     script = tmp_path / "code" / "train.py"
