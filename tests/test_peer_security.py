@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import make_part
+from test_memtier_peerside import Events  # the peer side's event recorder
 
 from rtrain.checkpoint import hashing, runid
 from rtrain.supervisor.core.ownfiles import RefusedFile
@@ -37,15 +38,6 @@ RUN = "1" * 32
 KEY = hashing.derive_key(b"the run's signing key")
 MODEL = "model.safetensors"
 HOUR = 3600
-
-
-class Events:
-    def __init__(self) -> None:
-        self.got: list[dict] = []
-        self.said: list[str] = []
-
-    def emit(self, kind: str, **fields) -> None:
-        self.got.append({"kind": kind, **fields})
 
 
 @pytest.fixture
