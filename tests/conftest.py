@@ -269,7 +269,11 @@ def s3_mirror(s3_server, monkeypatch, request):
     return f"s3://{s3_server.bucket}/{prefix}", s3_server.env
 
 
-def make_part(memory_dir: Path, rank: int, world: int, step: int, *, run: str | None = "1" * 32,
+PART_RUN = "1" * 32
+"""The run identity of make_part's parts and of the `ck` fixture's checkpoint dir."""
+
+
+def make_part(memory_dir: Path, rank: int, world: int, step: int, *, run: str | None = PART_RUN,
               key: bytes | None = None, held: bool = False, model: bool = True) -> Path:
     """A part as a rank writes it: its own files, `info` naming rank and world size, the run
     identity taken from the rank dir. The model file is over a chunk (1 MiB), so it streams;
@@ -286,6 +290,29 @@ def make_part(memory_dir: Path, rank: int, world: int, step: int, *, run: str | 
         del tensors["model.safetensors"]
     return build_checkpoint(d, step, key=key, tensors=tensors, state=model,
                             info={"memory_snapshot": True, **parts.part_fields(rank, world)})
+
+
+@pytest.fixture
+def ck(tmp_path):
+    """A checkpoint dir of the run PART_RUN, as the peer tests' nodes share it."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    runid.write(d, PART_RUN)
+    return d
+
+
+class PeerEvents:
+    """The events and lines of a node's peer side (supervisor/memtier/peerside.py)."""
+
+    def __init__(self) -> None:
+        self.got: list[dict] = []
+        self.said: list[str] = []
+
+    def emit(self, kind: str, **fields) -> None:
+        self.got.append({"kind": kind, **fields})
+
+    def of(self, state: str) -> list[dict]:
+        return [e for e in self.got if e["kind"] == "peer_copy" and e["state"] == state]
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_part
+from conftest import PART_RUN, make_part
+from conftest import PeerEvents as Events
 
-from rtrain.checkpoint import parts, runid
+from rtrain.checkpoint import parts
 from rtrain.checkpoint.layout import checkpoint_name
 from rtrain.supervisor.core.errors import ConfigError
 from rtrain.supervisor.memtier import decide, registry
@@ -23,28 +24,8 @@ from rtrain.supervisor.memtier.peerserver import PeerServer
 from rtrain.supervisor.memtier.peerside import PeerSide, serving_address
 from rtrain.worker.memtier import memory_resume
 
-RUN = "1" * 32
+RUN = PART_RUN
 OTHER = "2" * 32
-
-
-class Events:
-    def __init__(self) -> None:
-        self.got: list[dict] = []
-        self.said: list[str] = []
-
-    def emit(self, kind: str, **fields) -> None:
-        self.got.append({"kind": kind, **fields})
-
-    def of(self, state: str) -> list[dict]:
-        return [e for e in self.got if e["kind"] == "peer_copy" and e["state"] == state]
-
-
-@pytest.fixture
-def ck(tmp_path):
-    d = tmp_path / "ck"
-    d.mkdir()
-    runid.write(d, RUN)
-    return d
 
 
 def side(ck: Path, memory_dir: Path, ev: Events, **kw) -> PeerSide:

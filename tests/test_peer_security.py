@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_part
-from test_memtier_peerside import Events  # the peer side's event recorder
+from conftest import PART_RUN, make_part
+from conftest import PeerEvents as Events
 
-from rtrain.checkpoint import hashing, runid
+from rtrain.checkpoint import hashing
 from rtrain.supervisor.core.ownfiles import RefusedFile
 from rtrain.supervisor.memtier import peerserver, peerside, peerwire, registry
 from rtrain.supervisor.memtier.peerfetch import (
@@ -34,18 +34,10 @@ from rtrain.supervisor.memtier.peerserver import PeerServer
 from rtrain.supervisor.memtier.peerside import PeerSide, PeersOff, published_host
 from rtrain.supervisor.memtier.tier import MemoryTierDir
 
-RUN = "1" * 32
+RUN = PART_RUN
 KEY = hashing.derive_key(b"the run's signing key")
 MODEL = "model.safetensors"
 HOUR = 3600
-
-
-@pytest.fixture
-def ck(tmp_path):
-    d = tmp_path / "ck"
-    d.mkdir()
-    runid.write(d, RUN)
-    return d
 
 
 def _victim_dir(root: Path) -> tuple[Path, dict[str, bytes]]:
