@@ -29,7 +29,9 @@ PROBE = str(CHILDREN / "rank_probe.py")
 PER_ATTEMPT = ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
 
 
-def _command(*args: str) -> list[str]:
+def _command(*args: str, module: bool = False) -> list[str]:
+    if module:  # `-m rank_probe`, found from the working directory (CHILDREN)
+        return torchrun_command(TorchrunSpec(nproc_per_node=2), None, "rank_probe", list(args))
     return torchrun_command(TorchrunSpec(nproc_per_node=2), PROBE, None, list(args))
 
 
@@ -83,11 +85,11 @@ def _attempt_env(tmp: Path) -> dict[str, str]:
     return child_env(RTRAIN_ATTEMPT="1", PYTHONUNBUFFERED="1", RTRAIN_STATUS=str(tmp))
 
 
-def _hand_off(tmp: Path, name: str, mode: str, grace_s: float = 30.0):
+def _hand_off(tmp: Path, name: str, mode: str, grace_s: float = 30.0, module: bool = False):
     """A standby started for the probe's group, handed an attempt running it in `mode`."""
     out = tmp / name
     out.mkdir()
-    command = _command(str(out), mode)
+    command = _command(str(out), mode, module=module)
     plan = ranks.plan_of(command)
     env = _attempt_env(tmp)
     warm = WarmChild.spawn(target_of(command, CHILDREN), strip_attempt_vars(
@@ -177,3 +179,13 @@ def test_each_attempt_meets_in_a_store_on_a_fresh_port_and_a_stop_reaches_every_
             assert (out / f"term{rank}").read_text() != "[]", f"rank {rank} got no SIGTERM"
         assert not psutil.pid_exists(recs[0]["pid"]) and not psutil.pid_exists(recs[1]["pid"])
     assert ports[0] != ports[1]
+
+
+@pytest.mark.slow
+def test_a_module_runs_in_every_rank_as_python_m_runs_it(tmp_path):
+    child, out = _hand_off(tmp_path, "m", "ok", module=True)
+    assert run_to_end(child) == 0
+    for rank, rec in enumerate(_records(out)):
+        assert rec["env"]["RANK"] == str(rank)
+        assert rec["argv"] == [str(CHILDREN / "rank_probe.py"), str(out), "ok"]  # runpy's
+        assert rec["orig_argv"][1:] == ["-u", "-m", "rank_probe", str(out), "ok"]
