@@ -321,8 +321,8 @@ def launch(
         help="The mirror keeps the newest N checkpoints, 0 all (default 3).")] = None,
     no_standby: Annotated[bool, typer.Option(
         "--no-standby", help="Start every attempt in a new interpreter: keep no warm "
-                             "standby interpreter. Without it one is kept, except under "
-                             "--nproc-per-node.")] = False,
+                             "standby interpreter. Without it one is kept (under "
+                             "--nproc-per-node on one node, it starts every rank).")] = False,
     nproc_per_node: Annotated[int | None, typer.Option(
         "--nproc-per-node", metavar="N",
         help="Run SCRIPT under torchrun with N ranks on this node (rtrain owns restarts).")
@@ -355,8 +355,7 @@ def launch(
                      "backoff.enabled": False if no_backoff else None,
                      "metrics_file": metrics_file, "mirror": mirror,
                      "keep_remote": keep_remote,
-                     # Under torchrun the ranks are its children, not ours to keep warm.
-                     "standby": False if no_standby or nproc_per_node is not None else None}
+                     "standby": False if no_standby else None}
         cfg = load_config(overrides, config, cwd)
         if retry and fresh:
             from rtrain.supervisor.core.errors import UsageError

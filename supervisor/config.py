@@ -448,8 +448,9 @@ class Config:
     cover the save time plus this wait."""
     standby: bool = True
     """Keep a warm standby interpreter with the heavy modules imported while an attempt
-    trains; the next attempt starts in it, seconds sooner. Only for `python SCRIPT` and
-    `-m MODULE` launches, never under torchrun (--nproc-per-node). Turn it off
+    trains; the next attempt starts in it, seconds sooner. For `python SCRIPT` and
+    `-m MODULE` launches, and under `--nproc-per-node` on one node, where it forks every rank
+    of the next attempt; not over several nodes nor for a command of your own. Turn it off
     (`--no-standby`) to spare its memory on a tight machine."""
     preload: list[str] | None = None
     """Modules the standby imports, e.g. ["torch", "transformers"]. None: the script's

@@ -54,6 +54,8 @@ ALLOWED = {
                                                                   "the attempt runs anyway",
     "supervisor/standby/child_program.py::compiles": "the user's script and modules",
     "supervisor/standby/child_program.py::_run_script": "the user's script",
+    "supervisor/standby/rank_host.py::_read_small": "a rank's error file, opened by the same "
+                                                   "rule (the rank host cannot import it)",
     # Already the rule, written out where a FIFO is the file's very purpose.
     "supervisor/proc/control.py::ask_failure_save": "the control FIFO: O_NONBLOCK|O_NOFOLLOW",
     "supervisor/stuck/flight.py::request_dumps": "NCCL's dump pipe: O_NONBLOCK|O_NOFOLLOW",

@@ -301,6 +301,19 @@ def _as_main(run, *args) -> None:
         sys.exit(1)
 
 
+def _rank_host() -> types.ModuleType:
+    """standby/rank_host.py, beside this file, loaded by path as this program is run."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_host.py")
+    spec = importlib.util.spec_from_file_location("_rtrain_rank_host", path)
+    if spec is None or spec.loader is None:
+        raise OSError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv: list[str]) -> None:
     fd, mode, target, path0, preload_json, argv0 = argv[1:7]  # argv[7]: room for set_cmdline
     sys.path[0] = path0  # not this file's directory: the script's, or the cwd for -m
@@ -370,6 +383,7 @@ def main(argv: list[str]) -> None:
         child_argv = msg["argv"]
         sys.orig_argv = list(child_argv)
         set_cmdline(child_argv)
+        rank_host = _rank_host() if "ranks" in msg else None
         _send(sock, {"started": os.getpid()})
     except (OSError, KeyError, TypeError, ValueError) as e:
         try:
@@ -378,6 +392,8 @@ def main(argv: list[str]) -> None:
             pass
         sys.exit(1)
     sock.close()
+    if rank_host is not None:  # several ranks: this process hosts them, each runs the script
+        child_argv = rank_host.host(msg["ranks"], set_cmdline)
     if mode == "script":
         sys.argv = list(child_argv[1:])
         _run_script(os.path.abspath(target), main)

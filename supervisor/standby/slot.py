@@ -17,6 +17,7 @@ import psutil
 
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.pressure.monitor import host_reading
+from rtrain.supervisor.proc import ranks
 from rtrain.supervisor.proc.cgroup import MemoryCgroup, memory_cgroup
 from rtrain.supervisor.proc.proctree import TreeSample
 from rtrain.supervisor.proc.spawn import Child, ChildSpec
@@ -73,7 +74,9 @@ class StandbySlot:
         `interrupted()`: a stop signal arrived (a standby still importing is not waited for)."""
         self._attempt, self._attempt_t0, self._heartbeat = attempt, time.monotonic(), False
         self._pressure = False
-        self._env = strip_attempt_vars(spec.env)
+        plan = ranks.plan_of(list(spec.argv))  # one node's ranks, which it would host
+        env = spec.env if plan is None else ranks.standby_env(spec.env, plan)
+        self._env = strip_attempt_vars(env)
         warm, self.warm = self.warm, None
         if warm is None or self.target is None:
             return None, 0.0
@@ -91,7 +94,7 @@ class StandbySlot:
         ready = warm.ready or {}
         use = policy.at_launch(policy.UseFacts(
             ready=warm.ready is not None, failed=warm.failed, cuda=bool(ready.get("cuda")),
-            env_changes=policy.import_time_env_changes(warm.env, spec.env),
+            env_changes=policy.import_time_env_changes(warm.env, env),
             stale=warm.stale_files(),
             same_target=same_target(self.target, spec.argv, Path(spec.cwd))))
         if not use.use:
@@ -99,7 +102,8 @@ class StandbySlot:
             return None, 0.0
         t0 = time.monotonic()
         try:
-            child = warm.activate(spec)
+            child = warm.activate(spec, None if plan is None else ranks.handoff(
+                plan, spec.env, spec.attempt_dir, self.cfg.grace_s))
         except StandbyFailed as e:
             self._end(warm, "standby_failed", str(e), attempt - 1)
             return None, 0.0

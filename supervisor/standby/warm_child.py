@@ -31,6 +31,7 @@ import psutil
 
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.supervisor.core.filemode import env_mode
+from rtrain.supervisor.proc import ranks
 from rtrain.supervisor.proc.reaper import own
 from rtrain.supervisor.proc.spawn import (
     STDERR_TAIL_BYTES,
@@ -83,7 +84,11 @@ class Target:
 
 def target_of(command: Sequence[str], cwd: Path) -> Target | None:
     """The standby's target for `command`; None when it is not `python SCRIPT.py ...` or
-    `python -m MODULE ...` (a torchrun, another executable, interpreter options)."""
+    `python -m MODULE ...` (another executable, interpreter options, a torchrun over several
+    nodes). rtrain's torchrun over one node: the program its ranks run (proc/ranks.py)."""
+    plan = ranks.plan_of(list(command))
+    if plan is not None:
+        command = plan.rank_argv()
     if len(command) < 2 or not Path(command[0]).name.startswith("python"):
         return None
     if command[1] == "-m":
@@ -248,8 +253,9 @@ class WarmChild:
 
     # ---------------------------------------------------------------- its end
 
-    def activate(self, spec: ChildSpec) -> Child:
-        """Hand the attempt `spec` to the ready standby; raises StandbyFailed."""
+    def activate(self, spec: ChildSpec, extra: Mapping[str, object] | None = None) -> Child:
+        """Hand the attempt `spec` to the ready standby; raises StandbyFailed. `extra`: more
+        for the hand-off message (the ranks it hosts: proc/ranks.handoff)."""
         if self.ready is None:
             raise StandbyFailed(self.failed or "not ready")
         if not set_autogroup_nice(self.pid, 0) and Path(f"/proc/{self.pid}/autogroup").exists():
@@ -264,7 +270,7 @@ class WarmChild:
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         started, started_wall = time.monotonic(), time.time()
         msg = json.dumps({"argv": list(spec.argv), "env": dict(spec.env),
-                          "cwd": str(spec.cwd)}).encode() + b"\n"
+                          "cwd": str(spec.cwd), **(extra or {})}).encode() + b"\n"
         try:
             self.sock.setblocking(True)
             self.sock.settimeout(HANDOFF_TIMEOUT_S)

@@ -1,0 +1,133 @@
+"""Warm ranks: a relaunch under `--nproc-per-node N` starts its ranks from the warm standby.
+
+An attempt that finds no standby ready (the first one) runs torchrun (proc/torchrun.py). A
+later one hands the standby, an interpreter that has imported the script's heavy modules, the
+group instead: it becomes the ranks' host (standby/rank_host.py), forks the N ranks, gives each
+the environment torchrun gives a rank and runs the script in each, so no rank imports torch
+again. What torchrun's agent does for one node, the host does the same way: it hosts the c10d
+TCPStore the ranks' `init_process_group` reaches (TORCHELASTIC_USE_AGENT_STORE=True, on a port
+the kernel picked for this attempt's listening socket, so a group never meets a dead one's
+keys), ends the other ranks when one fails (SIGTERM, then SIGKILL after the grace) and prints
+torchrun's failure summary, whose first observed failure decide/classify.py reads.
+
+Several nodes stay on torchrun (its rendezvous is what joins them, and a replacement node or a
+resize goes through it): `plan_of` takes only the one-node command torchrun_command builds.
+
+This module is the supervisor's side, pure and torch-free: what the command runs, what the
+standby is started with, and what the hand-off tells the host.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+TORCHRUN = "torch.distributed.run"
+ONE_NODE_OPTIONS = ("--standalone", "--max-restarts=0")
+"""torchrun's options on one node besides --nproc-per-node, both always there (torchrun_command):
+a torchrun command without them is not rtrain's."""
+MASTER_ADDR = "localhost"
+"""torchrun's own on one node (`--standalone`)."""
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+"""torchrun sets TORCHELASTIC_SIGNALS_TO_HANDLE to its default in its own environment, which
+every rank inherits."""
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One node's group, as rtrain's torchrun command names it."""
+
+    python: str
+    nproc: int
+    mode: str  # "script" or "module"
+    target: str  # the script as the command names it, or the module
+    args: tuple[str, ...]
+
+    def rank_argv(self) -> list[str]:
+        """The command each rank runs, without torchrun (`python SCRIPT ...`, `-m MODULE`)."""
+        head = [self.python, "-m", self.target] if self.mode == "module" else [self.python,
+                                                                              self.target]
+        return [*head, *self.args]
+
+    def orig_argv(self) -> list[str]:
+        """A rank's sys.orig_argv under torchrun: it starts the ranks with `python -u`."""
+        argv = self.rank_argv()
+        return [argv[0], "-u", *argv[1:]]
+
+
+def plan_of(command: list[str]) -> RankPlan | None:
+    """The one-node group `command` runs under torchrun; None for anything else (several nodes,
+    a torchrun command of the user's own, a plain script)."""
+    if len(command) < 4 or command[1:3] != ["-m", TORCHRUN]:
+        return None
+    nproc, seen, i = None, set(), 3
+    while i < len(command) and command[i].startswith("--"):
+        arg = command[i]
+        if arg.startswith("--nproc-per-node="):
+            value = arg.split("=", 1)[1]
+            if not value.isdigit() or int(value) < 1:
+                return None
+            nproc = int(value)
+        elif arg in ONE_NODE_OPTIONS:
+            seen.add(arg)
+        else:
+            return None
+        i += 1
+    rest = command[i:]
+    if nproc is None or seen != set(ONE_NODE_OPTIONS) or not rest:
+        return None
+    if rest[0] == "-m":
+        if len(rest) < 2:
+            return None
+        return RankPlan(command[0], nproc, "module", rest[1], tuple(rest[2:]))
+    return RankPlan(command[0], nproc, "script", rest[0], tuple(rest[1:]))
+
+
+def standby_env(env: Mapping[str, str], plan: RankPlan) -> dict[str, str]:
+    """What every rank of `plan` inherits from torchrun's own environment, which a standby for
+    the ranks is started with: libraries read some of it at import (OMP_NUM_THREADS, which
+    torchrun sets to 1 for several ranks when it is unset)."""
+    out = dict(env)
+    if "OMP_NUM_THREADS" not in out and plan.nproc > 1:
+        out["OMP_NUM_THREADS"] = "1"
+    out.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", SIGNALS_TO_HANDLE)
+    return out
+
+
+def rank_env(plan: RankPlan, env: Mapping[str, str], local_rank: int, run_id: str,
+             error_file: str) -> dict[str, str]:
+    """The variables torchrun's agent (torch 2.x, local_elastic_agent._start_workers) gives
+    local rank `local_rank` on one node, but MASTER_PORT: the host fills it in with the port
+    its store listens on."""
+    n = str(plan.nproc)
+    out = {k: v for k, v in standby_env(env, plan).items() if k not in env}
+    out.update({
+        "RANK": str(local_rank), "GROUP_RANK": "0", "ROLE_RANK": str(local_rank),
+        "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": n, "WORLD_SIZE": n,
+        "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": n, "MASTER_ADDR": MASTER_ADDR,
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "LOCAL_RANK": str(local_rank), "TORCHELASTIC_ERROR_FILE": error_file,
+    })
+    return out
+
+
+def handoff(plan: RankPlan, env: Mapping[str, str], attempt_dir: Path,
+            grace_s: float) -> dict:
+    """What the hand-off tells the standby beyond a single process's argv, env and cwd: each
+    rank's variables, the argv a rank sees, and the grace the other ranks get when one fails.
+    A fresh run id each attempt, as a fresh torchrun has."""
+    run_id = str(uuid.uuid4())
+    envs = [rank_env(plan, env, r, run_id,
+                     str(Path(attempt_dir).resolve() / f"rank-{r}-error.json"))
+            for r in range(plan.nproc)]
+    return {"ranks": {"envs": envs, "argv": plan.rank_argv(), "orig_argv": plan.orig_argv(),
+                      "grace_s": grace_s, "addr": MASTER_ADDR, "name": os.path.basename(
+                          plan.target) if plan.mode == "script" else plan.target}}
+
+
+__all__ = ["RankPlan", "handoff", "plan_of", "rank_env", "standby_env"]

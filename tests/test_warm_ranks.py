@@ -1,0 +1,191 @@
+"""Warm ranks (proc/ranks.py, standby/rank_host.py): a standby hands one node's group to itself,
+forks the ranks and hosts their c10d store, as torchrun's agent would.
+
+The process tests hand a real standby (no preload: ready in milliseconds) a torch-free probe
+(children/rank_probe.py), and compare what its ranks see with what torchrun's ranks see."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from harness import CHILDREN, child_env, run_to_end
+
+from rtrain.supervisor.decide.classify import _torchrun_root_cause
+from rtrain.supervisor.proc import ranks
+from rtrain.supervisor.proc.spawn import ChildSpec
+from rtrain.supervisor.proc.stop import signal_group
+from rtrain.supervisor.proc.torchrun import TorchrunSpec, torchrun_command
+from rtrain.supervisor.standby.rank_host import summary
+from rtrain.supervisor.standby.warm_child import WarmChild, strip_attempt_vars, target_of
+
+PROBE = str(CHILDREN / "rank_probe.py")
+# Each attempt's own, under torchrun too (a fresh agent per attempt): never compared.
+PER_ATTEMPT = ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
+
+
+def _command(*args: str, module: bool = False) -> list[str]:
+    if module:  # `-m rank_probe`, found from the working directory (CHILDREN)
+        return torchrun_command(TorchrunSpec(nproc_per_node=2), None, "rank_probe", list(args))
+    return torchrun_command(TorchrunSpec(nproc_per_node=2), PROBE, None, list(args))
+
+
+# ------------------------------------------------------------------ the supervisor's side
+
+
+def test_only_rtrains_one_node_torchrun_is_taken_over():
+    plan = ranks.plan_of(torchrun_command(TorchrunSpec(nproc_per_node=3), "train.py", None,
+                                          ["--lr", "1"], "py"))
+    assert plan == ranks.RankPlan("py", 3, "script", "train.py", ("--lr", "1"))
+    assert plan.rank_argv() == ["py", "train.py", "--lr", "1"]
+    assert plan.orig_argv() == ["py", "-u", "train.py", "--lr", "1"]  # torchrun's `python -u`
+    module = ranks.plan_of(torchrun_command(TorchrunSpec(nproc_per_node=2), "a", "pkg.train",
+                                            ["b"], "py"))
+    assert module is not None and module.rank_argv() == ["py", "-m", "pkg.train", "a", "b"]
+    several = torchrun_command(TorchrunSpec(nproc_per_node=1, nnodes="2",
+                                            rdzv_endpoint="h:29400"), "train.py", None, [])
+    assert ranks.plan_of(several) is None  # several nodes: torchrun's rendezvous joins them
+    run = ["py", "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    for other in (["py", "train.py"], [*run, "train.py"],  # a torchrun of the user's own
+                  [*run, "--max-restarts=0", "--standalone", "--rdzv-conf=x", "train.py"],
+                  ["torchrun", "train.py"]):
+        assert ranks.plan_of(other) is None
+    cwd = Path("/w")  # the standby preloads for the script the ranks run
+    assert target_of(["py", "-m", "torch.distributed.run", "--nproc-per-node=2",
+                      "--max-restarts=0", "--standalone", "train.py", "x"], cwd) == target_of(
+        ["py", "train.py"], cwd)
+    assert target_of(several, cwd) is None
+
+
+def test_the_standby_imports_with_what_torchrun_sets_for_every_rank():
+    plan = ranks.RankPlan("py", 2, "script", "t.py", ())
+    assert ranks.standby_env({"A": "1"}, plan)["OMP_NUM_THREADS"] == "1"
+    assert ranks.standby_env({"OMP_NUM_THREADS": "4"}, plan)["OMP_NUM_THREADS"] == "4"
+    assert "OMP_NUM_THREADS" not in ranks.standby_env({}, ranks.RankPlan("py", 1, "script",
+                                                                         "t.py", ()))
+
+
+def test_the_failure_summary_is_torchruns_and_names_the_first_failed_rank():
+    text = summary("train.py", [(1, 4242, -9, time.time(), "/nonexistent"),
+                                (0, 4241, 1, time.time(), "/nonexistent")])
+    assert _torchrun_root_cause(text) == ("torchrun: rank 1 failed first: Signal 9 (SIGKILL) "
+                                          "received by PID 4242")
+    assert "train.py FAILED" in text and "rank      : 0 (local_rank: 0)" in text
+
+
+# ------------------------------------------------------------------ a real host
+
+
+def _attempt_env(tmp: Path) -> dict[str, str]:
+    return child_env(RTRAIN_ATTEMPT="1", PYTHONUNBUFFERED="1", RTRAIN_STATUS=str(tmp))
+
+
+def _hand_off(tmp: Path, name: str, mode: str, grace_s: float = 30.0, module: bool = False):
+    """A standby started for the probe's group, handed an attempt running it in `mode`."""
+    out = tmp / name
+    out.mkdir()
+    command = _command(str(out), mode, module=module)
+    plan = ranks.plan_of(command)
+    env = _attempt_env(tmp)
+    warm = WarmChild.spawn(target_of(command, CHILDREN), strip_attempt_vars(
+        ranks.standby_env(env, plan)), CHILDREN, tmp, [])
+    warm.wait_ready(60)
+    assert warm.failed is None, warm.failed
+    spec = ChildSpec(argv=command, env=env, cwd=CHILDREN, attempt_dir=tmp / f"{name}-attempt")
+    child = warm.activate(spec, ranks.handoff(plan, env, spec.attempt_dir, grace_s))
+    return child, out
+
+
+def _records(out: Path, n: int = 2, timeout: float = 30) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while not all((out / f"rank{r}.json").exists() for r in range(n)):
+        assert time.monotonic() < deadline, f"no rank records in {out}"
+        time.sleep(0.02)
+    time.sleep(0.05)  # written in one call: let it land
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def _listening(pid: int, port: int) -> bool:
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+               for c in psutil.Process(pid).net_connections(kind="tcp"))
+
+
+@pytest.mark.slow
+def test_a_warm_rank_sees_what_a_rank_of_torchrun_sees(tmp_path):
+    under = tmp_path / "torchrun"
+    under.mkdir()
+    r = subprocess.run(_command(str(under), "ok"), env=_attempt_env(tmp_path), cwd=CHILDREN,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cold = _records(under)
+    child, out = _hand_off(tmp_path, "warm", "ok")
+    assert run_to_end(child) == 0
+    warm = _records(out)
+    for rank, (c, w) in enumerate(zip(cold, warm, strict=True)):
+        ce, we = ({k: v for k, v in rec["env"].items() if k not in PER_ATTEMPT}
+                  for rec in (c, w))
+        assert we == ce, f"rank {rank}: {set(we.items()) ^ set(ce.items())}"
+        assert we["RANK"] == we["LOCAL_RANK"] == str(rank) and we["WORLD_SIZE"] == "2"
+        assert we["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the host serves the store
+        for key in ("argv", "orig_argv"):  # each run's own OUT aside
+            assert ([a.replace(str(out), "OUT") for a in w[key]]
+                    == [a.replace(str(under), "OUT") for a in c[key]]), key
+        # The ranks are the host's children, in its process group (a stop signal reaches them).
+        assert w["ppid"] == w["pgid"] == child.pid
+        assert Path(w["env"]["TORCHELASTIC_ERROR_FILE"]).parent.name == "warm-attempt"
+
+
+@pytest.mark.slow
+def test_a_failed_rank_ends_the_others_and_is_named_first(tmp_path):
+    child, out = _hand_off(tmp_path, "a", "fail")
+    recs = _records(out)
+    port = int(recs[0]["env"]["MASTER_PORT"])
+    code = run_to_end(child)
+    assert code == 1  # torchrun's status for a failed group
+    assert (out / "term0").read_text() != "[]", "rank 0 never got SIGTERM"
+    err = (tmp_path / "a-attempt" / "stderr.log").read_text()
+    assert _torchrun_root_cause(err) == (
+        "torchrun: rank 1 failed first: To enable traceback see: "
+        "https://pytorch.org/docs/stable/elastic/errors.html"), err[-2000:]
+    assert "exitcode  : 3 (pid: " in err
+    assert port == int(recs[1]["env"]["MASTER_PORT"])
+
+
+@pytest.mark.slow
+def test_each_attempt_meets_in_a_store_on_a_fresh_port_and_a_stop_reaches_every_rank(tmp_path):
+    ports = []
+    for name in ("a", "b"):
+        child, out = _hand_off(tmp_path, name, "stop", grace_s=30)
+        recs = _records(out)
+        port = int(recs[0]["env"]["MASTER_PORT"])
+        assert {r["env"]["MASTER_PORT"] for r in recs} == {str(port)}
+        deadline = time.monotonic() + 30  # the host's c10d store listens there
+        while not _listening(child.pid, port):
+            assert time.monotonic() < deadline, "the host serves no store on MASTER_PORT"
+            time.sleep(0.05)
+        ports.append(port)
+        t0 = time.monotonic()
+        assert signal_group(child, signal.SIGTERM)  # what rtrain's stop does
+        time.sleep(0.2)
+        assert child.popen.poll() is None, "the host did not wait for its ranks"
+        assert run_to_end(child) == 1
+        assert time.monotonic() - t0 >= 0.5  # each rank's save ran to its end
+        for rank in (0, 1):
+            assert (out / f"term{rank}").read_text() != "[]", f"rank {rank} got no SIGTERM"
+        assert not psutil.pid_exists(recs[0]["pid"]) and not psutil.pid_exists(recs[1]["pid"])
+    assert ports[0] != ports[1]
+
+
+@pytest.mark.slow
+def test_a_module_runs_in_every_rank_as_python_m_runs_it(tmp_path):
+    child, out = _hand_off(tmp_path, "m", "ok", module=True)
+    assert run_to_end(child) == 0
+    for rank, rec in enumerate(_records(out)):
+        assert rec["env"]["RANK"] == str(rank)
+        assert rec["argv"] == [str(CHILDREN / "rank_probe.py"), str(out), "ok"]  # runpy's
+        assert rec["orig_argv"][1:] == ["-u", "-m", "rank_probe", str(out), "ok"]
