@@ -32,8 +32,10 @@ def _sample() -> TreeSample:
 
 
 def _settle(keeper: StandbySlot) -> None:
+    """Samples until the standby is ready: forked once its zygote has imported."""
     deadline = time.monotonic() + 60
-    while keeper.warm is not None and keeper.warm.ready is None:
+    while (keeper.warm is None and keeper.zygote is not None) or (
+            keeper.warm is not None and keeper.warm.ready is None):
         assert time.monotonic() < deadline
         time.sleep(0.05)
         keeper.tick(_sample())
