@@ -95,10 +95,11 @@ def test_a_script_cannot_tell_the_standby_from_a_cold_start(tmp_path, args, prog
     finally:
         signal.signal(signal.SIGUSR2, old)
     recs = []
-    seeds = []
+    seeds, hashes = [], []
     for name in names:
         rec = json.loads((tmp_path / f"{name}.json").read_text())
         seeds.append(tuple(rec.pop("seeds")))
+        hashes.append(rec.pop("str_hash"))
         own = str(tmp_path / f"{name}.json")  # each record's own output path
         rec["argv"] = ["OUT" if a == own else a for a in rec["argv"]]
         for key in ("orig_argv", "cmdline"):
@@ -109,6 +110,9 @@ def test_a_script_cannot_tell_the_standby_from_a_cold_start(tmp_path, args, prog
     # torch and `random` seed themselves per process at import: a forked standby draws anew.
     for drawn in zip(*seeds, strict=True):
         assert len(set(drawn)) == len(drawn), seeds
+    assert hashes[0] != hashes[1]  # a new interpreter draws its own hash secret
+    if forked:  # what still differs: standbys of one zygote share its secret (child_program)
+        assert hashes[1] == hashes[2]
     # Spot checks that the comparison compares what it should.
     assert warm_rec["argv"][0] == (PROBE if len(program) == 1 else str(CHILDREN / PROBE))
     assert warm_rec["name"] == "__main__"

@@ -1,6 +1,6 @@
 """The warm standby's own program: import the heavy modules, wait, then become the attempt.
 
-Run by path (`python .../child_program.py FD MODE TARGET PATH0 PRELOAD ARGV0 ROOM`), never
+Run by path (`python .../child_program.py FD MODE TARGET PATH0 PRELOAD ARGV0 ROLE ROOM`), never
 imported by the supervisor's loop (the supervisor reads its pure helpers): it uses the standard
 library only, so it starts in any interpreter the run uses, and it imports torch (and the rest of
 the preload) by name, as the training script would. It is the training interpreter, so imports
@@ -12,6 +12,14 @@ Protocol on the Unix socket FD (one JSON object per line):
   rtrain -> standby  {"argv", "env", "cwd"} with two file descriptors (stdout, stderr)
   standby -> rtrain  {"started": pid} just before the script's first line, or {"failed": why}
 EOF from rtrain before the hand-off: exit 0 quietly (discarded).
+
+ROLE "zygote": after its ready message (with "zygote": true) it never becomes an attempt but
+forks standbys, one per request, until EOF (then it exits 0):
+  rtrain -> zygote   {"fork": 1} with one file descriptor: the new standby's socket
+  zygote -> rtrain   {"forked": pid} or {"failed": why} (a thread running, CUDA initialised:
+                     it exits 1 and rtrain falls back to standbys that import by themselves)
+  standby -> rtrain  on its own socket: {"ready": pid, "forked": true, "ready_ns"} (what it
+                     imported is its zygote's), then the hand-off above
 
 While it imports, the preload sees what the script's imports would see in a cold start, as far
 as it is known before the attempt: sys.argv and sys.orig_argv with the script (or the module's
@@ -32,7 +40,10 @@ are in sys.modules from the script's first line, imported, like the process, bef
 attempt; what they printed while importing is in standby.log; /proc/<pid>/environ is the
 environment it was spawned with (so a writer it forks after the last sample is found by a later
 launch through procs.json only); /proc/<pid>/cmdline holds the argv's words joined by spaces,
-cut past 8 KiB."""
+cut past 8 KiB. A standby forked from a zygote also shares the zygote's str hash secret (as
+multiprocessing's forkserver children do): set iteration order of str differs between cold
+starts, but not between standbys of one zygote; torch's, numpy's and `random`'s generators are
+seeded afresh in each, as a cold start seeds them."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 SPAWN_AFTER_S = 5.0
 """Started once the attempt has trained this long (or sent its first heartbeat): its own
 imports and start-up are not slowed by a second interpreter importing the same libraries. A
-standby forked from a ready zygote imports nothing and is started at once."""
+standby forked from a ready zygote imports nothing and is started at the first sample."""
 ASSUMED_RSS = 512 * 2**20
 """The memory a standby is assumed to take before one has been measured in this launch."""
 MAX_FAILURES = 2
@@ -83,7 +83,7 @@ class SpawnFacts:
     """Memory pressure rose in this attempt (a standby was dropped for it, or none waited)."""
     zygote_ready: bool = False
     """A zygote waits with the preload imported: a standby forked from it imports nothing,
-    so it takes nothing from the attempt's start and is forked at once."""
+    so it takes nothing from the attempt's start and is forked without waiting."""
 
 
 def should_spawn(f: SpawnFacts) -> tuple[bool, str]:

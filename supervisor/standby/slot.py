@@ -7,10 +7,10 @@ leaves it out (`pids`, in Loop._helper_pids) and no sweep ends it.
 
 Standbys are forked from a zygote: an interpreter that imported the preload once (at the lowest
 priority, the launch's first one only) and is kept across attempts. A forked standby imports
-nothing, so one is forked as soon as an attempt has started and is ready within milliseconds
-of any relaunch. The zygote ends with the launch, with its standby when that is ended unused
-for any reason (stale files, a changed environment, memory), and under memory pressure; the
-next standby then starts a new one. A zygote that fails (or refuses to fork: threads running,
+nothing, so one is forked at an attempt's first sample (a quarter of a second in) and is ready
+within milliseconds of it. The zygote ends with the launch, with its standby when that is ended
+unused for any reason (stale files, a changed environment, memory), and under memory pressure;
+the next standby then starts a new one. A zygote that fails (or refuses to fork: threads running,
 CUDA touched) makes the launch fall back to standbys that import by themselves.
 """
 
@@ -81,7 +81,15 @@ class StandbySlot:
               interrupted: Callable[[], bool] = lambda: False) -> tuple[Child | None, float]:
         """The attempt's child started in the standby, with the seconds the hand-off took;
         (None, 0) when there is none or it cannot be used (recorded): start it cold.
-        `interrupted()`: a stop signal arrived (a standby still importing is not waited for)."""
+        `interrupted()`: a stop signal arrived (a standby still importing is not waited for).
+        The next standby is forked at this attempt's first sample (a quarter of a second in;
+        SpawnFacts.zygote_ready), not here: the launch is recorded and watched first."""
+        child, took = self._start(spec, attempt, interrupted)
+        self._attempt_wall_ns = time.time_ns()  # it starts now (after a wait for imports, maybe)
+        return child, took
+
+    def _start(self, spec: ChildSpec, attempt: int,
+               interrupted: Callable[[], bool]) -> tuple[Child | None, float]:
         self._attempt, self._attempt_t0, self._heartbeat = attempt, time.monotonic(), False
         self._pressure = False
         self._env = strip_attempt_vars(spec.env)
@@ -89,7 +97,6 @@ class StandbySlot:
         if warm is None and self.target is not None:
             warm = self._fork_for_start(attempt - 1, interrupted)
         if warm is None or self.target is None:
-            self._next_standby()
             return None, 0.0
         was_ready = warm.ready is not None
         if warm.ready is None and warm.failed is None:
@@ -117,9 +124,7 @@ class StandbySlot:
         except StandbyFailed as e:
             self._end(warm, "standby_failed", str(e), attempt - 1)
             return None, 0.0
-        took = time.monotonic() - t0
-        self._next_standby()
-        return child, took
+        return child, time.monotonic() - t0
 
     def _fork_for_start(self, attempt: int,
                         interrupted: Callable[[], bool]) -> WarmChild | None:
@@ -139,12 +144,6 @@ class StandbySlot:
             return None
         return self._fork(attempt)
 
-    def _next_standby(self) -> None:
-        """Right after an attempt started: fork its standby at once from a ready zygote (a
-        fork imports nothing, so it takes nothing from the attempt's start)."""
-        self._attempt_wall_ns = time.time_ns()
-        if self.zygote is not None and self.zygote.ready is not None and self.warm is None:
-            self._tick_now()
     # ------------------------------------------------------------ while it trains
 
     def heartbeat(self) -> None:
@@ -265,8 +264,9 @@ class StandbySlot:
         self.rss = warm.rss()
         # When it became ready, from the start of the attempt it waits beside (its own clock:
         # the supervisor reads its message at the next sample).
+        started_ns = self._attempt_wall_ns  # the attempt it waited beside
         ready_ns = int(ready.get("ready_ns") or ready.get("stamped_ns") or 0)
-        since = max(0.0, (ready_ns - self._attempt_wall_ns) / 1e9) if ready_ns else None
+        since = max(0.0, (ready_ns - started_ns) / 1e9) if ready_ns and started_ns else None
         extra = {} if warm.zygote is None else {"zygote": warm.zygote.pid}
         self.events.emit("standby_ready", attempt=attempt, pid=warm.pid, rss_bytes=self.rss,
                          modules=ready.get("modules", []), import_s=ready.get("import_s"),

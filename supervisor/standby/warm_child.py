@@ -7,6 +7,13 @@ have minus its RTRAIN_* variables (which change per attempt and are handed over 
 never forked from a training process. What it prints while it imports goes to `standby.log` in
 the run dir.
 
+Started as a zygote (`spawn(..., zygote=True)`), it imports and then forks standbys instead of
+becoming an attempt: `fork` returns a WarmChild for each, ready within milliseconds. A forked
+standby is the zygote's grandchild, re-parented to rtrain (a subreaper: proc/adopted.py waits
+for it) and given there what a spawned one gets at spawn: its own session, PDEATHSIG tied to
+rtrain (set once rtrain is its parent), the zygote's cgroup and environment, stdin from
+/dev/null, its output into the zygote's pipes until the hand-off gives it the attempt's.
+
 `activate` hands it an attempt: new log pipes (sent over the socket with SCM_RIGHTS, so the
 attempt's stdout.log and stderr.log are written by the same OutputPipe as a cold child's), the
 argv, environment and working directory; it answers once all is set, and the `Child` returned
@@ -234,6 +241,9 @@ class WarmChild:
         nothing (standby/child_program.py forks it). Raises StandbyFailed."""
         if self.ready is None or not self.ready.get("zygote"):
             raise StandbyFailed(self.failed or "the zygote is not ready")
+        # It imported at the lowest priority; a fork on a busy host must not wait for CPU (the
+        # supervisor waits for its answer). Idle between forks, it costs nothing at 0.
+        set_autogroup_nice(self.pid, 0)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.settimeout(HANDOFF_TIMEOUT_S)

@@ -49,6 +49,7 @@ record = {
     # Drawn per process at import (torch seeds its default generator from the OS): different
     # in every process, so compared apart.
     "seeds": [torch.initial_seed(), random.getrandbits(64)],
+    "str_hash": hash("rtrain"),  # the interpreter's hash secret, drawn at its start
     "cmdline": psutil.Process().cmdline(),
     "argv": sys.argv,
     "orig_argv": sys.orig_argv,
