@@ -66,7 +66,7 @@ def _forked(zygote: WarmChild) -> WarmChild:
     # ends cleanly: soak.
     pytest.param(("raise",), (PROBE,), True, id="args1-script-forked"),
     pytest.param(("raise",), ("-m", PROBE[:-3]), True, id="args1-module-forked"),
-    pytest.param(("raise",), (PROBE,), False, id="args1-script"),
+    pytest.param(("raise",), (PROBE,), False, id="args1-script", marks=pytest.mark.soak),
     pytest.param(("raise",), ("-m", PROBE[:-3]), False, id="args1-module",
                  marks=pytest.mark.soak),
     pytest.param((), (PROBE,), True, id="args0-script-forked", marks=pytest.mark.soak),
@@ -133,14 +133,15 @@ def test_a_script_cannot_tell_the_standby_from_a_cold_start(tmp_path, args, prog
         assert "ValueError: probe failure" in err and "child_program" not in err
 
 
-def test_cuda_initialised_while_preloading_fails_the_standby(tmp_path):
+@pytest.mark.parametrize("zygote", [False, True], ids=["standby", "zygote"])
+def test_cuda_initialised_while_preloading_fails_the_standby(tmp_path, zygote):
     # The module marks CUDA initialised the way torch.cuda.init() would leave it: on a machine
-    # without a GPU this is how a preload that touches CUDA is seen.
+    # without a GPU this is how a preload that touches CUDA is seen. A zygote never forks then.
     (tmp_path / "touches_cuda.py").write_text(
         "import torch\ntorch.cuda._initialized = True\n")
     env = _attempt_env(0)
     env["PYTHONPATH"] = str(tmp_path)
-    warm = _warm(tmp_path, env, preload=["torch", "touches_cuda"])
+    warm = _warm(tmp_path, env, preload=["torch", "touches_cuda"], zygote=zygote)
     assert warm.ready["cuda"] is True
     assert warm.popen.wait(10) == 1  # it leaves by itself; never handed an attempt
     warm.kill()
@@ -319,11 +320,13 @@ def test_a_kill_soon_after_a_relaunch_resumes_in_a_standby_and_nothing_outlives_
     run = tmp_path / "run"
     script = tmp_path / "train.py"
     script.write_text(
-        "import os, sys, time\nimport torch\n"
+        "import os, sys, time\nimport torch\nimport rtrain\n"
         "attempt = int(os.environ['RTRAIN_ATTEMPT'])\n"
         "print('attempt', attempt, sys.argv[1:], flush=True)\n"
-        # attempt 0 fails after the zygote was started (5 s in); attempt 1 waits for its imports
-        "if attempt == 0:\n    time.sleep(6)\n    raise RuntimeError('boom')\n"
+        # attempt 0 fails after its first heartbeat started the zygote; attempt 1 waits for
+        # the zygote's imports
+        "if attempt == 0:\n    rtrain.heartbeat(step=1)\n    time.sleep(1)\n"
+        "    raise RuntimeError('boom')\n"
         "time.sleep(600)\n")
     proc = subprocess.Popen(launch_cmd(run, str(script), "x"), cwd=tmp_path, env=child_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
