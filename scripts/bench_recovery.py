@@ -177,11 +177,15 @@ def main() -> None:
     ap.add_argument("--kill-after", type=float, default=None, metavar="SECONDS",
                     help="measure a SIGKILL this long after the relaunch that follows the "
                          "crash, instead of the crash")
+    ap.add_argument("--launchers", default="standby,cold,torchrun",
+                    help="which to run, comma-separated (default: all three)")
     args = ap.parse_args()
+    chosen = args.launchers.split(",")
     if not (Path(sys.executable).parent / "torchrun").exists():
         sys.exit("torchrun not found beside this interpreter (it comes with torch)")
     tmp = Path(tempfile.mkdtemp(prefix="rtrain-bench-recovery-"))
-    runs: dict[str, list[float]] = {"standby": [], "cold": [], "torchrun": []}
+    runs: dict[str, list[float]] = {m: [] for m in ("standby", "cold", "torchrun")
+                                    if m in chosen}
     try:
         for _ in range(args.repeat):
             for mode in runs:  # in turn, so a busy moment of the machine hits all three
@@ -195,12 +199,14 @@ def main() -> None:
           f"{os.cpu_count()} cores; {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"{'launcher':<40}{'median':>9}  {'runs':<28}  vs torchrun")
     names = {"standby": "rtrain (warm standby, default)", "cold": "rtrain --no-standby",
-             "torchrun": "torchrun --max-restarts 1"}
+             "torchrun": f"torchrun --max-restarts {1 if args.kill_after is None else 2}"}
     for mode, values in runs.items():
         each = " ".join(f"{v:.2f}" for v in values)
-        print(f"{names[mode]:<40}{med[mode]:8.2f}s  {each:<28}  "
-              f"{med[mode] / med['torchrun']:.2f}x")
+        vs = f"{med[mode] / med['torchrun']:.2f}x" if "torchrun" in med else "-"
+        print(f"{names[mode]:<40}{med[mode]:8.2f}s  {each:<28}  {vs}")
     for mode in ("standby", "cold"):
+        if mode not in runs:
+            continue
         split = [statistics.median(p[i] for p in parts[mode]) for i in range(3)]
         print(f"  {names[mode]}: {what} -> exit recorded {split[0]:.2f} s, -> next attempt "
               f"started {split[1]:.3f} s, -> first step {split[2]:.2f} s")
@@ -208,6 +214,8 @@ def main() -> None:
         each = [r.get(attempt) for r in ready]
         print(f"  standby of attempt {attempt} ready after its start: "
               + " ".join("none" if v is None else f"{v:.2f}s" for v in each))
+    if "standby" not in med or "torchrun" not in med:
+        return
     ratio = med["standby"] / med["torchrun"]
     print(f"target: standby <= 0.25x torchrun: {'met' if ratio <= 0.25 else 'NOT met'} "
           f"({ratio:.2f}x)")
