@@ -269,6 +269,25 @@ def test_a_zygote_with_a_thread_running_is_never_forked_and_standbys_import_by_t
     assert failed["reason"].startswith("2 threads run in the zygote after its imports")
 
 
+def test_memory_pressure_drops_the_standby_and_its_zygote(tmp_path):
+    lines: list[str] = []
+    log = EventLog(tmp_path / "events.jsonl")
+    keeper = StandbySlot(Config(run_dir=tmp_path, preload=["json"]), [sys.executable, PROBE],
+                         CHILDREN, tmp_path, log, say=lines.append)
+    _kept(keeper, tmp_path, _attempt_env(0))
+    standby, zygote = keeper.warm, keeper.zygote
+    assert standby.zygote is zygote and sorted(keeper.pids()) == sorted([standby.pid, zygote.pid])
+    keeper.make_room("the cgroup is at 96% of its limit")
+    assert keeper.warm is None and keeper.zygote is None and keeper.pids() == []
+    assert gone(standby.pid) and gone(zygote.pid)
+    keeper.tick(_sample())
+    assert keeper.warm is None and keeper.zygote is None  # none again in this attempt
+    log.close()
+    [discarded] = events(tmp_path, "standby_discarded")
+    assert discarded["pid"] == standby.pid and discarded["reason"].startswith("memory pressure")
+    assert lines and lines[0].startswith("memory pressure: dropped the warm standby")
+
+
 def test_a_tight_host_keeps_no_standby(tmp_path):
     keeper, log = _keeper(tmp_path, preload=["json"])
     _kept(keeper, tmp_path, _attempt_env(0))
