@@ -167,7 +167,7 @@ class StandbySlot:
         if self.zygote is not None:
             if self.warm is None and not self._zygote_waits(now, tight):
                 return
-            for out in (self.zygote.outputs if self.zygote is not None else ()):
+            for out in self.zygote.outputs:
                 out.pump()  # what a standby forked from it printed before its hand-off
         warm = self.warm
         if warm is not None:
