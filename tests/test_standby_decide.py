@@ -43,6 +43,12 @@ SPAWN = sb.SpawnFacts(enabled=True, failures=0, running_s=10.0, heartbeat_seen=F
     ({"failures": sb.MAX_FAILURES}, False, "2 standbys failed in this launch"),
     ({"running_s": 1.0}, False, "the attempt is starting"),
     ({"running_s": 1.0, "heartbeat_seen": True}, True, ""),
+    # a fork from a ready zygote imports nothing: at once, even as the attempt starts
+    ({"running_s": 0.0, "zygote_ready": True}, True, ""),
+    ({"running_s": 0.0, "zygote_ready": True, "host_used": 14 * GIB}, False,
+     "host memory is tight"),
+    ({"running_s": 0.0, "zygote_ready": True, "pressure": True}, False,
+     "memory pressure rose in this attempt"),
     ({"host_used": 14 * GIB}, False, "host memory is tight"),  # 14 + 0.5 assumed >= 14.4
     ({"host_used": 13 * GIB}, True, ""),
     ({"host_used": 13 * GIB, "standby_rss": 2 * GIB}, False, "host memory is tight"),

@@ -32,8 +32,10 @@ def _sample() -> TreeSample:
 
 
 def _settle(keeper: StandbySlot) -> None:
+    """Samples until the standby is ready: forked once its zygote has imported."""
     deadline = time.monotonic() + 60
-    while keeper.warm is not None and keeper.warm.ready is None:
+    while (keeper.warm is None and keeper.zygote is not None) or (
+            keeper.warm is not None and keeper.warm.ready is None):
         assert time.monotonic() < deadline
         time.sleep(0.05)
         keeper.tick(_sample())
@@ -106,6 +108,8 @@ def test_a_changed_module_inside_a_preloaded_package_is_never_run_stale(tmp_path
         keeper.tick(_sample())  # a new one replaces it, with the new code
         _settle(keeper)
         second = keeper.warm
+        assert second.zygote.pid != first.zygote.pid  # the stale zygote was replaced too
+        assert not Path(f"/proc/{first.zygote.pid}").exists()
         child, _ = keeper.start(spec(1), 1)
         assert child is not None and child.pid == second.pid != first.pid
         assert run_to_end(child) == 0

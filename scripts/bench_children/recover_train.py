@@ -1,10 +1,15 @@
 """The recovery benchmark's training script: imports torch, builds a model, restores the
 checkpoint if there is one, trains; crashes once, at the first step after the file argv[3]
-appears, and records the crash and the first step after a restore in argv[2]."""
+appears, and records its start, the crash and the first step after a restore in argv[2]. While
+the file `hold` is in argv[1], a restored attempt trains on (the benchmark kills it from
+outside, soon after its relaunch) instead of ending at its first step."""
 
 import os
 import sys
 import time
+
+with open(sys.argv[2], "a") as f:  # before the imports: where the attempt's process begins
+    f.write(f"start {time.time()!r} {os.getpid()}\n")
 
 import torch
 
@@ -32,7 +37,9 @@ while True:
     if restored:
         with open(marks, "a") as f:
             f.write(f"resumed {time.time()!r} {step}\n")
-        break  # the measure is taken: the rest of the run is the same for every launcher
+        if not os.path.exists(os.path.join(out_dir, "hold")):
+            break  # the measure is taken: the rest of the run is the same for every launcher
+        restored = False
     if step % 10 == 0:
         tmp = ckpt + ".tmp"
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)

@@ -234,7 +234,10 @@ KINDS: dict[Kind, KindSpec] = {
                 "and the steps run again"),
     Kind.STANDBY_READY: KindSpec(
         fields=("attempt", "pid", "rss_bytes", "modules", "import_s"),
-        meaning="a warm standby finished its imports and waits for the next attempt"),
+        optional=("since_start_s", "zygote"),
+        meaning="a warm standby finished its imports and waits for the next attempt; "
+                "`since_start_s` after the attempt it waits beside started; `zygote` the "
+                "process it was forked from (which imported `modules` in `import_s`)"),
     Kind.STANDBY_DISCARDED: KindSpec(
         fields=("attempt", "pid", "reason"),
         meaning="a standby was ended unused (import-time environment or a preloaded file "

@@ -1,6 +1,6 @@
 """The warm standby's own program: import the heavy modules, wait, then become the attempt.
 
-Run by path (`python .../child_program.py FD MODE TARGET PATH0 PRELOAD ARGV0 ROOM`), never
+Run by path (`python .../child_program.py FD MODE TARGET PATH0 PRELOAD ARGV0 ROLE ROOM`), never
 imported by the supervisor's loop (the supervisor reads its pure helpers): it uses the standard
 library only, so it starts in any interpreter the run uses, and it imports torch (and the rest of
 the preload) by name, as the training script would. It is the training interpreter, so imports
@@ -12,6 +12,14 @@ Protocol on the Unix socket FD (one JSON object per line):
   rtrain -> standby  {"argv", "env", "cwd"} with two file descriptors (stdout, stderr)
   standby -> rtrain  {"started": pid} just before the script's first line, or {"failed": why}
 EOF from rtrain before the hand-off: exit 0 quietly (discarded).
+
+ROLE "zygote": after its ready message (with "zygote": true) it never becomes an attempt but
+forks standbys, one per request, until EOF (then it exits 0):
+  rtrain -> zygote   {"fork": 1} with one file descriptor: the new standby's socket
+  zygote -> rtrain   {"forked": pid} or {"failed": why} (a thread running, CUDA initialised:
+                     it exits 1 and rtrain falls back to standbys that import by themselves)
+  standby -> rtrain  on its own socket: {"ready": pid, "forked": true, "ready_ns"} (what it
+                     imported is its zygote's), then the hand-off above
 
 While it imports, the preload sees what the script's imports would see in a cold start, as far
 as it is known before the attempt: sys.argv and sys.orig_argv with the script (or the module's
@@ -32,7 +40,10 @@ are in sys.modules from the script's first line, imported, like the process, bef
 attempt; what they printed while importing is in standby.log; /proc/<pid>/environ is the
 environment it was spawned with (so a writer it forks after the last sample is found by a later
 launch through procs.json only); /proc/<pid>/cmdline holds the argv's words joined by spaces,
-cut past 8 KiB."""
+cut past 8 KiB. A standby forked from a zygote also shares the zygote's str hash secret (as
+multiprocessing's forkserver children do): set iteration order of str differs between cold
+starts, but not between standbys of one zygote; torch's, numpy's and `random`'s generators are
+seeded afresh in each, as a cold start seeds them."""
 
 from __future__ import annotations
 
@@ -315,7 +326,8 @@ def _rank_host() -> types.ModuleType:
 
 
 def main(argv: list[str]) -> None:
-    fd, mode, target, path0, preload_json, argv0 = argv[1:7]  # argv[7]: room for set_cmdline
+    fd, mode, target, path0, preload_json, argv0, role = argv[1:8]  # argv[8]: set_cmdline's room
+    supervisor = os.getppid()  # rtrain: a zygote's standbys are re-parented to it
     sys.path[0] = path0  # not this file's directory: the script's, or the cwd for -m
     sock = socket.socket(fileno=int(fd))
     this = sys.modules["__main__"]  # this module, kept alive while its code runs
@@ -360,9 +372,132 @@ def main(argv: list[str]) -> None:
     files = {p: s for p, s in ((p, file_stamp(p)) for p in sorted(paths)) if s is not None}
     _send(sock, {"ready": os.getpid(), "modules": modules, "files": files,
                  "stamped_ns": stamped_ns, "import_s": round(time.monotonic() - t0, 3),
-                 "cuda": cuda})
+                 "cuda": cuda, "zygote": role == "zygote"})
     if cuda:
         sys.exit(1)  # rtrain refuses it; never hand a CUDA context to a new attempt
+    if role == "zygote":
+        sock = _serve_as_zygote(sock, supervisor)  # returns in a forked standby only
+    _become_attempt(sock, mode, target, main, changed_env)
+
+
+# ------------------------------------------------------------------ the zygote
+
+PR_SET_PDEATHSIG = 1
+REPARENT_WAIT_S = 2.0
+"""How long a forked standby waits to be re-parented to rtrain (its parent exits at once)."""
+
+
+def _threads() -> int:
+    """Threads running in this process now (the kernel's count: a native library's threads
+    too, which `threading` does not know of)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
+def _serve_as_zygote(sock: socket.socket, supervisor: int) -> socket.socket:
+    """Fork a standby for each request from rtrain: `{"fork": 1}` with the standby's own
+    socket (SCM_RIGHTS), answered `{"forked": pid}` or `{"failed": why}`. Returns only in a
+    forked standby, with its socket; the zygote itself exits when rtrain closes its socket."""
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+        except OSError:
+            sys.exit(0)
+        if not data:
+            sys.exit(0)  # the launch ended, or rtrain replaced this zygote
+        if len(fds) != 1:
+            for f in fds:
+                os.close(f)
+            _send(sock, {"failed": "a fork request without the standby's socket"})
+            continue
+        why = _unsafe_to_fork()
+        if why is not None:
+            os.close(fds[0])
+            _send(sock, {"failed": why})
+            sys.exit(1)  # rtrain falls back to standbys that import by themselves
+        pid = _fork_standby(sock, fds[0], supervisor)
+        if pid == 0:  # the standby: ready at once
+            standby = socket.socket(fileno=fds[0])
+            _send(standby, {"ready": os.getpid(), "forked": True, "ready_ns": time.time_ns()})
+            return standby
+        os.close(fds[0])
+        _send(sock, {"forked": pid} if pid > 0 else {"failed": "the forked standby died"})
+
+
+def _unsafe_to_fork() -> str | None:
+    """Why forking this process now could hand a standby a broken state: a thread holds
+    locks that the child would find taken forever; a CUDA context does not survive a fork."""
+    threads = _threads()
+    if threads > 1:
+        return (f"{threads} threads run in the zygote after its imports: forking it is unsafe, "
+                "so each standby imports by itself")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialised in the zygote"
+    return None
+
+
+def _fork_standby(sock: socket.socket, standby_fd: int, supervisor: int) -> int:
+    """Double fork: the standby is the grandchild, re-parented to rtrain (a child subreaper)
+    when its parent exits at once, so rtrain waits for it as for a cold child. Returns the
+    standby's pid in the zygote (-1: it died before it reported), 0 in the standby."""
+    sys.stdout.flush()  # nothing buffered here is printed twice
+    sys.stderr.flush()
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        try:
+            os.close(r)
+            if os.fork() != 0:
+                os._exit(0)
+            sock.close()  # the zygote's: never the standby's to read
+            os.setsid()  # its own session and group, as a cold child (pgid == pid)
+            os.write(w, str(os.getpid()).encode())  # once its group exists: rtrain kills it
+            os.close(w)
+            _after_fork(supervisor)
+            return 0
+        except BaseException:
+            os._exit(1)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 64):
+        data += chunk
+    os.close(r)
+    os.waitpid(middle, 0)  # once it is reaped, the standby is rtrain's child
+    return int(data) if data else -1
+
+
+def _after_fork(supervisor: int) -> None:
+    """In the forked standby: what a cold child gets at its spawn that a fork does not give.
+    PDEATHSIG is tied to the parent, so it is set once rtrain is the parent (set earlier, the
+    middle process's exit would fire it); the random state a cold start draws afresh at import
+    is drawn afresh (`random` does it itself at fork, torch's and numpy's generators do not)."""
+    import ctypes
+
+    deadline = time.monotonic() + REPARENT_WAIT_S
+    while os.getppid() != supervisor:
+        if time.monotonic() > deadline:
+            os._exit(1)  # rtrain is gone, or is not a subreaper: it could not wait for us
+        time.sleep(0.0005)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL
+    if os.getppid() != supervisor:  # rtrain died before prctl took effect
+        os._exit(1)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()
+
+
+def _become_attempt(sock: socket.socket, mode: str, target: str, main: types.ModuleType,
+                    changed_env: dict[str, str | None]) -> None:
+    """Wait for the hand-off, then run the attempt in this process (never returns)."""
     try:
         msg, fds = _receive(sock)
     except (OSError, ValueError):

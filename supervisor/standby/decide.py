@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 SPAWN_AFTER_S = 5.0
 """Started once the attempt has trained this long (or sent its first heartbeat): its own
-imports and start-up are not slowed by a second interpreter importing the same libraries."""
+imports and start-up are not slowed by a second interpreter importing the same libraries. A
+standby forked from a ready zygote imports nothing and is started at the first sample."""
 ASSUMED_RSS = 512 * 2**20
 """The memory a standby is assumed to take before one has been measured in this launch."""
 MAX_FAILURES = 2
@@ -80,6 +81,9 @@ class SpawnFacts:
     """The last measured standby's RSS; None: none measured yet."""
     pressure: bool = False
     """Memory pressure rose in this attempt (a standby was dropped for it, or none waited)."""
+    zygote_ready: bool = False
+    """A zygote waits with the preload imported: a standby forked from it imports nothing,
+    so it takes nothing from the attempt's start and is forked without waiting."""
 
 
 def should_spawn(f: SpawnFacts) -> tuple[bool, str]:
@@ -88,7 +92,7 @@ def should_spawn(f: SpawnFacts) -> tuple[bool, str]:
         return False, "off"
     if f.failures >= MAX_FAILURES:
         return False, f"{f.failures} standbys failed in this launch"
-    if not f.heartbeat_seen and f.running_s < SPAWN_AFTER_S:
+    if not f.heartbeat_seen and f.running_s < SPAWN_AFTER_S and not f.zygote_ready:
         return False, "the attempt is starting"
     if f.pressure:
         return False, "memory pressure rose in this attempt"

@@ -4,6 +4,14 @@ Carries out standby/decide.py with standby/warm_child.py and records what happen
 `standby_discarded` (ended unused), `standby_failed` (the attempt starts cold instead). At most
 one standby exists; it belongs to the launch, not to an attempt, so the attempt's process tree
 leaves it out (`pids`, in Loop._helper_pids) and no sweep ends it.
+
+Standbys are forked from a zygote: an interpreter that imported the preload once (at the lowest
+priority, the launch's first one only) and is kept across attempts. A forked standby imports
+nothing, so one is forked at an attempt's first sample (a quarter of a second in) and is ready
+within milliseconds of it. The zygote ends with the launch, with its standby when that is ended
+unused for any reason (stale files, a changed environment, memory), and under memory pressure;
+the next standby then starts a new one. A zygote that fails (or refuses to fork: threads running,
+CUDA touched) makes the launch fall back to standbys that import by themselves.
 """
 
 from __future__ import annotations
@@ -48,11 +56,14 @@ class StandbySlot:
         self.target: Target | None = (target if target is not None
                                       and worth_keeping(target, cfg.preload) else None)
         self.warm: WarmChild | None = None
+        self.zygote: WarmChild | None = None  # what self.warm is forked from
+        self.forking = True  # False once a zygote failed: each standby imports by itself
         self.failures = 0
         self.rss: int | None = None  # the last standby's, measured when it was ready
         self._env: dict[str, str] | None = None  # the running attempt's, RTRAIN_* removed
         self._attempt = 0
         self._attempt_t0 = 0.0
+        self._attempt_wall_ns = 0
         self._heartbeat = False
         self._next_stale_check = 0.0
         self._pressure = False  # memory pressure rose in the running attempt
@@ -63,7 +74,7 @@ class StandbySlot:
         return self.target is not None
 
     def pids(self) -> list[int]:
-        return [self.warm.pid] if self.warm is not None else []
+        return [w.pid for w in (self.warm, self.zygote) if w is not None]
 
     # ------------------------------------------------------------ an attempt starts
 
@@ -71,13 +82,23 @@ class StandbySlot:
               interrupted: Callable[[], bool] = lambda: False) -> tuple[Child | None, float]:
         """The attempt's child started in the standby, with the seconds the hand-off took;
         (None, 0) when there is none or it cannot be used (recorded): start it cold.
-        `interrupted()`: a stop signal arrived (a standby still importing is not waited for)."""
+        `interrupted()`: a stop signal arrived (a standby still importing is not waited for).
+        The next standby is forked at this attempt's first sample (a quarter of a second in;
+        SpawnFacts.zygote_ready), not here: the launch is recorded and watched first."""
+        child, took = self._start(spec, attempt, interrupted)
+        self._attempt_wall_ns = time.time_ns()  # it starts now (after a wait for imports, maybe)
+        return child, took
+
+    def _start(self, spec: ChildSpec, attempt: int,
+               interrupted: Callable[[], bool]) -> tuple[Child | None, float]:
         self._attempt, self._attempt_t0, self._heartbeat = attempt, time.monotonic(), False
         self._pressure = False
         plan = ranks.plan_of(list(spec.argv))  # one node's ranks, which it would host
         env = spec.env if plan is None else ranks.standby_env(spec.env, plan)
         self._env = strip_attempt_vars(env)
         warm, self.warm = self.warm, None
+        if warm is None and self.target is not None:
+            warm = self._fork_for_start(attempt - 1, interrupted)
         if warm is None or self.target is None:
             return None, 0.0
         was_ready = warm.ready is not None
@@ -109,6 +130,24 @@ class StandbySlot:
             return None, 0.0
         return child, time.monotonic() - t0
 
+    def _fork_for_start(self, attempt: int,
+                        interrupted: Callable[[], bool]) -> WarmChild | None:
+        """A standby forked now for the attempt that starts: there was none waiting (the
+        attempt before failed early), but a zygote was (still importing: it is waited for, as
+        a standby still importing is)."""
+        zygote = self.zygote
+        if zygote is None:
+            return None
+        if zygote.ready is None and zygote.failed is None:
+            zygote.wait_ready(READY_WAIT_S, interrupted)
+            if zygote.ready is None and zygote.failed is None:
+                self._end_zygote("standby_discarded", "a stop signal came while it imported",
+                                 attempt)
+                return None
+        if not self._zygote_ok(attempt):
+            return None
+        return self._fork(attempt)
+
     # ------------------------------------------------------------ while it trains
 
     def heartbeat(self) -> None:
@@ -116,8 +155,11 @@ class StandbySlot:
         sample (an attempt that fails a moment later still finds one on its way)."""
         first, self._heartbeat = not self._heartbeat, True
         if first and self.warm is None:
-            vm = psutil.virtual_memory()
-            self.tick(TreeSample(time.monotonic(), (), 0, 0.0, False, vm.available, vm.total))
+            self._tick_now()
+
+    def _tick_now(self) -> None:
+        vm = psutil.virtual_memory()
+        self.tick(TreeSample(time.monotonic(), (), 0, 0.0, False, vm.available, vm.total))
 
     def tick(self, tree: TreeSample) -> None:
         """Once per sample of the running attempt: spawn, notice ready, recycle."""
@@ -125,6 +167,12 @@ class StandbySlot:
             return
         host = host_reading(self._group, tree, self.cfg.pressure.fraction)
         now = time.monotonic()
+        tight = policy.host_tight(host.used, host.limit, host.fraction)
+        if self.zygote is not None:
+            if self.warm is None and not self._zygote_waits(now, tight):
+                return
+            for out in self.zygote.outputs:
+                out.pump()  # what a standby forked from it printed before its hand-off
         warm = self.warm
         if warm is not None:
             was_ready = warm.ready is not None
@@ -139,17 +187,63 @@ class StandbySlot:
             if warm.ready is not None and now >= self._next_stale_check:
                 self._next_stale_check = now + policy.STALE_CHECK_S
                 stale = warm.stale_files()
-            why = policy.while_waiting(stale=stale, tight=policy.host_tight(
-                host.used, host.limit, host.fraction))
+            why = policy.while_waiting(stale=stale, tight=tight)
             if why is not None:
                 self._end(warm, "standby_discarded", why, self._attempt)
             return
         go, _ = policy.should_spawn(policy.SpawnFacts(
             enabled=True, failures=self.failures, running_s=now - self._attempt_t0,
             heartbeat_seen=self._heartbeat, host_used=host.used, host_limit=host.limit,
-            fraction=host.fraction, standby_rss=self.rss, pressure=self._pressure))
+            fraction=host.fraction, standby_rss=self.rss, pressure=self._pressure,
+            zygote_ready=self.zygote is not None and self.zygote.ready is not None))
         if go:
             self._spawn()
+
+    def _zygote_waits(self, now: float, tight: bool) -> bool:
+        """The zygote, while no standby waits: read it, and end it when it failed, went stale
+        or the host is tight (as a waiting standby would be). False: it ended."""
+        zygote = self.zygote
+        assert zygote is not None
+        if zygote.ready is None:
+            zygote.poll()
+            if zygote.ready is not None:
+                self.rss = zygote.rss()
+        if not self._zygote_ok(self._attempt):
+            return False
+        stale: list[str] = []
+        if zygote.ready is not None and now >= self._next_stale_check:
+            self._next_stale_check = now + policy.STALE_CHECK_S
+            stale = zygote.stale_files()
+        why = policy.while_waiting(stale=stale, tight=tight)
+        if why is not None:
+            self._end_zygote("standby_discarded", why, self._attempt)
+            return False
+        return True
+
+    def _zygote_ok(self, attempt: int) -> bool:
+        """False when the zygote failed (then it is ended, recorded, and no zygote is started
+        again in this launch)."""
+        zygote = self.zygote
+        if zygote is None:
+            return False
+        zygote.poll()
+        if zygote.failed is None and zygote.popen.poll() is not None:
+            zygote.failed = f"the zygote exited with status {zygote.popen.returncode}"
+        if zygote.failed is not None or (zygote.ready or {}).get("cuda"):
+            self._end_zygote("standby_failed",
+                             zygote.failed or "CUDA was initialised while preloading", attempt)
+            return False
+        return True
+
+    def _fork(self, attempt: int) -> WarmChild | None:
+        assert self.zygote is not None
+        try:
+            warm = self.zygote.fork()
+        except StandbyFailed as e:
+            self._end_zygote("standby_failed", str(e), attempt)
+            return None
+        self._next_stale_check = time.monotonic() + policy.STALE_CHECK_S
+        return warm
 
     def make_room(self, why: str) -> None:
         """Host memory pressure in the running attempt: a waiting standby is dropped before
@@ -157,37 +251,60 @@ class StandbySlot:
         memory cgroup, the run's: its memory counts against the limit the run is killed at),
         and none is spawned again in this attempt."""
         self._pressure = True
-        warm = self.warm
+        warm = self.warm or self.zygote
         if warm is None:
             return
         rss = warm.rss()
         held = f" ({rss >> 20} MiB)" if rss else ""
-        self._end(warm, "standby_discarded", f"memory pressure: {why}", self._attempt)
+        if warm is self.zygote:
+            self._end_zygote("standby_discarded", f"memory pressure: {why}", self._attempt)
+        else:
+            self._end(warm, "standby_discarded", f"memory pressure: {why}", self._attempt)
         self.say(f"memory pressure: dropped the warm standby{held} first, as it counts against "
                  "the same memory; the next attempt starts cold")
 
     def _note_ready(self, warm: WarmChild, attempt: int) -> None:
         ready = warm.ready or {}
         self.rss = warm.rss()
+        # When it became ready, from the start of the attempt it waits beside (its own clock:
+        # the supervisor reads its message at the next sample).
+        started_ns = self._attempt_wall_ns  # the attempt it waited beside
+        ready_ns = int(ready.get("ready_ns") or ready.get("stamped_ns") or 0)
+        since = max(0.0, (ready_ns - started_ns) / 1e9) if ready_ns and started_ns else None
+        extra = {} if warm.zygote is None else {"zygote": warm.zygote.pid}
         self.events.emit("standby_ready", attempt=attempt, pid=warm.pid, rss_bytes=self.rss,
-                         modules=ready.get("modules", []), import_s=ready.get("import_s"))
+                         modules=ready.get("modules", []), import_s=ready.get("import_s"),
+                         since_start_s=None if since is None else round(since, 3), **extra)
 
     def _spawn(self) -> None:
         assert self.target is not None and self._env is not None
+        if self.zygote is not None:  # forked once it is ready (a fork needs no import)
+            if self.zygote.ready is not None:
+                self.warm = self._fork(self._attempt)
+            return
         try:
-            self.warm = WarmChild.spawn(self.target, self._env, self.cwd, self.run_dir,
-                                        self.cfg.preload)
+            warm = WarmChild.spawn(self.target, self._env, self.cwd, self.run_dir,
+                                   self.cfg.preload, zygote=self.forking)
         except OSError as e:
             self.failures += 1
             self.events.emit("standby_failed", attempt=self._attempt, pid=None,
                              reason=f"cannot start: {e.strerror or e}", output="")
             return
+        if self.forking:
+            self.zygote = warm
+        else:
+            self.warm = warm
         self._next_stale_check = time.monotonic() + policy.STALE_CHECK_S
 
     def _end(self, warm: WarmChild, kind: str, reason: str, attempt: int) -> None:
+        """End a standby unused, and its zygote with it: what made the standby unusable
+        (a changed file or variable, memory, a failure) holds for what it was forked from."""
         if self.warm is warm:
             self.warm = None
         warm.kill()
+        if warm.zygote is not None and warm.zygote is self.zygote:
+            self.zygote = None
+            warm.zygote.kill()
         if kind == "standby_failed":
             self.failures += 1
             self.events.emit("standby_failed", attempt=attempt, pid=warm.pid, reason=reason,
@@ -198,8 +315,20 @@ class StandbySlot:
         else:
             self.events.emit("standby_discarded", attempt=attempt, pid=warm.pid, reason=reason)
 
+    def _end_zygote(self, kind: str, reason: str, attempt: int) -> None:
+        """End the zygote while no standby forked from it waits (recorded as a standby's end:
+        the next standby starts a new one, or, after a failure, imports by itself)."""
+        zygote, self.zygote = self.zygote, None
+        if zygote is None:
+            return
+        if kind == "standby_failed":
+            self.forking = False
+        self._end(zygote, kind, reason, attempt)
+
     def close(self) -> None:
-        """End a waiting standby: the launch is over (its end is on record already)."""
-        warm, self.warm = self.warm, None
-        if warm is not None:
-            warm.kill()
+        """End a waiting standby and its zygote: the launch is over (its end is on record
+        already)."""
+        for warm in (self.warm, self.zygote):
+            if warm is not None:
+                warm.kill()
+        self.warm = self.zygote = None

@@ -7,6 +7,13 @@ have minus its RTRAIN_* variables (which change per attempt and are handed over 
 never forked from a training process. What it prints while it imports goes to `standby.log` in
 the run dir.
 
+Started as a zygote (`spawn(..., zygote=True)`), it imports and then forks standbys instead of
+becoming an attempt: `fork` returns a WarmChild for each, ready within milliseconds. A forked
+standby is the zygote's grandchild, re-parented to rtrain (a subreaper: proc/adopted.py waits
+for it) and given there what a spawned one gets at spawn: its own session, PDEATHSIG tied to
+rtrain (set once rtrain is its parent), the zygote's cgroup and environment, stdin from
+/dev/null, its output into the zygote's pipes until the hand-off gives it the attempt's.
+
 `activate` hands it an attempt: new log pipes (sent over the socket with SCM_RIGHTS, so the
 attempt's stdout.log and stderr.log are written by the same OutputPipe as a cold child's), the
 argv, environment and working directory; it answers once all is set, and the `Child` returned
@@ -32,6 +39,7 @@ import psutil
 from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
 from rtrain.supervisor.core.filemode import env_mode
 from rtrain.supervisor.proc import ranks
+from rtrain.supervisor.proc.adopted import Adopted
 from rtrain.supervisor.proc.reaper import own
 from rtrain.supervisor.proc.spawn import (
     STDERR_TAIL_BYTES,
@@ -128,20 +136,24 @@ class WarmChild:
     """One standby process, from spawn to hand-off or discard."""
 
     def __init__(self, target: Target, env: dict[str, str], popen: subprocess.Popen[bytes],
-                 sock: socket.socket, outputs: list[OutputPipe], spawned_ns: int) -> None:
+                 sock: socket.socket, outputs: list[OutputPipe], spawned_ns: int,
+                 zygote: WarmChild | None = None) -> None:
         self.target, self.env, self.popen = target, env, popen
         self.pid = popen.pid
         self.sock = sock
         self.outputs = outputs  # the preload's stdout and stderr, into standby.log
         self.spawned_ns = spawned_ns  # wall clock, as the files' times are
+        self.zygote = zygote  # the zygote it was forked from; None: it imported by itself
         self.ready: dict | None = None
         self.failed: str | None = None
         self._buf = bytearray()
 
     @classmethod
     def spawn(cls, target: Target, env: Mapping[str, str], cwd: Path, run_dir: Path,
-              preload: Sequence[str] | None, cgroup_dir: Path | None = None) -> WarmChild:
-        """Start a standby (from the supervisor's main thread: PDEATHSIG is tied to it)."""
+              preload: Sequence[str] | None, cgroup_dir: Path | None = None,
+              zygote: bool = False) -> WarmChild:
+        """Start a standby (from the supervisor's main thread: PDEATHSIG is tied to it), or
+        with `zygote` one that forks standbys (`fork`) instead of becoming an attempt."""
         become_subreaper()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -151,7 +163,7 @@ class WarmChild:
         argv = [target.python, str(CHILD_PROGRAM), str(theirs.fileno()), target.mode,
                 target.target, target.path0, json.dumps(None if preload is None
                                                         else list(preload)),
-                target.argv0,
+                target.argv0, "zygote" if zygote else "standby",
                 " " * CMDLINE_ROOM]  # room for the attempt's argv in /proc/<pid>/cmdline
         try:
             popen = subprocess.Popen(argv, env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
@@ -186,8 +198,8 @@ class WarmChild:
             msg = self._message()
             if msg is None:
                 break
-            if "ready" in msg:
-                self.ready = msg
+            if "ready" in msg:  # a forked standby has what its zygote imported and recorded
+                self.ready = {**(self.zygote.ready or {}), **msg} if self.zygote else msg
             else:
                 self.failed = str(msg.get("failed") or "the standby said nothing usable")
         if self.failed is None and self.ready is None and self.popen.poll() is not None:
@@ -229,6 +241,35 @@ class WarmChild:
                           min(left, 0.5))
             self.poll()
 
+    def fork(self) -> WarmChild:
+        """A standby forked from this ready zygote: ready within milliseconds, as it imports
+        nothing (standby/child_program.py forks it). Raises StandbyFailed."""
+        if self.ready is None or not self.ready.get("zygote"):
+            raise StandbyFailed(self.failed or "the zygote is not ready")
+        # It imported at the lowest priority; a fork on a busy host must not wait for CPU (the
+        # supervisor waits for its answer). Idle between forks, it costs nothing at 0.
+        set_autogroup_nice(self.pid, 0)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(HANDOFF_TIMEOUT_S)
+            socket.send_fds(self.sock, [b'{"fork": 1}\n'], [theirs.fileno()])
+            answer = self._answer()
+        except (OSError, StandbyFailed) as e:
+            ours.close()
+            raise StandbyFailed(str(e) if isinstance(e, StandbyFailed)
+                                else f"the zygote failed: {e.strerror or e}") from None
+        finally:
+            theirs.close()
+            self.sock.setblocking(False)
+        pid = answer.get("forked")
+        if not isinstance(pid, int) or pid <= 0:
+            ours.close()
+            raise StandbyFailed(str(answer.get("failed") or "the zygote did not fork"))
+        popen = Adopted(pid)  # re-parented to us before the zygote answered
+        ours.setblocking(False)
+        return WarmChild(self.target, self.env, popen, ours, [],  # type: ignore[arg-type]
+                         self.spawned_ns, zygote=self)
+
     def rss(self) -> int | None:
         try:
             return psutil.Process(self.pid).memory_info().rss
@@ -236,7 +277,8 @@ class WarmChild:
             return None
 
     def output_tail(self) -> str:
-        return "".join(o.tail_text() for o in self.outputs)[-2000:]
+        outputs = self.zygote.outputs if self.zygote is not None else self.outputs
+        return "".join(o.tail_text() for o in outputs)[-2000:]
 
     def stale_files(self) -> list[str]:
         """Files the standby runs code from (every module it imported, the libraries mapped

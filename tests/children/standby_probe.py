@@ -5,6 +5,7 @@ import ctypes
 import faulthandler
 import json
 import os
+import random
 import signal
 import stat
 import sys
@@ -45,6 +46,10 @@ with open(f"/proc/{os.getpid()}/status") as f:
 import psutil  # noqa: E402
 
 record = {
+    # Drawn per process at import (torch seeds its default generator from the OS): different
+    # in every process, so compared apart.
+    "seeds": [torch.initial_seed(), random.getrandbits(64)],
+    "str_hash": hash("rtrain"),  # the interpreter's hash secret, drawn at its start
     "cmdline": psutil.Process().cmdline(),
     "argv": sys.argv,
     "orig_argv": sys.orig_argv,
