@@ -194,11 +194,11 @@ class Bench:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         log = work / "job.log"
-        master = self.start_dlrover_master(work) if tool and tool.key == "dlrover" else None
         shm_before = set(os.listdir("/dev/shm")) | {f"sock:{n}" for n in listdir(DLROVER_SOCKS)}
-        cmd, env = self.command(tool, log, work)
         run = Run(name, 0.0, None)
-        t0 = time.time()
+        t0 = time.time()  # DLRover's master counts: dlrover-run --standalone would start it
+        master = self.start_dlrover_master(work) if tool and tool.key == "dlrover" else None
+        cmd, env = self.command(tool, log, work)
         with open(work / "output.log", "wb") as out:  # the launcher holds its own copy
             proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=out, stderr=out,
                                     start_new_session=True)
@@ -364,7 +364,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--dir", default="bench-out/goodput", help="the runs' work dir (removed)")
     ap.add_argument("--peers-venv", default="bench-out/peers-venv",
                     help="the venv scripts/install_peers.sh built")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds a run may take")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a run may take")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs of each run)")
     args = ap.parse_args()
     q = args.quick
@@ -382,8 +382,13 @@ def parse() -> argparse.Namespace:
     return args
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # the run in progress stops its launcher on the way out
+
+
 def main() -> None:
     args = parse()
+    signal.signal(signal.SIGTERM, _interrupted)
     bench = Bench(args)
     shutil.rmtree(bench.work, ignore_errors=True)
     tools, skipped = [], []

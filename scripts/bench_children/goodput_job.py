@@ -186,7 +186,9 @@ class Dlrover(Plain):
     def save(self, step: int) -> None:
         state = {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": step}
         kind = self.storage.DISK if step % self.every == 0 else self.storage.MEMORY
-        self.ck.save_checkpoint(step, state, str(self.root / f"{step}.pt"), storage_type=kind)
+        # the path its restore looks for: DIR/STEP/rank_0.pt (DLRover's full_ckpt_engine.py)
+        path = self.root / str(step) / "rank_0.pt"
+        self.ck.save_checkpoint(step, state, str(path), storage_type=kind)
     # no close: the launcher's agent persists the last disk save after the process exits
 
 
