@@ -216,6 +216,9 @@ class Bench:
         read_log(log, run)
         if run.code != 0 and not run.note:
             run.note = f"exit {run.code}: {tail(work / 'output.log')}"
+        elif run.code == 0 and len(run.starts) != len(run.kills) + 1:
+            # a death that was not one of the kills: lost/kill and kill->step would pair wrongly
+            run.code, run.note = -1, f"{len(run.starts)} processes for {len(run.kills)} kills"
         return run
 
     def watch(self, proc: subprocess.Popen, log: Path, run: Run,
