@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import queue
 import shutil
@@ -66,51 +65,54 @@ import torch
 from rtrain.checkpoint import hashing, parts, runid, safetensors_io
 from rtrain.checkpoint.commit import PendingCheckpoint, remove_dir
 from rtrain.checkpoint.layout import TRASH_PREFIX, list_checkpoints, list_leftovers
-from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS, write_atomic
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
 from rtrain.worker import dist, runtime
 from rtrain.worker.compilecache import compile_cache
 from rtrain.worker.guards import faults
-from rtrain.worker.memtier import shm_files
+from rtrain.worker.memtier import pacing, shm_files
 from rtrain.worker.options import Memory
 from rtrain.worker.saving import dist_ckpt
+from rtrain.worker.saving.save_clock import run_mtbf
 from rtrain.worker.saving.save_target import Capture, SaveTarget
 from rtrain.worker.trainstate.tensors import to_blob
 
 log = logging.getLogger(__name__)
 
-MAX_STALL_SHARE = 0.05  # "auto": the stall at most this share of the time between snapshots
 _HEADROOM = 1 << 20  # bytes beyond the tensors: manifest, state.json, safetensors headers
-
-
-def interval(stall_s: float, write_s: float, step_s: float) -> int:
-    """Steps between snapshots under `every="auto"`: the fewest that keep the stall within
-    MAX_STALL_SHARE of the time between snapshots and let each snapshot's write finish before
-    the next one is due (a later snapshot would otherwise wait for it on the training thread)."""
-    if not step_s > 0:
-        return 1
-    by_stall = math.ceil(stall_s / (MAX_STALL_SHARE * step_s))
-    by_write = math.ceil(write_s / step_s)
-    return max(1, by_stall, by_write)
-
-
-def competition(writer_cpu_s: float, process_cpu_s: float, wall_s: float, cores: int) -> float:
-    """Seconds of training the writer thread's CPU time took (pure): its copy and hashing run
-    beside the next steps, and cost the training only where the cores are busy. The rest of the
-    process used `process_cpu_s - writer_cpu_s` over `wall_s`; the busier the cores, the more
-    of the writer's time came out of the training (all of it on a machine whose cores the step
-    fills, none where cores are idle)."""
-    if not (wall_s > 0 and cores > 0 and writer_cpu_s > 0):
-        return 0.0
-    busy = max(0.0, process_cpu_s - writer_cpu_s) / wall_s / cores
-    return writer_cpu_s * min(1.0, busy)
+MAX_ABANDONED = 2  # snapshots abandoned in a row before the next one is waited for
+PROBE_EVERY = 8  # at an interval of 1, one snapshot in this many is skipped: the plain step
+REPACE_STEPS = 32  # once the cost is measured, the interval is re-chosen this often
+PACE_FILE = ".pace.json"  # in the memory dir: the measured cost, for the next attempt
 
 
 def budget_bytes(opts: Memory) -> int:
-    """The tier's memory budget: `budget_mb`, else half of what the host has available."""
+    """The tier's memory budget: `budget_mb`, else half of what the host has available, and
+    of what the run's memory cgroup has left below its limit (the snapshots' pages count
+    against it: a budget the cgroup cannot hold would bring the OOM killer the tier is for)."""
     if opts.budget_mb is not None:
         return int(opts.budget_mb * 2**20)
-    return available_bytes() // 2
+    room = cgroup_room_bytes()
+    return min(available_bytes(), room if room is not None else available_bytes()) // 2
+
+
+def cgroup_room_bytes() -> int | None:
+    """What this process's cgroup (v2) may still use below its `memory.max`; None without a
+    limit or where it cannot be read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
+        if rel is None:
+            return None
+        group = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        limit = (group / "memory.max").read_text().strip()
+        used = int((group / "memory.current").read_text())
+    except (OSError, ValueError, IndexError):
+        return None
+    if not limit.isdigit():
+        return None  # "max"
+    return max(0, int(limit) - used)
 
 
 def available_bytes() -> int:
@@ -141,13 +143,59 @@ def refusal(nbytes: int, budget: int, shm_free: int, copies: int = 2) -> str | N
     return None
 
 
-def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event,
+class Abandoned(Exception):
+    """The optimizer's step came before the snapshot's copy was done, and did not wait for it:
+    that snapshot is never committed."""
+
+
+class CopyGate:
+    """Between a snapshot's copy and the optimizer's next step, decided under one lock: the
+    copy finished first (`set`: the step may change the state), or the step came first and
+    abandoned it (`abandon`: the writer stops at its next chunk and commits nothing). So a
+    snapshot is whole from one step boundary, or it is not a snapshot."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.read = threading.Event()  # the copy is done (or there is none)
+        self.read.set()
+        self.abandoned = False
+
+    def arm(self) -> None:
+        """A new snapshot starts reading the live state."""
+        self.read.clear()
+        self.abandoned = False
+
+    def set(self) -> None:
+        """The writer: every byte is copied; raises Abandoned if the step came first."""
+        with self._lock:
+            if self.abandoned:
+                raise Abandoned
+            self.read.set()
+
+    def check(self) -> None:
+        """The writer, before each chunk: raises Abandoned once the step came."""
+        if self.abandoned:
+            raise Abandoned
+
+    def abandon(self) -> bool:
+        """The optimizer's pre-hook: abandon the copy unless it is done (True: abandoned)."""
+        with self._lock:
+            if self.read.is_set():
+                return False
+            self.abandoned = True
+            self.read.set()  # nothing is left to wait for
+            return True
+
+
+def write_snapshot(target: SaveTarget, cap: Capture, copied: CopyGate | threading.Event,
                    files: shm_files.ShmFiles | None = None) -> Path:
     """Commit `cap` into the memory dir: every tensor copied first, `copied` set, then the
     files hashed from the copy (unencrypted) and the manifest committed. With `files`, each
     tensor file is written into a reused, mapped file and hashed chunk by chunk as it is
-    copied (worker/memtier/shm_files.py). Raises on any error, leaving nothing behind but what
+    copied (worker/memtier/shm_files.py); a CopyGate may abandon that copy (Abandoned is
+    raised, the files kept as spares). Raises on any error, leaving nothing behind but what
     the next snapshot's commit removes."""
+    check = copied.check if isinstance(copied, CopyGate) else None
     pending = PendingCheckpoint(target.ckpt_dir, cap.step, fsync=False,
                                 hash_alg=hashing.alg_for(target.key),
                                 encryption=target.encryption)
@@ -164,7 +212,7 @@ def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event,
             if files is not None:
                 header = safetensors_io.build_header(blobs, meta)
                 f = files.take(pending.tmp, name, len(header) + sum(b.data.nbytes for b in blobs))
-                done = shm_files.fill(f, header, tensors.values(), pending.hash_alg)
+                done = shm_files.fill(f, header, tensors.values(), pending.hash_alg, check)
                 faults.on_save_write(cap.step)
                 pending.add_file(name, done.size, done.hash, listed)
                 continue
@@ -183,6 +231,11 @@ def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event,
         if cap.compile_cache is not None:
             pending.write_bytes(compile_cache.FILE, cap.compile_cache)
         path = pending.commit(cap.fields, target.key)
+    except Abandoned:
+        if files is not None:
+            files.abandoned(pending.tmp)
+        pending.abort()  # whatever is left of the temp dir
+        raise
     except BaseException:
         if files is not None:
             files.aborted()
@@ -205,8 +258,11 @@ class MemoryTier:
 
     def __init__(self, opts: Memory, directory: Path, key: bytes | None, encryption: Any,
                  model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-                 kept: int = 1, reuse: bool = False) -> None:
+                 kept: int = 1, reuse: bool = False, implicit: bool = False) -> None:
         self.opts, self.dir = opts, directory
+        # On because the script left `memory=` out (options.MEMORY_DEFAULT): the same tier,
+        # but the disk saves stay this process's own (worker/checkpointer.py).
+        self.implicit = implicit
         # rtrain's `dropped` lies in the node's memory dir, above a rank's own directory.
         self.dropped = (directory.parent if parts.RANK_DIR.fullmatch(directory.name)
                         else directory) / MEMORY_DROPPED
@@ -223,7 +279,13 @@ class MemoryTier:
         # thread only while no snapshot is running.
         self._files = shm_files.ShmFiles() if reuse and encryption is None else None
         self._swept = False  # the leftovers of earlier attempts removed (first snapshot)
+        self._auto = not isinstance(opts.every, int)
+        # What an earlier attempt measured: (cost, step time), "auto" only.
+        self._carried = _read_pace(directory) if self._auto else None
         self.every = opts.every if isinstance(opts.every, int) else 1
+        if self._carried is not None:
+            self.every = pacing.interval(cost_s=self._carried[0], write_s=0.0,
+                                         step_s=self._carried[1], mtbf_s=None)
         self.off: str | None = None
         self.last_step: int | None = None  # the newest committed snapshot's step
         self.stall_s: float | None = None  # the newest snapshot's stall, gate wait included
@@ -239,8 +301,19 @@ class MemoryTier:
         self._pending = False  # a snapshot was handed to the writer and not waited for
         self._idle = threading.Event()  # set while the writer has nothing in hand
         self._idle.set()
-        self._read = threading.Event()  # set once the running snapshot read the live tensors
-        self._read.set()
+        # Whether the running snapshot read the live tensors, or the optimizer abandoned it.
+        self._copy = CopyGate()
+        self.abandoned = 0  # snapshots abandoned so far
+        self._abandoned_in_row = 0
+        self._persisting = False  # the running snapshot is a disk save: never abandoned
+        self.costs = pacing.Costs()  # the steps' durations, beside a snapshot and not
+        self._boundary: float | None = None  # the previous step boundary's time
+        self._beside = False  # a snapshot started at the previous boundary
+        self._dues = 0  # step boundaries seen at an interval of 1 (PROBE_EVERY)
+        self._repaced: int | None = None  # the step the measured cost last chose the interval
+        self.cost_s: float | None = None  # what a snapshot costs the steps (pacing.py)
+        self.nbytes = 0  # the newest snapshot's tensor bytes
+        self._tid: int | None = None  # the writer thread's kernel id
         self._gate_wait = 0.0  # the optimizer step's wait for the running snapshot
         self.gate_s = 0.0  # that wait, for the last snapshot that finished
         # (step, time, process CPU time) of the previous snapshot
@@ -258,16 +331,25 @@ class MemoryTier:
     @classmethod
     def open(cls, opts: Memory | None, *, world: dist.World | None, key: bytes | None,
              encryption: Any, model: torch.nn.Module | None,
-             optimizer: torch.optim.Optimizer | None) -> MemoryTier | None:
+             optimizer: torch.optim.Optimizer | None,
+             implicit: bool = False) -> MemoryTier | None:
         """The tier, or None (with a warning) where it cannot run. Under a process group each
         rank snapshots its own part into `rank-<R>/` of the node's memory dir
-        (checkpoint/parts.py)."""
+        (checkpoint/parts.py). `implicit`: the script left `memory=` out; then the tier is off,
+        without a warning, outside `rtrain launch` (nothing would persist a snapshot) and under
+        a process group (a rank's part goes into new files, several times a single process's
+        cost: a tier the script names)."""
         if opts is None:
             return None
         where = os.environ.get(ENV_MEMORY_DIR)
         if not where:
-            log.warning("memory tier off: it runs under `rtrain launch`, which persists the "
-                        "snapshots; this process saves to disk only")
+            if not implicit:
+                log.warning("memory tier off: it runs under `rtrain launch`, which persists "
+                            "the snapshots; this process saves to disk only")
+            return None
+        if implicit and world is not None:
+            log.info("memory tier off by default under a process group: name it "
+                     "(Saving(memory=\"auto\")) to snapshot each rank's part")
             return None
         directory, kept = Path(where), 1
         # Reused files only for a single process: rtrain's peer server reads a rank's parts
@@ -284,9 +366,13 @@ class MemoryTier:
                 log.warning("memory tier off: cannot create this rank's directory in %s: %s",
                             where, e.strerror or e)
                 return None
-        return cls(opts, directory, key, encryption, model, optimizer, kept, reuse)
+        return cls(opts, directory, key, encryption, model, optimizer, kept, reuse, implicit)
 
     def due(self, step: int) -> bool:
+        now = time.monotonic()
+        if self._boundary is not None:  # the step just done, beside a snapshot or not
+            self.costs.step(now - self._boundary, self._beside)
+        self._boundary, self._beside = now, False
         if self._files is not None and self._files.held:
             # Mapped files keep their pages until unmapped, whoever deletes them: released at
             # this step boundary once the tier is off or rtrain dropped it, not at the next
@@ -301,7 +387,14 @@ class MemoryTier:
             return step % self.every == 0
         # From the last snapshot started, committed or not: a first one still being written
         # must not make every step after it wait for it.
-        return self._last_call is None or step - self._last_call[0] >= self.every
+        if self._last_call is not None and step - self._last_call[0] < self.every:
+            return False
+        if self.every == 1 and self._last_call is not None and self._auto:
+            # Snapshots at every step leave no plain step to measure their cost against.
+            self._dues += 1
+            if self._dues % PROBE_EVERY == 0:
+                return False
+        return True
 
     def snapshot(self, cap: Capture, persist: bool = False) -> bool:
         """Start writing `cap` (taken at this step boundary); returns once the training
@@ -329,6 +422,7 @@ class MemoryTier:
             if why is not None:
                 self.stop(why, cap.step)
                 return False
+        self.nbytes = cap.nbytes
         if self.overlap:
             _copy_unguarded(cap, _storages(_guarded(self.model, self.optimizer)),
                             _storages(_buffers(self.model)))
@@ -339,7 +433,9 @@ class MemoryTier:
         if cap.world is not None:
             info.update(parts.part_fields(cap.world.rank, cap.world.size))
         self._pace(cap.step, began)
-        self._read.clear()
+        self._copy.arm()
+        self._persisting = persist
+        self._beside = True
         self._idle.clear()
         self._gate_wait = 0.0
         self._pending = True
@@ -349,13 +445,15 @@ class MemoryTier:
             self._thread.start()
         self._jobs.put((cap, persist))
         if not self.overlap:
-            self._read.wait()
+            self._copy.read.wait()
         self.stall_s = time.monotonic() - began
         return True
 
     def wait(self) -> None:
         """The running snapshot committed (or failed: the tier is then off)."""
         if self._pending:
+            if not self._idle.is_set():
+                _boost(self._tid)
             self._idle.wait()
             self._pending = False
             if self.stall_s is not None:
@@ -391,13 +489,24 @@ class MemoryTier:
             self.release()
 
     def _gate(self, *_: Any) -> None:
-        """The optimizer's step pre-hook: the running snapshot must have read the state first."""
-        if not self._read.is_set():
-            t0 = time.monotonic()
-            self._read.wait()
-            self._gate_wait += time.monotonic() - t0
+        """The optimizer's step pre-hook: the running snapshot must have read the state first,
+        or be abandoned. A snapshot into reused files that is not a disk save is abandoned
+        rather than waited for, MAX_ABANDONED times in a row at most: the previous one stays
+        the newest, whole (CopyGate); the next after those is waited for."""
+        if self._copy.read.is_set():
+            return
+        if (self._files is not None and not self._persisting
+                and self._abandoned_in_row < MAX_ABANDONED and self._copy.abandon()):
+            self._abandoned_in_row += 1
+            self.abandoned += 1
+            return
+        t0 = time.monotonic()
+        _boost(self._tid)
+        self._copy.read.wait()
+        self._gate_wait += time.monotonic() - t0
 
     def _run(self) -> None:
+        self._tid = threading.get_native_id()
         while (job := self._jobs.get()) is not None:
             try:
                 self._write(*job)
@@ -405,9 +514,12 @@ class MemoryTier:
                 self._idle.set()
 
     def _write(self, cap: Capture, persist: bool = False) -> None:
+        _yield_to_the_step()  # again, after a wait raised it
         t0, cpu0 = time.monotonic(), time.thread_time()
         try:
-            path = write_snapshot(self.target, cap, self._read, self._files)
+            path = write_snapshot(self.target, cap, self._copy, self._files)
+        except Abandoned:
+            return  # the previous snapshot stays the newest; the files are spares again
         except OSError as e:  # a failed snapshot costs the tier, never the training
             why = os.strerror(e.errno) if e.errno in STORAGE_ERRNOS else f"{e}"
             self.stop(f"the snapshot of step {cap.step} could not be written: {why}", cap.step)
@@ -419,7 +531,8 @@ class MemoryTier:
             self.persist_lost = self.persist_lost or persist
             return
         finally:
-            self._read.set()
+            self._copy.read.set()
+        self._abandoned_in_row = 0
         self.write_s = time.monotonic() - t0
         self.writer_cpu_s = time.thread_time() - cpu0
         self.last_step = cap.step
@@ -438,22 +551,96 @@ class MemoryTier:
             runtime.heartbeat(step=cap.step, event="persist")
 
     def _pace(self, step: int, now: float) -> None:
-        """Under "auto", choose the next interval from what the previous snapshot measured,
-        and tell rtrain when it starts or changes."""
+        """Under "auto", choose the next interval from what snapshots cost the steps
+        (pacing.py): the steps' measured difference once there is one (re-chosen every
+        REPACE_STEPS and kept in the memory dir for the next attempt, PACE_FILE); before it,
+        what the attempt before measured, else the estimate from the writer's CPU time, at
+        least every 2 steps so that plain steps are measured too. Tells rtrain when the tier
+        starts, the cost is first measured, or the interval changes."""
         prev, self._last_call = self._last_call, (step, now, time.process_time())
-        if prev is not None and self.stall_s is not None and self.write_s is not None \
-                and step > prev[0] and not isinstance(self.opts.every, int):
+        measured = self.costs.cost_s()
+        step_s = self.costs.step_s()
+        if measured is not None:
+            self.cost_s = measured
+        elif self._carried is not None:
+            self.cost_s, step_s = self._carried[0], step_s or self._carried[1]
+        elif prev is not None and self.stall_s is not None and step > prev[0]:
+            # The stall, and what the writer's copy took from the steps beside it.
+            self.cost_s = self.stall_s + pacing.competition(
+                self.writer_cpu_s, self._last_call[2] - prev[2], now - prev[1], self.cores)
+        if step_s is None and prev is not None and step > prev[0]:
             step_s = (now - prev[1]) / (step - prev[0])
-            # The stall, and what the writer's copy and hashing took from the steps beside it.
-            cost = self.stall_s + competition(self.writer_cpu_s, self._last_call[2] - prev[2],
-                                              now - prev[1], self.cores)
-            self.every = interval(cost, self.write_s, step_s)
-        said = {"every": self.every,
-                "stall_s": None if self.stall_s is None else round(self.stall_s, 6),
-                "write_s": None if self.write_s is None else round(self.write_s, 6)}
-        if self._said is None or said["every"] != self._said["every"]:
+        due = self._repaced is None or step - self._repaced >= REPACE_STEPS
+        if self._auto and self.cost_s is not None and step_s is not None and due:
+            mtbf = run_mtbf()
+            n = pacing.interval(cost_s=self.cost_s, write_s=self.write_s or 0.0, step_s=step_s,
+                                mtbf_s=mtbf.seconds if mtbf.observed else None)
+            if measured is None and self._carried is None:
+                n = max(2, n)
+            self.every = n
+            if measured is not None:
+                self._repaced = step
+                _write_pace(self.dir, measured, step_s)
+        said = {"every": self.every, "stall_s": _rounded(self.stall_s),
+                "write_s": _rounded(self.write_s), "cost_s": _rounded(self.cost_s),
+                "step_s": _rounded(step_s), "bytes": self.nbytes,
+                "measured": measured is not None}
+        # Under "auto", also once the cost is first measured: rtrain says it then.
+        if (self._said is None or said["every"] != self._said["every"]
+                or (self._auto and said["measured"] != self._said["measured"])):
             self._said = said
             runtime.heartbeat(step=step, event="snapshot", snapshot=said)
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+def _read_pace(directory: Path) -> tuple[float, float] | None:
+    """(cost, step time) an earlier attempt measured (PACE_FILE), None without one that reads:
+    an attempt that starts from it need not measure from nothing, and one killed within a
+    few dozen steps snapshots as often as the one before it found affordable."""
+    try:
+        got = json.loads(ownfiles.read_own(directory / PACE_FILE, limit=4096))
+        cost, step = float(got["cost_s"]), float(got["step_s"])
+    except (OSError, ownfiles.RefusedFile, ValueError, TypeError, KeyError):
+        return None
+    if not (0 <= cost < 3600 and 0 < step < 86400):
+        return None
+    return cost, step
+
+
+def _write_pace(directory: Path, cost_s: float, step_s: float) -> None:
+    try:
+        write_atomic(directory / PACE_FILE, json.dumps({"cost_s": cost_s, "step_s": step_s}),
+                     durable=False)
+    except OSError:
+        pass  # the next attempt measures again
+
+
+def _yield_to_the_step() -> None:
+    """The writer thread (called from it) takes only the CPU the training leaves idle:
+    SCHED_IDLE, which Linux sets per thread. A copy beside the step at normal priority took
+    its CPU time 1:1 from a step whose threads fill the cores (docs/benchmarks.md); the
+    optimizer's pre-hook abandons a copy that did not finish in the idle time, or waits for
+    it (the waiting training thread leaves a core idle then)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or refused: the default priority
+        pass
+
+
+def _boost(tid: int | None) -> None:
+    """The training thread waits for the writer: back to the normal policy, so that other
+    processes on the machine do not starve the copy the step now waits for. Only a process
+    allowed to raise priority (CAP_SYS_NICE, or an RLIMIT_NICE that permits it) can; any
+    other waits while its own threads leave a core idle."""
+    if tid is None:
+        return
+    try:
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 def _guarded(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None
