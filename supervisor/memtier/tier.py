@@ -240,7 +240,8 @@ def on_line(s: dict[str, Any], path: Path) -> str:
     every, cost, step, nbytes = num("every"), num("cost_s"), num("step_s"), num("bytes")
     parts = [f"snapshots in {path}"]
     if nbytes is not None:
-        parts[0] = f"snapshots of {nbytes / 2**20:.0f} MiB in {path}"
+        size = f"{nbytes / 2**20:.0f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.0f} KiB"
+        parts[0] = f"snapshots of {size} in {path}"
     if cost is not None:
         parts.append(f"each costs the steps {cost * 1e3:.1f} ms"
                      + (f" of a {step * 1e3:.0f} ms step" if step else ""))

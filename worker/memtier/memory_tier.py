@@ -20,6 +20,13 @@ boundary's state. What the writer's CPU time costs a step is then the copy itsel
 machine whose cores the step keeps busy (docs/benchmarks.md). A rank's part and an encrypted
 snapshot go into new files, hashed after the copy (an encrypted one as it is encrypted).
 
+Yielding to the step. The writer thread runs at SCHED_IDLE, so its copy takes only CPU the
+step leaves idle; a copy into reused files that the optimizer's pre-hook finds unfinished is
+abandoned rather than waited for (CopyGate: the writer stops at its next chunk, the files
+become spares, nothing is committed), at most MAX_ABANDONED times in a row; the next one is
+waited for, the writer raised back to the normal policy where the process may. A snapshot
+rtrain is to persist (a disk save) is always waited for.
+
 Double buffering. A snapshot is written into a temp dir and renamed into place; the one before
 is taken out of the committed names only after the newer one committed, so a process killed
 mid-snapshot leaves the previous snapshot whole (a temp dir is never read: rtrain's pick reads
@@ -29,14 +36,14 @@ earlier attempt left (its spare files, a temp dir whose writer died) goes at the
 snapshot.
 
 The budget. Two snapshots live at once (the newest, and the one being written or the spare
-files the next one is written into): a state that
-does not fit twice in `budget_mb` (default: half of the memory available at the first snapshot)
-or in the free space of the shared-memory filesystem (a container's /dev/shm is often 64 MiB)
-leaves the tier off, with a warning that says what to change. The pages count against the
-run's memory cgroup; rtrain drops the tier before the training process would be OOM-killed
-(writing `dropped` into the directory); the process unmaps its files at its next step
-boundary, which frees their pages. A snapshot that fails (no space) turns the tier off and
-training goes on: the disk tier is untouched.
+files the next one is written into): a state that does not fit twice in `budget_mb` (default:
+half of the memory available at the first snapshot, and of the cgroup's room) or in the free
+space of the shared-memory filesystem (a container's /dev/shm is often 64 MiB) leaves the tier
+off, with a warning that says what to change (left out, `memory=` is on only where it fits).
+The pages count against the run's memory cgroup; rtrain drops the tier before the training
+process would be OOM-killed (writing `dropped` into the directory); the process unmaps its
+files at its next step boundary, which frees their pages. A snapshot that fails (no space)
+turns the tier off and training goes on: the disk tier is untouched.
 
 The disk cadence. While the tier is on, a disk save due on the schedule (`every=`) is a
 snapshot of that step followed, once it committed, by a `persist` heartbeat: rtrain copies it
