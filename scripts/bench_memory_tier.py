@@ -19,10 +19,11 @@ Then the restore of the same checkpoint, taken in turn (medians of --rounds):
                 with posix_fadvise first, as after a reboot or on another node)
 
 --step-overhead: an MLP of 10.5M parameters (512 -> 2048 -> 2048 -> 2048 -> 512) with AdamW
-trains on CPU in rounds of --steps steps that alternate between no snapshot and
-`Saving(memory=1)` (a snapshot at every step boundary); the time of a loop iteration (forward,
-backward, optimizer step, `maybe_save`) is timed. Prints the median step of each, their ratio
-(target <= 1.05x), and where a snapshot's time went (the tier's own timers, medians).
+trains on CPU in rounds of --steps steps that alternate between no snapshot,
+`Saving(memory=1)` (a snapshot at every step boundary) and the default (`memory=` left out:
+the interval "auto" chooses); the time of a loop iteration (forward, backward, optimizer step,
+`maybe_save`) is timed. Prints the median step of each, their ratios to the first (target <=
+1.05x), the default's interval and cost, and where a snapshot's time went (the tier's timers).
 """
 
 from __future__ import annotations

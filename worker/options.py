@@ -214,14 +214,14 @@ class Memory:
             (measured, a moving estimate): the fewest steps that keep that cost within 3% of
             the step time, longer where the run's observed failures are rare enough that
             Young/Daly's optimum is (worker/memtier/pacing.py).
-        overlap: Copy the model and optimizer state from a background thread, which takes
-            only the CPU the step leaves idle, while the next step's forward and backward run;
-            the optimizer's next `step()` abandons a copy not done yet (that snapshot is
-            skipped, the one before stays whole), or waits for it after two abandoned in a
-            row, so the stall is what the copy does not hide. False when the loop
-            changes weights or optimizer state outside `optimizer.step()` (an EMA written
-            into the model, weights clipped before the step): the copy then finishes inside
-            `maybe_save`.
+        overlap: Copy the model and optimizer state from a background thread while the next
+            step's forward and backward run;
+            the optimizer's next `step()` waits until the copy is done (under "auto" it
+            abandons one not done yet instead: that snapshot is skipped, the one before stays
+            whole; two in a row at most), so the stall is what the copy does not hide. False
+            when the loop changes weights or optimizer state outside `optimizer.step()` (an
+            EMA written into the model, weights clipped before the step): the copy then
+            finishes inside `maybe_save`.
         budget_mb: Host memory the tier may hold: two snapshots (the newest complete one and
             the one being written, or kept to be written into). None: half of the memory
             available when it starts, and of what the run's memory cgroup has left below its

@@ -39,6 +39,7 @@ class MemoryTierDir:
         # (not on a rollback, nor from a checkpoint the user named).
         self.newest_allowed = True
         self._said_on = False  # what snapshots cost, said once a launch
+        self._said_off: str | None = None  # why the worker turned it off, said once a launch
 
     def enable_peers(self, host: str, port: int = 0, rdzv_host: str | None = None) -> None:
         """Several nodes: serve this node's snapshots to peers and copy theirs (peerside.py)."""
@@ -182,7 +183,8 @@ class MemoryTierDir:
                   state="off" if off else "on", every=s.get("every"),
                   stall_s=s.get("stall_s"), write_s=s.get("write_s"),
                   reason=str(off) if off else None, **costs)
-        if off:
+        if off and off != self._said_off:  # each attempt finds it again: said once
+            self._said_off = str(off)
             self.say(f"attempt {attempt}: memory tier off: {off}")
         elif s.get("measured") is True and not self._said_on:
             self._said_on = True

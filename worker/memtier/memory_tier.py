@@ -20,12 +20,13 @@ boundary's state. What the writer's CPU time costs a step is then the copy itsel
 machine whose cores the step keeps busy (docs/benchmarks.md). A rank's part and an encrypted
 snapshot go into new files, hashed after the copy (an encrypted one as it is encrypted).
 
-Yielding to the step. The writer thread runs at SCHED_IDLE, so its copy takes only CPU the
-step leaves idle; a copy into reused files that the optimizer's pre-hook finds unfinished is
-abandoned rather than waited for (CopyGate: the writer stops at its next chunk, the files
-become spares, nothing is committed), at most MAX_ABANDONED times in a row; the next one is
-waited for, the writer raised back to the normal policy where the process may. A snapshot
-rtrain is to persist (a disk save) is always waited for.
+Not waiting. Under "auto", a copy into reused files that the optimizer's pre-hook finds
+unfinished is abandoned rather than waited for (CopyGate: the writer stops at its next chunk,
+the files become spares, nothing is committed), at most MAX_ABANDONED times in a row; the
+next one is waited for. A snapshot rtrain is to persist (a disk save) is always waited for.
+Why the writer keeps the normal priority: it shares the GIL with the training thread, and a
+SCHED_IDLE writer descheduled while it holds the GIL (between two chunks, in the commit) holds
+the training thread back behind every other runnable process, DataLoader workers included.
 
 Double buffering. A snapshot is written into a temp dir and renamed into place; the one before
 is taken out of the committed names only after the newer one committed, so a process killed
@@ -62,8 +63,10 @@ import logging
 import os
 import queue
 import shutil
+import statistics
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +94,8 @@ _HEADROOM = 1 << 20  # bytes beyond the tensors: manifest, state.json, safetenso
 MAX_ABANDONED = 2  # snapshots abandoned in a row before the next one is waited for
 PROBE_EVERY = 8  # at an interval of 1, one snapshot in this many is skipped: the plain step
 REPACE_STEPS = 32  # once the cost is measured, the interval is re-chosen this often
-PACE_FILE = ".pace.json"  # in the memory dir: the measured cost, for the next attempt
+PACE_FILE = ".pace.json"  # in the memory dir: the steps measured, for the next attempt
+WARMUP_STEPS = 2  # an attempt's first steps (restore, first allocations): not measured
 
 
 def budget_bytes(opts: Memory) -> int:
@@ -104,22 +108,31 @@ def budget_bytes(opts: Memory) -> int:
     return min(available_bytes(), room if room is not None else available_bytes()) // 2
 
 
-def cgroup_room_bytes() -> int | None:
-    """What this process's cgroup (v2) may still use below its `memory.max`; None without a
-    limit or where it cannot be read."""
+def cgroup_room_bytes(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What this process's memory cgroup may still use below its limit (v1's
+    memory.limit_in_bytes, else v2's memory.max, each at its usual mount under `root`); None
+    without a limit or where none can be read."""
     try:
         with open("/proc/self/cgroup") as f:
-            rel = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
-        if rel is None:
-            return None
-        group = Path("/sys/fs/cgroup") / rel.lstrip("/")
-        limit = (group / "memory.max").read_text().strip()
-        used = int((group / "memory.current").read_text())
-    except (OSError, ValueError, IndexError):
+            lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+    except OSError:
         return None
-    if not limit.isdigit():
-        return None  # "max"
-    return max(0, int(limit) - used)
+    for _, controllers, rel in (ln for ln in lines if len(ln) == 3):
+        if "memory" in controllers.split(","):
+            group, names = root / "memory" / rel.lstrip("/"), ("memory.limit_in_bytes",
+                                                              "memory.usage_in_bytes")
+        elif controllers == "":
+            group, names = root / rel.lstrip("/"), ("memory.max", "memory.current")
+        else:
+            continue
+        try:
+            limit = (group / names[0]).read_text().strip()
+            used = int((group / names[1]).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 62:  # "max", or v1's near-2**63: none
+            return max(0, int(limit) - used)
+    return None
 
 
 def available_bytes() -> int:
@@ -288,11 +301,7 @@ class MemoryTier:
         self._swept = False  # the leftovers of earlier attempts removed (first snapshot)
         self._auto = not isinstance(opts.every, int)
         # What an earlier attempt measured: (cost, step time), "auto" only.
-        self._carried = _read_pace(directory) if self._auto else None
         self.every = opts.every if isinstance(opts.every, int) else 1
-        if self._carried is not None:
-            self.every = pacing.interval(cost_s=self._carried[0], write_s=0.0,
-                                         step_s=self._carried[1], mtbf_s=None)
         self.off: str | None = None
         self.last_step: int | None = None  # the newest committed snapshot's step
         self.stall_s: float | None = None  # the newest snapshot's stall, gate wait included
@@ -313,21 +322,26 @@ class MemoryTier:
         self.abandoned = 0  # snapshots abandoned so far
         self._abandoned_in_row = 0
         self._persisting = False  # the running snapshot is a disk save: never abandoned
-        self.costs = pacing.Costs()  # the steps' durations, beside a snapshot and not
+        # The steps' durations, beside a snapshot and not, continued from the attempts before.
+        self.costs = pacing.Costs.from_state(_read_pace(directory))
+        self._steps_seen = 0  # step boundaries this process saw (WARMUP_STEPS)
         self._boundary: float | None = None  # the previous step boundary's time
         self._beside = False  # a snapshot started at the previous boundary
         self._dues = 0  # step boundaries seen at an interval of 1 (PROBE_EVERY)
         self._repaced: int | None = None  # the step the measured cost last chose the interval
         self.cost_s: float | None = None  # what a snapshot costs the steps (pacing.py)
         self.nbytes = 0  # the newest snapshot's tensor bytes
-        self._tid: int | None = None  # the writer thread's kernel id
+        # What each snapshot took of the CPU (its stall, gate wait included, and the writer's
+        # CPU time): the most it can cost a step whose cores it competes for, a bound on a
+        # measured cost that noise on a loaded machine can push far above it.
+        self._cpu_costs: deque[float] = deque(maxlen=pacing.WINDOW)
+        self._pace_written = 0.0  # when PACE_FILE was last written
         self._gate_wait = 0.0  # the optimizer step's wait for the running snapshot
         self.gate_s = 0.0  # that wait, for the last snapshot that finished
         # (step, time, process CPU time) of the previous snapshot
         self._last_call: tuple[int, float, float] | None = None
         self.writer_cpu_s = 0.0  # the writer thread's CPU time for the newest snapshot
-        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
+        self._last_cpu = 0.0  # ... for the newest that finished, committed or abandoned
         self._said: dict[str, Any] | None = None  # the interval last told to rtrain
         # A snapshot rtrain was to persist as a disk save failed: the Checkpointer saves to
         # disk itself at the next step boundary instead.
@@ -377,8 +391,9 @@ class MemoryTier:
 
     def due(self, step: int) -> bool:
         now = time.monotonic()
-        if self._boundary is not None:  # the step just done, beside a snapshot or not
-            self.costs.step(now - self._boundary, self._beside)
+        self._steps_seen += 1
+        if self._boundary is not None and self._steps_seen > WARMUP_STEPS:
+            self.costs.step(now - self._boundary, self._beside)  # beside a snapshot or not
         self._boundary, self._beside = now, False
         if self._files is not None and self._files.held:
             # Mapped files keep their pages until unmapped, whoever deletes them: released at
@@ -459,12 +474,11 @@ class MemoryTier:
     def wait(self) -> None:
         """The running snapshot committed (or failed: the tier is then off)."""
         if self._pending:
-            if not self._idle.is_set():
-                _boost(self._tid)
             self._idle.wait()
             self._pending = False
             if self.stall_s is not None:
                 self.stall_s += self._gate_wait  # the stall that snapshot cost the loop
+                self._cpu_costs.append(self.stall_s + self._last_cpu)
             self.gate_s = self._gate_wait
 
     def close(self) -> None:
@@ -497,23 +511,22 @@ class MemoryTier:
 
     def _gate(self, *_: Any) -> None:
         """The optimizer's step pre-hook: the running snapshot must have read the state first,
-        or be abandoned. A snapshot into reused files that is not a disk save is abandoned
-        rather than waited for, MAX_ABANDONED times in a row at most: the previous one stays
-        the newest, whole (CopyGate); the next after those is waited for."""
+        or be abandoned. Under "auto", a snapshot into reused files that is not a disk save is
+        abandoned rather than waited for, MAX_ABANDONED times in a row at most: the previous
+        one stays the newest, whole (CopyGate); the next after those is waited for. A fixed
+        interval is the script's word for how many steps a kill may lose: always waited for."""
         if self._copy.read.is_set():
             return
-        if (self._files is not None and not self._persisting
+        if (self._auto and self._files is not None and not self._persisting
                 and self._abandoned_in_row < MAX_ABANDONED and self._copy.abandon()):
             self._abandoned_in_row += 1
             self.abandoned += 1
             return
         t0 = time.monotonic()
-        _boost(self._tid)
         self._copy.read.wait()
         self._gate_wait += time.monotonic() - t0
 
     def _run(self) -> None:
-        self._tid = threading.get_native_id()
         while (job := self._jobs.get()) is not None:
             try:
                 self._write(*job)
@@ -521,11 +534,11 @@ class MemoryTier:
                 self._idle.set()
 
     def _write(self, cap: Capture, persist: bool = False) -> None:
-        _yield_to_the_step()  # again, after a wait raised it
         t0, cpu0 = time.monotonic(), time.thread_time()
         try:
             path = write_snapshot(self.target, cap, self._copy, self._files)
         except Abandoned:
+            self._last_cpu = time.thread_time() - cpu0
             return  # the previous snapshot stays the newest; the files are spares again
         except OSError as e:  # a failed snapshot costs the tier, never the training
             why = os.strerror(e.errno) if e.errno in STORAGE_ERRNOS else f"{e}"
@@ -541,7 +554,7 @@ class MemoryTier:
             self._copy.read.set()
         self._abandoned_in_row = 0
         self.write_s = time.monotonic() - t0
-        self.writer_cpu_s = time.thread_time() - cpu0
+        self.writer_cpu_s = self._last_cpu = time.thread_time() - cpu0
         self.last_step = cap.step
         # Double buffering: the others go only after the newer one committed; anything this
         # process did not just write goes too (an earlier attempt's, e.g. steps beyond a
@@ -556,38 +569,44 @@ class MemoryTier:
                     pass  # rtrain took it away (it pins what it copies) or removed the dir
         if persist:  # only now: rtrain copies the newest snapshot at this step or later
             runtime.heartbeat(step=cap.step, event="persist")
+        if self._auto and time.monotonic() - self._pace_written >= 1.0:
+            # Here, off the training thread, once a second: what the steps measured so far.
+            self._pace_written = time.monotonic()
+            try:
+                state = self.costs.state()
+            except RuntimeError:  # the training thread added a step meanwhile: next time
+                return
+            _write_pace(self.dir, state)
 
     def _pace(self, step: int, now: float) -> None:
         """Under "auto", choose the next interval from what snapshots cost the steps
-        (pacing.py): the steps' measured difference once there is one (re-chosen every
-        REPACE_STEPS and kept in the memory dir for the next attempt, PACE_FILE); before it,
-        what the attempt before measured, else the estimate from the writer's CPU time, at
-        least every 2 steps so that plain steps are measured too. Tells rtrain when the tier
-        starts, the cost is first measured, or the interval changes."""
+        (pacing.py): the steps' measured difference once there is one (this attempt's and
+        the ones' before, PACE_FILE), re-chosen every REPACE_STEPS; before it, every
+        MEASURE_EVERY steps to measure it. Tells rtrain when the tier starts, the cost is
+        first measured, or the interval changes."""
         prev, self._last_call = self._last_call, (step, now, time.process_time())
         measured = self.costs.cost_s()
         step_s = self.costs.step_s()
         if measured is not None:
             self.cost_s = measured
-        elif self._carried is not None:
-            self.cost_s, step_s = self._carried[0], step_s or self._carried[1]
-        elif prev is not None and self.stall_s is not None and step > prev[0]:
-            # The stall, and what the writer's copy took from the steps beside it.
-            self.cost_s = self.stall_s + pacing.competition(
-                self.writer_cpu_s, self._last_call[2] - prev[2], now - prev[1], self.cores)
+            if self._cpu_costs:
+                self.cost_s = min(measured, statistics.median(self._cpu_costs))
         if step_s is None and prev is not None and step > prev[0]:
             step_s = (now - prev[1]) / (step - prev[0])
         due = self._repaced is None or step - self._repaced >= REPACE_STEPS
-        if self._auto and self.cost_s is not None and step_s is not None and due:
+        if self._auto and self.cost_s is None and prev is not None:
+            # Nothing measured yet: every other step, so that the steps measure the cost at
+            # once. An estimate from the writer's CPU time said 17-20 steps for a snapshot that
+            # cost nothing measurable beside a step that left idle time (a lower-priority
+            # writer's CPU time is not the step's), and so measured late, if ever.
+            self.every = pacing.MEASURE_EVERY
+        elif self._auto and self.cost_s is not None and step_s is not None and due:
             mtbf = run_mtbf()
-            n = pacing.interval(cost_s=self.cost_s, write_s=self.write_s or 0.0, step_s=step_s,
-                                mtbf_s=mtbf.seconds if mtbf.observed else None)
-            if measured is None and self._carried is None:
-                n = max(2, n)
-            self.every = n
+            self.every = pacing.interval(cost_s=self.cost_s, write_s=self.write_s or 0.0,
+                                         step_s=step_s,
+                                         mtbf_s=mtbf.seconds if mtbf.observed else None)
             if measured is not None:
                 self._repaced = step
-                _write_pace(self.dir, measured, step_s)
         said = {"every": self.every, "stall_s": _rounded(self.stall_s),
                 "write_s": _rounded(self.write_s), "cost_s": _rounded(self.cost_s),
                 "step_s": _rounded(step_s), "bytes": self.nbytes,
@@ -603,51 +622,23 @@ def _rounded(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
 
 
-def _read_pace(directory: Path) -> tuple[float, float] | None:
-    """(cost, step time) an earlier attempt measured (PACE_FILE), None without one that reads:
-    an attempt that starts from it need not measure from nothing, and one killed within a
-    few dozen steps snapshots as often as the one before it found affordable."""
+def _read_pace(directory: Path) -> Any:
+    """The step durations earlier attempts measured (PACE_FILE; pacing.Costs.from_state checks
+    them), None without a file that reads: an attempt killed within a few dozen steps then
+    adds to their estimate instead of measuring from nothing each time."""
     try:
-        got = json.loads(ownfiles.read_own(directory / PACE_FILE, limit=4096))
-        cost, step = float(got["cost_s"]), float(got["step_s"])
-    except (OSError, ownfiles.RefusedFile, ValueError, TypeError, KeyError):
+        return json.loads(ownfiles.read_own(directory / PACE_FILE, limit=16384))
+    except (OSError, ownfiles.RefusedFile, ValueError):
         return None
-    if not (0 <= cost < 3600 and 0 < step < 86400):
-        return None
-    return cost, step
 
 
-def _write_pace(directory: Path, cost_s: float, step_s: float) -> None:
-    try:
-        write_atomic(directory / PACE_FILE, json.dumps({"cost_s": cost_s, "step_s": step_s}),
-                     durable=False)
-    except OSError:
-        pass  # the next attempt measures again
-
-
-def _yield_to_the_step() -> None:
-    """The writer thread (called from it) takes only the CPU the training leaves idle:
-    SCHED_IDLE, which Linux sets per thread. A copy beside the step at normal priority took
-    its CPU time 1:1 from a step whose threads fill the cores (docs/benchmarks.md); the
-    optimizer's pre-hook abandons a copy that did not finish in the idle time, or waits for
-    it (the waiting training thread leaves a core idle then)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux, or refused: the default priority
-        pass
-
-
-def _boost(tid: int | None) -> None:
-    """The training thread waits for the writer: back to the normal policy, so that other
-    processes on the machine do not starve the copy the step now waits for. Only a process
-    allowed to raise priority (CAP_SYS_NICE, or an RLIMIT_NICE that permits it) can; any
-    other waits while its own threads leave a core idle."""
-    if tid is None:
+def _write_pace(directory: Path, state: dict[str, list[float]]) -> None:
+    if not directory.is_dir():  # rtrain removed it: never made again from here
         return
     try:
-        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
+        write_atomic(directory / PACE_FILE, json.dumps(state), durable=False)
+    except OSError:
+        pass  # the next attempt measures again
 
 
 def _guarded(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None

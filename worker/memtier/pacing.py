@@ -6,8 +6,12 @@ bandwidth, and the optimizer step's wait for the copy. None of these is the writ
 alone (a writer that yields to the step costs it less than its CPU time; one that fights the
 step for memory bandwidth costs it more), so the cost is measured where it is paid: the
 median time of the steps a snapshot ran beside, less the median of the steps without one, over
-a moving window (`Costs`). Until both have a few samples (the first snapshots), the estimate
-from the writer's CPU time stands in (`competition`).
+a moving window (`Costs`), never above what the snapshots took of the CPU (their stall and the
+writer's CPU time: the most a copy can take from a step whose cores it competes for; on a
+loaded machine the steps' noise is larger than a 3% cost and would otherwise pick the
+interval; memory_tier.py). Until both have MIN_SAMPLES (the first snapshots), snapshots come
+every MEASURE_EVERY steps, so that both kinds of step are measured at once; an attempt after
+the first starts from what the one before measured (memory_tier.py, PACE_FILE).
 
 The interval, in order:
 1. `by_ceiling`: the fewest steps between snapshots that keep their cost within COST_CEILING
@@ -28,24 +32,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
 
 COST_CEILING = 0.03
 """A snapshot's cost, spread over the steps between snapshots, at most this share of the step
 time under `every="auto"` (the issue's budget: a few percent of a step)."""
 WINDOW = 24  # steps of each kind in the moving estimate: medians over ~2 dozen hold at +-30 %
-MIN_SAMPLES = 4  # of each kind before the measured cost replaces the CPU-time estimate
-
-
-@dataclass(frozen=True)
-class Pace:
-    """The interval chosen and what it was chosen from."""
-
-    every: int
-    cost_s: float
-    step_s: float
-    measured: bool
-    """Whether `cost_s` is the steps' measured difference (else the CPU-time estimate)."""
+MIN_SAMPLES = 4  # of each kind before the measured cost chooses the interval
+MEASURE_EVERY = 2  # the interval until then: a step beside a snapshot, then a plain one
 
 
 def interval(*, cost_s: float, write_s: float, step_s: float, mtbf_s: float | None,
@@ -63,24 +56,32 @@ def interval(*, cost_s: float, write_s: float, step_s: float, mtbf_s: float | No
     return max(1, by_ceiling, by_write, by_failures)
 
 
-def competition(writer_cpu_s: float, process_cpu_s: float, wall_s: float, cores: int) -> float:
-    """Seconds of training the writer thread's CPU time took, before the steps measure it: its
-    copy runs beside the next steps and costs the training only where the cores are busy. The
-    rest of the process used `process_cpu_s - writer_cpu_s` over `wall_s`; the busier the cores,
-    the more of the writer's time came out of the training."""
-    if not (wall_s > 0 and cores > 0 and writer_cpu_s > 0):
-        return 0.0
-    busy = max(0.0, process_cpu_s - writer_cpu_s) / wall_s / cores
-    return writer_cpu_s * min(1.0, busy)
-
-
 class Costs:
     """The moving estimate: the durations of recent steps with a snapshot beside them and
-    without one."""
+    without one. It spans attempts (`state`, `from_state`): an attempt killed within a few
+    steps adds what it measured to what the ones before it did."""
 
     def __init__(self) -> None:
         self.beside: deque[float] = deque(maxlen=WINDOW)
         self.clean: deque[float] = deque(maxlen=WINDOW)
+
+    def state(self) -> dict[str, list[float]]:
+        return {"beside": list(self.beside), "clean": list(self.clean)}
+
+    @classmethod
+    def from_state(cls, state: object) -> Costs:
+        """What `state` returned (read back from a file): lists of step durations; anything
+        else (a missing or damaged file) is an empty estimate."""
+        out = cls()
+        if isinstance(state, dict):
+            for name in ("beside", "clean"):
+                got = state.get(name)
+                if isinstance(got, list):
+                    getattr(out, name).extend(
+                        float(x) for x in got[-WINDOW:]
+                        if isinstance(x, (int, float)) and not isinstance(x, bool)
+                        and 0 < x < 86400)
+        return out
 
     def step(self, seconds: float, snapshot: bool) -> None:
         (self.beside if snapshot else self.clean).append(seconds)
