@@ -248,6 +248,19 @@ def test_left_out_outside_rtrain_launch_the_tier_is_off_without_a_word(tmp_path,
     assert ckpt._memory is None and "memory tier" not in caplog.text
 
 
+def test_left_out_under_several_ranks_the_tier_stays_off(tmp_path, shm, monkeypatch):
+    """torchrun's WORLD_SIZE before any process group: the ranks would share one memory dir."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    m, opt = _model()
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck")
+    assert ckpt._memory is None
+    named = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "c2",
+                                saving=rtrain.Saving(memory="auto"))
+    assert named._memory is not None  # named: as before
+    ckpt.close()
+    named.close()
+
+
 def test_a_copy_the_optimizer_step_overtakes_is_abandoned_never_committed(tmp_path, shm,
                                                                           monkeypatch):
     """Under "auto", the writer's copy is slowed so that the optimizer's next step comes

@@ -300,7 +300,6 @@ class MemoryTier:
         self._files = shm_files.ShmFiles() if reuse and encryption is None else None
         self._swept = False  # the leftovers of earlier attempts removed (first snapshot)
         self._auto = not isinstance(opts.every, int)
-        # What an earlier attempt measured: (cost, step time), "auto" only.
         self.every = opts.every if isinstance(opts.every, int) else 1
         self.off: str | None = None
         self.last_step: int | None = None  # the newest committed snapshot's step
@@ -368,7 +367,7 @@ class MemoryTier:
                 log.warning("memory tier off: it runs under `rtrain launch`, which persists "
                             "the snapshots; this process saves to disk only")
             return None
-        if implicit and world is not None:
+        if implicit and (world is not None or _launched_ranks() > 1):
             log.info("memory tier off by default under a process group: name it "
                      "(Saving(memory=\"auto\")) to snapshot each rank's part")
             return None
@@ -616,6 +615,15 @@ class MemoryTier:
                 or (self._auto and said["measured"] != self._said["measured"])):
             self._said = said
             runtime.heartbeat(step=step, event="snapshot", snapshot=said)
+
+
+def _launched_ranks() -> int:
+    """WORLD_SIZE as torchrun sets it: several ranks even before (or without) a process group,
+    whose single-process snapshots would share one memory dir."""
+    try:
+        return int(os.environ.get("WORLD_SIZE") or 1)
+    except ValueError:
+        return 1
 
 
 def _rounded(x: float | None) -> float | None:
