@@ -19,10 +19,11 @@ Then the restore of the same checkpoint, taken in turn (medians of --rounds):
                 with posix_fadvise first, as after a reboot or on another node)
 
 --step-overhead: an MLP of 10.5M parameters (512 -> 2048 -> 2048 -> 2048 -> 512) with AdamW
-trains on CPU in rounds of --steps steps that alternate between no snapshot and
-`Saving(memory=1)` (a snapshot at every step boundary); the time of a loop iteration (forward,
-backward, optimizer step, `maybe_save`) is timed. Prints the median step of each, their ratio
-(target <= 1.05x), and where a snapshot's time went (the tier's own timers, medians).
+trains on CPU in rounds of --steps steps that alternate between no snapshot,
+`Saving(memory=1)` (a snapshot at every step boundary) and the default (`memory=` left out:
+the interval "auto" chooses); the time of a loop iteration (forward, backward, optimizer step,
+`maybe_save`) is timed. Prints the median step of each, their ratios to the first (target <=
+1.05x), the default's interval and cost, and where a snapshot's time went (the tier's timers).
 """
 
 from __future__ import annotations
@@ -115,18 +116,23 @@ def step_overhead(args: argparse.Namespace, out: Path) -> None:
     model, opt = mlp()
     n = sum(p.numel() for p in model.parameters())
     x = torch.randn(args.batch, 512)
-    plain = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "plain",
-                                saving=rtrain.Saving(on_failure=False))
-    mem = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "mem",
-                              saving=rtrain.Saving(on_failure=False, memory=1))
-    tier = mem._memory
-    assert tier is not None
-    times: dict[str, list[float]] = {"none": [], "memory=1": []}
+    ckpts = {
+        "none": rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "plain",
+                                    saving=rtrain.Saving(on_failure=False, memory=None)),
+        "memory=1": rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "mem",
+                                        saving=rtrain.Saving(on_failure=False, memory=1)),
+        # Left out: the tier on by default, at the interval "auto" chooses.
+        "default": rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "default",
+                                       saving=rtrain.Saving(on_failure=False))}
+    tier = ckpts["memory=1"]._memory
+    assert tier is not None and ckpts["default"]._memory is not None
+    kinds = list(ckpts)
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     timers: dict[str, list[float]] = {}
     step = 0
-    for r in range(2 * args.rounds + 2):  # two rounds to warm up (Adam's state, the buffers)
-        kind = ("none", "memory=1")[r % 2]
-        ckpt = plain if kind == "none" else mem
+    for r in range(len(kinds) * (args.rounds + 1)):  # a round of each to warm up
+        kind = kinds[r % len(kinds)]
+        ckpt = ckpts[kind]
         for i in range(args.steps + 1):
             t0 = time.perf_counter()
             loss = model(x).pow(2).mean()
@@ -136,16 +142,17 @@ def step_overhead(args: argparse.Namespace, out: Path) -> None:
             step += 1
             ckpt.maybe_save(step)
             took = time.perf_counter() - t0
-            if r >= 2 and i > 0:
+            if r >= len(kinds) and i > 0:
                 times[kind].append(took)
                 if kind == "memory=1":
                     for name, value in _tier_timers(tier).items():
                         timers.setdefault(name, []).append(value)
         tier.wait()
-    mem.close()
-    plain.close()
+    auto = ckpts["default"]._memory
+    for c in ckpts.values():
+        c.close()
     med = statistics.median
-    base, snap = med(times["none"]), med(times["memory=1"])
+    base = med(times["none"])
     q = {k: statistics.quantiles(v, n=4) for k, v in times.items()}
     print(f"MLP {n / 1e6:.1f}M parameters, AdamW, batch {args.batch}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {os.cpu_count()} cores, load average "
@@ -153,8 +160,13 @@ def step_overhead(args: argparse.Namespace, out: Path) -> None:
     for kind, v in times.items():
         print(f"  step, {kind:>8}: median {med(v) * 1e3:.1f} ms (quartiles "
               f"{q[kind][0] * 1e3:.1f}-{q[kind][2] * 1e3:.1f}, n={len(v)})")
-    print(f"overhead of memory=1: {snap / base:.3f}x ({(snap - base) * 1e3:+.1f} ms a step; "
-          "target <= 1.05x)")
+    for kind in kinds[1:]:
+        snap = med(times[kind])
+        print(f"overhead of {kind}: {snap / base:.3f}x ({(snap - base) * 1e3:+.1f} ms a step; "
+              "target <= 1.05x)")
+    print(f"memory=1: {tier.abandoned} snapshots abandoned by the optimizer step; default: "
+          f"every {auto.every} steps, cost {(auto.cost_s or 0) * 1e3:.1f} ms a snapshot, "
+          f"{auto.abandoned} abandoned")
     print("a snapshot's time (the tier's timers, medians): " + ", ".join(
         f"{k} {med(v) * 1e3:.2f} ms" for k, v in timers.items()))
 
@@ -192,7 +204,7 @@ def main() -> None:
     mem = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "unused",
                               saving=rtrain.Saving(memory=1))
     disk = rtrain.Checkpointer(model=model, optimizer=opt, ckpt_dir=out / "disk", keep=1,
-                               saving=rtrain.Saving(async_mode="auto"))
+                               saving=rtrain.Saving(async_mode="auto", memory=None))
     plain, snap_stall, snap_block, snap_next, save_stall, save_next = [], [], [], [], [], []
     step = 2
     for _ in range(args.rounds):

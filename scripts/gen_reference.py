@@ -311,7 +311,7 @@ def checkpointer_section() -> str:
         fields = found.get("Attributes", {})
         out += [f"#### rtrain.{group.__name__}", "", prose(summary), "",
                 table(["field", "type", "default", "meaning"],
-                      [(code(f.name), code(annotation(f.type)), code(repr(f.default)),
+                      [(code(f.name), code(annotation(f.type)), code(repr(_default(f))),
                         fields.get(f.name, "")) for f in dataclasses.fields(group)]), ""]
     out += ["### Other names", "",
             table(["name", "what it is"], [
@@ -431,6 +431,13 @@ def render() -> str:
         exit_codes_section(), metrics_section(), env_section()]
     text = "\n".join(parts)
     return re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n"
+
+
+def _default(f: dataclasses.Field) -> object:
+    """A field's default; a default_factory's product (Saving.memory's MEMORY_DEFAULT)."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 def main() -> int:

@@ -173,7 +173,7 @@ def check_exactly_once(traj: dict[int, dict[str, Any]], samples: int, steps: int
 # ------------------------------------------------------------------ the reference run
 
 
-def reference(base: Path, settings: dict[str, Any]) -> Path:
+def reference(base: Path, settings: dict[str, Any], timeout: float = 120) -> Path:
     """OUT_DIR of an uninterrupted run without rtrain, made once per set of values and code
     (references.cached): runs whose settings differ only in `step_sleep` (a pause that changes
     no value) or in spelling out the default `workers = 0` share one, and it runs without the
@@ -182,7 +182,7 @@ def reference(base: Path, settings: dict[str, Any]) -> Path:
               if k != "step_sleep" and not (k == "workers" and v == 0)}
 
     def make(out: Path) -> None:
-        r = run_child([sys.executable, str(SCRIPT), str(out)], cwd=out, timeout=120,
+        r = run_child([sys.executable, str(SCRIPT), str(out)], cwd=out, timeout=timeout,
                       env=child_env(RTRAIN_SETTINGS=json.dumps(values),
                                     RTRAIN_CKPT_DIR=str(out / "checkpoints")))
         assert r.returncode == 0, r.stderr

@@ -112,12 +112,14 @@ def test_a_child_that_frees_nothing_is_stopped_and_degraded_before_the_kill(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("memory", [1, pytest.param(-2, marks=pytest.mark.soak, id="default")])
 def test_pressure_drops_the_memory_tier_before_anything_is_asked_of_the_training(
-        tmp_path, memory_cgroup):
+        tmp_path, memory_cgroup, memory):
     """The memory tier's snapshots count against the run's cgroup: when the watch asks the
     child to relieve, rtrain has dropped the tier first (its snapshots freed, no more in that
-    attempt), and still no OOM kill and no step run twice."""
-    run, lines = _launch_in(memory_cgroup, tmp_path, {**SETTINGS, "memory": 1})
+    attempt), and still no OOM kill and no step run twice. The same with the tier on by
+    default (`memory=` left out: -2)."""
+    run, lines = _launch_in(memory_cgroup, tmp_path, {**SETTINGS, "memory": memory})
     assert _oom_kills(memory_cgroup) == 0
     kinds = [(e["kind"], e.get("state")) for e in events(run)
              if e["kind"] in ("memory_tier", "memory_pressure") and e.get("attempt") == 0]

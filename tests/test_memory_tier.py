@@ -20,7 +20,7 @@ from rtrain.checkpoint.verify import Level, verify
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
 from rtrain.supervisor.memtier import decide, persist, shmdir
 from rtrain.supervisor.memtier.tier import MemoryTierDir
-from rtrain.worker.memtier import memory_tier
+from rtrain.worker.memtier import memory_tier, pacing
 
 
 @pytest.mark.parametrize("snap, disk, same_run, expected", [
@@ -43,25 +43,55 @@ def test_resume_from_memory_only_the_checkpoint_picked(snap, chosen, same, expec
     assert decide.resume_from_memory(snap, chosen, same_files=same) is expected
 
 
-@pytest.mark.parametrize("stall, write, step, expected", [
-    (0.001, 0.01, 0.1, 1),  # cheap and quick: every step
-    (0.01, 0.01, 0.1, 2),  # a 10 ms stall on a 100 ms step: every 2 (5 %)
-    (0.001, 0.35, 0.1, 4),  # the write takes 3.5 steps: every 4, never queued
-    (0.0, 0.0, 0.0, 1),  # nothing measured yet
+@pytest.mark.parametrize("cost, write, step, mtbf, expected", [
+    (0.001, 0.01, 0.1, None, 1),  # cheap and quick: every step
+    (0.003, 0.01, 0.1, None, 1),  # exactly the ceiling: 3 % of a 100 ms step
+    (0.01, 0.01, 0.1, None, 4),  # a 10 ms cost on a 100 ms step: every 4 (2.5 %)
+    (0.018, 0.02, 0.11, None, 6),  # the issue's MLP at the writer's full CPU time: 2.7 %
+    (0.001, 0.35, 0.1, None, 4),  # the write takes 3.5 steps: every 4, never queued
+    (0.003, 0.01, 0.1, 5.0, 1),  # failures every 5 s: Young/Daly (1.7) under the ceiling's
+    (0.003, 0.01, 0.1, 6 * 3600.0, 113),  # every 6 h: Young/Daly's 11 s between snapshots
+    (0.0, 0.0, 0.0, None, 1),  # nothing measured yet
 ])
-def test_auto_interval(stall, write, step, expected):
-    assert memory_tier.interval(stall, write, step) == expected
+def test_auto_interval(cost, write, step, mtbf, expected):
+    assert pacing.interval(cost_s=cost, write_s=write, step_s=step, mtbf_s=mtbf) == expected
 
 
-@pytest.mark.parametrize("writer, process, wall, cores, expected", [
-    (0.4, 2.4, 1.0, 2, 0.4),  # the step fills both cores: all of the writer's time is lost
-    (0.4, 1.4, 1.0, 2, 0.2),  # one core idle on average: half of it
-    (0.4, 0.9, 1.0, 64, 0.4 * 0.5 / 64),  # a big node, a light loop: next to nothing
-    (0.0, 2.0, 1.0, 2, 0.0),  # nothing written yet
-    (0.4, 2.4, 0.0, 2, 0.0),  # no time measured
-])
-def test_the_writers_competition_for_the_cores(writer, process, wall, cores, expected):
-    assert memory_tier.competition(writer, process, wall, cores) == pytest.approx(expected)
+def test_the_ceiling_is_a_named_constant_that_bounds_the_cost():
+    for cost in (0.0005, 0.002, 0.007, 0.05, 0.4):
+        n = pacing.interval(cost_s=cost, write_s=0.0, step_s=0.1, mtbf_s=None)
+        assert cost / (n * 0.1) <= pacing.COST_CEILING + 1e-12
+        assert n == 1 or cost / ((n - 1) * 0.1) > pacing.COST_CEILING  # and no longer
+
+
+def test_the_cost_is_the_steps_measured_difference_a_moving_median():
+    c = pacing.Costs()
+    assert c.cost_s() is None and c.step_s() is None
+    for i in range(pacing.MIN_SAMPLES):
+        c.step(0.100 + 0.001 * i, snapshot=False)
+        assert c.cost_s() is None  # no step beside a snapshot yet
+    for _ in range(pacing.MIN_SAMPLES - 1):
+        c.step(0.105, snapshot=True)
+    assert c.cost_s() is None
+    c.step(0.5, snapshot=True)  # one step held up by something else: the median holds
+    assert c.cost_s() == pytest.approx(0.105 - 0.1015)
+    assert c.step_s() == pytest.approx(0.1015)
+    for _ in range(pacing.WINDOW):  # the moving window forgets the first snapshots
+        c.step(0.101, snapshot=True)
+    assert c.cost_s() == pytest.approx(0.101 - 0.1015) or c.cost_s() == 0.0
+    assert c.cost_s() == 0.0  # never negative
+
+
+def test_the_estimate_spans_attempts_and_a_damaged_record_is_an_empty_one():
+    c = pacing.Costs()
+    for _ in range(pacing.MIN_SAMPLES):
+        c.step(0.1, snapshot=False)
+        c.step(0.102, snapshot=True)
+    again = pacing.Costs.from_state(json.loads(json.dumps(c.state())))
+    assert again.cost_s() == pytest.approx(0.002)
+    for bad in (None, [], {"beside": "x"}, {"beside": [True, -1, 1e9, "1"], "clean": [0.1]}):
+        got = pacing.Costs.from_state(bad)
+        assert not got.beside and got.cost_s() is None
 
 
 def test_refusal_says_what_to_change():
@@ -94,9 +124,12 @@ def test_a_snapshot_is_its_step_boundary_while_training_goes_on(tmp_path, shm, o
     """Snapshots every 3 steps; the state at step 3 is recorded at the boundary; the training
     changes the weights (optimizer) and the batch-norm statistics (forward) right after, while
     the snapshot's writes are slowed down. The snapshot must hold step 3's values, every byte:
-    the optimizer's pre-hook held its step, the buffers were copied at the boundary."""
+    the optimizer's pre-hook held its step (here it never abandons the copy: the next test),
+    the buffers were copied at the boundary."""
     from rtrain.checkpoint.commit import PendingCheckpoint
     from rtrain.worker.memtier import shm_files
+
+    monkeypatch.setattr(memory_tier, "MAX_ABANDONED", 0)
 
     write, fill = PendingCheckpoint.write_tensors, shm_files.fill
 
@@ -178,10 +211,99 @@ def test_outside_rtrain_the_tier_is_off_with_a_warning(tmp_path, monkeypatch, ca
     assert ckpt._memory is None and "rtrain launch" in caplog.text
 
 
-@pytest.mark.parametrize("bad", [0, -1, "often", 1.5])
+@pytest.mark.parametrize("bad", [-1, "often", 1.5])
 def test_bad_memory_values_fail_where_they_are_written(bad):
     with pytest.raises((ValueError, TypeError), match=r"(?i)memory"):
         rtrain.Saving(memory=bad)
+
+
+def test_the_tier_is_on_unless_turned_off(tmp_path, shm):
+    """Left out, `memory=` is the tier where it fits; None, 0 and False turn it off; a number
+    is still every that many steps."""
+    from rtrain.worker import options
+
+    assert rtrain.Saving().memory is options.MEMORY_DEFAULT
+    for off in (None, 0, False):
+        assert rtrain.Saving(memory=off).memory is None
+    assert rtrain.Saving(memory=3).memory == rtrain.Memory(every=3)
+    m, opt = _model()
+    on = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "a")
+    assert on._memory is not None and on._memory.implicit
+    off = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "b",
+                              saving=rtrain.Saving(memory=0))
+    assert off._memory is None
+    named = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "c",
+                                saving=rtrain.Saving(memory="auto"))
+    assert named._memory is not None and not named._memory.implicit
+    for c in (on, off, named):
+        c.close()
+
+
+def test_left_out_outside_rtrain_launch_the_tier_is_off_without_a_word(tmp_path, monkeypatch,
+                                                                      caplog):
+    monkeypatch.delenv(ENV_MEMORY_DIR, raising=False)
+    m, opt = _model()
+    with caplog.at_level(logging.INFO):
+        ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck")
+    assert ckpt._memory is None and "memory tier" not in caplog.text
+
+
+def test_left_out_under_several_ranks_the_tier_stays_off(tmp_path, shm, monkeypatch):
+    """torchrun's WORLD_SIZE before any process group: the ranks would share one memory dir."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    m, opt = _model()
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck")
+    assert ckpt._memory is None
+    named = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "c2",
+                                saving=rtrain.Saving(memory="auto"))
+    assert named._memory is not None  # named: as before
+    ckpt.close()
+    named.close()
+
+
+def test_a_copy_the_optimizer_step_overtakes_is_abandoned_never_committed(tmp_path, shm,
+                                                                          monkeypatch):
+    """Under "auto", the writer's copy is slowed so that the optimizer's next step comes
+    first: that snapshot is abandoned (the step does not wait), nothing of it is committed,
+    the newest committed snapshot stays the previous one, whole; after MAX_ABANDONED in a row
+    the next one is waited for and holds its step bitwise. A fixed interval always waits (the
+    test before)."""
+    from rtrain.worker.memtier import shm_files
+
+    fill = shm_files.fill
+
+    def slow_fill(*a, **kw):
+        time.sleep(0.15)
+        return fill(*a, **kw)
+
+    # "auto" at every step, as after earlier attempts measured a snapshot to cost nothing.
+    monkeypatch.setattr(memory_tier, "_read_pace", lambda _: {"beside": [0.1] * 4,
+                                                              "clean": [0.1] * 4})
+    monkeypatch.setattr(memory_tier.pacing, "interval", lambda **_: 1)
+    m, opt = _model()
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=rtrain.Saving(memory="auto"))
+    _train(m, opt, ckpt, 1)
+    ckpt._memory.wait()
+    assert [s for s, _ in list_checkpoints(shm)] == [1]  # the first, not slowed
+    monkeypatch.setattr(shm_files, "fill", slow_fill)
+    seen = []
+    # Boundaries 2..MAX_ABANDONED+1 abandoned by the next step's optimizer; the one after is
+    # waited for by its optimizer step; the last boundary's is left running.
+    _train(m, opt, ckpt, memory_tier.MAX_ABANDONED + 2, start=1,
+           between=lambda step: seen.append(sorted(s for s, _ in list_checkpoints(shm))))
+    assert seen[:memory_tier.MAX_ABANDONED + 1] == [[1]] * (memory_tier.MAX_ABANDONED + 1)
+    assert ckpt._memory.abandoned == memory_tier.MAX_ABANDONED
+    assert ckpt._memory.gate_s > 0.05  # the snapshot after them was waited for
+    ckpt._memory.wait()
+    newest = memory_tier.MAX_ABANDONED + 3
+    [(step, snap)] = list_checkpoints(shm)
+    assert step == newest and verify(snap, Level.FULL, None).ok
+    saved = load_file(snap / "model.safetensors")
+    for name, t in m.state_dict().items():
+        assert torch.equal(saved[name], t), name
+    assert not [d for d in os.listdir(shm) if d.startswith(".tmp-")]  # nothing half-made
+    ckpt.close()
 
 
 def _snapshot(tmp_path, shm, steps=2):
@@ -317,7 +439,8 @@ def test_only_the_snapshot_rtrain_handed_over_is_read_unhashed(tmp_path, shm, mo
     monkeypatch.setenv(ENV_RESUME_FROM, str(snap))
     assert handed_over_from_memory(snap)
     m, opt = _model()
-    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck")
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=rtrain.Saving(memory=None))  # keeps `snap` to look at
     assert ckpt.restore() == 3
     saved = load_file(snap / "model.safetensors")
     assert all(torch.equal(saved[k], v) for k, v in m.state_dict().items() if k in saved)

@@ -41,6 +41,7 @@ ALLOWED = {
     "worker/saving/save_target.py::write_local": "PendingCheckpoint.write_bytes",
     # The kernel's files (cgroupfs, procfs), which no user can plant.
     "supervisor/proc/cgroup.py::*": "cgroupfs control files",
+    "worker/memtier/memory_tier.py::cgroup_room_bytes": "cgroupfs control files",
     "supervisor/proc/spawn.py::_preexec.hook": "the cgroup's cgroup.procs",
     # A parent directory opened to fsync it, right after rtrain renamed into it.
     "supervisor/core/atomic_write.py::write_atomic": "the parent dir, for its fsync",

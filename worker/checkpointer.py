@@ -148,7 +148,8 @@ class Checkpointer:
                                   self._child_saved)
         self._memory = MemoryTier.open(self.saving.memory, world=dist.world(),
                                        key=self.key, encryption=self.encryption, model=model,
-                                       optimizer=optimizer)
+                                       optimizer=optimizer,
+                                       implicit=self.saving.memory is options.MEMORY_DEFAULT)
         if self._memory is not None:
             self._memory.keep = asdict(self.keep.policy())  # rtrain prunes by it, not a heartbeat
         self._watch = (failsave.Watch(model, optimizer, scheduler, scaler)
@@ -302,6 +303,8 @@ class Checkpointer:
         beside training, and requests that come faster than it copies are merged into the
         newest, so a short interval never stalls the loop."""
         if self._memory is None or self._memory.off is not None or dist.world() is not None:
+            return False
+        if self._memory.implicit:  # a disk save moves out of this process only when asked
             return False
         began = self._clock.clock()
         self._clock.save_begins(step)

@@ -125,7 +125,12 @@ class Saving:
             process; worker/saving/failsave.py).
         failure_timeout_s: The longest the failing process waits for that save.
         memory: Also snapshot into shared memory between disk saves (the memory tier): a
-            number of steps, "auto", or a Memory (below). None: off.
+            number of steps, "auto", or a Memory (below). None or 0: off. Left out, the tier
+            is on under `rtrain launch` for a single process wherever the state fits (twice
+            in the budget and in /dev/shm) at the interval "auto" chooses, said once with its
+            cost; off, with one line saying why, where it does not fit. Left out, scheduled
+            disk saves stay direct writes from this process; naming the tier hands them to
+            rtrain as snapshots it copies to disk in the background.
         compile_cache: Also save torch.compile's portable cache artifacts beside each
             checkpoint (`compile-cache.bin`, torch.compiler.save_cache_artifacts), so a
             relaunch on a fresh node compiles warm. Loaded at restore only from a signed
@@ -141,7 +146,10 @@ class Saving:
     trainable_only: bool = False
     on_failure: bool = True
     failure_timeout_s: float = FAILURE_SAVE_TIMEOUT_S
-    memory: Memory | int | Literal["auto"] | None = None
+    # Left out: MEMORY_DEFAULT itself, which the Checkpointer tells from a Memory() the
+    # script names (the tier on where it fits, quietly off outside `rtrain launch`).
+    memory: Memory | int | Literal["auto"] | None = dataclasses.field(
+        default_factory=lambda: MEMORY_DEFAULT)
     compile_cache: bool = True
     compile_cache_max_mb: float = 512.0
 
@@ -202,18 +210,22 @@ class Memory:
 
     Attributes:
         every: Snapshot when the step is a multiple of this. "auto" snapshots at the first
-            step, then picks the interval from what snapshots measured: the stall at most 5%
-            of the step time, and a snapshot never waiting for the previous one's write.
+            step, then picks the interval from what snapshots cost the steps they ran beside
+            (measured, a moving estimate): the fewest steps that keep that cost within 3% of
+            the step time, longer where the run's observed failures are rare enough that
+            Young/Daly's optimum is (worker/memtier/pacing.py).
         overlap: Copy the model and optimizer state from a background thread while the next
-            step's forward and backward run; the optimizer's next `step()` waits until the
-            copy is done, so the stall is what the copy does not hide. False when the loop
-            changes weights or optimizer state outside `optimizer.step()` (an EMA written
-            into the model, weights clipped before the step): the copy then finishes inside
-            `maybe_save`.
+            step's forward and backward run;
+            the optimizer's next `step()` waits until the copy is done (under "auto" it
+            abandons one not done yet instead: that snapshot is skipped, the one before stays
+            whole; two in a row at most), so the stall is what the copy does not hide. False
+            when the loop changes weights or optimizer state outside `optimizer.step()` (an
+            EMA written into the model, weights clipped before the step): the copy then
+            finishes inside `maybe_save`.
         budget_mb: Host memory the tier may hold: two snapshots (the newest complete one and
             the one being written, or kept to be written into). None: half of the memory
-            available when it starts. A state that does not fit twice leaves the tier off,
-            with a warning.
+            available when it starts, and of what the run's memory cgroup has left below its
+            limit. A state that does not fit twice leaves the tier off, with a warning.
     """
 
     every: int | Literal["auto"] = "auto"
@@ -249,14 +261,21 @@ def as_keep(value: Any) -> Keep:
                     f"not {value!r}")
 
 
+MEMORY_DEFAULT = Memory()
+"""`Saving(memory=)` left out (compared by identity): the tier where it fits."""
+
+
 def as_memory(value: Any) -> Memory | None:
-    """`Saving(memory=)`: None (no memory tier), a number of steps, "auto", or a Memory."""
-    if value is None or isinstance(value, Memory):
+    """`Saving(memory=)`: None, 0 or False (no memory tier), a number of steps, "auto", or a
+    Memory."""
+    if value is None or value is False or (_is_int(value) and value == 0):
+        return None
+    if isinstance(value, Memory):
         return value
     if value == "auto" or _is_int(value):
         return Memory(every=value)
-    raise TypeError(f"Saving(memory=) takes a number of steps, 'auto' or a Memory(...), not "
-                    f"{value!r}")
+    raise TypeError(f"Saving(memory=) takes a number of steps, 'auto', a Memory(...) or None "
+                    f"(off), not {value!r}")
 
 
 def as_group(cls: type, value: Any, name: str) -> Any:
@@ -276,10 +295,16 @@ def reference() -> str:
     """The option groups' docstrings, one after another: appended to the Checkpointer's."""
     parts = []
     for cls in GROUPS:
-        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
+        fields = ", ".join(f"{f.name}={_default(f)!r}" for f in dataclasses.fields(cls))
         parts.append(f"{cls.__name__}({fields})\n    " +
                      (inspect.getdoc(cls) or "").replace("\n", "\n    "))
     return "\n\n".join(parts)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 def _is_int(value: Any) -> bool:

@@ -263,8 +263,11 @@ KINDS: dict[Kind, KindSpec] = {
                 "median (`others_busy_s`); `host` is the node it runs on"),
     Kind.MEMORY_TIER: KindSpec(
         fields=("attempt", "step", "state", "every", "stall_s", "write_s", "reason"),
+        optional=("cost_s", "step_s", "bytes", "measured"),
         meaning="the memory tier started, changed its interval or stopped (`state` on, off "
-                "or dropped; `reason` why it is off)"),
+                "or dropped; `reason` why it is off); `cost_s` what a snapshot of `bytes` "
+                "costs the steps it runs beside (`measured` against the plain `step_s`, else "
+                "estimated from the writer's CPU time)"),
     Kind.SNAPSHOT_PERSISTED: KindSpec(
         fields=("attempt", "step", "path", "bytes", "seconds", "why"),
         meaning="rtrain committed a memory-tier snapshot to the checkpoint dir (`why`: the "

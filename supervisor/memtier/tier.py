@@ -38,6 +38,8 @@ class MemoryTierDir:
         # Whether the next attempt's process group may resume from parts newer than the pick
         # (not on a rollback, nor from a checkpoint the user named).
         self.newest_allowed = True
+        self._said_on = False  # what snapshots cost, said once a launch
+        self._said_off: str | None = None  # why the worker turned it off, said once a launch
 
     def enable_peers(self, host: str, port: int = 0, rdzv_host: str | None = None) -> None:
         """Several nodes: serve this node's snapshots to peers and copy theirs (peerside.py)."""
@@ -176,12 +178,17 @@ class MemoryTierDir:
         off = s.get("off")
         if not off and self.peers is not None and not self.unusable:
             self._start_peers(runid.read(self.ckpt_dir))  # the ranks' parts have a peer now
+        costs = {k: s[k] for k in ("cost_s", "step_s", "bytes", "measured") if k in s}
         self.emit("memory_tier", attempt=attempt, step=hb.step,
                   state="off" if off else "on", every=s.get("every"),
                   stall_s=s.get("stall_s"), write_s=s.get("write_s"),
-                  reason=str(off) if off else None)
-        if off:
+                  reason=str(off) if off else None, **costs)
+        if off and off != self._said_off:  # each attempt finds it again: said once
+            self._said_off = str(off)
             self.say(f"attempt {attempt}: memory tier off: {off}")
+        elif s.get("measured") is True and not self._said_on:
+            self._said_on = True
+            self.say(f"memory tier on: {on_line(s, self.path)}")
 
     def poll(self) -> None:
         """At each watch sample: report a finished disk-cadence copy, start the next; the
@@ -224,3 +231,25 @@ class MemoryTierDir:
         self.say(f"memory snapshot of step {snap.step} refused: {reason}; resuming from the "
                  "disk tier")
         shmdir.discard_snapshot(snap.path)
+
+
+def on_line(s: dict[str, Any], path: Path) -> str:
+    """What the worker measured of its snapshots, for the launch's one line about them."""
+    def num(key: str) -> float | None:
+        v = s.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    every, cost, step, nbytes = num("every"), num("cost_s"), num("step_s"), num("bytes")
+    parts = [f"snapshots in {path}"]
+    if nbytes is not None:
+        size = f"{nbytes / 2**20:.0f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.0f} KiB"
+        parts[0] = f"snapshots of {size} in {path}"
+    if cost is not None:
+        parts.append(f"each costs the steps {cost * 1e3:.1f} ms"
+                     + (f" of a {step * 1e3:.0f} ms step" if step else ""))
+    if every is not None:
+        n = int(every)
+        parts.append(f"one every {n} step{'s' if n != 1 else ''}"
+                     + (f" ({cost / (n * step):.1%} of the step time)" if cost is not None
+                        and step else ""))
+    return ", ".join(parts)

@@ -8,7 +8,8 @@ samples, keep, workers (DataLoader worker processes; the loader is then handed t
 Checkpointer), mem_mb (MiB of host memory touched per sample of a micro-batch, so memory use
 scales with batch_size), step_sleep (seconds per step), fill_at / unfill_at / fill_path (fill
 the filesystem holding fill_path at that step, delete the filler at that step), memory (the
-memory tier: a snapshot every N steps; 0 off, -1 "auto").
+memory tier: a snapshot every N steps; 0 off, -1 "auto", -2 `memory=` left out: the default),
+width (0: the small model; N: three hidden layers of N, the issue's MLP at 2048).
 
 Writes to OUT_DIR:
   steps.jsonl  one line per executed step, flushed before the step's maybe_save:
@@ -46,7 +47,7 @@ out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 s = rtrain.settings(batch_size=8, grad_accum=1, steps=120, save_every=4, lr=0.01, samples=64,
                     keep=3, workers=0, mem_mb=0, step_sleep=0.0, fill_at=0, unfill_at=0,
-                    fill_path="", memory=0)
+                    fill_path="", memory=0, width=0)
 rtrain.install_excepthook()
 attempt = runtime.attempt()
 log = open(out / "steps.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the whole run
@@ -75,7 +76,12 @@ np.random.seed(1234)
 g = torch.Generator().manual_seed(0)
 ds = TensorDataset(torch.randn(s.samples, 16, generator=g),
                    torch.randint(0, 4, (s.samples,), generator=g), torch.arange(s.samples))
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
+if s.width:
+    w = s.width
+    model = nn.Sequential(nn.Linear(16, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
+                          nn.Linear(w, w), nn.ReLU(), nn.Dropout(0.2), nn.Linear(w, 4))
+else:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=25, gamma=0.8)
 sampler = rtrain.ResumableSampler(len(ds), seed=7, shuffle=True)
@@ -83,8 +89,8 @@ loader = DataLoader(ds, batch_size=s.batch_size, sampler=sampler, num_workers=s.
 ckpt = rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched,
                            loader=loader if s.workers else sampler, keep=s.keep,
                            every=s.save_every or "auto",
-                           saving=rtrain.Saving(memory={0: None, -1: "auto"}.get(s.memory,
-                                                                                  s.memory)))
+                           saving=rtrain.Saving() if s.memory == -2 else rtrain.Saving(
+                               memory={0: None, -1: "auto"}.get(s.memory, s.memory)))
 resume_from = os.environ.get(ENV_RESUME_FROM)
 ok = verify(resume_from, Level.FULL).ok if resume_from else None
 start = ckpt.restore()

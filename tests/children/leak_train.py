@@ -50,7 +50,8 @@ model = torch.nn.Linear(16, 4)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 rtrain.on_pressure(on_pressure)
 ckpt = rtrain.Checkpointer(model=model, optimizer=opt, every=s.save_every, keep=2,
-                           saving=rtrain.Saving(memory=s.memory or None))
+                           saving=rtrain.Saving() if s.memory == -2  # `memory=` left out
+                           else rtrain.Saving(memory=s.memory or None))
 start = ckpt.restore()
 held: list[bytearray] = []
 group = memory_cgroup(os.getpid()) if s.fill_to else None

@@ -30,7 +30,9 @@ def log(**fields):
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-ck = rtrain.Checkpointer(model=model, optimizer=opt, every=5, keep=None)
+# The disk tier alone (the memory tier, on by default, would keep step 12: no step to lose).
+ck = rtrain.Checkpointer(model=model, optimizer=opt, every=5, keep=None,
+                         saving=rtrain.Saving(memory=None))
 start = ck.restore()
 log(resumed=start)
 for step in range(start, steps):

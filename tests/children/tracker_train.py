@@ -37,7 +37,9 @@ batch = rtrain.settings(batch_size=8).batch_size
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
-ck = rtrain.Checkpointer(model=model, optimizer=opt, every=5, keep=None)
+# Resumes from the disk saves every 5 steps (the tests name them): no memory tier.
+ck = rtrain.Checkpointer(model=model, optimizer=opt, every=5, keep=None,
+                         saving=rtrain.Saving(memory=None))
 start = ck.restore()
 with open(out / "attempts.jsonl", "a") as f:
     f.write(json.dumps({"attempt": attempt, "resumed_step": ck.resumed_step,

@@ -20,6 +20,14 @@ boundary's state. What the writer's CPU time costs a step is then the copy itsel
 machine whose cores the step keeps busy (docs/benchmarks.md). A rank's part and an encrypted
 snapshot go into new files, hashed after the copy (an encrypted one as it is encrypted).
 
+Not waiting. Under "auto", a copy into reused files that the optimizer's pre-hook finds
+unfinished is abandoned rather than waited for (CopyGate: the writer stops at its next chunk,
+the files become spares, nothing is committed), at most MAX_ABANDONED times in a row; the
+next one is waited for. A snapshot rtrain is to persist (a disk save) is always waited for.
+Why the writer keeps the normal priority: it shares the GIL with the training thread, and a
+SCHED_IDLE writer descheduled while it holds the GIL (between two chunks, in the commit) holds
+the training thread back behind every other runnable process, DataLoader workers included.
+
 Double buffering. A snapshot is written into a temp dir and renamed into place; the one before
 is taken out of the committed names only after the newer one committed, so a process killed
 mid-snapshot leaves the previous snapshot whole (a temp dir is never read: rtrain's pick reads
@@ -29,14 +37,14 @@ earlier attempt left (its spare files, a temp dir whose writer died) goes at the
 snapshot.
 
 The budget. Two snapshots live at once (the newest, and the one being written or the spare
-files the next one is written into): a state that
-does not fit twice in `budget_mb` (default: half of the memory available at the first snapshot)
-or in the free space of the shared-memory filesystem (a container's /dev/shm is often 64 MiB)
-leaves the tier off, with a warning that says what to change. The pages count against the
-run's memory cgroup; rtrain drops the tier before the training process would be OOM-killed
-(writing `dropped` into the directory); the process unmaps its files at its next step
-boundary, which frees their pages. A snapshot that fails (no space) turns the tier off and
-training goes on: the disk tier is untouched.
+files the next one is written into): a state that does not fit twice in `budget_mb` (default:
+half of the memory available at the first snapshot, and of the cgroup's room) or in the free
+space of the shared-memory filesystem (a container's /dev/shm is often 64 MiB) leaves the tier
+off, with a warning that says what to change (left out, `memory=` is on only where it fits).
+The pages count against the run's memory cgroup; rtrain drops the tier before the training
+process would be OOM-killed (writing `dropped` into the directory); the process unmaps its
+files at its next step boundary, which frees their pages. A snapshot that fails (no space)
+turns the tier off and training goes on: the disk tier is untouched.
 
 The disk cadence. While the tier is on, a disk save due on the schedule (`every=`) is a
 snapshot of that step followed, once it committed, by a `persist` heartbeat: rtrain copies it
@@ -52,12 +60,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import queue
 import shutil
+import statistics
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -66,51 +75,64 @@ import torch
 from rtrain.checkpoint import hashing, parts, runid, safetensors_io
 from rtrain.checkpoint.commit import PendingCheckpoint, remove_dir
 from rtrain.checkpoint.layout import TRASH_PREFIX, list_checkpoints, list_leftovers
-from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS
+from rtrain.supervisor.core import ownfiles
+from rtrain.supervisor.core.atomic_write import STORAGE_ERRNOS, write_atomic
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, MEMORY_DROPPED
 from rtrain.worker import dist, runtime
 from rtrain.worker.compilecache import compile_cache
 from rtrain.worker.guards import faults
-from rtrain.worker.memtier import shm_files
+from rtrain.worker.memtier import pacing, shm_files
 from rtrain.worker.options import Memory
 from rtrain.worker.saving import dist_ckpt
+from rtrain.worker.saving.save_clock import run_mtbf
 from rtrain.worker.saving.save_target import Capture, SaveTarget
 from rtrain.worker.trainstate.tensors import to_blob
 
 log = logging.getLogger(__name__)
 
-MAX_STALL_SHARE = 0.05  # "auto": the stall at most this share of the time between snapshots
 _HEADROOM = 1 << 20  # bytes beyond the tensors: manifest, state.json, safetensors headers
-
-
-def interval(stall_s: float, write_s: float, step_s: float) -> int:
-    """Steps between snapshots under `every="auto"`: the fewest that keep the stall within
-    MAX_STALL_SHARE of the time between snapshots and let each snapshot's write finish before
-    the next one is due (a later snapshot would otherwise wait for it on the training thread)."""
-    if not step_s > 0:
-        return 1
-    by_stall = math.ceil(stall_s / (MAX_STALL_SHARE * step_s))
-    by_write = math.ceil(write_s / step_s)
-    return max(1, by_stall, by_write)
-
-
-def competition(writer_cpu_s: float, process_cpu_s: float, wall_s: float, cores: int) -> float:
-    """Seconds of training the writer thread's CPU time took (pure): its copy and hashing run
-    beside the next steps, and cost the training only where the cores are busy. The rest of the
-    process used `process_cpu_s - writer_cpu_s` over `wall_s`; the busier the cores, the more
-    of the writer's time came out of the training (all of it on a machine whose cores the step
-    fills, none where cores are idle)."""
-    if not (wall_s > 0 and cores > 0 and writer_cpu_s > 0):
-        return 0.0
-    busy = max(0.0, process_cpu_s - writer_cpu_s) / wall_s / cores
-    return writer_cpu_s * min(1.0, busy)
+MAX_ABANDONED = 2  # snapshots abandoned in a row before the next one is waited for
+PROBE_EVERY = 8  # at an interval of 1, one snapshot in this many is skipped: the plain step
+REPACE_STEPS = 32  # once the cost is measured, the interval is re-chosen this often
+PACE_FILE = ".pace.json"  # in the memory dir: the steps measured, for the next attempt
+WARMUP_STEPS = 2  # an attempt's first steps (restore, first allocations): not measured
 
 
 def budget_bytes(opts: Memory) -> int:
-    """The tier's memory budget: `budget_mb`, else half of what the host has available."""
+    """The tier's memory budget: `budget_mb`, else half of what the host has available, and
+    of what the run's memory cgroup has left below its limit (the snapshots' pages count
+    against it: a budget the cgroup cannot hold would bring the OOM killer the tier is for)."""
     if opts.budget_mb is not None:
         return int(opts.budget_mb * 2**20)
-    return available_bytes() // 2
+    room = cgroup_room_bytes()
+    return min(available_bytes(), room if room is not None else available_bytes()) // 2
+
+
+def cgroup_room_bytes(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What this process's memory cgroup may still use below its limit (v1's
+    memory.limit_in_bytes, else v2's memory.max, each at its usual mount under `root`); None
+    without a limit or where none can be read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+    except OSError:
+        return None
+    for _, controllers, rel in (ln for ln in lines if len(ln) == 3):
+        if "memory" in controllers.split(","):
+            group, names = root / "memory" / rel.lstrip("/"), ("memory.limit_in_bytes",
+                                                              "memory.usage_in_bytes")
+        elif controllers == "":
+            group, names = root / rel.lstrip("/"), ("memory.max", "memory.current")
+        else:
+            continue
+        try:
+            limit = (group / names[0]).read_text().strip()
+            used = int((group / names[1]).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 62:  # "max", or v1's near-2**63: none
+            return max(0, int(limit) - used)
+    return None
 
 
 def available_bytes() -> int:
@@ -141,13 +163,59 @@ def refusal(nbytes: int, budget: int, shm_free: int, copies: int = 2) -> str | N
     return None
 
 
-def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event,
+class Abandoned(Exception):
+    """The optimizer's step came before the snapshot's copy was done, and did not wait for it:
+    that snapshot is never committed."""
+
+
+class CopyGate:
+    """Between a snapshot's copy and the optimizer's next step, decided under one lock: the
+    copy finished first (`set`: the step may change the state), or the step came first and
+    abandoned it (`abandon`: the writer stops at its next chunk and commits nothing). So a
+    snapshot is whole from one step boundary, or it is not a snapshot."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.read = threading.Event()  # the copy is done (or there is none)
+        self.read.set()
+        self.abandoned = False
+
+    def arm(self) -> None:
+        """A new snapshot starts reading the live state."""
+        self.read.clear()
+        self.abandoned = False
+
+    def set(self) -> None:
+        """The writer: every byte is copied; raises Abandoned if the step came first."""
+        with self._lock:
+            if self.abandoned:
+                raise Abandoned
+            self.read.set()
+
+    def check(self) -> None:
+        """The writer, before each chunk: raises Abandoned once the step came."""
+        if self.abandoned:
+            raise Abandoned
+
+    def abandon(self) -> bool:
+        """The optimizer's pre-hook: abandon the copy unless it is done (True: abandoned)."""
+        with self._lock:
+            if self.read.is_set():
+                return False
+            self.abandoned = True
+            self.read.set()  # nothing is left to wait for
+            return True
+
+
+def write_snapshot(target: SaveTarget, cap: Capture, copied: CopyGate | threading.Event,
                    files: shm_files.ShmFiles | None = None) -> Path:
     """Commit `cap` into the memory dir: every tensor copied first, `copied` set, then the
     files hashed from the copy (unencrypted) and the manifest committed. With `files`, each
     tensor file is written into a reused, mapped file and hashed chunk by chunk as it is
-    copied (worker/memtier/shm_files.py). Raises on any error, leaving nothing behind but what
+    copied (worker/memtier/shm_files.py); a CopyGate may abandon that copy (Abandoned is
+    raised, the files kept as spares). Raises on any error, leaving nothing behind but what
     the next snapshot's commit removes."""
+    check = copied.check if isinstance(copied, CopyGate) else None
     pending = PendingCheckpoint(target.ckpt_dir, cap.step, fsync=False,
                                 hash_alg=hashing.alg_for(target.key),
                                 encryption=target.encryption)
@@ -164,7 +232,7 @@ def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event,
             if files is not None:
                 header = safetensors_io.build_header(blobs, meta)
                 f = files.take(pending.tmp, name, len(header) + sum(b.data.nbytes for b in blobs))
-                done = shm_files.fill(f, header, tensors.values(), pending.hash_alg)
+                done = shm_files.fill(f, header, tensors.values(), pending.hash_alg, check)
                 faults.on_save_write(cap.step)
                 pending.add_file(name, done.size, done.hash, listed)
                 continue
@@ -183,6 +251,11 @@ def write_snapshot(target: SaveTarget, cap: Capture, copied: threading.Event,
         if cap.compile_cache is not None:
             pending.write_bytes(compile_cache.FILE, cap.compile_cache)
         path = pending.commit(cap.fields, target.key)
+    except Abandoned:
+        if files is not None:
+            files.abandoned(pending.tmp)
+        pending.abort()  # whatever is left of the temp dir
+        raise
     except BaseException:
         if files is not None:
             files.aborted()
@@ -205,8 +278,11 @@ class MemoryTier:
 
     def __init__(self, opts: Memory, directory: Path, key: bytes | None, encryption: Any,
                  model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-                 kept: int = 1, reuse: bool = False) -> None:
+                 kept: int = 1, reuse: bool = False, implicit: bool = False) -> None:
         self.opts, self.dir = opts, directory
+        # On because the script left `memory=` out (options.MEMORY_DEFAULT): the same tier,
+        # but the disk saves stay this process's own (worker/checkpointer.py).
+        self.implicit = implicit
         # rtrain's `dropped` lies in the node's memory dir, above a rank's own directory.
         self.dropped = (directory.parent if parts.RANK_DIR.fullmatch(directory.name)
                         else directory) / MEMORY_DROPPED
@@ -223,6 +299,7 @@ class MemoryTier:
         # thread only while no snapshot is running.
         self._files = shm_files.ShmFiles() if reuse and encryption is None else None
         self._swept = False  # the leftovers of earlier attempts removed (first snapshot)
+        self._auto = not isinstance(opts.every, int)
         self.every = opts.every if isinstance(opts.every, int) else 1
         self.off: str | None = None
         self.last_step: int | None = None  # the newest committed snapshot's step
@@ -239,15 +316,31 @@ class MemoryTier:
         self._pending = False  # a snapshot was handed to the writer and not waited for
         self._idle = threading.Event()  # set while the writer has nothing in hand
         self._idle.set()
-        self._read = threading.Event()  # set once the running snapshot read the live tensors
-        self._read.set()
+        # Whether the running snapshot read the live tensors, or the optimizer abandoned it.
+        self._copy = CopyGate()
+        self.abandoned = 0  # snapshots abandoned so far
+        self._abandoned_in_row = 0
+        self._persisting = False  # the running snapshot is a disk save: never abandoned
+        # The steps' durations, beside a snapshot and not, continued from the attempts before.
+        self.costs = pacing.Costs.from_state(_read_pace(directory))
+        self._steps_seen = 0  # step boundaries this process saw (WARMUP_STEPS)
+        self._boundary: float | None = None  # the previous step boundary's time
+        self._beside = False  # a snapshot started at the previous boundary
+        self._dues = 0  # step boundaries seen at an interval of 1 (PROBE_EVERY)
+        self._repaced: int | None = None  # the step the measured cost last chose the interval
+        self.cost_s: float | None = None  # what a snapshot costs the steps (pacing.py)
+        self.nbytes = 0  # the newest snapshot's tensor bytes
+        # What each snapshot took of the CPU (its stall, gate wait included, and the writer's
+        # CPU time): the most it can cost a step whose cores it competes for, a bound on a
+        # measured cost that noise on a loaded machine can push far above it.
+        self._cpu_costs: deque[float] = deque(maxlen=pacing.WINDOW)
+        self._pace_written = 0.0  # when PACE_FILE was last written
         self._gate_wait = 0.0  # the optimizer step's wait for the running snapshot
         self.gate_s = 0.0  # that wait, for the last snapshot that finished
         # (step, time, process CPU time) of the previous snapshot
         self._last_call: tuple[int, float, float] | None = None
         self.writer_cpu_s = 0.0  # the writer thread's CPU time for the newest snapshot
-        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
+        self._last_cpu = 0.0  # ... for the newest that finished, committed or abandoned
         self._said: dict[str, Any] | None = None  # the interval last told to rtrain
         # A snapshot rtrain was to persist as a disk save failed: the Checkpointer saves to
         # disk itself at the next step boundary instead.
@@ -258,16 +351,25 @@ class MemoryTier:
     @classmethod
     def open(cls, opts: Memory | None, *, world: dist.World | None, key: bytes | None,
              encryption: Any, model: torch.nn.Module | None,
-             optimizer: torch.optim.Optimizer | None) -> MemoryTier | None:
+             optimizer: torch.optim.Optimizer | None,
+             implicit: bool = False) -> MemoryTier | None:
         """The tier, or None (with a warning) where it cannot run. Under a process group each
         rank snapshots its own part into `rank-<R>/` of the node's memory dir
-        (checkpoint/parts.py)."""
+        (checkpoint/parts.py). `implicit`: the script left `memory=` out; then the tier is off,
+        without a warning, outside `rtrain launch` (nothing would persist a snapshot) and under
+        a process group (a rank's part goes into new files, several times a single process's
+        cost: a tier the script names)."""
         if opts is None:
             return None
         where = os.environ.get(ENV_MEMORY_DIR)
         if not where:
-            log.warning("memory tier off: it runs under `rtrain launch`, which persists the "
-                        "snapshots; this process saves to disk only")
+            if not implicit:
+                log.warning("memory tier off: it runs under `rtrain launch`, which persists "
+                            "the snapshots; this process saves to disk only")
+            return None
+        if implicit and (world is not None or _launched_ranks() > 1):
+            log.info("memory tier off by default under a process group: name it "
+                     "(Saving(memory=\"auto\")) to snapshot each rank's part")
             return None
         directory, kept = Path(where), 1
         # Reused files only for a single process: rtrain's peer server reads a rank's parts
@@ -284,9 +386,14 @@ class MemoryTier:
                 log.warning("memory tier off: cannot create this rank's directory in %s: %s",
                             where, e.strerror or e)
                 return None
-        return cls(opts, directory, key, encryption, model, optimizer, kept, reuse)
+        return cls(opts, directory, key, encryption, model, optimizer, kept, reuse, implicit)
 
     def due(self, step: int) -> bool:
+        now = time.monotonic()
+        self._steps_seen += 1
+        if self._boundary is not None and self._steps_seen > WARMUP_STEPS:
+            self.costs.step(now - self._boundary, self._beside)  # beside a snapshot or not
+        self._boundary, self._beside = now, False
         if self._files is not None and self._files.held:
             # Mapped files keep their pages until unmapped, whoever deletes them: released at
             # this step boundary once the tier is off or rtrain dropped it, not at the next
@@ -301,7 +408,14 @@ class MemoryTier:
             return step % self.every == 0
         # From the last snapshot started, committed or not: a first one still being written
         # must not make every step after it wait for it.
-        return self._last_call is None or step - self._last_call[0] >= self.every
+        if self._last_call is not None and step - self._last_call[0] < self.every:
+            return False
+        if self.every == 1 and self._last_call is not None and self._auto:
+            # Snapshots at every step leave no plain step to measure their cost against.
+            self._dues += 1
+            if self._dues % PROBE_EVERY == 0:
+                return False
+        return True
 
     def snapshot(self, cap: Capture, persist: bool = False) -> bool:
         """Start writing `cap` (taken at this step boundary); returns once the training
@@ -329,6 +443,7 @@ class MemoryTier:
             if why is not None:
                 self.stop(why, cap.step)
                 return False
+        self.nbytes = cap.nbytes
         if self.overlap:
             _copy_unguarded(cap, _storages(_guarded(self.model, self.optimizer)),
                             _storages(_buffers(self.model)))
@@ -339,7 +454,9 @@ class MemoryTier:
         if cap.world is not None:
             info.update(parts.part_fields(cap.world.rank, cap.world.size))
         self._pace(cap.step, began)
-        self._read.clear()
+        self._copy.arm()
+        self._persisting = persist
+        self._beside = True
         self._idle.clear()
         self._gate_wait = 0.0
         self._pending = True
@@ -349,7 +466,7 @@ class MemoryTier:
             self._thread.start()
         self._jobs.put((cap, persist))
         if not self.overlap:
-            self._read.wait()
+            self._copy.read.wait()
         self.stall_s = time.monotonic() - began
         return True
 
@@ -360,6 +477,7 @@ class MemoryTier:
             self._pending = False
             if self.stall_s is not None:
                 self.stall_s += self._gate_wait  # the stall that snapshot cost the loop
+                self._cpu_costs.append(self.stall_s + self._last_cpu)
             self.gate_s = self._gate_wait
 
     def close(self) -> None:
@@ -391,11 +509,21 @@ class MemoryTier:
             self.release()
 
     def _gate(self, *_: Any) -> None:
-        """The optimizer's step pre-hook: the running snapshot must have read the state first."""
-        if not self._read.is_set():
-            t0 = time.monotonic()
-            self._read.wait()
-            self._gate_wait += time.monotonic() - t0
+        """The optimizer's step pre-hook: the running snapshot must have read the state first,
+        or be abandoned. Under "auto", a snapshot into reused files that is not a disk save is
+        abandoned rather than waited for, MAX_ABANDONED times in a row at most: the previous
+        one stays the newest, whole (CopyGate); the next after those is waited for. A fixed
+        interval is the script's word for how many steps a kill may lose: always waited for."""
+        if self._copy.read.is_set():
+            return
+        if (self._auto and self._files is not None and not self._persisting
+                and self._abandoned_in_row < MAX_ABANDONED and self._copy.abandon()):
+            self._abandoned_in_row += 1
+            self.abandoned += 1
+            return
+        t0 = time.monotonic()
+        self._copy.read.wait()
+        self._gate_wait += time.monotonic() - t0
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -407,7 +535,10 @@ class MemoryTier:
     def _write(self, cap: Capture, persist: bool = False) -> None:
         t0, cpu0 = time.monotonic(), time.thread_time()
         try:
-            path = write_snapshot(self.target, cap, self._read, self._files)
+            path = write_snapshot(self.target, cap, self._copy, self._files)
+        except Abandoned:
+            self._last_cpu = time.thread_time() - cpu0
+            return  # the previous snapshot stays the newest; the files are spares again
         except OSError as e:  # a failed snapshot costs the tier, never the training
             why = os.strerror(e.errno) if e.errno in STORAGE_ERRNOS else f"{e}"
             self.stop(f"the snapshot of step {cap.step} could not be written: {why}", cap.step)
@@ -419,9 +550,10 @@ class MemoryTier:
             self.persist_lost = self.persist_lost or persist
             return
         finally:
-            self._read.set()
+            self._copy.read.set()
+        self._abandoned_in_row = 0
         self.write_s = time.monotonic() - t0
-        self.writer_cpu_s = time.thread_time() - cpu0
+        self.writer_cpu_s = self._last_cpu = time.thread_time() - cpu0
         self.last_step = cap.step
         # Double buffering: the others go only after the newer one committed; anything this
         # process did not just write goes too (an earlier attempt's, e.g. steps beyond a
@@ -436,24 +568,85 @@ class MemoryTier:
                     pass  # rtrain took it away (it pins what it copies) or removed the dir
         if persist:  # only now: rtrain copies the newest snapshot at this step or later
             runtime.heartbeat(step=cap.step, event="persist")
+        if self._auto and time.monotonic() - self._pace_written >= 1.0:
+            # Here, off the training thread, once a second: what the steps measured so far.
+            self._pace_written = time.monotonic()
+            try:
+                state = self.costs.state()
+            except RuntimeError:  # the training thread added a step meanwhile: next time
+                return
+            _write_pace(self.dir, state)
 
     def _pace(self, step: int, now: float) -> None:
-        """Under "auto", choose the next interval from what the previous snapshot measured,
-        and tell rtrain when it starts or changes."""
+        """Under "auto", choose the next interval from what snapshots cost the steps
+        (pacing.py): the steps' measured difference once there is one (this attempt's and
+        the ones' before, PACE_FILE), re-chosen every REPACE_STEPS; before it, every
+        MEASURE_EVERY steps to measure it. Tells rtrain when the tier starts, the cost is
+        first measured, or the interval changes."""
         prev, self._last_call = self._last_call, (step, now, time.process_time())
-        if prev is not None and self.stall_s is not None and self.write_s is not None \
-                and step > prev[0] and not isinstance(self.opts.every, int):
+        measured = self.costs.cost_s()
+        step_s = self.costs.step_s()
+        if measured is not None:
+            self.cost_s = measured
+            if self._cpu_costs:
+                self.cost_s = min(measured, statistics.median(self._cpu_costs))
+        if step_s is None and prev is not None and step > prev[0]:
             step_s = (now - prev[1]) / (step - prev[0])
-            # The stall, and what the writer's copy and hashing took from the steps beside it.
-            cost = self.stall_s + competition(self.writer_cpu_s, self._last_call[2] - prev[2],
-                                              now - prev[1], self.cores)
-            self.every = interval(cost, self.write_s, step_s)
-        said = {"every": self.every,
-                "stall_s": None if self.stall_s is None else round(self.stall_s, 6),
-                "write_s": None if self.write_s is None else round(self.write_s, 6)}
-        if self._said is None or said["every"] != self._said["every"]:
+        due = self._repaced is None or step - self._repaced >= REPACE_STEPS
+        if self._auto and self.cost_s is None and prev is not None:
+            # Nothing measured yet: every other step, so that the steps measure the cost at
+            # once. An estimate from the writer's CPU time said 17-20 steps for a snapshot that
+            # cost nothing measurable beside a step that left idle time (a lower-priority
+            # writer's CPU time is not the step's), and so measured late, if ever.
+            self.every = pacing.MEASURE_EVERY
+        elif self._auto and self.cost_s is not None and step_s is not None and due:
+            mtbf = run_mtbf()
+            self.every = pacing.interval(cost_s=self.cost_s, write_s=self.write_s or 0.0,
+                                         step_s=step_s,
+                                         mtbf_s=mtbf.seconds if mtbf.observed else None)
+            if measured is not None:
+                self._repaced = step
+        said = {"every": self.every, "stall_s": _rounded(self.stall_s),
+                "write_s": _rounded(self.write_s), "cost_s": _rounded(self.cost_s),
+                "step_s": _rounded(step_s), "bytes": self.nbytes,
+                "measured": measured is not None}
+        # Under "auto", also once the cost is first measured: rtrain says it then.
+        if (self._said is None or said["every"] != self._said["every"]
+                or (self._auto and said["measured"] != self._said["measured"])):
             self._said = said
             runtime.heartbeat(step=step, event="snapshot", snapshot=said)
+
+
+def _launched_ranks() -> int:
+    """WORLD_SIZE as torchrun sets it: several ranks even before (or without) a process group,
+    whose single-process snapshots would share one memory dir."""
+    try:
+        return int(os.environ.get("WORLD_SIZE") or 1)
+    except ValueError:
+        return 1
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+def _read_pace(directory: Path) -> Any:
+    """The step durations earlier attempts measured (PACE_FILE; pacing.Costs.from_state checks
+    them), None without a file that reads: an attempt killed within a few dozen steps then
+    adds to their estimate instead of measuring from nothing each time."""
+    try:
+        return json.loads(ownfiles.read_own(directory / PACE_FILE, limit=16384))
+    except (OSError, ownfiles.RefusedFile, ValueError):
+        return None
+
+
+def _write_pace(directory: Path, state: dict[str, list[float]]) -> None:
+    if not directory.is_dir():  # rtrain removed it: never made again from here
+        return
+    try:
+        write_atomic(directory / PACE_FILE, json.dumps(state), durable=False)
+    except OSError:
+        pass  # the next attempt measures again
 
 
 def _guarded(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None

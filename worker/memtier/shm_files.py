@@ -38,7 +38,7 @@ import ctypes
 import mmap
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,10 +83,12 @@ def create(path: Path, size: int) -> ShmFile:
     return ShmFile(path, fd, os.fstat(fd).st_ino, size, m, base)
 
 
-def fill(f: ShmFile, header: bytes, tensors: Iterable[torch.Tensor], hash_alg: str) -> Written:
+def fill(f: ShmFile, header: bytes, tensors: Iterable[torch.Tensor], hash_alg: str,
+         check: Callable[[], None] | None = None) -> Written:
     """Write a safetensors file into `f`: `header` (safetensors_io.build_header), then each
     tensor's bytes in order (CPU, contiguous, as the header lists them), each chunk hashed
-    right after it is copied. The copy runs without the GIL (ctypes.memmove), beside the step."""
+    right after it is copied. The copy runs without the GIL (ctypes.memmove), beside the step.
+    `check` runs before each chunk (it raises to stop: the snapshot was abandoned)."""
     hasher = new_hasher(hash_alg)
     with memoryview(f.map) as view:
         view[:len(header)] = header
@@ -98,6 +100,8 @@ def fill(f: ShmFile, header: bytes, tensors: Iterable[torch.Tensor], hash_alg: s
                 raise ValueError(f"{f.path.name}: the tensors do not fit the header's size")
             src = t.data_ptr()
             for off in range(0, n, CHUNK):
+                if check is not None:
+                    check()
                 k = min(CHUNK, n - off)
                 ctypes.memmove(f.base + pos, src + off, k)
                 hasher.update(view[pos:pos + k])
@@ -139,6 +143,25 @@ class ShmFiles:
         """The snapshot being written failed: its files go (their dir is removed)."""
         for f in self._pending.values():
             f.release()
+        self._pending = {}
+
+    def abandoned(self, tmp: Path) -> None:
+        """The snapshot being written in `tmp` was abandoned before its copy was done: its
+        files, whose bytes may mix two steps, become spares again (the next snapshot writes
+        every byte of them), in `tmp` renamed out of the temp names first so no sweep or
+        reader takes it for a snapshot in progress."""
+        aside = tmp.parent / trash_name(tmp.name)
+        try:
+            os.rename(tmp, aside)
+        except OSError:
+            self.aborted()
+            return
+        for name, f in self._pending.items():
+            f.path = aside / name
+            old = self._spares.pop(name, None)
+            if old is not None:
+                _discard(old)
+            self._spares[name] = f
         self._pending = {}
 
     def retire(self, snapshot: Path) -> bool:
