@@ -269,6 +269,44 @@ def test_a_zygote_with_a_thread_running_is_never_forked_and_standbys_import_by_t
     assert failed["reason"].startswith("2 threads run in the zygote after its imports")
 
 
+def test_a_zygote_whose_library_stops_its_threads_at_a_fork_is_forked(tmp_path):
+    # numpy's OpenBLAS starts a thread server at import unless OMP_NUM_THREADS=1 (the test
+    # harness's default, not a user's) and stops it before any fork (pthread_atfork): a
+    # zygote that preloads torch or numpy under the defaults still forks its standbys.
+    (tmp_path / "train.py").write_text(
+        "import os, sys\nprint(len(os.listdir('/proc/self/task')), flush=True)\n")
+    env = {k: v for k, v in _attempt_env(0).items() if k != "OMP_NUM_THREADS"}
+    env["OPENBLAS_NUM_THREADS"] = "2"
+    probe = subprocess.run([sys.executable, "-c", "import os, numpy; "
+                            "print(len(os.listdir('/proc/self/task')))"],
+                           env=env, capture_output=True, text=True, check=True)
+    if int(probe.stdout) < 2:
+        pytest.skip("numpy's BLAS starts no thread at import here (one core)")
+    log = EventLog(tmp_path / "events.jsonl")
+    keeper = StandbySlot(Config(run_dir=tmp_path, preload=["numpy"]),
+                         [sys.executable, "train.py"], tmp_path, tmp_path, log,
+                         say=lambda line: None)
+
+    def spec(attempt: int) -> ChildSpec:
+        return ChildSpec(argv=[sys.executable, "train.py"],
+                         env={**env, "RTRAIN_ATTEMPT": str(attempt)},
+                         cwd=tmp_path, attempt_dir=tmp_path / f"a{attempt}")
+
+    assert keeper.start(spec(0), 0) == (None, 0.0)
+    keeper.heartbeat()
+    keeper.tick(_sample())
+    _tick_until_settled(keeper)
+    assert keeper.zygote is not None and keeper.warm is not None
+    assert keeper.warm.zygote is not None  # forked, not imported by itself
+    child, _ = keeper.start(spec(1), 1)
+    assert child is not None and run_to_end(child) == 0
+    keeper.close()
+    log.close()
+    assert events(tmp_path, "standby_failed") == []
+    [ready] = events(tmp_path, "standby_ready")
+    assert ready.get("zygote")
+
+
 def test_memory_pressure_drops_the_standby_and_its_zygote(tmp_path):
     lines: list[str] = []
     log = EventLog(tmp_path / "events.jsonl")

@@ -432,13 +432,28 @@ def _unsafe_to_fork() -> str | None:
     """Why forking this process now could hand a standby a broken state: a thread holds
     locks that the child would find taken forever; a CUDA context does not survive a fork."""
     threads = _threads()
-    if threads > 1:
+    if threads > 1 and _threads_after_a_probe_fork() > 1:
         return (f"{threads} threads run in the zygote after its imports: forking it is unsafe, "
                 "so each standby imports by itself")
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA was initialised in the zygote"
     return None
+
+
+def _threads_after_a_probe_fork() -> int:
+    """The threads left once this process has forked a child that exits at once. A library
+    that stops its own threads before a fork (pthread_atfork: numpy's OpenBLAS thread server,
+    started at `import numpy` unless OMP_NUM_THREADS=1) leaves none, and starts them again only
+    when it is next used, which a zygote never does; a thread that goes on across a fork (a
+    Python thread, a library's own worker) is still there."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return _threads()
 
 
 def _fork_standby(sock: socket.socket, standby_fd: int, supervisor: int) -> int:
