@@ -84,6 +84,7 @@ def test_a_shared_memory_too_small_leaves_it_off_with_one_line(tmp_path, small_s
     assert not events(run, "snapshot_persisted")
 
 
+@pytest.mark.soak  # the same one-line refusal as the small /dev/shm, from a real cgroup
 def test_a_budget_too_tight_leaves_it_off_with_one_line(tmp_path):
     """A real memory cgroup whose room is less than two snapshots of the state (101 MB: the
     MLP below) against the default budget: half of what the cgroup has left."""

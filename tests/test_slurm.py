@@ -51,7 +51,7 @@ STEPS = 200
 
 # Events beside the sequence these tests check: progress, the warm standby, a failure's cost.
 BESIDE = ("heartbeat_summary", "lock_takeover", "standby_ready", "standby_discarded",
-          "standby_failed", "recovery", "cadence")
+          "standby_failed", "recovery", "cadence", "memory_tier", "snapshot_persisted")
 
 def _cluster(action: str, timeout: float, nodes: int = 1) -> subprocess.CompletedProcess:
     env = None if nodes == 1 else {**os.environ, "NODES": str(nodes)}

@@ -182,6 +182,7 @@ def test_each_attempt_meets_in_a_store_on_a_fresh_port_and_a_stop_reaches_every_
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # the script case runs in the default tier
 def test_a_module_runs_in_every_rank_as_python_m_runs_it(tmp_path):
     child, out = _hand_off(tmp_path, "m", "ok", module=True)
     assert run_to_end(child) == 0

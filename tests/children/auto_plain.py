@@ -1,4 +1,5 @@
-"""A tiny training run saving with every="auto" and nothing else: no bounds.
+"""A tiny training run saving with every="auto" and nothing else: no bounds; the memory tier
+off, so that every resume is from the disk saves the cadence chose.
 
 usage: auto_plain.py STEPS STEP_SLEEP LOG
 Each finished step appends `{"a": attempt, "step": n}` to LOG, so a test can tell when an
@@ -19,7 +20,8 @@ attempt = int(os.environ.get("RTRAIN_ATTEMPT", "0"))
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-ck = rtrain.Checkpointer(model=model, optimizer=opt, keep=2, every="auto")
+ck = rtrain.Checkpointer(model=model, optimizer=opt, keep=2, every="auto",
+                        saving=rtrain.Saving(memory=None))
 with open(log, "a") as out:
     for step in range(ck.restore(), steps):
         loss = model(torch.randn(3, 4)).pow(2).mean()
