@@ -215,8 +215,8 @@ class Memory:
             the step time, longer where the run's observed failures are rare enough that
             Young/Daly's optimum is (worker/memtier/pacing.py).
         overlap: Copy the model and optimizer state from a background thread while the next
-            step's forward and backward run;
-            the optimizer's next `step()` waits until the copy is done (under "auto" it
+            step's forward and backward run; the optimizer's next `step()` waits until the
+            copy is done (under "auto" it
             abandons one not done yet instead: that snapshot is skipped, the one before stays
             whole; two in a row at most), so the stall is what the copy does not hide. False
             when the loop changes weights or optimizer state outside `optimizer.step()` (an
