@@ -183,11 +183,7 @@ class StandbySlot:
                 return
             if warm.ready is not None and not was_ready:
                 self._note_ready(warm, self._attempt)
-            stale: list[str] = []
-            if warm.ready is not None and now >= self._next_stale_check:
-                self._next_stale_check = now + policy.STALE_CHECK_S
-                stale = warm.stale_files()
-            why = policy.while_waiting(stale=stale, tight=tight)
+            why = self._why_not_keep(warm, now, tight)
             if why is not None:
                 self._end(warm, "standby_discarded", why, self._attempt)
             return
@@ -198,6 +194,15 @@ class StandbySlot:
             zygote_ready=self.zygote is not None and self.zygote.ready is not None))
         if go:
             self._spawn()
+
+    def _why_not_keep(self, waiting: WarmChild, now: float, tight: bool) -> str | None:
+        """Why a waiting standby or zygote must end now (its files are compared with what it
+        imported every STALE_CHECK_S), None: it stays."""
+        stale: list[str] = []
+        if waiting.ready is not None and now >= self._next_stale_check:
+            self._next_stale_check = now + policy.STALE_CHECK_S
+            stale = waiting.stale_files()
+        return policy.while_waiting(stale=stale, tight=tight)
 
     def _zygote_waits(self, now: float, tight: bool) -> bool:
         """The zygote, while no standby waits: read it, and end it when it failed, went stale
@@ -210,11 +215,7 @@ class StandbySlot:
                 self.rss = zygote.rss()
         if not self._zygote_ok(self._attempt):
             return False
-        stale: list[str] = []
-        if zygote.ready is not None and now >= self._next_stale_check:
-            self._next_stale_check = now + policy.STALE_CHECK_S
-            stale = zygote.stale_files()
-        why = policy.while_waiting(stale=stale, tight=tight)
+        why = self._why_not_keep(zygote, now, tight)
         if why is not None:
             self._end_zygote("standby_discarded", why, self._attempt)
             return False
