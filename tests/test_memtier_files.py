@@ -39,6 +39,13 @@ def _step(m, opt):
     opt.step()
 
 
+def _train(ckpt, m, opt, steps):
+    """A training step and `maybe_save` for each of `steps`."""
+    for step in steps:
+        _step(m, opt)
+        ckpt.maybe_save(step)
+
+
 def _tier_ckpt(m, opt, tmp_path, **kw):
     return rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
                                saving=rtrain.Saving(memory=1), **kw)
@@ -138,9 +145,7 @@ def test_a_restore_from_a_snapshot_in_reused_files_is_bitwise(tmp_path, shm):
     restores it: the model and optimizer are exactly the boundary's."""
     m, opt = _model()
     ckpt = _tier_ckpt(m, opt, tmp_path)
-    for step in range(1, 6):
-        _step(m, opt)
-        ckpt.maybe_save(step)
+    _train(ckpt, m, opt, range(1, 6))
     ckpt.close()
     tier = MemoryTierDir(tmp_path / "ckpts", None, lambda *a, **k: None, lambda s: None,
                          path=shm)
@@ -162,9 +167,7 @@ def test_a_file_rtrain_pinned_is_never_written_again(tmp_path, shm):
     copy stays that step's, and persists whole."""
     m, opt = _model()
     ckpt = _tier_ckpt(m, opt, tmp_path)
-    for step in range(1, 4):
-        _step(m, opt)
-        ckpt.maybe_save(step)
+    _train(ckpt, m, opt, range(1, 4))
     ckpt._memory.wait()
     [(_, snap)] = list_checkpoints(shm)
     v = verify(snap, Level.QUICK, None)
@@ -190,9 +193,7 @@ def test_a_snapshot_in_a_reused_file_changed_after_its_commit_is_refused(tmp_pat
     in a reused file (the fourth snapshot's files are the second's) fails the persist."""
     m, opt = _model()
     ckpt = _tier_ckpt(m, opt, tmp_path)
-    for step in range(1, 5):
-        _step(m, opt)
-        ckpt.maybe_save(step)
+    _train(ckpt, m, opt, range(1, 5))
     ckpt.close()
     [(_, snap)] = list_checkpoints(shm)
     f = snap / "optimizer.safetensors"
@@ -276,9 +277,7 @@ def test_a_restore_in_the_process_stops_the_reuse(tmp_path, shm):
     files are new, and the older snapshot is deleted rather than kept as a spare)."""
     m, opt = _model()
     ckpt = _tier_ckpt(m, opt, tmp_path)
-    for step in range(1, 4):
-        _step(m, opt)
-        ckpt.maybe_save(step)
+    _train(ckpt, m, opt, range(1, 4))
     ckpt._memory.wait()
     ckpt.restore()
     assert _maps_of(shm) == []
