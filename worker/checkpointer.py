@@ -193,7 +193,10 @@ class Checkpointer:
         if self._memory is not None:
             # A snapshot reading the state finishes before it is replaced, and the tier's files
             # are never reused once a restore may have mapped one (worker/memtier/shm_files.py).
+            # The live state no longer holds a step either.
             self._memory.release()
+            if self._memory.live is not None:
+                self._memory.live.forget()
         parts = self._parts()
         r = self.restoring
         source = restore.Source(self.ckpt_dir, r.level, self.key, r.allow_resize,
@@ -280,9 +283,15 @@ class Checkpointer:
             path = self.ckpt_dir / f"checkpoint-{step}"  # the path rtrain will commit it as
         elif stop or due:
             path = self.save(step, metrics=metrics, extra=extra)
-        elif self._memory is not None and snap:
-            self._memory.snapshot(capture(self._parts(), step, self._epoch_now(), self._lr_scale,
-                                          metrics or {}, extra or {}))
+        cap = None
+        if not (stop or due) and self._memory is not None and snap:
+            cap = capture(self._parts(), step, self._epoch_now(), self._lr_scale, metrics or {},
+                          extra or {})
+            self._memory.snapshot(cap)
+        if not stop and self._memory is not None and self._memory.live_wanted():
+            # Every boundary: the live state marks this step whole (worker/memtier/live.py).
+            self._memory.boundary(cap or capture(self._parts(), step, self._epoch_now(),
+                                                 self._lr_scale, metrics or {}, extra or {}))
         if stop and self.exit_on_stop:
             self.close()
             log.info("stop requested: checkpoint at step %d committed, exiting %d", step,

@@ -65,6 +65,7 @@ class Kind(str, Enum):
     STRAGGLER = "straggler"
     MEMORY_TIER = "memory_tier"
     SNAPSHOT_PERSISTED = "snapshot_persisted"
+    SNAPSHOT_SEALED = "snapshot_sealed"
     SNAPSHOT_REFUSED = "snapshot_refused"
     SNAPSHOT_NOT_PERSISTED = "snapshot_not_persisted"
     SNAPSHOT_RESUMED = "snapshot_resumed"
@@ -272,6 +273,11 @@ KINDS: dict[Kind, KindSpec] = {
         fields=("attempt", "step", "path", "bytes", "seconds", "why"),
         meaning="rtrain committed a memory-tier snapshot to the checkpoint dir (`why`: the "
                 "attempt ended, the run ended, found at launch, disk cadence)"),
+    Kind.SNAPSHOT_SEALED: KindSpec(
+        fields=("attempt", "step", "bytes", "seconds"),
+        meaning="the process died outside its optimizer's step: rtrain made the live state it "
+                "kept in shared memory (the parameters and optimizer state of the last step "
+                "boundary) a memory-tier snapshot of `step`, hashed and committed in `seconds`"),
     Kind.SNAPSHOT_RESUMED: KindSpec(
         fields=("attempt", "step", "origin"),
         meaning="under torchrun, the group resumed from the memory tier's parts of `step` (whole "

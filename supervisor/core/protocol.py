@@ -84,6 +84,15 @@ ENV_MEMORY_DIR = "RTRAIN_MEMORY_DIR"
 persists to the checkpoint dir when the child dies and resumes from without a disk read. A file
 `dropped` in it says rtrain dropped the tier (memory pressure): no more snapshots."""
 MEMORY_DROPPED = "dropped"
+LIVE_DIR = "live"
+"""In the memory dir: the live state (worker/memtier/live.py), the parameters and optimizer
+state kept in mapped files; rtrain seals it into a snapshot once its writer is gone
+(supervisor/memtier/live_seal.py)."""
+LIVE_MARK = "mark.json"
+"""In LIVE_DIR: present exactly while the directory holds one whole step (its step, writer pid
+and manifest fields)."""
+LIVE_LAYOUT = "layout.json"
+"""In LIVE_DIR: the mapped files' tensors and sizes, and the tied names' byte ranges."""
 ENV_MEMORY_RESUME = "RTRAIN_MEMORY_RESUME"
 """With RTRAIN_MEMORY_DIR: "1" when a process group may resume from its ranks' parts in the
 memory dir newer than RTRAIN_RESUME_FROM; "0" on a rollback (the newer state may be the bad one)

@@ -14,7 +14,7 @@ from rtrain.checkpoint import parts, runid
 from rtrain.checkpoint.verify import Verdict
 from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_MEMORY_RESUME, Heartbeat
-from rtrain.supervisor.memtier import decide, persist, shmdir
+from rtrain.supervisor.memtier import decide, live_seal, persist, shmdir
 from rtrain.supervisor.memtier.diskcadence import DiskCadence
 from rtrain.supervisor.memtier.peerside import PeerSide, PeersOff
 
@@ -40,6 +40,7 @@ class MemoryTierDir:
         self.newest_allowed = True
         self._said_on = False  # what snapshots cost, said once a launch
         self._said_off: str | None = None  # why the worker turned it off, said once a launch
+        self._said_live: str | None = None  # the live state's news, said once a launch
 
     def enable_peers(self, host: str, port: int = 0, rdzv_host: str | None = None) -> None:
         """Several nodes: serve this node's snapshots to peers and copy theirs (peerside.py)."""
@@ -90,6 +91,7 @@ class MemoryTierDir:
         """Commit the newest good snapshot when it is newer than the checkpoint dir's newest;
         its step, else None. Under torchrun: the newest step the ranks' parts make whole."""
         self.disk.settle()  # a disk-cadence copy in flight commits (or fails) first
+        self._seal_live()
         snap = self._newest()
         if snap is None:
             return self._commit_group(disk_newest, why)
@@ -102,6 +104,21 @@ class MemoryTierDir:
         except persist.SnapshotRefused as e:
             self._refused(snap, str(e))
             return None
+
+    def _seal_live(self) -> None:
+        """The worker's live state, when it holds a whole step newer than its snapshots: a
+        snapshot now (live_seal.py), which the lines below commit like any other."""
+        if self.unusable:
+            return
+        t0 = time.monotonic()
+        try:
+            sealed = live_seal.seal(self.path, self.key)
+        except (live_seal.NotSealed, OSError) as e:
+            self.say(f"the live state of attempt {self.attempt} was not sealed: {e}")
+            return
+        if sealed is not None:
+            self.emit("snapshot_sealed", attempt=self.attempt, step=sealed.step,
+                      bytes=sealed.bytes, seconds=round(time.monotonic() - t0, 4))
 
     def _commit_group(self, disk_newest: int | None, why: str) -> int | None:
         """A process group's newest whole step, as the checkpoint a collective save writes. Not
@@ -175,6 +192,12 @@ class MemoryTierDir:
             self.say(f"attempt {attempt}: resumed from the memory snapshot of step {hb.step}"
                      f"{' (parts copied from a peer node)' if origin == 'peer' else ''}")
             return
+        if "live" in s:  # the live state (worker/memtier/live.py) started or stopped
+            line = live_line(s)
+            if line != self._said_live:  # each attempt finds it again: said once
+                self._said_live = line
+                self.say(f"attempt {attempt}: {line}")
+            return
         off = s.get("off")
         if not off and self.peers is not None and not self.unusable:
             self._start_peers(runid.read(self.ckpt_dir))  # the ranks' parts have a peer now
@@ -231,6 +254,17 @@ class MemoryTierDir:
         self.say(f"memory snapshot of step {snap.step} refused: {reason}; resuming from the "
                  "disk tier")
         shmdir.discard_snapshot(snap.path)
+
+
+def live_line(s: dict[str, Any]) -> str:
+    """The worker's news of its live state: on (with its size), or off and why."""
+    live, nbytes = s.get("live"), s.get("bytes")
+    if live != "on":
+        return f"live state off: {live}"
+    size = (f"{nbytes / 2**20:.0f} MiB of " if isinstance(nbytes, int)
+            and not isinstance(nbytes, bool) else "")
+    return (f"live state on: {size}parameters and optimizer state kept in shared memory (a "
+            "kill outside optimizer.step() loses no step)")
 
 
 def on_line(s: dict[str, Any], path: Path) -> str:

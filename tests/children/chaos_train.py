@@ -6,9 +6,11 @@ Knobs (rtrain.settings, i.e. RTRAIN_SETTINGS): batch_size, grad_accum, steps, sa
 every="auto", the cadence chosen from the save cost and the run's failures), lr,
 samples, keep, workers (DataLoader worker processes; the loader is then handed to the
 Checkpointer), mem_mb (MiB of host memory touched per sample of a micro-batch, so memory use
-scales with batch_size), step_sleep (seconds per step), fill_at / unfill_at / fill_path (fill
-the filesystem holding fill_path at that step, delete the filler at that step), memory (the
-memory tier: a snapshot every N steps; 0 off, -1 "auto", -2 `memory=` left out: the default),
+scales with batch_size), step_sleep (seconds per step, after the optimizer's step),
+forward_sleep (seconds per micro-batch, after its forward: the state untouched), fill_at /
+unfill_at / fill_path (fill the filesystem holding fill_path at that step, delete the filler at
+that step), memory (the memory tier: a snapshot every N steps; 0 off, -1 "auto", -2 `memory=`
+left out: the default),
 width (0: the small model; N: three hidden layers of N, the issue's MLP at 2048).
 
 Writes to OUT_DIR:
@@ -46,8 +48,8 @@ from rtrain.worker.guards import faults
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 s = rtrain.settings(batch_size=8, grad_accum=1, steps=120, save_every=4, lr=0.01, samples=64,
-                    keep=3, workers=0, mem_mb=0, step_sleep=0.0, fill_at=0, unfill_at=0,
-                    fill_path="", memory=0, width=0)
+                    keep=3, workers=0, mem_mb=0, step_sleep=0.0, forward_sleep=0.0, fill_at=0,
+                    unfill_at=0, fill_path="", memory=0, width=0)
 rtrain.install_excepthook()
 attempt = runtime.attempt()
 log = open(out / "steps.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the whole run
@@ -126,6 +128,8 @@ for step in range(start + 1, s.steps + 1):
         noise = 1e-3 * (random.random() + float(np.random.rand()))
         logits = model(x + noise)  # the batch, the RNG draws and dropout are spent before a fault
         faults.in_step(step=step, batch_size=len(idx))
+        if s.forward_sleep:  # a forward that waits (on a device, on data): state untouched
+            time.sleep(s.forward_sleep)
         loss = nn.functional.cross_entropy(logits, y) / s.grad_accum
         loss = faults.poison_loss(loss, step)
         loss.backward()

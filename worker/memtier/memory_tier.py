@@ -82,6 +82,7 @@ from rtrain.worker import dist, runtime
 from rtrain.worker.compilecache import compile_cache
 from rtrain.worker.guards import faults
 from rtrain.worker.memtier import pacing, shm_files
+from rtrain.worker.memtier.live import LiveState
 from rtrain.worker.options import Memory
 from rtrain.worker.saving import dist_ckpt
 from rtrain.worker.saving.save_clock import run_mtbf
@@ -345,6 +346,10 @@ class MemoryTier:
         # A snapshot rtrain was to persist as a disk save failed: the Checkpointer saves to
         # disk itself at the next step boundary instead.
         self.persist_lost = False
+        # The parameters and optimizer state kept in shared memory (worker/memtier/live.py):
+        # a single process's unencrypted tier, on the same assumption as `overlap`.
+        self.live = (LiveState(directory, model, optimizer)
+                     if self.overlap and self._files is not None else None)
         self._hook = (optimizer.register_step_pre_hook(self._gate)
                       if self.overlap and optimizer is not None else None)
 
@@ -447,10 +452,8 @@ class MemoryTier:
         if self.overlap:
             _copy_unguarded(cap, _storages(_guarded(self.model, self.optimizer)),
                             _storages(_buffers(self.model)))
-        info = cap.fields.setdefault("info", {})
-        info["memory_snapshot"] = True
-        if self.keep is not None:
-            info["keep"] = self.keep
+        self._mark_fields(cap)
+        info = cap.fields["info"]
         if cap.world is not None:
             info.update(parts.part_fields(cap.world.rank, cap.world.size))
         self._pace(cap.step, began)
@@ -480,7 +483,44 @@ class MemoryTier:
                 self._cpu_costs.append(self.stall_s + self._last_cpu)
             self.gate_s = self._gate_wait
 
+    def live_wanted(self) -> bool:
+        """Whether `boundary` has anything to do (a capture costs a step ~1 ms otherwise)."""
+        return self.live is not None and self.live.off is None
+
+    def boundary(self, cap: Capture) -> None:
+        """A step boundary (`cap` taken at it, after any snapshot of it started): the live
+        state marks it whole. Only once the tier took its first snapshot: that one checked the
+        state fits (the live files are one more copy in the shared-memory filesystem)."""
+        live = self.live
+        if live is None or live.off is not None:
+            return
+        if self.off is not None:
+            live.stop(self.off)
+            return
+        if self.nbytes == 0:
+            return
+        if live.step is None and not live.marked and self._files is not None:
+            why = refusal(cap.nbytes, 1 << 62, _free_bytes(self.dir) + self._live_bytes(),
+                          self.kept + 2)
+            if why is not None:
+                live.stop(why)
+                return
+        self._mark_fields(cap)
+        live.boundary(cap)
+
+    def _live_bytes(self) -> int:
+        """What the live files already hold of the filesystem (adopted again: freed first)."""
+        return sum(f.mapped.size for f in self.live._files or []) if self.live else 0
+
+    def _mark_fields(self, cap: Capture) -> None:
+        info = cap.fields.setdefault("info", {})
+        info["memory_snapshot"] = True
+        if self.keep is not None:
+            info["keep"] = self.keep
+
     def close(self) -> None:
+        if self.live is not None:
+            self.live.close()
         self.wait()
         if self._thread is not None:
             self._jobs.put(None)
@@ -504,6 +544,8 @@ class MemoryTier:
             return
         self.off = why
         log.warning("memory tier off: %s", why)
+        if self.live is not None and threading.current_thread() is not self._thread:
+            self.live.stop(why)
         runtime.heartbeat(step=step, event="snapshot", snapshot={"off": why})
         if threading.current_thread() is not self._thread:
             self.release()
@@ -514,6 +556,8 @@ class MemoryTier:
         abandoned rather than waited for, MAX_ABANDONED times in a row at most: the previous
         one stays the newest, whole (CopyGate); the next after those is waited for. A fixed
         interval is the script's word for how many steps a kill may lose: always waited for."""
+        if self.live is not None:
+            self.live.stepping()  # before anything changes: the live state is no step now
         if self._copy.read.is_set():
             return
         if (self._auto and self._files is not None and not self._persisting
