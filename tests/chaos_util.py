@@ -173,13 +173,15 @@ def check_exactly_once(traj: dict[int, dict[str, Any]], samples: int, steps: int
 # ------------------------------------------------------------------ the reference run
 
 
+PAUSES = ("step_sleep", "forward_sleep", "optimizer_sleep")  # change no value
+
+
 def reference(base: Path, settings: dict[str, Any], timeout: float = 120) -> Path:
     """OUT_DIR of an uninterrupted run without rtrain, made once per set of values and code
-    (references.cached): runs whose settings differ only in `step_sleep` (a pause that changes
-    no value) or in spelling out the default `workers = 0` share one, and it runs without the
-    pause. `base` is unused: the run lives in the suite's reference cache."""
+    (references.cached): runs whose settings differ only in a pause (PAUSES: no value changes)
+    or in spelling out the default `workers = 0` share one, and it runs without the pauses. `base` is unused: the run lives in the suite's reference cache."""
     values = {k: v for k, v in settings.items()
-              if k != "step_sleep" and not (k == "workers" and v == 0)}
+              if k not in PAUSES and not (k == "workers" and v == 0)}
 
     def make(out: Path) -> None:
         r = run_child([sys.executable, str(SCRIPT), str(out)], cwd=out, timeout=timeout,

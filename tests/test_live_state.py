@@ -1,11 +1,15 @@
-"""The live state (worker/memtier/live.py, supervisor/memtier/live_seal.py) with real processes:
-a SIGKILL outside the optimizer's step loses no step and the run ends bitwise-identical."""
+"""The live state (worker/memtier/live.py, supervisor/memtier/live_seal.py) under `rtrain
+launch`, with real processes and real SIGKILLs: a kill in the forward resumes from the step
+before it, sealed by rtrain from shared memory (no snapshot of that step was taken); a kill
+inside `optimizer.step()` finds no mark and resumes from the newest snapshot instead. Both runs
+end bitwise-identical to an uninterrupted one."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from chaos_util import (
@@ -22,40 +26,64 @@ from harness import child_env, events
 
 pytestmark = pytest.mark.slow
 
-# A snapshot every 10 steps (Saving(memory=10)): the kill after step 15 finds the newest at 10,
-# so only the live state holds step 15.
-LIVE = {"save_every": 0, "memory": 10, "steps": 40, "width": 256, "batch_size": 32,
-        "forward_sleep": 0.15}
+# A snapshot every 10 steps (Saving(memory=10)): a kill after step 15 finds the newest at 10, so
+# only the live state holds step 15. Each step pauses 0.2 s where the kill is aimed.
+BASE = {"save_every": 0, "memory": 10, "steps": 30, "width": 256, "batch_size": 32}
+KILL_AFTER = 15
 
 
-def test_a_sigkill_in_the_forward_resumes_from_the_step_before_it(tmp_path):
-    ref = reference(tmp_path, LIVE, timeout=300)
-    write_config(tmp_path / "rtrain.toml", LIVE)
+def _kill_in_step(run: Path, proc: subprocess.Popen, after: int) -> int:
+    """SIGKILL the training child 0.08 s into the step after `after`; the newest step done."""
+    steps, launches = Tail(run / "steps.jsonl"), Tail(run / "events.jsonl")
+    pid, done = None, 0
+    deadline = time.monotonic() + 120
+    while done < after and time.monotonic() < deadline and proc.poll() is None:
+        for e in launches.read():
+            if e["kind"] == "launch":
+                pid = e["pid"]
+        for rec in steps.read():
+            done = rec.get("step", done)
+        time.sleep(0.005)
+    time.sleep(0.08)
+    for rec in steps.read():
+        done = rec.get("step", done)
+    assert pid is not None and kill_child(pid, str(run)), "the training child was not found"
+    return done
+
+
+def _run_with_a_kill(tmp_path: Path, settings: dict) -> tuple[Path, int, str]:
+    write_config(tmp_path / "rtrain.toml", settings)
     run = tmp_path / "run"
     proc = subprocess.Popen(rtrain_cmd(run), env=child_env(), cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        steps, launches = Tail(run / "steps.jsonl"), Tail(run / "events.jsonl")
-        pid, done = None, 0
-        deadline = time.monotonic() + 120
-        while done < 15 and time.monotonic() < deadline:
-            for e in launches.read():
-                if e["kind"] == "launch":
-                    pid = e["pid"]
-            for rec in steps.read():
-                done = rec.get("step", done)
-            time.sleep(0.01)
-        time.sleep(0.06)  # inside the next step's forward (0.15 s of it)
-        for rec in steps.read():
-            done = rec.get("step", done)
-        assert pid is not None and kill_child(pid, str(run))
+        done = _kill_in_step(run, proc, KILL_AFTER)
         _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
+    return run, done, err
+
+
+def test_a_sigkill_in_the_forward_resumes_from_the_step_before_it(tmp_path):
+    settings = {**BASE, "forward_sleep": 0.2}
+    ref = reference(tmp_path, settings, timeout=300)
+    run, done, err = _run_with_a_kill(tmp_path, settings)
+    assert "live state on:" in err, err[-3000:]
     sealed = events(run, "snapshot_sealed")
-    assert [e["step"] for e in sealed] == [done], (sealed, done, err[-2000:])
+    assert [(e["attempt"], e["step"]) for e in sealed] == [(0, done)], (sealed, err[-3000:])
     resumed = {rec["a"]: rec["start"] for rec in starts(step_log(run))}
-    assert resumed[1] == done, (resumed, done)
+    assert resumed[1] == done  # no step lost: the kill came before the optimizer's step
+    assert final_state_diff(run, ref) is None
+
+
+def test_a_sigkill_inside_the_optimizer_step_resumes_from_the_newest_snapshot(tmp_path):
+    settings = {**BASE, "optimizer_sleep": 0.2}
+    ref = reference(tmp_path, settings, timeout=300)
+    run, done, err = _run_with_a_kill(tmp_path, settings)
+    assert "live state on:" in err, err[-3000:]
+    assert not events(run, "snapshot_sealed")  # no mark: the state may mix two steps
+    resumed = {rec["a"]: rec["start"] for rec in starts(step_log(run))}
+    assert resumed[1] == done // 10 * 10, (resumed, done)
     assert final_state_diff(run, ref) is None

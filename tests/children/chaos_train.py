@@ -7,7 +7,8 @@ every="auto", the cadence chosen from the save cost and the run's failures), lr,
 samples, keep, workers (DataLoader worker processes; the loader is then handed to the
 Checkpointer), mem_mb (MiB of host memory touched per sample of a micro-batch, so memory use
 scales with batch_size), step_sleep (seconds per step, after the optimizer's step),
-forward_sleep (seconds per micro-batch, after its forward: the state untouched), fill_at /
+forward_sleep (seconds per micro-batch, after its forward: the state untouched),
+optimizer_sleep (seconds inside each optimizer step, before it changes anything), fill_at /
 unfill_at / fill_path (fill the filesystem holding fill_path at that step, delete the filler at
 that step), memory (the memory tier: a snapshot every N steps; 0 off, -1 "auto", -2 `memory=`
 left out: the default),
@@ -48,8 +49,8 @@ from rtrain.worker.guards import faults
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 s = rtrain.settings(batch_size=8, grad_accum=1, steps=120, save_every=4, lr=0.01, samples=64,
-                    keep=3, workers=0, mem_mb=0, step_sleep=0.0, forward_sleep=0.0, fill_at=0,
-                    unfill_at=0, fill_path="", memory=0, width=0)
+                    keep=3, workers=0, mem_mb=0, step_sleep=0.0, forward_sleep=0.0,
+                    optimizer_sleep=0.0, fill_at=0, unfill_at=0, fill_path="", memory=0, width=0)
 rtrain.install_excepthook()
 attempt = runtime.attempt()
 log = open(out / "steps.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the whole run
@@ -93,6 +94,8 @@ ckpt = rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched,
                            every=s.save_every or "auto",
                            saving=rtrain.Saving() if s.memory == -2 else rtrain.Saving(
                                memory={0: None, -1: "auto"}.get(s.memory, s.memory)))
+if s.optimizer_sleep:  # after the Checkpointer's own pre-hook: inside optimizer.step()
+    opt.register_step_pre_hook(lambda *_: time.sleep(s.optimizer_sleep))
 resume_from = os.environ.get(ENV_RESUME_FROM)
 ok = verify(resume_from, Level.FULL).ok if resume_from else None
 start = ckpt.restore()
