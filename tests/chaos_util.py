@@ -179,7 +179,8 @@ PAUSES = ("step_sleep", "forward_sleep", "optimizer_sleep")  # change no value
 def reference(base: Path, settings: dict[str, Any], timeout: float = 120) -> Path:
     """OUT_DIR of an uninterrupted run without rtrain, made once per set of values and code
     (references.cached): runs whose settings differ only in a pause (PAUSES: no value changes)
-    or in spelling out the default `workers = 0` share one, and it runs without the pauses. `base` is unused: the run lives in the suite's reference cache."""
+    or in spelling out the default `workers = 0` share one, and it runs without the pauses.
+    `base` is unused: the run lives in the suite's reference cache."""
     values = {k: v for k, v in settings.items()
               if k not in PAUSES and not (k == "workers" and v == 0)}
 

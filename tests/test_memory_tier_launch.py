@@ -126,8 +126,9 @@ def test_disk_saves_under_the_memory_tier_are_written_by_rtrain_while_the_child_
     """every=4 with snapshots every 4: each scheduled disk save is a snapshot that rtrain
     copies into the checkpoint dir while the child trains on, prunes with the worker's keep=2
     (never the checkpoint the attempt resumed from) and the mirror uploads as it would a
-    worker's save. A death after step 10 resumes from the snapshot of step 8, in memory; the
-    run ends bitwise-identical to an uninterrupted one."""
+    worker's save. A death after step 10 (os._exit, no Python cleanup) resumes from step 10:
+    the live state, sealed by rtrain into a snapshot (worker/memtier/live.py); the run ends
+    bitwise-identical to an uninterrupted one."""
     run, out, mirror = tmp_path / "run", tmp_path / "out.pt", tmp_path / "mirror"
     ckpts = run / "checkpoints"
     mirror.mkdir()
@@ -136,7 +137,9 @@ def test_disk_saves_under_the_memory_tier_are_written_by_rtrain_while_the_child_
     assert r.returncode == 0, r.stderr
     persisted = events(run, "snapshot_persisted")
     by_rtrain = [e for e in persisted if e["why"] == "disk cadence"]
-    assert all(e["step"] % 4 == 0 for e in persisted), persisted  # the disk cadence's steps
+    assert all(e["step"] % 4 == 0 for e in by_rtrain), persisted  # the disk cadence's steps
+    assert [e["step"] for e in events(run, "snapshot_sealed")] == [10]
+    assert [e["step"] for e in persisted if e["why"] == "attempt ended"] == [10]
     assert [e["step"] for e in by_rtrain][-1] == 20
     # While each attempt ran, not only at its end: before that attempt's exit event.
     exits = {e["attempt"]: e["seq"] for e in events(run, "exit")}
@@ -145,7 +148,7 @@ def test_disk_saves_under_the_memory_tier_are_written_by_rtrain_while_the_child_
     launches = events(run, "launch")
     assert len(launches) == 2 and launches[1].get("tier") == "memory"
     resumed = int(launches[1]["resume_from"].rsplit("-", 1)[1])
-    assert resumed in (4, 8)
+    assert resumed == 10
     # Every checkpoint on disk is a snapshot rtrain copied (the worker wrote none itself);
     # keep=2 of all that were committed, plus the one attempt 1 resumed from.
     on_disk = {s: p for s, p in list_checkpoints(ckpts)}

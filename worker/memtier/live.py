@@ -37,9 +37,10 @@ or state on a GPU (the pinned double buffer is that design), not contiguous, or 
 with another tensor, and when the optimizer keeps replacing its state tensors. Tied weights
 (one parameter under two names) are one slot; rtrain fills the second name's bytes as it seals.
 
-The mapping stays for the process's life: the tensors live in it (unlinking the files when the
-tier stops frees nothing while they do, and costs nothing either: the pages replaced the
-process's own).
+The pages replace the process's own: the state costs no more memory than without the live state,
+but one more copy of the shared-memory filesystem's space (the tier checks it fits). When the
+Checkpointer closes, a restore replaces the state or the tier stops, each tensor is copied back
+into the process's own memory and the files go.
 """
 
 from __future__ import annotations
@@ -304,14 +305,26 @@ class LiveState:
 
     def forget(self) -> None:
         """The directory goes (a restore replaced the state; the tier stopped); with the state
-        still on, it is adopted again at a later boundary."""
+        still on, it is adopted again at a later boundary. The tensors move back into the
+        process's own memory first, so no mapped page outlives the directory."""
         self.marked, self.step = False, None
+        self._unadopt()
         self._release_files()
         shutil.rmtree(self.dir, ignore_errors=True)
-        self._files, self._clean, self._versions = None, 0, None
+        self._files, self._clean, self._versions, self._tracked = None, 0, None, []
+
+    def _unadopt(self) -> None:
+        """Each live tensor copied out of its mapped file and bound to the copy, one at a time
+        (the peak is one tensor more): the mapping is freed once nothing refers to it."""
+        for f in self._files or []:
+            for s in f.slots:
+                if s.owner is not None and s.owner.tensor().data_ptr() == s.view.data_ptr():
+                    s.owner.bind(s.view.clone())
+                s.view = s.view.new_empty(0)
+            f.slots = []
 
     def _release_files(self) -> None:
-        # Never unmapped: the training tensors live in the pages (mmap.close would refuse).
+        # Unmapped when the last tensor viewing it goes (mmap.close would refuse before).
         for f in self._files or []:
             try:
                 os.close(f.mapped.fd)
