@@ -111,6 +111,16 @@ class LiveState:
         self._moves = 0
         self.marked = False
 
+    @property
+    def adopted(self) -> bool:
+        """The state lives in the mapped files."""
+        return self._files is not None
+
+    @property
+    def nbytes(self) -> int:
+        """The mapped files' size."""
+        return sum(f.mapped.size for f in self._files or [])
+
     # -- the optimizer's step and the step boundary ---------------------------------------
 
     def stepping(self) -> None:
@@ -142,6 +152,7 @@ class LiveState:
             if self._files is None:
                 return
         elif not self._refill(cap):
+            self._record()  # of the tensors now held: adopted again at a later boundary
             return
         try:
             self._write_small(cap)
@@ -179,7 +190,7 @@ class LiveState:
                     s.owner.bind(s.view)
         self._files = files
         self._tracked = [o.tensor() for o in owners.values()]
-        nbytes = sum(f.mapped.size for f in files)
+        nbytes = self.nbytes
         log.info("live state: %d MiB of parameters and optimizer state kept in %s",
                  nbytes >> 20, self.dir)
         runtime.heartbeat(step=cap.step, event="snapshot", snapshot={"live": "on",

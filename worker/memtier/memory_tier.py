@@ -489,17 +489,16 @@ class MemoryTier:
 
     def boundary(self, cap: Capture) -> None:
         """A step boundary (`cap` taken at it, after any snapshot of it started): the live
-        state marks it whole. Only once the tier took its first snapshot: that one checked the
-        state fits (the live files are one more copy in the shared-memory filesystem)."""
+        state marks it whole, once its files fit the shared-memory filesystem beside the
+        snapshots (one more copy of the state; no more host memory: its pages replace the
+        process's own)."""
         live = self.live
         if live is None or live.off is not None:
             return
         if self.off is not None:
             live.stop(self.off)
             return
-        if self.nbytes == 0:
-            return
-        if live.step is None and not live.marked and self._files is not None:
+        if not live.adopted and self._files is not None:
             why = refusal(cap.nbytes, 1 << 62, _free_bytes(self.dir) + self._live_bytes(),
                           self.kept + 2)
             if why is not None:
@@ -510,7 +509,7 @@ class MemoryTier:
 
     def _live_bytes(self) -> int:
         """What the live files already hold of the filesystem (adopted again: freed first)."""
-        return sum(f.mapped.size for f in self.live._files or []) if self.live else 0
+        return self.live.nbytes if self.live is not None else 0
 
     def _mark_fields(self, cap: Capture) -> None:
         info = cap.fields.setdefault("info", {})
