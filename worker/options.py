@@ -218,10 +218,12 @@ class Memory:
             step's forward and backward run; the optimizer's next `step()` waits until the
             copy is done (under "auto" it
             abandons one not done yet instead: that snapshot is skipped, the one before stays
-            whole; two in a row at most), so the stall is what the copy does not hide. False
+            whole; two in a row at most), so the stall is what the copy does not hide. With it,
+            a single process's parameters and optimizer state live in shared memory (the live
+            state: a SIGKILL outside `optimizer.step()` loses no step, with no copy). False
             when the loop changes weights or optimizer state outside `optimizer.step()` (an
             EMA written into the model, weights clipped before the step): the copy then
-            finishes inside `maybe_save`.
+            finishes inside `maybe_save`, and there is no live state.
         budget_mb: Host memory the tier may hold: two snapshots (the newest complete one and
             the one being written, or kept to be written into). None: half of the memory
             available when it starts, and of what the run's memory cgroup has left below its
