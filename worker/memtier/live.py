@@ -409,8 +409,12 @@ def _listed(view: torch.Tensor) -> list[Any]:
 
 
 def _write(path: Path, pieces: list[Any]) -> None:
-    """Overwrite `path` (the mark is gone while it is written)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    """Replace `path` with a new file (the mark is gone while it is written)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         for p in pieces:
             view = memoryview(p).cast("B")

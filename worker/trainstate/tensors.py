@@ -198,6 +198,10 @@ def encode(obj: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
         return obj
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else {FLOAT_TAG: repr(obj)}
+    if isinstance(obj, (tuple, list)) and all(type(v) is int for v in obj):
+        # A generator's state words (python's 625): one pass, not one call each; the live
+        # state encodes them at every step boundary (worker/memtier/live.py).
+        return {TUPLE_TAG: list(obj)} if isinstance(obj, tuple) else list(obj)
     if isinstance(obj, tuple):
         return {TUPLE_TAG: [encode(v, tensors, prefix) for v in obj]}
     if isinstance(obj, list):
