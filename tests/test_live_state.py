@@ -22,7 +22,9 @@ from chaos_util import (
     step_log,
     write_config,
 )
-from harness import child_env, events
+from harness import child_env, events, run_child
+
+from rtrain.checkpoint.layout import list_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -87,3 +89,32 @@ def test_a_sigkill_inside_the_optimizer_step_resumes_from_the_newest_snapshot(tm
     resumed = {rec["a"]: rec["start"] for rec in starts(step_log(run))}
     assert resumed[1] == done // 10 * 10, (resumed, done)
     assert final_state_diff(run, ref) is None
+
+
+@pytest.fixture
+def shm_for_two(tmp_path):
+    """A real tmpfs of 2.5 MiB: room for the tier's two snapshots of the small model (each
+    counted with 1 MiB of headroom), not for the live state's third copy."""
+    where = tmp_path / "shm-for-two"
+    where.mkdir()
+    got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k,mode=1777", "tmpfs",
+                          str(where)], capture_output=True, text=True)
+    if got.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_shared_memory_without_room_for_it_leaves_the_snapshots_on(tmp_path, shm_for_two):
+    settings = {"save_every": 0, "memory": -2, "steps": 12}
+    write_config(tmp_path / "rtrain.toml", settings)
+    run = tmp_path / "run"
+    r = run_child(rtrain_cmd(run), env=child_env(RTRAIN_SHM_ROOT=str(shm_for_two)),
+                  cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [ln for ln in r.stderr.splitlines() if "live state" in ln]
+    assert len(said) == 1 and "live state off" in said[0] and "shared-memory" in said[0], said
+    assert [e["state"] for e in events(run, "memory_tier")][:1] == ["on"]
+    assert next(s for s, _ in list_checkpoints(run / "checkpoints")) == 12
