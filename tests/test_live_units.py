@@ -249,3 +249,24 @@ def test_a_snapshot_as_new_makes_the_seal_needless(tmp_path, shm):
 
 def test_constants_agree():
     assert live_mod.MARK == LIVE_MARK
+
+
+def test_an_earlier_timelines_snapshots_give_way_to_the_sealed_step(tmp_path, shm):
+    """Snapshots up to step 9 from before a rollback; the relaunch from step 0 is killed at
+    step 5 with its state live: the seal replaces nothing of its own and removes step 9, so
+    the newest snapshot is the state the run is really at."""
+    m, opt = _pair()
+    ck = _ckpt(m, opt, tmp_path, every=1)
+    _train(ck, m, opt, range(1, 10))
+    ck.close()
+    assert [s for s, _ in list_checkpoints(shm)] == [9]
+    m2, opt2 = _pair()
+    ck2 = _ckpt(m2, opt2, tmp_path / "again")
+    _train(ck2, m2, opt2, range(1, 6))
+    want = {k: v.clone() for k, v in m2.state_dict().items()}
+    sealed = live_seal.seal(shm, None)
+    assert sealed is not None and sealed.step == 5
+    assert [s for s, _ in list_checkpoints(shm)] == [5]
+    saved = load_file(sealed.path / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in want.items())
+    ck2.close()

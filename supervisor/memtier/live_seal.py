@@ -10,9 +10,11 @@ committed as `checkpoint-<step>` beside the worker's own snapshots. From there i
 snapshot like any other: committed to the checkpoint dir, resumed from, verified as read.
 
 Never sealed: a directory without a mark (the process died inside the optimizer's step or the
-boundary's writes: the state may mix two steps), one whose writer is still alive, one no newer
-than a committed snapshot, one whose files are not the sizes its layout lists. Each is removed,
-and the newest snapshot or disk save is the fallback, as it was before the live state existed.
+boundary's writes: the state may mix two steps), one whose writer is still alive, one whose step
+the writer's own snapshot holds, one whose files are not the sizes its layout lists. A snapshot
+of the same step from an earlier timeline (before a rollback) is replaced, newer ones removed.
+A directory not sealed is removed, and the newest snapshot or disk save is the fallback, as it
+was before the live state existed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import psutil
 
 from rtrain.checkpoint import hashing
-from rtrain.checkpoint.commit import PendingCheckpoint
+from rtrain.checkpoint.commit import PendingCheckpoint, remove_dir
 from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core import ownfiles
 from rtrain.supervisor.core.protocol import LIVE_DIR, LIVE_LAYOUT, LIVE_MARK
@@ -90,9 +92,9 @@ def _seal(memory_dir: Path, live: Path, mark: dict[str, Any], layout: dict[str, 
         raise NotSealed(f"its mark names no step ({step!r})")
     if not isinstance(fields, dict):
         raise NotSealed("its mark holds no manifest fields")
-    newest = list_checkpoints(memory_dir)
-    if newest and newest[0][0] >= step:
-        return None  # a snapshot as new holds the same step, hashed as it was written
+    found = list_checkpoints(memory_dir)
+    if mark.get("snapshot") == step and any(s == step for s, _ in found):
+        return None  # the writer's own snapshot of this step holds it, hashed as written
     files = layout.get("files")
     tied = layout.get("tied") if isinstance(layout.get("tied"), dict) else {}
     extra = mark.get("extra") if isinstance(mark.get("extra"), dict) else {}
@@ -116,10 +118,15 @@ def _seal(memory_dir: Path, live: Path, mark: dict[str, Any], layout: dict[str, 
             total += nbytes
             pending.add_file(name, nbytes, hashing.hash_file(dest, pending.hash_alg),
                              tensors if isinstance(tensors, dict) else None)
-        path = pending.commit(fields, key)
+        path = pending.commit(fields, key)  # over an earlier timeline's of this step
     except BaseException:
         pending.abort()
         raise
+    # Newer snapshots are an earlier timeline's (the writer's own are never newer than its
+    # last boundary): steps beyond a rollback, never to be resumed from again.
+    for s, p in list_checkpoints(memory_dir):
+        if s > step:
+            remove_dir(p)
     return Sealed(step, path, total)
 
 

@@ -132,9 +132,11 @@ class LiveState:
         self._check_outside("before the optimizer's step")
         self._stepped += 1
 
-    def boundary(self, cap: Capture) -> None:
+    def boundary(self, cap: Capture, snapshot: int | None = None) -> None:
         """A step boundary, `cap` taken at it: mark the step whole in the live directory
-        (adopting the state first once it is time)."""
+        (adopting the state first once it is time). `snapshot`: the step of this process's
+        newest snapshot, committed or being written (rtrain's seal tells its own from an
+        earlier timeline's)."""
         if self.off is not None:
             return
         if self.marked:
@@ -155,7 +157,7 @@ class LiveState:
             self._record()  # of the tensors now held: adopted again at a later boundary
             return
         try:
-            self._write_small(cap)
+            self._write_small(cap, snapshot)
         except OSError as e:
             self.stop(f"cannot write the live state's files: {e.strerror or e}")
             return
@@ -255,14 +257,14 @@ class LiveState:
 
     # -- the small parts, the mark ---------------------------------------------------------
 
-    def _write_small(self, cap: Capture) -> None:
+    def _write_small(self, cap: Capture, snapshot: int | None) -> None:
         blobs = [to_blob(n, t) for n, t in sorted(cap.tensors.get("extra", {}).items(),
                                                   key=lambda kv: -kv[1].element_size())]
         _write(self.dir / EXTRA, [safetensors_io.build_header(blobs),
                                   *(b.data for b in blobs)])
         _write(self.dir / STATE, [json.dumps(cap.state_json).encode()])
         mark = {"step": cap.step, "pid": os.getpid(), "fields": cap.fields,
-                "generation": os.environ.get(ENV_GENERATION) or None,
+                "generation": os.environ.get(ENV_GENERATION) or None, "snapshot": snapshot,
                 "extra": {b.name: [b.dtype, list(b.shape)] for b in blobs}}
         write_atomic(self.dir / MARK, json.dumps(mark), durable=False)
         self.marked, self.step = True, cap.step

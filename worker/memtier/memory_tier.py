@@ -346,6 +346,7 @@ class MemoryTier:
         # A snapshot rtrain was to persist as a disk save failed: the Checkpointer saves to
         # disk itself at the next step boundary instead.
         self.persist_lost = False
+        self._started: int | None = None  # the step of the newest snapshot handed to the writer
         # The parameters and optimizer state kept in shared memory (worker/memtier/live.py):
         # a single process's unencrypted tier, on the same assumption as `overlap`.
         self.live = (LiveState(directory, model, optimizer)
@@ -468,6 +469,7 @@ class MemoryTier:
                                             daemon=True)
             self._thread.start()
         self._jobs.put((cap, persist))
+        self._started = cap.step
         if not self.overlap:
             self._copy.read.wait()
         self.stall_s = time.monotonic() - began
@@ -505,7 +507,7 @@ class MemoryTier:
                 live.stop(why)
                 return
         self._mark_fields(cap)
-        live.boundary(cap)
+        live.boundary(cap, self._started)
 
     def _live_bytes(self) -> int:
         """What the live files already hold of the filesystem (adopted again: freed first)."""
