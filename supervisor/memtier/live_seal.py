@@ -52,9 +52,10 @@ class Sealed:
     bytes: int
 
 
-def seal(memory_dir: Path, key: bytes | None) -> Sealed | None:
+def seal(memory_dir: Path, key: bytes | None, disk_newest: int | None = None) -> Sealed | None:
     """Commit the live state of `memory_dir` as a snapshot when it holds a whole step newer than
-    the newest committed one; None otherwise. The live directory is gone afterwards either way,
+    the checkpoint dir's newest (`disk_newest`: a save at the failure may hold it already);
+    None otherwise. The live directory is gone afterwards either way,
     unless its writer is still running. Raises NotSealed with the reason for a marked directory
     that could not be sealed (removed too)."""
     live = memory_dir / LIVE_DIR
@@ -80,16 +81,18 @@ def seal(memory_dir: Path, key: bytes | None) -> Sealed | None:
     try:
         if "unreadable" in mark:
             raise NotSealed(f"its mark or layout does not read: {mark['unreadable']}")
-        return _seal(memory_dir, live, mark, layout, key)
+        return _seal(memory_dir, live, mark, layout, key, disk_newest)
     finally:
         _remove(live)
 
 
 def _seal(memory_dir: Path, live: Path, mark: dict[str, Any], layout: dict[str, Any],
-          key: bytes | None) -> Sealed | None:
+          key: bytes | None, disk_newest: int | None) -> Sealed | None:
     step, fields = mark.get("step"), mark.get("fields")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise NotSealed(f"its mark names no step ({step!r})")
+    if disk_newest is not None and step <= disk_newest:
+        return None  # nothing the disk lacks (as decide.worth_persisting)
     if not isinstance(fields, dict):
         raise NotSealed("its mark holds no manifest fields")
     found = list_checkpoints(memory_dir)

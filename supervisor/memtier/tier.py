@@ -91,7 +91,7 @@ class MemoryTierDir:
         """Commit the newest good snapshot when it is newer than the checkpoint dir's newest;
         its step, else None. Under torchrun: the newest step the ranks' parts make whole."""
         self.disk.settle()  # a disk-cadence copy in flight commits (or fails) first
-        self._seal_live()
+        self._seal_live(disk_newest)
         snap = self._newest()
         if snap is None:
             return self._commit_group(disk_newest, why)
@@ -105,14 +105,14 @@ class MemoryTierDir:
             self._refused(snap, str(e))
             return None
 
-    def _seal_live(self) -> None:
+    def _seal_live(self, disk_newest: int | None) -> None:
         """The worker's live state, when it holds a whole step newer than its snapshots: a
         snapshot now (live_seal.py), which the lines below commit like any other."""
         if self.unusable:
             return
         t0 = time.monotonic()
         try:
-            sealed = live_seal.seal(self.path, self.key)
+            sealed = live_seal.seal(self.path, self.key, disk_newest)
         except (live_seal.NotSealed, OSError) as e:
             self.say(f"the live state of attempt {self.attempt} was not sealed: {e}")
             return
