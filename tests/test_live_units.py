@@ -270,3 +270,14 @@ def test_an_earlier_timelines_snapshots_give_way_to_the_sealed_step(tmp_path, sh
     saved = load_file(sealed.path / "model.safetensors")
     assert all(torch.equal(saved[k], v) for k, v in want.items())
     ck2.close()
+
+
+def test_two_optimizer_steps_between_boundaries_keep_it_on(tmp_path, shm):
+    m, opt = _pair()
+    ck = _ckpt(m, opt, tmp_path)
+    for step in range(1, 8):
+        _step(m, opt, 2 * step)
+        _step(m, opt, 2 * step + 1)
+        ck.maybe_save(step)
+    assert ck._memory.live.off is None and _mark(shm)["step"] == 7
+    ck.close()

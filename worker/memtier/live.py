@@ -129,7 +129,8 @@ class LiveState:
             return
         if self.marked:
             self._unmark()
-        self._check_outside("before the optimizer's step")
+        if not self._stepped:  # a second step before the boundary changes what the first did
+            self._check_outside("before the optimizer's step")
         self._stepped += 1
 
     def boundary(self, cap: Capture, snapshot: int | None = None) -> None:
