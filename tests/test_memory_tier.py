@@ -8,6 +8,7 @@ import copy
 import json
 import logging
 import os
+import threading
 import time
 
 import pytest
@@ -342,6 +343,29 @@ def test_persisting_copies_a_snapshot_that_verifies_like_any_checkpoint(tmp_path
     assert tier.commit_newest(2, "attempt ended") is None  # the disk has it now
     assert tier.resume_path(v) == snap  # the relaunch reads it from memory
     assert [p.name for p in shm.iterdir() if p.name.startswith(".pin")] == []
+
+
+def test_an_attempts_commit_is_made_durable_beside_the_relaunch(tmp_path, shm, monkeypatch):
+    """At an attempt's end the copy commits without fsync (the relaunch waits for it) and a
+    thread fsyncs it; the next commit, a disk-cadence request and the launch's end wait for
+    that thread first."""
+    _snapshot(tmp_path, shm)
+    ckpts = tmp_path / "ckpts"
+    synced, release = [], threading.Event()
+
+    def slow_durable(path):
+        release.wait(10)
+        synced.append(path.name)
+
+    monkeypatch.setattr(persist, "make_durable", slow_durable)
+    tier = MemoryTierDir(ckpts, None, lambda *a, **k: None, lambda s: None, path=shm)
+    assert tier.commit_newest(None, "attempt ended", durable_later=True) == 2
+    assert verify(ckpts / "checkpoint-2", Level.FULL, None).ok  # committed, readable now
+    assert synced == []  # its fsync still running
+    release.set()
+    tier.settle_sync()
+    assert synced == ["checkpoint-2"]
+    tier.close(2)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "manifest"])

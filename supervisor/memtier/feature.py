@@ -65,7 +65,7 @@ class MemoryTier(Feature):
         # Before anything reads the checkpoint dir (the progress rule, the next pick): the
         # newest snapshot, if newer, is the newest verified state now (a disk save rtrain was
         # copying for the worker is finished first).
-        self.tier.commit_newest(self._disk_newest(), "attempt ended")
+        self.tier.commit_newest(self._disk_newest(), "attempt ended", durable_later=True)
         return {}
 
     def close(self) -> None:

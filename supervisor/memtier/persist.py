@@ -126,6 +126,20 @@ def _commit(sources: dict[str, Path], m: dict, manifest: bytes | None, manifest_
         raise
 
 
+def make_durable(path: Path) -> None:
+    """fsync a checkpoint committed without it (`persist(fsync=False)`): each file, its dir,
+    and the checkpoint dir that holds it."""
+    for entry in os.scandir(path):
+        if entry.is_file(follow_symlinks=False):
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(path)
+    fsync_dir(path.parent)
+
+
 def link_files(src: Path, dst: Path) -> None:
     """A new owner-only dir `dst` holding hard links to `src`'s files: the same pages, kept
     readable whatever removes `src` meanwhile. Raises OSError (FileNotFoundError: `src`, or

@@ -5,6 +5,7 @@ directory removed when the launch ends (docs/architecture.md, "Saving at the rig
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,7 @@ class MemoryTierDir:
         self._said_on = False  # what snapshots cost, said once a launch
         self._said_off: str | None = None  # why the worker turned it off, said once a launch
         self._said_live: str | None = None  # the live state's news, said once a launch
+        self._sync: threading.Thread | None = None  # an attempt's commit being fsynced
 
     def enable_peers(self, host: str, port: int = 0, rdzv_host: str | None = None) -> None:
         """Several nodes: serve this node's snapshots to peers and copy theirs (peerside.py)."""
@@ -87,9 +89,14 @@ class MemoryTierDir:
             return False
         return True
 
-    def commit_newest(self, disk_newest: int | None, why: str) -> int | None:
+    def commit_newest(self, disk_newest: int | None, why: str, *,
+                      durable_later: bool = False) -> int | None:
         """Commit the newest good snapshot when it is newer than the checkpoint dir's newest;
-        its step, else None. Under torchrun: the newest step the ranks' parts make whole."""
+        its step, else None. Under torchrun: the newest step the ranks' parts make whole.
+        `durable_later`: an attempt's end, whose relaunch waits for this: the copy is
+        committed without fsync and made durable in the background (`_sync`) while the
+        relaunch starts; anything that prunes or commits next waits for that first."""
+        self.settle_sync()
         self.disk.settle()  # a disk-cadence copy in flight commits (or fails) first
         self._seal_live(disk_newest)
         snap = self._newest()
@@ -100,10 +107,25 @@ class MemoryTierDir:
             return None
         try:
             return self._committed(snap.step, why, lambda: persist.persist(
-                snap, self.ckpt_dir, mode=self.file_mode))
+                snap, self.ckpt_dir, mode=self.file_mode, fsync=not durable_later),
+                durable_later)
         except persist.SnapshotRefused as e:
             self._refused(snap, str(e))
             return None
+
+    def settle_sync(self) -> None:
+        """The background fsync of the last attempt's commit is done (before a commit or a
+        prune: never a checkpoint pruned while the newer one is not yet on the disk)."""
+        if self._sync is not None:
+            self._sync.join()
+            self._sync = None
+
+    def _make_durable(self, path: Path) -> None:
+        try:
+            persist.make_durable(path)
+        except OSError as e:
+            self.say(f"could not fsync {path.name}: {e.strerror or e}; it stays committed, "
+                     "verified when it is next read")
 
     def _seal_live(self, disk_newest: int | None) -> None:
         """The worker's live state, when it holds a whole step newer than its snapshots: a
@@ -145,8 +167,8 @@ class MemoryTierDir:
                 shmdir.discard_snapshot(p.path)
             return None
 
-    def _committed(self, step: int, why: str, commit: Callable[[], persist.Persisted]
-                   ) -> int | None:
+    def _committed(self, step: int, why: str, commit: Callable[[], persist.Persisted],
+                   durable_later: bool = False) -> int | None:
         """Run `commit`; said and recorded as `snapshot_persisted`; the step, else None."""
         t0 = time.monotonic()
         try:
@@ -158,6 +180,10 @@ class MemoryTierDir:
         seconds = time.monotonic() - t0
         if done.already:
             return None
+        if durable_later:
+            self._sync = threading.Thread(target=self._make_durable, args=(done.path,),
+                                          name="rtrain-fsync", daemon=True)
+            self._sync.start()
         self.emit("snapshot_persisted", attempt=self.attempt, step=step,
                   path=str(done.path), bytes=done.bytes, seconds=round(seconds, 4), why=why)
         self.say(f"committed the memory snapshot of step {step} as {done.path.name} "
@@ -180,6 +206,7 @@ class MemoryTierDir:
         """The worker's `snapshot` heartbeats (the tier started, changed interval or stopped)
         and `persist` heartbeats (a disk save, copied in the background)."""
         if hb.event == "persist":
+            self.settle_sync()
             self.disk.request(hb.step)
             return
         self.disk.poll()  # the next copy starts as soon as the loop hears anything
@@ -238,6 +265,7 @@ class MemoryTierDir:
     def close(self, disk_newest: int | None) -> None:
         """The launch ends: the newest snapshot committed if it is newer, the directory removed."""
         self.commit_newest(disk_newest, "run ended")
+        self.settle_sync()
         if self.peers is not None:
             self.peers.close()
         shmdir.remove(self.path)
