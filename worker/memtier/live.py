@@ -48,8 +48,10 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import mmap
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,8 +100,12 @@ class LiveState:
     """The live state of one single-process training, in `<memory dir>/live/`."""
 
     def __init__(self, memory_dir: Path, model: torch.nn.Module | None,
-                 optimizer: torch.optim.Optimizer | None) -> None:
+                 optimizer: torch.optim.Optimizer | None,
+                 unread: Callable[[], None] = lambda: None) -> None:
         self.dir = memory_dir / LIVE_DIR
+        # Returns once no snapshot that may commit is still reading the live tensors: their
+        # pages are given back only then (`_unadopt`).
+        self._unread = unread
         self.model, self.optimizer = model, optimizer
         self.off: str | None = None if optimizer is not None else "no optimizer was given"
         self.step: int | None = None  # the step marked whole, while marked
@@ -328,13 +334,23 @@ class LiveState:
         self._files, self._clean, self._versions, self._tracked = None, 0, None, []
 
     def _unadopt(self) -> None:
-        """Each live tensor copied out of its mapped file and bound to the copy, one at a time
-        (the peak is one tensor more): the mapping is freed once nothing refers to it."""
+        """Each live tensor copied out of its mapped file and bound to the copy, its pages
+        given back to the filesystem at once (MADV_REMOVE), so the peak is one tensor more,
+        not the state twice: this runs when memory pressure dropped the tier too."""
+        if self._files:
+            self._unread()
         for f in self._files or []:
             for s in f.slots:
                 if s.owner is not None and s.owner.tensor().data_ptr() == s.view.data_ptr():
                     s.owner.bind(s.view.clone())
                 s.view = s.view.new_empty(0)
+                lo = -(-s.offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages of the slot
+                hi = (s.offset + s.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+                if hi > lo:
+                    try:
+                        f.mapped.map.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+                    except (OSError, ValueError, AttributeError):
+                        pass  # freed with the mapping instead
             f.slots = []
 
     def _release_files(self) -> None:

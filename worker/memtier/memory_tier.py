@@ -349,7 +349,7 @@ class MemoryTier:
         self._started: int | None = None  # the step of the newest snapshot handed to the writer
         # The parameters and optimizer state kept in shared memory (worker/memtier/live.py):
         # a single process's unencrypted tier, on the same assumption as `overlap`.
-        self.live = (LiveState(directory, model, optimizer)
+        self.live = (LiveState(directory, model, optimizer, unread=self._copy.read.wait)
                      if self.overlap and self._files is not None else None)
         self._hook = (optimizer.register_step_pre_hook(self._gate)
                       if self.overlap and optimizer is not None else None)
