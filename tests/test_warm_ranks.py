@@ -60,7 +60,7 @@ def test_only_rtrains_one_node_torchrun_is_taken_over():
 
 
 def test_rtrains_torchrun_over_several_nodes_is_taken_over_with_its_rendezvous():
-    several = torchrun_command(TorchrunSpec(nproc_per_node=2, nnodes="1:2",
+    several = torchrun_command(TorchrunSpec(nproc_per_node=2, nnodes="2",
                                             rdzv_endpoint="h:29400"), "train.py", None,
                                ["--lr", "1"], "py")
     plan = ranks.plan_of(several)
@@ -76,6 +76,9 @@ def test_rtrains_torchrun_over_several_nodes_is_taken_over_with_its_rendezvous()
     assert ranks.plan_of([*several[:4], "--rdzv-conf=timeout=9", *several[4:]]) is None
     assert ranks.plan_of([*several[:4], "--nnodes=3", *several[4:]]) is None
     assert ranks.plan_of([a for a in several if not a.startswith("--rdzv-id")]) is None
+    # A range of nodes: torchrun's agent grows the group inside the attempt; torchrun keeps it.
+    assert ranks.plan_of([a.replace("--nnodes=2", "--nnodes=1:2") for a in several]) is None
+    assert ranks.plan_of([a.replace("--nnodes=2", "--nnodes=2:2") for a in several])
     # Each rank's variables but the rendezvous' come with the hand-off; the host adds those.
     spec = ranks.handoff(plan, {"A": "1"}, Path("/a"), 30.0)["ranks"]
     assert spec["rdzv"] == {"torchrun": list(several[3:])}

@@ -10,14 +10,16 @@ the kernel picked for this attempt's listening socket, so a group never meets a 
 keys), ends the other ranks when one fails (SIGTERM, then SIGKILL after the grace) and prints
 torchrun's failure summary, whose first observed failure decide/classify.py reads.
 
-Several nodes (`--nnodes`, the c10d rendezvous): the host joins torch's own dynamic rendezvous
-with the endpoint and id torchrun would use for the attempt, as torchrun's agent does
+Several nodes (`--nnodes N`, the c10d rendezvous): the host joins torch's own dynamic
+rendezvous with the endpoint and id torchrun would use for the attempt, as torchrun's agent does
 (standby/rank_rdzv.py), and gets its group rank, the world's size and the store the ranks meet
 in from it. So a warm node and a node still running torchrun (its first attempt, or a standby
 that was not ready) form one group, and a lost node, a replacement node and a changed world size
-go through the rendezvous as under torchrun. `node_env` holds what a rank's variables owe
-nothing to the rendezvous; the host adds the rest once it has joined. Any other torchrun command
-(another rendezvous backend, options rtrain does not write) stays on torchrun.
+go through the rendezvous as under torchrun. Only a fixed number of nodes (`fixed_nodes`): over
+a range torchrun's agent grows the group inside an attempt, which a host does not. `node_env`
+holds a rank's variables that owe nothing to the rendezvous; the host adds the rest once it has
+joined. Any other torchrun command (another rendezvous backend, options rtrain does not write)
+stays on torchrun.
 
 This module is the supervisor's side, pure and torch-free: what the command runs, what the
 standby is started with, and what the hand-off tells the host.
@@ -102,7 +104,8 @@ def plan_of(command: list[str]) -> RankPlan | None:
         return None
     if nodes:
         if (seen != {"--max-restarts=0"} or set(nodes) != set(NODES_OPTIONS)
-                or nodes["--rdzv-backend"] != RDZV_BACKEND):
+                or nodes["--rdzv-backend"] != RDZV_BACKEND
+                or not fixed_nodes(nodes["--nnodes"])):
             return None
         torchrun = tuple(command[3:])
     elif seen != set(ONE_NODE_OPTIONS):
@@ -114,6 +117,15 @@ def plan_of(command: list[str]) -> RankPlan | None:
             return None
         return RankPlan(command[0], nproc, "module", rest[1], tuple(rest[2:]), torchrun)
     return RankPlan(command[0], nproc, "script", rest[0], tuple(rest[1:]), torchrun)
+
+
+def fixed_nodes(nnodes: str) -> bool:
+    """`--nnodes N` (or `N:N`): a group whose size the rendezvous never changes while it runs.
+    Over a range (`MIN:MAX`) torchrun's agent restarts its ranks inside the attempt when a node
+    arrives (the elastic agent's membership change), which a rank host does not: such a run
+    stays on torchrun."""
+    low, _, high = nnodes.partition(":")
+    return low.isdigit() and int(low) >= 1 and (not high or high == low)
 
 
 def standby_env(env: Mapping[str, str], plan: RankPlan) -> dict[str, str]:
