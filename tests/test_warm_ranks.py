@@ -258,3 +258,41 @@ def test_a_warm_node_and_a_torchrun_node_form_one_group_through_torchs_rendezvou
     assert {w["env"]["RANK"], c["env"]["RANK"]} == {"0", "1"}
     for r in (w, c):
         assert r["env"]["RANK"] == r["env"]["GROUP_RANK"] == r["env"]["ROLE_RANK"]
+
+
+def test_a_rendezvous_found_closed_is_joined_again_once_the_failed_groups_store_is_gone():
+    """The failed group's store outlives it until its last agent ends, its rendezvous closed:
+    a warm relaunch that comes back first joins again (a new store on the endpoint, here this
+    process's) instead of failing an attempt per try, as a relaunched torchrun would."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from rtrain.supervisor.standby import rank_rdzv
+
+    port = free_port()
+    args = torchrun_command(TorchrunSpec(nproc_per_node=1, nnodes="1",
+                                         rdzv_endpoint=f"127.0.0.1:{port}"), PROBE, None, [])[3:]
+    old = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False)
+    _, handler = rank_rdzv.handler_for(args)
+    handler.set_closed()  # what the failed group's torchrun did at its end
+    got: dict = {}
+
+    def join() -> None:
+        try:
+            got["joined"] = rank_rdzv.join(args)
+        except BaseException as e:  # reported below
+            got["error"] = e
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    assert thread.is_alive() and not got, got  # it waits while the old store is up
+    del handler, old  # the failed group's last agent ends, and its store with it
+    thread.join(30)
+    assert "joined" in got, got
+    joined = got["joined"]
+    assert [e["RANK"] for e in joined.envs()] == ["0"]
+    assert joined.envs()[0]["WORLD_SIZE"] == "1"
+    joined.shutdown()

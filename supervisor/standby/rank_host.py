@@ -252,18 +252,10 @@ def _join(several: dict, ranks: dict[int, int], writers: dict[int, int],
     result: dict[str, object] = {}
 
     def run() -> None:
-        handler = None
         try:
-            rdzv = _rank_rdzv()
-            config, handler = rdzv.handler_for(several["torchrun"])
-            result["joined"] = rdzv.join(config, handler)
+            result["joined"] = _rank_rdzv().join(several["torchrun"])
         except BaseException as e:
             result["error"] = e
-            if handler is not None:  # launch_agent shuts it down after any other error
-                try:
-                    handler.shutdown()
-                except Exception:
-                    pass
 
     thread = threading.Thread(target=run, name="rtrain-rendezvous", daemon=True)
     thread.start()

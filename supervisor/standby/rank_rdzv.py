@@ -17,16 +17,21 @@ elastic/agent/server/api.py and local_elastic_agent.py):
   a node started by torchrun and a warm one agree on them;
 - a group that ended well waits at the agents' exit barrier; then, as launch_agent does at its
   end unless a signal ended it, the rendezvous is shut down (closed for this run id: a node
-  still waiting in it ends, as a torchrun would).
+  still waiting in it ends, as a torchrun would);
+- one difference: a rendezvous found closed is joined again for a while (`join`).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from types import SimpleNamespace
 
 EXIT_BARRIER_S = 300.0
 """torchrun's agent's `exit_barrier_timeout` (LocalElasticAgent's default)."""
+CLOSED_WAIT_S = 60.0
+"""How long a closed rendezvous (the failed group's, its store not yet gone) is joined again."""
+CLOSED_POLL_S = 0.2
 
 
 class Joined:
@@ -68,10 +73,7 @@ class Joined:
 
     def shutdown(self) -> None:
         """launch_agent's last step: the handler's shutdown (best effort there too)."""
-        try:
-            self.handler.shutdown()
-        except Exception:
-            pass
+        _shutdown(self.handler)
 
 
 def handler_for(torchrun_args: list[str]) -> tuple[object, object]:
@@ -89,14 +91,49 @@ def handler_for(torchrun_args: list[str]) -> tuple[object, object]:
     return config, rdzv_registry.get_rendezvous_handler(params)
 
 
-def join(config: object, handler: object) -> Joined:
+def join(torchrun_args: list[str]) -> Joined:
     """Join the next round of the rendezvous and take this node's ranks; raises what torchrun
-    would (a closed rendezvous, a timeout)."""
-    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    would (a timeout, a store out of reach) once the handler is shut down, as launch_agent
+    shuts it down after an error.
 
-    info = handler.next_rendezvous()
+    One difference, and why: a rendezvous found closed (or closed while this node waited in
+    its redundancy list) is the failed group's, whose store lives until the last of its
+    agents ends; torchrun fails at once there and rtrain relaunches it, but a warm relaunch
+    comes back in a fraction of a second, and each would be a failed attempt charged to the
+    run's budget. So the host joins again every CLOSED_POLL_S, with a new handler (a new
+    store client, or the new store itself on the endpoint's host), for up to CLOSED_WAIT_S;
+    then it fails as torchrun does. A store that went away while it was joined (the old one
+    ending) is joined again the same way."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousGracefulExitError,
+    )
+
+    deadline = time.monotonic() + CLOSED_WAIT_S
+    while True:
+        config, handler = handler_for(torchrun_args)
+        try:
+            info = handler.next_rendezvous()
+            break
+        except (RendezvousClosedError, RendezvousGracefulExitError, RendezvousConnectionError):
+            if time.monotonic() >= deadline:
+                _shutdown(handler)
+                raise
+        except BaseException:
+            _shutdown(handler)
+            raise
+        time.sleep(CLOSED_POLL_S)
     spec = SimpleNamespace(role=config.role, local_world_size=config.nproc_per_node)
     # The agent's own assignment; it never reads its `self`.
     workers = SimpleElasticAgent._assign_worker_ranks(None, info.store, info.rank,
                                                       info.world_size, spec)
     return Joined(handler, info, workers)
+
+
+def _shutdown(handler: object) -> None:
+    try:
+        handler.shutdown()
+    except Exception:
+        pass
