@@ -287,7 +287,7 @@ def test_a_rendezvous_found_closed_is_joined_again_once_the_failed_groups_store_
 
     thread = threading.Thread(target=join, daemon=True)
     thread.start()
-    time.sleep(1.0)
+    time.sleep(0.5)
     assert thread.is_alive() and not got, got  # it waits while the old store is up
     del handler, old  # the failed group's last agent ends, and its store with it
     thread.join(30)
@@ -296,3 +296,36 @@ def test_a_rendezvous_found_closed_is_joined_again_once_the_failed_groups_store_
     assert [e["RANK"] for e in joined.envs()] == ["0"]
     assert joined.envs()[0]["WORLD_SIZE"] == "1"
     joined.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.soak  # the default tier has no seconds to spare: the rendezvous' own are above
+def test_a_stop_while_the_host_waits_in_the_rendezvous_ends_the_attempt_at_once(tmp_path):
+    """The other node never comes: the host waits in the rendezvous, its rank waits for its
+    variables. rtrain's stop signal to the attempt's group ends the rank, and the host with
+    it, torchrun's summary printed, rather than after the rendezvous' 600 s join timeout."""
+    out, port = tmp_path / "out", free_port()
+    out.mkdir()
+    command = torchrun_command(TorchrunSpec(nproc_per_node=1, nnodes="2",
+                                            rdzv_endpoint=f"127.0.0.1:{port}"),
+                               PROBE, None, [str(out), "ok"])
+    plan = ranks.plan_of(command)
+    env = _attempt_env(tmp_path)
+    warm = WarmChild.spawn(target_of(command, CHILDREN), strip_attempt_vars(
+        ranks.standby_env(env, plan)), CHILDREN, tmp_path, ["torch"])
+    warm.wait_ready(60)
+    assert warm.failed is None, warm.failed
+    spec = ChildSpec(argv=command, env=env, cwd=CHILDREN, attempt_dir=tmp_path / "att")
+    child = warm.activate(spec, ranks.handoff(plan, env, spec.attempt_dir, 30.0))
+    deadline = time.monotonic() + 30
+    while not _listening(child.pid, port):
+        assert time.monotonic() < deadline, "the host never served the rendezvous' store"
+        time.sleep(0.05)
+    assert len(psutil.Process(child.pid).children()) == 1  # its rank, waiting
+    t0 = time.monotonic()
+    assert signal_group(child, signal.SIGTERM)
+    assert run_to_end(child) == 1
+    assert time.monotonic() - t0 < 10
+    err = (tmp_path / "att" / "stderr.log").read_text()
+    assert "Signal 15 (SIGTERM)" in err, err[-2000:]
+    assert not (out / "rank0.json").exists()  # the script never ran
