@@ -200,7 +200,7 @@ def host(spec: dict, set_cmdline) -> list[str]:
                 pass
     name = spec.get("name") or "script"
     if several:
-        joined = _join(several, ranks, writers, envs, grace_s, name)
+        joined = _join(several, ranks, writers, envs, name)
         code = _wait(ranks, envs, grace_s, name)
         if code == 0:
             joined.exit_barrier()
@@ -242,7 +242,7 @@ def _rank_rdzv():
 
 
 def _join(several: dict, ranks: dict[int, int], writers: dict[int, int],
-          envs: list[dict[str, str]], grace_s: float, name: str):
+          envs: list[dict[str, str]], name: str):
     """Join the rendezvous (in a thread, while the ranks are watched: a rank that ends first,
     a stop signal's doing, ends the attempt), then send each rank its variables. Exits the
     host when the rendezvous fails, as torchrun exits: its traceback, status 1."""
