@@ -8,7 +8,20 @@ SIGKILLed in steady state; seconds from the kill to the group's first step after
 
 in the same run, alternated, and the ratio of the medians.
 
-usage: python scripts/bench_warm_ranks.py [--repeats 3] [--warm-kill]
+`--nodes`: a whole node lost in a two-node run on 127.0.0.1 instead (one rank per node, the
+rendezvous on 127.0.0.1:PORT, one shared checkpoint dir): once the surviving node's standby is
+ready, node b's supervisor (or torchrun) and every process under it are SIGKILLed and a
+replacement node is started at once, as a scheduler would; seconds from the kill to the group's
+first step after the restore,
+
+- under two `rtrain launch --nnodes 2` (the survivor's relaunch starts its rank from its warm
+  standby, which joins the rendezvous; the replacement's first attempt runs torchrun);
+- re-running torchrun on both nodes (each node a shell loop `until torchrun ...; do :; done`).
+
+`--nodes-rank`: the same two nodes, rank 1 killed alone (its node's supervisor lives on): both
+nodes relaunch, each from its warm standby under rtrain.
+
+usage: python scripts/bench_warm_ranks.py [--repeats 3] [--warm-kill] [--nodes | --nodes-rank]
 Target: under rtrain at most 0.25x re-running torchrun.
 """
 
@@ -17,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -98,13 +113,147 @@ def rerun_torchrun(out: Path) -> float:
     return kill_to_step(out)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """A node lost whole: the process and every one below it SIGKILLed at once (rtrain starts
+    each attempt, and its standby, in a session of its own)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    psutil.wait_procs(procs, timeout=10)
+
+
+class Node:
+    """One simulated node: its command, run again while it fails (`loop`), as a shell loop or
+    a scheduler would."""
+
+    def __init__(self, cmd: list[str], out: Path, loop: bool, **extra: str) -> None:
+        self.cmd, self.out, self.loop, self.extra = cmd, out, loop, extra
+        self.runs = 0
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        e = env(**self.extra, BENCH_RUN=str(self.runs))
+        self.runs += 1
+        return subprocess.Popen(self.cmd, env=e, cwd=self.out, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+
+    def poll(self) -> int | None:
+        """None while it runs (a failed run is started again when looping), else its status."""
+        code = self.proc.poll()
+        if code is not None and code != 0 and self.loop:
+            self.proc = self._start()
+            return None
+        return code
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            kill_tree(self.proc)
+
+
+def two_nodes(out: Path, rtrain: bool, whole: bool = True) -> tuple[float, list]:
+    """(whole node lost -> the group's first resumed step, node a's launches) for two nodes
+    under rtrain (rtrain=True) or re-running torchrun. `whole=False`: only rank 1 is killed (it
+    SIGKILLs itself), both supervisors live on and relaunch."""
+    out.mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def cmd(name: str) -> list[str]:
+        if rtrain:
+            return [sys.executable, "-m", "rtrain", "launch", "--run-dir",
+                    str(out / f"run-{name}"), "-q", "--no-backoff", "--ckpt-dir",
+                    str(out / "checkpoints"), "--nnodes", "2", "--nproc-per-node", "1",
+                    "--rdzv-endpoint", endpoint, str(KID), str(out), str(STEPS)]
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                "--rdzv-id=bench", "--max-restarts=0", str(KID), str(out), str(STEPS)]
+
+    events = out / "run-a" / "events.jsonl"
+    a, b = Node(cmd("a"), out, not rtrain), Node(cmd("b"), out, not rtrain)
+    nodes = [a, b]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+
+        def running() -> None:
+            if any(n.poll() is not None for n in nodes) or time.monotonic() > deadline:
+                raise SystemExit(f"two nodes ({'rtrain' if rtrain else 'torchrun'}): a node "
+                                 f"ended (exit status {[n.proc.poll() for n in nodes]})")
+            time.sleep(0.05)
+
+        logs = [events] if whole else [events, out / "run-b" / "events.jsonl"]
+        while not ((out / "steady").exists() and (not rtrain or all(
+                e.exists() and b'"kind":"standby_ready"' in e.read_bytes() for e in logs))):
+            running()
+        if whole:
+            (out / "killed").write_text(repr(time.time()))
+            b.stop()
+            nodes = [a, Node(cmd("b2"), out, not rtrain)]  # the replacement, at once
+        else:
+            (out / "kill").touch()
+        while not (out / "stepping").exists():
+            running()
+        for n in nodes:  # the group ends 20 steps past its restore
+            while n.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        for n in (a, b, *nodes):
+            n.stop()
+    if any(n.proc.returncode != 0 for n in nodes):
+        raise SystemExit(f"two nodes: exit status {[n.proc.returncode for n in nodes]}")
+    launches = []
+    if rtrain:
+        launches = [e for e in map(json.loads, events.read_text().splitlines())
+                    if e.get("kind") == "launch"]
+    return kill_to_step(out), launches
+
+
+def main_nodes(repeats: int, whole: bool) -> None:
+    what = "a whole node of two lost" if whole else "a rank of one node of two killed"
+    warm, cold = [], []
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(repeats):
+            t, _ = two_nodes(Path(d) / f"torchrun-{i}", rtrain=False, whole=whole)
+            cold.append(t)
+            t, launches = two_nodes(Path(d) / f"rtrain-{i}", rtrain=True, whole=whole)
+            warm.append(t)
+            started = ["warm" if la.get("standby") else "torchrun" for la in launches]
+            print(f"run {i}: {what} -> first resumed step: rtrain {t:.2f} s, re-running "
+                  f"torchrun {cold[-1]:.2f} s; node a's attempts: {', '.join(started)}",
+                  flush=True)
+    w, c = statistics.median(warm), statistics.median(cold)
+    print(f"median of {repeats}, {what}: rtrain {w:.2f} s, re-running torchrun on both nodes "
+          f"{c:.2f} s: ratio {w / c:.2f} (target: at most 0.25)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warm-kill", action="store_true",
                    help="also kill a rank of a group the standby forked (attempt 1): the "
                         "teardown of warm ranks, which keeping the survivors would save")
+    p.add_argument("--nodes", action="store_true",
+                   help="a whole node lost in a two-node run on 127.0.0.1, a replacement "
+                        "started at once")
+    p.add_argument("--nodes-rank", action="store_true",
+                   help="two nodes on 127.0.0.1, rank 1 killed alone: both nodes relaunch")
     args = p.parse_args()
+    if args.nodes or args.nodes_rank:
+        main_nodes(args.repeats, whole=args.nodes)
+        return
     warm, cold, again = [], [], []
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.repeats):

@@ -322,7 +322,8 @@ def launch(
     no_standby: Annotated[bool, typer.Option(
         "--no-standby", help="Start every attempt in a new interpreter: keep no warm "
                              "standby interpreter. Without it one is kept (under "
-                             "--nproc-per-node on one node, it starts every rank).")] = False,
+                             "--nproc-per-node it starts every rank of the node, with "
+                             "--nnodes N too).")] = False,
     nproc_per_node: Annotated[int | None, typer.Option(
         "--nproc-per-node", metavar="N",
         help="Run SCRIPT under torchrun with N ranks on this node (rtrain owns restarts).")

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from harness import CHILDREN, child_env, run_to_end
+from s3server import free_port
 
 from rtrain.supervisor.decide.classify import _torchrun_root_cause
 from rtrain.supervisor.proc import ranks
@@ -47,9 +48,6 @@ def test_only_rtrains_one_node_torchrun_is_taken_over():
     module = ranks.plan_of(torchrun_command(TorchrunSpec(nproc_per_node=2), "a", "pkg.train",
                                             ["b"], "py"))
     assert module is not None and module.rank_argv() == ["py", "-m", "pkg.train", "a", "b"]
-    several = torchrun_command(TorchrunSpec(nproc_per_node=1, nnodes="2",
-                                            rdzv_endpoint="h:29400"), "train.py", None, [])
-    assert ranks.plan_of(several) is None  # several nodes: torchrun's rendezvous joins them
     run = ["py", "-m", "torch.distributed.run", "--nproc-per-node=2"]
     for other in (["py", "train.py"], [*run, "train.py"],  # a torchrun of the user's own
                   [*run, "--max-restarts=0", "--standalone", "--rdzv-conf=x", "train.py"],
@@ -59,7 +57,35 @@ def test_only_rtrains_one_node_torchrun_is_taken_over():
     assert target_of(["py", "-m", "torch.distributed.run", "--nproc-per-node=2",
                       "--max-restarts=0", "--standalone", "train.py", "x"], cwd) == target_of(
         ["py", "train.py"], cwd)
-    assert target_of(several, cwd) is None
+
+
+def test_rtrains_torchrun_over_several_nodes_is_taken_over_with_its_rendezvous():
+    several = torchrun_command(TorchrunSpec(nproc_per_node=2, nnodes="2",
+                                            rdzv_endpoint="h:29400"), "train.py", None,
+                               ["--lr", "1"], "py")
+    plan = ranks.plan_of(several)
+    assert plan is not None and plan.several_nodes and plan.nproc == 2
+    assert plan.rank_argv() == ["py", "train.py", "--lr", "1"]
+    assert plan.torchrun == tuple(several[3:])  # what the host hands torchrun's own parser
+    assert target_of(several, Path("/w")) == target_of(["py", "train.py"], Path("/w"))
+    one = ranks.plan_of(torchrun_command(TorchrunSpec(nproc_per_node=2), "train.py", None, []))
+    assert one is not None and not one.several_nodes
+    # Another rendezvous backend, an option rtrain does not write, one given twice: torchrun.
+    other = [a.replace("--rdzv-backend=c10d", "--rdzv-backend=etcd-v2") for a in several]
+    assert ranks.plan_of(other) is None
+    assert ranks.plan_of([*several[:4], "--rdzv-conf=timeout=9", *several[4:]]) is None
+    assert ranks.plan_of([*several[:4], "--nnodes=3", *several[4:]]) is None
+    assert ranks.plan_of([a for a in several if not a.startswith("--rdzv-id")]) is None
+    # A range of nodes: torchrun's agent grows the group inside the attempt; torchrun keeps it.
+    assert ranks.plan_of([a.replace("--nnodes=2", "--nnodes=1:2") for a in several]) is None
+    assert ranks.plan_of([a.replace("--nnodes=2", "--nnodes=2:2") for a in several])
+    # Each rank's variables but the rendezvous' come with the hand-off; the host adds those.
+    spec = ranks.handoff(plan, {"A": "1"}, Path("/a"), 30.0)["ranks"]
+    assert spec["rdzv"] == {"torchrun": list(several[3:])}
+    for local, env in enumerate(spec["envs"]):
+        assert env["LOCAL_RANK"] == str(local) and env["LOCAL_WORLD_SIZE"] == "2"
+        assert not set(ranks.RDZV_VARIABLES) & set(env)
+        assert env["TORCHELASTIC_ERROR_FILE"] == f"/a/rank-{local}-error.json"
 
 
 def test_the_standby_imports_with_what_torchrun_sets_for_every_rank():
@@ -190,3 +216,116 @@ def test_a_module_runs_in_every_rank_as_python_m_runs_it(tmp_path):
         assert rec["env"]["RANK"] == str(rank)
         assert rec["argv"] == [str(CHILDREN / "rank_probe.py"), str(out), "ok"]  # runpy's
         assert rec["orig_argv"][1:] == ["-u", "-m", "rank_probe", str(out), "ok"]
+
+
+@pytest.mark.slow
+def test_a_warm_node_and_a_torchrun_node_form_one_group_through_torchs_rendezvous(tmp_path):
+    """Two nodes of one rank on this machine: one hosted warm, one under torchrun (its first
+    attempt, or a standby not ready). The rank torchrun started and the warm one see the same
+    variables but their rank's; the warm host waits at the agents' exit barrier, so torchrun
+    ends at once too."""
+    out = tmp_path / "out"
+    out.mkdir()
+    command = torchrun_command(TorchrunSpec(nproc_per_node=1, nnodes="2",
+                                            rdzv_endpoint=f"127.0.0.1:{free_port()}"),
+                               PROBE, None, [str(out), "ok"])
+    plan = ranks.plan_of(command)
+    env = _attempt_env(tmp_path)
+    warm = WarmChild.spawn(target_of(command, CHILDREN), strip_attempt_vars(
+        ranks.standby_env(env, plan)), CHILDREN, tmp_path, ["torch"])
+    warm.wait_ready(60)
+    assert warm.failed is None, warm.failed
+    cold = subprocess.Popen(command, env=env, cwd=CHILDREN, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        spec = ChildSpec(argv=command, env=env, cwd=CHILDREN, attempt_dir=tmp_path / "att")
+        child = warm.activate(spec, ranks.handoff(plan, env, spec.attempt_dir, 30.0))
+        assert run_to_end(child) == 0, (tmp_path / "att" / "stderr.log").read_text()[-3000:]
+        assert cold.wait(timeout=60) == 0, cold.stderr.read()[-3000:]
+    finally:
+        if cold.poll() is None:
+            cold.kill()
+    recs = _records(out)
+    by = {Path(r["env"]["TORCHELASTIC_ERROR_FILE"]).parent.name == "att": r for r in recs}
+    assert set(by) == {True, False}, "not one warm rank and one torchrun rank"
+    w, c = by[True], by[False]
+    assert w["ppid"] == child.pid  # forked by the host, not started by torchrun
+    own = ("RANK", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE")
+    we, ce = ({k: v for k, v in r["env"].items() if k not in own} for r in (w, c))
+    assert we == ce, set(we.items()) ^ set(ce.items())
+    assert we["WORLD_SIZE"] == we["GROUP_WORLD_SIZE"] == "2"
+    assert we["TORCHELASTIC_RUN_ID"] == "rtrain" and we["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert {w["env"]["RANK"], c["env"]["RANK"]} == {"0", "1"}
+    for r in (w, c):
+        assert r["env"]["RANK"] == r["env"]["GROUP_RANK"] == r["env"]["ROLE_RANK"]
+
+
+def test_a_rendezvous_found_closed_is_joined_again_once_the_failed_groups_store_is_gone():
+    """The failed group's store outlives it until its last agent ends, its rendezvous closed:
+    a warm relaunch that comes back first joins again (a new store on the endpoint, here this
+    process's) instead of failing an attempt per try, as a relaunched torchrun would."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from rtrain.supervisor.standby import rank_rdzv
+
+    port = free_port()
+    args = torchrun_command(TorchrunSpec(nproc_per_node=1, nnodes="1",
+                                         rdzv_endpoint=f"127.0.0.1:{port}"), PROBE, None, [])[3:]
+    old = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False)
+    _, handler = rank_rdzv.handler_for(args)
+    handler.set_closed()  # what the failed group's torchrun did at its end
+    got: dict = {}
+
+    def join() -> None:
+        try:
+            got["joined"] = rank_rdzv.join(args)
+        except BaseException as e:  # reported below
+            got["error"] = e
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    assert thread.is_alive() and not got, got  # it waits while the old store is up
+    del handler, old  # the failed group's last agent ends, and its store with it
+    thread.join(30)
+    assert "joined" in got, got
+    joined = got["joined"]
+    assert [e["RANK"] for e in joined.envs()] == ["0"]
+    assert joined.envs()[0]["WORLD_SIZE"] == "1"
+    joined.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.soak  # the default tier has no seconds to spare: the rendezvous' own are above
+def test_a_stop_while_the_host_waits_in_the_rendezvous_ends_the_attempt_at_once(tmp_path):
+    """The other node never comes: the host waits in the rendezvous, its rank waits for its
+    variables. rtrain's stop signal to the attempt's group ends the rank, and the host with
+    it, torchrun's summary printed, rather than after the rendezvous' 600 s join timeout."""
+    out, port = tmp_path / "out", free_port()
+    out.mkdir()
+    command = torchrun_command(TorchrunSpec(nproc_per_node=1, nnodes="2",
+                                            rdzv_endpoint=f"127.0.0.1:{port}"),
+                               PROBE, None, [str(out), "ok"])
+    plan = ranks.plan_of(command)
+    env = _attempt_env(tmp_path)
+    warm = WarmChild.spawn(target_of(command, CHILDREN), strip_attempt_vars(
+        ranks.standby_env(env, plan)), CHILDREN, tmp_path, ["torch"])
+    warm.wait_ready(60)
+    assert warm.failed is None, warm.failed
+    spec = ChildSpec(argv=command, env=env, cwd=CHILDREN, attempt_dir=tmp_path / "att")
+    child = warm.activate(spec, ranks.handoff(plan, env, spec.attempt_dir, 30.0))
+    deadline = time.monotonic() + 30
+    while not _listening(child.pid, port):
+        assert time.monotonic() < deadline, "the host never served the rendezvous' store"
+        time.sleep(0.05)
+    assert len(psutil.Process(child.pid).children()) == 1  # its rank, waiting
+    t0 = time.monotonic()
+    assert signal_group(child, signal.SIGTERM)
+    assert run_to_end(child) == 1
+    assert time.monotonic() - t0 < 10
+    err = (tmp_path / "att" / "stderr.log").read_text()
+    assert "Signal 15 (SIGTERM)" in err, err[-2000:]
+    assert not (out / "rank0.json").exists()  # the script never ran

@@ -2,9 +2,10 @@
 checkpoint every 10. The run number is RTRAIN_ATTEMPT (under rtrain) or BENCH_RUN (the torchrun
 loop); BENCH_KILL_RUN (default 0) names the run that is killed. A run before it: rank 1
 SIGKILLs itself at its 30th step. That run: rank 0 writes OUT/steady at its 50th step, and rank
-1 SIGKILLs itself at the first step after OUT/kill appears, noting the time in OUT/killed. The
-run after it: rank 0 notes the time of its first step after the restore in OUT/stepping, and the
-run stops 20 steps later."""
+1 SIGKILLs itself at the first step after OUT/kill appears, noting the time in OUT/killed. A run
+started once OUT/killed exists (the run after it; over two nodes, where the benchmark kills a
+whole node and writes OUT/killed itself, each node's next run): rank 0 notes the time of its
+first step after the restore in OUT/stepping, and the run stops 20 steps later."""
 
 import os
 import signal
@@ -27,7 +28,8 @@ model = nn.parallel.DistributedDataParallel(nn.Linear(64, 64))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 ck = rtrain.Checkpointer(model=model, optimizer=opt, every=10, keep=2)
 step = ck.restore()
-end = total if run <= kill_run else step + 20  # after the kill: a few steps past the restore
+after = (out / "killed").exists()
+end = step + 20 if after else total  # after the kill: a few steps past the restore
 ran = 0
 while step < end:
     model(torch.randn(8, 64)).sum().backward()
@@ -37,7 +39,7 @@ while step < end:
     step += 1
     ran += 1
     ck.maybe_save(step)
-    if ran == 1 and run == kill_run + 1 and rank == 0:
+    if ran == 1 and after and rank == 0:
         (out / "stepping").write_text(repr(time.time()))
     if run < kill_run and rank == 1 and ran == 30:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -10,8 +10,16 @@ the kernel picked for this attempt's listening socket, so a group never meets a 
 keys), ends the other ranks when one fails (SIGTERM, then SIGKILL after the grace) and prints
 torchrun's failure summary, whose first observed failure decide/classify.py reads.
 
-Several nodes stay on torchrun (its rendezvous is what joins them, and a replacement node or a
-resize goes through it): `plan_of` takes only the one-node command torchrun_command builds.
+Several nodes (`--nnodes N`, the c10d rendezvous): the host joins torch's own dynamic
+rendezvous with the endpoint and id torchrun would use for the attempt, as torchrun's agent does
+(standby/rank_rdzv.py), and gets its group rank, the world's size and the store the ranks meet
+in from it. So a warm node and a node still running torchrun (its first attempt, or a standby
+that was not ready) form one group, and a lost node, a replacement node and a changed world size
+go through the rendezvous as under torchrun. Only a fixed number of nodes (`fixed_nodes`): over
+a range torchrun's agent grows the group inside an attempt, which a host does not. `node_env`
+holds a rank's variables that owe nothing to the rendezvous; the host adds the rest once it has
+joined. Any other torchrun command (another rendezvous backend, options rtrain does not write)
+stays on torchrun.
 
 This module is the supervisor's side, pure and torch-free: what the command runs, what the
 standby is started with, and what the hand-off tells the host.
@@ -29,6 +37,11 @@ TORCHRUN = "torch.distributed.run"
 ONE_NODE_OPTIONS = ("--standalone", "--max-restarts=0")
 """torchrun's options on one node besides --nproc-per-node, both always there (torchrun_command):
 a torchrun command without them is not rtrain's."""
+NODES_OPTIONS = ("--nnodes", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id")
+"""torchrun's options over several nodes besides --nproc-per-node and --max-restarts=0, each
+always there as `--name=value` (torchrun_command)."""
+RDZV_BACKEND = "c10d"
+"""The one rendezvous a host joins itself: torch's dynamic rendezvous on a c10d store."""
 MASTER_ADDR = "localhost"
 """torchrun's own on one node (`--standalone`)."""
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
@@ -45,6 +58,13 @@ class RankPlan:
     mode: str  # "script" or "module"
     target: str  # the script as the command names it, or the module
     args: tuple[str, ...]
+    torchrun: tuple[str, ...] = ()
+    """Several nodes: torchrun's arguments from its first option to the script's last argument
+    (the host parses them as torchrun does); () on one node."""
+
+    @property
+    def several_nodes(self) -> bool:
+        return bool(self.torchrun)
 
     def rank_argv(self) -> list[str]:
         """The command each rank runs, without torchrun (`python SCRIPT ...`, `-m MODULE`)."""
@@ -59,31 +79,53 @@ class RankPlan:
 
 
 def plan_of(command: list[str]) -> RankPlan | None:
-    """The one-node group `command` runs under torchrun; None for anything else (several nodes,
-    a torchrun command of the user's own, a plain script)."""
+    """The group `command` runs under torchrun, one node's (`--standalone`) or one node's share
+    of several (`--nnodes`, the c10d rendezvous); None for anything else (another rendezvous
+    backend, a torchrun command of the user's own, a plain script)."""
     if len(command) < 4 or command[1:3] != ["-m", TORCHRUN]:
         return None
-    nproc, seen, i = None, set(), 3
+    nproc, seen, nodes, i = None, set(), {}, 3
     while i < len(command) and command[i].startswith("--"):
         arg = command[i]
-        if arg.startswith("--nproc-per-node="):
-            value = arg.split("=", 1)[1]
+        name, eq, value = arg.partition("=")
+        if name == "--nproc-per-node":
             if not value.isdigit() or int(value) < 1:
                 return None
             nproc = int(value)
         elif arg in ONE_NODE_OPTIONS:
             seen.add(arg)
+        elif name in NODES_OPTIONS and eq and value and name not in nodes:
+            nodes[name] = value
         else:
             return None
         i += 1
     rest = command[i:]
-    if nproc is None or seen != set(ONE_NODE_OPTIONS) or not rest:
+    if nproc is None or not rest:
         return None
+    if nodes:
+        if (seen != {"--max-restarts=0"} or set(nodes) != set(NODES_OPTIONS)
+                or nodes["--rdzv-backend"] != RDZV_BACKEND
+                or not fixed_nodes(nodes["--nnodes"])):
+            return None
+        torchrun = tuple(command[3:])
+    elif seen != set(ONE_NODE_OPTIONS):
+        return None
+    else:
+        torchrun = ()
     if rest[0] == "-m":
         if len(rest) < 2:
             return None
-        return RankPlan(command[0], nproc, "module", rest[1], tuple(rest[2:]))
-    return RankPlan(command[0], nproc, "script", rest[0], tuple(rest[1:]))
+        return RankPlan(command[0], nproc, "module", rest[1], tuple(rest[2:]), torchrun)
+    return RankPlan(command[0], nproc, "script", rest[0], tuple(rest[1:]), torchrun)
+
+
+def fixed_nodes(nnodes: str) -> bool:
+    """`--nnodes N` (or `N:N`): a group whose size the rendezvous never changes while it runs.
+    Over a range (`MIN:MAX`) torchrun's agent restarts its ranks inside the attempt when a node
+    arrives (the elastic agent's membership change), which a rank host does not: such a run
+    stays on torchrun."""
+    low, _, high = nnodes.partition(":")
+    return low.isdigit() and int(low) >= 1 and (not high or high == low)
 
 
 def standby_env(env: Mapping[str, str], plan: RankPlan) -> dict[str, str]:
@@ -116,18 +158,41 @@ def rank_env(plan: RankPlan, env: Mapping[str, str], local_rank: int, run_id: st
     return out
 
 
+RDZV_VARIABLES = ("RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE",
+                  "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                  "TORCHELASTIC_USE_AGENT_STORE")
+"""A rank's variables over several nodes that come from the rendezvous (the host sets them)."""
+
+
+def node_env(plan: RankPlan, env: Mapping[str, str], local_rank: int,
+             error_file: str) -> dict[str, str]:
+    """Over several nodes: the variables torchrun's agent gives local rank `local_rank` that
+    owe nothing to the rendezvous (RDZV_VARIABLES are left to the host)."""
+    out = rank_env(plan, env, local_rank, "", error_file)
+    for name in RDZV_VARIABLES:
+        out.pop(name, None)
+    return out
+
+
 def handoff(plan: RankPlan, env: Mapping[str, str], attempt_dir: Path,
             grace_s: float) -> dict:
     """What the hand-off tells the standby beyond a single process's argv, env and cwd: each
     rank's variables, the argv a rank sees, and the grace the other ranks get when one fails.
-    A fresh run id each attempt, as a fresh torchrun has."""
+    One node: a fresh run id each attempt, as a fresh torchrun has. Several nodes: torchrun's
+    arguments, from which the host joins the rendezvous (its id and round, its store)."""
     run_id = str(uuid.uuid4())
-    envs = [rank_env(plan, env, r, run_id,
-                     str(Path(attempt_dir).resolve() / f"rank-{r}-error.json"))
-            for r in range(plan.nproc)]
-    return {"ranks": {"envs": envs, "argv": plan.rank_argv(), "orig_argv": plan.orig_argv(),
-                      "grace_s": grace_s, "addr": MASTER_ADDR, "name": os.path.basename(
-                          plan.target) if plan.mode == "script" else plan.target}}
+    files = [str(Path(attempt_dir).resolve() / f"rank-{r}-error.json")
+             for r in range(plan.nproc)]
+    if plan.several_nodes:
+        envs = [node_env(plan, env, r, files[r]) for r in range(plan.nproc)]
+    else:
+        envs = [rank_env(plan, env, r, run_id, files[r]) for r in range(plan.nproc)]
+    out = {"envs": envs, "argv": plan.rank_argv(), "orig_argv": plan.orig_argv(),
+           "grace_s": grace_s, "addr": MASTER_ADDR, "name": os.path.basename(
+               plan.target) if plan.mode == "script" else plan.target}
+    if plan.several_nodes:
+        out["rdzv"] = {"torchrun": list(plan.torchrun)}
+    return {"ranks": out}
 
 
-__all__ = ["RankPlan", "handoff", "plan_of", "rank_env", "standby_env"]
+__all__ = ["RankPlan", "handoff", "node_env", "plan_of", "rank_env", "standby_env"]

@@ -9,7 +9,8 @@ node's supervisor counts its own attempts (a replacement node starts again at 0)
 per node may enter the id. A failed group's rendezvous is not met again: the c10d store lives
 in the torchrun that hosts it, and one failed rank fails the collectives of every other, so
 every torchrun of the group ends and the next group meets in a fresh store (a relaunch that
-still finds the old one finds it closed, fails at once and is relaunched).
+still finds the old one finds it closed, fails at once and is relaunched; a relaunch in the
+warm standby joins again until the old store is gone instead, standby/rank_rdzv.py).
 """
 
 from __future__ import annotations

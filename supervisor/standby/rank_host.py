@@ -18,6 +18,14 @@ host itself never returns. It does for one node what torchrun's agent does:
   torchrun's failure summary (decide/classify.py reads its first observed failure) and exits 1,
   as torchrun does. All ranks succeeded: exit 0.
 
+Over several nodes the store is not the host's to pick: the forked ranks wait on a pipe while
+the host joins torch's rendezvous as torchrun's agent would (standby/rank_rdzv.py), then each
+gets its rank, the world's size and the round's store from it. The rendezvous runs threads,
+which is why the ranks are forked first. A rank that ends before the rendezvous is done (a stop
+signal) ends the attempt; a rendezvous that fails ends it as it ends torchrun (its traceback,
+status 1); a group that ended well waits at the agents' exit barrier; either way the host then
+shuts the rendezvous down, as torchrun does.
+
 What differs from a rank under torchrun: the preloaded modules are imported before the rank
 variables are set (as the RTRAIN_* ones, child_program.py); a rank's parent is the host, in
 the host's process group, not a session of its own; TORCHELASTIC_ERROR_FILE lies in the
@@ -113,18 +121,21 @@ def _read_small(path: str, limit: int = 1 << 16) -> bytes:
         os.close(fd)
 
 
-def summary(name: str, failures: list[tuple[int, int, int, float, str]]) -> str:
+def summary(name: str, failures: list[tuple[int, int, int, float, str]],
+            global_ranks: dict[int, int] | None = None) -> str:
     """torchrun's ChildFailedError text for `failures` (local rank, pid, exit code, time, error
-    file), the first observed failure first."""
+    file), the first observed failure first; `global_ranks`: each local rank's rank in the
+    group, where it differs (several nodes)."""
     host = socket.gethostname()
 
     def block(i: int, f: tuple[int, int, int, float, str]) -> list[str]:
         rank, pid, code, when, error_file = f
+        grank = global_ranks.get(rank, rank) if global_ranks else rank
         exists = os.path.exists(error_file)
         return [f"[{i}]:",
                 f"  time      : {time.strftime('%Y-%m-%d_%H:%M:%S', time.localtime(when))}",
                 f"  host      : {host}",
-                f"  rank      : {rank} (local_rank: {rank})",
+                f"  rank      : {grank} (local_rank: {rank})",
                 f"  exitcode  : {code} (pid: {pid})",
                 f"  error_file: {error_file if exists else '<N/A>'}",
                 f"  traceback : {_traceback(code, pid, error_file)}"]
@@ -145,12 +156,17 @@ def host(spec: dict, set_cmdline) -> list[str]:
     runs. In the host it never returns."""
     envs: list[dict[str, str]] = spec["envs"]
     grace_s = float(spec["grace_s"])
-    listener = _listen(spec["addr"])
-    port = str(listener.getsockname()[1])
+    several = spec.get("rdzv")  # several nodes: the rendezvous gives the rest of each env
+    listener = None if several else _listen(spec["addr"])
+    port = "" if listener is None else str(listener.getsockname()[1])
     ranks: dict[int, int] = {}  # pid -> local rank
+    writers: dict[int, int] = {}  # local rank -> the pipe its rendezvous variables come by
     sys.stdout.flush()
     sys.stderr.flush()
     for local_rank, env in enumerate(envs):
+        reader = -1
+        if several:
+            reader, writers[local_rank] = os.pipe()
         try:
             pid = os.fork()
         except OSError as e:
@@ -158,15 +174,23 @@ def host(spec: dict, set_cmdline) -> list[str]:
             _signal_all(ranks, signal.SIGKILL)
             os._exit(1)
         if pid == 0:
-            listener.close()
+            if listener is not None:
+                listener.close()
             _die_with_parent()
             if os.getppid() == 1:
                 os._exit(1)
             os.environ.update(env)
-            os.environ["MASTER_PORT"] = port
+            if several:
+                for fd in writers.values():
+                    os.close(fd)
+                os.environ.update(_rendezvous_env(reader))
+            else:
+                os.environ["MASTER_PORT"] = port
             sys.orig_argv = list(spec["orig_argv"])
             set_cmdline(spec["orig_argv"])
             return list(spec["argv"])
+        if several:
+            os.close(reader)
         ranks[pid] = local_rank
     for sig in signal.valid_signals():
         if sig not in KEEP:
@@ -174,10 +198,94 @@ def host(spec: dict, set_cmdline) -> list[str]:
                 signal.signal(sig, signal.SIG_IGN)
             except (OSError, ValueError):
                 pass
+    name = spec.get("name") or "script"
+    if several:
+        joined = _join(several, ranks, writers, envs, name)
+        code = _wait(ranks, envs, grace_s, name)
+        if code == 0:
+            joined.exit_barrier()
+        joined.shutdown()
+        os._exit(code)
     store = _serve_store(spec["addr"], listener)
-    code = _wait(ranks, envs, grace_s, spec.get("name") or "script")
+    code = _wait(ranks, envs, grace_s, name)
     del store
     os._exit(code)
+
+
+def _rendezvous_env(reader: int) -> dict[str, str]:
+    """In a rank over several nodes: its rendezvous variables, which the host writes once it
+    has joined (nothing: the host gave up, and so does the rank)."""
+    data = b""
+    while chunk := os.read(reader, 1 << 16):
+        data += chunk
+    os.close(reader)
+    try:
+        env = json.loads(data)
+    except ValueError:
+        os._exit(1)
+    if not isinstance(env, dict):
+        os._exit(1)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def _rank_rdzv():
+    """standby/rank_rdzv.py, beside this file, loaded by path as this file is."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_rdzv.py")
+    found = importlib.util.spec_from_file_location("_rtrain_rank_rdzv", path)
+    if found is None or found.loader is None:
+        raise OSError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
+def _join(several: dict, ranks: dict[int, int], writers: dict[int, int],
+          envs: list[dict[str, str]], name: str):
+    """Join the rendezvous (in a thread, while the ranks are watched: a rank that ends first,
+    a stop signal's doing, ends the attempt), then send each rank its variables. Exits the
+    host when the rendezvous fails, as torchrun exits: its traceback, status 1."""
+    import threading
+    import traceback
+
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            result["joined"] = _rank_rdzv().join(several["torchrun"])
+        except BaseException as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name="rtrain-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(POLL_S)
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid in ranks:  # ended before it started: the others too, no rendezvous kept
+            local = ranks.pop(pid)
+            _signal_all(ranks, signal.SIGKILL)
+            failure = (local, pid, os.waitstatus_to_exitcode(status), time.time(),
+                       envs[local].get("TORCHELASTIC_ERROR_FILE", ""))
+            print(summary(name, [failure]), file=sys.stderr, flush=True)
+            os._exit(1)
+    if "error" in result:
+        e = result["error"]
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+        sys.stderr.flush()
+        _signal_all(ranks, signal.SIGKILL)
+        os._exit(1)
+    joined = result["joined"]
+    for local, env in enumerate(joined.envs()):
+        envs[local].update(env)
+        data = json.dumps(env).encode()
+        try:
+            while data:
+                data = data[os.write(writers[local], data):]
+        except OSError:
+            pass  # that rank is gone: _wait hears of it
+        os.close(writers[local])
+    return joined
 
 
 def _wait(ranks: dict[int, int], envs: list[dict[str, str]], grace_s: float, name: str) -> int:
@@ -207,5 +315,7 @@ def _wait(ranks: dict[int, int], envs: list[dict[str, str]], grace_s: float, nam
                 deadline = time.monotonic() + grace_s
     if not failures:
         return 0
-    print(summary(name, failures), file=sys.stderr, flush=True)
+    global_ranks = {i: int(env["RANK"]) for i, env in enumerate(envs)
+                    if str(env.get("RANK", "")).isdigit()}
+    print(summary(name, failures, global_ranks), file=sys.stderr, flush=True)
     return 1

@@ -1,0 +1,139 @@
+"""Over several nodes: the rank host joins torch's own rendezvous as torchrun's agent does.
+
+Loaded by rank_host.py by path, in the host only, after its ranks are forked (the rendezvous
+runs threads: its keep-alive, and on the node that becomes group rank 0 the TCPStore the ranks
+meet in). Standard library only, torch imported by name. Nothing here is rtrain's own
+rendezvous; each step is torch's (torch 2.x, torch/distributed/run.py, launcher/api.py,
+elastic/agent/server/api.py and local_elastic_agent.py):
+
+- torchrun's arguments are parsed by torchrun's own parser (`parse_args`, `config_from_args`),
+  so the endpoint, the run id, the node counts and any PET_* variable mean what they mean to a
+  torchrun started in their place;
+- the rendezvous handler is the registry's for those parameters (launch_agent), joined with
+  `next_rendezvous()`: the node's group rank, the world's size, the round's store, and the
+  address of the store the ranks bootstrap from, which the group-rank-0 node serves on a port
+  the kernel picks in each round (so a restarted group never meets a dead one's keys);
+- the global ranks come from the agent's own `_assign_worker_ranks` over the round's store, so
+  a node started by torchrun and a warm one agree on them;
+- a group that ended well waits at the agents' exit barrier; then, as launch_agent does at its
+  end unless a signal ended it, the rendezvous is shut down (closed for this run id: a node
+  still waiting in it ends, as a torchrun would);
+- one difference: a rendezvous found closed is joined again for a while (`join`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from types import SimpleNamespace
+
+EXIT_BARRIER_S = 300.0
+"""torchrun's agent's `exit_barrier_timeout` (LocalElasticAgent's default)."""
+CLOSED_WAIT_S = 60.0
+"""How long a closed rendezvous (the failed group's, its store not yet gone) is joined again."""
+CLOSED_POLL_S = 0.2
+
+
+class Joined:
+    """This node's place in one round of the rendezvous."""
+
+    def __init__(self, handler: object, info: object, workers: list) -> None:
+        self.handler, self.info, self.workers = handler, info, workers
+
+    def envs(self) -> list[dict[str, str]]:
+        """Each local rank's rendezvous variables, as LocalElasticAgent._start_workers sets
+        them (proc/ranks.RDZV_VARIABLES), by local rank."""
+        info, handler = self.info, self.handler
+        boot = info.bootstrap_store_info
+        out = []
+        for w in sorted(self.workers, key=lambda w: w.local_rank):
+            out.append({
+                "RANK": str(w.global_rank), "GROUP_RANK": str(info.rank),
+                "ROLE_RANK": str(w.role_rank), "WORLD_SIZE": str(w.world_size),
+                "GROUP_WORLD_SIZE": str(info.world_size),
+                "ROLE_WORLD_SIZE": str(w.role_world_size), "MASTER_ADDR": boot.master_addr,
+                "MASTER_PORT": str(boot.master_port),
+                "TORCHELASTIC_RUN_ID": handler.get_run_id(),
+                "TORCHELASTIC_USE_AGENT_STORE": str(handler.use_agent_store)})
+        return out
+
+    def exit_barrier(self) -> None:
+        """The agents' barrier at a group's good end (SimpleElasticAgent._exit_barrier): a node
+        whose ranks ended first keeps the round's store up for the others."""
+        from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+        from torch.distributed.elastic.utils import store as store_util
+
+        try:
+            store_util.barrier(store=self.info.store, world_size=self.info.world_size,
+                               key_prefix=_TERMINAL_STATE_SYNC_ID,
+                               barrier_timeout=EXIT_BARRIER_S)
+        except Exception as e:  # the agent logs it and ends as it would have
+            print(f"rtrain rank host: exit barrier: {type(e).__name__}: {e}", flush=True,
+                  file=sys.stderr)
+
+    def shutdown(self) -> None:
+        """launch_agent's last step: the handler's shutdown (best effort there too)."""
+        _shutdown(self.handler)
+
+
+def handler_for(torchrun_args: list[str]) -> tuple[object, object]:
+    """(torchrun's LaunchConfig, its rendezvous handler) for `torchrun_args`, parsed by
+    torchrun's own parser and built as launch_agent builds it."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.run import config_from_args, parse_args
+
+    config, _, _ = config_from_args(parse_args(list(torchrun_args)))
+    params = RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
+        **config.rdzv_configs)
+    return config, rdzv_registry.get_rendezvous_handler(params)
+
+
+def join(torchrun_args: list[str]) -> Joined:
+    """Join the next round of the rendezvous and take this node's ranks; raises what torchrun
+    would (a timeout, a store out of reach) once the handler is shut down, as launch_agent
+    shuts it down after an error.
+
+    One difference, and why: a rendezvous found closed (or closed while this node waited in
+    its redundancy list) is the failed group's, whose store lives until the last of its
+    agents ends; torchrun fails at once there and rtrain relaunches it, but a warm relaunch
+    comes back in a fraction of a second, and each would be a failed attempt charged to the
+    run's budget. So the host joins again every CLOSED_POLL_S, with a new handler (a new
+    store client, or the new store itself on the endpoint's host), for up to CLOSED_WAIT_S;
+    then it fails as torchrun does. A store that went away while it was joined (the old one
+    ending) is joined again the same way."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousGracefulExitError,
+    )
+
+    deadline = time.monotonic() + CLOSED_WAIT_S
+    while True:
+        config, handler = handler_for(torchrun_args)
+        try:
+            info = handler.next_rendezvous()
+            break
+        except (RendezvousClosedError, RendezvousGracefulExitError, RendezvousConnectionError):
+            if time.monotonic() >= deadline:
+                _shutdown(handler)
+                raise
+        except BaseException:
+            _shutdown(handler)
+            raise
+        time.sleep(CLOSED_POLL_S)
+    spec = SimpleNamespace(role=config.role, local_world_size=config.nproc_per_node)
+    # The agent's own assignment; it never reads its `self`.
+    workers = SimpleElasticAgent._assign_worker_ranks(None, info.store, info.rank,
+                                                      info.world_size, spec)
+    return Joined(handler, info, workers)
+
+
+def _shutdown(handler: object) -> None:
+    try:
+        handler.shutdown()
+    except Exception:
+        pass
