@@ -37,6 +37,8 @@ ALLOWED = {
     "checkpoint/commit.py::PendingCheckpoint.write_json": "PendingCheckpoint.write_bytes: "
                                                           "exclusive create in its temp dir",
     "worker/memtier/memory_tier.py::write_snapshot": "PendingCheckpoint.write_bytes",
+    "supervisor/memtier/persist.py::make_durable": "os.open read-only, no link followed, of "
+                                                   "a file rtrain just committed: to fsync it",
     "supervisor/memtier/live_seal.py::_copy_range": "os.open of a file rtrain just moved into "
                                                     "its own 0700 temp dir, checked (_take)",
     "worker/saving/dist_ckpt.py::_write_part": "PendingCheckpoint.write_bytes",
