@@ -383,9 +383,11 @@ def test_a_kill_soon_after_a_relaunch_resumes_in_a_standby_and_nothing_outlives_
         "import os, sys, time\nimport torch\n"
         "attempt = int(os.environ['RTRAIN_ATTEMPT'])\n"
         "print('attempt', attempt, sys.argv[1:], flush=True)\n"
-        # attempt 0 fails after the zygote was started (5 s in); attempt 1 waits for its imports
-        "if attempt == 0:\n    time.sleep(6)\n    raise RuntimeError('boom')\n"
+        # attempt 0 fails once the zygote was started beside it (standby_idle_cores 0: at its
+        # first sample); attempt 1 waits for the zygote's imports
+        "if attempt == 0:\n    time.sleep(0.5)\n    raise RuntimeError('boom')\n"
         "time.sleep(600)\n")
+    (tmp_path / "tuning.json").write_text(json.dumps({"standby_idle_cores": 0}))
     proc = subprocess.Popen(launch_cmd(run, str(script), "x"), cwd=tmp_path, env=child_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
