@@ -199,7 +199,7 @@ class StandbySlot:
             heartbeat_seen=self._heartbeat, host_used=host.used, host_limit=host.limit,
             fraction=host.fraction, standby_rss=self.rss, pressure=self._pressure,
             zygote_ready=self.zygote is not None and self.zygote.ready is not None,
-            idle_core=not self._heartbeat and self._idle_core()))
+            idle_core=self.zygote is None and not self._heartbeat and self._idle_core()))
         if go:
             self._spawn()
 
