@@ -457,6 +457,11 @@ class Config:
     module-level imports (and its own modules') from outside its directory and the standard
     library, plus torch._dynamo when they import torch (its first optimizer would). Set it when
     the script imports a heavy module late (inside a function) and the standby misses it."""
+    standby_idle_cores: float = 0.75
+    """The launch's zygote (standby/slot.py) is started beside an attempt's start, rather than
+    at its first heartbeat, once at least this many cores' worth of CPU went unused since the
+    attempt started (standby/idle.py): then it imports where it slows nothing. 0: always beside
+    the start; more than the cores: never."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.resume, str) or not self.resume:
@@ -471,6 +476,7 @@ class Config:
         _number("keep_remote", self.keep_remote, integer=True)
         _number("milestone_every", self.milestone_every, integer=True)
         _bool("standby", self.standby)
+        _number("standby_idle_cores", self.standby_idle_cores)
         if self.preload is not None:
             _check_preload(self.preload)
         name = self.stop_signal.upper() if isinstance(self.stop_signal, str) else ""

@@ -25,14 +25,16 @@ HANG_TIMEOUT_S = 3.0
 
 @pytest.mark.slow
 def test_hang_is_detected_within_the_timeout_stacks_dumped_and_relaunched(tmp_path):
-    settings = {"steps": 90, "save_every": 5, "step_sleep": 0.02}
+    # The reference of test_failsave_process.py and test_hang_save.py (step_sleep aside): one
+    # run the suite makes once.
+    settings = {"steps": 30, "save_every": 8, "keep": 10, "step_sleep": 0.02}
     ref = reference(tmp_path, settings)
     # floor = ceiling: the learned timeout is exactly HANG_TIMEOUT_S whatever the step times.
     write_config(tmp_path / "rtrain.toml", settings,
                  hang={"warmup_steps": 2, "multiple": 2.0, "floor_s": HANG_TIMEOUT_S,
                        "ceiling_s": HANG_TIMEOUT_S})
     run = tmp_path / "run"
-    r = launch_chaos(run, faults="hang@step=70")
+    r = launch_chaos(run, faults="hang@step=24")
     assert r.returncode == 0, r.stderr[-3000:]
 
     cls = events(run, "classification")
@@ -49,8 +51,8 @@ def test_hang_is_detected_within_the_timeout_stacks_dumped_and_relaunched(tmp_pa
     detected_at = max(p.stat().st_mtime for p in stacks if p.stat().st_size)
     assert detected_at - hung_at <= HANG_TIMEOUT_S + 1.0, detected_at - hung_at
 
-    # The hang came at the start of maybe_save(70), before its save: resume from 65.
-    assert events(run, "launch")[1]["resume_from"].endswith("/checkpoint-65")
+    # The hang came at the start of maybe_save(24), before its save: resume from 16.
+    assert events(run, "launch")[1]["resume_from"].endswith("/checkpoint-16")
     assert final_state_diff(run, ref) is None
     assert wait_gone(str(run)) == []
 
@@ -62,8 +64,8 @@ def test_hang_is_detected_within_the_timeout_stacks_dumped_and_relaunched(tmp_pa
     assert all(cost[f"{p}_s"] is not None for p in PHASES) and cost["teardown_s"] > 0
     last = max(rec["step"] for rec in step_log(run) if rec.get("a") == 0 and "step" in rec)
     # Step heartbeats go out at most every 0.2 s (10 steps here): the last may be the save's.
-    assert cost["resumed_step"] == 65 and 65 <= cost["last_step"] <= last
-    assert cost["steps_lost"] == cost["last_step"] - 65
+    assert cost["resumed_step"] == 16 and 16 <= cost["last_step"] <= last
+    assert cost["steps_lost"] == cost["last_step"] - 16
 
 
 @pytest.mark.slow
@@ -97,19 +99,19 @@ def test_nonfinite_loss_rolls_back_a_checkpoint_with_the_lr_cut(tmp_path):
 
 @pytest.mark.slow
 def test_corrupted_newest_checkpoint_is_skipped_with_the_reason(tmp_path):
-    settings = {"steps": 70, "save_every": 4}
+    settings = {"steps": 30, "save_every": 8, "keep": 10}  # the hang test's reference
     ref = reference(tmp_path, settings)
     write_config(tmp_path / "rtrain.toml", settings)
     run = tmp_path / "run"
-    # After checkpoint-40 is committed, flip a byte of it and crash.
-    r = launch_chaos(run, faults="corrupt_newest@step=40")
+    # After checkpoint-24 is committed, flip a byte of it and crash.
+    r = launch_chaos(run, faults="corrupt_newest@step=24")
     assert r.returncode == 0, r.stderr[-3000:]
 
     skipped = events(run, "skipped_checkpoint")
-    assert [s["path"].rsplit("/", 1)[-1] for s in skipped] == ["checkpoint-40"], skipped
+    assert [s["path"].rsplit("/", 1)[-1] for s in skipped] == ["checkpoint-24"], skipped
     assert "model.safetensors" in skipped[0]["reason"], skipped[0]["reason"]
-    assert "skipping checkpoint-40" in r.stderr  # said to the user too, with the reason
-    assert events(run, "launch")[1]["resume_from"].endswith("/checkpoint-36")
+    assert "skipping checkpoint-24" in r.stderr  # said to the user too, with the reason
+    assert events(run, "launch")[1]["resume_from"].endswith("/checkpoint-16")
     assert final_state_diff(run, ref) is None
     left = sorted((run / "checkpoints").glob("checkpoint-*"))
     assert left and all(verify(p, Level.FULL).ok for p in left)

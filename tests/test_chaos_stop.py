@@ -24,7 +24,7 @@ from harness import events, gone
 
 from rtrain.supervisor.records.runstate import load_state
 
-SETTINGS = {"steps": 120, "save_every": 10, "step_sleep": 0.02}
+SETTINGS = {"steps": 50, "save_every": 10, "step_sleep": 0.02}
 GRACE_S = 20.0
 
 

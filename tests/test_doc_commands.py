@@ -43,6 +43,12 @@ NOT_RUN = {
                "scripts/slurm on a local one)",
     "kubectl ": "needs a Kubernetes cluster",
 }
+# A block whose command starts with one of these runs in the soak tier only: the default-tier
+# test named runs the same command, with the same options, on a shorter run.
+IN_SOAK = {
+    "rtrain check-resume examples/vision/train.py --config examples/vision/rtrain.toml":
+        "tests/test_check_resume.py::test_check_resume_says_the_vision_example_resumes_exactly",
+}
 TIMEOUT_S = 300  # one command; the examples train for seconds
 
 
@@ -146,9 +152,14 @@ def prepare(block: Block, scratch: Path) -> None:
 BLOCKS = all_blocks()
 
 
+def in_soak(block: Block) -> bool:
+    return any(c.text.startswith(tuple(IN_SOAK)) for c in block.commands)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+@pytest.mark.parametrize("block", [pytest.param(b, marks=pytest.mark.soak) if in_soak(b) else b
+                                   for b in BLOCKS], ids=[b.id for b in BLOCKS])
 def test_doc_block_runs_as_written(block, tmp_path):
     run = [c for c in block.commands if reason_not_run(c) is None]
     if not run:
@@ -196,6 +207,21 @@ def test_every_command_not_run_is_still_on_a_page():
     for start in NOT_RUN:
         assert any(n.startswith(start) for n in names), (
             f"NOT_RUN names {start!r}, which no page holds any more: remove it")
+    for start in IN_SOAK:
+        assert any(n.startswith(start) for n in names), (
+            f"IN_SOAK names {start!r}, which no page holds any more: remove it")
+
+
+def test_a_block_left_to_the_soak_tier_is_run_by_its_default_tier_test():
+    """The default-tier test named for a block runs the same command and options: only the
+    run's length may differ."""
+    for start, test in IN_SOAK.items():
+        path, name = test.split("::")
+        source = (REPO / path).read_text()
+        body = source[source.index(f"def {name}("):]
+        body = body[:body.find("\ndef ", 1)]
+        for word in start.split()[2:]:  # past `rtrain COMMAND`: the script and the options
+            assert f'"{word}"' in body, f"{test} does not pass {word}"
 
 
 def test_commands_are_read_as_bash_reads_them():

@@ -86,6 +86,9 @@ def test_the_scripted_loop_runs_with_no_feature(tmp_path):
 
 
 @pytest.mark.slow
+# The default tier launches for real with every feature folder but the entangled ones deleted
+# (test_deleting_a_feature_folder_...), and runs the loop with no feature at all, scripted.
+@pytest.mark.soak
 def test_a_whole_launch_with_no_feature_crashes_resumes_and_finishes(tmp_path, monkeypatch):
     (tmp_path / "train.py").write_text(CHILD)
     out = tmp_path / "out.jsonl"

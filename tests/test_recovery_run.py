@@ -6,7 +6,10 @@ itself saw, and `rtrain status` / `rtrain report` show them."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
 import subprocess
 
 import pytest
@@ -18,16 +21,30 @@ from rtrain.supervisor.records.recovery import PHASES
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def crashed_run(tmp_path_factory):
-    base = tmp_path_factory.mktemp("recovery")
-    tuned.write(base, {"backoff": {"initial_s": 0.3, "jitter": 0.0}})
-    run, log = base / "run", base / "train.log"
-    r = subprocess.run(rtrain_cmd("launch", "--run-dir", str(run), "-q",
-                                  str(CHILDREN / "recovery_train.py"), "20", str(log)),
-                       cwd=base, env=child_env(RTRAIN_FAULTS="crash@step=13"),
-                       capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr
+    """The run every test here reads, made once per pytest session: under pytest-xdist these
+    tests land on several workers, each with its own session fixtures, so the first makes it
+    in the session's shared temporary dir while the others wait on a lock, then read it (as
+    test_trackers_launch.py's `tracked`)."""
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent  # every worker's basetemp is a folder of the session's
+    base = shared / "recovery"
+    run, log, result = base / "run", base / "train.log", base / "launch.json"
+    with open(shared / "recovery.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            shutil.rmtree(base, ignore_errors=True)  # a worker that died half-way
+            base.mkdir()
+            tuned.write(base, {"backoff": {"initial_s": 0.3, "jitter": 0.0}})
+            r = subprocess.run(rtrain_cmd("launch", "--run-dir", str(run), "-q",
+                                          str(CHILDREN / "recovery_train.py"), "20", str(log)),
+                               cwd=base, env=child_env(RTRAIN_FAULTS="crash@step=13"),
+                               capture_output=True, text=True, timeout=180)
+            result.write_text(json.dumps({"returncode": r.returncode, "stderr": r.stderr}))
+    launched = json.loads(result.read_text())
+    assert launched["returncode"] == 0, launched["stderr"]
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     return run, lines
 

@@ -47,6 +47,7 @@ ALLOWED = {
     "supervisor/proc/cgroup.py::*": "cgroupfs control files",
     "worker/memtier/memory_tier.py::cgroup_room_bytes": "cgroupfs control files",
     "supervisor/proc/spawn.py::_preexec.hook": "the cgroup's cgroup.procs",
+    "supervisor/standby/idle.py::read": "procfs: /proc/stat",
     # A parent directory opened to fsync it, right after rtrain renamed into it.
     "supervisor/core/atomic_write.py::write_atomic": "the parent dir, for its fsync",
     "supervisor/commands/exporting.py::_publish": "the parent dir, for its fsync",

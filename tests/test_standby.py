@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from harness import CHILDREN, child_env, events, gone, kinds, launch_cmd, run_to_end
 
@@ -383,9 +384,11 @@ def test_a_kill_soon_after_a_relaunch_resumes_in_a_standby_and_nothing_outlives_
         "import os, sys, time\nimport torch\n"
         "attempt = int(os.environ['RTRAIN_ATTEMPT'])\n"
         "print('attempt', attempt, sys.argv[1:], flush=True)\n"
-        # attempt 0 fails after the zygote was started (5 s in); attempt 1 waits for its imports
-        "if attempt == 0:\n    time.sleep(6)\n    raise RuntimeError('boom')\n"
+        # attempt 0 fails once the zygote was started beside it (standby_idle_cores 0: at its
+        # first sample); attempt 1 waits for the zygote's imports
+        "if attempt == 0:\n    time.sleep(0.5)\n    raise RuntimeError('boom')\n"
         "time.sleep(600)\n")
+    (tmp_path / "tuning.json").write_text(json.dumps({"standby_idle_cores": 0}))
     proc = subprocess.Popen(launch_cmd(run, str(script), "x"), cwd=tmp_path, env=child_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -410,6 +413,77 @@ def test_a_kill_soon_after_a_relaunch_resumes_in_a_standby_and_nothing_outlives_
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.parametrize(("idle_cores", "at_start"), [(0, True), (1e9, False)])
+def test_the_zygote_starts_beside_the_attempts_start_where_a_core_is_idle(
+        tmp_path, idle_cores, at_start):
+    """At the attempt's first sample, before any heartbeat: the zygote is spawned when a core's
+    worth of CPU went unused since the attempt started (standby_idle_cores: 0 always, past the
+    core count never, as on a host whose cores are all busy)."""
+    keeper, log = _keeper(tmp_path, preload=["json"], standby_idle_cores=idle_cores)
+    try:
+        child, _ = keeper.start(_spec(tmp_path, "a0", env=_attempt_env(0)), 0)
+        assert child is None
+        time.sleep(0.05)
+        keeper.tick(_sample())
+        assert (keeper.zygote is not None) is at_start
+        if not at_start:
+            keeper.heartbeat()  # then at the first heartbeat, as before
+            assert keeper.zygote is not None
+    finally:
+        keeper.close()
+        log.close()
+
+
+def _zygote_of(rtrain: int, script: str) -> bool:
+    for child in psutil.Process(rtrain).children():
+        try:
+            if "zygote" in child.cmdline() and script in child.cmdline():
+                return True
+        except psutil.Error:  # ended meanwhile
+            continue
+    return False
+
+
+def test_a_kill_in_the_first_second_of_a_launch_resumes_in_a_standby_forked_from_a_zygote(
+        tmp_path):
+    """The launch's first failure: the zygote was started beside the first attempt (a core
+    idle, here forced), so a SIGKILL 1 s into the launch, before the attempt's first heartbeat
+    (it sends none), is handed to a standby forked from it, not started cold."""
+    run = tmp_path / "run"
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys, time\nimport psutil\n"  # a library to preload, light for the suite
+        "attempt = int(os.environ['RTRAIN_ATTEMPT'])\n"
+        "print('attempt', attempt, sys.argv[1:], flush=True)\n"
+        "if attempt == 0:\n    time.sleep(600)\n")
+    (tmp_path / "tuning.json").write_text(json.dumps({"standby_idle_cores": 0}))
+    proc = subprocess.Popen(launch_cmd(run, str(script), "x"), cwd=tmp_path, env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        first = _event(run, "launch", deadline, attempt=0)
+        # On a starved machine the first sample may come late: the kill waits for the zygote
+        # (what is tested is the hand-off to it, not the scheduler), though not until 5 s in,
+        # when one would be started anyway (decide.SPAWN_AFTER_S).
+        while not _zygote_of(proc.pid, str(script)):
+            assert time.time() < first["time"] + 4.0, "no zygote beside the first attempt"
+            time.sleep(0.02)
+        time.sleep(max(0.0, 1.0 - (time.time() - first["time"])))
+        os.kill(first["pid"], signal.SIGKILL)  # 1 s into the launch
+        assert proc.wait(120) == 0, proc.stderr.read().decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    [second] = [e for e in events(run, "launch") if e["attempt"] == 1]
+    assert not first["standby"] and second["standby"], kinds(run)
+    [ready] = [e for e in events(run, "standby_ready") if e["attempt"] == 0]
+    assert second["pid"] == ready["pid"] and ready["zygote"] not in (None, ready["pid"])
+    assert ready["modules"] == ["psutil"]
+    assert (run / "attempts" / "1" / "stdout.log").read_text() == "attempt 1 ['x']\n"
+    assert gone(ready["zygote"])
 
 
 @pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroups")

@@ -14,6 +14,7 @@ import pytest
 from rtrain.supervisor.config import Config
 from rtrain.supervisor.core.errors import ConfigError
 from rtrain.supervisor.standby import decide as sb
+from rtrain.supervisor.standby import idle
 from rtrain.supervisor.standby.warm_child import Target, same_target, strip_attempt_vars, target_of
 
 GIB = 2**30
@@ -53,9 +54,43 @@ SPAWN = sb.SpawnFacts(enabled=True, failures=0, running_s=10.0, heartbeat_seen=F
     ({"host_used": 13 * GIB}, True, ""),
     ({"host_used": 13 * GIB, "standby_rss": 2 * GIB}, False, "host memory is tight"),
     ({"pressure": True}, False, "memory pressure rose in this attempt"),
+    # a core idle beside the attempt's start: the zygote imports there, at once
+    ({"running_s": 0.25, "idle_core": True}, True, ""),
+    ({"running_s": 0.25, "idle_core": True, "host_used": 14 * GIB}, False,
+     "host memory is tight"),
 ])
 def test_should_spawn(change, go, why):
     assert sb.should_spawn(replace(SPAWN, **change)) == (go, why)
+
+
+STAT = """cpu  900 0 300 5000 20 0 0 0 0 0
+cpu0 400 0 100 2000 10 0 0 0 0 0
+cpu1 500 0 200 3000 10 0 0 0 0 0
+intr 1 2 3
+"""
+
+
+def test_idle_cores_reads_each_allowed_cpu_and_counts_iowait_as_idle(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+    stat.write_text(STAT)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    before = idle.read(str(stat))
+    assert before == {0: (2010, 2510), 1: (3010, 3710)}
+    # cpu0 busy for all of 100 ticks, cpu1 idle for 80 of 100 (10 of them waiting for I/O)
+    stat.write_text(STAT.replace("cpu0 400", "cpu0 500")
+                    .replace("cpu1 500 0 200 3000 10", "cpu1 520 0 200 3070 20"))
+    assert idle.idle_cores(before, idle.read(str(stat))) == pytest.approx(0.8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1})  # a cpuset: cpu1 only
+    assert set(idle.read(str(stat))) == {1}
+    assert idle.read(str(tmp_path / "missing")) == {}
+    assert idle.idle_cores(before, before) == 0.0  # no tick passed: nothing known idle
+    assert idle.idle_cores({}, before) == 0.0
+
+
+def test_standby_idle_cores_is_a_number():
+    assert Config(run_dir=Path("r")).standby_idle_cores == 0.75
+    with pytest.raises(ConfigError, match="standby_idle_cores must be at least 0"):
+        Config(run_dir=Path("r"), standby_idle_cores=-1)
 
 
 USE = sb.UseFacts(ready=True, failed=None, cuda=False, env_changes=(), stale=(),

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 SPAWN_AFTER_S = 5.0
 """Started once the attempt has trained this long (or sent its first heartbeat): its own
 imports and start-up are not slowed by a second interpreter importing the same libraries. A
-standby forked from a ready zygote imports nothing and is started at the first sample."""
+standby forked from a ready zygote imports nothing and is started at the first sample; so is
+the zygote itself where a core stays idle beside the attempt's start (SpawnFacts.idle_core)."""
 ASSUMED_RSS = 512 * 2**20
 """The memory a standby is assumed to take before one has been measured in this launch."""
 MAX_FAILURES = 2
@@ -84,6 +85,11 @@ class SpawnFacts:
     zygote_ready: bool = False
     """A zygote waits with the preload imported: a standby forked from it imports nothing,
     so it takes nothing from the attempt's start and is forked without waiting."""
+    idle_core: bool = False
+    """A core's worth of CPU went unused since the attempt started (standby/idle.py): what is
+    spawned imports there, beside the attempt's own imports, without slowing them, and is
+    ready seconds sooner for a failure early in the attempt (the first of a launch above
+    all, which finds no zygote yet)."""
 
 
 def should_spawn(f: SpawnFacts) -> tuple[bool, str]:
@@ -92,7 +98,8 @@ def should_spawn(f: SpawnFacts) -> tuple[bool, str]:
         return False, "off"
     if f.failures >= MAX_FAILURES:
         return False, f"{f.failures} standbys failed in this launch"
-    if not f.heartbeat_seen and f.running_s < SPAWN_AFTER_S and not f.zygote_ready:
+    if (not f.heartbeat_seen and f.running_s < SPAWN_AFTER_S and not f.zygote_ready
+            and not f.idle_core):
         return False, "the attempt is starting"
     if f.pressure:
         return False, "memory pressure rose in this attempt"

@@ -8,7 +8,11 @@ leaves it out (`pids`, in Loop._helper_pids) and no sweep ends it.
 Standbys are forked from a zygote: an interpreter that imported the preload once (at the lowest
 priority, the launch's first one only) and is kept across attempts. A forked standby imports
 nothing, so one is forked at an attempt's first sample (a quarter of a second in) and is ready
-within milliseconds of it. The zygote ends with the launch, with its standby when that is ended
+within milliseconds of it. The zygote itself is started at the first attempt's first sample
+too where a core's worth of CPU went unused since the attempt started (standby/idle.py,
+`standby_idle_cores`), so a failure in the launch's first seconds finds it importing or ready;
+on a busy host it waits for the attempt's first heartbeat, as its import would slow the
+attempt's. The zygote ends with the launch, with its standby when that is ended
 unused for any reason (stale files, a changed environment, memory), and under memory pressure;
 the next standby then starts a new one. A zygote that fails (or refuses to fork: threads running,
 CUDA touched) makes the launch fall back to standbys that import by themselves.
@@ -31,6 +35,7 @@ from rtrain.supervisor.proc.proctree import TreeSample
 from rtrain.supervisor.proc.spawn import Child, ChildSpec
 from rtrain.supervisor.records.events import EventLog
 from rtrain.supervisor.standby import decide as policy
+from rtrain.supervisor.standby import idle
 from rtrain.supervisor.standby.warm_child import (
     StandbyFailed,
     Target,
@@ -67,6 +72,7 @@ class StandbySlot:
         self._heartbeat = False
         self._next_stale_check = 0.0
         self._pressure = False  # memory pressure rose in the running attempt
+        self._cpu_at_start: idle.CpuTimes = {}  # the CPUs' idle time when the attempt started
         self._group: MemoryCgroup | None = memory_cgroup(os.getpid()) if self.target else None
 
     @property
@@ -93,6 +99,7 @@ class StandbySlot:
                interrupted: Callable[[], bool]) -> tuple[Child | None, float]:
         self._attempt, self._attempt_t0, self._heartbeat = attempt, time.monotonic(), False
         self._pressure = False
+        self._cpu_at_start = idle.read()  # a file read: nothing next to the start it measures
         plan = ranks.plan_of(list(spec.argv))  # one node's ranks, which it would host
         env = spec.env if plan is None else ranks.standby_env(spec.env, plan)
         self._env = strip_attempt_vars(env)
@@ -191,9 +198,16 @@ class StandbySlot:
             enabled=True, failures=self.failures, running_s=now - self._attempt_t0,
             heartbeat_seen=self._heartbeat, host_used=host.used, host_limit=host.limit,
             fraction=host.fraction, standby_rss=self.rss, pressure=self._pressure,
-            zygote_ready=self.zygote is not None and self.zygote.ready is not None))
+            zygote_ready=self.zygote is not None and self.zygote.ready is not None,
+            idle_core=self.zygote is None and not self._heartbeat and self._idle_core()))
         if go:
             self._spawn()
+
+    def _idle_core(self) -> bool:
+        """Whether a core's worth of CPU (`standby_idle_cores`) went unused since the attempt
+        started: then what is spawned now imports beside it without slowing it."""
+        need = self.cfg.standby_idle_cores
+        return need <= 0 or idle.idle_cores(self._cpu_at_start, idle.read()) >= need
 
     def _why_not_keep(self, waiting: WarmChild, now: float, tight: bool) -> str | None:
         """Why a waiting standby or zygote must end now (its files are compared with what it

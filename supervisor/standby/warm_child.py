@@ -377,6 +377,9 @@ class WarmChild:
 
     def kill(self) -> None:
         """End the standby and its group, reap it, close what we hold."""
+        # A process killed while it imports at nice 19 still has its memory to free before it
+        # is gone; on busy cores that waits for CPU, and the launch's end waits for it.
+        set_autogroup_nice(self.pid, 0)
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
