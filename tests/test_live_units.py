@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
+import time
 
 import pytest
 import torch
@@ -281,3 +282,31 @@ def test_two_optimizer_steps_between_boundaries_keep_it_on(tmp_path, shm):
         ck.maybe_save(step)
     assert ck._memory.live.off is None and _mark(shm)["step"] == 7
     ck.close()
+
+
+def test_a_background_disk_save_writes_the_boundarys_state_not_what_the_next_steps_made(
+        tmp_path, shm, monkeypatch):
+    """A forked writer sees shared memory change under it (no copy-on-write there): with the
+    state live, the background save copies it instead. The writer is slowed here (in the
+    child too: the fork copies the patch) while two more steps change the state."""
+    from rtrain.checkpoint import safetensors_io
+
+    write = safetensors_io.write_file
+
+    def slow(*a, **kw):
+        time.sleep(0.4)
+        return write(*a, **kw)
+
+    m, opt = _pair()
+    ck = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck", every=6,
+                             saving=rtrain.Saving(async_mode="auto"))  # the tier by default
+    _train(ck, m, opt, range(1, 6))
+    assert ck._memory.live.adopted
+    monkeypatch.setattr(safetensors_io, "write_file", slow)
+    _step(m, opt, 6)
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    ck.maybe_save(6)  # the disk save of step 6, in the background
+    _train(ck, m, opt, range(7, 9))
+    ck.close()
+    saved = load_file(tmp_path / "ck" / "checkpoint-6" / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in want.items())

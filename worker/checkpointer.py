@@ -361,7 +361,8 @@ class Checkpointer:
             if path is not None:
                 self._clock.save_ended(step, self._clock.clock() - began)
             return path
-        self._bg.start(cap, self.model)
+        self._bg.start(cap, self.model, shared=self._memory is not None
+                       and self._memory.live is not None and self._memory.live.adopted)
         self._clock.last_step = step
         self._clock.save_ended(step, self._clock.clock() - began)
         return self.ckpt_dir / f"checkpoint-{step}"

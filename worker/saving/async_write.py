@@ -3,7 +3,8 @@ training goes on.
 
 The training thread is blocked only while the state is snapshotted, one of two ways:
 - fork: a child process writes from its copy-on-write view of memory, so the snapshot costs
-  only the fork (page tables). For state in host memory, one process (no process group).
+  only the fork (page tables). For state in host memory, one process (no process group), and
+  not in shared memory (the live state): a forked child would see that change, not a copy.
 - thread: tensors are copied into reused (pinned, when CUDA is there) CPU buffers, which a
   thread writes. For CUDA state, and always under torch.distributed.
 An error in the background is kept and raised by the next `wait` (the next save, or close):
@@ -47,14 +48,16 @@ class BackgroundSave:
         self._error: BaseException | None = None
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
 
-    def start(self, cap: Capture, model: torch.nn.Module | None) -> None:
-        """Write `cap` in the background; returns once it is snapshotted."""
+    def start(self, cap: Capture, model: torch.nn.Module | None, shared: bool = False) -> None:
+        """Write `cap` in the background; returns once it is snapshotted. `shared`: the state
+        lives in shared memory (the memory tier's live state, worker/memtier/live.py), which a
+        forked child sees change instead of a copy-on-write view: it is copied (thread)."""
         if cap.world is not None and self.mode == "fork":
             raise ValueError("Saving(async_mode='fork') cannot be used with torch.distributed: a "
                              "forked writer cannot take part in the checkpoint's collectives; "
                              "use async_mode='thread' or 'auto'")
         self.step = cap.step
-        if self._fork_snapshot(cap, model):
+        if not shared and self._fork_snapshot(cap, model):
             pid, err_fd = fork_writer(self._write, cap)
             target, args = self._wait_child, (cap, pid, err_fd)
         else:
