@@ -13,6 +13,7 @@ SETTINGS = {"batch_size": 8, "grad_accum": 1, "steps": 14, "samples": 64, "save_
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # test_data_workers resumes mid-epoch with workers in the default tier
 def test_oom_mid_epoch_with_workers_keeps_the_sample_stream(tmp_path):
     write_config(tmp_path / "rtrain.toml", SETTINGS)
     run = tmp_path / "run"

@@ -95,6 +95,7 @@ def test_hung_rank_is_detected_and_the_group_relaunched(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # two launches of a group; the commit protocol is unit-tested
 def test_save_interrupted_on_one_rank_never_commits(tmp_path):
     run = tmp_path / "run"
     # Rank 1 is SIGKILLed after writing its first file of the step-6 checkpoint.

@@ -122,6 +122,7 @@ def test_ranks_whose_compute_differs_by_noise_are_not_reported(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a requeue of a four-rank run; the exclusion rule is table-tested
 def test_with_exclude_node_the_next_requeue_leaves_the_stragglers_node_out(tmp_path):
     log = tmp_path / "scontrol.log"
     fake_scontrol(tmp_path / "bin", log)

@@ -80,6 +80,7 @@ def test_a_sigkill_in_the_forward_resumes_from_the_step_before_it(tmp_path):
     assert final_state_diff(run, ref) is None
 
 
+@pytest.mark.soak  # the seal's side, no mark no snapshot, is test_live_units.py's
 def test_a_sigkill_inside_the_optimizer_step_resumes_from_the_newest_snapshot(tmp_path):
     settings = {**BASE, "optimizer_sleep": 0.2}
     ref = reference(tmp_path, settings, timeout=300)
