@@ -41,4 +41,4 @@ fi
 .venv/bin/ruff check .
 # loadgroup: tests that share one resource of the machine (the local Slurm cluster) carry an
 # xdist_group mark and run on one worker, one after the other.
-exec .venv/bin/python -m pytest -q -n "${RTRAIN_TEST_WORKERS:-4}" --dist loadgroup "${tier[@]}" "$@"
+exec .venv/bin/python -m pytest -q -n "${RTRAIN_TEST_WORKERS:-3}" --dist loadgroup "${tier[@]}" "$@"

@@ -114,6 +114,7 @@ def test_a_rank_30_percent_slower_in_its_compute_is_named_within_100_steps(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # the rule under noise is table-tested (test_straggler.py::test_the_rule)
 def test_ranks_whose_compute_differs_by_noise_are_not_reported(tmp_path):
     run = _launch_4_ranks(tmp_path, *IN_STEP, "--jitter", "0.3", steps=IN_STEP_STEPS,
                           tuning=IN_STEP_TUNING)

@@ -59,6 +59,7 @@ def test_crash_and_resume_from_encrypted_checkpoints_is_bitwise(tmp_path, mode, 
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a tampered or keyless file is refused in test_crypt.py's unit tests
 def test_tampered_and_keyless_resumes(tmp_path):
     run, out = tmp_path / "run", tmp_path / "out.pt"
     ckpts = run / "checkpoints"

@@ -66,6 +66,7 @@ def test_charlm_trains_with_autocast_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # README.md:92 runs this example as written, in the default tier
 def test_plain_script_resumes_from_its_own_file(tmp_path):
     args = ["--steps", "5", "--save-every", "2", "--ckpt", str(tmp_path / "plain.pt")]
     r = run("plain/train.py", *args, "--crash-at", "4", cwd=tmp_path)
