@@ -31,8 +31,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
-    # The tests that start processes first, the process-free ones (a few ms each) last: xdist
+    # The files that start processes first, the process-free ones (a few ms a test) last: xdist
     # hands tests out in this order, so the quick ones fill the workers' ends instead of a
     # launch of tens of seconds starting when the others are done (the tier's wall time is its
-    # slowest worker's). Stable: each file's order stays.
-    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
+    # slowest worker's). Whole files, in their own order: a file's module fixtures (a Slurm
+    # cluster) end with its last test, as they were written to.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: 0 if item.path in slow_files else 1)
