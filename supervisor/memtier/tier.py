@@ -289,8 +289,10 @@ def live_line(s: dict[str, Any]) -> str:
     live, nbytes = s.get("live"), s.get("bytes")
     if live != "on":
         return f"live state off: {live}"
-    size = (f"{nbytes / 2**20:.0f} MiB of " if isinstance(nbytes, int)
-            and not isinstance(nbytes, bool) else "")
+    size = ""
+    if isinstance(nbytes, int) and not isinstance(nbytes, bool):
+        size = (f"{nbytes / 2**20:.0f} MiB of " if nbytes >= 2**20
+                else f"{nbytes / 1024:.0f} KiB of ")
     return (f"live state on: {size}parameters and optimizer state kept in shared memory (a "
             "kill outside optimizer.step() loses no step)")
 
