@@ -318,6 +318,23 @@ def read_metrics_text(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]],
 
 
 @contextlib.contextmanager
+def tmpfs(where: Path, size: str):
+    """A real tmpfs of `size` (mount's spelling: "64k") mounted at `where` (created), unmounted
+    after; the test is skipped where none can be mounted."""
+    import pytest
+
+    where.mkdir()
+    got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs",
+                          str(where)], capture_output=True, text=True)
+    if got.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@contextlib.contextmanager
 def memory_cgroup(name: str, limit: int):
     """A real cgroup v1 memory group limited to `limit` bytes (swap too where it is accounted,
     swappiness 0), removed once its processes are gone; skips the test where one cannot be

@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import harness
 import pytest
 from chaos_util import (
     Tail,
@@ -96,16 +97,8 @@ def test_a_sigkill_inside_the_optimizer_step_resumes_from_the_newest_snapshot(tm
 def shm_for_two(tmp_path):
     """A real tmpfs of 2.5 MiB: room for the tier's two snapshots of the small model (each
     counted with 1 MiB of headroom), not for the live state's third copy."""
-    where = tmp_path / "shm-for-two"
-    where.mkdir()
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k,mode=1777", "tmpfs",
-                          str(where)], capture_output=True, text=True)
-    if got.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
-    try:
+    with harness.tmpfs(tmp_path / "shm-for-two", "2560k") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def test_a_shared_memory_without_room_for_it_leaves_the_snapshots_on(tmp_path, shm_for_two):

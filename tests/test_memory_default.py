@@ -57,16 +57,8 @@ def test_left_out_the_tier_is_on_and_says_once_what_a_snapshot_costs(tmp_path):
 @pytest.fixture
 def small_shm(tmp_path):
     """A real tmpfs of 64 KiB: a shared-memory filesystem too small for any snapshot."""
-    where = tmp_path / "small-shm"
-    where.mkdir()
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=1777", "tmpfs",
-                          str(where)], capture_output=True, text=True)
-    if got.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
-    try:
+    with harness.tmpfs(tmp_path / "small-shm", "64k") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def test_a_shared_memory_too_small_leaves_it_off_with_one_line(tmp_path, small_shm):
