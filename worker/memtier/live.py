@@ -64,7 +64,7 @@ from rtrain.supervisor.core.protocol import ENV_GENERATION, LIVE_DIR, LIVE_LAYOU
 from rtrain.worker import runtime
 from rtrain.worker.memtier import shm_files
 from rtrain.worker.saving.save_target import Capture
-from rtrain.worker.trainstate.tensors import to_blob
+from rtrain.worker.trainstate.tensors import dtype_code, to_blob
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,8 @@ class LiveState:
             files = [self._map(stem, cap.tensors.get(stem, {}), owners) for stem in MAPPED]
             layout = {"pid": os.getpid(), "files": {f"{f.stem}.safetensors": {
                 "size": f.mapped.size,
-                "tensors": {s.name: _listed(s.view) for s in f.slots}} for f in files},
+                "tensors": {s.name: [dtype_code(s.view.dtype), list(s.view.shape)]
+                            for s in f.slots}} for f in files},
                 "tied": {f"{f.stem}.safetensors": [[s.source, s.offset, s.nbytes]
                                                   for s in f.slots if s.kind == "tied"]
                          for f in files}}
@@ -421,10 +422,6 @@ def _owners(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | No
     if any(a[1] > b[0] for a, b in itertools.pairwise(spans)):
         return {}, "a parameter or optimizer tensor shares its bytes with another"
     return owners, None
-
-
-def _listed(view: torch.Tensor) -> list[Any]:
-    return [to_blob("", view).dtype, list(view.shape)]
 
 
 def _write(path: Path, pieces: list[Any]) -> None:
