@@ -78,6 +78,13 @@ def test_a_sigkill_in_the_forward_resumes_from_the_step_before_it(tmp_path):
     assert [(e["attempt"], e["step"]) for e in sealed] == [(0, done)], (sealed, err[-3000:])
     resumed = {rec["a"]: rec["start"] for rec in starts(step_log(run))}
     assert resumed[1] == done  # no step lost: the kill came before the optimizer's step
+    # The relaunch read the sealed state from memory while rtrain copied it to the checkpoint
+    # dir (memtier/background_commit.py): the copy's record comes after the launch.
+    kinds = [(e["kind"], e.get("attempt"), e.get("step")) for e in events(run)]
+    launch = kinds.index(("launch", 1, None))
+    persisted = kinds.index(("snapshot_persisted", 0, done))
+    assert launch < persisted, kinds
+    assert events(run, "launch")[1]["tier"] == "memory"
     assert final_state_diff(run, ref) is None
 
 

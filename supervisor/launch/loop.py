@@ -240,6 +240,10 @@ class Loop:
         # What the features found of the ending (the stuck ranks at a hang); the memory tier
         # commits its newest snapshot here, before anything reads the checkpoint dir.
         seen = replace(outcome.seen, **self.features.attempt_end(attempt, outcome.seen))
+        if resumed is not None and not resumed.id:
+            # Picked while the memory tier was still copying it (memtier/background_commit.py):
+            # its identity on disk exists now (that copy has settled before this one began).
+            resumed = resumed_from(chosen)
         result = AttemptResult(
             seen=seen, duration_s=duration_s, resumed=resumed,
             resumed_identity=foreign.resume_identity(chosen) if chosen is not None else None,

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from rtrain.checkpoint import crypt, quarantine, runid
 from rtrain.checkpoint.verify import Level, Selection, Status, Verdict, mark_quarantined
@@ -23,6 +24,16 @@ from rtrain.supervisor.core.untrusted_text import safe
 from rtrain.supervisor.decide.policy import History, Resumed, ResumeMode
 from rtrain.supervisor.proc.torchrun import several_nodes
 from rtrain.supervisor.records.events import EventLog
+
+
+class InFlight(Protocol):
+    """A checkpoint being committed to the dir in the background (memtier/tier.py)."""
+
+    def committing(self) -> Verdict | None:
+        """It, as the dir will hold it; None when there is none (or its copy failed)."""
+
+    def settle_sync(self) -> None:
+        """Until it is in the dir (or failed)."""
 
 
 class Checkpoints:
@@ -49,6 +60,9 @@ class Checkpoints:
         self._looked_remote = False
         self.run: str | None = None  # this launch's run identity, settled at its first pick
         self._said_ignored = False  # a kept.json rtrain cannot trust was said
+        # The memory tier's commit of an attempt's last state, copied while the relaunch
+        # starts: the pick and the progress rule count it as in the dir.
+        self.in_flight: InFlight | None = None
 
     def pick(self, history: History, resume: ResumeMode, *, first: bool) -> Selection | None:
         """The checkpoint the next attempt resumes from; None when an explicit --resume PATH
@@ -67,6 +81,15 @@ class Checkpoints:
             return self._openable(Selection(v, []))
         # Any format: rtrain's own, a Trainer's checkpoint-N dirs, Lightning / torch.save files.
         self.restored = self._restore_torn(level)
+        pending = self._committing()
+        if pending is not None and resume is ResumeMode.LATEST \
+                and foreign.resume_identity(pending) not in history.bad_checkpoints:
+            # Newer than all the dir holds (it is committed only then), hashed as rtrain
+            # sealed it and again as it is copied: the pick, without reading the dir.
+            self._settle_run(pending)
+            return Selection(pending, [])
+        if pending is not None and self.in_flight is not None:
+            self.in_flight.settle_sync()  # a rollback, or a state a worker could not load
         sel = self._select(level, history, skip_newest=1 if resume is ResumeMode.ROLLBACK else 0)
         if (self.fetch_newer is not None and not self._looked_remote
                 and resume is ResumeMode.LATEST):
@@ -324,19 +347,29 @@ class Checkpoints:
                                                 exclude=history.bad_checkpoints,
                                                 key_problem=self._key_problem)
 
+    def _committing(self) -> Verdict | None:
+        return self.in_flight.committing() if self.in_flight is not None else None
+
     def newest_step(self) -> int | None:
+        pending = self._committing()
         verdicts = (foreign.verify_candidate(c, Level.QUICK, self.key)
                     for c in foreign.list_candidates(self.dir))
         for v in mark_quarantined(self.dir, verdicts):
             if v.ok:
-                return v.step if v.step >= 0 else None
-        return None
+                step = v.step if v.step >= 0 else None
+                if pending is not None and (step is None or pending.step > step):
+                    return pending.step
+                return step
+        return pending.step if pending is not None else None
 
     def committed_since(self, started: float, resumed: Resumed | None) -> bool:
         """Did the attempt commit a checkpoint newer than the one it resumed from? (A rollback
         resumes below the newest, so the newest step alone cannot tell.) `started` is unix
         time, compared with the checkpoints' mtimes."""
         floor = resumed.step if resumed is not None and resumed.step is not None else -1
+        pending = self._committing()
+        if pending is not None and pending.step > floor:
+            return True  # committed at this attempt's end, still being copied
         for c in foreign.list_candidates(self.dir):
             if c.step is None or c.step <= floor:
                 continue

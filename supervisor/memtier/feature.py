@@ -25,6 +25,7 @@ class MemoryTier(Feature):
         self.run = run
         self.tier = MemoryTierDir(run.ckpt_dir, run.checkpoints.key, run.events.emit, run.say,
                                   file_mode=run.config.file_mode)
+        run.checkpoints.in_flight = self.tier  # an attempt's last state, still being copied
         if torchrun.several_nodes(run.command):  # copies on peer nodes
             rdzv = torchrun.rdzv_host(run.command)
             self.tier.enable_peers(*serving_address(rdzv), rdzv_host=rdzv)
@@ -64,8 +65,10 @@ class MemoryTier(Feature):
     def attempt_end(self, attempt: Attempt, seen: Observation) -> Mapping[str, Any]:
         # Before anything reads the checkpoint dir (the progress rule, the next pick): the
         # newest snapshot, if newer, is the newest verified state now (a disk save rtrain was
-        # copying for the worker is finished first).
-        self.tier.commit_newest(self._disk_newest(), "attempt ended", durable_later=True)
+        # copying for the worker is finished first). A live state sealed now is copied while
+        # the relaunch resumes from it in memory (background_commit.py).
+        self.tier.commit_newest(self._disk_newest(), "attempt ended", durable_later=True,
+                                background=True)
         return {}
 
     def close(self) -> None:

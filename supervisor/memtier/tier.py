@@ -16,6 +16,7 @@ from rtrain.checkpoint.verify import Verdict
 from rtrain.supervisor.core.filemode import DEFAULT_FILE_MODE
 from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_MEMORY_RESUME, Heartbeat
 from rtrain.supervisor.memtier import decide, live_seal, persist, shmdir
+from rtrain.supervisor.memtier.background_commit import BackgroundCommit
 from rtrain.supervisor.memtier.diskcadence import DiskCadence
 from rtrain.supervisor.memtier.peerside import PeerSide, PeersOff
 
@@ -43,6 +44,7 @@ class MemoryTierDir:
         self._said_off: str | None = None  # why the worker turned it off, said once a launch
         self._said_live: str | None = None  # the live state's news, said once a launch
         self._sync: threading.Thread | None = None  # an attempt's commit being fsynced
+        self._pending: BackgroundCommit | None = None  # a sealed state being committed
 
     def enable_peers(self, host: str, port: int = 0, rdzv_host: str | None = None) -> None:
         """Several nodes: serve this node's snapshots to peers and copy theirs (peerside.py)."""
@@ -90,21 +92,28 @@ class MemoryTierDir:
         return True
 
     def commit_newest(self, disk_newest: int | None, why: str, *,
-                      durable_later: bool = False) -> int | None:
+                      durable_later: bool = False, background: bool = False) -> int | None:
         """Commit the newest good snapshot when it is newer than the checkpoint dir's newest;
         its step, else None. Under torchrun: the newest step the ranks' parts make whole.
         `durable_later`: an attempt's end, whose relaunch waits for this: the copy is
         committed without fsync and made durable in the background (`_sync`) while the
-        relaunch starts; anything that prunes or commits next waits for that first."""
+        relaunch starts; anything that prunes or commits next waits for that first.
+        `background`: when the newest is the live state sealed just now, the whole copy runs
+        in the background (background_commit.py) and the pick counts it as committed
+        (`committing`)."""
         self.settle_sync()
         self.disk.settle()  # a disk-cadence copy in flight commits (or fails) first
-        self._seal_live(disk_newest)
+        sealed = self._seal_live(disk_newest)
         snap = self._newest()
         if snap is None:
             return self._commit_group(disk_newest, why)
         same_run = runid.of(snap.manifest) == runid.read(self.ckpt_dir)
         if not decide.worth_persisting(snap.step, disk_newest, same_run=same_run):
             return None
+        if background and sealed is not None and sealed.path == snap.path:
+            self._pending = BackgroundCommit(snap, self.ckpt_dir, mode=self.file_mode, why=why,
+                                             attempt=self.attempt)
+            return snap.step
         try:
             return self._committed(snap.step, why, lambda: persist.persist(
                 snap, self.ckpt_dir, mode=self.file_mode, fsync=not durable_later),
@@ -113,12 +122,41 @@ class MemoryTierDir:
             self._refused(snap, str(e))
             return None
 
+    def committing(self) -> Verdict | None:
+        """The checkpoint being committed in the background, as the dir will hold it (the
+        pick and the progress rule count it: launch/resume.py); None when there is none."""
+        return self._pending.verdict() if self._pending is not None else None
+
     def settle_sync(self) -> None:
-        """The background fsync of the last attempt's commit is done (before a commit or a
-        prune: never a checkpoint pruned while the newer one is not yet on the disk)."""
+        """The background commit and fsync of the last attempt's state are done (before a
+        commit or a prune: never a checkpoint pruned while the newer one is not yet on the
+        disk)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._report_pending()
         if self._sync is not None:
             self._sync.join()
             self._sync = None
+
+    def _report_pending(self) -> None:
+        """Said and recorded from the loop's thread, once the background commit ended."""
+        c, self._pending = self._pending, None
+        if c is None:
+            return
+        r = c.result
+        if isinstance(r, persist.SnapshotRefused):
+            self._refused(c.snap, str(r))
+        elif isinstance(r, OSError):
+            self.say(f"could not commit the memory snapshot of step {c.snap.step} to "
+                     f"{self.ckpt_dir}: {r.strerror or r}; it stays in memory")
+        elif isinstance(r, BaseException):
+            raise r
+        elif r is not None and not r.already:
+            if c.fsync_error is not None:
+                self.say(f"could not fsync {r.path.name}: "
+                         f"{c.fsync_error.strerror or c.fsync_error}; it stays committed, "
+                         "verified when it is next read")
+            self._persisted(c.snap.step, r, c.seconds, c.why, c.attempt)
 
     def _make_durable(self, path: Path) -> None:
         try:
@@ -127,20 +165,21 @@ class MemoryTierDir:
             self.say(f"could not fsync {path.name}: {e.strerror or e}; it stays committed, "
                      "verified when it is next read")
 
-    def _seal_live(self, disk_newest: int | None) -> None:
+    def _seal_live(self, disk_newest: int | None) -> live_seal.Sealed | None:
         """The worker's live state, when it holds a whole step newer than its snapshots: a
         snapshot now (live_seal.py), which the lines below commit like any other."""
         if self.unusable:
-            return
+            return None
         t0 = time.monotonic()
         try:
             sealed = live_seal.seal(self.path, self.key, disk_newest)
         except (live_seal.NotSealed, OSError) as e:
             self.say(f"the live state of attempt {self.attempt} was not sealed: {e}")
-            return
+            return None
         if sealed is not None:
             self.emit("snapshot_sealed", attempt=self.attempt, step=sealed.step,
                       bytes=sealed.bytes, seconds=round(time.monotonic() - t0, 4))
+        return sealed
 
     def _commit_group(self, disk_newest: int | None, why: str) -> int | None:
         """A process group's newest whole step, as the checkpoint a collective save writes. Not
@@ -184,11 +223,16 @@ class MemoryTierDir:
             self._sync = threading.Thread(target=self._make_durable, args=(done.path,),
                                           name="rtrain-fsync", daemon=True)
             self._sync.start()
-        self.emit("snapshot_persisted", attempt=self.attempt, step=step,
+        self._persisted(step, done, seconds, why)
+        return step
+
+    def _persisted(self, step: int, done: persist.Persisted, seconds: float, why: str,
+                   attempt: int | None = None) -> None:
+        self.emit("snapshot_persisted", attempt=self.attempt if attempt is None else attempt,
+                  step=step,
                   path=str(done.path), bytes=done.bytes, seconds=round(seconds, 4), why=why)
         self.say(f"committed the memory snapshot of step {step} as {done.path.name} "
                  f"({why}; {done.bytes / 2**20:.0f} MiB in {seconds:.2f} s)")
-        return step
 
     def resume_path(self, chosen: Verdict | None) -> Path | None:
         """The snapshot to resume from instead of `chosen` (the same checkpoint, in memory)."""
@@ -242,7 +286,9 @@ class MemoryTierDir:
 
     def poll(self) -> None:
         """At each watch sample: report a finished disk-cadence copy, start the next; the
-        peer copies' news."""
+        peer copies' news; a background commit that ended."""
+        if self._pending is not None and self._pending.done():
+            self._report_pending()
         self.disk.poll()
         if self.peers is not None:
             self.peers.poll()
