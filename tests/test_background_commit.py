@@ -23,14 +23,14 @@ from rtrain.supervisor.records.events import EventLog
 
 def _live_state(tmp_path, steps: int = 6):
     """A Checkpointer whose state went live (Saving(memory=1000): no snapshot of its own), at
-    step `steps`."""
+    step `steps`; its files are large enough to be hashed through a mapping as it is sealed."""
     torch.manual_seed(0)
-    m = torch.nn.Linear(64, 64)
+    m = torch.nn.Linear(512, 512)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     ck = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "own", every=None,
                              saving=rtrain.Saving(memory=1000))
     for step in range(1, steps + 1):
-        m(torch.randn(8, 64)).pow(2).mean().backward()
+        m(torch.randn(8, 512)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
         ck.maybe_save(step)
