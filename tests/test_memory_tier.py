@@ -446,9 +446,11 @@ def test_auto_spaces_snapshots_so_none_waits_for_the_previous_write(tmp_path, sh
     ckpt._memory.snapshot = lambda cap: (taken.append(cap.step), real(cap))
     _train(m, opt, ckpt, 30, between=lambda step: time.sleep(0.02))
     ckpt.close()
-    # 0.5 s writes over steps of a few tens of ms (more on a loaded machine): spread out.
+    # 0.5 s writes over steps of a few tens of ms (more on a loaded machine): spread out. The
+    # first snapshot is taken before any write was measured, so steps 1, 2, then every other
+    # one at most: 16 of the 30.
     assert ckpt._memory.every >= 2, ckpt._memory.every
-    assert taken[0] == 1 and len(taken) <= 15, taken
+    assert taken[0] == 1 and len(taken) <= 16, taken
 
 
 def test_only_the_snapshot_rtrain_handed_over_is_read_unhashed(tmp_path, shm, monkeypatch):

@@ -284,14 +284,19 @@ class Checkpointer:
         elif stop or due:
             path = self.save(step, metrics=metrics, extra=extra)
         cap = None
+        # The RNG states and data position were taken above for a save at a failure: nothing
+        # ran since, so the captures below reuse them rather than take them again.
+        taken = self._boundary.moving if self._boundary is not None \
+            and self._boundary.step == step and dist.world() is None else None
         if not (stop or due) and self._memory is not None and snap:
             cap = capture(self._parts(), step, self._epoch_now(), self._lr_scale, metrics or {},
-                          extra or {})
+                          extra or {}, taken=taken)
             self._memory.snapshot(cap)
         if not stop and self._memory is not None and self._memory.live_wanted():
             # Every boundary: the live state marks this step whole (worker/memtier/live.py).
             self._memory.boundary(cap or capture(self._parts(), step, self._epoch_now(),
-                                                 self._lr_scale, metrics or {}, extra or {}))
+                                                 self._lr_scale, metrics or {}, extra or {},
+                                                 taken=taken))
         if stop and self.exit_on_stop:
             self.close()
             log.info("stop requested: checkpoint at step %d committed, exiting %d", step,

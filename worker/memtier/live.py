@@ -274,7 +274,10 @@ class LiveState:
         mark = {"step": cap.step, "pid": os.getpid(), "fields": cap.fields,
                 "generation": os.environ.get(ENV_GENERATION) or None, "snapshot": snapshot,
                 "extra": {b.name: [b.dtype, list(b.shape)] for b in blobs}}
-        write_atomic(self.dir / MARK, json.dumps(mark), durable=False)
+        # Created whole by one write (no temp file and rename: they cost more than the rest of
+        # the boundary). The mark was removed before anything above was written, and a mark cut
+        # short by a kill does not parse: never sealed.
+        _write(self.dir / MARK, [json.dumps(mark).encode()])
         self.marked, self.step = True, cap.step
 
     def _unmark(self) -> None:
