@@ -47,6 +47,27 @@ from rtrain.worker.checkresume import check_order  # noqa: E402
 
 check_order.seed_entropy()
 
+_WARM = ("rtrain.worker.checkpointer", "rtrain.worker.memtier.memory_tier",
+         "rtrain.worker.memtier.live", "rtrain.worker.restoring.restore",
+         "rtrain.worker.saving.failsave", "rtrain.worker.saving.retention",
+         "rtrain.worker.compilecache.compile_cache", "rtrain.worker.data.position",
+         "rtrain.checkpoint.crypt")
+"""What a script's first Checkpointer imports: a warm standby imports them before its attempt
+(supervisor/standby/child_program.py), then calls `_rebind_attempt`."""
+
+
+def _rebind_attempt() -> None:
+    """The attempt's RTRAIN_* variables are set now, in a process that imported rtrain before
+    them (a warm standby): what reads them at import reads them again. Keep in step with the
+    modules that do (tests/test_standby_preload.py checks that no other one does)."""
+    import importlib
+    import sys
+
+    check_order.seed_entropy()
+    faults = sys.modules.get("rtrain.worker.guards.faults")
+    if faults is not None:
+        importlib.reload(faults)  # its hooks are bound to the attempt's armed faults
+
 
 def __getattr__(name: str) -> Any:
     if name in _PUBLIC:

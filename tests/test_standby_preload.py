@@ -317,3 +317,35 @@ def test_a_preloaded_module_run_with_dash_m_sees_its_file_as_argv0(tmp_path):
     assert rec["argv"] == [str(app / "app_main.py"), str(out)]
     assert rec["signals"]["SIGUSR2"] == "on_usr2"
 
+
+
+def test_rtrain_reads_no_attempt_variable_at_import_but_where_it_rebinds(tmp_path):
+    """A warm standby imports rtrain's worker modules (`rtrain._WARM`) before the attempt's
+    RTRAIN_* variables exist, and `rtrain._rebind_attempt` reads them again only where a module
+    reads them at import (faults, check_order). Any other module that read one would keep what
+    the zygote saw: every variable read while importing them is listed, and must be one of those."""
+    probe = (
+        "import json, os, sys\n"
+        "read = set()\n"
+        "class Env(dict):\n"
+        "    def get(self, k, d=None):\n"
+        "        read.add(k); return super().get(k, d)\n"
+        "    def __getitem__(self, k):\n"
+        "        read.add(k); return super().__getitem__(k)\n"
+        "    def __contains__(self, k):\n"
+        "        read.add(k); return super().__contains__(k)\n"
+        "import torch, torch._dynamo\n"
+        "os.environ = Env(os.environ)\n"
+        "import importlib, rtrain\n"
+        "for n in rtrain._WARM: importlib.import_module(n)\n"
+        "print(json.dumps(sorted(k for k in read if k.startswith('RTRAIN_') or k == 'RANK')))\n")
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", probe], env=child_env(), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    from rtrain.supervisor.core.protocol import ENV_ATTEMPT, ENV_CHECK_RESUME
+    from rtrain.worker.guards.faults import ENV_FAULTS
+
+    rebound = {ENV_FAULTS, ENV_ATTEMPT, "RANK", ENV_CHECK_RESUME}
+    assert set(json.loads(out.stdout)) <= rebound, out.stdout

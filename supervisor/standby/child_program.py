@@ -68,8 +68,11 @@ TORCH_LAZY = ("torch._dynamo",)
 TORCH_COMPILE_LAZY = ("torch._functorch.aot_autograd", "torch._inductor.codecache",
                       "torch._inductor.compile_fx")
 # rtrain reads the attempt's RTRAIN_* variables at import (rtrain.worker.guards.faults arms the
-# faults of one attempt): importing it before the hand-off would bind the wrong attempt. A script's
-# own modules named `worker` or `supervisor` are the script's, and preloaded like any other.
+# faults of one attempt), so it is never preloaded by name. A script that imports it gets the
+# library's own list instead (`rtrain._WARM`: what its first Checkpointer imports, 75 ms on two
+# loaded cores, paid again at each relaunch), and at the hand-off `rtrain._rebind_attempt` reads
+# the attempt's variables again where a module read them at import. A script's own modules named
+# `worker` or `supervisor` are the script's, and preloaded like any other.
 NEVER_PRELOAD = ("rtrain",)
 
 
@@ -104,21 +107,25 @@ def _find(dotted: str, path: list[str] | None):
 
 
 def top_imports(script: str, path0: str, depth: int = 3,
-                seen_files: set[str] | None = None) -> list[str]:
+                seen_files: set[str] | None = None, never: set[str] | None = None) -> list[str]:
     """Top-level names imported at module level by the script, and by its own modules (those in
     its directory) `depth` levels down, that live outside its directory and the standard
     library, in the order written. Found without importing anything; the files read are added
-    to `seen_files` (a change to one may change what is to be preloaded)."""
+    to `seen_files` (a change to one may change what is to be preloaded), the NEVER_PRELOAD
+    names met to `never`."""
     std = getattr(sys, "stdlib_module_names", frozenset())
     out: list[str] = []
     seen_files = set() if seen_files is None else seen_files
+    never = set() if never is None else never
     search = [path0, *(p for p in sys.path if p != path0)]  # as the script's sys.path
 
     def scan(path: str, left: int) -> None:
         seen_files.add(path)
         for name in dict.fromkeys(_module_level_imports(path)):
-            if (name in std or name in sys.builtin_module_names or name in NEVER_PRELOAD
-                    or name in out):
+            if name in NEVER_PRELOAD:
+                never.add(name)
+                continue
+            if name in std or name in sys.builtin_module_names or name in out:
                 continue
             spec = _find(name, search)
             if spec is None:
@@ -312,6 +319,23 @@ def _as_main(run, *args) -> None:
         sys.exit(1)
 
 
+def _warm_rtrain() -> list[str]:
+    """The modules rtrain names for a warm interpreter (`rtrain._WARM`), imported."""
+    rtrain = importlib.import_module("rtrain")
+    names = [str(n) for n in getattr(rtrain, "_WARM", ())]
+    for name in names:
+        importlib.import_module(name)
+    return ["rtrain", *names]
+
+
+def _rebind_rtrain() -> None:
+    """The attempt's environment is in place (each rank's too): what rtrain read of it at its
+    import in the zygote, it reads again."""
+    rebind = getattr(sys.modules.get("rtrain"), "_rebind_attempt", None)
+    if rebind is not None:
+        rebind()
+
+
 def _rank_host() -> types.ModuleType:
     """standby/rank_host.py, beside this file, loaded by path as this program is run."""
     import importlib.util
@@ -335,8 +359,10 @@ def main(argv: list[str]) -> None:
     preload = json.loads(preload_json)
     main_file = find_main_file(mode, target, path0)
     scanned: set[str] = set()
+    never: set[str] = set()
     if preload is None:
-        preload = top_imports(main_file, path0, seen_files=scanned) if main_file else []
+        preload = top_imports(main_file, path0, seen_files=scanned,
+                              never=never) if main_file else []
     # What the script's imports see of how it was started, in a cold start: its name (the
     # arguments are the attempt's, not known yet) and itself as __main__.
     run_file = os.path.abspath(target) if mode == "script" else main_origin(target, path0)
@@ -363,6 +389,12 @@ def main(argv: list[str]) -> None:
                 _send(sock, {"failed": f"preload of {name} failed: {type(e).__name__}: {e}"})
                 sys.exit(1)
             modules.append(name)
+        if "rtrain" in never:
+            try:
+                modules += _warm_rtrain()
+            except BaseException as e:  # the script's own import would fail the same way
+                _send(sock, {"failed": f"preload of rtrain failed: {type(e).__name__}: {e}"})
+                sys.exit(1)
     changed_env = env_changes(env_before, dict(os.environ))
     cuda = bool(torch is not None and torch.cuda.is_initialized())
     paths = imported_files(skip=this) | scanned
@@ -544,6 +576,7 @@ def _become_attempt(sock: socket.socket, mode: str, target: str, main: types.Mod
     sock.close()
     if rank_host is not None:  # several ranks: this process hosts them, each runs the script
         child_argv = rank_host.host(msg["ranks"], set_cmdline)
+    _rebind_rtrain()
     if mode == "script":
         sys.argv = list(child_argv[1:])
         _run_script(os.path.abspath(target), main)
