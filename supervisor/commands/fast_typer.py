@@ -10,6 +10,8 @@ Anything else, or a typer without this seam, keeps typer's own coercion: slower,
 from __future__ import annotations
 
 import enum
+import types
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,8 +68,25 @@ def _bool(value: Any) -> bool:
     raise ValueError(f"{value!r} is not a valid boolean")
 
 
-def plain_converter(annotation: Any, case_sensitive: bool = True) -> Callable[[Any], Any] | None:
-    """A converter for the simple annotations, or None to leave the parameter to typer."""
+def _without_none(annotation: Any) -> Any:
+    """`T` for `T | None` (an option left out is None before any conversion), else as given."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def plain_converter(annotation: Any, case_sensitive: bool = True,
+                    multiple: bool = False) -> Callable[[Any], Any] | None:
+    """A converter for the simple annotations (and `T | None`; `list[T]` for a parameter that
+    takes several values), or None to leave the parameter to typer."""
+    annotation = _without_none(annotation)
+    if multiple:
+        if typing.get_origin(annotation) is not list or len(typing.get_args(annotation)) != 1:
+            return None
+        one = plain_converter(typing.get_args(annotation)[0], case_sensitive)
+        return None if one is None else (lambda values: [one(v) for v in values])
     if annotation is bool:
         return _bool
     if annotation is str:
@@ -101,14 +120,16 @@ def install_plain(params: list[Any]) -> None:
         return
     for param in params:
         desc = getattr(param, "type_descriptor", None)
-        # Lists, tuples, parsers and ranges keep typer's coercion.
-        if (desc is None or param.multiple or param.nargs != 1
+        # Tuples, parsers and ranges keep typer's coercion.
+        multiple = param.multiple or param.nargs == -1
+        if (desc is None or (param.nargs != 1 and not multiple)
                 or getattr(param, "_runtime_param", False) is not None):
             continue
         info = desc.parameter_info
         if any(getattr(info, a, None) is not None for a in ("parser", "min", "max")):
             continue
-        convert = plain_converter(desc.annotation, getattr(info, "case_sensitive", True))
+        convert = plain_converter(desc.annotation, getattr(info, "case_sensitive", True),
+                                  multiple=multiple)
         if convert is not None:
             param._runtime_param = PlainParam(info, desc.annotation, convert)
 
