@@ -7,7 +7,6 @@ from typing import Any
 
 from rtrain.supervisor.core import protocol
 from rtrain.supervisor.core.protocol import Heartbeat
-from rtrain.supervisor.hooks.runner import HookRunner
 from rtrain.supervisor.launch.feature import Feature, Run
 from rtrain.supervisor.proc.watch import Sample
 
@@ -16,6 +15,8 @@ class Hooks(Feature):
     name = "hooks"
 
     def __init__(self, run: Run) -> None:
+        from rtrain.supervisor.hooks.runner import HookRunner  # only where hooks are set
+
         self.runner = HookRunner(run.config.hooks, cwd=run.cwd,
                                  env={protocol.ENV_RUN_DIR: str(run.run_dir.resolve())})
         self.runner.report = run.events.emit

@@ -11,7 +11,6 @@ from typing import Any
 from rtrain.supervisor.core.protocol import Heartbeat
 from rtrain.supervisor.decide.observation import Observation
 from rtrain.supervisor.launch.feature import Attempt, Feature, Run
-from rtrain.supervisor.memtier.peerside import serving_address
 from rtrain.supervisor.memtier.tier import MemoryTierDir
 from rtrain.supervisor.pressure.monitor import PressureNote
 from rtrain.supervisor.proc import torchrun
@@ -28,6 +27,8 @@ class MemoryTier(Feature):
         run.checkpoints.in_flight = self.tier  # an attempt's last state, still being copied
         if torchrun.several_nodes(run.command):  # copies on peer nodes
             rdzv = torchrun.rdzv_host(run.command)
+            from rtrain.supervisor.memtier.peerside import serving_address
+
             self.tier.enable_peers(*serving_address(rdzv), rdzv_host=rdzv)
 
     def _disk_newest(self) -> int | None:

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rtrain.checkpoint import parts, runid
 from rtrain.checkpoint.verify import Verdict
@@ -18,7 +18,9 @@ from rtrain.supervisor.core.protocol import ENV_MEMORY_DIR, ENV_MEMORY_RESUME, H
 from rtrain.supervisor.memtier import decide, live_seal, persist, shmdir
 from rtrain.supervisor.memtier.background_commit import BackgroundCommit
 from rtrain.supervisor.memtier.diskcadence import DiskCadence
-from rtrain.supervisor.memtier.peerside import PeerSide, PeersOff
+
+if TYPE_CHECKING:  # several nodes only: imported when they are (a launch starts faster)
+    from rtrain.supervisor.memtier.peerside import PeerSide
 
 
 class MemoryTierDir:
@@ -48,6 +50,8 @@ class MemoryTierDir:
 
     def enable_peers(self, host: str, port: int = 0, rdzv_host: str | None = None) -> None:
         """Several nodes: serve this node's snapshots to peers and copy theirs (peerside.py)."""
+        from rtrain.supervisor.memtier.peerside import PeerSide
+
         self.peers = PeerSide(self.path, self.ckpt_dir, self.key, host, self.emit, self.say,
                               port=port, rdzv_host=rdzv_host)
 
@@ -78,6 +82,8 @@ class MemoryTierDir:
         """Serve and copy (once per launch); False when this node cannot serve."""
         if self.peers is None:
             return False
+        from rtrain.supervisor.memtier.peerside import PeersOff
+
         try:
             self.peers.start(run)
         except PeersOff as e:

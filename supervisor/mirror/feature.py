@@ -8,7 +8,6 @@ from __future__ import annotations
 from rtrain.supervisor.decide.policy import Decision
 from rtrain.supervisor.launch.feature import Attempt, Feature, Run
 from rtrain.supervisor.mirror import launch_uploads
-from rtrain.supervisor.mirror.fetch_newer import NewerOnMirror
 from rtrain.supervisor.mirror.uploader import LOCK_NAME
 from rtrain.supervisor.proc.watch import Sample
 
@@ -29,6 +28,8 @@ class Mirror(Feature):
         self.mirroring = launch_uploads.open_for(run.config, run.run_dir, run.ckpt_dir,
                                                  run.events, run.say, new_run=new_run)
         if self.mirroring is not None:
+            from rtrain.supervisor.mirror.fetch_newer import NewerOnMirror  # only with a mirror
+
             run.checkpoints.fetch_newer = NewerOnMirror(
                 self.mirroring, run.ckpt_dir, run.checkpoints.key,
                 file_mode=run.config.file_mode, events=run.events, say=run.say)

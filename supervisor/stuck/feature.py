@@ -13,7 +13,6 @@ from rtrain.supervisor.core.filemode import env_mode
 from rtrain.supervisor.decide.observation import Observation
 from rtrain.supervisor.launch.feature import Attempt, Feature, Run
 from rtrain.supervisor.stuck import flight
-from rtrain.supervisor.stuck.collect import report
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +36,8 @@ class StuckRanks(Feature):
         if seen.hang_at is None:
             return {}
         hb = seen.heartbeats
+        from rtrain.supervisor.stuck.collect import report  # at a hang only: not at start-up
+
         found = report(attempt.attempt_dir, hb.ranks, now=seen.hang_at, world=hb.world)
         if found is not None:
             log.warning("hang: %s", found.summary)
