@@ -121,21 +121,50 @@ def test_a_copy_that_fails_leaves_the_dirs_newest_and_says_so(tmp_path, shm, mon
     ck.close()
 
 
-def test_a_snapshot_the_worker_wrote_is_committed_before_the_relaunch(tmp_path, shm):
-    """Only what rtrain sealed (and so hashed) itself goes to the background: the worker's own
-    snapshot is hashed as it is copied, before the relaunch reads it unhashed."""
+def _worker_snapshot(tmp_path, shm):
+    """A snapshot the worker wrote itself (Saving(memory=1)), of step 1; its path."""
     torch.manual_seed(0)
-    m = torch.nn.Linear(8, 8)
+    m = torch.nn.Linear(512, 512)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     ck = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "own", every=None,
                              saving=rtrain.Saving(memory=1))
-    m(torch.randn(2, 8)).sum().backward()
+    m(torch.randn(2, 512)).sum().backward()
     opt.step()
     ck.maybe_save(1)
     ck._memory.wait()
     ck.close()
+    ((_, path),) = list_checkpoints(shm)
+    return path
+
+
+def test_a_snapshot_the_worker_wrote_is_hashed_in_place_then_copied_beside_the_relaunch(
+        tmp_path, shm, held):
+    """The relaunch reads a snapshot unhashed: one rtrain did not seal is hashed here first."""
+    _worker_snapshot(tmp_path, shm)
     ckpts = tmp_path / "ckpts"
-    tier = MemoryTierDir(ckpts, None, lambda *a, **k: None, lambda s: None, path=shm)
+    seen: list = []
+    tier = MemoryTierDir(ckpts, None, lambda kind, **f: seen.append(kind), lambda s: None,
+                         path=shm)
     assert tier.commit_newest(None, "attempt ended", background=True) == 1
-    assert tier.committing() is None
+    assert tier.committing() is not None and seen == []
+    held.set()
+    tier.settle_sync()
+    assert seen == ["snapshot_persisted"]
     assert verify(ckpts / "checkpoint-1", Level.FULL, None).ok
+
+
+def test_a_damaged_snapshot_is_refused_before_the_relaunch(tmp_path, shm):
+    snap = _worker_snapshot(tmp_path, shm)
+    f = snap / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    ckpts = tmp_path / "ckpts"
+    seen: list = []
+    said: list = []
+    tier = MemoryTierDir(ckpts, None, lambda kind, **f: seen.append(kind), said.append,
+                         path=shm)
+    assert tier.commit_newest(None, "attempt ended", background=True) is None
+    assert tier.committing() is None and seen == ["snapshot_refused"]
+    assert "model.safetensors does not match its manifest (content hash)" in said[0]
+    assert list_checkpoints(shm) == []

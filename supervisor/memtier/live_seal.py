@@ -20,7 +20,6 @@ was before the live state existed.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
 import stat
@@ -30,7 +29,7 @@ from typing import Any
 
 import psutil
 
-from rtrain.checkpoint import hashing, safeio
+from rtrain.checkpoint import hashing
 from rtrain.checkpoint.commit import PendingCheckpoint, remove_dir
 from rtrain.checkpoint.layout import list_checkpoints
 from rtrain.supervisor.core import ownfiles
@@ -40,7 +39,6 @@ STATE, EXTRA = "state.json", "extra.safetensors"
 MARK_LIMIT = 16 << 20  # bytes: the manifest's fields and the extras' names
 LAYOUT_LIMIT = 64 << 20  # bytes: every tensor's name, dtype and shape
 CHUNK = 8 << 20
-MAPPED = 1 << 20  # bytes: a file at least this large is hashed through a mapping
 
 
 class NotSealed(Exception):
@@ -121,7 +119,7 @@ def _seal(memory_dir: Path, live: Path, mark: dict[str, Any], layout: dict[str, 
                 _copy_range(dest, src, dst, n)
             nbytes = dest.stat().st_size
             total += nbytes
-            pending.add_file(name, nbytes, _hash(dest, nbytes, pending.hash_alg),
+            pending.add_file(name, nbytes, hashing.hash_mapped(dest, pending.hash_alg),
                              tensors if isinstance(tensors, dict) else None)
         path = pending.commit(fields, key)  # over an earlier timeline's of this step
     except BaseException:
@@ -147,24 +145,6 @@ def _take(src: Path, dest: Path, size: int | None) -> None:
     if size is not None and st.st_size != size:
         raise NotSealed(f"{src.name} holds {st.st_size} bytes, its layout says {size}")
     os.rename(src, dest)
-
-
-def _hash(path: Path, size: int, alg: str) -> str:
-    """The file's hash, read through a mapping: the pages are in memory already, and hashing
-    them in place halves what a read into a buffer costs (the seal is on the relaunch's path).
-    Safe here: the file is in rtrain's temp dir of an owner-only directory, its writer gone."""
-    if size < MAPPED:
-        return hashing.hash_file(path, alg)
-    h = hashing.new_hasher(alg)
-    with safeio.open_regular(path, buffering=0) as f, \
-            mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        view = memoryview(mm)
-        try:
-            for off in range(0, len(mm), CHUNK):
-                h.update(view[off:off + CHUNK])
-        finally:
-            view.release()
-    return h.hexdigest()
 
 
 def _copy_range(path: Path, src: int, dst: int, n: int) -> None:

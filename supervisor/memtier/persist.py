@@ -21,7 +21,7 @@ from pathlib import Path
 from rtrain.checkpoint import manifest as mf
 from rtrain.checkpoint import parts, safeio
 from rtrain.checkpoint.commit import fsync_dir
-from rtrain.checkpoint.hashing import new_hasher
+from rtrain.checkpoint.hashing import hash_mapped, new_hasher
 from rtrain.checkpoint.layout import MANIFEST, checkpoint_name, tmp_name
 from rtrain.checkpoint.safetensors_io import write_hashed
 from rtrain.checkpoint.verify import Verdict
@@ -124,6 +124,24 @@ def _commit(sources: dict[str, Path], m: dict, manifest: bytes | None, manifest_
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_content(snap: Verdict) -> None:
+    """Hash every file of `snap` in place and compare it with the manifest, as `persist` does as
+    it copies: for a relaunch that reads the snapshot (unhashed) before that copy is made.
+    Raises SnapshotRefused, naming the file."""
+    m = snap.manifest
+    assert m is not None
+    for name, entry in m["files"].items():
+        path = snap.path / name
+        try:
+            size = os.lstat(path).st_size
+            digest = hash_mapped(path, m["hash_alg"]) if size == entry.get("size") else None
+        except (OSError, ValueError) as e:
+            raise SnapshotRefused(f"{name}: {e}") from None
+        if digest is None or digest != entry.get("hash"):
+            raise SnapshotRefused(f"{name} does not match its manifest "
+                                  f"({'size' if digest is None else 'content hash'})")
 
 
 def make_durable(path: Path) -> None:

@@ -116,7 +116,7 @@ class MemoryTierDir:
         same_run = runid.of(snap.manifest) == runid.read(self.ckpt_dir)
         if not decide.worth_persisting(snap.step, disk_newest, same_run=same_run):
             return None
-        if background and sealed is not None and sealed.path == snap.path:
+        if background and self._read_as_is(snap, sealed):
             self._pending = BackgroundCommit(snap, self.ckpt_dir, mode=self.file_mode, why=why,
                                              attempt=self.attempt)
             return snap.step
@@ -127,6 +127,18 @@ class MemoryTierDir:
         except persist.SnapshotRefused as e:
             self._refused(snap, str(e))
             return None
+
+    def _read_as_is(self, snap: Verdict, sealed: live_seal.Sealed | None) -> bool:
+        """Whether rtrain hashed every byte of `snap` (so the relaunch may read it unhashed
+        before its copy is made): sealed just now, or hashed here, in place. A snapshot that
+        does not match its manifest is refused, as its copy would refuse it."""
+        if sealed is not None and sealed.path == snap.path:
+            return True
+        try:
+            persist.check_content(snap)
+        except persist.SnapshotRefused:
+            return False  # the copy below refuses it, saying why
+        return True
 
     def committing(self) -> Verdict | None:
         """The checkpoint being committed in the background, as the dir will hold it (the

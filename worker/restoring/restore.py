@@ -236,10 +236,10 @@ class Source:
 
 def handed_over_from_memory(path: Path) -> bool:
     """`path` is the memory-tier snapshot rtrain chose (RTRAIN_RESUME_FROM inside
-    RTRAIN_MEMORY_DIR). rtrain points there only at a snapshot whose every byte it hashed: as
-    it committed it to the checkpoint dir, or as it sealed it from the live state (whose copy
-    to the dir then runs beside this read), in a directory of this user alone: its tensor
-    files are read without hashing again (supervisor/memtier/tier.py)."""
+    RTRAIN_MEMORY_DIR). rtrain points there only at a snapshot whose every byte it hashed
+    before this attempt started (as it sealed it from the live state, or in place; its copy to
+    the checkpoint dir may run beside this read), in a directory of this user alone: its
+    tensor files are read without hashing again (supervisor/memtier/tier.py)."""
     mem, chosen = os.environ.get(ENV_MEMORY_DIR), os.environ.get(ENV_RESUME_FROM)
     if not mem or not chosen:
         return False
