@@ -1,20 +1,24 @@
 """The memory tier with default settings, under `rtrain launch` with real processes: a script
 that leaves `memory=` out (here, one that gives only `every="auto"`) gets the tier where its
-state fits, said once with what a snapshot costs; a shared-memory filesystem too small for it
-(a real tmpfs, mounted for the test, as a container's 64 MiB /dev/shm) leaves it off with one
-line, and the run goes on from the disk tier. The soak test is the issue's check: eight
-SIGKILLs at random moments of steady state lose at most one step each on average, and the run
-ends bitwise-identical to an uninterrupted one."""
+state fits, said once with what a snapshot costs; its scheduled disk saves are snapshots rtrain
+copies, bitwise what the script would have written, and a kill right after one loses nothing;
+a shared-memory filesystem too small for it (a real tmpfs, mounted for the test, as a
+container's 64 MiB /dev/shm) leaves it off with one line, and the run goes on from the disk
+tier. The soak test is the issue's check: eight SIGKILLs at random moments of steady state lose
+at most one step each on average, and the run ends bitwise-identical to an uninterrupted one."""
 
 from __future__ import annotations
 
 import random
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import harness
 import pytest
+import torch
 from chaos_util import (
     Tail,
     final_state_diff,
@@ -26,9 +30,12 @@ from chaos_util import (
     wait_gone,
     write_config,
 )
-from harness import child_env, events, run_child
+from harness import CHILDREN, child_env, events, launch, run_child
+from references import cached
 
+from rtrain.checkpoint import manifest as mf
 from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.verify import Level, verify
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +59,54 @@ def test_left_out_the_tier_is_on_and_says_once_what_a_snapshot_costs(tmp_path):
     assert "iB in " in said[0] and "one every" in said[0], said
     # The tier's snapshot at the end went to the checkpoint dir if it was newer than the disk's.
     assert next(s for s, _ in list_checkpoints(run / "checkpoints")) == 24
+
+
+BITWISE = str(CHILDREN / "train_bitwise.py")
+
+
+def _in_process(steps: int, every: int) -> Path:
+    """The same script run uninterrupted outside `rtrain launch`, where the default tier is off
+    and every save is the script's own write: its checkpoint dir (keep=2) and final state."""
+    def make(out):
+        subprocess.run([sys.executable, BITWISE, str(out / "ckpt"), str(out / "final.pt"),
+                        str(steps), "0", "--every", str(every), "--memory", "-2"],
+                       env=child_env(), check=True, capture_output=True, timeout=120)
+
+    return cached("train_bitwise_default", {"steps": steps, "every": every}, make)
+
+
+def test_a_scheduled_disk_save_is_copied_by_rtrain_bitwise_and_a_kill_after_it_loses_nothing(
+        tmp_path):
+    """Defaults (`memory=` left out), a disk save every 4 steps: each is a snapshot that rtrain
+    copies into the checkpoint dir while the script trains on (the script writes none itself),
+    file for file what the script's own save of that step holds. The process dies (os._exit,
+    as a SIGKILL) right after handing step 8 over, before rtrain could have copied it: the
+    relaunch resumes from step 8, and the run ends bitwise-identical to an uninterrupted one."""
+    ref = _in_process(20, 4)
+    run, out = tmp_path / "run", tmp_path / "out.pt"
+    ckpts = run / "checkpoints"
+    r = launch(run, BITWISE, str(ckpts), str(out), "20", "8", "--die-once", "--every", "4",
+               "--memory", "-2", "--step-sleep", "0.05", timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    launches = events(run, "launch")
+    assert len(launches) == 2 and launches[1]["resume_from"].endswith("checkpoint-8"), launches
+    persisted = events(run, "snapshot_persisted")
+    exits = {e["attempt"]: e["seq"] for e in events(run, "exit")}
+    during = [e for e in persisted if e["why"] == "disk cadence" and e["seq"] < exits[e["attempt"]]]
+    assert during and all(e["step"] % 4 == 0 for e in during), persisted
+    on_disk = dict(list_checkpoints(ckpts))
+    assert 20 in on_disk, (on_disk, persisted)
+    for path in on_disk.values():  # every checkpoint there is a snapshot rtrain copied
+        assert verify(path, Level.FULL, None).manifest["info"].get("memory_snapshot") is True
+    # rtrain's copy of step 20 holds what the script's own save of step 20 holds, file for file
+    # (each file's hash: the tensors, their layout, the RNG states, the data position).
+    mine, theirs = mf.load(on_disk[20]), mf.load(ref / "ckpt" / "checkpoint-20")
+    assert {n: f["hash"] for n, f in mine["files"].items()} == \
+        {n: f["hash"] for n, f in theirs["files"].items()}
+    final, expected = torch.load(out), torch.load(ref / "final.pt")
+    assert final["step"] == 20
+    for k, v in expected["model"].items():
+        assert torch.equal(final["model"][k], v), k
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import rtrain
 from rtrain.checkpoint.layout import list_checkpoints
@@ -22,6 +23,7 @@ from rtrain.supervisor.memtier import decide
 from rtrain.supervisor.memtier.diskcadence import DiskCadence
 from rtrain.supervisor.proc.heartbeat import HeartbeatReceiver
 from rtrain.supervisor.retention.decide import RetentionPolicy
+from rtrain.worker.memtier import handoff
 
 KEEP_1 = {"keep": 1, "keep_best": 0, "metric": None, "mode": "min", "milestone_every": 0}
 
@@ -124,6 +126,53 @@ def test_a_scheduled_disk_save_under_the_tier_is_a_snapshot_rtrain_is_asked_to_p
         ckpt.close()
         assert _persist_heartbeats(receiver, 1, timeout=0.3) == []
     assert [s for s, _ in list_checkpoints(ck)] == [6, 5]
+
+
+R = handoff.Route
+
+
+@pytest.mark.parametrize("due, stop, requested, tier_takes, expected", [
+    (False, False, False, True, R.NONE),
+    (True, False, False, True, R.RTRAIN),  # on schedule, the tier on (named or by default)
+    (True, False, False, False, R.DISK),  # no tier, the tier off, or a process group
+    (True, False, True, True, R.DISK),  # request_save(), or a hand-off that failed
+    (True, True, False, True, R.DISK),  # a stop: durable before the process exits
+    (False, True, False, True, R.DISK),
+    (False, True, False, False, R.DISK),
+])
+def test_only_a_scheduled_save_under_a_working_tier_goes_to_rtrain(due, stop, requested,
+                                                                   tier_takes, expected):
+    assert handoff.route(due=due, stop=stop, requested=requested,
+                         tier_takes=tier_takes) is expected
+
+
+def test_with_memory_left_out_a_scheduled_save_is_handed_to_rtrain_too(tmp_path, shm,
+                                                                      monkeypatch):
+    """The tier on by default (`memory=` left out, under rtrain launch) takes the scheduled
+    disk saves as the named one does: a snapshot of the step, bitwise the state a save of it
+    writes though the next optimizer step changes the live tensors, and a `persist` request.
+    save() stays a disk write, durable before it returns."""
+    ck = tmp_path / "ck"
+    with HeartbeatReceiver() as receiver:
+        monkeypatch.setenv(ENV_HEARTBEAT, receiver.name)
+        m, opt = _model()
+        ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=ck, every=3)
+        assert ckpt._memory is not None and ckpt._memory.implicit
+        paths = _train(m, opt, ckpt, 3)
+        assert paths == [None, None, ck / "checkpoint-3"]
+        at3 = {k: v.clone() for k, v in m.state_dict().items()}
+        _train(m, opt, ckpt, 1, start=3)  # the optimizer's step waits for the copy, then moves
+        ckpt._memory.wait()
+        assert list_checkpoints(ck) == []  # rtrain writes it
+        assert [hb.step for hb in _persist_heartbeats(receiver, 1)] == [3]
+        snap = dict(list_checkpoints(shm))[3]
+        assert verify(snap, Level.FULL, None).ok
+        held = load_file(snap / "model.safetensors")
+        assert held.keys() == at3.keys() and all(torch.equal(held[k], at3[k]) for k in at3)
+        assert not all(torch.equal(held[k], m.state_dict()[k]) for k in at3)
+        assert ckpt.save(4) == ck / "checkpoint-4"
+        ckpt.close()
+    assert [s for s, _ in list_checkpoints(ck)] == [4]
 
 
 def test_without_a_working_tier_the_scheduled_save_goes_to_disk(tmp_path, shm):

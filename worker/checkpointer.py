@@ -27,6 +27,7 @@ from rtrain.worker.checkresume import check_order, resume_check
 from rtrain.worker.compilecache import compile_cache
 from rtrain.worker.data import position
 from rtrain.worker.guards import degrade, faults
+from rtrain.worker.memtier import handoff
 from rtrain.worker.memtier.memory_tier import MemoryTier
 from rtrain.worker.options import Every, Keep, Restoring, Saving
 from rtrain.worker.restoring import restore
@@ -279,9 +280,11 @@ class Checkpointer:
             began = time.monotonic()
             stop, due, snap = dist.any_of([stop, due, snap])
             runtime.boundary_wait(time.monotonic() - began)
-        if due and not (stop or requested) and self._hand_to_rtrain(step, metrics, extra):
+        where = handoff.route(due=due, stop=stop, requested=requested,
+                              tier_takes=self._tier_takes())
+        if where is handoff.Route.RTRAIN and self._hand_to_rtrain(step, metrics, extra):
             path = self.ckpt_dir / f"checkpoint-{step}"  # the path rtrain will commit it as
-        elif stop or due:
+        elif where is not handoff.Route.NONE:
             path = self.save(step, metrics=metrics, extra=extra)
         cap = None
         # The RNG states and data position were taken above for a save at a failure: nothing
@@ -316,10 +319,7 @@ class Checkpointer:
         state (this one's is not known yet; they hold the same state). rtrain's copy runs
         beside training, and requests that come faster than it copies are merged into the
         newest, so a short interval never stalls the loop."""
-        if self._memory is None or self._memory.off is not None or dist.world() is not None:
-            return False
-        if self._memory.implicit:  # a disk save moves out of this process only when asked
-            return False
+        assert self._memory is not None
         began = self._clock.clock()
         self._clock.save_begins(step)
         self.epoch = self._epoch_now()
@@ -332,6 +332,14 @@ class Checkpointer:
         self._clock.last_step = step
         self._clock.save_ended(step, self._clock.clock() - began + self._memory.gate_s)
         return True
+
+    def _tier_takes(self) -> bool:
+        """A single process's memory tier is on: it can take a scheduled disk save (a
+        process group's ranks save collectively, to disk). The tier on by default counts: it
+        exists only under `rtrain launch`, which copies the snapshots (worker/memtier/
+        handoff.py)."""
+        return (self._memory is not None and self._memory.off is None
+                and dist.world() is None)
 
     def request_save(self) -> None:
         """Save at the next `maybe_save`, whatever the schedule says."""

@@ -2,6 +2,7 @@
 
 usage: train_bitwise.py CKPT_DIR OUT TOTAL_STEPS DIE_AT [--async] [--every N] [--memory N]
 Exits abruptly (os._exit, no save) after step DIE_AT, like a killed process; DIE_AT=0 never.
+--memory -2 leaves `memory=` out (the default tier); without --memory the tier is off.
 """
 
 import argparse
@@ -24,7 +25,8 @@ p.add_argument("die_at", type=int)
 p.add_argument("--async", dest="async_save", action="store_true")
 p.add_argument("--every", type=int, default=3)
 p.add_argument("--batch", type=int, default=8)
-p.add_argument("--memory", type=int, default=None, help="the memory tier: a snapshot every N")
+p.add_argument("--memory", type=int, default=None,
+               help="the memory tier: a snapshot every N; -2: `memory=` left out (the default)")
 p.add_argument("--die-once", action="store_true", help="die at DIE_AT in attempt 0 only")
 p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step also takes")
 args = p.parse_args()
@@ -39,10 +41,11 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
 sampler = rtrain.ResumableSampler(len(ds), seed=7, shuffle=True)
 loader = DataLoader(ds, batch_size=args.batch, sampler=sampler)
+mode = "auto" if args.async_save else "off"
+saving = (rtrain.Saving(async_mode=mode) if args.memory == -2
+          else rtrain.Saving(async_mode=mode, memory=args.memory))
 ckpt = rtrain.Checkpointer(model=model, optimizer=opt, scheduler=sched, loader=sampler,
-                           ckpt_dir=args.ckpt_dir, every=args.every, keep=2,
-                           saving=rtrain.Saving(async_mode="auto" if args.async_save else "off",
-                                                memory=args.memory))
+                           ckpt_dir=args.ckpt_dir, every=args.every, keep=2, saving=saving)
 step = ckpt.restore()
 while step < args.total:
     for x, y in loader:
