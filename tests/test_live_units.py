@@ -288,7 +288,8 @@ def test_a_background_disk_save_writes_the_boundarys_state_not_what_the_next_ste
         tmp_path, shm, monkeypatch):
     """A forked writer sees shared memory change under it (no copy-on-write there): with the
     state live, the background save copies it instead. The writer is slowed here (in the
-    child too: the fork copies the patch) while two more steps change the state."""
+    child too: the fork copies the patch) while two more steps change the state. An explicit
+    save(): one the schedule calls for goes to rtrain under the tier."""
     from rtrain.checkpoint import safetensors_io
 
     write = safetensors_io.write_file
@@ -298,15 +299,44 @@ def test_a_background_disk_save_writes_the_boundarys_state_not_what_the_next_ste
         return write(*a, **kw)
 
     m, opt = _pair()
-    ck = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck", every=6,
+    ck = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck", every=None,
                              saving=rtrain.Saving(async_mode="auto"))  # the tier by default
     _train(ck, m, opt, range(1, 6))
     assert ck._memory.live.adopted
     monkeypatch.setattr(safetensors_io, "write_file", slow)
     _step(m, opt, 6)
     want = {k: v.clone() for k, v in m.state_dict().items()}
-    ck.maybe_save(6)  # the disk save of step 6, in the background
+    ck.save(6)  # the disk save of step 6, in the background
+    ck.maybe_save(6)
     _train(ck, m, opt, range(7, 9))
     ck.close()
     saved = load_file(tmp_path / "ck" / "checkpoint-6" / "model.safetensors")
     assert all(torch.equal(saved[k], v) for k, v in want.items())
+
+
+def test_a_handed_disk_save_keeps_the_mark_until_its_snapshot_committed(tmp_path, shm,
+                                                                       monkeypatch):
+    """With `memory=` left out, the disk save of step 6 is a snapshot rtrain persists. Its
+    commit is slowed here: the next optimizer step waits for it before the mark of step 6 goes,
+    so at every moment step 6 is whole in memory, marked or committed (a kill inside that
+    optimizer step would otherwise find neither)."""
+    from rtrain.checkpoint.commit import PendingCheckpoint
+
+    commit, seen = PendingCheckpoint.commit, []
+
+    def slow(self, *a, **kw):
+        if self.ckpt_dir == shm and self.step == 6:
+            time.sleep(0.3)  # the training thread reaches optimizer.step() meanwhile
+            seen.append((_mark(shm) or {}).get("step"))
+        return commit(self, *a, **kw)
+
+    m, opt = _pair()
+    ck = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck", every=6)
+    _train(ck, m, opt, range(1, 6))
+    assert ck._memory.live.adopted
+    monkeypatch.setattr(PendingCheckpoint, "commit", slow)
+    _train(ck, m, opt, range(6, 8))
+    ck.close()
+    assert seen == [6]
+    assert 6 in dict(list_checkpoints(shm)) or ck._memory.last_step == 6
+    assert list_checkpoints(tmp_path / "ck") == []  # rtrain writes the disk saves

@@ -9,9 +9,10 @@ Rules, in order:
    the step, which rtrain copies into the checkpoint dir beside training (supervisor/memtier/
    diskcadence.py); the loop pays the snapshot, not the disk write. That holds for the tier the
    script names and for the one on by default alike: the default tier exists only under
-   `rtrain launch` (the one that copies), and a kill before the copy loses nothing the in-process
-   write would have kept (the live state holds the step until its snapshot commits, and
-   the attempt's end commits the newest snapshot).
+   `rtrain launch` (the one that copies). A kill before rtrain's copy leaves the step in memory
+   (the live state's mark until its snapshot committed: the optimizer's next step waits for
+   that), and the attempt's end commits the newest; without the live state, a kill before the
+   snapshot committed leaves the snapshot or checkpoint before.
 4. Otherwise (no tier, the tier off, or a process group, whose ranks save collectively) the
    scheduled save goes to disk from this process.
 """

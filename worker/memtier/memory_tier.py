@@ -53,7 +53,12 @@ manifest records (`info.keep`; a heartbeat carries no policy: supervisor/memtier
 diskcadence.py), so the loop pays the snapshot, not the disk write. A stop
 request, `request_save()`, `save()` and the save at a failure still write to disk from this
 process: they must be durable before it goes on or exits. A snapshot rtrain was to persist that
-fails makes the next step boundary save to disk here instead (`persist_lost`).
+fails makes the next step boundary save to disk here instead (`persist_lost`). The tier on by
+default hands the scheduled saves over as the named one does (worker/memtier/handoff.py). Such
+a snapshot is never abandoned, and the optimizer's next step waits until it committed before
+the live state's mark goes: with the live state on, a kill at any moment after the hand-off
+finds the step in memory (marked, or committed) and rtrain commits it at the attempt's end;
+without it, a kill before the commit leaves the snapshot or checkpoint before.
 """
 
 from __future__ import annotations
@@ -322,6 +327,10 @@ class MemoryTier:
         self.abandoned = 0  # snapshots abandoned so far
         self._abandoned_in_row = 0
         self._persisting = False  # the running snapshot is a disk save: never abandoned
+        # Cleared while a disk save's snapshot is being written: set once it committed (or
+        # failed). The optimizer's pre-hook waits for it before the live state's mark goes.
+        self._persisted = threading.Event()
+        self._persisted.set()
         # The steps' durations, beside a snapshot and not, continued from the attempts before.
         self.costs = pacing.Costs.from_state(_read_pace(directory))
         self._steps_seen = 0  # step boundaries this process saw (WARMUP_STEPS)
@@ -460,6 +469,8 @@ class MemoryTier:
         self._pace(cap.step, began)
         self._copy.arm()
         self._persisting = persist
+        if persist:
+            self._persisted.clear()
         self._beside = True
         self._idle.clear()
         self._gate_wait = 0.0
@@ -556,7 +567,15 @@ class MemoryTier:
         or be abandoned. Under "auto", a snapshot into reused files that is not a disk save is
         abandoned rather than waited for, MAX_ABANDONED times in a row at most: the previous
         one stays the newest, whole (CopyGate); the next after those is waited for. A fixed
-        interval is the script's word for how many steps a kill may lose: always waited for."""
+        interval is the script's word for how many steps a kill may lose: always waited for.
+
+        A disk save handed to rtrain is waited for until it committed, before the live state's
+        mark goes: its step stays whole in memory (marked, then committed), so a kill inside
+        this optimizer step does not lose it either."""
+        if self._persisting and not self._persisted.is_set():
+            t0 = time.monotonic()
+            self._persisted.wait()
+            self._gate_wait += time.monotonic() - t0
         if self.live is not None:
             self.live.stepping()  # before anything changes: the live state is no step now
         if self._copy.read.is_set():
@@ -596,6 +615,7 @@ class MemoryTier:
             return
         finally:
             self._copy.read.set()
+            self._persisted.set()
         self._abandoned_in_row = 0
         self.write_s = time.monotonic() - t0
         self.writer_cpu_s = self._last_cpu = time.thread_time() - cpu0
