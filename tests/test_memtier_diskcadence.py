@@ -146,6 +146,53 @@ def test_only_a_scheduled_save_under_a_working_tier_goes_to_rtrain(due, stop, re
                          tier_takes=tier_takes) is expected
 
 
+def test_a_handed_saves_cost_for_the_cadence_counts_rtrains_copy_of_the_one_before():
+    assert handoff.cadence_cost(0.02, None) == 0.02  # no copy seen yet: the stall alone
+    assert handoff.cadence_cost(0.02, 0.5) == pytest.approx(0.52)
+    w = handoff.CopyWatch()
+    w.committed(5.0)  # nothing handed: nothing measured
+    assert w.copy_s is None
+    w.handed(4, 10.0)
+    w.handed(6, 11.0)  # 4 merged into 6 (never seen): timed from 6's hand-off
+    w.committed(11.7)
+    assert w.step is None and w.copy_s == pytest.approx(0.7)
+    w.handed(8, 12.0)  # not seen yet: the last measure stays
+    assert w.copy_s == pytest.approx(0.7) and w.step == 8
+
+
+def test_the_automatic_cadence_counts_how_long_rtrain_took_to_copy_the_last_hand_off(
+        tmp_path, shm, monkeypatch):
+    """every="auto" with `memory=` left out: once rtrain's copy of a hand-off shows in the
+    checkpoint dir (made here, 0.4 s after the hand-off, as a slow copy would), the next
+    interval is chosen from the stall plus that copy's time, not the stall alone."""
+    ck = tmp_path / "ck"
+    with HeartbeatReceiver() as receiver:
+        monkeypatch.setenv(ENV_HEARTBEAT, receiver.name)
+        m, opt = _model()
+        ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=ck,
+                                   every=rtrain.Every(steps="auto", max_steps=2))
+        beats, step = [], 0
+        while not any(hb.event == "persist" for hb in beats) and step < 10:
+            _train(m, opt, ckpt, 1, start=step)
+            step += 1
+            ckpt._memory.wait()
+            beats += receiver.drain()
+        [first] = [hb.step for hb in beats if hb.event == "persist"]
+        time.sleep(0.4)
+        (ck / f"checkpoint-{first}").mkdir(parents=True)  # rtrain's copy, committed
+        before = len([hb for hb in beats if hb.event == "cadence"])
+        while len([hb for hb in beats if hb.event == "cadence"]) == before and step < 20:
+            _train(m, opt, ckpt, 1, start=step)
+            step += 1
+            beats += receiver.drain()
+        ckpt.close()
+    cadences = [hb.cadence for hb in beats if hb.event == "cadence"]
+    assert len(cadences) > before, beats
+    assert ckpt._copied.copy_s >= 0.4
+    assert cadences[-1]["save_stall_s"] >= 0.4  # the copy's time, counted
+    assert all(c["save_stall_s"] < 0.4 for c in cadences[:before])
+
+
 def test_with_memory_left_out_a_scheduled_save_is_handed_to_rtrain_too(tmp_path, shm,
                                                                       monkeypatch):
     """The tier on by default (`memory=` left out, under rtrain launch) takes the scheduled

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from rtrain.checkpoint import crypt, hashing
-from rtrain.checkpoint.layout import list_checkpoints
+from rtrain.checkpoint.layout import checkpoint_name, list_checkpoints
 from rtrain.supervisor.core.errors import CheckpointError, CorruptCheckpoint, ExitCode
 from rtrain.supervisor.core.protocol import ENV_CKPT_DIR, ENV_RESUME_FROM
 from rtrain.worker import commwait, dist, options, runtime
@@ -156,6 +156,7 @@ class Checkpointer:
         self._watch = (failsave.Watch(model, optimizer, scheduler, scaler)
                        if self.saving.on_failure else None)
         self._boundary: _Boundary | None = None
+        self._copied = handoff.CopyWatch()  # how long rtrain's copy of a handed save took
         self._hyper: hyperparams.Pending | None = None  # the last restore's, until judged
         # Waits inside DDP's gradient all-reduce, for the straggler rule (worker/commwait.py).
         self._comm = commwait.install(model) if dist.world() is not None else None
@@ -262,6 +263,9 @@ class Checkpointer:
             self._boundary = _Boundary(step, self._epoch_now(), moving(self._parts()),
                                        self._watch.marks(), metrics or {}, extra or {})
         stop = runtime.should_stop()
+        if self._copied.step is not None and \
+                (self.ckpt_dir / checkpoint_name(self._copied.step)).is_dir():
+            self._copied.committed(self._clock.clock())
         if self._memory is not None and self._memory.persist_lost:
             self._memory.persist_lost = False  # the disk save rtrain was to make: made here
             self._clock.requested = True
@@ -314,11 +318,11 @@ class Checkpointer:
         it to the checkpoint dir in the background (worker/memtier/memory_tier.py). False
         when the tier cannot take it: the caller saves to disk itself.
 
-        The cadence's cost is what this costs the training thread: the capture and the
-        snapshot's start, plus the optimizer step's wait for the previous snapshot to read the
-        state (this one's is not known yet; they hold the same state). rtrain's copy runs
-        beside training, and requests that come faster than it copies are merged into the
-        newest, so a short interval never stalls the loop."""
+        The loop pays the capture and the snapshot's start, plus the optimizer step's wait for
+        the previous snapshot (this one's is not known yet; they hold the same state). The
+        cadence counts rtrain's copy of the previous hand-off too (handoff.cadence_cost): it
+        runs beside training, on the same cores. Requests that still come faster than rtrain
+        copies are merged into the newest, so a short interval never stalls the loop."""
         assert self._memory is not None
         began = self._clock.clock()
         self._clock.save_begins(step)
@@ -330,7 +334,10 @@ class Checkpointer:
         if not self._memory.snapshot(cap, persist=True):
             return False
         self._clock.last_step = step
-        self._clock.save_ended(step, self._clock.clock() - began + self._memory.gate_s)
+        now = self._clock.clock()
+        self._clock.save_ended(step, handoff.cadence_cost(now - began + self._memory.gate_s,
+                                                          self._copied.copy_s))
+        self._copied.handed(step, now)
         return True
 
     def _tier_takes(self) -> bool:
