@@ -128,9 +128,9 @@ class Saving:
             number of steps, "auto", or a Memory (below). None or 0: off. Left out, the tier
             is on under `rtrain launch` for a single process wherever the state fits (twice
             in the budget and in /dev/shm) at the interval "auto" chooses, said once with its
-            cost; off, with one line saying why, where it does not fit. Left out, scheduled
-            disk saves stay direct writes from this process; naming the tier hands them to
-            rtrain as snapshots it copies to disk in the background.
+            cost; off, with one line saying why, where it does not fit. Left out or named,
+            scheduled disk saves are then snapshots rtrain copies to disk in the background;
+            a stop, `save()` and `request_save()` stay direct writes from this process.
         compile_cache: Also save torch.compile's portable cache artifacts beside each
             checkpoint (`compile-cache.bin`, torch.compiler.save_cache_artifacts), so a
             relaunch on a fresh node compiles warm. Loaded at restore only from a signed
