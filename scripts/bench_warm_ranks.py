@@ -21,7 +21,15 @@ first step after the restore,
 `--nodes-rank`: the same two nodes, rank 1 killed alone (its node's supervisor lives on): both
 nodes relaunch, each from its warm standby under rtrain.
 
-usage: python scripts/bench_warm_ranks.py [--repeats 3] [--warm-kill] [--nodes | --nodes-rank]
+`--nodes-elastic`: `--nnodes 1:2`, a whole node lost and its replacement started at once, as
+with `--nodes`: under rtrain the survivor's warm relaunch goes on alone after a last call of a
+second (standby/rank_rdzv.py) and takes the replacement in at the next round; torchrun on both
+nodes is re-run with the same `--nnodes 1:2` and the same last call
+(`--rdzv-conf=last_call_timeout=1`), so both wait alike. The run then checks that the group grew
+back to two nodes under rtrain.
+
+usage: python scripts/bench_warm_ranks.py [--repeats 3] [--warm-kill]
+                                          [--nodes | --nodes-rank | --nodes-elastic]
 Target: under rtrain at most 0.25x re-running torchrun.
 """
 
@@ -165,25 +173,34 @@ class Node:
             kill_tree(self.proc)
 
 
-def two_nodes(out: Path, rtrain: bool, whole: bool = True) -> tuple[float, list]:
+ELASTIC_LAST_CALL = "last_call_timeout=1"
+"""torchrun's last call in `--nodes-elastic`: the one a warm relaunch of rtrain's uses
+(standby/rank_rdzv.RELAUNCH_LAST_CALL_S)."""
+
+
+def two_nodes(out: Path, rtrain: bool, whole: bool = True,
+              elastic: bool = False) -> tuple[float, list]:
     """(whole node lost -> the group's first resumed step, node a's launches) for two nodes
     under rtrain (rtrain=True) or re-running torchrun. `whole=False`: only rank 1 is killed (it
-    SIGKILLs itself), both supervisors live on and relaunch."""
+    SIGKILLs itself), both supervisors live on and relaunch. `elastic`: `--nnodes 1:2`."""
     out.mkdir()
     endpoint = f"127.0.0.1:{free_port()}"
+    nnodes = "1:2" if elastic else "2"
 
     def cmd(name: str) -> list[str]:
         if rtrain:
             return [sys.executable, "-m", "rtrain", "launch", "--run-dir",
                     str(out / f"run-{name}"), "-q", "--no-backoff", "--ckpt-dir",
-                    str(out / "checkpoints"), "--nnodes", "2", "--nproc-per-node", "1",
+                    str(out / "checkpoints"), "--nnodes", nnodes, "--nproc-per-node", "1",
                     "--rdzv-endpoint", endpoint, str(KID), str(out), str(STEPS)]
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+        conf = [f"--rdzv-conf={ELASTIC_LAST_CALL}"] if elastic else []
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                 "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                "--rdzv-id=bench", "--max-restarts=0", str(KID), str(out), str(STEPS)]
+                "--rdzv-id=bench", *conf, "--max-restarts=0", str(KID), str(out), str(STEPS)]
 
     events = out / "run-a" / "events.jsonl"
-    a, b = Node(cmd("a"), out, not rtrain), Node(cmd("b"), out, not rtrain)
+    grow = {"BENCH_GROW": "1"} if elastic else {}
+    a, b = (Node(cmd(n), out, not rtrain, **grow) for n in ("a", "b"))
     nodes = [a, b]
     try:
         deadline = time.monotonic() + TIMEOUT_S
@@ -201,7 +218,7 @@ def two_nodes(out: Path, rtrain: bool, whole: bool = True) -> tuple[float, list]
         if whole:
             (out / "killed").write_text(repr(time.time()))
             b.stop()
-            nodes = [a, Node(cmd("b2"), out, not rtrain)]  # the replacement, at once
+            nodes = [a, Node(cmd("b2"), out, not rtrain, **grow)]  # the replacement, at once
         else:
             (out / "kill").touch()
         while not (out / "stepping").exists():
@@ -221,18 +238,34 @@ def two_nodes(out: Path, rtrain: bool, whole: bool = True) -> tuple[float, list]
     return kill_to_step(out), launches
 
 
-def main_nodes(repeats: int, whole: bool) -> None:
+def grew_back(out: Path) -> str:
+    """Under `--nnodes 1:2`: the sizes node a's group resumed at, from its events (the
+    survivor alone, then both nodes again once the replacement was taken in)."""
+    events = [json.loads(line) for line in
+              (out / "run-a" / "events.jsonl").read_text().splitlines()]
+    sizes = [e["world_size"] for e in events if e.get("kind") == "world_size_changed"]
+    if not sizes or sizes[-1] != 2:
+        raise SystemExit(f"--nodes-elastic: the group never grew back to two nodes: {sizes}")
+    return " -> ".join(["2", *map(str, sizes)])
+
+
+def main_nodes(repeats: int, whole: bool, elastic: bool = False) -> None:
     what = "a whole node of two lost" if whole else "a rank of one node of two killed"
+    if elastic:
+        what += ", --nnodes 1:2"
     warm, cold = [], []
     with tempfile.TemporaryDirectory() as d:
         for i in range(repeats):
-            t, _ = two_nodes(Path(d) / f"torchrun-{i}", rtrain=False, whole=whole)
+            t, _ = two_nodes(Path(d) / f"torchrun-{i}", rtrain=False, whole=whole,
+                             elastic=elastic)
             cold.append(t)
-            t, launches = two_nodes(Path(d) / f"rtrain-{i}", rtrain=True, whole=whole)
+            t, launches = two_nodes(Path(d) / f"rtrain-{i}", rtrain=True, whole=whole,
+                                    elastic=elastic)
             warm.append(t)
             started = ["warm" if la.get("standby") else "torchrun" for la in launches]
+            sizes = f"; world sizes {grew_back(Path(d) / f'rtrain-{i}')}" if elastic else ""
             print(f"run {i}: {what} -> first resumed step: rtrain {t:.2f} s, re-running "
-                  f"torchrun {cold[-1]:.2f} s; node a's attempts: {', '.join(started)}",
+                  f"torchrun {cold[-1]:.2f} s; node a's attempts: {', '.join(started)}{sizes}",
                   flush=True)
     w, c = statistics.median(warm), statistics.median(cold)
     print(f"median of {repeats}, {what}: rtrain {w:.2f} s, re-running torchrun on both nodes "
@@ -250,9 +283,12 @@ def main() -> None:
                         "started at once")
     p.add_argument("--nodes-rank", action="store_true",
                    help="two nodes on 127.0.0.1, rank 1 killed alone: both nodes relaunch")
+    p.add_argument("--nodes-elastic", action="store_true",
+                   help="as --nodes under --nnodes 1:2: the survivor goes on alone at once and "
+                        "takes the replacement in at the next round")
     args = p.parse_args()
-    if args.nodes or args.nodes_rank:
-        main_nodes(args.repeats, whole=args.nodes)
+    if args.nodes or args.nodes_rank or args.nodes_elastic:
+        main_nodes(args.repeats, whole=not args.nodes_rank, elastic=args.nodes_elastic)
         return
     warm, cold, again = [], [], []
     with tempfile.TemporaryDirectory() as d:
