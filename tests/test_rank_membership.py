@@ -45,6 +45,34 @@ def test_a_relaunch_over_a_range_has_a_short_last_call_unless_one_is_named():
     assert rank_rdzv.relaunch_conf({}, 2, 2) == {}  # a fixed count waits for every node
 
 
+def test_after_a_stop_for_a_waiting_node_the_next_round_waits_for_it():
+    """The host's stop is seen at the attempt's end; the next hand-off drops the short last
+    call, so the next round waits (torch's last call) for the node it stopped for."""
+    from types import SimpleNamespace
+
+    from rtrain.supervisor.decide.classify import nodes_taken_in
+    from rtrain.supervisor.standby.feature import Standby
+
+    line = rank_host.GROW_LINE.format(n=2)
+    assert nodes_taken_in(f"x\n{line}\n") == 2 and nodes_taken_in("x\n") is None
+    feature = Standby(SimpleNamespace(after_growth=False))
+    feature.attempt_end(None, _observed(stderr_tail=line))
+    assert feature.slot.after_growth
+    feature.attempt_end(None, _observed(returncode=1, stderr_tail=line))
+    assert not feature.slot.after_growth  # a failure: the survivors' short last call again
+    command = torchrun_command(TorchrunSpec(nproc_per_node=1, nnodes="1:2",
+                                            rdzv_endpoint="h:1"), "train.py", None, [])
+    plan = ranks.plan_of(command)
+    rdzv = ranks.handoff(plan, {}, CHILDREN, 30.0)["ranks"]["rdzv"]
+    assert rdzv == {"torchrun": command[3:], "short_last_call": True}
+    assert not ranks.handoff(plan, {}, CHILDREN, 30.0,
+                             after_growth=True)["ranks"]["rdzv"]["short_last_call"]
+    _, short = rank_rdzv.handler_for(_args(free_port(), "1:2"))
+    _, torchs = rank_rdzv.handler_for(_args(free_port(), "1:2"), short_last_call=False)
+    assert short.settings.timeout.last_call.total_seconds() == rank_rdzv.RELAUNCH_LAST_CALL_S
+    assert torchs.settings.timeout.last_call.total_seconds() == 30  # torch's default
+
+
 def test_a_waiting_node_reads_the_rendezvous_often_only_in_a_small_group():
     assert rank_rdzv.join_poll_s(2) == rank_rdzv.join_poll_s(rank_rdzv.POLL_NODES) == 0.1
     assert rank_rdzv.join_poll_s(50) == pytest.approx(0.5)
@@ -117,7 +145,7 @@ def _eventually(check, timeout: float = 15.0) -> bool:
 def test_a_node_waiting_to_join_is_seen_and_a_node_beyond_max_is_not():
     """`--nnodes 1:2`: a host alone goes on after its short last call; a second node then waits
     for the next round, which the host sees (it restarts its group for it). `--nnodes 1:1`: a
-    second node waits beyond MAX, in the redundancy list, which nobody counts: a spare never
+    second node waits beyond MAX, in the redundancy list, which nobody counts: it never
     restarts a healthy group."""
     args = _args(free_port(), "1:2")
     t0 = time.monotonic()

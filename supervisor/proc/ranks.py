@@ -179,11 +179,14 @@ def node_env(plan: RankPlan, env: Mapping[str, str], local_rank: int,
 
 
 def handoff(plan: RankPlan, env: Mapping[str, str], attempt_dir: Path,
-            grace_s: float) -> dict:
+            grace_s: float, after_growth: bool = False) -> dict:
     """What the hand-off tells the standby beyond a single process's argv, env and cwd: each
     rank's variables, the argv a rank sees, and the grace the other ranks get when one fails.
     One node: a fresh run id each attempt, as a fresh torchrun has. Several nodes: torchrun's
-    arguments, from which the host joins the rendezvous (its id and round, its store)."""
+    arguments, from which the host joins the rendezvous (its id and round, its store), and
+    whether its round has the relaunch's short last call (standby/rank_rdzv.py): not after
+    the group stopped to take a waiting node in (`after_growth`), whose round waits for it
+    (the stopped host's store went with it, so that node joins again, cold maybe)."""
     run_id = str(uuid.uuid4())
     files = [str(Path(attempt_dir).resolve() / f"rank-{r}-error.json")
              for r in range(plan.nproc)]
@@ -195,7 +198,7 @@ def handoff(plan: RankPlan, env: Mapping[str, str], attempt_dir: Path,
            "grace_s": grace_s, "addr": MASTER_ADDR, "name": os.path.basename(
                plan.target) if plan.mode == "script" else plan.target}
     if plan.several_nodes:
-        out["rdzv"] = {"torchrun": list(plan.torchrun)}
+        out["rdzv"] = {"torchrun": list(plan.torchrun), "short_last_call": not after_growth}
     return {"ranks": out}
 
 

@@ -273,7 +273,8 @@ def _join(several: dict, ranks: dict[int, int], writers: dict[int, int],
 
     def run() -> None:
         try:
-            result["joined"] = _rank_rdzv().join(several["torchrun"])
+            result["joined"] = _rank_rdzv().join(several["torchrun"],
+                                                 several.get("short_last_call", True))
         except BaseException as e:
             result["error"] = e
 

@@ -21,7 +21,8 @@ elastic/agent/server/api.py and local_elastic_agent.py):
 - over a range of nodes (`--nnodes MIN:MAX`) the group restarts when a node waits to join,
   as the agent's monitor loop restarts its workers then (`nodes_waiting`, polled every
   `--monitor-interval`); a node beyond MAX waits in the redundancy list, which nobody counts,
-  so it never restarts a healthy group;
+  so it never restarts a healthy group (rtrain still keeps no spare nodes: an extra node's
+  attempt advances the checkpoint generation, which fences off the running group's commits);
 - three differences: a rendezvous found closed is joined again for a while (`join`), a node
   waiting for its round reads the rendezvous' state every tenth of a second, not every second,
   in a small group (`join_poll_s`), and over a range a relaunch's last call is short
@@ -56,8 +57,9 @@ fraction of a second of each other, so a node not there a second later was lost 
 back cold (torchrun imports torch first). Waiting half a minute for it is what makes a node
 loss cost as much as re-running torchrun; going on at once at the smaller size, the group takes
 it in at its next round when it arrives (`nodes_waiting`). A first attempt (torchrun) keeps
-torch's default: nodes starting together arrive seconds apart. Set `last_call_timeout` through
-`--rdzv-conf` to choose another."""
+torch's default: nodes starting together arrive seconds apart; so does the relaunch after a
+group stopped to take a waiting node in (`short_last_call` False): its round waits for that
+node, which joins again (the stopped host may have served the rendezvous' store), maybe cold."""
 
 
 class Joined:
@@ -114,16 +116,19 @@ class Joined:
         _shutdown(self.handler)
 
 
-def handler_for(torchrun_args: list[str]) -> tuple[object, object]:
+def handler_for(torchrun_args: list[str],
+                short_last_call: bool = True) -> tuple[object, object]:
     """(torchrun's LaunchConfig, its rendezvous handler) for `torchrun_args`, parsed by
     torchrun's own parser and built as launch_agent builds it; over a range of nodes with the
-    relaunch's last call (relaunch_conf) unless the arguments name one."""
+    relaunch's short last call (relaunch_conf) unless the arguments name one or
+    `short_last_call` is False."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.run import config_from_args, parse_args
 
     config, _, _ = config_from_args(parse_args(list(torchrun_args)))
-    conf = relaunch_conf(config.rdzv_configs, config.min_nodes, config.max_nodes)
+    conf = (relaunch_conf(config.rdzv_configs, config.min_nodes, config.max_nodes)
+            if short_last_call else config.rdzv_configs)
     params = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -169,7 +174,7 @@ def _polling(every_s: float):
         dynamic_rendezvous._delay = torch_delay
 
 
-def join(torchrun_args: list[str]) -> Joined:
+def join(torchrun_args: list[str], short_last_call: bool = True) -> Joined:
     """Join the next round of the rendezvous and take this node's ranks; raises what torchrun
     would (a timeout, a store out of reach) once the handler is shut down, as launch_agent
     shuts it down after an error.
@@ -191,7 +196,7 @@ def join(torchrun_args: list[str]) -> Joined:
 
     deadline = time.monotonic() + CLOSED_WAIT_S
     while True:
-        config, handler = handler_for(torchrun_args)
+        config, handler = handler_for(torchrun_args, short_last_call)
         try:
             with _polling(join_poll_s(config.max_nodes)):
                 info = handler.next_rendezvous()
