@@ -179,8 +179,9 @@ ELASTIC_LAST_CALL = "last_call_timeout=1"
 
 
 def two_nodes(out: Path, rtrain: bool, whole: bool = True,
-              elastic: bool = False) -> tuple[float, list]:
-    """(whole node lost -> the group's first resumed step, node a's launches) for two nodes
+              elastic: bool = False) -> tuple[float, list, dict]:
+    """(whole node lost -> the group's first resumed step, node a's launches, the phases of
+    node a's first recovery event) for two nodes
     under rtrain (rtrain=True) or re-running torchrun. `whole=False`: only rank 1 is killed (it
     SIGKILLs itself), both supervisors live on and relaunch. `elastic`: `--nnodes 1:2`."""
     out.mkdir()
@@ -231,22 +232,26 @@ def two_nodes(out: Path, rtrain: bool, whole: bool = True,
             n.stop()
     if any(n.proc.returncode != 0 for n in nodes):
         raise SystemExit(f"two nodes: exit status {[n.proc.returncode for n in nodes]}")
-    launches = []
+    launches, phases = [], {}
     if rtrain:
-        launches = [e for e in map(json.loads, events.read_text().splitlines())
-                    if e.get("kind") == "launch"]
-    return kill_to_step(out), launches
+        logged = [json.loads(line) for line in events.read_text().splitlines()]
+        launches = [e for e in logged if e.get("kind") == "launch"]
+        recovery = [e for e in logged if e.get("kind") == "recovery"][:1]
+        phases = {k[:-2]: v for e in recovery for k, v in e.items()
+                  if k.endswith("_s") and k not in ("total_s", "lost_s", "work_lost_s",
+                                                    "step_time_s")}
+    return kill_to_step(out), launches, phases
 
 
 def grew_back(out: Path) -> str:
-    """Under `--nnodes 1:2`: the sizes node a's group resumed at, from its events (the
-    survivor alone, then both nodes again once the replacement was taken in)."""
-    events = [json.loads(line) for line in
-              (out / "run-a" / "events.jsonl").read_text().splitlines()]
-    sizes = [e["world_size"] for e in events if e.get("kind") == "world_size_changed"]
-    if not sizes or sizes[-1] != 2:
-        raise SystemExit(f"--nodes-elastic: the group never grew back to two nodes: {sizes}")
-    return " -> ".join(["2", *map(str, sizes)])
+    """Under `--nnodes 1:2`: the group's size in each of its runs (the bench child's
+    OUT/worlds): two nodes, the survivor alone, and both nodes again once the replacement was
+    taken in."""
+    sizes = (out / "worlds").read_text().split()
+    if "1" not in sizes or sizes[-1] != "2":
+        raise SystemExit(f"--nodes-elastic: the group never went on alone and grew back to two "
+                         f"nodes: world sizes {sizes}")
+    return " -> ".join(sizes)
 
 
 def main_nodes(repeats: int, whole: bool, elastic: bool = False) -> None:
@@ -256,17 +261,17 @@ def main_nodes(repeats: int, whole: bool, elastic: bool = False) -> None:
     warm, cold = [], []
     with tempfile.TemporaryDirectory() as d:
         for i in range(repeats):
-            t, _ = two_nodes(Path(d) / f"torchrun-{i}", rtrain=False, whole=whole,
-                             elastic=elastic)
+            t, _, _ = two_nodes(Path(d) / f"torchrun-{i}", rtrain=False, whole=whole,
+                                elastic=elastic)
             cold.append(t)
-            t, launches = two_nodes(Path(d) / f"rtrain-{i}", rtrain=True, whole=whole,
-                                    elastic=elastic)
+            t, launches, phases = two_nodes(Path(d) / f"rtrain-{i}", rtrain=True, whole=whole,
+                                            elastic=elastic)
             warm.append(t)
             started = ["warm" if la.get("standby") else "torchrun" for la in launches]
             sizes = f"; world sizes {grew_back(Path(d) / f'rtrain-{i}')}" if elastic else ""
             print(f"run {i}: {what} -> first resumed step: rtrain {t:.2f} s, re-running "
-                  f"torchrun {cold[-1]:.2f} s; node a's attempts: {', '.join(started)}{sizes}",
-                  flush=True)
+                  f"torchrun {cold[-1]:.2f} s; node a's attempts: {', '.join(started)}{sizes}; "
+                  f"node a's phases {fmt(phases)}", flush=True)
     w, c = statistics.median(warm), statistics.median(cold)
     print(f"median of {repeats}, {what}: rtrain {w:.2f} s, re-running torchrun on both nodes "
           f"{c:.2f} s: ratio {w / c:.2f} (target: at most 0.25)")

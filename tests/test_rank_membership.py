@@ -85,11 +85,14 @@ def test_a_waiting_node_reads_the_rendezvous_often_only_in_a_small_group():
     try:
         with rank_rdzv._polling(0.1):
             dynamic_rendezvous._delay(1)
+            dynamic_rendezvous._delay((0, 0.3))  # a first round's skew: none in a small group
+            dynamic_rendezvous._delay(5)
+        with rank_rdzv._polling(1.0):
             dynamic_rendezvous._delay((0, 0.3))
         dynamic_rendezvous._delay(1)
     finally:
         dynamic_rendezvous._delay = torch_delay
-    assert slept == [0.1, (0, 0.3), 1]  # the join loop's poll only, and only inside the block
+    assert slept == [0.1, 5, (0, 0.3), 1]  # only inside the block
 
 
 def _observed(**kw) -> Observation:

@@ -31,6 +31,9 @@ opt = torch.optim.SGD(model.parameters(), lr=0.01)
 ck = rtrain.Checkpointer(model=model, optimizer=opt, every=10, keep=2,
                          restoring=rtrain.Restoring(allow_resize=True))
 step = ck.restore()
+if rank == 0:  # the group's size in each run, in order (the benchmark reads it back)
+    with open(out / "worlds", "a") as f:
+        f.write(f"{dist.get_world_size()}\n")
 after = (out / "killed").exists()
 grow = os.environ.get("BENCH_GROW") == "1"
 # After the kill: a few steps past the restore (over a range, past the one at two nodes).

@@ -25,8 +25,8 @@ elastic/agent/server/api.py and local_elastic_agent.py):
   attempt advances the checkpoint generation, which fences off the running group's commits);
 - three differences: a rendezvous found closed is joined again for a while (`join`), a node
   waiting for its round reads the rendezvous' state every tenth of a second, not every second,
-  in a small group (`join_poll_s`), and over a range a relaunch's last call is short
-  (RELAUNCH_LAST_CALL_S, `handler_for`).
+  in a small group, nor waits a random time first (`join_poll_s`), and over a range a
+  relaunch's last call is short (RELAUNCH_LAST_CALL_S, `handler_for`).
 """
 
 from __future__ import annotations
@@ -156,7 +156,9 @@ def join_poll_s(max_nodes: int) -> float:
 @contextlib.contextmanager
 def _polling(every_s: float):
     """torch's join loop, polling every `every_s` instead of every second while this block
-    runs (its other waits, the random skew of a first round among them, are left alone)."""
+    runs; in a small group (a poll under a second) without the random wait of up to 0.3 s
+    before a first round, which spreads many nodes' first reads of the store (a node's
+    handler is new at each relaunch, so every relaunch paid it)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     torch_delay = getattr(dynamic_rendezvous, "_delay", None)
@@ -165,7 +167,11 @@ def _polling(every_s: float):
         return
 
     def delay(seconds):
-        torch_delay(every_s if seconds == 1 else seconds)
+        if seconds == 1:
+            seconds = every_s
+        elif isinstance(seconds, tuple) and every_s < 1:
+            return
+        torch_delay(seconds)
 
     dynamic_rendezvous._delay = delay
     try:
