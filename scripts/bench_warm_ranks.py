@@ -25,8 +25,10 @@ nodes relaunch, each from its warm standby under rtrain.
 with `--nodes`: under rtrain the survivor's warm relaunch goes on alone after a last call of a
 second (standby/rank_rdzv.py) and takes the replacement in at the next round; torchrun on both
 nodes is re-run with the same `--nnodes 1:2` and the same last call
-(`--rdzv-conf=last_call_timeout=1`), so both wait alike. The run then checks that the group grew
-back to two nodes under rtrain.
+(`--rdzv-conf=last_call_timeout=1`), so both wait alike, and, for reference, with `--nnodes 2`
+as in `--nodes`. The run checks that the group grew back to two nodes under rtrain.
+`--warm-kill` loses node b in attempt 1, which both nodes started warm, as in a long run's later
+failures (the first attempt is torchrun's, and so is its teardown).
 
 usage: python scripts/bench_warm_ranks.py [--repeats 3] [--warm-kill]
                                           [--nodes | --nodes-rank | --nodes-elastic]
@@ -178,12 +180,14 @@ ELASTIC_LAST_CALL = "last_call_timeout=1"
 (standby/rank_rdzv.RELAUNCH_LAST_CALL_S)."""
 
 
-def two_nodes(out: Path, rtrain: bool, whole: bool = True,
-              elastic: bool = False) -> tuple[float, list, dict]:
+def two_nodes(out: Path, rtrain: bool, whole: bool = True, elastic: bool = False,
+              kill_run: int = 0) -> tuple[float, list, dict]:
     """(whole node lost -> the group's first resumed step, node a's launches, the phases of
     node a's first recovery event) for two nodes
     under rtrain (rtrain=True) or re-running torchrun. `whole=False`: only rank 1 is killed (it
-    SIGKILLs itself), both supervisors live on and relaunch. `elastic`: `--nnodes 1:2`."""
+    SIGKILLs itself), both supervisors live on and relaunch. `elastic`: `--nnodes 1:2`.
+    `kill_run` 1 (rtrain only): node b is lost in attempt 1, which both nodes started warm
+    (rank 1 SIGKILLs itself in attempt 0), as in a long run's later failures."""
     out.mkdir()
     endpoint = f"127.0.0.1:{free_port()}"
     nnodes = "1:2" if elastic else "2"
@@ -201,6 +205,7 @@ def two_nodes(out: Path, rtrain: bool, whole: bool = True,
 
     events = out / "run-a" / "events.jsonl"
     grow = {"BENCH_GROW": "1"} if elastic else {}
+    grow["BENCH_KILL_RUN"] = str(kill_run)
     a, b = (Node(cmd(n), out, not rtrain, **grow) for n in ("a", "b"))
     nodes = [a, b]
     try:
@@ -214,7 +219,8 @@ def two_nodes(out: Path, rtrain: bool, whole: bool = True,
 
         logs = [events] if whole else [events, out / "run-b" / "events.jsonl"]
         while not ((out / "steady").exists() and (not rtrain or all(
-                e.exists() and b'"kind":"standby_ready"' in e.read_bytes() for e in logs))):
+                e.exists() and e.read_bytes().count(b'"kind":"standby_ready"') > kill_run
+                for e in logs))):
             running()
         if whole:
             (out / "killed").write_text(repr(time.time()))
@@ -236,7 +242,8 @@ def two_nodes(out: Path, rtrain: bool, whole: bool = True,
     if rtrain:
         logged = [json.loads(line) for line in events.read_text().splitlines()]
         launches = [e for e in logged if e.get("kind") == "launch"]
-        recovery = [e for e in logged if e.get("kind") == "recovery"][:1]
+        recovery = [e for e in logged if e.get("kind") == "recovery"
+                    and e.get("attempt") == kill_run + 1][:1]
         phases = {k[:-2]: v for e in recovery for k, v in e.items()
                   if k.endswith("_s") and k not in ("total_s", "lost_s", "work_lost_s",
                                                     "step_time_s")}
@@ -254,18 +261,24 @@ def grew_back(out: Path) -> str:
     return " -> ".join(sizes)
 
 
-def main_nodes(repeats: int, whole: bool, elastic: bool = False) -> None:
+def main_nodes(repeats: int, whole: bool, elastic: bool = False, kill_run: int = 0) -> None:
     what = "a whole node of two lost" if whole else "a rank of one node of two killed"
     if elastic:
         what += ", --nnodes 1:2"
-    warm, cold = [], []
+    if kill_run:
+        what += ", in a warm attempt"
+    warm, cold, fixed = [], [], []
     with tempfile.TemporaryDirectory() as d:
         for i in range(repeats):
             t, _, _ = two_nodes(Path(d) / f"torchrun-{i}", rtrain=False, whole=whole,
                                 elastic=elastic)
             cold.append(t)
+            if elastic:  # and the plain case's torchrun, `--nnodes 2`, which waits for b2
+                t, _, _ = two_nodes(Path(d) / f"torchrun-fixed-{i}", rtrain=False)
+                fixed.append(t)
+                print(f"run {i}: re-running torchrun with --nnodes 2: {t:.2f} s", flush=True)
             t, launches, phases = two_nodes(Path(d) / f"rtrain-{i}", rtrain=True, whole=whole,
-                                            elastic=elastic)
+                                            elastic=elastic, kill_run=kill_run)
             warm.append(t)
             started = ["warm" if la.get("standby") else "torchrun" for la in launches]
             sizes = f"; world sizes {grew_back(Path(d) / f'rtrain-{i}')}" if elastic else ""
@@ -275,6 +288,10 @@ def main_nodes(repeats: int, whole: bool, elastic: bool = False) -> None:
     w, c = statistics.median(warm), statistics.median(cold)
     print(f"median of {repeats}, {what}: rtrain {w:.2f} s, re-running torchrun on both nodes "
           f"{c:.2f} s: ratio {w / c:.2f} (target: at most 0.25)")
+    if fixed:
+        f = statistics.median(fixed)
+        print(f"median of {repeats}, re-running torchrun with --nnodes 2 instead: {f:.2f} s: "
+              f"ratio {w / f:.2f}")
 
 
 def main() -> None:
@@ -282,7 +299,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warm-kill", action="store_true",
                    help="also kill a rank of a group the standby forked (attempt 1): the "
-                        "teardown of warm ranks, which keeping the survivors would save")
+                        "teardown of warm ranks, which keeping the survivors would save; with "
+                        "--nodes or --nodes-elastic: lose node b in attempt 1 (both nodes warm) "
+                        "instead of attempt 0 (torchrun)")
     p.add_argument("--nodes", action="store_true",
                    help="a whole node lost in a two-node run on 127.0.0.1, a replacement "
                         "started at once")
@@ -293,7 +312,8 @@ def main() -> None:
                         "takes the replacement in at the next round")
     args = p.parse_args()
     if args.nodes or args.nodes_rank or args.nodes_elastic:
-        main_nodes(args.repeats, whole=not args.nodes_rank, elastic=args.nodes_elastic)
+        main_nodes(args.repeats, whole=not args.nodes_rank, elastic=args.nodes_elastic,
+                   kill_run=int(args.warm_kill and not args.nodes_rank))
         return
     warm, cold, again = [], [], []
     with tempfile.TemporaryDirectory() as d:
