@@ -51,7 +51,10 @@ while step < end:
         (out / "stepping").write_text(repr(time.time()))
     if run < kill_run and rank == 1 and ran == 30:
         os.kill(os.getpid(), signal.SIGKILL)
-    if run == kill_run and rank == 0 and ran == 50:
+    # Steady: the 50th step of the run that is killed, or over a range of a later run of both
+    # nodes (a late node taken in restarts the group: a run more).
+    if (run == kill_run or (grow and run > kill_run and not after)) and rank == 0 and ran == 50 \
+            and (not grow or dist.get_world_size() == 2) and not (out / "steady").exists():
         (out / "steady").write_text(repr(time.time()))
     if run == kill_run and rank == 1 and (out / "kill").exists():
         (out / "killed").write_text(repr(time.time()))
