@@ -230,9 +230,11 @@ def two_nodes(out: Path, rtrain: bool, whole: bool = True, elastic: bool = False
             (out / "kill").touch()
         while not (out / "stepping").exists():
             running()
-        for n in nodes:  # the group ends 20 steps past its restore
-            while n.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+        # The group ends 20 steps past its restore. Every node is polled each time round, so a
+        # torchrun loop starts a node's failed run again while another node still runs (over
+        # a range the survivor waits, alone, for the replacement's next run).
+        while [n.poll() for n in nodes].count(None) and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         for n in (a, b, *nodes):
             n.stop()
