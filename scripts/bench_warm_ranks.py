@@ -21,7 +21,17 @@ first step after the restore,
 `--nodes-rank`: the same two nodes, rank 1 killed alone (its node's supervisor lives on): both
 nodes relaunch, each from its warm standby under rtrain.
 
-usage: python scripts/bench_warm_ranks.py [--repeats 3] [--warm-kill] [--nodes | --nodes-rank]
+`--nodes-elastic`: `--nnodes 1:2`, a whole node lost and its replacement started at once, as
+with `--nodes`: under rtrain the survivor's warm relaunch goes on alone after a last call of a
+second (standby/rank_rdzv.py) and takes the replacement in at the next round; torchrun on both
+nodes is re-run with the same `--nnodes 1:2` and the same last call
+(`--rdzv-conf=last_call_timeout=1`), so both wait alike, and, for reference, with `--nnodes 2`
+as in `--nodes`. The run checks that the group grew back to two nodes under rtrain.
+`--warm-kill` loses node b in attempt 1, which both nodes started warm, as in a long run's later
+failures (the first attempt is torchrun's, and so is its teardown).
+
+usage: python scripts/bench_warm_ranks.py [--repeats 3] [--warm-kill]
+                                          [--nodes | --nodes-rank | --nodes-elastic]
 Target: under rtrain at most 0.25x re-running torchrun.
 """
 
@@ -165,25 +175,38 @@ class Node:
             kill_tree(self.proc)
 
 
-def two_nodes(out: Path, rtrain: bool, whole: bool = True) -> tuple[float, list]:
-    """(whole node lost -> the group's first resumed step, node a's launches) for two nodes
+ELASTIC_LAST_CALL = "last_call_timeout=1"
+"""torchrun's last call in `--nodes-elastic`: the one a warm relaunch of rtrain's uses
+(standby/rank_rdzv.RELAUNCH_LAST_CALL_S)."""
+
+
+def two_nodes(out: Path, rtrain: bool, whole: bool = True, elastic: bool = False,
+              kill_run: int = 0) -> tuple[float, list, dict]:
+    """(whole node lost -> the group's first resumed step, node a's launches, the phases of
+    node a's first recovery event) for two nodes
     under rtrain (rtrain=True) or re-running torchrun. `whole=False`: only rank 1 is killed (it
-    SIGKILLs itself), both supervisors live on and relaunch."""
+    SIGKILLs itself), both supervisors live on and relaunch. `elastic`: `--nnodes 1:2`.
+    `kill_run` 1 (rtrain only): node b is lost in attempt 1, which both nodes started warm
+    (rank 1 SIGKILLs itself in attempt 0), as in a long run's later failures."""
     out.mkdir()
     endpoint = f"127.0.0.1:{free_port()}"
+    nnodes = "1:2" if elastic else "2"
 
     def cmd(name: str) -> list[str]:
         if rtrain:
             return [sys.executable, "-m", "rtrain", "launch", "--run-dir",
                     str(out / f"run-{name}"), "-q", "--no-backoff", "--ckpt-dir",
-                    str(out / "checkpoints"), "--nnodes", "2", "--nproc-per-node", "1",
+                    str(out / "checkpoints"), "--nnodes", nnodes, "--nproc-per-node", "1",
                     "--rdzv-endpoint", endpoint, str(KID), str(out), str(STEPS)]
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+        conf = [f"--rdzv-conf={ELASTIC_LAST_CALL}"] if elastic else []
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                 "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                "--rdzv-id=bench", "--max-restarts=0", str(KID), str(out), str(STEPS)]
+                "--rdzv-id=bench", *conf, "--max-restarts=0", str(KID), str(out), str(STEPS)]
 
     events = out / "run-a" / "events.jsonl"
-    a, b = Node(cmd("a"), out, not rtrain), Node(cmd("b"), out, not rtrain)
+    grow = {"BENCH_GROW": "1"} if elastic else {}
+    grow["BENCH_KILL_RUN"] = str(kill_run)
+    a, b = (Node(cmd(n), out, not rtrain, **grow) for n in ("a", "b"))
     nodes = [a, b]
     try:
         deadline = time.monotonic() + TIMEOUT_S
@@ -196,47 +219,81 @@ def two_nodes(out: Path, rtrain: bool, whole: bool = True) -> tuple[float, list]
 
         logs = [events] if whole else [events, out / "run-b" / "events.jsonl"]
         while not ((out / "steady").exists() and (not rtrain or all(
-                e.exists() and b'"kind":"standby_ready"' in e.read_bytes() for e in logs))):
+                e.exists() and e.read_bytes().count(b'"kind":"standby_ready"') > kill_run
+                for e in logs))):
             running()
         if whole:
             (out / "killed").write_text(repr(time.time()))
             b.stop()
-            nodes = [a, Node(cmd("b2"), out, not rtrain)]  # the replacement, at once
+            nodes = [a, Node(cmd("b2"), out, not rtrain, **grow)]  # the replacement, at once
         else:
             (out / "kill").touch()
         while not (out / "stepping").exists():
             running()
-        for n in nodes:  # the group ends 20 steps past its restore
-            while n.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+        # The group ends 20 steps past its restore. Every node is polled each time round, so a
+        # torchrun loop starts a node's failed run again while another node still runs (over
+        # a range the survivor waits, alone, for the replacement's next run).
+        while [n.poll() for n in nodes].count(None) and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         for n in (a, b, *nodes):
             n.stop()
     if any(n.proc.returncode != 0 for n in nodes):
         raise SystemExit(f"two nodes: exit status {[n.proc.returncode for n in nodes]}")
-    launches = []
+    launches, phases = [], {}
     if rtrain:
-        launches = [e for e in map(json.loads, events.read_text().splitlines())
-                    if e.get("kind") == "launch"]
-    return kill_to_step(out), launches
+        logged = [json.loads(line) for line in events.read_text().splitlines()]
+        launches = [e for e in logged if e.get("kind") == "launch"]
+        recovery = [e for e in logged if e.get("kind") == "recovery"
+                    and e.get("attempt") == kill_run + 1][:1]
+        phases = {k[:-2]: v for e in recovery for k, v in e.items()
+                  if k.endswith("_s") and k not in ("total_s", "lost_s", "work_lost_s",
+                                                    "step_time_s")}
+    return kill_to_step(out), launches, phases
 
 
-def main_nodes(repeats: int, whole: bool) -> None:
+def grew_back(out: Path) -> str:
+    """Under `--nnodes 1:2`: the group's size in each of its runs (the bench child's
+    OUT/worlds): two nodes, the survivor alone, and both nodes again once the replacement was
+    taken in."""
+    sizes = (out / "worlds").read_text().split()
+    if "1" not in sizes or sizes[-1] != "2":
+        raise SystemExit(f"--nodes-elastic: the group never went on alone and grew back to two "
+                         f"nodes: world sizes {sizes}")
+    return " -> ".join(sizes)
+
+
+def main_nodes(repeats: int, whole: bool, elastic: bool = False, kill_run: int = 0) -> None:
     what = "a whole node of two lost" if whole else "a rank of one node of two killed"
-    warm, cold = [], []
+    if elastic:
+        what += ", --nnodes 1:2"
+    if kill_run:
+        what += ", in a warm attempt"
+    warm, cold, fixed = [], [], []
     with tempfile.TemporaryDirectory() as d:
         for i in range(repeats):
-            t, _ = two_nodes(Path(d) / f"torchrun-{i}", rtrain=False, whole=whole)
+            t, _, _ = two_nodes(Path(d) / f"torchrun-{i}", rtrain=False, whole=whole,
+                                elastic=elastic)
             cold.append(t)
-            t, launches = two_nodes(Path(d) / f"rtrain-{i}", rtrain=True, whole=whole)
+            if elastic:  # and the plain case's torchrun, `--nnodes 2`, which waits for b2
+                t, _, _ = two_nodes(Path(d) / f"torchrun-fixed-{i}", rtrain=False)
+                fixed.append(t)
+                print(f"run {i}: re-running torchrun with --nnodes 2: {t:.2f} s", flush=True)
+            t, launches, phases = two_nodes(Path(d) / f"rtrain-{i}", rtrain=True, whole=whole,
+                                            elastic=elastic, kill_run=kill_run)
             warm.append(t)
             started = ["warm" if la.get("standby") else "torchrun" for la in launches]
+            sizes = f"; world sizes {grew_back(Path(d) / f'rtrain-{i}')}" if elastic else ""
             print(f"run {i}: {what} -> first resumed step: rtrain {t:.2f} s, re-running "
-                  f"torchrun {cold[-1]:.2f} s; node a's attempts: {', '.join(started)}",
-                  flush=True)
+                  f"torchrun {cold[-1]:.2f} s; node a's attempts: {', '.join(started)}{sizes}; "
+                  f"node a's phases {fmt(phases)}", flush=True)
     w, c = statistics.median(warm), statistics.median(cold)
     print(f"median of {repeats}, {what}: rtrain {w:.2f} s, re-running torchrun on both nodes "
           f"{c:.2f} s: ratio {w / c:.2f} (target: at most 0.25)")
+    if fixed:
+        f = statistics.median(fixed)
+        print(f"median of {repeats}, re-running torchrun with --nnodes 2 instead: {f:.2f} s: "
+              f"ratio {w / f:.2f}")
 
 
 def main() -> None:
@@ -244,15 +301,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warm-kill", action="store_true",
                    help="also kill a rank of a group the standby forked (attempt 1): the "
-                        "teardown of warm ranks, which keeping the survivors would save")
+                        "teardown of warm ranks, which keeping the survivors would save; with "
+                        "--nodes or --nodes-elastic: lose node b in attempt 1 (both nodes warm) "
+                        "instead of attempt 0 (torchrun)")
     p.add_argument("--nodes", action="store_true",
                    help="a whole node lost in a two-node run on 127.0.0.1, a replacement "
                         "started at once")
     p.add_argument("--nodes-rank", action="store_true",
                    help="two nodes on 127.0.0.1, rank 1 killed alone: both nodes relaunch")
+    p.add_argument("--nodes-elastic", action="store_true",
+                   help="as --nodes under --nnodes 1:2: the survivor goes on alone at once and "
+                        "takes the replacement in at the next round")
     args = p.parse_args()
-    if args.nodes or args.nodes_rank:
-        main_nodes(args.repeats, whole=args.nodes)
+    if args.nodes or args.nodes_rank or args.nodes_elastic:
+        main_nodes(args.repeats, whole=not args.nodes_rank, elastic=args.nodes_elastic,
+                   kill_run=int(args.warm_kill and not args.nodes_rank))
         return
     warm, cold, again = [], [], []
     with tempfile.TemporaryDirectory() as d:

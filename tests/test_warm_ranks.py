@@ -76,12 +76,13 @@ def test_rtrains_torchrun_over_several_nodes_is_taken_over_with_its_rendezvous()
     assert ranks.plan_of([*several[:4], "--rdzv-conf=timeout=9", *several[4:]]) is None
     assert ranks.plan_of([*several[:4], "--nnodes=3", *several[4:]]) is None
     assert ranks.plan_of([a for a in several if not a.startswith("--rdzv-id")]) is None
-    # A range of nodes: torchrun's agent grows the group inside the attempt; torchrun keeps it.
-    assert ranks.plan_of([a.replace("--nnodes=2", "--nnodes=1:2") for a in several]) is None
+    # A range of nodes too: the host restarts its group for a node waiting to join
+    # (test_rank_membership.py).
+    assert ranks.plan_of([a.replace("--nnodes=2", "--nnodes=1:2") for a in several])
     assert ranks.plan_of([a.replace("--nnodes=2", "--nnodes=2:2") for a in several])
     # Each rank's variables but the rendezvous' come with the hand-off; the host adds those.
     spec = ranks.handoff(plan, {"A": "1"}, Path("/a"), 30.0)["ranks"]
-    assert spec["rdzv"] == {"torchrun": list(several[3:])}
+    assert spec["rdzv"] == {"torchrun": list(several[3:]), "short_last_call": True}
     for local, env in enumerate(spec["envs"]):
         assert env["LOCAL_RANK"] == str(local) and env["LOCAL_WORLD_SIZE"] == "2"
         assert not set(ranks.RDZV_VARIABLES) & set(env)

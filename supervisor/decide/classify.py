@@ -164,7 +164,23 @@ def _exit_75(c: _Case) -> _Found:
     if c.ev.hang and not c.ev.stop_requested:
         return None  # it saved on rtrain's stop for the hang: `_hang` names it
     why = f"on {c.ev.stop_requested}" if c.ev.stop_requested else "on its own"
+    grew = None if c.ev.stop_requested else nodes_taken_in(c.ev.stderr_tail)
+    if grew is not None:  # standby/rank_host.py: a node waits to join (--nnodes MIN:MAX)
+        return FailureKind.PREEMPTED, (f"stopped on its own: {grew} node(s) waiting to join "
+                                       "the rendezvous, taken in at the next round (exit 75)")
     return FailureKind.PREEMPTED, f"stopped {why} after committing a checkpoint (exit 75)"
+
+
+# The rank host's line when it stopped its group for a node waiting to join (GROW_LINE there).
+_GREW = re.compile(r"rtrain rank host: (\d+) node\(s\) waiting to join the rendezvous; the "
+                   r"group restarts")
+
+
+def nodes_taken_in(stderr_tail: str) -> int | None:
+    """How many nodes waited to join when a rank host stopped its group to take them in (its
+    line at the end of the attempt's stderr); None: it did not."""
+    found = _GREW.search(stderr_tail[-4096:])
+    return None if found is None else int(found.group(1))
 
 
 def _stop_confirmed(c: _Case) -> _Found:

@@ -15,8 +15,10 @@ rendezvous with the endpoint and id torchrun would use for the attempt, as torch
 (standby/rank_rdzv.py), and gets its group rank, the world's size and the store the ranks meet
 in from it. So a warm node and a node still running torchrun (its first attempt, or a standby
 that was not ready) form one group, and a lost node, a replacement node and a changed world size
-go through the rendezvous as under torchrun. Only a fixed number of nodes (`fixed_nodes`): over
-a range torchrun's agent grows the group inside an attempt, which a host does not. `node_env`
+go through the rendezvous as under torchrun. Over a range of nodes (`--nnodes MIN:MAX`) the host
+goes on at the size the rendezvous gives it and, as torchrun's agent does, restarts its group when
+a node waits to join (rank_host.py): the supervisor relaunches it, warm, into the next round,
+which takes that node in. `node_env`
 holds a rank's variables that owe nothing to the rendezvous; the host adds the rest once it has
 joined. Any other torchrun command (another rendezvous backend, options rtrain does not write)
 stays on torchrun.
@@ -105,7 +107,7 @@ def plan_of(command: list[str]) -> RankPlan | None:
     if nodes:
         if (seen != {"--max-restarts=0"} or set(nodes) != set(NODES_OPTIONS)
                 or nodes["--rdzv-backend"] != RDZV_BACKEND
-                or not fixed_nodes(nodes["--nnodes"])):
+                or not node_count(nodes["--nnodes"])):
             return None
         torchrun = tuple(command[3:])
     elif seen != set(ONE_NODE_OPTIONS):
@@ -119,13 +121,15 @@ def plan_of(command: list[str]) -> RankPlan | None:
     return RankPlan(command[0], nproc, "script", rest[0], tuple(rest[1:]), torchrun)
 
 
-def fixed_nodes(nnodes: str) -> bool:
-    """`--nnodes N` (or `N:N`): a group whose size the rendezvous never changes while it runs.
-    Over a range (`MIN:MAX`) torchrun's agent restarts its ranks inside the attempt when a node
-    arrives (the elastic agent's membership change), which a rank host does not: such a run
-    stays on torchrun."""
-    low, _, high = nnodes.partition(":")
-    return low.isdigit() and int(low) >= 1 and (not high or high == low)
+def node_count(nnodes: str) -> bool:
+    """`--nnodes N` or `MIN:MAX` (1 <= MIN <= MAX), as torchrun reads it: a node count a host
+    can join a rendezvous for. A fixed count never changes while a group runs; over a range the
+    host restarts its group when a node waits to join, as torchrun's agent restarts its
+    workers (rank_host.py)."""
+    low, colon, high = nnodes.partition(":")
+    if not low.isdigit() or int(low) < 1:
+        return False
+    return not colon or (high.isdigit() and int(high) >= int(low))
 
 
 def standby_env(env: Mapping[str, str], plan: RankPlan) -> dict[str, str]:
@@ -175,11 +179,14 @@ def node_env(plan: RankPlan, env: Mapping[str, str], local_rank: int,
 
 
 def handoff(plan: RankPlan, env: Mapping[str, str], attempt_dir: Path,
-            grace_s: float) -> dict:
+            grace_s: float, after_growth: bool = False) -> dict:
     """What the hand-off tells the standby beyond a single process's argv, env and cwd: each
     rank's variables, the argv a rank sees, and the grace the other ranks get when one fails.
     One node: a fresh run id each attempt, as a fresh torchrun has. Several nodes: torchrun's
-    arguments, from which the host joins the rendezvous (its id and round, its store)."""
+    arguments, from which the host joins the rendezvous (its id and round, its store), and
+    whether its round has the relaunch's short last call (standby/rank_rdzv.py): not after
+    the group stopped to take a waiting node in (`after_growth`), whose round waits for it
+    (the stopped host's store went with it, so that node joins again, cold maybe)."""
     run_id = str(uuid.uuid4())
     files = [str(Path(attempt_dir).resolve() / f"rank-{r}-error.json")
              for r in range(plan.nproc)]
@@ -191,7 +198,7 @@ def handoff(plan: RankPlan, env: Mapping[str, str], attempt_dir: Path,
            "grace_s": grace_s, "addr": MASTER_ADDR, "name": os.path.basename(
                plan.target) if plan.mode == "script" else plan.target}
     if plan.several_nodes:
-        out["rdzv"] = {"torchrun": list(plan.torchrun)}
+        out["rdzv"] = {"torchrun": list(plan.torchrun), "short_last_call": not after_growth}
     return {"ranks": out}
 
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rtrain.supervisor.core.protocol import Heartbeat
+from rtrain.supervisor.decide.classify import nodes_taken_in
+from rtrain.supervisor.decide.observation import Observation
 from rtrain.supervisor.decide.policy import Action, Decision
 from rtrain.supervisor.launch.feature import Attempt, Feature, Run
 from rtrain.supervisor.pressure.monitor import PressureNote
 from rtrain.supervisor.proc.spawn import Child, ChildSpec, spawn
 from rtrain.supervisor.proc.watch import Sample
+from rtrain.supervisor.standby import rank_host
 from rtrain.supervisor.standby.slot import StandbySlot
 from rtrain.supervisor.standby.warm_child import LOG_NAME
 
@@ -40,6 +43,12 @@ class Standby(Feature):
         # of the training.
         if note.reading.source in ("cgroup", "host"):
             self.slot.make_room(note.why or note.reading.describe())
+
+    def attempt_end(self, attempt: Attempt, seen: Observation) -> dict:
+        # A group stopped to take a waiting node in: the next round waits for that node.
+        self.slot.after_growth = (seen.exit_code == rank_host.GROW_EXIT
+                                  and nodes_taken_in(seen.stderr_tail) is not None)
+        return {}
 
     def run_end(self, decision: Decision) -> None:
         if decision.action is not Action.RELAUNCH:

@@ -24,7 +24,14 @@ gets its rank, the world's size and the round's store from it. The rendezvous ru
 which is why the ranks are forked first. A rank that ends before the rendezvous is done (a stop
 signal) ends the attempt; a rendezvous that fails ends it as it ends torchrun (its traceback,
 status 1); a group that ended well waits at the agents' exit barrier; either way the host then
-shuts the rendezvous down, as torchrun does.
+shuts the rendezvous down, as torchrun does. Over a range of nodes (`--nnodes MIN:MAX`) the host
+also watches the rendezvous' wait list while its ranks run, as the agent's monitor loop does: a
+node waiting to join is taken in at the next round, so the ranks get the stop signal (a save
+there is refused once the arriving node's attempt advanced the checkpoint generation; SIGKILL
+after the grace) and the host exits 75 without
+shutting the rendezvous down (the agent keeps it open for that round too). The supervisor
+relaunches at once, spending nothing (a stop on its own, decide/classify.py), from its next
+standby, and that host joins the round that takes the node in.
 
 What differs from a rank under torchrun: the preloaded modules are imported before the rank
 variables are set (as the RTRAIN_* ones, child_program.py); a rank's parent is the host, in
@@ -48,6 +55,12 @@ KEEP = {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGCONT, signal.S
         signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT, signal.SIGTRAP,
         signal.SIGSYS}
 HELP = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+GROW_EXIT = 75
+"""The host's status when it stopped its group for a node waiting to join: EX_TEMPFAIL, a stop
+on its own, which the supervisor relaunches without charging or waiting (decide/policy.py)."""
+GROW_LINE = "rtrain rank host: {n} node(s) waiting to join the rendezvous; the group restarts" \
+    " to take them in"
+"""What the host says then (decide/classify.py names the stop from it)."""
 
 
 def _listen(addr: str) -> socket.socket:
@@ -201,7 +214,15 @@ def host(spec: dict, set_cmdline) -> list[str]:
     name = spec.get("name") or "script"
     if several:
         joined = _join(several, ranks, writers, envs, name)
-        code = _wait(ranks, envs, grace_s, name)
+        alive = dict(ranks)
+        grow = _Membership(joined, alive, grace_s) if joined.elastic else None
+        code = _wait(ranks, envs, grace_s, name, alive=alive,
+                     stopping=(lambda: grow.waiting > 0) if grow else (lambda: False))
+        if grow is not None:
+            grow.close()
+            if grow.waiting and code != 0:  # ranks that all ended well finished the run
+                print(GROW_LINE.format(n=grow.waiting), file=sys.stderr, flush=True)
+                os._exit(GROW_EXIT)  # the rendezvous stays open for the round that takes it
         if code == 0:
             joined.exit_barrier()
         joined.shutdown()
@@ -253,7 +274,8 @@ def _join(several: dict, ranks: dict[int, int], writers: dict[int, int],
 
     def run() -> None:
         try:
-            result["joined"] = _rank_rdzv().join(several["torchrun"])
+            result["joined"] = _rank_rdzv().join(several["torchrun"],
+                                                 several.get("short_last_call", True))
         except BaseException as e:
             result["error"] = e
 
@@ -288,8 +310,52 @@ def _join(several: dict, ranks: dict[int, int], writers: dict[int, int],
     return joined
 
 
-def _wait(ranks: dict[int, int], envs: list[dict[str, str]], grace_s: float, name: str) -> int:
-    alive = dict(ranks)
+class _Membership:
+    """Over a range of nodes, while the ranks run: the rendezvous' wait list, read every
+    `--monitor-interval` as the agent reads it. A node waiting there stops the group: the
+    ranks get the stop signal the worker saves on (RTRAIN_STOP_SIGNAL, else SIGTERM, as the
+    agent's), SIGKILL after the grace. A wait list the host cannot read (the rendezvous'
+    store went with a lost node) restarts nothing: the ranks' own collectives say whether the
+    group still stands."""
+
+    def __init__(self, joined, alive: dict[int, int], grace_s: float) -> None:
+        import threading
+
+        self.joined, self.alive, self.grace_s = joined, alive, grace_s
+        self.waiting = 0
+        name = os.environ.get("RTRAIN_STOP_SIGNAL", "SIGTERM")
+        self.stop_signal = getattr(signal, name, signal.SIGTERM)
+        self.interval = float(getattr(joined.config, "monitor_interval", 0.1) or 0.1)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rtrain-membership",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.interval):
+            try:
+                waiting = int(self.joined.nodes_waiting())
+            except Exception:
+                continue
+            if waiting > 0:
+                break
+        else:
+            return
+        self.waiting = waiting
+        _signal_all(dict(self.alive), self.stop_signal)
+        if not self._done.wait(self.grace_s):
+            _signal_all(dict(self.alive), signal.SIGKILL)
+
+    def close(self) -> None:
+        self._done.set()
+
+
+def _wait(ranks: dict[int, int], envs: list[dict[str, str]], grace_s: float, name: str,
+          alive: dict[int, int] | None = None, stopping=lambda: False) -> int:
+    """Wait for every rank; the first that fails ends the others (SIGTERM, SIGKILL after the
+    grace) and torchrun's summary is printed. `alive`: the ranks not yet ended, kept current
+    here; `stopping()`: the host stopped its ranks itself (_Membership), which ends them."""
+    alive = dict(ranks) if alive is None else alive
     failures: list[tuple[int, int, int, float, str]] = []
     deadline: float | None = None
     while alive:
@@ -310,11 +376,11 @@ def _wait(ranks: dict[int, int], envs: list[dict[str, str]], grace_s: float, nam
         if code != 0:
             failures.append((rank, pid, code, time.time(),
                              envs[rank].get("TORCHELASTIC_ERROR_FILE", "")))
-            if deadline is None and alive:
+            if deadline is None and alive and not stopping():
                 _signal_all(alive, signal.SIGTERM)
                 deadline = time.monotonic() + grace_s
-    if not failures:
-        return 0
+    if not failures or stopping():
+        return 0 if not failures else 1
     global_ranks = {i: int(env["RANK"]) for i, env in enumerate(envs)
                     if str(env.get("RANK", "")).isdigit()}
     print(summary(name, failures, global_ranks), file=sys.stderr, flush=True)

@@ -18,11 +18,20 @@ elastic/agent/server/api.py and local_elastic_agent.py):
 - a group that ended well waits at the agents' exit barrier; then, as launch_agent does at its
   end unless a signal ended it, the rendezvous is shut down (closed for this run id: a node
   still waiting in it ends, as a torchrun would);
-- one difference: a rendezvous found closed is joined again for a while (`join`).
+- over a range of nodes (`--nnodes MIN:MAX`) the group restarts when a node waits to join,
+  as the agent's monitor loop restarts its workers then (`nodes_waiting`, polled every
+  `--monitor-interval`); a node beyond MAX waits in the redundancy list, which nobody counts,
+  so it never restarts a healthy group (rtrain still keeps no spare nodes: an extra node's
+  attempt advances the checkpoint generation, which fences off the running group's commits);
+- three differences: a rendezvous found closed is joined again for a while (`join`), a node
+  waiting for its round reads the rendezvous' state every tenth of a second, not every second,
+  in a small group, nor waits a random time first (`join_poll_s`), and over a range a
+  relaunch's last call is short (RELAUNCH_LAST_CALL_S, `handler_for`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from types import SimpleNamespace
@@ -32,13 +41,34 @@ EXIT_BARRIER_S = 300.0
 CLOSED_WAIT_S = 60.0
 """How long a closed rendezvous (the failed group's, its store not yet gone) is joined again."""
 CLOSED_POLL_S = 0.2
+JOIN_POLL_S = 0.1
+"""How often a node waiting for its round reads the rendezvous' state, in a group of up to
+POLL_NODES nodes (`join_poll_s`). torch's join loop reads it every second (`_delay(seconds=1)`
+in dynamic_rendezvous), so the node that joined first learns that the last one completed the
+round half a second later on average: of a warm relaunch of two nodes (about 3 s from a kill to
+the first step), a sixth. Only the wait between reads changes; what each read decides is
+torch's."""
+POLL_NODES = 10
+RELAUNCH_LAST_CALL_S = 1
+"""Over a range of nodes, how long a host's round waits for more nodes once it has MIN
+(torch's `last_call_timeout`, whole seconds; 30 by default). A host starts a relaunch, which
+follows a failed group: the nodes that survived it relaunch from their standbys within a
+fraction of a second of each other, so a node not there a second later was lost whole, or comes
+back cold (torchrun imports torch first). Waiting half a minute for it is what makes a node
+loss cost as much as re-running torchrun; going on at once at the smaller size, the group takes
+it in at its next round when it arrives (`nodes_waiting`). A first attempt (torchrun) keeps
+torch's default: nodes starting together arrive seconds apart; so does the relaunch after a
+group stopped to take a waiting node in (`short_last_call` False): its round waits for that
+node, which joins again (the stopped host may have served the rendezvous' store), maybe cold."""
 
 
 class Joined:
     """This node's place in one round of the rendezvous."""
 
-    def __init__(self, handler: object, info: object, workers: list) -> None:
+    def __init__(self, handler: object, info: object, workers: list,
+                 config: object) -> None:
         self.handler, self.info, self.workers = handler, info, workers
+        self.config = config  # torchrun's LaunchConfig
 
     def envs(self) -> list[dict[str, str]]:
         """Each local rank's rendezvous variables, as LocalElasticAgent._start_workers sets
@@ -71,27 +101,86 @@ class Joined:
             print(f"rtrain rank host: exit barrier: {type(e).__name__}: {e}", flush=True,
                   file=sys.stderr)
 
+    @property
+    def elastic(self) -> bool:
+        """Over a range of nodes: the group restarts for a node that waits to join."""
+        return self.config.min_nodes < self.config.max_nodes
+
+    def nodes_waiting(self) -> int:
+        """Nodes in the rendezvous' wait list (the agent's `num_nodes_waiting`): each makes the
+        next round larger. Nodes beyond MAX wait in its redundancy list and are not counted."""
+        return self.handler.num_nodes_waiting()
+
     def shutdown(self) -> None:
         """launch_agent's last step: the handler's shutdown (best effort there too)."""
         _shutdown(self.handler)
 
 
-def handler_for(torchrun_args: list[str]) -> tuple[object, object]:
+def handler_for(torchrun_args: list[str],
+                short_last_call: bool = True) -> tuple[object, object]:
     """(torchrun's LaunchConfig, its rendezvous handler) for `torchrun_args`, parsed by
-    torchrun's own parser and built as launch_agent builds it."""
+    torchrun's own parser and built as launch_agent builds it; over a range of nodes with the
+    relaunch's short last call (relaunch_conf) unless the arguments name one or
+    `short_last_call` is False."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.run import config_from_args, parse_args
 
     config, _, _ = config_from_args(parse_args(list(torchrun_args)))
+    conf = (relaunch_conf(config.rdzv_configs, config.min_nodes, config.max_nodes)
+            if short_last_call else config.rdzv_configs)
     params = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
-        **config.rdzv_configs)
+        **conf)
     return config, rdzv_registry.get_rendezvous_handler(params)
 
 
-def join(torchrun_args: list[str]) -> Joined:
+def relaunch_conf(conf: dict, min_nodes: int, max_nodes: int) -> dict:
+    """The rendezvous configuration of a relaunch: torchrun's, with a last call of
+    RELAUNCH_LAST_CALL_S over a range of nodes where it names none."""
+    out = dict(conf)
+    if min_nodes < max_nodes and "last_call_timeout" not in out:
+        out["last_call_timeout"] = RELAUNCH_LAST_CALL_S
+    return out
+
+
+def join_poll_s(max_nodes: int) -> float:
+    """Seconds between a waiting node's reads of the rendezvous' state: JOIN_POLL_S up to
+    POLL_NODES nodes, then growing with the node count up to torch's second, so the store, which
+    serves every waiting node's reads, gets no more of them than from POLL_NODES nodes polling
+    that fast."""
+    return min(1.0, JOIN_POLL_S * max(1.0, max_nodes / POLL_NODES))
+
+
+@contextlib.contextmanager
+def _polling(every_s: float):
+    """torch's join loop, polling every `every_s` instead of every second while this block
+    runs; in a small group (a poll under a second) without the random wait of up to 0.3 s
+    before a first round, which spreads many nodes' first reads of the store (a node's
+    handler is new at each relaunch, so every relaunch paid it)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    torch_delay = getattr(dynamic_rendezvous, "_delay", None)
+    if torch_delay is None:  # another torch: its own polling
+        yield
+        return
+
+    def delay(seconds):
+        if seconds == 1:
+            seconds = every_s
+        elif isinstance(seconds, tuple) and every_s < 1:
+            return
+        torch_delay(seconds)
+
+    dynamic_rendezvous._delay = delay
+    try:
+        yield
+    finally:
+        dynamic_rendezvous._delay = torch_delay
+
+
+def join(torchrun_args: list[str], short_last_call: bool = True) -> Joined:
     """Join the next round of the rendezvous and take this node's ranks; raises what torchrun
     would (a timeout, a store out of reach) once the handler is shut down, as launch_agent
     shuts it down after an error.
@@ -113,9 +202,10 @@ def join(torchrun_args: list[str]) -> Joined:
 
     deadline = time.monotonic() + CLOSED_WAIT_S
     while True:
-        config, handler = handler_for(torchrun_args)
+        config, handler = handler_for(torchrun_args, short_last_call)
         try:
-            info = handler.next_rendezvous()
+            with _polling(join_poll_s(config.max_nodes)):
+                info = handler.next_rendezvous()
             break
         except (RendezvousClosedError, RendezvousGracefulExitError, RendezvousConnectionError):
             if time.monotonic() >= deadline:
@@ -129,7 +219,7 @@ def join(torchrun_args: list[str]) -> Joined:
     # The agent's own assignment; it never reads its `self`.
     workers = SimpleElasticAgent._assign_worker_ranks(None, info.store, info.rank,
                                                       info.world_size, spec)
-    return Joined(handler, info, workers)
+    return Joined(handler, info, workers, config)
 
 
 def _shutdown(handler: object) -> None:

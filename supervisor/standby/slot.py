@@ -74,6 +74,9 @@ class StandbySlot:
         self._pressure = False  # memory pressure rose in the running attempt
         self._cpu_at_start: idle.CpuTimes = {}  # the CPUs' idle time when the attempt started
         self._group: MemoryCgroup | None = memory_cgroup(os.getpid()) if self.target else None
+        self.after_growth = False
+        """The attempt before stopped its group to take in a node waiting to join (feature.py):
+        the next host's round waits for it (proc/ranks.handoff)."""
 
     @property
     def enabled(self) -> bool:
@@ -131,7 +134,8 @@ class StandbySlot:
         t0 = time.monotonic()
         try:
             child = warm.activate(spec, None if plan is None else ranks.handoff(
-                plan, spec.env, spec.attempt_dir, self.cfg.grace_s))
+                plan, spec.env, spec.attempt_dir, self.cfg.grace_s,
+                after_growth=self.after_growth))
         except StandbyFailed as e:
             self._end(warm, "standby_failed", str(e), attempt - 1)
             return None, 0.0

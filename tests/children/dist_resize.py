@@ -1,6 +1,6 @@
 """Training at any world size with one effective batch, for the world-size change tests.
 
-usage: dist_resize.py OUT_PREFIX TOTAL_STEPS EVERY [--fsdp] [--sleep S]
+usage: dist_resize.py OUT_PREFIX TOTAL_STEPS EVERY [--fsdp] [--sleep S] [--until PATH]
 One global ResumableSampler (its position counts samples of one global order, the same at any
 world size) and a global batch of 8 samples per step: rank r of R takes its 8/R, in
 micro-batches of 2, so fewer ranks accumulate more (accum = 8 / (2 R)); each micro-batch's loss
@@ -30,6 +30,7 @@ p.add_argument("total", type=int)
 p.add_argument("every", type=int)
 p.add_argument("--fsdp", action="store_true")
 p.add_argument("--sleep", type=float, default=0.0)  # after each step: a node can be lost mid-run
+p.add_argument("--until", default=None)  # no more sleeps once this file exists: a quick end
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -82,7 +83,8 @@ while step < args.total:
             loss.backward()
         opt.step()
         step += 1
-        time.sleep(args.sleep)
+        if not (args.until and os.path.exists(args.until)):
+            time.sleep(args.sleep)
         ckpt.maybe_save(step)
         if step % args.every == 0 or step == args.total:
             dump(f"step{step}", step)
