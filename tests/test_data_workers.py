@@ -76,6 +76,7 @@ def test_worker_global_rng_is_not_reproducible_mid_epoch(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # workers end with the trainer: the split-run tests kill it with workers up
 def test_worker_still_starting_when_the_training_process_dies_exits(tmp_path):
     # Killed after step 1, the first batch of a fresh iterator, which worker 0 delivered while
     # worker 1 was still in its worker_init_fn: torch's watchdog, started after that, took init

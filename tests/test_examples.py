@@ -49,6 +49,7 @@ def test_vision_backs_off_crashes_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # an example resumed after a crash: the vision example's default-tier test
 def test_charlm_trains_with_autocast_and_resumes(tmp_path):
     knobs = {"steps": 4, "save_every": 2, "log_every": 1, "seq_len": 16, "batch_size": 8,
              "amp": True}  # bfloat16 autocast on the CPU

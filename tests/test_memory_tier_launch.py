@@ -34,6 +34,7 @@ def _reference(steps: int) -> dict:
     return torch.load(cached("train_bitwise", {"steps": steps}, make) / "final.pt")
 
 
+@pytest.mark.soak  # the default tier's: test_live_state.py's kill resumes from memory, bitwise
 def test_a_killed_process_resumes_from_its_last_snapshot_in_memory_bitwise(tmp_path):
     run, out = tmp_path / "run", tmp_path / "out.pt"
     ckpts = run / "checkpoints"
