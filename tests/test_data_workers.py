@@ -37,8 +37,9 @@ def test_split_run_with_workers_is_bitwise_identical(tmp_path, args):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # split vs whole with workers: test_data_dist.py's rank kill (default tier)
 def test_split_run_resumed_mid_epoch_with_batches_prefetched_is_bitwise_identical(tmp_path):
-    # The default tier's one: killed after step 5, resumed from step 3 while two workers held
+    # Killed after step 5, resumed from step 3 while two workers held
     # six batches prefetched past it, then three epoch ends in the resumed process.
     assert split_vs_whole(tmp_path, DENSEST, (5,), reference=whole(["--workers", "0"])) is None
 
