@@ -84,8 +84,9 @@ class Checkpoints:
         pending = self._committing()
         if pending is not None and resume is ResumeMode.LATEST \
                 and foreign.resume_identity(pending) not in history.bad_checkpoints:
-            # Newer than all the dir holds (it is committed only then), hashed as rtrain
-            # sealed it and again as it is copied: the pick, without reading the dir.
+            # Newer than all the dir holds (it is committed only then), every byte hashed by
+            # rtrain before this pick and again as it is copied: the pick, without reading
+            # the dir.
             self._settle_run(pending)
             return Selection(pending, [])
         if pending is not None and self.in_flight is not None:
