@@ -284,17 +284,17 @@ class Checkpointer:
             began = time.monotonic()
             stop, due, snap = dist.any_of([stop, due, snap])
             runtime.boundary_wait(time.monotonic() - began)
-        where = handoff.route(due=due, stop=stop, requested=requested,
-                              tier_takes=self._tier_takes())
-        if where is handoff.Route.RTRAIN and self._hand_to_rtrain(step, metrics, extra):
-            path = self.ckpt_dir / f"checkpoint-{step}"  # the path rtrain will commit it as
-        elif where is not handoff.Route.NONE:
-            path = self.save(step, metrics=metrics, extra=extra)
-        cap = None
         # The RNG states and data position were taken above for a save at a failure: nothing
         # ran since, so the captures below reuse them rather than take them again.
         taken = self._boundary.moving if self._boundary is not None \
             and self._boundary.step == step and dist.world() is None else None
+        where = handoff.route(due=due, stop=stop, requested=requested,
+                              tier_takes=self._tier_takes())
+        if where is handoff.Route.RTRAIN and self._hand_to_rtrain(step, metrics, extra, taken):
+            path = self.ckpt_dir / checkpoint_name(step)  # the path rtrain will commit it as
+        elif where is not handoff.Route.NONE:
+            path = self.save(step, metrics=metrics, extra=extra)
+        cap = None
         if not (stop or due) and self._memory is not None and snap:
             cap = capture(self._parts(), step, self._epoch_now(), self._lr_scale, metrics or {},
                           extra or {}, taken=taken)
@@ -313,7 +313,7 @@ class Checkpointer:
         return path
 
     def _hand_to_rtrain(self, step: int, metrics: dict[str, float] | None,
-                        extra: dict[str, Any] | None) -> bool:
+                        extra: dict[str, Any] | None, taken: Moving | None = None) -> bool:
         """A scheduled disk save under the memory tier: snapshot this step and let rtrain copy
         it to the checkpoint dir in the background (worker/memtier/memory_tier.py). False
         when the tier cannot take it: the caller saves to disk itself.
@@ -327,7 +327,8 @@ class Checkpointer:
         began = self._clock.clock()
         self._clock.save_begins(step)
         self.epoch = self._epoch_now()
-        cap = capture(self._parts(), step, self.epoch, self._lr_scale, metrics or {}, extra or {})
+        cap = capture(self._parts(), step, self.epoch, self._lr_scale, metrics or {}, extra or {},
+                      taken=taken)
         if self._check is not None and "info" in cap.fields:
             cap.fields["info"]["check_resume"] = self._check.evidence()
         self._add_compile_cache(cap)  # rtrain's disk copy carries it, as a disk save would

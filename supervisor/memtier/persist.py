@@ -136,12 +136,10 @@ def check_content(snap: Verdict) -> None:
         path = snap.path / name
         try:
             size = os.lstat(path).st_size
-            digest = hash_mapped(path, m["hash_alg"]) if size == entry.get("size") else None
+            digest = hash_mapped(path, m["hash_alg"]) if size == entry.get("size") else ""
         except (OSError, ValueError) as e:
             raise SnapshotRefused(f"{name}: {e}") from None
-        if digest is None or digest != entry.get("hash"):
-            raise SnapshotRefused(f"{name} does not match its manifest "
-                                  f"({'size' if digest is None else 'content hash'})")
+        _matches(name, size, digest, entry)
 
 
 def make_durable(path: Path) -> None:
@@ -202,7 +200,13 @@ def _copy_checked(src_dir: Path, name: str, entry: dict | None, alg: str, dst_di
             size = write_hashed(dst.fileno(), view[:n], h, size)
         if fsync:
             os.fsync(dst.fileno())
-    if entry is not None and (size != entry.get("size") or h.hexdigest() != entry.get("hash")):
+    if entry is not None:
+        _matches(name, size, h.hexdigest(), entry)
+    return size
+
+
+def _matches(name: str, size: int, digest: str, entry: dict) -> None:
+    """Raises SnapshotRefused unless `name`'s size and content hash are its manifest entry's."""
+    if size != entry.get("size") or digest != entry.get("hash"):
         raise SnapshotRefused(f"{name} does not match its manifest "
                               f"({'size' if size != entry.get('size') else 'content hash'})")
-    return size

@@ -18,10 +18,9 @@ that was not ready) form one group, and a lost node, a replacement node and a ch
 go through the rendezvous as under torchrun. Over a range of nodes (`--nnodes MIN:MAX`) the host
 goes on at the size the rendezvous gives it and, as torchrun's agent does, restarts its group when
 a node waits to join (rank_host.py): the supervisor relaunches it, warm, into the next round,
-which takes that node in. `node_env`
-holds a rank's variables that owe nothing to the rendezvous; the host adds the rest once it has
-joined. Any other torchrun command (another rendezvous backend, options rtrain does not write)
-stays on torchrun.
+which takes that node in. `node_env` holds a rank's variables that owe nothing to the
+rendezvous; the host adds the rest once it has joined. Any other torchrun command (another
+rendezvous backend, options rtrain does not write) stays on torchrun.
 
 This module is the supervisor's side, pure and torch-free: what the command runs, what the
 standby is started with, and what the hand-off tells the host.
