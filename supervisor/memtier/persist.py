@@ -3,7 +3,9 @@
 The snapshot is copied as it is (its manifest, signature and encryption stay valid: they cover
 these very bytes), each file hashed as it is read and compared with the manifest before the
 commit, so a snapshot torn or changed in memory is refused, never committed. The copy goes
-into a temp dir, is fsynced file by file, and is renamed into place like any commit. A step
+into a temp dir past the page cache (checkpoint/direct_copy.py: it runs beside the training,
+and costs it a quarter of a cached write's CPU), is fsynced file by file, and is renamed into
+place like any commit. A step
 the checkpoint dir already holds is left alone (the worker's own save of it came first).
 
 While it copies, rtrain holds hard links to the snapshot's files in a pin dir of its own: the
@@ -18,16 +20,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from rtrain.checkpoint import direct_copy, parts, safeio
 from rtrain.checkpoint import manifest as mf
-from rtrain.checkpoint import parts, safeio
 from rtrain.checkpoint.commit import fsync_dir
 from rtrain.checkpoint.hashing import hash_mapped, new_hasher
 from rtrain.checkpoint.layout import MANIFEST, checkpoint_name, tmp_name
-from rtrain.checkpoint.safetensors_io import write_hashed
 from rtrain.checkpoint.verify import Verdict
 from rtrain.supervisor.core import filemode
-
-CHUNK = 8 << 20
 
 
 class SnapshotRefused(Exception):
@@ -186,20 +185,14 @@ def _copy_checked(src_dir: Path, name: str, entry: dict | None, alg: str, dst_di
     """Copy one file, hashing what is read; compare with the manifest's entry (None: the
     manifest itself, compared as the caller did)."""
     h = new_hasher(alg)
-    size = 0
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
     try:
         src = safeio.open_beneath(src_dir, name, buffering=0)
     except (FileNotFoundError, safeio.UnsafeFile) as e:
         raise SnapshotRefused(f"{name}: {e}") from None
     dst_path = dst_dir / name
     dst_path.parent.mkdir(parents=True, exist_ok=True)
-    with src, open(dst_path, "xb", buffering=0) as dst:
-        while n := src.readinto(buf):
-            size = write_hashed(dst.fileno(), view[:n], h, size)
-        if fsync:
-            os.fsync(dst.fileno())
+    with src:
+        size = direct_copy.copy_hashed(src, dst_path, h, fsync=fsync)
     if entry is not None:
         _matches(name, size, h.hexdigest(), entry)
     return size
