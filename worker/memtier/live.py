@@ -101,8 +101,12 @@ class LiveState:
 
     def __init__(self, memory_dir: Path, model: torch.nn.Module | None,
                  optimizer: torch.optim.Optimizer | None,
-                 unread: Callable[[], None] = lambda: None) -> None:
+                 unread: Callable[[], None] = lambda: None,
+                 spares: shm_files.ShmFiles | None = None) -> None:
         self.dir = memory_dir / LIVE_DIR
+        # The snapshots' spare files (an earlier attempt's among them), taken for the live
+        # files where one fits: a file made new costs its pages once more (shm_files.py).
+        self._spares = spares
         # Returns once no snapshot that may commit is still reading the live tensors: their
         # pages are given back only then (`_unadopt`).
         self._unread = unread
@@ -179,6 +183,8 @@ class LiveState:
             return
         try:
             self._release_files()
+            if self._spares is not None and self.dir.is_dir():
+                self._spares.adopt(self.dir)  # an earlier attempt's, not sealed: its files
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir.mkdir(mode=0o700)
             files = [self._map(stem, cap.tensors.get(stem, {}), owners) for stem in MAPPED]
@@ -214,7 +220,9 @@ class LiveState:
         blobs = [to_blob(n, t) for n, t in order]
         header = safetensors_io.build_header(blobs)
         size = len(header) + sum(b.data.nbytes for b in blobs)
-        mapped = shm_files.create(self.dir / f"{stem}.safetensors", size)
+        path = self.dir / f"{stem}.safetensors"
+        mapped = ((self._spares.take_spare(path, size) if self._spares is not None else None)
+                  or shm_files.create(path, size))
         mapped.map[:len(header)] = header
         data = torch.frombuffer(mapped.map, dtype=torch.uint8)
         out, pos = _File(stem, mapped), len(header)

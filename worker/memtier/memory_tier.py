@@ -336,6 +336,14 @@ class MemoryTier:
         self._steps_seen = 0  # step boundaries this process saw (WARMUP_STEPS)
         self._boundary: float | None = None  # the previous step boundary's time
         self._beside = False  # a snapshot started at the previous boundary
+        # Steps that paid a one-off beside their own work are measured as neither kind: a
+        # snapshot that made its files new (the kernel finds and clears every page once: 80
+        # ms for 126 MiB here, against 10 ms into reused ones) and the live state's adoption.
+        # Counted, they made a snapshot look 2-4 times its cost after each relaunch, and the
+        # interval, chosen from it, 2-4 times too long (a kill inside the optimizer's step
+        # lost that much more).
+        self._created_seen = 0  # ShmFiles.created at the previous boundary
+        self._unsampled = 0  # boundaries still to pass unmeasured
         self._dues = 0  # step boundaries seen at an interval of 1 (PROBE_EVERY)
         self._repaced: int | None = None  # the step the measured cost last chose the interval
         self.cost_s: float | None = None  # what a snapshot costs the steps (pacing.py)
@@ -351,6 +359,7 @@ class MemoryTier:
         self._last_call: tuple[int, float, float] | None = None
         self.writer_cpu_s = 0.0  # the writer thread's CPU time for the newest snapshot
         self._last_cpu = 0.0  # ... for the newest that finished, committed or abandoned
+        self._last_fresh = False  # ... and whether it made new files (not counted: pacing)
         self._said: dict[str, Any] | None = None  # the interval last told to rtrain
         # A snapshot rtrain was to persist as a disk save failed: the Checkpointer saves to
         # disk itself at the next step boundary instead.
@@ -358,7 +367,8 @@ class MemoryTier:
         self._started: int | None = None  # the step of the newest snapshot handed to the writer
         # The parameters and optimizer state kept in shared memory (worker/memtier/live.py):
         # a single process's unencrypted tier, on the same assumption as `overlap`.
-        self.live = (LiveState(directory, model, optimizer, unread=self._copy.read.wait)
+        self.live = (LiveState(directory, model, optimizer, unread=self._copy.read.wait,
+                               spares=self._files)
                      if self.overlap and self._files is not None else None)
         self._hook = (optimizer.register_step_pre_hook(self._gate)
                       if self.overlap and optimizer is not None else None)
@@ -406,7 +416,15 @@ class MemoryTier:
     def due(self, step: int) -> bool:
         now = time.monotonic()
         self._steps_seen += 1
-        if self._boundary is not None and self._steps_seen > WARMUP_STEPS:
+        created = self._files.created if self._files is not None else 0
+        if (self._files is not None and self._files.max_spares > 1
+                and (self.live is None or self.live.off is not None or self.live.adopted)):
+            self._files.limit(1)  # the live state took its files, or takes none
+        if created != self._created_seen:  # this step and the next, which it may reach
+            self._created_seen, self._unsampled = created, 2
+        if self._unsampled:
+            self._unsampled -= 1
+        elif self._boundary is not None and self._steps_seen > WARMUP_STEPS:
             self.costs.step(now - self._boundary, self._beside)  # beside a snapshot or not
         self._boundary, self._beside = now, False
         if self._files is not None and self._files.held:
@@ -449,12 +467,12 @@ class MemoryTier:
         if self.dropped.exists():
             self.stop("rtrain dropped it (memory pressure); the disk tier goes on", cap.step)
             return False
-        if not self._swept:  # before the space is counted: an earlier attempt's spares go
-            self._swept = True
-            _sweep(self.dir)
+        if not self._swept:  # before the space is counted: an earlier attempt's spares
+            self._swept = True  # are taken as this process's, or go
+            _sweep(self.dir, self._files)
         if self.last_step is None and not self._pending:
-            why = refusal(cap.nbytes, budget_bytes(self.opts), _free_bytes(self.dir),
-                          self.kept + 1)
+            why = refusal(cap.nbytes, budget_bytes(self.opts),
+                          _free_bytes(self.dir) + self._spare_bytes(), self.kept + 1)
             if why is not None:
                 self.stop(why, cap.step)
                 return False
@@ -493,7 +511,8 @@ class MemoryTier:
             self._pending = False
             if self.stall_s is not None:
                 self.stall_s += self._gate_wait  # the stall that snapshot cost the loop
-                self._cpu_costs.append(self.stall_s + self._last_cpu)
+                if not self._last_fresh:
+                    self._cpu_costs.append(self.stall_s + self._last_cpu)
             self.gate_s = self._gate_wait
 
     def live_wanted(self) -> bool:
@@ -512,13 +531,21 @@ class MemoryTier:
             live.stop(self.off)
             return
         if not live.adopted and self._files is not None:
-            why = refusal(cap.nbytes, 1 << 62, _free_bytes(self.dir) + self._live_bytes(),
+            why = refusal(cap.nbytes, 1 << 62,
+                          _free_bytes(self.dir) + self._live_bytes() + self._spare_bytes(),
                           self.kept + 2)
             if why is not None:
                 live.stop(why)
                 return
         self._mark_fields(cap)
+        adopted = live.adopted
         live.boundary(cap, self._started)
+        if live.adopted and not adopted:  # the copy into the live files: the next step's
+            self._unsampled = max(self._unsampled, 1)
+
+    def _spare_bytes(self) -> int:
+        """What the spare files hold of the filesystem: theirs to fill before new ones."""
+        return self._files.spare_bytes if self._files is not None else 0
 
     def _live_bytes(self) -> int:
         """What the live files already hold of the filesystem (adopted again: freed first)."""
@@ -598,6 +625,7 @@ class MemoryTier:
 
     def _write(self, cap: Capture, persist: bool = False) -> None:
         t0, cpu0 = time.monotonic(), time.thread_time()
+        created = self._files.created if self._files is not None else 0
         try:
             path = write_snapshot(self.target, cap, self._copy, self._files)
         except Abandoned:
@@ -614,6 +642,7 @@ class MemoryTier:
             self.persist_lost = self.persist_lost or persist
             return
         finally:
+            self._last_fresh = self._files is not None and self._files.created != created
             self._copy.read.set()
             self._persisted.set()
         self._abandoned_in_row = 0
@@ -627,8 +656,10 @@ class MemoryTier:
         for _, older in list_checkpoints(self.dir):
             if older not in self._committed:
                 try:
-                    if self._files is None or not self._files.retire(older):
+                    if self._files is None:
                         remove_dir(older)
+                    elif not self._files.retire(older):
+                        self._files.adopt(older)  # an earlier attempt's: its files reused
                 except OSError:
                     pass  # rtrain took it away (it pins what it copies) or removed the dir
         if persist:  # only now: rtrain copies the newest snapshot at this step or later
@@ -761,11 +792,14 @@ def _rank_dir(memory_dir: Path, rank: int) -> Path:
     return path
 
 
-def _sweep(memory_dir: Path) -> None:
-    """Remove what earlier attempts left in the memory dir: a retired snapshot's spare files
-    (trash-named), a temp dir whose writer died. Committed snapshots and rtrain's pins stay."""
+def _sweep(memory_dir: Path, files: shm_files.ShmFiles | None) -> None:
+    """What earlier attempts left in the memory dir: a retired snapshot's spare files
+    (trash-named) are taken as this process's spares (`files`), or removed; a temp dir whose
+    writer died is removed. Committed snapshots and rtrain's pins stay."""
     for left in list_leftovers(memory_dir):
-        if left.path.name.startswith(TRASH_PREFIX) or not left.writer_alive():
+        if files is not None and left.path.name.startswith(TRASH_PREFIX):
+            files.adopt(left.path)
+        elif left.path.name.startswith(TRASH_PREFIX) or not left.writer_alive():
             shutil.rmtree(left.path, ignore_errors=True)
 
 
