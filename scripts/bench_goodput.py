@@ -22,7 +22,10 @@ job with no checkpoint and no launcher, run in the same round. Rounds alternate 
 baseline and tools A B C, then C B A and the baseline), so a busy moment of the machine does not
 fall on one tool. Per tool:
 
-  goodput         the baseline's time / the tool's time with the kills (launcher start to exit)
+  goodput         the baseline's time / the tool's time with the kills (launcher start to exit),
+                  each run against the baseline of its own round: on a machine whose speed
+                  drifts by minutes (a plain run took 19-28 s here within an hour), the
+                  baseline run next to the tool's says more than a median of all of them
   lost/kill       steps lost per kill: the last step the killed process logged minus the step
                   the next one resumed at
   kill->step      seconds from the kill to the first step the resumed process logs
@@ -86,6 +89,7 @@ class Run:
     kills: list[float] = field(default_factory=list)
     digest: str | None = None
     note: str = ""
+    round: int = 0  # paired with that round's baseline for goodput
 
     def step_times(self) -> list[float]:
         return [b[1] - a[1] for seg in self.steps for a, b in itertools.pairwise(seg)]
@@ -318,7 +322,8 @@ def summary(tool: Tool, runs: list[Run], base: list[Run]) -> list[str]:
     ok = [r for r in runs if r.code == 0]
     if not ok:
         return [tool.label, "failed", "", "", "", runs[0].note if runs else ""]
-    good = [base_wall / r.wall for r in ok]
+    paired = {r.round: r.wall for r in base if r.code == 0}
+    good = [paired.get(r.round, base_wall) / r.wall for r in ok]
     goodput = f"{min(good):.2f}" + (f"-{max(good):.2f}" if len(good) > 1 else "")
     lost = [x for r in ok for x in r.lost()]
     rec = [x for r in ok for x in r.recovery()]
@@ -412,6 +417,7 @@ def main() -> None:
             for tool in (order if r % 2 == 0 else order[::-1]):
                 n += 1
                 run = bench.run(tool, schedule, n)
+                run.round = r
                 (base if tool is None else runs[tool.key]).append(run)
                 if tool is None and run.step_times():
                     bench.step_s = statistics.median(run.step_times())

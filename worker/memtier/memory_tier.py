@@ -101,7 +101,9 @@ MAX_ABANDONED = 2  # snapshots abandoned in a row before the next one is waited 
 PROBE_EVERY = 8  # at an interval of 1, one snapshot in this many is skipped: the plain step
 REPACE_STEPS = 32  # once the cost is measured, the interval is re-chosen this often
 PACE_FILE = ".pace.json"  # in the memory dir: the steps measured, for the next attempt
-WARMUP_STEPS = 2  # an attempt's first steps (restore, first allocations): not measured
+# An attempt's first steps are not measured: the restore's first allocations, and rtrain's
+# copy of the snapshot it resumed from to the checkpoint dir beside them (0.15-0.2 s).
+WARMUP_STEPS = 4
 
 
 def budget_bytes(opts: Memory) -> int:
@@ -336,12 +338,12 @@ class MemoryTier:
         self._steps_seen = 0  # step boundaries this process saw (WARMUP_STEPS)
         self._boundary: float | None = None  # the previous step boundary's time
         self._beside = False  # a snapshot started at the previous boundary
-        # Steps that paid a one-off beside their own work are measured as neither kind: a
-        # snapshot that made its files new (the kernel finds and clears every page once: 80
-        # ms for 126 MiB here, against 10 ms into reused ones) and the live state's adoption.
-        # Counted, they made a snapshot look 2-4 times its cost after each relaunch, and the
-        # interval, chosen from it, 2-4 times too long (a kill inside the optimizer's step
-        # lost that much more).
+        # Steps that paid for something else beside their own work are measured as neither
+        # kind: a snapshot that made its files new (the kernel finds and clears every page
+        # once: 80 ms for 126 MiB here, against 10 ms into reused ones), the live state's
+        # adoption, and rtrain's copy of a disk save. Counted, they made a snapshot look 2-4
+        # times its cost after each relaunch, and the interval, chosen from it, 2-4 times too
+        # long (a kill inside the optimizer's step lost that much more).
         self._created_seen = 0  # ShmFiles.created at the previous boundary
         self._unsampled = 0  # boundaries still to pass unmeasured
         self._dues = 0  # step boundaries seen at an interval of 1 (PROBE_EVERY)
@@ -489,6 +491,10 @@ class MemoryTier:
         self._persisting = persist
         if persist:
             self._persisted.clear()
+            # A disk save's: rtrain's copy to the checkpoint dir runs beside this step and the
+            # next. That is the disk cadence's cost (worker/saving/cadence.py counts it), not a
+            # snapshot's, which would otherwise come out several times what it is.
+            self._unsampled = max(self._unsampled, 2)
         self._beside = True
         self._idle.clear()
         self._gate_wait = 0.0
