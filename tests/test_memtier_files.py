@@ -109,13 +109,13 @@ def test_a_full_shared_memory_fails_the_snapshot_with_no_file_left(tmp_path, mon
 
 def test_each_snapshot_reuses_the_files_of_the_one_before_the_last_and_is_its_boundary(
         tmp_path, shm):
-    """Snapshots every step: from the fourth on, each is written into the files of the one two
-    steps before (same inodes), and each holds its own step's state, bitwise, and verifies.
-    (At the third boundary the live state takes its files from the spares: live.py.)"""
+    """Snapshots every step: each holds its own step's state, bitwise, and verifies; once the
+    live state took its files (from the spares, at the third boundary: live.py), each is
+    written into the files of the one two steps before (same inodes), and none is made new."""
     m, opt = _model()
     ckpt = _tier_ckpt(m, opt, tmp_path)
     inodes, states = {}, {}
-    for step in range(1, 7):
+    for step in range(1, 9):
         _step(m, opt)
         states[step] = (copy.deepcopy(m.state_dict()), copy.deepcopy(opt.state_dict()))
         ckpt.maybe_save(step)
@@ -132,11 +132,14 @@ def test_each_snapshot_reuses_the_files_of_the_one_before_the_last_and_is_its_bo
         want = [s["exp_avg_sq"] for s in opt_sd["state"].values()]
         assert sorted(t.sum().item() for t in moments) == sorted(t.sum().item() for t in want)
         inodes[step] = _inodes(snap)
-        if step >= 4:
+        if step == 5:
+            created = ckpt._memory._files.created
+        if step >= 6:
             assert inodes[step] == inodes[step - 2], step  # the same files, written again
+            assert ckpt._memory._files.created == created
         # The dir holds the newest snapshot and the spare files of the one before it.
         spares = [p for p in shm.iterdir() if p.name.startswith(TRASH_PREFIX)]
-        if step != 3:
+        if step < 3 or step >= 5:
             assert len(spares) == (0 if step == 1 else 1), step
     ckpt.close()
     assert [p.name for p in shm.iterdir() if p.name.startswith(".")] == []
