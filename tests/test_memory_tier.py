@@ -511,3 +511,15 @@ def test_an_encrypted_snapshot_is_persisted_and_restored_under_its_key(tmp_path,
                                encryption_key=key).restore() == 3
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(),
                                                  m2.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize("measured, cpu, busy, expected", [
+    (0.010, 0.015, 0.5, 0.010),   # measured, within both bounds
+    (0.050, 0.015, 0.5, 0.015),   # noise above what the CPU time can take: the CPU time
+    (0.000, 0.015, 1.0, 0.015),   # nothing measured on busy cores: all of the CPU time
+    (0.000, 0.015, 0.25, 0.00375),  # idle cores took most of it
+    (-0.01, None, 1.0, 0.0),      # no CPU time known yet: the measurement, never negative
+    (0.000, 0.015, 3.0, 0.015),   # a share above 1 (several processes' threads) is 1
+])
+def test_a_snapshots_cost_is_bounded_by_its_cpu_time_both_ways(measured, cpu, busy, expected):
+    assert pacing.bounded_cost(measured, cpu, busy) == pytest.approx(expected)

@@ -689,9 +689,11 @@ class MemoryTier:
         measured = self.costs.cost_s()
         step_s = self.costs.step_s()
         if measured is not None:
-            self.cost_s = measured
-            if self._cpu_costs:
-                self.cost_s = min(measured, statistics.median(self._cpu_costs))
+            cpu = statistics.median(self._cpu_costs) if self._cpu_costs else None
+            busy = 0.0
+            if prev is not None and now > prev[1]:
+                busy = (self._last_call[2] - prev[2]) / ((now - prev[1]) * _cores())
+            self.cost_s = pacing.bounded_cost(measured, cpu, busy)
         if step_s is None and prev is not None and step > prev[0]:
             step_s = (now - prev[1]) / (step - prev[0])
         due = self._repaced is None or step - self._repaced >= REPACE_STEPS
@@ -717,6 +719,13 @@ class MemoryTier:
                 or (self._auto and said["measured"] != self._said["measured"])):
             self._said = said
             runtime.heartbeat(step=step, event="snapshot", snapshot=said)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _launched_ranks() -> int:

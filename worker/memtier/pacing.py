@@ -9,7 +9,8 @@ median time of the steps a snapshot ran beside, less the median of the steps wit
 a moving window (`Costs`), never above what the snapshots took of the CPU (their stall and the
 writer's CPU time: the most a copy can take from a step whose cores it competes for; on a
 loaded machine the steps' noise is larger than a 3% cost and would otherwise pick the
-interval; memory_tier.py). Until both have MIN_SAMPLES (the first snapshots), snapshots come
+interval; memory_tier.py), and never below the share of that CPU time which the training's own
+CPU use left no room for (`bounded_cost`). Until both have MIN_SAMPLES (the first snapshots), snapshots come
 every MEASURE_EVERY steps, so that both kinds of step are measured at once; an attempt after
 the first starts from what the one before measured (memory_tier.py, PACE_FILE).
 
@@ -39,6 +40,18 @@ time under `every="auto"` (the issue's budget: a few percent of a step)."""
 WINDOW = 24  # steps of each kind in the moving estimate: medians over ~2 dozen hold at +-30 %
 MIN_SAMPLES = 4  # of each kind before the measured cost chooses the interval
 MEASURE_EVERY = 2  # the interval until then: a step beside a snapshot, then a plain one
+
+
+def bounded_cost(measured_s: float, cpu_s: float | None, busy: float) -> float:
+    """A snapshot's cost from the steps' measured difference, within what its CPU time can
+    take from them: at most all of it (the noise of a loaded machine can push the difference far
+    above), at least the share of it the training's own CPU use says the cores had no room for
+    (`busy`: the process's CPU time over the wall time of all its cores, 0-1). The difference
+    alone came out 0 in a noisy stretch (medians of 4 steps each, at an attempt's start) and
+    snapshotted every step at a real cost of 14%."""
+    if cpu_s is None:
+        return max(measured_s, 0.0)
+    return max(min(max(busy, 0.0), 1.0) * cpu_s, min(measured_s, cpu_s))
 
 
 def interval(*, cost_s: float, write_s: float, step_s: float, mtbf_s: float | None,
