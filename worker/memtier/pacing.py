@@ -9,10 +9,12 @@ median time of the steps a snapshot ran beside, less the median of the steps wit
 a moving window (`Costs`), never above what the snapshots took of the CPU (their stall and the
 writer's CPU time: the most a copy can take from a step whose cores it competes for; on a
 loaded machine the steps' noise is larger than a 3% cost and would otherwise pick the
-interval; memory_tier.py), and never below the share of that CPU time which the training's own
-CPU use left no room for (`bounded_cost`). Until both have MIN_SAMPLES (the first snapshots), snapshots come
-every MEASURE_EVERY steps, so that both kinds of step are measured at once; an attempt after
-the first starts from what the one before measured (memory_tier.py, PACE_FILE).
+interval; memory_tier.py), and never below the share of that CPU time which the training's
+own CPU use left no room for (`bounded_cost`). Until both have MIN_SAMPLES (the first
+snapshots), snapshots come every MEASURE_EVERY steps, so that both kinds of step are measured
+at once; an attempt after the first starts from what the one before measured (memory_tier.py,
+PACE_FILE); the steps that paid for something else beside their own work are measured as
+neither kind (memory_tier.py).
 
 The interval, in order:
 1. `by_ceiling`: the fewest steps between snapshots that keep their cost within COST_CEILING
