@@ -79,6 +79,9 @@ ALLOWED = {
     "worker/guards/faults.py::_corrupt_newest": "the fault injector's own corruption",
     # The memory tier's own dir in /dev/shm: this user's (`_own_dir` checks owner and type).
     "supervisor/memtier/shmdir.py::drop": "the tier's own dir, owner checked",
+    "worker/memtier/shm_files.py::open_existing": "an earlier attempt's file in the tier's own "
+                                                  "dir: O_NOFOLLOW|O_NONBLOCK, fstat checked "
+                                                  "(regular, this user's, one link)",
 }
 
 
