@@ -268,5 +268,9 @@ def test_rising_pressure_drops_the_warm_standby_first(tmp_path):
     assert dropped and dropped[0]["attempt"] == 0, kinds
     first = kinds.index("standby_discarded")
     assert "memory_pressure" not in kinds[:first], kinds  # before anything was asked
-    assert "standby_ready" not in kinds[first:], kinds  # and none again in that attempt
+    # And none again in that attempt (a relaunch, if the load made the trend steep enough to
+    # stop the training too, starts its own).
+    again = [e for e in events(run, "standby_ready")
+             if e["attempt"] == dropped[0]["attempt"] and e["time"] > dropped[0]["time"]]
+    assert not again, kinds
     assert "dropped the warm standby" in err and "counts against the same memory" in err
