@@ -102,8 +102,9 @@ PROBE_EVERY = 8  # at an interval of 1, one snapshot in this many is skipped: th
 REPACE_STEPS = 32  # once the cost is measured, the interval is re-chosen this often
 PACE_FILE = ".pace.json"  # in the memory dir: the steps measured, for the next attempt
 # An attempt's first steps are not measured: the restore's first allocations, and rtrain's
-# copy of the snapshot it resumed from to the checkpoint dir beside them (0.15-0.2 s).
-WARMUP_STEPS = 4
+# copy of the snapshot it resumed from to the checkpoint dir beside them (0.15-0.2 s). More
+# left an attempt killed 12-20 steps in with too few steps to measure a snapshot's cost.
+WARMUP_STEPS = 2
 
 
 def budget_bytes(opts: Memory) -> int:
@@ -813,7 +814,7 @@ def _sweep(memory_dir: Path, files: shm_files.ShmFiles | None) -> None:
     writer died is removed. Committed snapshots and rtrain's pins stay."""
     for left in list_leftovers(memory_dir):
         if files is not None and left.path.name.startswith(TRASH_PREFIX):
-            files.adopt(left.path)
+            files.adopt(left.path, populate=False)  # the training thread's time
         elif left.path.name.startswith(TRASH_PREFIX) or not left.writer_alive():
             shutil.rmtree(left.path, ignore_errors=True)
 

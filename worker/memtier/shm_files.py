@@ -96,10 +96,12 @@ def create(path: Path, size: int) -> ShmFile:
     return ShmFile(path, fd, os.fstat(fd).st_ino, size, m, base)
 
 
-def open_existing(path: Path, mapped: set[tuple[int, int]]) -> ShmFile | None:
-    """An existing file at `path` mapped writable with its pages populated, when it is safe to
-    write (module docstring): a regular file of this user, one link, not in `mapped` ((st_dev,
-    st_ino) of what this process maps). None otherwise, the file left as it is."""
+def open_existing(path: Path, mapped: set[tuple[int, int]],
+                  populate: bool = True) -> ShmFile | None:
+    """An existing file at `path` mapped writable (its pages populated at once with
+    `populate`), when it is safe to write (module docstring): a regular file of this user, one
+    link, not in `mapped` ((st_dev, st_ino) of what this process maps). None otherwise, the
+    file left as it is."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -110,7 +112,7 @@ def open_existing(path: Path, mapped: set[tuple[int, int]]) -> ShmFile | None:
                 or st.st_size == 0 or (st.st_dev, st.st_ino) in mapped):
             os.close(fd)
             return None
-        m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE)
+        m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0))
     except (OSError, ValueError):
         os.close(fd)
         return None
@@ -238,10 +240,11 @@ class ShmFiles:
         _discard(spare)
         return None
 
-    def adopt(self, directory: Path) -> None:
+    def adopt(self, directory: Path, populate: bool = True) -> None:
         """Take the files of an earlier attempt's `directory` (a retired snapshot's, trash-named,
         or a committed one this process replaced, renamed out of the committed names here
-        first) as spares where safe (module docstring); the rest goes, as a deletion would."""
+        first) as spares where safe (module docstring); the rest goes, as a deletion would.
+        `populate=False` on the training thread: the writer's first copy faults the pages in."""
         if not directory.name.startswith(TRASH_PREFIX):
             aside = directory.parent / trash_name(directory.name)
             try:
@@ -259,7 +262,7 @@ class ShmFiles:
             with self._lock:
                 wanted = (name.endswith(".safetensors")
                           and len(self._spares.get(name, ())) < self.max_spares)
-            f = open_existing(directory / name, mapped) if wanted else None
+            f = open_existing(directory / name, mapped, populate) if wanted else None
             if f is not None:
                 self._keep(name, f)
                 kept = True
