@@ -83,6 +83,53 @@ def test_the_cost_is_the_steps_measured_difference_a_moving_median():
     assert c.cost_s() == 0.0  # never negative
 
 
+def test_held_steps_are_measured_as_neither_kind():
+    c = pacing.Costs()
+    c.hold(1)
+    c.hold(2)  # the longer of two holds, not their sum
+    c.step(0.5, snapshot=True)
+    c.step(None, snapshot=False)  # an unmeasured step passes a held one all the same
+    assert not c.beside and not c.clean
+    c.step(0.1, snapshot=True)
+    c.step(None, snapshot=False)
+    assert list(c.beside) == [0.1] and not c.clean
+
+
+def test_a_snapshot_that_made_its_files_new_is_not_counted_in_the_cost(tmp_path, shm,
+                                                                        monkeypatch):
+    """Making a file new costs the kernel every page once, paid by the steps beside that
+    snapshot (here: 0.3 s, waited for within the step). The first two snapshots make new
+    files; counted, they were half of the first MIN_SAMPLES steps beside a snapshot, and the
+    first cost measured (the one the interval is chosen from, for REPACE_STEPS steps) read
+    about 0.3 s. Left out, it reads what a snapshot into reused files adds: a few ms."""
+    from rtrain.worker.memtier import shm_files
+
+    create = shm_files.create
+
+    def slow_create(*a, **kw):
+        time.sleep(0.3)
+        return create(*a, **kw)
+
+    monkeypatch.setattr(shm_files, "create", slow_create)
+    m, opt = _model()
+    ckpt = rtrain.Checkpointer(model=m, optimizer=opt, ckpt_dir=tmp_path / "ck",
+                               saving=rtrain.Saving(memory="auto"))
+    tier = ckpt._memory
+    measured = []
+
+    def step(_):
+        tier.wait()  # the snapshot started at the last boundary, its new files included
+        if tier.costs.cost_s() is not None:
+            measured.append(tier.costs.cost_s())
+
+    _train(m, opt, ckpt, 24, between=step)
+    tier.wait()
+    assert tier._files.created >= 6  # two sets before any spare could be reused
+    assert measured, "the cost was never measured"
+    assert measured[0] < 0.05, (measured[0], list(tier.costs.beside), list(tier.costs.clean))
+    ckpt.close()
+
+
 def test_the_estimate_spans_attempts_and_a_damaged_record_is_an_empty_one():
     c = pacing.Costs()
     for _ in range(pacing.MIN_SAMPLES):

@@ -339,14 +339,10 @@ class MemoryTier:
         self._steps_seen = 0  # step boundaries this process saw (WARMUP_STEPS)
         self._boundary: float | None = None  # the previous step boundary's time
         self._beside = False  # a snapshot started at the previous boundary
-        # Steps that paid for something else beside their own work are measured as neither
-        # kind: a snapshot that made its files new (the kernel finds and clears every page
-        # once: 80 ms for 126 MiB here, against 10 ms into reused ones), the live state's
-        # adoption, and rtrain's copy of a disk save. Counted, they made a snapshot look 2-4
-        # times its cost after each relaunch, and the interval, chosen from it, 2-4 times too
-        # long (a kill inside the optimizer's step lost that much more).
-        self._created_seen = 0  # ShmFiles.created at the previous boundary
-        self._unsampled = 0  # boundaries still to pass unmeasured
+        # ShmFiles.created at the previous boundary: a snapshot that made its files new paid
+        # the kernel for every page once (80 ms for 126 MiB here, against 10 ms into reused
+        # ones), which the steps beside it are not to count (Costs.hold).
+        self._created_seen = 0
         self._dues = 0  # step boundaries seen at an interval of 1 (PROBE_EVERY)
         self._repaced: int | None = None  # the step the measured cost last chose the interval
         self.cost_s: float | None = None  # what a snapshot costs the steps (pacing.py)
@@ -424,11 +420,10 @@ class MemoryTier:
                 and (self.live is None or self.live.off is not None or self.live.adopted)):
             self._files.limit(1)  # the live state took its files, or takes none
         if created != self._created_seen:  # this step and the next, which it may reach
-            self._created_seen, self._unsampled = created, 2
-        if self._unsampled:
-            self._unsampled -= 1
-        elif self._boundary is not None and self._steps_seen > WARMUP_STEPS:
-            self.costs.step(now - self._boundary, self._beside)  # beside a snapshot or not
+            self._created_seen = created
+            self.costs.hold(2)
+        measured = self._boundary is not None and self._steps_seen > WARMUP_STEPS
+        self.costs.step(now - self._boundary if measured else None, self._beside)
         self._boundary, self._beside = now, False
         if self._files is not None and self._files.held:
             # Mapped files keep their pages until unmapped, whoever deletes them: released at
@@ -495,7 +490,7 @@ class MemoryTier:
             # A disk save's: rtrain's copy to the checkpoint dir runs beside this step and the
             # next. That is the disk cadence's cost (worker/saving/cadence.py counts it), not a
             # snapshot's, which would otherwise come out several times what it is.
-            self._unsampled = max(self._unsampled, 2)
+            self.costs.hold(2)
         self._beside = True
         self._idle.clear()
         self._gate_wait = 0.0
@@ -548,7 +543,7 @@ class MemoryTier:
         adopted = live.adopted
         live.boundary(cap, self._started)
         if live.adopted and not adopted:  # the copy into the live files: the next step's
-            self._unsampled = max(self._unsampled, 1)
+            self.costs.hold(1)
 
     def _spare_bytes(self) -> int:
         """What the spare files hold of the filesystem: theirs to fill before new ones."""

@@ -14,7 +14,7 @@ own CPU use left no room for (`bounded_cost`). Until both have MIN_SAMPLES (the 
 snapshots), snapshots come every MEASURE_EVERY steps, so that both kinds of step are measured
 at once; an attempt after the first starts from what the one before measured (memory_tier.py,
 PACE_FILE); the steps that paid for something else beside their own work are measured as
-neither kind (memory_tier.py).
+neither kind (`Costs.hold`).
 
 The interval, in order:
 1. `by_ceiling`: the fewest steps between snapshots that keep their cost within COST_CEILING
@@ -79,6 +79,7 @@ class Costs:
     def __init__(self) -> None:
         self.beside: deque[float] = deque(maxlen=WINDOW)
         self.clean: deque[float] = deque(maxlen=WINDOW)
+        self._held = 0  # steps still to pass unmeasured (`hold`)
 
     def state(self) -> dict[str, list[float]]:
         return {"beside": list(self.beside), "clean": list(self.clean)}
@@ -98,8 +99,20 @@ class Costs:
                         and 0 < x < 86400)
         return out
 
-    def step(self, seconds: float, snapshot: bool) -> None:
-        (self.beside if snapshot else self.clean).append(seconds)
+    def hold(self, steps: int) -> None:
+        """The next `steps` steps paid for something else beside their own work (a snapshot
+        that made its files new, the live state's adoption, rtrain's copy of a disk save):
+        measured as neither kind. Counted, they made a snapshot look 2-4 times its cost after
+        each relaunch, and the interval 2-4 times too long."""
+        self._held = max(self._held, steps)
+
+    def step(self, seconds: float | None, snapshot: bool) -> None:
+        """One step's duration, beside a snapshot or not; None: not measured (an attempt's
+        first steps), though it passes a held step all the same."""
+        if self._held:
+            self._held -= 1
+        elif seconds is not None:
+            (self.beside if snapshot else self.clean).append(seconds)
 
     def step_s(self) -> float | None:
         """The step time without a snapshot (median), None before any."""

@@ -92,8 +92,11 @@ def create(path: Path, size: int) -> ShmFile:
         os.close(fd)
         os.unlink(path)
         raise
-    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    return ShmFile(path, fd, os.fstat(fd).st_ino, size, m, base)
+    return _shm_file(path, fd, os.fstat(fd).st_ino, m)
+
+
+def _shm_file(path: Path, fd: int, ino: int, m: mmap.mmap) -> ShmFile:
+    return ShmFile(path, fd, ino, len(m), m, ctypes.addressof(ctypes.c_char.from_buffer(m)))
 
 
 def open_existing(path: Path, mapped: set[tuple[int, int]],
@@ -116,8 +119,7 @@ def open_existing(path: Path, mapped: set[tuple[int, int]],
     except (OSError, ValueError):
         os.close(fd)
         return None
-    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    return ShmFile(path, fd, st.st_ino, st.st_size, m, base)
+    return _shm_file(path, fd, st.st_ino, m)
 
 
 # An existing file's page tables filled in one call: 12-16 ms for 126 MiB here, against 33-37
@@ -193,14 +195,10 @@ class ShmFiles:
     def take(self, tmp: Path, name: str, size: int) -> ShmFile:
         """The file `name` of the snapshot being written in `tmp`: a spare of that size moved
         there, else a new one."""
-        spare = self._pop(name)
-        if spare is not None:
-            if spare.size == size and _move(spare, tmp / name):
-                self._pending[name] = spare
-                return spare
-            _discard(spare)
-        f = create(tmp / name, size)
-        self.created += 1
+        f = self.take_spare(tmp / name, size)
+        if f is None:
+            f = create(tmp / name, size)
+            self.created += 1
         self._pending[name] = f
         return f
 
@@ -230,8 +228,8 @@ class ShmFiles:
             _discard(old)
 
     def take_spare(self, path: Path, size: int) -> ShmFile | None:
-        """A spare of `size` bytes under `path`'s name moved to `path`, or None (the live
-        state's files, live.py: made new otherwise)."""
+        """A spare of `size` bytes under `path`'s name moved to `path`, or None (a spare of
+        another size, or no longer safe to write, is discarded)."""
         spare = self._pop(path.name)
         if spare is None:
             return None
