@@ -25,13 +25,14 @@ nodes relaunch, each from its warm standby under rtrain.
 with `--nodes`: under rtrain the survivor's warm relaunch goes on alone after a last call of a
 second (standby/rank_rdzv.py) and takes the replacement in at the next round; torchrun on both
 nodes is re-run with the same `--nnodes 1:2` and the same last call
-(`--rdzv-conf=last_call_timeout=1`), so both wait alike, and, for reference, with `--nnodes 2`
-as in `--nodes`. The run checks that the group grew back to two nodes under rtrain.
+(`--rdzv-conf=last_call_timeout=1`), so both wait alike, and, with `--fixed-too`, for
+reference, with `--nnodes 2` as in `--nodes`. The run checks that the group grew back to two
+nodes under rtrain.
 `--warm-kill` loses node b in attempt 1, which both nodes started warm, as in a long run's later
 failures (the first attempt is torchrun's, and so is its teardown).
 
 usage: python scripts/bench_warm_ranks.py [--repeats 3] [--warm-kill]
-                                          [--nodes | --nodes-rank | --nodes-elastic]
+                                          [--nodes | --nodes-rank | --nodes-elastic [--fixed-too]]
 Target: under rtrain at most 0.25x re-running torchrun.
 """
 
@@ -263,7 +264,8 @@ def grew_back(out: Path) -> str:
     return " -> ".join(sizes)
 
 
-def main_nodes(repeats: int, whole: bool, elastic: bool = False, kill_run: int = 0) -> None:
+def main_nodes(repeats: int, whole: bool, elastic: bool = False, kill_run: int = 0,
+               fixed_too: bool = False) -> None:
     what = "a whole node of two lost" if whole else "a rank of one node of two killed"
     if elastic:
         what += ", --nnodes 1:2"
@@ -275,7 +277,7 @@ def main_nodes(repeats: int, whole: bool, elastic: bool = False, kill_run: int =
             t, _, _ = two_nodes(Path(d) / f"torchrun-{i}", rtrain=False, whole=whole,
                                 elastic=elastic)
             cold.append(t)
-            if elastic:  # and the plain case's torchrun, `--nnodes 2`, which waits for b2
+            if elastic and fixed_too:  # the plain case's torchrun, `--nnodes 2`, waiting for b2
                 t, _, _ = two_nodes(Path(d) / f"torchrun-fixed-{i}", rtrain=False)
                 fixed.append(t)
                 print(f"run {i}: re-running torchrun with --nnodes 2: {t:.2f} s", flush=True)
@@ -312,10 +314,15 @@ def main() -> None:
     p.add_argument("--nodes-elastic", action="store_true",
                    help="as --nodes under --nnodes 1:2: the survivor goes on alone at once and "
                         "takes the replacement in at the next round")
+    p.add_argument("--fixed-too", action="store_true",
+                   help="with --nodes-elastic: also re-run torchrun with --nnodes 2, for "
+                        "reference (its loop can wait out the timeout when the replacement's "
+                        "torchrun fails after the group's end)")
     args = p.parse_args()
     if args.nodes or args.nodes_rank or args.nodes_elastic:
         main_nodes(args.repeats, whole=not args.nodes_rank, elastic=args.nodes_elastic,
-                   kill_run=int(args.warm_kill and not args.nodes_rank))
+                   kill_run=int(args.warm_kill and not args.nodes_rank),
+                   fixed_too=args.fixed_too)
         return
     warm, cold, again = [], [], []
     with tempfile.TemporaryDirectory() as d:

@@ -98,6 +98,10 @@ def test_a_node_lost_under_a_range_goes_on_alone_warm_and_takes_the_replacement_
             if "waiting to join the rendezvous" in c.get("reason", "")]
     assert grew and all(c["failure"] == "preempted" for c in grew), events(run_a,
                                                                          "classification")
+    # The replacement's attempts, started while node a trained alone, fenced none of its
+    # commits (each node its own generation): no attempt of a's ended on a refused commit.
+    for log in (run_a / "attempts").glob("*/stderr.log"):
+        assert "its run has moved on" not in log.read_text(errors="replace"), log
     assert events(run_a, "finished") and events(tmp_path / "run-b2", "finished")
     (end,) = [p for p in tmp_path.glob(f"out-*-step{TOTAL}.pt") if p.name.startswith(
         ("out-a-", "out-b2-"))]  # rank 0's, on either node

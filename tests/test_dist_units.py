@@ -4,6 +4,7 @@ builds, the world-size rule on restore, and which rank names a failure."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 from observed import observed
@@ -132,17 +133,26 @@ def test_world_watch_waits_for_a_heartbeat_that_carries_a_size():
     assert w.heard(1) == 1
 
 
+A, B, C = (generation.node_key("host", Path(f"runs/node-{n}")) for n in "abc")
+
+
 @pytest.mark.parametrize("tokens, current, commits", [
-    ("a" * 32, "a" * 32, True),
-    ("a" * 32, "b" * 32, False),
-    (["a" * 32, "b" * 32], "b" * 32, True),   # the group's tokens: any node's is the current
-    (["a" * 32, "b" * 32], "c" * 32, False),  # a newer attempt of some node fenced the group
-    ([], "c" * 32, True),                     # no supervisor gave a token: unchecked
-    (None, "c" * 32, True),
+    ("a" * 32, ["a" * 32], True),
+    ("a" * 32, ["b" * 32], False),
+    (["a" * 32, "b" * 32], ["b" * 32], True),   # one file shared: any node's is the current
+    (["a" * 32, "b" * 32], ["c" * 32], False),  # a newer attempt of some node fenced the group
+    ([], ["c" * 32], True),                     # no supervisor gave a token: unchecked
+    (None, ["c" * 32], True),
+    # Each node its own file: the group commits while every one of its nodes holds its token.
+    ([A + "1" * 32, B + "2" * 32], [A + "1" * 32, B + "2" * 32], True),
+    ([A + "1" * 32, B + "2" * 32], [A + "1" * 32, B + "3" * 32], False),  # node b moved on
+    # A node outside the group (a replacement not yet joined) fences nothing.
+    ([A + "1" * 32], [A + "1" * 32, B + "3" * 32, C + "4" * 32], True),
 ])
-def test_a_group_commits_while_the_generation_is_one_of_its_nodes(tmp_path, tokens, current,
-                                                                   commits):
-    generation.advance(tmp_path, current)
+def test_a_group_commits_while_each_of_its_nodes_holds_its_generation(tmp_path, tokens,
+                                                                       current, commits):
+    for token in current:
+        generation.advance(tmp_path, token)
     if commits:
         with generation.committing(tmp_path, tokens, "checkpoint-3"):
             pass
@@ -150,3 +160,14 @@ def test_a_group_commits_while_the_generation_is_one_of_its_nodes(tmp_path, toke
         with (pytest.raises(generation.StaleWriter, match="checkpoint-3 not committed"),
               generation.committing(tmp_path, tokens, "checkpoint-3")):
             pass
+
+
+def test_a_nodes_generation_lies_in_its_own_file_named_by_its_key(tmp_path):
+    a, a_again = generation.node_token(A), generation.node_token(A)
+    generation.advance(tmp_path, a)
+    generation.advance(tmp_path, generation.node_token(B))
+    assert (tmp_path / f".rtrain-generation-{A}").read_text() == a
+    assert not (tmp_path / ".rtrain-generation").exists()
+    generation.advance(tmp_path, a_again)  # the same node again: its file, in place
+    assert (tmp_path / f".rtrain-generation-{A}").read_text() == a_again
+    assert len({A, B, C}) == 3 and generation.node_key("host", Path("runs/node-a")) == A

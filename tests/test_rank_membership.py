@@ -55,7 +55,7 @@ def test_after_a_stop_for_a_waiting_node_the_next_round_waits_for_it():
 
     line = rank_host.GROW_LINE.format(n=2)
     assert nodes_taken_in(f"x\n{line}\n") == 2 and nodes_taken_in("x\n") is None
-    feature = Standby(SimpleNamespace(after_growth=False))
+    feature = Standby(SimpleNamespace(after_growth=False, hosted=False))
     feature.attempt_end(None, _observed(stderr_tail=line))
     assert feature.slot.after_growth
     feature.attempt_end(None, _observed(returncode=1, stderr_tail=line))
@@ -64,13 +64,55 @@ def test_after_a_stop_for_a_waiting_node_the_next_round_waits_for_it():
                                             rdzv_endpoint="h:1"), "train.py", None, [])
     plan = ranks.plan_of(command)
     rdzv = ranks.handoff(plan, {}, CHILDREN, 30.0)["ranks"]["rdzv"]
-    assert rdzv == {"torchrun": command[3:], "short_last_call": True}
+    assert rdzv == {"torchrun": command[3:], "short_last_call": True, "failed_at": None}
     assert not ranks.handoff(plan, {}, CHILDREN, 30.0,
                              after_growth=True)["ranks"]["rdzv"]["short_last_call"]
     _, short = rank_rdzv.handler_for(_args(free_port(), "1:2"))
     _, torchs = rank_rdzv.handler_for(_args(free_port(), "1:2"), short_last_call=False)
     assert short.settings.timeout.last_call.total_seconds() == rank_rdzv.RELAUNCH_LAST_CALL_S
     assert torchs.settings.timeout.last_call.total_seconds() == 30  # torch's default
+
+
+def test_a_relaunchs_last_call_counts_from_the_failure():
+    """The survivors' groups failed together and each host joins once its failed rank ended:
+    the last call is what is left of the relaunch's second since the failure (its earliest
+    sign: a rank's `exception` heartbeat before the exit), never below the least, where the
+    standby hosted the failed ranks; after torchrun's attempt, a last call the user named, a
+    fixed count or the round after a stop for a node, it stays as it was."""
+    from types import SimpleNamespace
+
+    from rtrain.supervisor.decide.observation import Heartbeats
+    from rtrain.supervisor.standby.feature import Standby
+
+    one, least = rank_rdzv.RELAUNCH_LAST_CALL_S, rank_rdzv.RELAUNCH_LAST_CALL_MIN_S
+    assert rank_rdzv.last_call_s(100.0, 100.6) == pytest.approx(one - 0.6)
+    assert rank_rdzv.last_call_s(100.0, 105.0) == least  # a slow way out: the least still
+    assert rank_rdzv.last_call_s(100.0, 97.0) == one  # another clock's future: no longer
+
+    feature = Standby(SimpleNamespace(after_growth=False, failed_at=None, hosted=True))
+    failed = _observed(returncode=1, exited_at=100.7, heartbeats=Heartbeats(exception_at=100.2))
+    feature.attempt_end(None, failed)
+    assert feature.slot.failed_at == 100.2
+    feature.slot.hosted = False  # torchrun ran it: its agent's way out is its own
+    feature.attempt_end(None, failed)
+    assert feature.slot.failed_at is None
+    command = torchrun_command(TorchrunSpec(nproc_per_node=1, nnodes="1:2",
+                                            rdzv_endpoint="h:1"), "train.py", None, [])
+    handed = ranks.handoff(ranks.plan_of(command), {}, CHILDREN, 30.0, failed_at=100.2)
+    assert handed["ranks"]["rdzv"]["failed_at"] == 100.2
+
+    def last_call(args, **kw) -> float:
+        _, handler = rank_rdzv.handler_for(args, **kw)
+        return handler.settings.timeout.last_call.total_seconds()
+
+    failed_at = time.time() - 0.6
+    assert last_call(_args(free_port(), "1:2"), failed_at=failed_at) < one - 0.5
+    assert last_call(_args(free_port(), "1:2"), failed_at=time.time() - 9) == least
+    named = _args(free_port(), "1:2")
+    named.insert(named.index(PROBE), "--rdzv-conf=last_call_timeout=7")
+    assert last_call(named, failed_at=failed_at) == 7
+    assert last_call(_args(free_port(), "1:2"), short_last_call=False, failed_at=failed_at) == 30
+    assert last_call(_args(free_port(), "2"), failed_at=failed_at) == 30  # MAX ends it anyway
 
 
 def test_a_waiting_node_reads_the_rendezvous_often_only_in_a_small_group():

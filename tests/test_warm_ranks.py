@@ -82,7 +82,8 @@ def test_rtrains_torchrun_over_several_nodes_is_taken_over_with_its_rendezvous()
     assert ranks.plan_of([a.replace("--nnodes=2", "--nnodes=2:2") for a in several])
     # Each rank's variables but the rendezvous' come with the hand-off; the host adds those.
     spec = ranks.handoff(plan, {"A": "1"}, Path("/a"), 30.0)["ranks"]
-    assert spec["rdzv"] == {"torchrun": list(several[3:]), "short_last_call": True}
+    assert spec["rdzv"] == {"torchrun": list(several[3:]), "short_last_call": True,
+                            "failed_at": None}
     for local, env in enumerate(spec["envs"]):
         assert env["LOCAL_RANK"] == str(local) and env["LOCAL_WORLD_SIZE"] == "2"
         assert not set(ranks.RDZV_VARIABLES) & set(env)

@@ -171,6 +171,12 @@ def _ending_times(seen: Observation) -> dict[str, float]:
     return {k: round(v, 6) for k, v in times.items() if v is not None}
 
 
+def failure_time(seen: Observation) -> float | None:
+    """The earliest sign the attempt failed (unix time): a rank's own report (its exit record
+    or `exception` heartbeat), a hang declared, or the exit seen."""
+    return min(_ending_times(seen).values(), default=None)
+
+
 def record_failure(out: Records, attempt: int, failure: Failure) -> None:
     """What the attempt failed of, in a word and in the sentence a person reads."""
     out.emit("classification", attempt=attempt, failure=failure.kind.value,

@@ -92,11 +92,12 @@ def environment(plan: AttemptPlan, *, stop_signal: str, heartbeat_addr: str, dum
 
 
 def fence_earlier_writers(env: dict[str, str], ckpt_dir: Path,
-                          say: Callable[[str], None]) -> None:
+                          say: Callable[[str], None], node: str | None = None) -> None:
     """Advance the checkpoint dir's generation and hand the new token to the attempt: from now
-    on, writers left from earlier attempts cannot commit."""
+    on, writers left from earlier attempts cannot commit. `node`: this node's key among
+    several sharing the dir (generation.node_key), whose own generation it advances."""
     try:
-        token = generation.new_token()
+        token = generation.new_token() if node is None else generation.node_token(node)
         generation.advance(ckpt_dir, token)
         env[protocol.ENV_GENERATION] = token
     except OSError as e:

@@ -19,12 +19,14 @@ through `Seams`, so tests can script an attempt's outcome and fast-forward a bac
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rtrain.checkpoint import generation
 from rtrain.checkpoint.hashing import load_signing_key
 from rtrain.checkpoint.verify import Verdict
 from rtrain.supervisor import features as registry
@@ -58,6 +60,7 @@ from rtrain.supervisor.proc.leftovers import ProcRecord, end_leftovers
 from rtrain.supervisor.proc.proctree import ProcTree
 from rtrain.supervisor.proc.signals import SignalCatcher
 from rtrain.supervisor.proc.spawn import Child, ChildSpec
+from rtrain.supervisor.proc.torchrun import several_nodes
 from rtrain.supervisor.proc.watch import Sample, WatchConfig
 from rtrain.supervisor.proc.watch_outcome import Outcome
 from rtrain.supervisor.records import recovery
@@ -283,7 +286,10 @@ class Loop:
         if self.script_owned:
             env.pop(protocol.ENV_GENERATION, None)  # its writers commit no rtrain checkpoint
         else:
-            child_env.fence_earlier_writers(env, self.ckpt_dir, self.say)
+            # Each node of several fences its own writers only (checkpoint/generation.py).
+            node = (generation.node_key(socket.gethostname(), self.run_dir)
+                    if several_nodes(self.spec.command) else None)
+            child_env.fence_earlier_writers(env, self.ckpt_dir, self.say, node)
         attempt.env = env
         self.hb.drain()  # stale heartbeats of the previous attempt
         level = self.record.state.history.level

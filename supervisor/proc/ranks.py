@@ -178,14 +178,16 @@ def node_env(plan: RankPlan, env: Mapping[str, str], local_rank: int,
 
 
 def handoff(plan: RankPlan, env: Mapping[str, str], attempt_dir: Path,
-            grace_s: float, after_growth: bool = False) -> dict:
+            grace_s: float, after_growth: bool = False,
+            failed_at: float | None = None) -> dict:
     """What the hand-off tells the standby beyond a single process's argv, env and cwd: each
     rank's variables, the argv a rank sees, and the grace the other ranks get when one fails.
     One node: a fresh run id each attempt, as a fresh torchrun has. Several nodes: torchrun's
     arguments, from which the host joins the rendezvous (its id and round, its store), and
     whether its round has the relaunch's short last call (standby/rank_rdzv.py): not after
     the group stopped to take a waiting node in (`after_growth`), whose round waits for it
-    (the stopped host's store went with it, so that node joins again, cold maybe)."""
+    (the stopped host's store went with it, so that node joins again, cold maybe), and when
+    the attempt before failed (`failed_at`, unix time), from which that last call counts."""
     run_id = str(uuid.uuid4())
     files = [str(Path(attempt_dir).resolve() / f"rank-{r}-error.json")
              for r in range(plan.nproc)]
@@ -197,7 +199,8 @@ def handoff(plan: RankPlan, env: Mapping[str, str], attempt_dir: Path,
            "grace_s": grace_s, "addr": MASTER_ADDR, "name": os.path.basename(
                plan.target) if plan.mode == "script" else plan.target}
     if plan.several_nodes:
-        out["rdzv"] = {"torchrun": list(plan.torchrun), "short_last_call": not after_growth}
+        out["rdzv"] = {"torchrun": list(plan.torchrun), "short_last_call": not after_growth,
+                       "failed_at": failed_at}
     return {"ranks": out}
 
 

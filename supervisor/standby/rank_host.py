@@ -26,9 +26,9 @@ signal) ends the attempt; a rendezvous that fails ends it as it ends torchrun (i
 status 1); a group that ended well waits at the agents' exit barrier; either way the host then
 shuts the rendezvous down, as torchrun does. Over a range of nodes (`--nnodes MIN:MAX`) the host
 also watches the rendezvous' wait list while its ranks run, as the agent's monitor loop does: a
-node waiting to join is taken in at the next round, so the ranks get the stop signal (a save
-there is refused once the arriving node's attempt advanced the checkpoint generation; SIGKILL
-after the grace) and the host exits 75 without
+node waiting to join is taken in at the next round, so the ranks get the stop signal (they
+save at it; the arriving node's attempt fences off no commit of theirs; SIGKILL after the
+grace) and the host exits 75 without
 shutting the rendezvous down (the agent keeps it open for that round too). The supervisor
 relaunches at once, spending nothing (a stop on its own, decide/classify.py), from its next
 standby, and that host joins the round that takes the node in.
@@ -275,7 +275,8 @@ def _join(several: dict, ranks: dict[int, int], writers: dict[int, int],
     def run() -> None:
         try:
             result["joined"] = _rank_rdzv().join(several["torchrun"],
-                                                 several.get("short_last_call", True))
+                                                 several.get("short_last_call", True),
+                                                 several.get("failed_at"))
         except BaseException as e:
             result["error"] = e
 

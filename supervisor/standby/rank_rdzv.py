@@ -21,12 +21,12 @@ elastic/agent/server/api.py and local_elastic_agent.py):
 - over a range of nodes (`--nnodes MIN:MAX`) the group restarts when a node waits to join,
   as the agent's monitor loop restarts its workers then (`nodes_waiting`, polled every
   `--monitor-interval`); a node beyond MAX waits in the redundancy list, which nobody counts,
-  so it never restarts a healthy group (rtrain still keeps no spare nodes: an extra node's
-  attempt advances the checkpoint generation, which fences off the running group's commits);
+  so it never restarts a healthy group (and its attempt fences off no commit of the group's:
+  each node keeps its own checkpoint generation, checkpoint/generation.py);
 - three differences: a rendezvous found closed is joined again for a while (`join`), a node
   waiting for its round reads the rendezvous' state every tenth of a second, not every second,
   in a small group, nor waits a random time first (`join_poll_s`), and over a range a
-  relaunch's last call is short (RELAUNCH_LAST_CALL_S, `handler_for`).
+  relaunch's last call is short and counts from the failure (`last_call_s`, `handler_for`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,17 @@ loss cost as much as re-running torchrun; going on at once at the smaller size, 
 it in at its next round when it arrives (`nodes_waiting`). A first attempt (torchrun) keeps
 torch's default: nodes starting together arrive seconds apart; so does the relaunch after a
 group stopped to take a waiting node in (`short_last_call` False): its round waits for that
-node, which joins again (the stopped host may have served the rendezvous' store), maybe cold."""
+node, which joins again (the stopped host may have served the rendezvous' store), maybe cold.
+
+The second counts from the failure, not from this host's join (`last_call_s`): the survivors'
+groups failed together, within milliseconds (their collectives broke), and a host joins only
+once its failed rank has ended, which takes a fraction of a second (a rank's way out), so a last
+call from the join would wait that long again for nothing. The first host of a round sets its
+deadline (torch's `_add_to_participants`), so the round completes a second after the failure,
+or at once when all MAX nodes are in."""
+RELAUNCH_LAST_CALL_MIN_S = 0.25
+"""The last call's least length, however late after the failure a host joins (a rank's slow way
+out): the other survivors, as late, may be a moment behind it."""
 
 
 class Joined:
@@ -116,12 +126,12 @@ class Joined:
         _shutdown(self.handler)
 
 
-def handler_for(torchrun_args: list[str],
-                short_last_call: bool = True) -> tuple[object, object]:
+def handler_for(torchrun_args: list[str], short_last_call: bool = True,
+                failed_at: float | None = None) -> tuple[object, object]:
     """(torchrun's LaunchConfig, its rendezvous handler) for `torchrun_args`, parsed by
     torchrun's own parser and built as launch_agent builds it; over a range of nodes with the
-    relaunch's short last call (relaunch_conf) unless the arguments name one or
-    `short_last_call` is False."""
+    relaunch's short last call (relaunch_conf), counted from `failed_at` (unix time) where
+    given, unless the arguments name one or `short_last_call` is False."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.run import config_from_args, parse_args
@@ -133,7 +143,42 @@ def handler_for(torchrun_args: list[str],
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
         **conf)
-    return config, rdzv_registry.get_rendezvous_handler(params)
+    ours = (short_last_call and config.min_nodes < config.max_nodes
+            and "last_call_timeout" not in config.rdzv_configs)
+    if not ours or failed_at is None or config.rdzv_backend != "c10d":
+        return config, rdzv_registry.get_rendezvous_handler(params)
+    return config, _c10d_handler(params, last_call_s(failed_at, time.time()))
+
+
+def last_call_s(failed_at: float, now: float) -> float:
+    """A relaunch's last call at `now`: what is left of RELAUNCH_LAST_CALL_S since the
+    failure at `failed_at`, at least RELAUNCH_LAST_CALL_MIN_S."""
+    left = min(float(RELAUNCH_LAST_CALL_S), failed_at + RELAUNCH_LAST_CALL_S - now)
+    return max(RELAUNCH_LAST_CALL_MIN_S, left)
+
+
+def _c10d_handler(params: object, last_call: float) -> object:
+    """torch's c10d rendezvous handler for `params` (as its registry builds it: the backend
+    and store, then `create_handler`, which reads every parameter), its last call `last_call`
+    seconds: the parameters hold whole seconds only, so the handler is made again with torch's
+    own constructor and the same settings but that one."""
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousTimeout,
+        create_handler,
+    )
+
+    backend, store = create_backend(params)
+    s = create_handler(store, backend, params).settings
+    timeout = RendezvousTimeout(s.timeout.join, timedelta(seconds=last_call), s.timeout.close,
+                                s.timeout.heartbeat)
+    return DynamicRendezvousHandler.from_backend(
+        s.run_id, store, backend, s.min_nodes, s.max_nodes, params.local_addr, timeout,
+        keep_alive_interval=int(s.keep_alive_interval.total_seconds()),
+        keep_alive_max_attempt=s.keep_alive_max_attempt)
 
 
 def relaunch_conf(conf: dict, min_nodes: int, max_nodes: int) -> dict:
@@ -180,7 +225,8 @@ def _polling(every_s: float):
         dynamic_rendezvous._delay = torch_delay
 
 
-def join(torchrun_args: list[str], short_last_call: bool = True) -> Joined:
+def join(torchrun_args: list[str], short_last_call: bool = True,
+         failed_at: float | None = None) -> Joined:
     """Join the next round of the rendezvous and take this node's ranks; raises what torchrun
     would (a timeout, a store out of reach) once the handler is shut down, as launch_agent
     shuts it down after an error.
@@ -202,7 +248,7 @@ def join(torchrun_args: list[str], short_last_call: bool = True) -> Joined:
 
     deadline = time.monotonic() + CLOSED_WAIT_S
     while True:
-        config, handler = handler_for(torchrun_args, short_last_call)
+        config, handler = handler_for(torchrun_args, short_last_call, failed_at)
         try:
             with _polling(join_poll_s(config.max_nodes)):
                 info = handler.next_rendezvous()

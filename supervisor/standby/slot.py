@@ -77,6 +77,11 @@ class StandbySlot:
         self.after_growth = False
         """The attempt before stopped its group to take in a node waiting to join (feature.py):
         the next host's round waits for it (proc/ranks.handoff)."""
+        self.failed_at: float | None = None
+        """When the attempt before failed (unix time; feature.py), if this slot hosted it: over a
+        range of nodes the next round's last call counts from it (proc/ranks.handoff)."""
+        self.hosted = False
+        """The running attempt started in the standby (its ranks' way out is the host's)."""
 
     @property
     def enabled(self) -> bool:
@@ -95,6 +100,7 @@ class StandbySlot:
         The next standby is forked at this attempt's first sample (a quarter of a second in;
         SpawnFacts.zygote_ready), not here: the launch is recorded and watched first."""
         child, took = self._start(spec, attempt, interrupted)
+        self.hosted = child is not None
         self._attempt_wall_ns = time.time_ns()  # it starts now (after a wait for imports, maybe)
         return child, took
 
@@ -135,7 +141,7 @@ class StandbySlot:
         try:
             child = warm.activate(spec, None if plan is None else ranks.handoff(
                 plan, spec.env, spec.attempt_dir, self.cfg.grace_s,
-                after_growth=self.after_growth))
+                after_growth=self.after_growth, failed_at=self.failed_at))
         except StandbyFailed as e:
             self._end(warm, "standby_failed", str(e), attempt - 1)
             return None, 0.0

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from rtrain.worker import runtime
+from rtrain.worker import quick_exit, runtime
 from rtrain.worker.saving import hang_save
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,7 @@ def watch(ckpt: Any) -> None:
             except BaseException as e:  # never mask the exception that is ending the script
                 log.error("the save at the failure failed: %s: %s", type(e).__name__, e)
         previous(tp, exc, tb)
+        quick_exit.after_uncaught()  # the relaunch waits for this process's end
 
     sys.excepthook = hook
 
