@@ -54,6 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 KID = ROOT / "scripts" / "bench_children" / "warm_ranks.py"
 STEPS = 100_000  # the first run trains until it is killed
 TIMEOUT_S = 600
+RERUNS = 5  # the torchrun loop's tries after the kill
+FINISH_S = 30  # once a node ended well, how long the others have to end too
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -115,12 +117,15 @@ def rerun_torchrun(out: Path) -> float:
         wait_for(lambda: (out / "steady").exists(), "steady state", proc)
         (out / "kill").touch()
         proc.wait(timeout=TIMEOUT_S)  # it fails: run it again at once, as a shell loop would
-        again = subprocess.run(cmd, env=env(BENCH_RUN="1"), timeout=TIMEOUT_S, **quiet)
+        for _ in range(RERUNS):  # ... until it succeeds (its time counts)
+            again = subprocess.run(cmd, env=env(BENCH_RUN="1"), timeout=TIMEOUT_S, **quiet)
+            if again.returncode == 0:
+                break
     finally:
         if proc.poll() is None:
             proc.kill()
     if again.returncode != 0:
-        raise SystemExit(f"torchrun again: exit status {again.returncode}")
+        raise SystemExit(f"torchrun again: exit status {again.returncode}, {RERUNS} times")
     return kill_to_step(out)
 
 
@@ -233,14 +238,25 @@ def two_nodes(out: Path, rtrain: bool, whole: bool = True, elastic: bool = False
             running()
         # The group ends 20 steps past its restore. Every node is polled each time round, so a
         # torchrun loop starts a node's failed run again while another node still runs (over
-        # a range the survivor waits, alone, for the replacement's next run).
-        while [n.poll() for n in nodes].count(None) and time.monotonic() < deadline:
+        # a range the survivor waits, alone, for the replacement's next run), until a node
+        # ended well: the group finished, and a torchrun that fails after it (its exit
+        # barrier, its rendezvous' shutdown) would wait alone for a group that is gone.
+        finished = None
+        while time.monotonic() < deadline:
+            codes = [n.poll() for n in nodes]
+            if 0 in codes and finished is None:
+                finished = time.monotonic()
+                for n in nodes:
+                    n.loop = False
+            if None not in codes or (finished and time.monotonic() - finished > FINISH_S):
+                break
             time.sleep(0.05)
     finally:
         for n in (a, b, *nodes):
             n.stop()
-    if any(n.proc.returncode != 0 for n in nodes):
-        raise SystemExit(f"two nodes: exit status {[n.proc.returncode for n in nodes]}")
+    codes = [n.proc.returncode for n in nodes]
+    if (rtrain and any(codes)) or 0 not in codes:
+        raise SystemExit(f"two nodes: exit status {codes}")
     launches, phases = [], {}
     if rtrain:
         logged = [json.loads(line) for line in events.read_text().splitlines()]
@@ -321,7 +337,7 @@ def main() -> None:
     args = p.parse_args()
     if args.nodes or args.nodes_rank or args.nodes_elastic:
         main_nodes(args.repeats, whole=not args.nodes_rank, elastic=args.nodes_elastic,
-                   kill_run=int(args.warm_kill and not args.nodes_rank),
+                   kill_run=int(args.warm_kill),
                    fixed_too=args.fixed_too)
         return
     warm, cold, again = [], [], []

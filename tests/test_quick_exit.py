@@ -15,10 +15,12 @@ PROBE = str(CHILDREN / "quick_exit_probe.py")
 
 
 @pytest.mark.slow
-def test_a_failing_supervised_process_freezes_what_is_left_after_one_collection(tmp_path):
+@pytest.mark.parametrize("hook", ["checkpointer", "exit-record"])
+def test_a_failing_supervised_process_freezes_what_is_left_after_one_collection(tmp_path, hook):
+    """Through either of rtrain's excepthooks: a Checkpointer's, or install_excepthook's."""
     out = tmp_path / "out"
     out.mkdir()
-    r = launch(tmp_path / "run", "--no-standby", PROBE, str(out), timeout=120)
+    r = launch(tmp_path / "run", "--no-standby", PROBE, str(out), hook, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [c["failure"] for c in events(tmp_path / "run", "classification")] == ["crash"]
     failed = json.loads((out / "attempt-0.json").read_text())

@@ -198,6 +198,8 @@ def test_a_node_waiting_to_join_is_seen_and_a_node_beyond_max_is_not():
     try:
         assert joined.elastic and joined.info.world_size == 1
         assert time.monotonic() - t0 < 10  # not torch's 30 s last call
+        # Its reads of the state are fresh each poll, not a copy a second old (torch's cache).
+        assert joined.handler._state_holder._cache_duration == rank_rdzv.join_poll_s(2) < 1
         assert joined.nodes_waiting() == 0
         thread, got = _join_in_thread(args)
         assert _eventually(lambda: joined.nodes_waiting() == 1), got

@@ -28,8 +28,9 @@ _done = False
 
 
 def after_uncaught() -> None:
-    """The end of rtrain's excepthook, once the exception is reported and any save at the
-    failure is done: collect once, then freeze what is left (supervised processes only)."""
+    """The end of rtrain's excepthooks (the save at the failure's, the exit record's), once the
+    exception is reported and any save at it is done: collect once, then freeze what is left
+    (supervised processes only; once, whichever hook is last)."""
     global _done
     if _done or not runtime.supervised():
         return

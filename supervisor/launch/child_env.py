@@ -102,5 +102,5 @@ def fence_earlier_writers(env: dict[str, str], ckpt_dir: Path,
         env[protocol.ENV_GENERATION] = token
     except OSError as e:
         env.pop(protocol.ENV_GENERATION, None)
-        say(f"cannot write the checkpoint generation in {ckpt_dir} ({e.strerror});"
+        say(f"cannot write the checkpoint generation in {ckpt_dir} ({e.strerror or e});"
             " writers left from earlier attempts are not fenced off")

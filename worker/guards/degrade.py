@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from rtrain.worker import runtime
+from rtrain.worker import quick_exit, runtime
 from rtrain.worker.settings import current as env_settings
 
 log = logging.getLogger(__name__)
@@ -300,6 +300,7 @@ def install_excepthook() -> None:
             except OSError as e:  # the record is a courtesy: the exit code still tells
                 log.warning("could not write the exit record: %s", e)
         previous(tp, exc, tb)
+        quick_exit.after_uncaught()  # the relaunch waits for this process's end
 
     hook._rtrain = True
     sys.excepthook = hook
