@@ -5,8 +5,8 @@ relaunch waits for it (a rank's whole group waits: its host ends the others, the
 the next attempt). With torch imported, most of that end is Python's shutdown collecting
 garbage: the interpreter runs a full collection after the atexit handlers and more while it
 tears the modules down, and each walks every object torch and the script made. Measured on a
-2-core VM, from the traceback to the process's end: 0.86 s for a gloo DDP process, 0.28 s with
-`after_uncaught`; 0.46 s for a bare `import torch`.
+2-core machine, from the traceback to the process's end: 0.86 s for a gloo DDP process, 0.28 s
+with `after_uncaught` (a process that only imported torch: 0.46 s as Python ends it).
 
 `after_uncaught` runs one full collection at once, so what is unreachable already is finalized
 as the interpreter's first collection would have, then freezes every object left
