@@ -74,15 +74,18 @@ def test_after_a_stop_for_a_waiting_node_the_next_round_waits_for_it():
 
 
 def test_a_relaunchs_last_call_counts_from_the_failure():
-    """The survivors' groups failed together and each host joins once its failed rank ended:
-    the last call is what is left of the relaunch's second since the failure (its earliest
-    sign: a rank's `exception` heartbeat before the exit), never below the least, where the
-    standby hosted the failed ranks; after torchrun's attempt, a last call the user named, a
-    fixed count or the round after a stop for a node, it stays as it was."""
+    """The survivors' groups broke together and each host joins once its failed rank ended:
+    the last call is what is left of the relaunch's second since the group broke (as this node
+    saw it: its first rank's report of a collective broken by a rank gone; else its exit,
+    which broke the others'), never below the least, where the standby hosted the failed
+    ranks; after torchrun's attempt, a last call the user named, a fixed count or the round
+    after a stop for a node, it stays as it was."""
     from types import SimpleNamespace
 
+    from rtrain.supervisor.core.protocol import Heartbeat
     from rtrain.supervisor.decide.observation import Heartbeats
     from rtrain.supervisor.standby.feature import Standby
+    from rtrain.worker import dist
 
     one, least = rank_rdzv.RELAUNCH_LAST_CALL_S, rank_rdzv.RELAUNCH_LAST_CALL_MIN_S
     assert rank_rdzv.last_call_s(100.0, 100.6) == pytest.approx(one - 0.6)
@@ -90,12 +93,28 @@ def test_a_relaunchs_last_call_counts_from_the_failure():
     assert rank_rdzv.last_call_s(100.0, 97.0) == one  # another clock's future: no longer
 
     feature = Standby(SimpleNamespace(after_growth=False, failed_at=None, hosted=True))
-    failed = _observed(returncode=1, exited_at=100.7, heartbeats=Heartbeats(exception_at=100.2))
-    feature.attempt_end(None, failed)
-    assert feature.slot.failed_at == 100.2
+    broken = Heartbeats().add(Heartbeat(pid=9, rank=0, time=100.2, event="exception",
+                                        reason="RuntimeError", peer_lost=True))
+    feature.attempt_end(None, _observed(returncode=1, exited_at=100.7, heartbeats=broken))
+    assert feature.slot.failed_at == 100.2  # the group broke elsewhere, then
+    own = Heartbeats().add(Heartbeat(pid=9, rank=0, time=100.2, event="exception",
+                                     reason="OutOfMemoryError"))
+    feature.attempt_end(None, _observed(returncode=1, exited_at=100.7, heartbeats=own))
+    assert feature.slot.failed_at == 100.7  # its ranks' end broke the others' collectives
+    feature.attempt_end(None, _observed(returncode=-9, exited_at=100.7))
+    assert feature.slot.failed_at == 100.7  # killed: no report
     feature.slot.hosted = False  # torchrun ran it: its agent's way out is its own
-    feature.attempt_end(None, failed)
+    feature.attempt_end(None, _observed(returncode=1, exited_at=100.7, heartbeats=broken))
     assert feature.slot.failed_at is None
+    # The worker says which: gloo's broken connection and NCCL's aborted communicator, on the
+    # wire as a strict bool.
+    assert dist.peer_lost(RuntimeError("[pair.cc:537] Read error [127.0.0.1]:26796: "
+                                       "Connection reset by peer. This is typically caused"))
+    assert dist.peer_lost(RuntimeError("NCCL communicator was aborted on rank 1."))
+    assert not dist.peer_lost(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    wire = Heartbeat(pid=9, rank=0, time=1.0, event="exception", peer_lost=True).encode()
+    assert Heartbeat.decode(wire).peer_lost is True
+    assert Heartbeat.decode(wire.replace(b"true", b'"yes"')).peer_lost is None
     command = torchrun_command(TorchrunSpec(nproc_per_node=1, nnodes="1:2",
                                             rdzv_endpoint="h:1"), "train.py", None, [])
     handed = ranks.handoff(ranks.plan_of(command), {}, CHILDREN, 30.0, failed_at=100.2)

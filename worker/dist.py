@@ -9,6 +9,7 @@ collectives on the same communicator.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,18 @@ class World:
 
 
 _group: Any = None
+
+PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|"
+                       r"NCCL communicator was aborted|remote process exited")
+"""What a collective says when a rank of its group went away: gloo's closed or reset
+connection, NCCL's aborted communicator."""
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """`exc` is a collective broken by a rank that went away: this rank fails because its group
+    broke elsewhere, at about the moment it raised (the supervisor counts a relaunch's
+    rendezvous last call from there)."""
+    return PEER_LOST.search(str(exc)) is not None
 
 
 def world() -> World | None:

@@ -155,7 +155,8 @@ class Heartbeat:
     compile cache was loaded, its size; or ignored, why: worker/compilecache/compile_cache.py),
     `relieved` (after a relieve request: `reason` says what was freed, `settings` what the
     worker now uses), `exception` (with `reason`: the type of the uncaught exception ending the
-    process, sent as it begins its way out) or `stop`. The first `start` (the worker installed)
+    process, sent as it begins its way out; `peer_lost` when it is a collective broken by a rank
+    gone) or `stop`. The first `start` (the worker installed)
     carries `started`, the unix time the script began in this process; step heartbeats carry
     `step_s`, `wait_s` and `host` (the straggler rule's inputs); the one
     `Checkpointer.restore` sends carries `restore_s`, the seconds the checkpoint load took (the
@@ -187,6 +188,9 @@ class Heartbeat:
     step_s: float | None = None
     wait_s: float | None = None
     host: str | None = None  # the node this rank runs on (its hostname)
+    # `exception`: the exception is a collective broken by a rank that went away (gloo's closed
+    # connection, NCCL's aborted communicator; worker/dist.py): the group broke elsewhere.
+    peer_lost: bool | None = None
     # `snapshot` heartbeats (the memory tier, worker/memtier/memory_tier.py): {"every", "stall_s",
     # "write_s", "bytes"} when the tier starts or its interval changes; {"off": why} when it stops.
     snapshot: dict[str, Any] | None = None
@@ -309,6 +313,7 @@ _FIELDS: dict[str, Any] = {
     "started": _num(0.0, 1e11), "restore_s": _num(0.0, MAX_SECONDS),
     "step_s": _num(0.0, MAX_SECONDS), "wait_s": _num(0.0, MAX_SECONDS), "host": _text,
     "snapshot": _map, "token": lambda v: v if isinstance(v, str) and len(v) <= 64 else None,
+    "peer_lost": lambda v: v if isinstance(v, bool) else None,
 }
 _REQUIRED = ("pid", "rank", "time", "event")
 

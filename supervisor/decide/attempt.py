@@ -171,10 +171,15 @@ def _ending_times(seen: Observation) -> dict[str, float]:
     return {k: round(v, 6) for k, v in times.items() if v is not None}
 
 
-def failure_time(seen: Observation) -> float | None:
-    """The earliest sign the attempt failed (unix time): a rank's own report (its exit record
-    or `exception` heartbeat), a hang declared, or the exit seen."""
-    return min(_ending_times(seen).values(), default=None)
+def group_broke_at(seen: Observation) -> float | None:
+    """When this node's group broke, as this node saw it (unix time): the first `exception` its
+    ranks reported, where that was a collective broken by a rank gone (the group broke
+    elsewhere, then); else its exit (its ranks' end is what broke the other nodes'
+    collectives: a rank that raised on its own, a signal, a hang stopped)."""
+    hb = seen.heartbeats
+    if hb.exception_peer_lost and hb.exception_at is not None:
+        return hb.exception_at
+    return seen.exited_at
 
 
 def record_failure(out: Records, attempt: int, failure: Failure) -> None:

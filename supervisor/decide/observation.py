@@ -32,6 +32,7 @@ class Heartbeats:
     settings: dict | None = None  # as last reported by the worker
     longest_save_s: float | None = None  # save_begin to save_end, by the worker's clock
     exception_at: float | None = None  # the first `exception` heartbeat's time (worker's clock)
+    exception_peer_lost: bool = False  # that exception was a collective broken by a rank gone
     save_began: Mapping[int, float] = field(default_factory=dict)  # rank -> its save_begin
     # rank -> (pid, last step it named): matches a rank to its stack dump at a hang
     ranks: Mapping[int, tuple[int, int | None]] = field(default_factory=dict)
@@ -49,6 +50,7 @@ class Heartbeats:
             new["longest_save_s"] = max(took, self.longest_save_s or 0.0)
         elif hb.event == "exception" and self.exception_at is None:
             new["exception_at"] = hb.time
+            new["exception_peer_lost"] = bool(hb.peer_lost)
         if hb.step is not None:
             new["last_step"] = hb.step
         known = self.ranks.get(hb.rank)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rtrain.supervisor.core.protocol import Heartbeat
-from rtrain.supervisor.decide.attempt import failure_time
+from rtrain.supervisor.decide.attempt import group_broke_at
 from rtrain.supervisor.decide.classify import nodes_taken_in
 from rtrain.supervisor.decide.observation import Observation
 from rtrain.supervisor.decide.policy import Action, Decision
@@ -49,10 +49,11 @@ class Standby(Feature):
         # A group stopped to take a waiting node in: the next round waits for that node.
         self.slot.after_growth = (seen.exit_code == rank_host.GROW_EXIT
                                   and nodes_taken_in(seen.stderr_tail) is not None)
-        # The survivors of a failure of warm ranks come back within a second of it: the next
-        # round's last call counts from it (standby/rank_rdzv.py). torchrun's agent takes its
-        # own time to end (it imported torch): a second from the join, as before.
-        self.slot.failed_at = failure_time(seen) if self.slot.hosted else None
+        # The survivors of a failure of warm ranks come back within a second of the moment their
+        # group broke: the next round's last call counts from it (standby/rank_rdzv.py).
+        # torchrun's agent takes its own time to end (it imported torch): a second from the
+        # join, as before.
+        self.slot.failed_at = group_broke_at(seen) if self.slot.hosted else None
         return {}
 
     def run_end(self, decision: Decision) -> None:

@@ -63,14 +63,17 @@ torch's default: nodes starting together arrive seconds apart; so does the relau
 group stopped to take a waiting node in (`short_last_call` False): its round waits for that
 node, which joins again (the stopped host may have served the rendezvous' store), maybe cold.
 
-The second counts from the failure, not from this host's join (`last_call_s`): the survivors'
-groups failed together, within milliseconds (their collectives broke), and a host joins only
-once its failed rank has ended, which takes a fraction of a second (a rank's way out), so a last
-call from the join would wait that long again for nothing. The first host of a round sets its
-deadline (torch's `_add_to_participants`), so the round completes a second after the failure,
-or at once when all MAX nodes are in."""
+The second counts from the moment the group broke, not from this host's join (`last_call_s`;
+the supervisor's decide/attempt.py `group_broke_at`): the survivors' ranks raised within
+milliseconds of each other as their collectives broke, and a host joins only once its failed
+rank has ended, which takes a fraction of a second (a rank's way out), so a last call from the
+join would wait that long again for nothing. A node whose own rank failed first (an error of
+its own, a signal, a hang stopped) counts from its exit instead: its ranks' end is what broke
+the others' collectives, and they come a way out later. The first host of a round sets its
+deadline (torch's `_add_to_participants`), so the round completes a second after the break, or
+at once when all MAX nodes are in."""
 RELAUNCH_LAST_CALL_MIN_S = 0.25
-"""The last call's least length, however late after the failure a host joins (a rank's slow way
+"""The last call's least length, however late after the break a host joins (a rank's slow way
 out): the other survivors, as late, may be a moment behind it."""
 
 
@@ -132,8 +135,8 @@ def handler_for(torchrun_args: list[str], short_last_call: bool = True,
                 failed_at: float | None = None) -> tuple[object, object]:
     """(torchrun's LaunchConfig, its rendezvous handler) for `torchrun_args`, parsed by
     torchrun's own parser and built as launch_agent builds it; over a range of nodes with the
-    relaunch's short last call (relaunch_conf), counted from `failed_at` (unix time) where
-    given, unless the arguments name one or `short_last_call` is False."""
+    relaunch's short last call (relaunch_conf), counted from `failed_at` (unix time: when the
+    group broke) where given, unless the arguments name one or `short_last_call` is False."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.run import config_from_args, parse_args
@@ -153,8 +156,8 @@ def handler_for(torchrun_args: list[str], short_last_call: bool = True,
 
 
 def last_call_s(failed_at: float, now: float) -> float:
-    """A relaunch's last call at `now`: what is left of RELAUNCH_LAST_CALL_S since the
-    failure at `failed_at`, at least RELAUNCH_LAST_CALL_MIN_S."""
+    """A relaunch's last call at `now`: what is left of RELAUNCH_LAST_CALL_S since the group
+    broke at `failed_at`, at least RELAUNCH_LAST_CALL_MIN_S."""
     left = min(float(RELAUNCH_LAST_CALL_S), failed_at + RELAUNCH_LAST_CALL_S - now)
     return max(RELAUNCH_LAST_CALL_MIN_S, left)
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from rtrain.worker import quick_exit, runtime
+from rtrain.worker import dist, quick_exit, runtime
 from rtrain.worker.saving import hang_save
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,8 @@ def watch(ckpt: Any) -> None:
     def hook(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
         # When the failure happened, for its cost: the way out (this save, the interpreter's
         # shutdown) is part of it.
-        runtime.heartbeat(event="exception", reason=tp.__name__)
+        runtime.heartbeat(event="exception", reason=tp.__name__,
+                          peer_lost=True if dist.peer_lost(exc) else None)
         # Ctrl-C means now: not even a save in flight is waited for (decide says the same).
         for c in list(_watched) if isinstance(exc, Exception) else []:
             try:
