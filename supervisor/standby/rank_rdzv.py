@@ -26,8 +26,8 @@ elastic/agent/server/api.py and local_elastic_agent.py):
 - three differences: a rendezvous found closed is joined again for a while (`join`), a node
   waiting for its round reads the rendezvous' state every tenth of a second, not every second,
   in a small group (nor from a copy a second old), nor waits a random time first
-  (`join_poll_s`, `_fresh_reads`), and over a range a
-  relaunch's last call is short and counts from the failure (`last_call_s`, `handler_for`).
+  (`join_poll_s`, `_fresh_reads`), and over a range a relaunch's last call is short and
+  counts from the moment the group broke (`last_call_s`, `handler_for`).
 """
 
 from __future__ import annotations
