@@ -321,7 +321,7 @@ def main() -> None:
                    help="also kill a rank of a group the standby forked (attempt 1): the "
                         "teardown of warm ranks, which keeping the survivors would save; with "
                         "--nodes or --nodes-elastic: lose node b in attempt 1 (both nodes warm) "
-                        "instead of attempt 0 (torchrun)")
+                        "instead of attempt 0 (torchrun); with --nodes-rank: kill rank 1 there")
     p.add_argument("--nodes", action="store_true",
                    help="a whole node lost in a two-node run on 127.0.0.1, a replacement "
                         "started at once")
