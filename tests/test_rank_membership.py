@@ -134,6 +134,28 @@ def test_a_relaunchs_last_call_counts_from_the_failure():
     assert last_call(_args(free_port(), "2"), failed_at=failed_at) == 30  # MAX ends it anyway
 
 
+@pytest.mark.slow
+def test_a_rank_whose_peer_went_away_reports_peer_lost_from_gloos_own_error():
+    """The real error gloo raises on a rank whose peer's process ended (its sockets closed, as
+    a SIGKILL or a lost node closes them) is read as a broken collective: the `peer_lost` the
+    last call counts from."""
+    import json
+    import subprocess
+    import sys
+
+    from harness import child_env
+
+    port = str(free_port())
+    probe = str(CHILDREN / "peer_lost_probe.py")
+    procs = [subprocess.Popen([sys.executable, probe, str(r), port], env=child_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    out, err = procs[0].communicate(timeout=120)
+    procs[1].communicate(timeout=30)
+    seen = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"stderr": err[-2000:]}
+    assert seen.get("peer_lost") is True, seen
+
+
 def test_a_waiting_node_reads_the_rendezvous_often_only_in_a_small_group():
     assert rank_rdzv.join_poll_s(2) == rank_rdzv.join_poll_s(rank_rdzv.POLL_NODES) == 0.1
     assert rank_rdzv.join_poll_s(50) == pytest.approx(0.5)

@@ -140,6 +140,9 @@ class Loop:
     def __init__(self, spec: LaunchSpec, seams: Seams, run_dir: Path) -> None:
         self.spec, self.seams, self.cfg, self.run_dir = spec, seams, spec.config, run_dir
         self.ckpt_dir = _ckpt_dir(self.cfg, run_dir)
+        # Each node of several fences its own writers only (checkpoint/generation.py).
+        self.node_key = (generation.node_key(socket.gethostname(), run_dir)
+                         if several_nodes(spec.command) else None)
         self.observers = Observers(echo=spec.echo, summary_every_s=self.cfg.summary_every_s,
                                    monotonic=seams.monotonic, say=seams.say)
         # The run so far, read once and kept current by each event this launch writes: a
@@ -286,10 +289,7 @@ class Loop:
         if self.script_owned:
             env.pop(protocol.ENV_GENERATION, None)  # its writers commit no rtrain checkpoint
         else:
-            # Each node of several fences its own writers only (checkpoint/generation.py).
-            node = (generation.node_key(socket.gethostname(), self.run_dir)
-                    if several_nodes(self.spec.command) else None)
-            child_env.fence_earlier_writers(env, self.ckpt_dir, self.say, node)
+            child_env.fence_earlier_writers(env, self.ckpt_dir, self.say, self.node_key)
         attempt.env = env
         self.hb.drain()  # stale heartbeats of the previous attempt
         level = self.record.state.history.level

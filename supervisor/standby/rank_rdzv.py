@@ -148,8 +148,7 @@ def handler_for(torchrun_args: list[str], short_last_call: bool = True,
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
         **conf)
-    ours = (short_last_call and config.min_nodes < config.max_nodes
-            and "last_call_timeout" not in config.rdzv_configs)
+    ours = "last_call_timeout" in conf and "last_call_timeout" not in config.rdzv_configs
     if not ours or failed_at is None or config.rdzv_backend != "c10d":
         return config, rdzv_registry.get_rendezvous_handler(params)
     return config, _c10d_handler(params, last_call_s(failed_at, time.time()))
@@ -267,9 +266,10 @@ def join(torchrun_args: list[str], short_last_call: bool = True,
     deadline = time.monotonic() + CLOSED_WAIT_S
     while True:
         config, handler = handler_for(torchrun_args, short_last_call, failed_at)
-        _fresh_reads(handler, join_poll_s(config.max_nodes))
+        every_s = join_poll_s(config.max_nodes)
+        _fresh_reads(handler, every_s)
         try:
-            with _polling(join_poll_s(config.max_nodes)):
+            with _polling(every_s):
                 info = handler.next_rendezvous()
             break
         except (RendezvousClosedError, RendezvousGracefulExitError, RendezvousConnectionError):
